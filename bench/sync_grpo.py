@@ -1,0 +1,128 @@
+"""In-process synchronous GRPO on the digits task: the reference learning curve.
+
+generate with the current policy -> rewards -> group advantages -> one PPO/Adam step -> repeat.
+Uses only policy/, tasks/ and trainer/grpo.py, so the distributed system learning slower than
+this points at the system, not the math. Defaults are the tuned hyper-parameters.
+
+    .venv/bin/python bench/sync_grpo.py --threads 1 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from policy import build_policy
+from policy.tokenizer import CharTokenizer
+from tasks.digits import DigitsPrompts, digits_reward
+from trainer.grpo import (
+    approx_kl,
+    build_batch,
+    group_advantages,
+    masked_mean,
+    ppo_clip_loss,
+)
+
+__all__ = ["main", "parse_args", "run"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=400, help="max steps (stops early at --target)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--target", type=float, default=0.9)
+    p.add_argument("--no-stop", action="store_true", help="keep going after the target")
+    p.add_argument("--min-digits", type=int, default=3)
+    p.add_argument("--max-digits", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    p.add_argument("--n", type=int, default=8, help="responses per prompt (rollout.n)")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=0, help="0: max_digits + 1")
+    p.add_argument("--clip-low", type=float, default=0.2)
+    p.add_argument("--clip-high", type=float, default=0.28)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--entropy-coef", type=float, default=0.0)
+    p.add_argument("--length-penalty", type=float, default=1.0, help="see digits_reward")
+    p.add_argument("--quiet", action="store_true", help="print every 10th step only")
+    p.add_argument("--show", type=int, default=0, help="print this many samples per report")
+    return p.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> int | None:
+    """Train; return the first step whose mean reward reached the target (None if never)."""
+    torch.set_num_threads(a.threads)
+    tok = CharTokenizer()
+    source = DigitsPrompts(seed=a.seed, min_digits=a.min_digits, max_digits=a.max_digits)
+    max_new = a.max_new_tokens or a.max_digits + 1
+    policy = build_policy(
+        {"kind": "tiny", "d_model": a.d_model, "n_layers": a.layers, "n_heads": a.heads,
+         "seed": a.seed},
+        device="auto",
+    )
+    opt = torch.optim.Adam(policy.parameters(), lr=a.lr)
+    reached: int | None = None
+    t0 = time.perf_counter()
+    for step in range(1, a.steps + 1):
+        prompts = [source.next() for _ in range(a.prompts)]
+        prompt_ids = [tok.encode(p.prompt, bos=True) for p in prompts for _ in range(a.n)]
+        gen = policy.generate(prompt_ids, max_new, a.temperature, seed=a.seed * 1_000_003 + step)
+        rewards = torch.tensor(
+            [digits_reward(tok.decode(r), prompts[i // a.n].answer, a.length_penalty)
+             for i, r in enumerate(gen.tokens)]
+        ).view(a.prompts, a.n)
+        adv = group_advantages(rewards).view(-1)
+        batch = build_batch(list(zip(prompt_ids, gen.tokens, gen.logprobs, strict=True)),
+                            pad_id=tok.pad_id, device=policy.device)
+
+        policy.train()
+        logp, entropy = policy.logprobs_and_entropy(
+            batch.input_ids, batch.attention_mask, batch.response_len, a.temperature
+        )
+        mask = batch.response_mask
+        loss, clipfrac = ppo_clip_loss(logp, batch.old_logprobs, adv.to(logp.device), mask,
+                                       a.clip_low, a.clip_high)
+        ent = masked_mean(entropy, mask)
+        opt.zero_grad(set_to_none=True)
+        (loss - a.entropy_coef * ent).backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), a.grad_clip)
+        opt.step()
+
+        r = rewards.mean().item()
+        exact = (rewards == 1.0).float().mean().item()
+        if reached is None and r >= a.target:
+            reached = step
+        if not a.quiet or step % 10 == 0 or step == 1 or reached == step:
+            kl = approx_kl(logp, batch.old_logprobs, mask).item()
+            print(f"step {step:4d}  reward {r:.3f}  exact {exact:.2f}  entropy {ent.item():.3f}"
+                  f"  clipfrac {clipfrac.item():.3f}  kl {kl:.1e}  gnorm {gnorm.item():.2f}"
+                  f"  t {time.perf_counter() - t0:6.1f}s", flush=True)
+            for i in range(0, min(a.show * a.n, len(gen.tokens)), a.n):
+                print(f"    {prompts[i // a.n].prompt}{tok.decode(gen.tokens[i])!r:8}"
+                      f" eos={gen.finished[i]} r={rewards.view(-1)[i].item():.2f}")
+        if reached is not None and not a.no_stop:
+            break
+    elapsed = time.perf_counter() - t0
+    if reached is None:
+        print(f"did not reach {a.target} in {a.steps} steps ({elapsed:.1f} s)")
+    else:
+        print(f"reached {a.target} at step {reached} after {elapsed:.1f} s")
+    return reached
+
+
+def main(argv: list[str] | None = None) -> int:
+    return 0 if run(parse_args(argv)) is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Errors raised by :mod:`bus`. Everything derives from :class:`BusError`.
+
+Callers catch the specific class they can act on (a :class:`GroupGone` is fatal for a consumer,
+a :class:`BusUnavailable` may be worth waiting out at a higher level) and let the rest bubble.
+No class here carries a password: URLs are always redacted before they reach a message.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+__all__ = [
+    "BlobCorrupt",
+    "BlobError",
+    "BlobNotFound",
+    "BusAuthError",
+    "BusError",
+    "BusUnavailable",
+    "GoneError",
+    "GroupGone",
+    "PortInUse",
+    "RedisBinaryNotFound",
+    "RedisStartError",
+    "StreamGone",
+    "redact_url",
+]
+
+
+class BusError(Exception):
+    """Base of every error raised by the bus package."""
+
+
+class BusUnavailable(BusError):
+    """Redis did not answer within the retry bound.
+
+    ``url`` is the redacted URL (no password), ``op`` the command that failed, ``attempts``
+    how many times it was tried.
+    """
+
+    def __init__(self, url: str, op: str, attempts: int, cause: BaseException | None) -> None:
+        detail = f"{type(cause).__name__}: {cause}" if cause is not None else "no answer"
+        super().__init__(
+            f"Redis at {url} is unavailable: {op} failed after {attempts} attempt(s) ({detail})"
+        )
+        self.url = url
+        self.op = op
+        self.attempts = attempts
+
+
+class BusAuthError(BusError):
+    """Redis refused our credentials (retrying cannot help)."""
+
+
+class GoneError(BusError):
+    """A stream or consumer group a consumer relies on no longer exists (NOGROUP)."""
+
+    def __init__(self, stream: str, group: str, message: str) -> None:
+        super().__init__(message)
+        self.stream = stream
+        self.group = group
+
+
+class StreamGone(GoneError):
+    """The stream was deleted while a consumer group was reading it."""
+
+    def __init__(self, stream: str, group: str) -> None:
+        super().__init__(
+            stream,
+            group,
+            f"stream {stream!r} no longer exists (consumer group {group!r} went with it); "
+            "it was deleted or never created: refusing to recreate it silently",
+        )
+
+
+class GroupGone(GoneError):
+    """The consumer group was destroyed (XGROUP DESTROY) while the stream still exists."""
+
+    def __init__(self, stream: str, group: str) -> None:
+        super().__init__(
+            stream,
+            group,
+            f"consumer group {group!r} of stream {stream!r} no longer exists "
+            "(destroyed with XGROUP DESTROY?): refusing to recreate it silently",
+        )
+
+
+class BlobError(BusError):
+    """Base of blob-store errors."""
+
+
+class BlobNotFound(BlobError):
+    """A blob reference points at nothing at all."""
+
+
+class BlobCorrupt(BlobError):
+    """A blob exists but a chunk is missing or its size/sha256 differ from the reference."""
+
+
+class RedisBinaryNotFound(BusError):
+    """No redis-server executable could be found."""
+
+
+class RedisStartError(BusError):
+    """redis-server exited or did not answer PING in time; the message has its log tail."""
+
+
+class PortInUse(BusError):
+    """The requested TCP port is already taken on 127.0.0.1."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for messages and logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
+    return urlunsplit(parts._replace(netloc=netloc))

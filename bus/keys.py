@@ -1,0 +1,62 @@
+"""Redis key names of a run. Every key of run RUN carries the hash tag ``{RUN}``, so a whole
+run lives in one Redis Cluster slot and MULTI/EXEC across its streams is allowed."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+__all__ = ["RUNS_STREAM", "RunKeys", "validate_run_id"]
+
+RUNS_STREAM = "rlbus:runs"
+"""One entry per run (discovery), written by the trainer."""
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def validate_run_id(run_id: str) -> str:
+    """Return ``run_id`` if it is a safe name (letters, digits, ``_.-``; it is also a folder)."""
+    if not _RUN_ID.match(run_id):
+        raise ValueError(
+            f"run id {run_id!r} must be 1-64 letters, digits, '_', '.' or '-', starting with "
+            "a letter or digit"
+        )
+    return run_id
+
+
+class RunKeys(msgspec.Struct, frozen=True):
+    """The stream and key names of one run."""
+
+    run_id: str
+
+    def __post_init__(self) -> None:
+        validate_run_id(self.run_id)
+
+    @property
+    def prefix(self) -> str:
+        return f"rlbus:{{{self.run_id}}}"
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}:events"
+
+    @property
+    def prompts(self) -> str:
+        return f"{self.prefix}:prompts"
+
+    @property
+    def samples(self) -> str:
+        return f"{self.prefix}:samples"
+
+    @property
+    def control(self) -> str:
+        return f"{self.prefix}:control"
+
+    @property
+    def dlq(self) -> str:
+        return f"{self.prefix}:dlq"
+
+    def blob(self, name: str) -> str:
+        """Key prefix of blob ``name`` (its chunks are ``...:0``, ``...:1``, ...)."""
+        return f"{self.prefix}:blob:{name}"

@@ -1,0 +1,432 @@
+"""Message schemas of a run: every entry of every stream is one of these Structs.
+
+All messages form one tagged union (the ``type`` tag is the class name) and are encoded with
+msgpack into a single stream field (:data:`FIELD`). Each carries a schema version ``v``.
+
+Rules for evolving the schema: add fields only at the end and with defaults; never reorder,
+rename or retype a field. A reader refuses a message whose ``v`` is newer than
+:data:`SCHEMA_VERSION` (it cannot know what the new fields mean).
+
+Token ids and log-probs travel as :class:`Array` (raw little-endian bytes plus dtype), never
+as lists: a 256-token response is 1 KiB of int32 instead of ~700 msgpack ints.
+
+>>> from bus.messages import StepStarted, encode, decode
+>>> decode(encode(StepStarted(step=1, param_version=0)))
+StepStarted(v=1, step=1, param_version=0, ts=...)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+__all__ = [
+    "FIELD",
+    "SCHEMA_VERSION",
+    "Array",
+    "BlobRef",
+    "CheckpointSaved",
+    "Command",
+    "ComponentFailed",
+    "DeadLetter",
+    "DecodeError",
+    "Event",
+    "Heartbeat",
+    "Message",
+    "ProfileRequest",
+    "ProfileRequestRefused",
+    "ProfileStarted",
+    "ProfileStopped",
+    "ProfilerFinished",
+    "ProfilerReady",
+    "PromptTicket",
+    "RolloutFailed",
+    "RunFinished",
+    "RunStarted",
+    "Sample",
+    "StartProfile",
+    "StepFinished",
+    "StepStarted",
+    "StopProfile",
+    "WarningRaised",
+    "WeightsPublished",
+    "decode",
+    "encode",
+]
+
+SCHEMA_VERSION = 1
+"""The newest schema version this code understands and writes."""
+
+FIELD = b"m"
+"""The single stream-entry field that holds the msgpack-encoded message."""
+
+Role = Literal["trainer", "rollouter"]
+ProfilerTool = Literal["torch", "torch_memory", "nsys"]
+
+
+def _now() -> float:
+    return time.time()
+
+
+class _Base(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=True):
+    """Common base: frozen records, keyword-only, tagged by class name."""
+
+    v: int = SCHEMA_VERSION
+
+
+# --------------------------------------------------------------------------- payload pieces
+
+
+class Array(msgspec.Struct, frozen=True, array_like=True):
+    """A 1-D numeric array as raw little-endian bytes plus its numpy dtype string.
+
+    ``Array.of(np.arange(4, dtype=np.int32))`` packs; ``.numpy()`` unpacks without a copy.
+    """
+
+    dtype: str
+    data: bytes
+
+    @classmethod
+    def of(cls, values: Any, dtype: str | None = None) -> Array:
+        """Pack a numpy array, torch tensor or sequence (converted to little-endian)."""
+        if hasattr(values, "detach"):  # torch.Tensor, without importing torch here
+            values = values.detach().cpu().numpy()
+        arr = np.asarray(values, dtype=dtype)
+        if arr.ndim != 1:
+            arr = arr.reshape(-1)
+        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        return cls(dtype=arr.dtype.str, data=arr.tobytes())
+
+    def numpy(self) -> np.ndarray:
+        """The values as a read-only numpy array (a view on ``data``)."""
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype))
+
+    def __len__(self) -> int:
+        return len(self.data) // np.dtype(self.dtype).itemsize
+
+
+class BlobRef(msgspec.Struct, frozen=True):
+    """A claim check: where a large payload lives, how big it is and its sha256 (hex).
+
+    ``store`` is ``"redis"`` (chunks under ``key``) or ``"dir"`` (a file named ``key`` under
+    the store's root directory, never an absolute path).
+    """
+
+    store: str
+    key: str
+    size: int
+    sha256: str
+    chunks: int = 0
+
+
+# --------------------------------------------------------------------------- run events
+
+
+class RunStarted(_Base, frozen=True):
+    """First event of a run (again on resume, with ``resumed=True``)."""
+
+    run_id: str
+    config: dict[str, Any]
+    ts: float = msgspec.field(default_factory=_now)
+    resumed: bool = False
+
+
+class StepStarted(_Base, frozen=True):
+    """Trainer step ``step`` (1-based) begins with weights ``param_version``."""
+
+    step: int
+    param_version: int
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class StepFinished(_Base, frozen=True):
+    """Trainer step ``step`` is done: the update with these samples is applied."""
+
+    step: int
+    sample_ids: list[str]
+    metrics: dict[str, float]
+    duration_s: float
+    param_version: int = 0
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class WeightsPublished(_Base, frozen=True):
+    """Weights ``version`` are readable at ``ref``; version 0 is the initial policy."""
+
+    version: int
+    ref: BlobRef
+    step: int = 0
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class CheckpointSaved(_Base, frozen=True):
+    """A checkpoint after ``step`` was written (atomically) at ``path``."""
+
+    step: int
+    path: str
+    param_version: int
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class ProfilerReady(_Base, frozen=True):
+    """The profiler service has sent every command due at step 1 (``session_ids``)."""
+
+    session_ids: list[str] = []
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class ProfileStarted(_Base, frozen=True):
+    """A component began profiling session ``session_id`` at ``step``."""
+
+    session_id: str
+    role: str
+    rank: int
+    step: int
+    tool: str
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class ProfileStopped(_Base, frozen=True):
+    """A component ended a session; ``path`` is relative to ``save_path/RUN``."""
+
+    session_id: str
+    role: str
+    rank: int
+    first_step: int
+    last_step: int
+    tool: str
+    path: str
+    bytes: int
+    duration_s: float
+    status: str = "ok"
+    top_ops: list[str] = []
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class ProfilerFinished(_Base, frozen=True):
+    """Every session of the run has ended; the manifest is complete and the hook has run."""
+
+    manifest_path: str
+    sessions: int
+    hook_rc: int | None = None
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class ProfileRequest(_Base, frozen=True):
+    """A runtime request (``rlbus profile``) to profile ``steps`` of a live run."""
+
+    request_id: str
+    steps: list[int] = []
+    next_steps: int = 0
+    roles: list[str] = msgspec.field(default_factory=lambda: ["trainer", "rollouter"])
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class ProfileRequestRefused(_Base, frozen=True):
+    """The profiler service refused request ``request_id``."""
+
+    request_id: str
+    reason: str
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class Heartbeat(_Base, frozen=True):
+    """A component is alive; ``state`` says what it is doing."""
+
+    role: str
+    rank: int
+    pid: int
+    state: str = "running"
+    ts: float = msgspec.field(default_factory=_now)
+    metrics: dict[str, float] = {}
+
+
+class RolloutFailed(_Base, frozen=True):
+    """Generating for ticket ``ticket_id`` failed; the ticket is retried or dead-lettered."""
+
+    ticket_id: str
+    rank: int
+    error: str
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class ComponentFailed(_Base, frozen=True):
+    """A component (or a peer it watches) failed; ``error`` names what and why."""
+
+    role: str
+    rank: int
+    error: str
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class WarningRaised(_Base, frozen=True):
+    """Something worth a user's attention that did not stop the run."""
+
+    source: str
+    code: str
+    message: str
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class RunFinished(_Base, frozen=True):
+    """Last event of a run."""
+
+    run_id: str
+    steps: int
+    status: str = "ok"
+    ts: float = msgspec.field(default_factory=_now)
+
+
+# --------------------------------------------------------------------------- work items
+
+
+class PromptTicket(_Base, frozen=True):
+    """The right to generate ``n`` responses for one prompt, issued within the staleness budget.
+
+    A rollouter must hold weights of at least ``min_version`` before it generates.
+    """
+
+    ticket_id: str
+    prompt_id: str
+    prompt: str
+    answer: str
+    n: int
+    min_version: int
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class Sample(_Base, frozen=True):
+    """One generated response (index ``index`` of ``n``) for ticket ``ticket_id``.
+
+    ``sample_id`` is deterministic (``f"{ticket_id}/{index}"``) so a redelivered sample is
+    recognised and trained at most once. ``min_version``/``max_version`` are the weight
+    versions used while generating (they differ only with partial rollout).
+    """
+
+    sample_id: str
+    ticket_id: str
+    prompt_id: str
+    index: int
+    n: int
+    prompt_tokens: Array
+    response_tokens: Array
+    logprobs: Array
+    reward: float
+    min_version: int
+    max_version: int
+    rank: int = 0
+    gen_time_s: float = 0.0
+    finish_reason: str = "length"
+    ts: float = msgspec.field(default_factory=_now)
+
+
+# --------------------------------------------------------------------------- control
+
+
+class StartProfile(_Base, frozen=True):
+    """Profile steps ``first_step..last_step`` (inclusive) on ``roles``; stop by yourself after.
+
+    ``ranks`` empty means every rank. Carries no path and no shell command: components derive
+    the trace path from their own ``global_profiler.save_path`` and ``session_id``.
+    """
+
+    session_id: str
+    roles: list[str]
+    tool: str
+    first_step: int
+    last_step: int
+    ranks: list[int] = []
+    contents: list[str] = []
+    request_id: str = ""
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class StopProfile(_Base, frozen=True):
+    """End session ``session_id`` now (at the next step boundary), before its last step."""
+
+    session_id: str
+    roles: list[str]
+    reason: str = ""
+    ts: float = msgspec.field(default_factory=_now)
+
+
+# --------------------------------------------------------------------------- dead letters
+
+
+class DeadLetter(_Base, frozen=True):
+    """An entry a consumer could not handle: where it came from, why, and its raw bytes."""
+
+    source_stream: str
+    entry_id: str
+    reason: str
+    raw: bytes
+    deliveries: int = 1
+    group: str = ""
+    consumer: str = ""
+    ts: float = msgspec.field(default_factory=_now)
+
+
+Event = (
+    RunStarted
+    | StepStarted
+    | StepFinished
+    | WeightsPublished
+    | CheckpointSaved
+    | ProfilerReady
+    | ProfileStarted
+    | ProfileStopped
+    | ProfilerFinished
+    | ProfileRequest
+    | ProfileRequestRefused
+    | Heartbeat
+    | RolloutFailed
+    | ComponentFailed
+    | WarningRaised
+    | RunFinished
+)
+"""Everything that goes to ``rlbus:{RUN}:events``."""
+
+Command = StartProfile | StopProfile
+"""Everything that goes to ``rlbus:{RUN}:control``."""
+
+Message = Event | Command | PromptTicket | Sample | DeadLetter
+"""Every message of every stream."""
+
+
+class DecodeError(ValueError):
+    """Bytes that are not a valid message of this schema; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """Encode one message to msgpack bytes."""
+    return _encoder.encode(msg)
+
+
+def decode(raw: bytes | bytearray | memoryview | None) -> Message:
+    """Decode msgpack bytes into a message; any problem raises :class:`DecodeError`."""
+    if raw is None:
+        raise DecodeError(f"entry has no field {FIELD.decode()!r}")
+    try:
+        msg = _decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise DecodeError(f"invalid message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise DecodeError(f"undecodable bytes: {exc}") from None
+    if msg.v > SCHEMA_VERSION:
+        raise DecodeError(
+            f"{type(msg).__name__} has schema version {msg.v}, newer than {SCHEMA_VERSION}"
+        )
+    if msg.v < 1:
+        raise DecodeError(f"{type(msg).__name__} has invalid schema version {msg.v}")
+    return msg

@@ -1,0 +1,230 @@
+"""The policy boundary: what the trainer and the rollouter may ask of a language model.
+
+Two implementations: `policy.model.TinyGPT` (a small transformer for the built-in tasks) and
+`policy.hf.HFPolicy` (any Hugging Face causal LM from a local directory). Both are
+`torch.nn.Module`s, so `parameters()`, `to()`, `train()` and `eval()` come from torch.
+
+Batch layout shared by generation and training: each row is a prompt left-padded to a common
+width followed by its response right-padded to a common width, with an attention mask marking
+real tokens. Position ids are derived from the mask (cumsum - 1), so padding never shifts a
+token's position and the rollout log-probs match the trainer's recomputation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, Self, runtime_checkable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "Generation",
+    "Policy",
+    "StepFn",
+    "build_policy",
+    "decode_loop",
+    "left_pad",
+    "logprobs_from_logits",
+    "make_generator",
+    "positions_from_mask",
+    "resolve_device",
+]
+
+
+@dataclass
+class Generation:
+    """Result of `Policy.generate`, one entry per prompt, in prompt order."""
+
+    tokens: list[list[int]]  # response token ids; ends with eos when eos was sampled
+    logprobs: list[np.ndarray]  # float32, log-prob of each response token when sampled
+    finished: list[bool]  # True when eos ended the response, False when max_new_tokens did
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What components use. Implementations are `torch.nn.Module`s."""
+
+    pad_id: int
+    eos_id: int | None
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        eos_id: int | None = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Generation:
+        """Sample one response per prompt. temperature <= 0 means greedy."""
+        ...
+
+    def logprobs_and_entropy(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_len: int,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Differentiable log-probs and entropies [B, response_len] of the last
+        `response_len` columns of `input_ids` [B, T], each given the columns before it."""
+        ...
+
+    def state_bytes(self) -> bytes: ...
+
+    def load_bytes(self, blob: bytes) -> None: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
+
+    def to(self, *args: Any, **kwargs: Any) -> Self: ...
+
+    def train(self, mode: bool = True) -> Self: ...
+
+    def eval(self) -> Self: ...
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """'auto' means CUDA when present, else CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def left_pad(
+    seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to one width: (ids [B, W] long, mask [B, W] long)."""
+    width = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, width - len(s):] = torch.as_tensor(np.asarray(s, dtype=np.int64))
+            mask[i, width - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each real token within its own (unpadded) sequence; pads get 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of `targets` and entropy under softmax(logits / temperature), in float32.
+
+    Rollout and training must both call this with the same temperature, otherwise the
+    rollout log-probs are not the old log-probs of the PPO ratio.
+    """
+    logp_all = F.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), -1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+# step(new_ids [B, T], full_mask [B, past + T], cache | None) -> (logits [B, T, V], cache)
+StepFn = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]]
+
+
+@torch.inference_mode()
+def decode_loop(
+    step: StepFn,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float,
+    eos_id: int | None,
+    pad_id: int,
+    device: torch.device,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Batched sampling with a KV cache, shared by every Policy implementation."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (e.g. bos)")
+    if not prompts or max_new_tokens <= 0:
+        n = len(prompts)
+        return Generation([[] for _ in range(n)], [np.zeros(0, np.float32)] * n, [False] * n)
+    ids, mask = left_pad(prompts, pad_id, device)
+    logits, cache = step(ids, mask, None)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    toks, logps, alive = [], [], []
+    for t in range(max_new_tokens):
+        last = logits[:, -1].float()
+        if temperature > 0:
+            probs = torch.softmax(last / temperature, -1)
+            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        else:
+            tok = last.argmax(-1)
+        logp, _ = logprobs_from_logits(last, tok, temperature)
+        alive.append(~done)
+        toks.append(tok)
+        logps.append(logp)
+        if eos_id is not None:
+            done = done | (tok == eos_id)
+        if t == max_new_tokens - 1 or bool(done.all()):
+            break
+        # Finished rows keep decoding (their tokens are dropped below): simpler than
+        # shrinking the batch and the cache, and cheap at these sizes.
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        logits, cache = step(tok[:, None], mask, cache)
+    tok_m = torch.stack(toks, 1).cpu()
+    logp_m = torch.stack(logps, 1).cpu().numpy().astype(np.float32)
+    lens = torch.stack(alive, 1).sum(1).cpu().tolist()
+    tokens = [tok_m[i, :n].tolist() for i, n in enumerate(lens)]
+    return Generation(
+        tokens=tokens,
+        logprobs=[logp_m[i, :n].copy() for i, n in enumerate(lens)],
+        finished=[eos_id is not None and bool(t) and t[-1] == eos_id for t in tokens],
+    )
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def build_policy(cfg: Any = None, device: str | torch.device = "auto") -> Policy:
+    """Policy from a config mapping or struct: kind 'tiny' (default) or 'hf' with `path`.
+
+    tiny keys: vocab_size (default: the char tokenizer's), d_model, n_layers, n_heads,
+    max_len, dropout, seed (weight init; the global RNG is left untouched).
+    hf keys: path (a local directory), dtype ('float32' default, 'bfloat16', 'auto').
+    """
+    cfg = {} if cfg is None else cfg
+    kind = _get(cfg, "kind", "tiny") or "tiny"
+    dev = resolve_device(device)
+    if kind == "tiny":
+        from policy.model import TinyConfig, TinyGPT
+        from policy.tokenizer import CharTokenizer
+
+        defaults = TinyConfig(vocab_size=CharTokenizer().vocab_size)
+        fields = {
+            k: getattr(defaults, k) if (v := _get(cfg, k)) is None else v
+            for k in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len", "dropout")
+        }
+        seed = _get(cfg, "seed", 0)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0 if seed is None else int(seed))
+            model = TinyGPT(TinyConfig(**fields))
+        return model.to(dev)
+    if kind == "hf":
+        from policy.hf import HFPolicy
+
+        path = _get(cfg, "path", None)
+        if not path:
+            raise ValueError("policy.kind 'hf' needs policy.path (a local model directory)")
+        return HFPolicy.from_pretrained(path, device=dev, dtype=_get(cfg, "dtype", None))
+    raise ValueError(f"unknown policy kind {kind!r} (expected 'tiny' or 'hf')")

@@ -1,0 +1,487 @@
+"""The profiler service's decision core: pure functions of the config and the run's log.
+
+Nothing here does I/O, reads the clock or keeps state between calls. :func:`decide` is given
+*everything* seen so far on the run's events and control streams (the service's own earlier
+output included) and returns only what is still missing. That one rule buys three properties:
+
+* start order does not matter: a service that starts after the trainer reads the log from its
+  beginning and computes the same commands as one that was waiting for ``RunStarted``;
+* restarts never duplicate: what was already published is in the log, so it is not returned;
+* replay is deterministic: the same log gives the same output, timestamps included (every
+  returned message takes the timestamp of the entry that caused it; the service restamps it
+  when it publishes).
+
+Steps are 1-based. A trainer step K is the K-th update; a rollouter step K is the window in
+which it generates with weights version K-1. A :class:`~bus.messages.StartProfile` names the
+first *and* last step of its session, so all scheduled commands can go out at ``RunStarted``:
+the components arm them and start at the step boundary, which means the service can never be
+late for a step, step 1 included.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from bus.messages import (
+    Command,
+    Event,
+    ProfileRequest,
+    ProfileRequestRefused,
+    ProfilerFinished,
+    ProfilerReady,
+    ProfileStopped,
+    RunFinished,
+    RunStarted,
+    StartProfile,
+    StepStarted,
+    WarningRaised,
+)
+from runconfig.schema import ProfilerConfig
+
+__all__ = [
+    "MANIFEST_NAME",
+    "MAX_LABEL_LEN",
+    "MAX_REQUEST_ID_LEN",
+    "MAX_REQUEST_STEPS",
+    "PROFILER_SOURCE",
+    "ROLES",
+    "SESSIONS_MISSING_CODE",
+    "RunView",
+    "Target",
+    "decide",
+    "expected_ranks",
+    "expected_targets",
+    "fold_log",
+    "is_safe_label",
+    "outstanding_targets",
+    "plan_sessions",
+    "safe_label",
+    "session_id_for",
+    "sessions_overlap",
+    "step_runs",
+]
+
+ROLES: tuple[str, ...] = ("trainer", "rollouter")
+"""The roles a session can target."""
+
+MAX_LABEL_LEN = 64
+"""Longest session id (it becomes part of a trace file name on every component)."""
+
+MAX_REQUEST_ID_LEN = 40
+"""Longest accepted request id, so ``r{request_id}-s{first}-{last}`` stays a short label."""
+
+MAX_REQUEST_STEPS = 1000
+"""Most steps one runtime request may cover (a trace of more would be unreadable anyway)."""
+
+MANIFEST_NAME = "manifest.json"
+"""File name of the manifest inside ``save_path/RUN``."""
+
+PROFILER_SOURCE = "profiler"
+"""``source`` of the WarningRaised events the profiler service publishes (and its role)."""
+
+SESSIONS_MISSING_CODE = "profile_sessions_missing"
+"""WarningRaised code the service publishes when, after RunFinished, it gave up waiting for
+the last ProfileStopped events. Once it is in the log, :func:`decide` finishes the run."""
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+Target = tuple[str, int]
+"""One profiled process: ``(role, rank)``."""
+
+
+# --------------------------------------------------------------------------- labels
+
+
+def safe_label(text: str, max_len: int = MAX_LABEL_LEN) -> str:
+    """``text`` reduced to ``[A-Za-z0-9_.-]`` (others become ``_``), at most ``max_len`` long.
+
+    Never empty and never starting with ``.`` or ``-`` (so it cannot read as a hidden file or
+    a command-line option).
+    """
+    cleaned = _UNSAFE.sub("_", text)[:max_len].lstrip(".-")
+    return cleaned or "_"
+
+
+def is_safe_label(text: str, max_len: int = MAX_LABEL_LEN) -> bool:
+    """Whether ``text`` is already a safe label no longer than ``max_len``."""
+    return 0 < len(text) <= max_len and bool(_SAFE.match(text))
+
+
+def session_id_for(first_step: int, last_step: int, request_id: str = "") -> str:
+    """Deterministic session id: ``s{first}-{last}``, or ``r{request_id}-s{first}-{last}``.
+
+    The two namespaces cannot collide (``s`` vs ``r`` prefix), and scheduled steps never
+    repeat, so ids are unique within a run.
+    """
+    base = f"s{first_step}-{last_step}"
+    if not request_id:
+        return base
+    return safe_label(f"r{request_id}-{base}")
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def step_runs(steps: Iterable[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive steps, as inclusive ``(first, last)`` pairs, ascending.
+
+    >>> step_runs([5, 1, 2, 3, 7])
+    [(1, 3), (5, 5), (7, 7)]
+    """
+    runs: list[tuple[int, int]] = []
+    for step in sorted(set(steps)):
+        if runs and step == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], step)
+        else:
+            runs.append((step, step))
+    return runs
+
+
+def expected_ranks(role: str, replicas: int, ranks: Sequence[int] = ()) -> list[int]:
+    """Ranks of ``role`` that profile a session: trainer 0, rollouter ``0..replicas-1``,
+    kept only if listed in ``ranks`` (empty = every rank)."""
+    if role == "trainer":
+        all_ranks = [0]
+    elif role == "rollouter":
+        all_ranks = list(range(max(1, replicas)))
+    else:
+        return []
+    return [r for r in all_ranks if not ranks or r in ranks]
+
+
+def expected_targets(
+    roles: Sequence[str], replicas: int, ranks: Sequence[int] = ()
+) -> list[Target]:
+    """Every ``(role, rank)`` that is expected to profile a session on ``roles``."""
+    return [(role, rank) for role in roles for rank in expected_ranks(role, replicas, ranks)]
+
+
+def _profiled_roles(roles: Iterable[str], replicas: int, ranks: Sequence[int]) -> list[str]:
+    """``roles`` de-duplicated, in order, keeping only roles that have a rank to profile."""
+    kept: list[str] = []
+    for role in roles:
+        if role in ROLES and role not in kept and expected_ranks(role, replicas, ranks):
+            kept.append(role)
+    return kept
+
+
+def plan_sessions(
+    cfg: ProfilerConfig,
+    replicas: int,
+    total_steps: int | None = None,
+    ts: float = 0.0,
+) -> list[StartProfile]:
+    """The sessions scheduled by ``global_profiler.*``, ascending by step.
+
+    Continuous mode (``profile_continuous_steps``): each maximal run of consecutive steps is
+    one session. Discrete mode: one session per step. One command targets every configured
+    role, so each step is covered by exactly one session per role. Steps past
+    ``total_steps`` (the run's ``trainer.total_training_steps``) are left out: they never
+    happen. ``tool`` null plans nothing.
+    """
+    if cfg.tool is None:
+        return []
+    roles = _profiled_roles(cfg.roles, replicas, cfg.ranks)
+    if not roles:
+        return []
+    steps = [s for s in cfg.steps if s >= 1 and (total_steps is None or s <= total_steps)]
+    if cfg.profile_continuous_steps:
+        spans = step_runs(steps)
+    else:
+        spans = [(s, s) for s in sorted(set(steps))]
+    return [
+        StartProfile(
+            session_id=session_id_for(first, last),
+            roles=list(roles),
+            tool=cfg.tool,
+            first_step=first,
+            last_step=last,
+            ranks=list(cfg.ranks),
+            contents=list(cfg.contents),
+            ts=ts,
+        )
+        for first, last in spans
+    ]
+
+
+def sessions_overlap(a: StartProfile, b: StartProfile) -> bool:
+    """Whether two sessions share a role and at least one step."""
+    shares_role = any(role in b.roles for role in a.roles)
+    return shares_role and a.first_step <= b.last_step and b.first_step <= a.last_step
+
+
+# --------------------------------------------------------------------------- the log, folded
+
+
+class RunView(msgspec.Struct, kw_only=True):
+    """What the log says so far, as far as the profiler service is concerned."""
+
+    run_started: RunStarted | None = None
+    """The latest RunStarted (a resumed run publishes it again)."""
+    ready_since_run_started: bool = False
+    """A ProfilerReady follows the latest RunStarted."""
+    run_finished: RunFinished | None = None
+    """A RunFinished that follows the latest RunStarted."""
+    gave_up_waiting: bool = False
+    """A SESSIONS_MISSING_CODE warning follows that RunFinished."""
+    profiler_finished: bool = False
+    last_started_step: int = 0
+    """Highest trainer StepStarted seen (0 before step 1)."""
+    sent: dict[str, StartProfile] = msgspec.field(default_factory=dict)
+    """StartProfile commands already in the control stream, by session id (first wins)."""
+    answers: dict[str, StartProfile | ProfileRequestRefused] = msgspec.field(
+        default_factory=dict
+    )
+    """Answers already published, by request id (first wins)."""
+    requests: list[ProfileRequest] = msgspec.field(default_factory=list)
+    """Runtime requests in log order, first occurrence of each request id only."""
+    stopped: set[tuple[str, str, int]] = msgspec.field(default_factory=set)
+    """``(session_id, role, rank)`` of every ProfileStopped."""
+
+    @property
+    def total_steps(self) -> int | None:
+        """``trainer.total_training_steps`` of the run's config, when it says."""
+        return _config_int(self.run_started, "trainer", "total_training_steps")
+
+    @property
+    def replicas(self) -> int:
+        """``rollout.replicas`` of the run's config (1 when it does not say)."""
+        return _config_int(self.run_started, "rollout", "replicas") or 1
+
+
+def _config_int(run_started: RunStarted | None, section: str, key: str) -> int | None:
+    if run_started is None:
+        return None
+    node: Any = run_started.config.get(section) if isinstance(run_started.config, dict) else None
+    value = node.get(key) if isinstance(node, dict) else None
+    # bool is an int subclass; a config that says `true` here is not a count.
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return None
+
+
+def fold_log(seen: Sequence[Event | Command]) -> RunView:
+    """Fold the events and control entries seen so far into a :class:`RunView`.
+
+    Only the relative order of *events* matters (RunStarted vs ProfilerReady/RunFinished);
+    commands are matched by id wherever they appear, so the caller may merge the two streams
+    in any order.
+    """
+    view = RunView()
+    seen_request_ids: set[str] = set()
+    for msg in seen:
+        match msg:
+            case RunStarted():
+                view.run_started = msg
+                view.ready_since_run_started = False
+                view.run_finished = None
+                view.gave_up_waiting = False
+            case ProfilerReady():
+                view.ready_since_run_started = view.run_started is not None
+            case RunFinished():
+                if view.run_started is not None:
+                    view.run_finished = msg
+                    view.gave_up_waiting = False
+            case WarningRaised(source=source, code=code):
+                if (
+                    source == PROFILER_SOURCE
+                    and code == SESSIONS_MISSING_CODE
+                    and view.run_finished is not None
+                ):
+                    view.gave_up_waiting = True
+            case ProfilerFinished():
+                view.profiler_finished = True
+            case StepStarted():
+                view.last_started_step = max(view.last_started_step, msg.step)
+            case StartProfile():
+                view.sent.setdefault(msg.session_id, msg)
+                if msg.request_id:
+                    view.answers.setdefault(msg.request_id, msg)
+            case ProfileRequestRefused():
+                view.answers.setdefault(msg.request_id, msg)
+            case ProfileRequest():
+                if msg.request_id not in seen_request_ids:
+                    seen_request_ids.add(msg.request_id)
+                    view.requests.append(msg)
+            case ProfileStopped():
+                view.stopped.add((msg.session_id, msg.role, msg.rank))
+            case _:
+                pass
+    return view
+
+
+def outstanding_targets(
+    view: RunView, scheduled: Iterable[StartProfile] | None = None
+) -> list[tuple[str, str, int]]:
+    """``(session_id, role, rank)`` still expected to stop, for a finished run.
+
+    A session whose first step is past the run's last step never started and is not waited
+    for. Before RunFinished everything unstopped is outstanding.
+    """
+    sessions = list(view.sent.values()) if scheduled is None else list(scheduled)
+    last_step = view.run_finished.steps if view.run_finished is not None else None
+    missing: list[tuple[str, str, int]] = []
+    for session in sessions:
+        if last_step is not None and session.first_step > last_step:
+            continue
+        for role, rank in expected_targets(session.roles, view.replicas, session.ranks):
+            if (session.session_id, role, rank) not in view.stopped:
+                missing.append((session.session_id, role, rank))
+    return missing
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+def _refuse(req: ProfileRequest, reason: str) -> ProfileRequestRefused:
+    return ProfileRequestRefused(request_id=req.request_id, reason=reason, ts=req.ts)
+
+
+def _answer_request(
+    cfg: ProfilerConfig,
+    view: RunView,
+    req: ProfileRequest,
+    scheduled: list[StartProfile],
+) -> StartProfile | ProfileRequestRefused:
+    """Validate one runtime request against the log and the sessions scheduled so far."""
+    if cfg.tool is None:
+        return _refuse(
+            req, "profiling is off: global_profiler.tool is null in the profiler service config"
+        )
+    if not is_safe_label(req.request_id, MAX_REQUEST_ID_LEN):
+        return _refuse(
+            req,
+            f"request id must be 1-{MAX_REQUEST_ID_LEN} letters, digits, '_', '.' or '-'",
+        )
+    if view.run_finished is not None:
+        return _refuse(req, f"the run has finished (after step {view.run_finished.steps})")
+    unknown = [r for r in req.roles if r not in ROLES]
+    if unknown or not req.roles:
+        return _refuse(req, f"roles must be a non-empty subset of {list(ROLES)}, got {req.roles}")
+    roles = _profiled_roles(req.roles, view.replicas, cfg.ranks)
+    if not roles:
+        return _refuse(
+            req, f"no rank of roles {req.roles} is selected by global_profiler.ranks={cfg.ranks}"
+        )
+    last = view.last_started_step
+    if req.steps and req.next_steps:
+        return _refuse(req, "give either steps or next_steps, not both")
+    if req.next_steps < 0:
+        return _refuse(req, f"next_steps must be >= 1, got {req.next_steps}")
+    # Bound the size before building any list: a message could ask for 10**12 steps.
+    if req.next_steps > MAX_REQUEST_STEPS or len(req.steps) > MAX_REQUEST_STEPS:
+        return _refuse(req, f"a request may cover at most {MAX_REQUEST_STEPS} steps")
+    if req.next_steps:
+        steps = list(range(last + 1, last + 1 + req.next_steps))
+    else:
+        steps = sorted(set(req.steps))
+    if not steps:
+        return _refuse(req, "the request names no step")
+    if steps[0] < 1:
+        return _refuse(req, f"steps are 1-based, got {steps[0]}")
+    if steps[-1] - steps[0] + 1 != len(steps):
+        return _refuse(req, f"steps {steps} are not consecutive; one request is one session")
+    first, final = steps[0], steps[-1]
+    if first <= last:
+        return _refuse(
+            req,
+            f"step {first} is not in the future: trainer step {last} has already started, "
+            f"so the earliest step a request can profile is {last + 1}",
+        )
+    total = view.total_steps
+    if total is not None and final > total:
+        return _refuse(
+            req, f"step {final} is past the run's last step (trainer.total_training_steps={total})"
+        )
+    candidate = StartProfile(
+        session_id=session_id_for(first, final, req.request_id),
+        roles=roles,
+        tool=cfg.tool,
+        first_step=first,
+        last_step=final,
+        ranks=list(cfg.ranks),
+        contents=list(cfg.contents),
+        request_id=req.request_id,
+        ts=req.ts,
+    )
+    for other in scheduled:
+        if sessions_overlap(candidate, other):
+            shared = [r for r in candidate.roles if r in other.roles]
+            return _refuse(
+                req,
+                f"steps {first}-{final} overlap session {other.session_id} "
+                f"(steps {other.first_step}-{other.last_step}) on {', '.join(shared)}",
+            )
+    return candidate
+
+
+def decide(cfg: ProfilerConfig, seen: Sequence[Event | Command]) -> list[Command | Event]:
+    """What the service must publish now, given everything seen so far (in log order).
+
+    Returned in publishing order: commands go to the control stream, events to the events
+    stream, one after the other, so a reader that sees ProfilerReady already finds every
+    command before it.
+
+    * Latest RunStarted: every scheduled StartProfile not yet sent, then ProfilerReady (one
+      per RunStarted, so a resumed trainer that waits for it gets one too). Neither once the
+      run has finished: nobody is left to arm them.
+    * Each ProfileRequest not yet answered: a StartProfile with its ``request_id``, or a
+      ProfileRequestRefused with the reason. Answered only once the run has started (a
+      request read before RunStarted waits for it), except that ``tool`` null refuses at once.
+    * RunFinished, when every session that could have run has a ProfileStopped for every
+      expected ``(role, rank)`` (or the service gave up waiting, see
+      :data:`SESSIONS_MISSING_CODE`): ProfilerFinished, once per log. Its ``manifest_path``
+      is :data:`MANIFEST_NAME` (relative) and ``hook_rc`` None: the service fills both in.
+
+    ``tool`` null: no command at all, only refusals.
+    """
+    view = fold_log(seen)
+    out: list[Command | Event] = []
+    if cfg.tool is None:
+        for req in view.requests:
+            if req.request_id not in view.answers:
+                out.append(_answer_request(cfg, view, req, []))
+        return out
+    started = view.run_started
+    if started is None:
+        return out
+
+    scheduled: list[StartProfile] = list(view.sent.values())
+    planned_ids: list[str] = []
+    for session in plan_sessions(cfg, view.replicas, view.total_steps, ts=started.ts):
+        if session.session_id in view.sent:
+            planned_ids.append(session.session_id)
+            continue
+        if view.run_finished is not None:
+            continue  # a service that starts after the run ended: nobody is left to arm it
+        # A restart with a changed config must not add sessions over ones already armed.
+        if any(sessions_overlap(session, other) for other in scheduled):
+            continue
+        out.append(session)
+        scheduled.append(session)
+        planned_ids.append(session.session_id)
+    if not view.ready_since_run_started and view.run_finished is None:
+        out.append(ProfilerReady(session_ids=planned_ids, ts=started.ts))
+
+    for req in view.requests:
+        if req.request_id in view.answers:
+            continue
+        answer = _answer_request(cfg, view, req, scheduled)
+        out.append(answer)
+        if isinstance(answer, StartProfile):
+            scheduled.append(answer)
+
+    finished = view.run_finished
+    if finished is not None and not view.profiler_finished:
+        if view.gave_up_waiting or not outstanding_targets(view, scheduled):
+            out.append(
+                ProfilerFinished(
+                    manifest_path=MANIFEST_NAME, sessions=len(scheduled), ts=finished.ts
+                )
+            )
+    return out

@@ -1,0 +1,347 @@
+"""The rollouter process: claims prompt tickets, generates with the weights it holds, publishes
+samples tagged with the weight versions used, then acks the tickets.
+
+Start-up is ordered so that profiling commands for step 1 always precede step 1: the
+rollouter waits until weights version 0 are published (the trainer publishes them only after
+the profiler service said ProfilerReady, or the handshake timed out), reads the control stream,
+and only then begins its step 1 (= the window in which it generates with weights version 0).
+
+Rollouter step ``K`` is the window in which it generates with weights version ``K - 1``.
+New weights are loaded between batches, or between chunks of tokens when
+``async_training.partial_rollout`` is on (then a sample's min and max versions differ).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from bus import Bus, Consumer, RunKeys
+from bus.blobs import open_store
+from bus.messages import (
+    Array,
+    ComponentFailed,
+    Event,
+    Heartbeat,
+    PromptTicket,
+    RolloutFailed,
+    RunFinished,
+    Sample,
+    StartProfile,
+    StopProfile,
+    WeightsPublished,
+)
+from policy import build_policy, resolve_device
+from profiling import create_agent
+from policy.tokenizer import CharTokenizer
+from runconfig import Config, load_or_exit
+from tasks.reward import load_reward_fn
+
+__all__ = ["Rollouter", "TrainerGone", "main"]
+
+GROUP = "rollouter"
+
+
+class TrainerGone(RuntimeError):
+    """The trainer never appeared or went silent; the message says which and for how long."""
+
+
+class _Seq(msgspec.Struct):
+    """One response being generated (possibly across weight versions)."""
+
+    ticket: PromptTicket
+    index: int
+    prompt: list[int]
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    finished: bool = False
+    min_version: int = -1
+    max_version: int = -1
+
+
+class Rollouter:
+    """One rollouter replica (``rollout.rank``); :meth:`run` returns the exit code."""
+
+    def __init__(self, cfg: Config, bus: Bus) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.rank = cfg.rollout.rank
+        self.run_id = cfg.run.id or ""
+        self.keys = RunKeys(self.run_id)
+        self.consumer = Consumer(
+            bus, self.keys.prompts, GROUP, f"rollouter-{self.rank}", dlq_stream=self.keys.dlq
+        )
+        self.device = resolve_device(cfg.rollout.device)
+        self.tokenizer = CharTokenizer()
+        self.reward_fn = load_reward_fn(cfg.task.reward_fn)
+        self.version = -1
+        self.newest: WeightsPublished | None = None
+        self.finished = False
+        self.events_last = "0"
+        self.control_last = "0"
+        self.trainer_seen_at: float | None = None
+        self.started = time.monotonic()
+        self.agent: Any = None
+        self.busy_s = 0.0
+        self.window_start = time.monotonic()
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(cfg.rollout.seed * 1000 + self.rank)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _build(self) -> None:
+        torch.set_num_threads(self.cfg.rollout.threads)
+        self.policy = build_policy(msgspec.to_builtins(self.cfg.model), self.device)
+        self.policy.eval()
+        # None when profiling is off: then no profiler object exists at all.
+        self.agent = create_agent(self.cfg, "rollouter", self.rank, str(self.device))
+
+    async def _publish(self, *events: Event) -> None:
+        if events:
+            await self.bus.publish_many(self.keys.events, list(events))
+
+    async def _poll_events(self, block_ms: int | None = None) -> None:
+        """Read new run events: weights, the end of the run, the trainer's heartbeats."""
+        entries, self.events_last = await self.bus.read_after(
+            self.keys.events, self.events_last, count=1000, block_ms=block_ms
+        )
+        for _, msg in entries:
+            match msg:
+                case WeightsPublished() if self.newest is None or msg.version > self.newest.version:
+                    self.newest = msg
+                    self.trainer_seen_at = time.monotonic()
+                case RunFinished():
+                    self.finished = True
+                case Heartbeat(role="trainer"):
+                    self.trainer_seen_at = time.monotonic()
+
+    async def _apply_commands(self) -> None:
+        if self.agent is None:
+            return
+        entries, self.control_last = await self.bus.read_after(
+            self.keys.control, self.control_last, count=1000
+        )
+        for _, msg in entries:
+            if isinstance(msg, StartProfile | StopProfile):
+                await self._publish(*self.agent.on_command(msg))
+
+    def _check_trainer(self) -> None:
+        timeout = self.cfg.heartbeat.timeout_s
+        if self.trainer_seen_at is None:
+            waited = time.monotonic() - self.started
+            if waited > timeout:
+                raise TrainerGone(
+                    f"no trainer: no weights and no trainer heartbeat for run {self.run_id!r} "
+                    f"in {waited:.0f} s (heartbeat.timeout_s={timeout}); is the trainer running?"
+                )
+        elif time.monotonic() - self.trainer_seen_at > timeout:
+            raise TrainerGone(
+                f"trainer is silent: no heartbeat for {time.monotonic() - self.trainer_seen_at:.0f}"
+                f" s (heartbeat.timeout_s={timeout})"
+            )
+
+    async def _swap_weights(self) -> None:
+        """Load the newest published weights if newer than ours (a step boundary)."""
+        newest = self.newest
+        if newest is None or newest.version <= self.version:
+            return
+        store = open_store(newest.ref.store, bus=self.bus, run_keys=self.keys,
+                           root=Path(self.cfg.run.output_dir) / self.run_id / "blobs")
+        blob = await store.get(newest.ref)
+        await asyncio.to_thread(self.policy.load_bytes, blob)
+        old = self.version
+        self.version = newest.version
+        if self.agent is not None:
+            if old >= 0:
+                await self._publish(*self.agent.step_end(old + 1))
+            await self._apply_commands()
+            await self._publish(*self.agent.step_begin(self.version + 1))
+
+    async def _heartbeat(self) -> None:
+        while True:
+            now = time.monotonic()
+            window = max(1e-6, now - self.window_start)
+            idle = max(0.0, 1.0 - self.busy_s / window)
+            self.busy_s, self.window_start = 0.0, now
+            await self._publish(Heartbeat(
+                role="rollouter", rank=self.rank, pid=os.getpid(),
+                state=f"weights v{self.version}",
+                metrics={"rollouter/idle_ratio": idle, "rollouter/version": float(self.version)},
+            ))
+            await asyncio.sleep(self.cfg.heartbeat.interval_s)
+
+    # ------------------------------------------------------------------ generation
+
+    def _generate(self, seqs: list[_Seq], max_tokens: int) -> None:
+        """Extend every unfinished sequence by up to ``max_tokens`` with the current weights."""
+        rc = self.cfg.rollout
+        live = [s for s in seqs if not s.finished]
+        if not live:
+            return
+        out = self.policy.generate(
+            [s.prompt + s.tokens for s in live], max_new_tokens=max_tokens,
+            temperature=rc.temperature, eos_id=self.tokenizer.eos_id, generator=self.generator,
+        )
+        for s, toks, logps, done in zip(live, out.tokens, out.logprobs, out.finished,
+                                        strict=True):
+            s.tokens.extend(toks)
+            s.logprobs.extend(float(x) for x in logps)
+            s.finished = done or len(s.tokens) >= rc.max_new_tokens
+            if s.min_version < 0:
+                s.min_version = self.version
+            s.max_version = self.version
+
+    async def _in_worker(self, fn: Any, *args: Any) -> None:
+        """Run blocking torch work off the event loop (heartbeats keep flowing), except while
+        profiling: torch.profiler records only the threads it was started on."""
+        if self.agent is not None and self.agent.active:
+            fn(*args)
+        else:
+            await asyncio.to_thread(fn, *args)
+
+    async def _rollout(self, tickets: Sequence[PromptTicket]) -> list[Sample]:
+        rc, ac = self.cfg.rollout, self.cfg.async_training
+        seqs = [
+            _Seq(t, i, self.tokenizer.encode(t.prompt, bos=True), [], [])
+            for t in tickets for i in range(t.n)
+        ]
+        t0 = time.monotonic()
+        if ac.partial_rollout:
+            # Generate in chunks; between chunks, pick up new weights mid-sequence.
+            while any(not s.finished for s in seqs):
+                left = rc.max_new_tokens - min(len(s.tokens) for s in seqs if not s.finished)
+                await self._in_worker(self._generate, seqs, min(rc.partial_chunk_tokens, left))
+                await self._poll_events()
+                await self._swap_weights()
+        else:
+            await self._in_worker(self._generate, seqs, rc.max_new_tokens)
+        gen_s = time.monotonic() - t0
+        self.busy_s += gen_s
+        samples = []
+        for s in seqs:
+            text = self.tokenizer.decode(s.tokens)
+            samples.append(Sample(
+                sample_id=f"{s.ticket.ticket_id}/{s.index}", ticket_id=s.ticket.ticket_id,
+                prompt_id=s.ticket.prompt_id, index=s.index, n=s.ticket.n,
+                prompt_tokens=Array.of(np.asarray(s.prompt, dtype=np.int32)),
+                response_tokens=Array.of(np.asarray(s.tokens, dtype=np.int32)),
+                logprobs=Array.of(np.asarray(s.logprobs, dtype=np.float32)),
+                reward=float(self.reward_fn(text, s.ticket.answer)),
+                min_version=s.min_version, max_version=s.max_version, rank=self.rank,
+                gen_time_s=gen_s,
+                finish_reason="eos" if s.tokens and s.tokens[-1] == self.tokenizer.eos_id
+                else "length",
+            ))
+        return samples
+
+    async def _serve(self, deliveries: list[Any]) -> None:
+        tickets = []
+        for d in deliveries:
+            if isinstance(d.msg, PromptTicket):
+                tickets.append((d.id, d.msg))
+            else:
+                await self.consumer.dead_letter(d, f"expected a PromptTicket, got "
+                                                   f"{type(d.msg).__name__}")
+        if not tickets:
+            return
+        need = max(t.min_version for _, t in tickets)
+        while self.version < need and not self.finished:
+            # The ticket demands newer weights than ours (on-policy or bounded staleness).
+            await self._poll_events(block_ms=500)
+            await self._swap_weights()
+            self._check_trainer()
+        if self.finished:
+            return
+        try:
+            samples = await self._rollout([t for _, t in tickets])
+        except Exception as exc:  # a failed rollout is an event, never "end of data"
+            for entry_id, t in tickets:
+                await self._publish(RolloutFailed(ticket_id=t.ticket_id, rank=self.rank,
+                                                  error=f"{type(exc).__name__}: {exc}"))
+                del entry_id  # not acked: redelivered, then dead-lettered after max deliveries
+            return
+        # All responses of these tickets land together, then the tickets are acked.
+        await self.bus.publish_many(self.keys.samples, samples, atomic=True)
+        await self.consumer.ack(*(entry_id for entry_id, _ in tickets))
+
+    async def run(self) -> int:
+        self._build()
+        await self.consumer.ensure_group()
+        hb = asyncio.create_task(self._heartbeat())
+        try:
+            # Weights version 0 first: they come after ProfilerReady, so the control stream
+            # already holds every command for step 1 when we read it in _swap_weights.
+            while self.newest is None and not self.finished:
+                await self._poll_events(block_ms=500)
+                self._check_trainer()
+            await self._swap_weights()
+            last_reclaim = time.monotonic()
+            while not self.finished:
+                await self._poll_events()
+                await self._swap_weights()
+                if self.finished:
+                    break
+                deliveries = await self.consumer.read(
+                    count=self.cfg.rollout.prompts_per_batch, block_ms=200
+                )
+                if not deliveries:
+                    self._check_trainer()
+                    if time.monotonic() - last_reclaim > self.cfg.heartbeat.timeout_s / 2:
+                        # Tickets held by a dead replica come back after the heartbeat timeout.
+                        last_reclaim = time.monotonic()
+                        idle_ms = int(self.cfg.heartbeat.timeout_s * 1000)
+                        deliveries = await self.consumer.reclaim(min_idle_ms=idle_ms)
+                    if not deliveries:
+                        continue
+                await self._serve(deliveries)
+            print(f"rollouter{self.rank}: run {self.run_id} finished", flush=True)
+            return 0
+        except TrainerGone as exc:
+            print(f"rollouter{self.rank}: {exc}", file=sys.stderr, flush=True)
+            await self._publish(ComponentFailed(role="rollouter", rank=self.rank, error=str(exc)))
+            return 1
+        finally:
+            hb.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await hb
+            if self.agent is not None:
+                with contextlib.suppress(Exception):
+                    await self._publish(*self.agent.close())
+
+
+async def _main_async(cfg: Config) -> int:
+    bus = Bus.from_url(cfg.redis.url or "")
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: task.cancel() if task else None)
+    try:
+        return await Rollouter(cfg, bus).run()
+    except asyncio.CancelledError:
+        print(f"rollouter{cfg.rollout.rank}: stopped by signal", file=sys.stderr)
+        return 143
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(bus.close(), 5)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m rollouter [--config FILE] [KEY=VALUE ...]``."""
+    cfg = load_or_exit(list(sys.argv[1:] if argv is None else argv), "rollouter")
+    for key, value in (("redis.url", cfg.redis.url), ("run.id", cfg.run.id)):
+        if not value:
+            print(f"rollouter: error: invalid config key '{key}': required for a component "
+                  "(rlbus up sets it for you)", file=sys.stderr)
+            return 2
+    return asyncio.run(_main_async(cfg))

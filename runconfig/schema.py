@@ -1,0 +1,134 @@
+"""Typed config of a run: msgspec Structs that mirror ``defaults.yaml`` key for key.
+
+Keys keep verl's vocabulary where the concept is the same (``async_training.*``,
+``global_profiler.*``). Unknown keys are errors (``forbid_unknown_fields``), and every range
+is declared next to its field, so a bad value is refused before anything starts.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+__all__ = [
+    "AsyncTrainingConfig",
+    "Config",
+    "HeartbeatConfig",
+    "ModelConfig",
+    "ProfilerConfig",
+    "RedisConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TaskConfig",
+    "TrainerConfig",
+]
+
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosFloat = Annotated[float, Meta(gt=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
+Step = Annotated[int, Meta(ge=1)]
+Role = Literal["trainer", "rollouter"]
+Content = Literal["shapes", "memory", "stack"]
+
+
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class RedisConfig(_Section, frozen=True):
+    url: str | None = None
+    binary: str | None = None
+    port: Annotated[int, Meta(ge=1, le=65535)] | None = None
+
+
+class RunConfig(_Section, frozen=True):
+    id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")] | None = None
+    output_dir: str = "outputs"
+
+
+class ModelConfig(_Section, frozen=True):
+    kind: Literal["tiny", "hf"] = "tiny"
+    path: str | None = None
+    d_model: PosInt = 64
+    n_layers: PosInt = 2
+    n_heads: PosInt = 4
+    max_len: PosInt = 32
+    seed: int = 0
+
+
+class TaskConfig(_Section, frozen=True):
+    kind: Literal["digits", "jsonl"] = "digits"
+    path: str | None = None
+    min_digits: PosInt = 3
+    max_digits: PosInt = 4
+    reward_fn: str | None = None
+    seed: int = 0
+
+
+class TrainerConfig(_Section, frozen=True):
+    total_training_steps: PosInt = 40
+    ppo_mini_batch_size: PosInt = 16
+    ppo_epochs: PosInt = 1
+    save_freq: NonNegInt = 20
+    lr: PosFloat = 2e-3
+    clip_ratio_low: NonNegFloat = 0.2
+    clip_ratio_high: NonNegFloat = 0.2
+    grad_clip: PosFloat = 1.0
+    tis_cap: PosFloat | None = 2.0
+    device: str = "auto"
+    threads: PosInt = 1
+    seed: int = 0
+
+
+class RolloutConfig(_Section, frozen=True):
+    n: PosInt = 8
+    replicas: PosInt = 1
+    rank: NonNegInt = 0
+    temperature: PosFloat = 1.0
+    max_new_tokens: PosInt = 6
+    prompts_per_batch: PosInt = 4
+    partial_chunk_tokens: PosInt = 2
+    device: str = "auto"
+    threads: PosInt = 1
+    seed: int = 0
+
+
+class AsyncTrainingConfig(_Section, frozen=True):
+    staleness_threshold: NonNegFloat = 0.5
+    trigger_parameter_sync_step: PosInt = 1
+    require_batches: PosInt = 1
+    partial_rollout: bool = False
+
+
+class HeartbeatConfig(_Section, frozen=True):
+    interval_s: PosFloat = 1.0
+    timeout_s: PosFloat = 30.0
+
+
+class ProfilerConfig(_Section, frozen=True):
+    tool: Literal["torch", "torch_memory", "nsys"] | None = None
+    steps: list[Step] = msgspec.field(default_factory=lambda: [1])
+    profile_continuous_steps: bool = False
+    save_path: str | None = None
+    roles: list[Role] = msgspec.field(default_factory=lambda: ["trainer", "rollouter"])
+    ranks: list[NonNegInt] = msgspec.field(default_factory=list)
+    contents: list[Content] = msgspec.field(default_factory=list)
+    handshake_timeout_s: PosFloat = 20.0
+    finish_hook_cmd: str | None = None
+
+
+class Config(_Section, frozen=True):
+    """The whole config of a run (see ``runconfig/defaults.yaml`` for the meaning of each key)."""
+
+    redis: RedisConfig = RedisConfig()
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    async_training: AsyncTrainingConfig = AsyncTrainingConfig()
+    heartbeat: HeartbeatConfig = HeartbeatConfig()
+    global_profiler: ProfilerConfig = ProfilerConfig()

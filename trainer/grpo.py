@@ -1,0 +1,150 @@
+"""GRPO loss math: group-normalised advantages, the PPO clipped objective, truncated
+importance weights for stale samples, and padded batches. Pure torch, no I/O.
+
+Shapes: B sequences, R response columns. Per-token tensors are [B, R] and come with a
+response mask (1.0 = a real response token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Batch",
+    "approx_kl",
+    "build_batch",
+    "group_advantages",
+    "masked_mean",
+    "ppo_clip_loss",
+    "tis_weights",
+]
+
+IntSeq = Sequence[int] | np.ndarray | torch.Tensor
+FloatSeq = Sequence[float] | np.ndarray | torch.Tensor
+
+
+@dataclass
+class Batch:
+    """Prompts left-padded to `prompt_width`, responses right-padded to `response_len`."""
+
+    input_ids: torch.Tensor  # [B, P + R] long
+    attention_mask: torch.Tensor  # [B, P + R] long, 1 = real token
+    response_mask: torch.Tensor  # [B, R] float32, 1.0 = real response token
+    old_logprobs: torch.Tensor  # [B, R] float32, rollout log-probs (0 at pads)
+    prompt_width: int
+    response_len: int
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(**{
+            f.name: (v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
+            for f in fields(self)
+        })
+
+
+def _as_1d(x: IntSeq | FloatSeq, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().to(dtype).reshape(-1)
+    return torch.as_tensor(np.asarray(x), dtype=dtype).reshape(-1)
+
+
+def build_batch(
+    samples: Sequence[tuple[IntSeq, IntSeq, FloatSeq]],
+    pad_id: int = 0,
+    device: torch.device | str = "cpu",
+) -> Batch:
+    """Batch from (prompt_ids, response_ids, rollout_logprobs) triples, in order."""
+    prompts = [_as_1d(p, torch.long) for p, _, _ in samples]
+    responses = [_as_1d(r, torch.long) for _, r, _ in samples]
+    logps = [_as_1d(lp, torch.float32) for _, _, lp in samples]
+    for i, (r, lp) in enumerate(zip(responses, logps, strict=True)):
+        if len(r) != len(lp):
+            raise ValueError(f"sample {i}: {len(r)} response tokens but {len(lp)} log-probs")
+    B = len(samples)
+    P = max((len(p) for p in prompts), default=0)
+    R = max((len(r) for r in responses), default=0)
+    ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + R), dtype=torch.long)
+    rmask = torch.zeros((B, R), dtype=torch.float32)
+    old = torch.zeros((B, R), dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, logps, strict=True)):
+        ids[i, P - len(p) : P] = p
+        attn[i, P - len(p) : P] = 1
+        ids[i, P : P + len(r)] = r
+        attn[i, P : P + len(r)] = 1
+        rmask[i, : len(r)] = 1.0
+        old[i, : len(r)] = lp
+    return Batch(ids, attn, rmask, old, P, R).to(device)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `x` over positions where mask is 1 (0 when the mask is empty)."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def group_advantages(
+    rewards: torch.Tensor | np.ndarray | Sequence[Sequence[float]], eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO advantages for rewards [G, n] (G prompts, n responses each): (r - mean) / (std +
+    eps) within each group, population std. A group of equal rewards gets all zeros, so it
+    teaches nothing instead of amplifying float noise."""
+    r = torch.as_tensor(np.asarray(rewards) if not isinstance(rewards, torch.Tensor) else rewards)
+    r = r.to(torch.float32)
+    if r.dim() != 2:
+        raise ValueError(f"rewards must be [groups, n], got shape {tuple(r.shape)}")
+    centred = r - r.mean(dim=1, keepdim=True)
+    std = r.std(dim=1, keepdim=True, unbiased=False)
+    adv = centred / (std + eps)
+    return torch.where(std > eps, adv, torch.zeros_like(adv))
+
+
+def tis_weights(
+    logp_proximal: torch.Tensor, logp_behaviour: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance weights min(pi_prox / mu, cap), detached (TIS).
+
+    mu is the policy that generated the sample (the rollout log-probs), pi_prox the one the
+    PPO ratio is taken against. Capping keeps a very stale sample from dominating the step.
+    """
+    return torch.exp(logp_proximal.detach() - logp_behaviour.detach()).clamp(max=cap)
+
+
+def ppo_clip_loss(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    logp_behaviour: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level PPO clipped surrogate: (loss, clipfrac), both mask-aware means over tokens.
+
+    advantages is [B] (one per sequence) or [B, R]. clip_high > clip_low is "clip-higher"
+    (DAPO). With `tis_cap` set and `logp_behaviour` given, each token's loss is weighted by
+    `tis_weights(logp_old, logp_behaviour, tis_cap)`; tis_cap None turns that off.
+    clipfrac is the fraction of tokens whose gradient the clip removed.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    advantages = advantages.to(logp_new.dtype).expand_as(logp_new)
+    ratio = torch.exp(logp_new - logp_old.detach())
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    if tis_cap is not None and logp_behaviour is not None:
+        per_token = per_token * tis_weights(logp_old, logp_behaviour, tis_cap)
+    loss = masked_mean(per_token, mask)
+    clipfrac = masked_mean((clipped > unclipped).to(logp_new.dtype), mask).detach()
+    return loss, clipfrac
+
+
+def approx_kl(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(old || new) over masked tokens, for monitoring (detached)."""
+    d = (logp_old - logp_new).detach()
+    return masked_mean(torch.exp(-d) - 1 + d, mask)
