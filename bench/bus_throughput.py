@@ -11,10 +11,13 @@ N real ``Sample`` messages (64 prompt + 256 response int32 token ids, 256 float3
 bus and bare run against one embedded redis-server (AOF on, as ``rlbus up`` runs it); every
 mode encodes with ``bus.messages.encode`` and decodes with ``bus.messages.decode``, so only the
 transport differs. Latency is consumer receive time minus the producer's timestamp in the
-message; the producer sends as fast as it can, so it includes queueing behind earlier samples.
+message. Unpaced (the default) the producer sends as fast as it can, so latency includes
+queueing behind earlier samples when the producer outruns the consumer; ``--rate`` paces the
+producer below capacity to see the transport's own latency.
 
-    python bench/bus_throughput.py            # 20 000 samples
+    python bench/bus_throughput.py                    # 20 000 samples, unpaced
     python bench/bus_throughput.py --n 2000 --skip-ray
+    python bench/bus_throughput.py --rate 5000        # latency below saturation
 """
 
 from __future__ import annotations
@@ -62,13 +65,20 @@ def make_sample(i: int) -> Sample:
     )
 
 
+def _behind(t0: float, sent: int, rate: float) -> float:
+    """Seconds to wait before sending message ``sent`` at ``rate``/s (0 = unpaced)."""
+    return 0.0 if rate <= 0 else t0 + sent / rate - time.time()
+
+
 # --------------------------------------------------------------------------- bus
 
 
-async def _bus_producer(url: str, n: int, batch: int) -> float:
+async def _bus_producer(url: str, n: int, batch: int, rate: float) -> float:
     async with Bus.from_url(url) as bus:
         t0 = time.time()
         for start in range(0, n, batch):
+            if (wait := _behind(t0, start, rate)) > 0:
+                await asyncio.sleep(wait)
             await bus.publish_many(
                 STREAM, [make_sample(i) for i in range(start, min(n, start + batch))]
             )
@@ -91,12 +101,14 @@ async def _bus_consumer(url: str, n: int, batch: int) -> list[float]:
 # --------------------------------------------------------------------------- bare redis-py
 
 
-async def _bare_producer(url: str, n: int, batch: int) -> float:
+async def _bare_producer(url: str, n: int, batch: int, rate: float) -> float:
     import redis.asyncio as aioredis
 
     r = aioredis.Redis.from_url(url)
     t0 = time.time()
     for start in range(0, n, batch):
+        if (wait := _behind(t0, start, rate)) > 0:
+            await asyncio.sleep(wait)
         pipe = r.pipeline(transaction=False)
         for i in range(start, min(n, start + batch)):
             pipe.xadd(STREAM, {b"m": encode(make_sample(i))})
@@ -127,7 +139,9 @@ async def _bare_consumer(url: str, n: int, batch: int) -> list[float]:
 _MODES = {"bus": (_bus_producer, _bus_consumer), "bare": (_bare_producer, _bare_consumer)}
 
 
-def _child(role: str, mode: str, url: str, n: int, batch: int, out: Any, ready: Any) -> None:
+def _child(
+    role: str, mode: str, url: str, n: int, batch: int, rate: float, out: Any, ready: Any
+) -> None:
     producer, consumer = _MODES[mode]
     cpu0 = time.process_time()
     if role == "consumer":
@@ -136,11 +150,11 @@ def _child(role: str, mode: str, url: str, n: int, batch: int, out: Any, ready: 
         out.put(("consumer", time.time(), lat, time.process_time() - cpu0))
     else:
         ready.wait(30)
-        t0 = asyncio.run(producer(url, n, batch))
+        t0 = asyncio.run(producer(url, n, batch, rate))
         out.put(("producer", t0, None, time.process_time() - cpu0))
 
 
-def run_redis_mode(mode: str, url: str, n: int, batch: int) -> dict[str, float]:
+def run_redis_mode(mode: str, url: str, n: int, batch: int, rate: float) -> dict[str, float]:
     """One producer process and one consumer process through a fresh stream and group."""
 
     async def reset() -> None:
@@ -153,7 +167,7 @@ def run_redis_mode(mode: str, url: str, n: int, batch: int) -> dict[str, float]:
     out = ctx.Queue()
     ready = ctx.Event()
     procs = [
-        ctx.Process(target=_child, args=(role, mode, url, n, batch, out, ready))
+        ctx.Process(target=_child, args=(role, mode, url, n, batch, rate, out, ready))
         for role in ("consumer", "producer")
     ]
     for p in procs:
@@ -175,7 +189,7 @@ def run_redis_mode(mode: str, url: str, n: int, batch: int) -> dict[str, float]:
 # --------------------------------------------------------------------------- ray
 
 
-def run_ray_mode(n: int) -> dict[str, float]:
+def run_ray_mode(n: int, rate: float) -> dict[str, float]:
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
@@ -208,9 +222,11 @@ def run_ray_mode(n: int) -> dict[str, float]:
                     return self.queue.popleft()
 
         @ray.remote(num_cpus=1)
-        def producer(queue: Any, n: int) -> float:
+        def producer(queue: Any, n: int, rate: float) -> float:
             t0 = time.time()
             for i in range(n):
+                if (wait := _behind(t0, i, rate)) > 0:
+                    time.sleep(wait)
                 ray.get(queue.put_sample.remote(encode(make_sample(i))))
             return t0
 
@@ -226,7 +242,7 @@ def run_ray_mode(n: int) -> dict[str, float]:
         ray.get(queue.put_sample.remote(b"warm-up"))
         ray.get(queue.get_sample.remote())
         c = consumer.remote(queue, n)
-        p = producer.remote(queue, n)
+        p = producer.remote(queue, n, rate)
         t0 = ray.get(p, timeout=1200)
         t_end, lat = ray.get(c, timeout=1200)
         return _summary(n, t_end - t0, lat)
@@ -247,16 +263,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--n", type=int, default=20_000, help="samples per mode (default 20000)")
     ap.add_argument("--batch", type=int, default=64, help="pipeline / read batch (default 64)")
-    ap.add_argument("--repeat", type=int, default=2, help="runs of bus and bare, best kept")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of bus and bare, best kept")
     ap.add_argument("--skip-ray", action="store_true", help="do not run the Ray queue")
     ap.add_argument("--ray-n", type=int, default=None, help="samples for Ray (default --n)")
+    ap.add_argument(
+        "--rate", type=float, default=0.0, help="producer msgs/s (default 0: as fast as it can)"
+    )
     ap.add_argument("--no-aof", action="store_true", help="run redis without AOF")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
     args = ap.parse_args(argv)
 
     size = len(encode(make_sample(0)))
     parser = "hiredis" if HIREDIS_AVAILABLE else "pure-Python"
-    print(f"{args.n} samples of {size} B, batch {args.batch}, {parser} RESP parser", flush=True)
+    pace = f"paced at {args.rate:.0f} msgs/s" if args.rate > 0 else "unpaced"
+    print(
+        f"{args.n} samples of {size} B, batch {args.batch}, {pace}, {parser} RESP parser",
+        flush=True,
+    )
     results: dict[str, dict[str, float]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp,
@@ -265,12 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"redis-server {'.'.join(map(str, server.version))} at {server.url}", flush=True)
         for _ in range(args.repeat):
             for mode in ("bare", "bus"):  # interleaved: drift hits both alike
-                r = run_redis_mode(mode, server.url, args.n, args.batch)
+                r = run_redis_mode(mode, server.url, args.n, args.batch, args.rate)
                 print(f"  {mode:5s} run: {r['msgs_per_s']:9.0f} msgs/s", flush=True)
                 if mode not in results or r["msgs_per_s"] > results[mode]["msgs_per_s"]:
                     results[mode] = r
     if not args.skip_ray:
-        results["ray"] = run_ray_mode(args.ray_n or args.n)
+        results["ray"] = run_ray_mode(args.ray_n or args.n, args.rate)
 
     print(f"\n{'mode':6s} {'msgs/s':>10s} {'p50 ms':>9s} {'p99 ms':>9s} {'client CPU us/msg':>18s}")
     for mode, r in results.items():

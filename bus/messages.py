@@ -51,6 +51,7 @@ __all__ = [
     "StepFinished",
     "StepStarted",
     "StopProfile",
+    "TrainerResumed",
     "WarningRaised",
     "WeightsPublished",
     "decode",
@@ -159,6 +160,19 @@ class WeightsPublished(_Base, frozen=True):
     version: int
     ref: BlobRef
     step: int = 0
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class TrainerResumed(_Base, frozen=True):
+    """A restarted trainer rebuilt its model: checkpoint ``checkpoint_step`` plus the steps
+    after it re-applied from their recorded samples. ``weights_match`` says whether the result
+    hashes to the weights it had published for ``param_version`` (None: nothing to compare)."""
+
+    step: int
+    param_version: int
+    checkpoint_step: int
+    replayed_steps: int
+    weights_match: bool | None = None
     ts: float = msgspec.field(default_factory=_now)
 
 
@@ -375,6 +389,7 @@ Event = (
     | StepFinished
     | WeightsPublished
     | CheckpointSaved
+    | TrainerResumed
     | ProfilerReady
     | ProfileStarted
     | ProfileStopped

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -130,6 +131,7 @@ _NO_RETRY: tuple[type[BaseException], ...] = (AuthenticationError, Authorization
 _RAW_COMMANDS = ("XREADGROUP", "XREAD", "XRANGE", "XREVRANGE", "XAUTOCLAIM", "XPENDING")
 
 _MAX_ID = b"+"
+_ENTRY_ID = re.compile(r"^\d+(-\d+)?$")
 
 
 def _raw(response: Any, **options: Any) -> Any:
@@ -651,6 +653,8 @@ class Bus:
             raise ValueError("trim_safely needs exactly one of maxlen= or minid=")
         if maxlen is not None and maxlen < 0:
             raise ValueError(f"maxlen must be >= 0, got {maxlen}")
+        if minid is not None and not _ENTRY_ID.match(minid):
+            raise ValueError(f"minid must be an entry id like '1700000000000-0', got {minid!r}")
         mode, value = ("maxlen", str(maxlen)) if maxlen is not None else ("minid", str(minid))
         removed = await self._call(
             "XTRIM", lambda: self._trim_script(keys=[stream], args=[mode, value])

@@ -43,8 +43,8 @@ from bus.messages import (
     WeightsPublished,
 )
 from policy import build_policy, resolve_device
-from profiling import create_agent
 from policy.tokenizer import CharTokenizer
+from profiling import create_agent
 from runconfig import Config, load_or_exit
 from tasks.reward import load_reward_fn
 

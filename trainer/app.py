@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import math
 import os
 import signal
@@ -49,6 +50,7 @@ from bus.messages import (
     StepFinished,
     StepStarted,
     StopProfile,
+    TrainerResumed,
     WarningRaised,
     WeightsPublished,
 )
@@ -377,18 +379,19 @@ class Trainer:
     async def _resume(self) -> None:
         """Rebuild the model the trainer had: checkpoint, then re-apply the steps after it."""
         st = self.state
-        if st.checkpoint_path and Path(st.checkpoint_path).exists():
-            self._load_checkpoint(st.checkpoint_path)
-        elif st.checkpoint_step:
-            raise RuntimeError(f"checkpoint {st.checkpoint_path} named in the log is missing")
-        replay = st.steps_after_checkpoint() if st.checkpoint_path else st.steps
+        ckpt_step, ckpt_path = st.checkpoint()
+        if ckpt_path is not None:
+            if not await asyncio.to_thread(os.path.exists, ckpt_path):
+                raise RuntimeError(f"checkpoint {ckpt_path} named in the log is missing")
+            self._load_checkpoint(ckpt_path)
+        replay = st.steps_after_checkpoint()
+        trigger = self.cfg.async_training.trigger_parameter_sync_step
         if replay:
             wanted = {sid for rec in replay for sid in rec.sample_ids}
             found: dict[str, Sample] = {}
             async for _, msg in self.bus.read_all(self.keys.samples):
                 if isinstance(msg, Sample) and msg.sample_id in wanted:
                     found[msg.sample_id] = msg
-            ac = self.cfg.async_training
             for rec in replay:
                 missing = [sid for sid in rec.sample_ids if sid not in found]
                 if missing:
@@ -401,13 +404,29 @@ class Trainer:
                     s = found[sid]
                     g = by_ticket.setdefault(s.ticket_id, _Group(s.ticket_id, s.n, {}))
                     g.samples[s.index] = ("", s)
-                # The version the trainer held while training that step (for metrics only).
-                self.version = (rec.step - 1) // ac.trigger_parameter_sync_step
+                # The version the trainer held while training that step (metrics only).
+                self.version = (rec.step - 1) // trigger
                 self._update(list(by_ticket.values()))
-        self.version = max(st.param_version, 0)
+        # Derived from finished steps, not from the newest WeightsPublished: weights published
+        # by a step that never finished are superseded when that step is trained again.
+        self.version = st.last_step // trigger
+        published = st.weights_of(self.version)
+        match = None
+        if published is not None:
+            match = hashlib.sha256(self.policy.state_bytes()).hexdigest() == published.sha256
+        await self._publish(TrainerResumed(
+            step=st.last_step, param_version=self.version, checkpoint_step=ckpt_step,
+            replayed_steps=len(replay), weights_match=match,
+        ))
+        if match is False:
+            await self._publish(WarningRaised(
+                source="trainer", code="resume_weights_mismatch",
+                message=f"the resumed model does not hash to weights version {self.version} "
+                        "that the trainer published before it stopped",
+            ))
         # Tickets: every issued ticket is in the prompts stream; those not trained yet are
         # still out (pending or unread), so the budget counts them.
-        issued = sum(1 async for _ in self.bus.read_all(self.keys.prompts))
+        issued = await self.bus.length(self.keys.prompts)
         trained_groups = len({sid.rsplit("/", 1)[0] for sid in st.trained})
         self.budget = TicketBudget(self.budget.capacity, issued, min(trained_groups, issued))
 

@@ -38,15 +38,29 @@ class TrainerState(msgspec.Struct, frozen=True):
     finished: bool = False
     last_step: int = 0
     param_version: int = -1
-    weights: BlobRef | None = None
-    checkpoint_step: int = 0
-    checkpoint_path: str | None = None
+    weights: tuple[tuple[int, BlobRef], ...] = ()
+    checkpoints: tuple[tuple[int, str], ...] = ()
     trained: frozenset[str] = frozenset()
     steps: tuple[StepRecord, ...] = ()
 
+    def checkpoint(self) -> tuple[int, str | None]:
+        """The newest checkpoint of a *finished* step: ``(step, path)``, or ``(0, None)``.
+
+        A checkpoint written for a step whose StepFinished never made it to the log (a crash
+        in between) holds an update that did not happen, as far as the log is concerned.
+        """
+        done = [(step, path) for step, path in self.checkpoints if step <= self.last_step]
+        return max(done) if done else (0, None)
+
     def steps_after_checkpoint(self) -> tuple[StepRecord, ...]:
-        """Finished steps that the latest checkpoint does not hold yet (to re-apply)."""
-        return tuple(s for s in self.steps if s.step > self.checkpoint_step)
+        """Finished steps that the usable checkpoint does not hold yet (to re-apply)."""
+        step, _ = self.checkpoint()
+        return tuple(s for s in self.steps if s.step > step)
+
+    def weights_of(self, version: int) -> BlobRef | None:
+        """The last published weights of ``version`` (None if never published)."""
+        refs = [ref for v, ref in self.weights if v == version]
+        return refs[-1] if refs else None
 
 
 def apply(state: TrainerState, msg: Message) -> TrainerState:
@@ -65,10 +79,14 @@ def apply(state: TrainerState, msg: Message) -> TrainerState:
                 trained=state.trained | frozenset(ids),
                 steps=(*state.steps, record),
             )
-        case WeightsPublished(version=version, ref=ref) if version > state.param_version:
-            return replace(state, param_version=version, weights=ref)
-        case CheckpointSaved(step=step, path=path) if step >= state.checkpoint_step:
-            return replace(state, checkpoint_step=step, checkpoint_path=path)
+        case WeightsPublished(version=version, ref=ref):
+            return replace(
+                state,
+                param_version=max(state.param_version, version),
+                weights=(*state.weights, (version, ref)),
+            )
+        case CheckpointSaved(step=step, path=path):
+            return replace(state, checkpoints=(*state.checkpoints, (step, path)))
         case RunFinished():
             return replace(state, finished=True)
     return state

@@ -1,0 +1,443 @@
+"""End-to-end profiling: the profiler service, the trainer and a rollouter as real processes.
+
+Every test runs the real components (``python -m profiler_service``, ``python -m rollouter``,
+``python -m trainer``, ``python -m rlbus``) against a real throwaway redis-server and checks
+outcomes only: each trace file parses as gzip Chrome-trace JSON and holds a ``step:K`` user
+annotation for exactly the steps of its session, ``manifest.json`` lists every session with its
+status, and the events log holds ProfileStarted/ProfileStopped for every role.
+
+Waits are bounded and synchronised on stream entries (or the service's own "caught up" log
+line), never on sleeping; the one exception is the deliberate 2 s delay of the "service
+started after the trainer" case. Runs are kept short (few steps, small batches) because the
+machine has two cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import re
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bus import Bus, RunKeys
+from bus.messages import (
+    ProfileRequest,
+    ProfileRequestRefused,
+    ProfilerFinished,
+    ProfilerReady,
+    ProfileStarted,
+    ProfileStopped,
+    RunFinished,
+    RunStarted,
+    StartProfile,
+    StepStarted,
+    WarningRaised,
+    WeightsPublished,
+)
+from tests.procs import FAST, Procs, events_of, run_cli, wait_for
+
+pytestmark = pytest.mark.e2e
+
+ROLES = ("trainer", "rollouter")
+COMPONENTS = ("profiler", "rollouter", "trainer")
+WAIT_S = 120.0  # generous: a loaded 2-core machine imports torch in three processes at once
+STEP_RE = re.compile(r"^step:(\d+)$")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _args(redis_url: str, run_id: str, out: Path, *extra: str) -> list[str]:
+    return [
+        f"redis.url={redis_url}",
+        f"run.id={run_id}",
+        f"run.output_dir={out}",
+        *FAST,
+        "global_profiler.tool=torch",
+        "rollout.replicas=1",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path / "logs")
+    try:
+        yield p
+    finally:
+        p.kill_all()
+
+
+def _profile_dir(out: Path, run_id: str) -> Path:
+    return out / "profiles" / run_id
+
+
+def trace_steps(path: Path) -> set[int]:
+    """The K of every ``step:K`` user annotation in a gzip Chrome trace (it must parse)."""
+    with gzip.open(path, "rt") as fh:
+        trace = json.load(fh)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    assert isinstance(events, list) and events, f"{path} holds no trace events"
+    steps = set()
+    for e in events:
+        m = STEP_RE.match(str(e.get("name", "")))
+        if m and e.get("cat") == "user_annotation":
+            steps.add(int(m.group(1)))
+    return steps
+
+
+async def wait_log(procs: Procs, name: str, text: str, timeout_s: float = WAIT_S) -> None:
+    """Wait until ``name``'s log has ``text`` (fails early if the process died)."""
+    deadline = time.monotonic() + timeout_s
+    while text not in procs.log(name):
+        rc = procs.procs[name].poll()
+        assert rc is None, f"{name} exited {rc}:\n{procs.log(name)[-3000:]}"
+        assert time.monotonic() < deadline, f"no {text!r} in {name}'s log:\n{procs.log(name)}"
+        await asyncio.sleep(0.05)
+
+
+async def wait_exit(procs: Procs, name: str, timeout_s: float = WAIT_S) -> int:
+    """``procs.wait`` without blocking the event loop."""
+    return await asyncio.to_thread(procs.wait, name, timeout_s)
+
+
+async def wait_all_exit_ok(procs: Procs, names: Iterable[str]) -> None:
+    for name in names:
+        rc = await wait_exit(procs, name)
+        assert rc == 0, f"{name} exited {rc}:\n{procs.log(name)[-3000:]}"
+
+
+async def start_service_first(procs: Procs, args: list[str], name: str = "profiler") -> None:
+    """Start the service and wait until it has read the (still empty) log."""
+    procs.spawn(name, "profiler_service", *args)
+    await wait_log(procs, name, "relevant entries from the log")
+
+
+def stopped_of(events: list[Any], sid: str, role: str, rank: int = 0) -> list[ProfileStopped]:
+    return [
+        e for e in events
+        if isinstance(e, ProfileStopped) and (e.session_id, e.role, e.rank) == (sid, role, rank)
+    ]
+
+
+async def control_of(bus: Bus, keys: RunKeys) -> list[Any]:
+    return await events_of(bus, keys.control)
+
+
+async def check_profiles(
+    bus: Bus,
+    keys: RunKeys,
+    out: Path,
+    expected: dict[str, set[int]],
+    roles: Iterable[str] = ROLES,
+) -> dict[str, Any]:
+    """Every session of ``expected`` (id -> steps) ran once on every role and nothing else.
+
+    Checks the events (one ProfileStarted and one ``ok`` ProfileStopped per session, role and
+    rank 0, with the session's step range), the trace files (their ``step:K`` annotations are
+    exactly the session's steps), the control stream (one StartProfile per session id) and
+    the final manifest (one ``ok`` entry per session and role, path and size of the trace).
+    Returns the manifest.
+    """
+    roles = tuple(roles)
+    folder = _profile_dir(out, keys.run_id)
+    events = await events_of(bus, keys.events)
+    control = await control_of(bus, keys)
+
+    starts = Counter(m.session_id for m in control if isinstance(m, StartProfile))
+    assert set(starts) >= set(expected), starts
+    assert all(n == 1 for n in starts.values()), f"duplicate StartProfile commands: {starts}"
+
+    for sid, steps in expected.items():
+        for role in roles:
+            started = [
+                e for e in events
+                if isinstance(e, ProfileStarted) and (e.session_id, e.role, e.rank) == (sid, role, 0)
+            ]
+            assert len(started) == 1, (sid, role, started)
+            assert started[0].step == min(steps), (sid, role, started[0])
+            (stop,) = stopped_of(events, sid, role)
+            assert stop.status == "ok", stop
+            assert (stop.first_step, stop.last_step) == (min(steps), max(steps)), stop
+            assert stop.path == f"{role}0-{sid}.json.gz", stop
+            path = folder / stop.path
+            assert path.is_file(), path
+            assert stop.bytes == path.stat().st_size > 0
+            assert trace_steps(path) == steps, (path, trace_steps(path), steps)
+    # No other session ran on these roles.
+    ran = {(e.session_id, e.role) for e in events if isinstance(e, ProfileStopped)}
+    assert ran == {(sid, role) for sid in expected for role in roles}, ran
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["run_id"] == keys.run_id
+    entries = {(s["id"], s["role"], s["rank"]): s for s in manifest["sessions"]}
+    assert set(entries) == {(sid, role, 0) for sid in expected for role in roles}, entries
+    for (sid, role, _), entry in entries.items():
+        assert entry["status"] == "ok", entry
+        assert (entry["first_step"], entry["last_step"]) == (
+            min(expected[sid]), max(expected[sid])
+        ), entry
+        assert entry["tool"] == "torch"
+        assert entry["path"] == f"{role}0-{sid}.json.gz"
+        assert entry["bytes"] == (folder / entry["path"]).stat().st_size
+    # The trainer never gave up waiting for the service.
+    assert not [
+        e for e in events if isinstance(e, WarningRaised) and e.code == "profiler_handshake_timeout"
+    ]
+    return manifest
+
+
+async def finish(bus: Bus, keys: RunKeys, procs: Procs, names: Iterable[str] = COMPONENTS) -> None:
+    """Wait for ProfilerFinished and for every process to exit 0."""
+    names = tuple(names)
+    await wait_for(
+        bus, keys.events, lambda m: isinstance(m, ProfilerFinished), WAIT_S, procs, names
+    )
+    await wait_all_exit_ok(procs, names)
+
+
+def ready_before_weights(events: list[Any]) -> None:
+    """ProfilerReady precedes weights version 0 (so step-1 commands precede step 1)."""
+    kinds = [
+        "ready" if isinstance(e, ProfilerReady) else "v0"
+        for e in events
+        if isinstance(e, ProfilerReady) or (isinstance(e, WeightsPublished) and e.version == 0)
+    ]
+    assert kinds == ["ready", "v0"], kinds
+
+
+# --------------------------------------------------------------------------- 1. step 1
+
+
+@pytest.mark.asyncio
+async def test_step1_profiled_on_both_roles_service_started_first(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    out = tmp_path / "out"
+    args = _args(redis_url, run_id, out, "trainer.total_training_steps=2",
+                 "global_profiler.steps=[1]")
+    await start_service_first(procs, args)
+    assert not await bus.exists(run_keys.events)  # the service never creates the run's log
+    procs.spawn("rollouter", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    await finish(bus, run_keys, procs)
+
+    await check_profiles(bus, run_keys, out, {"s1-1": {1}})
+    ready_before_weights(await events_of(bus, run_keys.events))
+
+
+@pytest.mark.asyncio
+async def test_step1_profiled_on_both_roles_service_started_after_trainer(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    out = tmp_path / "out"
+    args = _args(redis_url, run_id, out, "trainer.total_training_steps=2",
+                 "global_profiler.steps=[1]")
+    procs.spawn("rollouter", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, lambda m: isinstance(m, RunStarted), WAIT_S, procs,
+                   ("trainer", "rollouter"))
+    await asyncio.sleep(2.0)  # deliberate: the trainer is waiting for a service not yet there
+    events = await events_of(bus, run_keys.events)
+    assert not [e for e in events if isinstance(e, WeightsPublished | ProfilerReady)]
+    procs.spawn("profiler", "profiler_service", *args)
+    await finish(bus, run_keys, procs)
+
+    await check_profiles(bus, run_keys, out, {"s1-1": {1}})
+    ready_before_weights(await events_of(bus, run_keys.events))
+
+
+# --------------------------------------------------------------------------- 2. continuous
+
+
+@pytest.mark.parametrize(
+    ("continuous", "expected"),
+    [(True, {"s2-3": {2, 3}}), (False, {"s2-2": {2}, "s3-3": {3}})],
+    ids=["continuous", "discrete"],
+)
+@pytest.mark.asyncio
+async def test_steps_2_3_continuous_or_discrete(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs,
+    continuous: bool, expected: dict[str, set[int]],
+) -> None:
+    out = tmp_path / "out"
+    args = _args(redis_url, run_id, out, "trainer.total_training_steps=4",
+                 "global_profiler.steps=[2,3]",
+                 f"global_profiler.profile_continuous_steps={str(continuous).lower()}")
+    await start_service_first(procs, args)
+    procs.spawn("rollouter", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    await finish(bus, run_keys, procs)
+
+    await check_profiles(bus, run_keys, out, expected)
+    control = await control_of(bus, run_keys)
+    assert [m.session_id for m in control if isinstance(m, StartProfile)] == list(expected)
+
+
+# --------------------------------------------------------------------------- 3. kill -9
+
+
+@pytest.mark.chaos
+@pytest.mark.asyncio
+async def test_service_killed_mid_session_components_stop_by_themselves(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    out = tmp_path / "out"
+    total = 12
+    args = _args(redis_url, run_id, out, f"trainer.total_training_steps={total}",
+                 "global_profiler.steps=[2,3,4]", "global_profiler.profile_continuous_steps=true",
+                 "global_profiler.handshake_timeout_s=60")
+    await start_service_first(procs, args)
+    procs.spawn("rollouter", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    watch = ("profiler", "rollouter", "trainer")
+    await wait_for(
+        bus, run_keys.events,
+        lambda m: isinstance(m, ProfileStarted) and m.role == "trainer" and m.session_id == "s2-4",
+        WAIT_S, procs, watch,
+    )
+    procs.kill("profiler", signal.SIGKILL)
+    assert procs.procs["profiler"].returncode == -signal.SIGKILL
+
+    # Without the service, both components end the session at step 4 by themselves.
+    for role in ROLES:
+        await wait_for(
+            bus, run_keys.events,
+            lambda m, role=role: isinstance(m, ProfileStopped) and m.role == role
+            and m.session_id == "s2-4",
+            WAIT_S, procs, ("rollouter", "trainer"),
+        )
+    # A new service rebuilds its state from the log: nothing is sent twice.
+    procs.spawn("profiler2", "profiler_service", *args)
+    await finish(bus, run_keys, procs, ("profiler2", "rollouter", "trainer"))
+
+    await check_profiles(bus, run_keys, out, {"s2-4": {2, 3, 4}})
+    events = await events_of(bus, run_keys.events)
+    assert sum(isinstance(e, ProfilerReady) for e in events) == 1
+    assert sum(isinstance(e, ProfilerFinished) for e in events) == 1
+    assert [e.steps for e in events if isinstance(e, RunFinished)] == [total]
+
+
+# --------------------------------------------------------------------------- 4. runtime
+
+
+@pytest.mark.asyncio
+async def test_runtime_request_on_live_run(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    out = tmp_path / "out"
+    total = 40
+    # No scheduled session: the only one is the runtime request's. On-policy (threshold 0)
+    # keeps the steps from racing ahead of the requests.
+    args = _args(redis_url, run_id, out, f"trainer.total_training_steps={total}",
+                 "global_profiler.steps=[]", "async_training.staleness_threshold=0")
+    await start_service_first(procs, args)
+    procs.spawn("rollouter", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, lambda m: isinstance(m, StepStarted) and m.step == 2,
+                   WAIT_S, procs, COMPONENTS)
+
+    # A step that has already started is refused: exit code 2 and a ProfileRequestRefused.
+    past = await asyncio.to_thread(
+        run_cli, "profile", "--run", run_id, "--steps", "1", "--timeout", "60",
+        f"redis.url={redis_url}",
+    )
+    assert past.returncode == 2, (past.stdout, past.stderr)
+    assert "not in the future" in past.stderr, past.stderr
+    events = await events_of(bus, run_keys.events)
+    (refused,) = [e for e in events if isinstance(e, ProfileRequestRefused)]
+    (request,) = [e for e in events if isinstance(e, ProfileRequest)]
+    assert refused.request_id == request.request_id
+    assert "not in the future" in refused.reason
+    assert not [e for e in events if isinstance(e, RunFinished)], "the run ended too soon"
+
+    # The next step is accepted and profiled on both roles.
+    nxt = await asyncio.to_thread(
+        run_cli, "profile", "--run", run_id, "--steps", "next:1", "--timeout", "60",
+        f"redis.url={redis_url}",
+    )
+    assert nxt.returncode == 0, (nxt.stdout, nxt.stderr)
+    control = await control_of(bus, run_keys)
+    (cmd,) = [m for m in control if isinstance(m, StartProfile)]
+    assert cmd.request_id and cmd.session_id in nxt.stdout, (cmd, nxt.stdout)
+    assert cmd.first_step == cmd.last_step > 2
+    assert set(cmd.roles) == set(ROLES)
+    await finish(bus, run_keys, procs)
+
+    step = cmd.first_step
+    assert cmd.session_id == f"r{cmd.request_id}-s{step}-{step}"
+    manifest = await check_profiles(bus, run_keys, out, {cmd.session_id: {step}})
+    assert {s["request_id"] for s in manifest["sessions"]} == {cmd.request_id}
+
+
+# --------------------------------------------------------------------------- 5. bad config
+
+
+BAD = [
+    ("global_profiler.steps=[0]", "global_profiler.steps"),
+    ("global_profiler.steps=[-1]", "global_profiler.steps"),
+    ("global_profiler.steps=[a]", "global_profiler.steps"),
+    ("global_profiler.tool=foo", "global_profiler.tool"),
+    ("global_profiler.roles=[x]", "global_profiler.roles"),
+]
+
+
+@pytest.mark.parametrize(("override", "key"), BAD, ids=[o for o, _ in BAD])
+def test_bad_profiler_config_exits_2_naming_the_key(
+    override: str, key: str, tmp_path: Path, run_id: str
+) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    # Everything else is valid (a Redis URL nobody listens on: validation comes first).
+    common = ["redis.url=redis://127.0.0.1:1/0", f"run.id={run_id}", f"run.output_dir={out}",
+              "global_profiler.tool=torch"]
+    commands = {
+        "rlbus profiler": run_cli("profiler", *common, override, cwd=tmp_path, timeout_s=60),
+        "python -m profiler_service": subprocess.run(
+            [sys.executable, "-m", "profiler_service", *common, override],
+            capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        ),
+        # `up` without redis.url: it would start an embedded Redis if it did not validate first.
+        "rlbus up": run_cli("up", *common[1:], override, cwd=tmp_path, timeout_s=60),
+    }
+    for name, proc in commands.items():
+        assert proc.returncode == 2, (name, proc.returncode, proc.stdout, proc.stderr)
+        assert f"'{key}'" in proc.stderr, (name, proc.stderr)
+    assert not out.exists(), "a command did something before validating its config"
+
+
+# --------------------------------------------------------------------------- 6. rlbus up
+
+
+@pytest.mark.asyncio
+async def test_rlbus_up_with_profiling_writes_manifest(tmp_path: Path, run_id: str) -> None:
+    out = tmp_path / "out"
+    proc = await asyncio.to_thread(
+        run_cli, "up", f"run.output_dir={out}", f"run.id={run_id}",
+        "trainer.total_training_steps=2", *FAST, "global_profiler.tool=torch",
+        "global_profiler.steps=[1]", cwd=tmp_path, timeout_s=240,
+    )
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    folder = _profile_dir(out, run_id)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["run_id"] == run_id
+    entries = {(s["id"], s["role"], s["rank"]): s for s in manifest["sessions"]}
+    assert set(entries) == {("s1-1", "trainer", 0), ("s1-1", "rollouter", 0)}, manifest
+    for (_, role, _), entry in entries.items():
+        assert entry["status"] == "ok", entry
+        assert (entry["first_step"], entry["last_step"]) == (1, 1)
+        path = folder / entry["path"]
+        assert entry["path"] == f"{role}0-s1-1.json.gz"
+        assert entry["bytes"] == path.stat().st_size
+        assert trace_steps(path) == {1}
+    assert str(folder) in proc.stdout  # it says where the traces are

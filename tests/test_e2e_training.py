@@ -1,0 +1,282 @@
+"""End-to-end training runs: trainer and rollouters as real processes against a real Redis."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from bus import Bus, RunKeys
+from bus.messages import (
+    ComponentFailed,
+    PromptTicket,
+    RunFinished,
+    RunStarted,
+    Sample,
+    StepFinished,
+    StepStarted,
+    TrainerResumed,
+    WarningRaised,
+    WeightsPublished,
+)
+from tests.procs import FAST, Procs, events_of, run_cli, wait_for
+from trainer.budget import max_staleness, ticket_budget
+
+REQUIRED_METRICS = (
+    "reward/mean",
+    "staleness/mean",
+    "staleness/max",
+    "actor/pg_clipfrac",
+    "actor/entropy",
+    "actor/grad_norm",
+    "trainer/idle_ratio",
+    "rollouter/idle_ratio",
+    "samples/queue_depth",
+    "throughput/samples_per_s",
+)
+
+
+def _args(redis_url: str, run_id: str, out: Path, *extra: str) -> list[str]:
+    return [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={out}", *FAST, *extra]
+
+
+@pytest.fixture
+def procs(tmp_path: Path):
+    p = Procs(tmp_path / "logs")
+    yield p
+    p.kill_all()
+
+
+async def _samples(bus: Bus, keys: RunKeys) -> dict[str, Sample]:
+    out: dict[str, Sample] = {}
+    async for _, msg in bus.read_all(keys.samples):
+        if isinstance(msg, Sample):
+            out[msg.sample_id] = msg
+    return out
+
+
+def _finished(events: list) -> list[StepFinished]:
+    return [e for e in events if isinstance(e, StepFinished)]
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_two_rollouters_train_every_sample_once_within_staleness(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    steps, threshold = 6, 0.5
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 f"async_training.staleness_threshold={threshold}", "rollout.replicas=2")
+    procs.spawn("rollouter0", "rollouter", *args, "rollout.rank=0")
+    procs.spawn("rollouter1", "rollouter", *args, "rollout.rank=1")
+    procs.spawn("trainer", "trainer", *args)
+    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    assert procs.wait("rollouter1", 60) == 0, procs.log("rollouter1")
+
+    events = await events_of(bus, run_keys.events)
+    finished = _finished(events)
+    assert [e.step for e in finished] == list(range(1, steps + 1))
+    assert isinstance(events[-1], RunFinished) or any(isinstance(e, RunFinished) for e in events)
+
+    # Every trained sample id appears exactly once, and each step has full prompt groups.
+    trained = [sid for e in finished for sid in e.sample_ids]
+    assert len(trained) == len(set(trained))
+    assert all(len(e.sample_ids) == 4 * 4 for e in finished)
+
+    samples = await _samples(bus, run_keys)
+    bound = max_staleness(threshold, 1, 1, 4)
+    budget = ticket_budget(threshold, 1, 1, 4)
+    for e in finished:
+        version = e.step - 1  # trigger_parameter_sync_step=1: step k trains with version k-1
+        for sid in e.sample_ids:
+            s = samples[sid]
+            assert 0 <= version - s.min_version <= bound, (sid, s.min_version, version)
+            assert s.min_version <= s.max_version
+        by_ticket = Counter(samples[sid].ticket_id for sid in e.sample_ids)
+        assert set(by_ticket.values()) == {4}
+        for key in REQUIRED_METRICS:
+            assert key in e.metrics, key
+            assert math.isfinite(e.metrics[key]), (key, e.metrics[key])
+        assert e.metrics["tickets/outstanding"] <= budget
+        assert e.metrics["staleness/max"] <= bound
+    # Both replicas generated.
+    assert {samples[sid].rank for sid in trained} == {0, 1}
+    # No more tickets were ever issued than the budget allows beyond what was trained.
+    tickets = [m async for _, m in bus.read_all(run_keys.prompts)]
+    assert all(isinstance(t, PromptTicket) for t in tickets)
+    assert len(tickets) <= steps * 4 + budget
+    # Weights: version 0 plus one per step.
+    versions = [e.version for e in events if isinstance(e, WeightsPublished)]
+    assert versions == list(range(steps + 1))
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_sync_mode_trains_only_on_policy_samples(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    steps = 4
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 "async_training.staleness_threshold=0",
+                 "async_training.trigger_parameter_sync_step=1",
+                 "async_training.partial_rollout=false")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    events = await events_of(bus, run_keys.events)
+    samples = await _samples(bus, run_keys)
+    finished = _finished(events)
+    assert len(finished) == steps
+    for e in finished:
+        assert e.metrics["staleness/max"] == 0.0
+        for sid in e.sample_ids:
+            s = samples[sid]
+            # Generated entirely by the weights the trainer held at that step.
+            assert s.min_version == s.max_version == e.step - 1
+    # Tickets issued for a step never exceed one step's worth: the synchronous baseline.
+    assert all(e.metrics["tickets/outstanding"] <= 4 for e in finished)
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_partial_rollout_records_version_span(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    args = _args(redis_url, run_id, tmp_path, "trainer.total_training_steps=4",
+                 "async_training.partial_rollout=true", "async_training.staleness_threshold=1",
+                 "rollout.partial_chunk_tokens=1")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    events = await events_of(bus, run_keys.events)
+    samples = await _samples(bus, run_keys)
+    bound = max_staleness(1.0, 1, 1, 4)
+    for e in _finished(events):
+        for sid in e.sample_ids:
+            s = samples[sid]
+            assert s.min_version <= s.max_version <= e.step - 1
+            assert e.step - 1 - s.min_version <= bound
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_trainer_without_rollouter_fails_loudly(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    args = _args(redis_url, run_id, tmp_path, "heartbeat.timeout_s=3")
+    procs.spawn("trainer", "trainer", *args)
+    assert procs.wait("trainer", 60) == 1
+    assert "no rollouter" in procs.log("trainer")
+    failed = await wait_for(bus, run_keys.events, lambda m: isinstance(m, ComponentFailed), 5)
+    assert isinstance(failed, ComponentFailed) and "no rollouter" in failed.error
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_rollouter_without_trainer_fails_loudly(
+    redis_url: str, run_id: str, tmp_path: Path, procs: Procs
+) -> None:
+    args = _args(redis_url, run_id, tmp_path, "heartbeat.timeout_s=3")
+    procs.spawn("rollouter0", "rollouter", *args)
+    assert procs.wait("rollouter0", 60) == 1
+    assert "no trainer" in procs.log("rollouter0")
+
+
+@pytest.mark.e2e
+@pytest.mark.chaos
+@pytest.mark.asyncio
+async def test_killed_rollouter_tickets_are_reclaimed(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    steps = 6
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 "rollout.replicas=2", "heartbeat.timeout_s=4")
+    procs.spawn("rollouter0", "rollouter", *args, "rollout.rank=0")
+    procs.spawn("rollouter1", "rollouter", *args, "rollout.rank=1")
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, lambda m: isinstance(m, StepStarted) and m.step == 2,
+                   120, procs, ["trainer"])
+    procs.kill("rollouter1", signal.SIGKILL)
+    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
+    events = await events_of(bus, run_keys.events)
+    trained = [sid for e in _finished(events) for sid in e.sample_ids]
+    assert len(_finished(events)) == steps
+    assert len(trained) == len(set(trained))
+
+
+@pytest.mark.e2e
+@pytest.mark.chaos
+@pytest.mark.asyncio
+async def test_killed_trainer_resumes_with_the_same_model(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    steps = 8
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 "trainer.save_freq=3", "heartbeat.timeout_s=15")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events,
+                   lambda m: isinstance(m, StepFinished) and m.step == 5, 120, procs, ["trainer"])
+    procs.kill("trainer", signal.SIGKILL)
+    procs.spawn("trainer2", "trainer", *args)
+    assert procs.wait("trainer2", 180) == 0, procs.log("trainer2")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    events = await events_of(bus, run_keys.events)
+    finished = _finished(events)
+    steps_done = [e.step for e in finished]
+    assert sorted(set(steps_done)) == list(range(1, steps + 1))
+    trained = [sid for e in {e.step: e for e in finished}.values() for sid in e.sample_ids]
+    assert len(trained) == len(set(trained)), "a sample was trained twice"
+    assert any(isinstance(e, RunStarted) and e.resumed for e in events)
+    resumed = [e for e in events if isinstance(e, TrainerResumed)]
+    assert len(resumed) == 1 and resumed[0].step >= 5
+    # The rebuilt model hashes to the weights the dead trainer had published.
+    assert resumed[0].weights_match is True
+    assert resumed[0].checkpoint_step == 3 and resumed[0].replayed_steps == resumed[0].step - 3
+    codes = [e.code for e in events if isinstance(e, WarningRaised)]
+    assert "resume_weights_mismatch" not in codes
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_rlbus_up_and_inspect_json(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    up = run_cli("up", f"run.output_dir={out}", "run.id=demo-e2e", *FAST,
+                 "trainer.total_training_steps=3", timeout_s=240)
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "step    3/3" in up.stdout
+    assert "rlbus inspect --run demo-e2e" in up.stdout
+    assert (out / "demo-e2e" / "checkpoints").is_dir()
+    res = run_cli("inspect", "--run", "demo-e2e", "--json", f"run.output_dir={out}")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    types = [r["type"] for r in rows]
+    assert "RunStarted" in types and types.index("RunStarted") < types.index("RunFinished")
+    steps = [r for r in rows if r["type"] == "StepFinished"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(len(r["sample_ids"]) == 16 and "reward/mean" in r["metrics"] for r in steps)
+
+
+@pytest.mark.parametrize(
+    ("argv", "key"),
+    [
+        (["trainer", "trainer.total_training_steps=abc"], "trainer.total_training_steps"),
+        (["rollouter", "rollout.n=0"], "rollout.n"),
+        (["up", "async_training.staleness_threshold=-1"], "async_training.staleness_threshold"),
+        (["up", "trainer.no_such_key=1"], "trainer.no_such_key"),
+        (["up", "--config", "/nonexistent.yaml"], "--config"),
+        (["inspect", "--run", "x", "run.output_dir=[1]"], "run.output_dir"),
+        (["up", "rollout.rank=3", "rollout.replicas=2"], "rollout.rank"),
+    ],
+)
+def test_bad_config_exits_2_naming_the_key(argv: list[str], key: str) -> None:
+    res = run_cli(*argv, timeout_s=60)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert key in res.stderr, res.stderr
