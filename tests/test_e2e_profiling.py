@@ -305,8 +305,6 @@ async def test_service_killed_mid_session_components_stop_by_themselves(
         WAIT_S, procs, watch,
     )
     procs.kill("profiler", signal.SIGKILL)
-    ev = await events_of(bus, run_keys.events)
-    print("DIAG at kill: stopped", [(e.role, e.session_id) for e in ev if isinstance(e, ProfileStopped)], "last step", max([e.step for e in ev if isinstance(e, StepStarted)]))
     assert procs.procs["profiler"].returncode == -signal.SIGKILL
 
     # Without the service, both components end the session at step 4 by themselves.
@@ -319,8 +317,6 @@ async def test_service_killed_mid_session_components_stop_by_themselves(
         )
     # A new service rebuilds its state from the log: nothing is sent twice.
     procs.spawn("profiler2", "profiler_service", *args)
-    ev = await events_of(bus, run_keys.events)
-    print("DIAG at restart: finished", any(isinstance(e, RunFinished) for e in ev), "last step", max([e.step for e in ev if isinstance(e, StepStarted)]))
     await finish(bus, run_keys, procs, ("profiler2", "rollouter", "trainer"))
 
     await check_profiles(bus, run_keys, out, {"s2-4": {2, 3, 4}})
@@ -377,7 +373,6 @@ async def test_runtime_request_on_live_run(
     await finish(bus, run_keys, procs)
 
     step = cmd.first_step
-    print("DIAG request step", step)
     assert cmd.session_id == f"r{cmd.request_id}-s{step}-{step}"
     manifest = await check_profiles(bus, run_keys, out, {cmd.session_id: {step}})
     assert {s["request_id"] for s in manifest["sessions"]} == {cmd.request_id}

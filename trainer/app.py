@@ -305,26 +305,40 @@ class Trainer:
         rewards = torch.tensor([[s.reward for s in group] for group in samples])
         adv = group_advantages(rewards)
         stats: dict[str, list[float]] = {k: [] for k in ("loss", "clip", "ent", "gn", "kl")}
+        temperature = self.cfg.rollout.temperature
+        minibatches = []
+        for start in range(0, len(samples), mb):
+            flat = [s for group in samples[start : start + mb] for s in group]
+            batch = build_batch(
+                # copies: Array.numpy() views read-only message bytes
+                [(s.prompt_tokens.numpy().copy(), s.response_tokens.numpy().copy(),
+                  s.logprobs.numpy().copy()) for s in flat],
+                pad_id=self.policy.pad_id, device=self.device,
+            )
+            old = batch.old_logprobs
+            stale = any(s.min_version < self.version for s in flat)
+            if tc.tis_cap is not None and stale:
+                # Decoupled PPO for stale samples: the ratio is taken against the current
+                # (proximal) weights and the rollout policy enters only through a truncated
+                # importance weight, so a very stale sample cannot dominate the step.
+                with torch.no_grad():
+                    old, _ = self.policy.logprobs_and_entropy(
+                        batch.input_ids, batch.attention_mask, batch.response_len,
+                        temperature=temperature,
+                    )
+            a = adv[start : start + mb].reshape(-1).to(self.device)
+            minibatches.append((batch, old, a, stale))
         for _ in range(tc.ppo_epochs):
-            for start in range(0, len(samples), mb):
-                chunk = samples[start : start + mb]
-                flat = [s for group in chunk for s in group]
-                batch = build_batch(
-                    # copies: Array.numpy() views read-only message bytes
-                    [(s.prompt_tokens.numpy().copy(), s.response_tokens.numpy().copy(),
-                      s.logprobs.numpy().copy()) for s in flat],
-                    pad_id=self.policy.pad_id, device=self.device,
-                )
+            for batch, old, a, stale in minibatches:
                 logp, entropy = self.policy.logprobs_and_entropy(
                     batch.input_ids, batch.attention_mask, batch.response_len,
-                    temperature=self.cfg.rollout.temperature,
+                    temperature=temperature,
                 )
-                a = adv[start : start + mb].reshape(-1).to(self.device)
+                use_tis = tc.tis_cap is not None and stale
                 loss, clipfrac = ppo_clip_loss(
-                    logp, batch.old_logprobs, a, batch.response_mask,
-                    tc.clip_ratio_low, tc.clip_ratio_high,
-                    logp_behaviour=batch.old_logprobs if tc.tis_cap else None,
-                    tis_cap=tc.tis_cap,
+                    logp, old, a, batch.response_mask, tc.clip_ratio_low, tc.clip_ratio_high,
+                    logp_behaviour=batch.old_logprobs if use_tis else None,
+                    tis_cap=tc.tis_cap if use_tis else None,
                 )
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -334,7 +348,7 @@ class Trainer:
                 stats["clip"].append(clipfrac.item())
                 stats["ent"].append(float(masked_mean(entropy.detach(), batch.response_mask)))
                 stats["gn"].append(float(grad_norm))
-                stats["kl"].append(float(approx_kl(logp, batch.old_logprobs, batch.response_mask)))
+                stats["kl"].append(float(approx_kl(logp, old, batch.response_mask)))
         flat_all = [s for group in samples for s in group]
         staleness = [self.version - s.min_version for s in flat_all]
         lengths = [len(s.response_tokens) for s in flat_all]
