@@ -8,17 +8,23 @@ status, and the events log holds ProfileStarted/ProfileStopped for every role.
 
 Waits are bounded and synchronised on stream entries (or the service's own "caught up" log
 line), never on sleeping; the one exception is the deliberate 2 s delay of the "service
-started after the trainer" case. Runs are kept short (few steps, small batches) because the
-machine has two cores.
+started after the trainer" case. Where a test must act on a live run at a known point (kill
+the service mid-session, restart it, send runtime requests) it holds the only rollouter with
+SIGSTOP: the trainer then blocks gathering samples (well inside ``heartbeat.timeout_s``) until
+SIGCONT. Runs are kept short (few steps, small batches) because the machine has two cores.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -29,6 +35,7 @@ import pytest
 
 from bus import Bus, RunKeys
 from bus.messages import (
+    Heartbeat,
     ProfileRequest,
     ProfileRequestRefused,
     ProfilerFinished,
@@ -81,17 +88,28 @@ def _profile_dir(out: Path, run_id: str) -> Path:
 
 
 def trace_steps(path: Path) -> set[int]:
-    """The K of every ``step:K`` user annotation in a gzip Chrome trace (it must parse)."""
+    """The K of every ``step:K`` user annotation in a gzip Chrome trace (it must parse).
+
+    Each annotation appears once and has recorded work (torch ops) inside it on its thread.
+    """
     with gzip.open(path, "rt") as fh:
         trace = json.load(fh)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     assert isinstance(events, list) and events, f"{path} holds no trace events"
-    steps = set()
+    found: Counter[int] = Counter()
     for e in events:
         m = STEP_RE.match(str(e.get("name", "")))
-        if m and e.get("cat") == "user_annotation":
-            steps.add(int(m.group(1)))
-    return steps
+        if not m or e.get("cat") != "user_annotation" or e.get("ph") != "X":
+            continue
+        found[int(m.group(1))] += 1
+        begin, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        assert any(
+            o.get("cat") == "cpu_op" and o.get("tid") == e.get("tid")
+            and begin <= float(o["ts"]) <= end
+            for o in events
+        ), f"{path}: {e['name']} holds no op"
+    assert all(n == 1 for n in found.values()), f"{path}: annotations repeat: {found}"
+    return set(found)
 
 
 async def wait_log(procs: Procs, name: str, text: str, timeout_s: float = WAIT_S) -> None:
@@ -160,7 +178,8 @@ async def check_profiles(
         for role in roles:
             started = [
                 e for e in events
-                if isinstance(e, ProfileStarted) and (e.session_id, e.role, e.rank) == (sid, role, 0)
+                if isinstance(e, ProfileStarted) and (e.session_id, e.role, e.rank)
+                == (sid, role, 0)
             ]
             assert len(started) == 1, (sid, role, started)
             assert started[0].step == min(steps), (sid, role, started[0])
@@ -285,29 +304,47 @@ async def test_steps_2_3_continuous_or_discrete(
 # --------------------------------------------------------------------------- 3. kill -9
 
 
+@contextlib.contextmanager
+def paused(procs: Procs, name: str) -> Iterator[None]:
+    """Hold ``name`` with SIGSTOP (SIGCONT on exit): a live run that cannot move on.
+
+    With the only rollouter paused the trainer blocks gathering samples within a step, well
+    inside ``heartbeat.timeout_s``; this pins the run at a known point without sleeping.
+    """
+    pid = procs.procs[name].pid
+    os.killpg(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGCONT)
+
+
 @pytest.mark.chaos
 @pytest.mark.asyncio
 async def test_service_killed_mid_session_components_stop_by_themselves(
     bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
 ) -> None:
     out = tmp_path / "out"
-    total = 12
+    total = 8
     args = _args(redis_url, run_id, out, f"trainer.total_training_steps={total}",
                  "global_profiler.steps=[2,3,4]", "global_profiler.profile_continuous_steps=true",
-                 "global_profiler.handshake_timeout_s=60")
+                 "heartbeat.timeout_s=60")
     await start_service_first(procs, args)
     procs.spawn("rollouter", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
-    watch = ("profiler", "rollouter", "trainer")
     await wait_for(
         bus, run_keys.events,
         lambda m: isinstance(m, ProfileStarted) and m.role == "trainer" and m.session_id == "s2-4",
-        WAIT_S, procs, watch,
+        WAIT_S, procs, COMPONENTS,
     )
-    procs.kill("profiler", signal.SIGKILL)
-    assert procs.procs["profiler"].returncode == -signal.SIGKILL
+    with paused(procs, "rollouter"):  # so that the kill lands inside the session, surely
+        procs.kill("profiler", signal.SIGKILL)
+        assert procs.procs["profiler"].returncode == -signal.SIGKILL
+        events = await events_of(bus, run_keys.events)
+        assert not [e for e in events if isinstance(e, ProfileStopped)], "session already over"
 
-    # Without the service, both components end the session at step 4 by themselves.
+    # Without the service, both components end the session after step 4 by themselves.
     for role in ROLES:
         await wait_for(
             bus, run_keys.events,
@@ -315,8 +352,21 @@ async def test_service_killed_mid_session_components_stop_by_themselves(
             and m.session_id == "s2-4",
             WAIT_S, procs, ("rollouter", "trainer"),
         )
-    # A new service rebuilds its state from the log: nothing is sent twice.
-    procs.spawn("profiler2", "profiler_service", *args)
+    # A new service on the still-live run rebuilds its state from the log: nothing is sent
+    # twice. The rollouter is held so that the run cannot finish under it.
+    with paused(procs, "rollouter"):
+        proc = procs.spawn("profiler2", "profiler_service", *args)
+        # Its first heartbeat comes after it read the log and made its first decisions.
+        await wait_for(
+            bus, run_keys.events,
+            lambda m: isinstance(m, Heartbeat) and m.role == "profiler" and m.pid == proc.pid,
+            WAIT_S, procs, ("profiler2", "trainer"),
+        )
+        events = await events_of(bus, run_keys.events)
+        assert not [e for e in events if isinstance(e, RunFinished)], "the run ended too soon"
+        control = await control_of(bus, run_keys)
+        assert [m.session_id for m in control if isinstance(m, StartProfile)] == ["s2-4"]
+        assert sum(isinstance(e, ProfilerReady) for e in events) == 1
     await finish(bus, run_keys, procs, ("profiler2", "rollouter", "trainer"))
 
     await check_profiles(bus, run_keys, out, {"s2-4": {2, 3, 4}})
@@ -329,51 +379,57 @@ async def test_service_killed_mid_session_components_stop_by_themselves(
 # --------------------------------------------------------------------------- 4. runtime
 
 
+async def profile_cli(redis_url: str, run_id: str, spec: str) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(
+        run_cli, "profile", "--run", run_id, "--steps", spec, "--timeout", "60",
+        f"redis.url={redis_url}",
+    )
+
+
 @pytest.mark.asyncio
 async def test_runtime_request_on_live_run(
     bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
 ) -> None:
     out = tmp_path / "out"
-    total = 40
-    # No scheduled session: the only one is the runtime request's. On-policy (threshold 0)
-    # keeps the steps from racing ahead of the requests.
+    total = 8
+    # No scheduled session: the only one is the runtime request's. On-policy (threshold 0):
+    # with the rollouter paused the trainer cannot get more than a step ahead.
     args = _args(redis_url, run_id, out, f"trainer.total_training_steps={total}",
-                 "global_profiler.steps=[]", "async_training.staleness_threshold=0")
+                 "global_profiler.steps=[]", "async_training.staleness_threshold=0",
+                 "heartbeat.timeout_s=60")
     await start_service_first(procs, args)
     procs.spawn("rollouter", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
     await wait_for(bus, run_keys.events, lambda m: isinstance(m, StepStarted) and m.step == 2,
                    WAIT_S, procs, COMPONENTS)
 
-    # A step that has already started is refused: exit code 2 and a ProfileRequestRefused.
-    past = await asyncio.to_thread(
-        run_cli, "profile", "--run", run_id, "--steps", "1", "--timeout", "60",
-        f"redis.url={redis_url}",
-    )
-    assert past.returncode == 2, (past.stdout, past.stderr)
-    assert "not in the future" in past.stderr, past.stderr
-    events = await events_of(bus, run_keys.events)
-    (refused,) = [e for e in events if isinstance(e, ProfileRequestRefused)]
-    (request,) = [e for e in events if isinstance(e, ProfileRequest)]
-    assert refused.request_id == request.request_id
-    assert "not in the future" in refused.reason
-    assert not [e for e in events if isinstance(e, RunFinished)], "the run ended too soon"
+    with paused(procs, "rollouter"):  # the run stays live while the two requests are answered
+        # A step that has already started is refused: exit code 2 and a ProfileRequestRefused.
+        past = await profile_cli(redis_url, run_id, "1")
+        assert past.returncode == 2, (past.stdout, past.stderr)
+        assert "not in the future" in past.stderr, past.stderr
+        events = await events_of(bus, run_keys.events)
+        (refused,) = [e for e in events if isinstance(e, ProfileRequestRefused)]
+        (request,) = [e for e in events if isinstance(e, ProfileRequest)]
+        assert refused.request_id == request.request_id
+        assert "not in the future" in refused.reason
 
-    # The next step is accepted and profiled on both roles.
-    nxt = await asyncio.to_thread(
-        run_cli, "profile", "--run", run_id, "--steps", "next:1", "--timeout", "60",
-        f"redis.url={redis_url}",
-    )
-    assert nxt.returncode == 0, (nxt.stdout, nxt.stderr)
+        # The next step is accepted ...
+        nxt = await profile_cli(redis_url, run_id, "next:1")
+        assert nxt.returncode == 0, (nxt.stdout, nxt.stderr)
+        events = await events_of(bus, run_keys.events)
+        last_started = max(e.step for e in events if isinstance(e, StepStarted))
+        assert not [e for e in events if isinstance(e, RunFinished)]
     control = await control_of(bus, run_keys)
     (cmd,) = [m for m in control if isinstance(m, StartProfile)]
     assert cmd.request_id and cmd.session_id in nxt.stdout, (cmd, nxt.stdout)
-    assert cmd.first_step == cmd.last_step > 2
+    step = cmd.first_step
+    assert step == cmd.last_step == last_started + 1 <= total, (cmd, last_started)
+    assert cmd.session_id == f"r{cmd.request_id}-s{step}-{step}"
     assert set(cmd.roles) == set(ROLES)
     await finish(bus, run_keys, procs)
 
-    step = cmd.first_step
-    assert cmd.session_id == f"r{cmd.request_id}-s{step}-{step}"
+    # ... and profiled on both roles, exactly that step.
     manifest = await check_profiles(bus, run_keys, out, {cmd.session_id: {step}})
     assert {s["request_id"] for s in manifest["sessions"]} == {cmd.request_id}
 
@@ -394,9 +450,6 @@ BAD = [
 def test_bad_profiler_config_exits_2_naming_the_key(
     override: str, key: str, tmp_path: Path, run_id: str
 ) -> None:
-    import subprocess
-    import sys
-
     out = tmp_path / "out"
     # Everything else is valid (a Redis URL nobody listens on: validation comes first).
     common = ["redis.url=redis://127.0.0.1:1/0", f"run.id={run_id}", f"run.output_dir={out}",
@@ -440,4 +493,5 @@ async def test_rlbus_up_with_profiling_writes_manifest(tmp_path: Path, run_id: s
         assert entry["path"] == f"{role}0-s1-1.json.gz"
         assert entry["bytes"] == path.stat().st_size
         assert trace_steps(path) == {1}
+    assert "embedded Redis at" in proc.stdout
     assert str(folder) in proc.stdout  # it says where the traces are
