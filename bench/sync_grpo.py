@@ -47,13 +47,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=16, help="prompts per step")
     p.add_argument("--n", type=int, default=8, help="responses per prompt (rollout.n)")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--updates", type=int, default=1, help="optimizer steps (mini-batches) "
+                   "per generated batch")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: max_digits + 1")
     p.add_argument("--clip-low", type=float, default=0.2)
     p.add_argument("--clip-high", type=float, default=0.28)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--entropy-coef", type=float, default=0.0)
-    p.add_argument("--length-penalty", type=float, default=1.0, help="see digits_reward")
     p.add_argument("--quiet", action="store_true", help="print every 10th step only")
     p.add_argument("--show", type=int, default=0, help="print this many samples per report")
     return p.parse_args(argv)
@@ -78,34 +79,42 @@ def run(a: argparse.Namespace) -> int | None:
         prompt_ids = [tok.encode(p.prompt, bos=True) for p in prompts for _ in range(a.n)]
         gen = policy.generate(prompt_ids, max_new, a.temperature, seed=a.seed * 1_000_003 + step)
         rewards = torch.tensor(
-            [digits_reward(tok.decode(r), prompts[i // a.n].answer, a.length_penalty)
+            [digits_reward(tok.decode(r), prompts[i // a.n].answer)
              for i, r in enumerate(gen.tokens)]
         ).view(a.prompts, a.n)
         adv = group_advantages(rewards).view(-1)
         batch = build_batch(list(zip(prompt_ids, gen.tokens, gen.logprobs, strict=True)),
                             pad_id=tok.pad_id, device=policy.device)
 
+        # `updates` optimizer steps per batch, each on its own slice of whole groups (one
+        # PPO epoch). After the first, the policy has moved and the clip starts to matter.
         policy.train()
-        logp, entropy = policy.logprobs_and_entropy(
-            batch.input_ids, batch.attention_mask, batch.response_len, a.temperature
-        )
-        mask = batch.response_mask
-        loss, clipfrac = ppo_clip_loss(logp, batch.old_logprobs, adv.to(logp.device), mask,
-                                       a.clip_low, a.clip_high)
-        ent = masked_mean(entropy, mask)
-        opt.zero_grad(set_to_none=True)
-        (loss - a.entropy_coef * ent).backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), a.grad_clip)
-        opt.step()
+        stats = []
+        for idx in torch.arange(a.prompts).chunk(a.updates):
+            rows = (idx[:, None] * a.n + torch.arange(a.n)).reshape(-1).to(policy.device)
+            logp, entropy = policy.logprobs_and_entropy(
+                batch.input_ids[rows], batch.attention_mask[rows], batch.response_len,
+                a.temperature,
+            )
+            mask, old = batch.response_mask[rows], batch.old_logprobs[rows]
+            loss, clipfrac = ppo_clip_loss(logp, old, adv.to(logp.device)[rows], mask,
+                                           a.clip_low, a.clip_high)
+            ent = masked_mean(entropy, mask)
+            opt.zero_grad(set_to_none=True)
+            (loss - a.entropy_coef * ent).backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), a.grad_clip)
+            opt.step()
+            stats.append((ent.item(), clipfrac.item(), approx_kl(logp, old, mask).item(),
+                          gnorm.item()))
+        ent_m, clip_m, kl_m, gnorm_m = (sum(x) / len(stats) for x in zip(*stats, strict=True))
 
         r = rewards.mean().item()
         exact = (rewards == 1.0).float().mean().item()
         if reached is None and r >= a.target:
             reached = step
         if not a.quiet or step % 10 == 0 or step == 1 or reached == step:
-            kl = approx_kl(logp, batch.old_logprobs, mask).item()
-            print(f"step {step:4d}  reward {r:.3f}  exact {exact:.2f}  entropy {ent.item():.3f}"
-                  f"  clipfrac {clipfrac.item():.3f}  kl {kl:.1e}  gnorm {gnorm.item():.2f}"
+            print(f"step {step:4d}  reward {r:.3f}  exact {exact:.2f}  entropy {ent_m:.3f}"
+                  f"  clipfrac {clip_m:.3f}  kl {kl_m:.1e}  gnorm {gnorm_m:.2f}"
                   f"  t {time.perf_counter() - t0:6.1f}s", flush=True)
             for i in range(0, min(a.show * a.n, len(gen.tokens)), a.n):
                 print(f"    {prompts[i // a.n].prompt}{tok.decode(gen.tokens[i])!r:8}"

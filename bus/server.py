@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import importlib.util
 import os
 import re
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
@@ -131,6 +133,28 @@ def _conf_quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _pdeathsig_hook() -> Callable[[], None] | None:
+    """A preexec function asking Linux to SIGTERM the child when its parent dies, or None.
+
+    Only from the main thread: PR_SET_PDEATHSIG fires when the *thread* that forked exits,
+    so a server started from a worker thread would die with that thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork, not in the child
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def hook() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+    return hook
+
+
 def _terminate(proc: subprocess.Popen[bytes]) -> None:
     # Finalizer: a server must not outlive the process that embedded it by accident.
     if proc.poll() is None:
@@ -149,6 +173,11 @@ class EmbeddedRedis:
     ``appendonly=True`` keeps every write in an AOF under ``dir`` so data survives a restart;
     RDB snapshots are off (``save ""``). ``password`` sets ``requirepass`` (written to a 0600
     config file, never on the command line). Usable as a sync or async context manager.
+
+    ``die_with_owner=True`` (Linux, when started from the main thread): the server gets
+    SIGTERM (a clean shutdown that flushes the AOF) if this process dies, even by SIGKILL, so
+    a crashed owner leaves no orphan holding the port. Otherwise a finalizer stops it at
+    interpreter exit.
     """
 
     def __init__(
@@ -161,6 +190,7 @@ class EmbeddedRedis:
         *,
         start_timeout_s: float = 15.0,
         stop_timeout_s: float = 15.0,
+        die_with_owner: bool = True,
     ) -> None:
         self.dir = Path(dir).resolve()
         self.binary = find_redis_server(binary)
@@ -168,6 +198,7 @@ class EmbeddedRedis:
         self.password = password
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
+        self.die_with_owner = die_with_owner
         self._port = port
         self._auto_port = port is None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -276,6 +307,7 @@ class EmbeddedRedis:
             # Own session: a Ctrl-C for the foreground job must not kill Redis before the
             # components that still write to it have stopped.
             start_new_session=True,
+            preexec_fn=_pdeathsig_hook() if self.die_with_owner else None,
         )
         self._proc, self._log = proc, log
         self._finalizer = weakref.finalize(self, _terminate, proc)

@@ -77,8 +77,9 @@ def _redis(argv: list[str]) -> int:
     cfg = load_config(file, overrides)
     from pathlib import Path
 
-    serve_forever(Path(cfg.run.output_dir) / "redis", port=cfg.redis.port, binary=cfg.redis.binary)
-    return 0
+    return serve_forever(
+        Path(cfg.run.output_dir) / "redis", port=cfg.redis.port, binary=cfg.redis.binary
+    )
 
 
 def _profile(argv: list[str]) -> int:

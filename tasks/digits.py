@@ -33,16 +33,15 @@ class DigitsPrompts:
         return p
 
 
-def digits_reward(response: str, answer: str, length_penalty: float = 1.0) -> float:
-    """Fraction of answer positions the response gets right, in [0, 1].
+def digits_reward(response: str, answer: str) -> float:
+    """Fraction of positions right, where stopping counts as one more position: response and
+    answer both get an end mark, are compared position by position, and the count is divided
+    by the longer of the two. So "321" for "321" scores 1, "3215" 3/5, "32" 2/4, "" 0.
 
-    A response longer than the answer is scaled by 1 - length_penalty * extra / len(response)
-    (with the default 1.0 that is correct / max(len(answer), len(response))), so stopping at
-    the right place pays, while a random policy still earns a little: GRPO needs differences
-    within a group to learn anything.
+    Scoring the stop like a character lets the policy learn where to stop independently of
+    the digits (otherwise "right digits + one stray character" is a sticky local optimum),
+    and a random policy still earns a little: GRPO needs differences within a group.
     """
-    if not answer:
-        return 1.0 if not response else 1.0 - length_penalty
-    correct = sum(a == b for a, b in zip(response, answer, strict=False))
-    extra = max(0, len(response) - len(answer))
-    return correct / len(answer) * (1.0 - length_penalty * extra / max(1, len(response)))
+    r, a = response + "\0", answer + "\0"
+    correct = sum(x == y for x, y in zip(r, a, strict=False))
+    return correct / max(len(r), len(a))

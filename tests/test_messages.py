@@ -203,3 +203,16 @@ def test_unknown_extra_fields_are_ignored() -> None:
     )
     msg = m.decode(raw)
     assert isinstance(msg, m.StepStarted) and msg.step == 3
+
+
+def test_bus_reexports_every_public_name() -> None:
+    import importlib
+
+    import bus
+
+    for name in ("messages", "keys", "errors", "retry", "server", "streams", "blobs"):
+        module = importlib.import_module(f"bus.{name}")
+        missing = set(module.__all__) - set(bus.__all__)
+        assert not missing, f"bus/__init__.py does not re-export bus.{name}: {sorted(missing)}"
+        for public in module.__all__:
+            assert getattr(bus, public) is getattr(module, public)

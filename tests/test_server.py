@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,34 @@ def test_serve_forever_until_sigterm(tmp_path: Path, redis_binary: str) -> None:
                 proc.wait()
     with pytest.raises(OSError):
         ping(port)
+
+
+@pytest.mark.timeout(60)
+def test_server_dies_with_its_killed_owner(tmp_path: Path, redis_binary: str) -> None:
+    code = (
+        "import sys; from bus import EmbeddedRedis; "
+        f"r = EmbeddedRedis({str(tmp_path)!r}, binary={redis_binary!r}).start(); "
+        "print(r.pid, flush=True); sys.stdin.read()"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as owner:
+        assert owner.stdout is not None
+        pid = int(owner.stdout.readline())
+        os.kill(pid, 0)  # running
+        owner.kill()  # SIGKILL: no finalizer, no atexit
+        owner.wait(10)
+    # PR_SET_PDEATHSIG makes the kernel SIGTERM the server; wait for it (bounded).
+    deadline = time.monotonic() + 20
+    while _alive(pid):
+        assert time.monotonic() < deadline, "redis-server outlived its killed owner"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie (an orphan's reaper may be slow to collect it)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
