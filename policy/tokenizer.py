@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["DEFAULT_CHARS", "CharTokenizer"]
+__all__ = ["DEFAULT_CHARS", "REPLACEMENT", "CharTokenizer"]
 
 # '>' doubles as the prompt/answer separator; the rest keeps small arithmetic-style tasks
 # expressible. Keep the set small: at init the policy samples almost uniformly over the
 # vocabulary, so every extra symbol lowers the starting reward of the digits task.
 DEFAULT_CHARS = ">0123456789+-="
+REPLACEMENT = "\ufffd"  # how decode shows ids that are not characters
 
 
 class CharTokenizer:
@@ -44,12 +45,13 @@ class CharTokenizer:
         return [self.bos_id] * bos + ids + [self.eos_id] * eos
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids` up to the first eos; pad/bos and unknown ids are dropped."""
+        """Text of `ids` up to the first eos. pad, bos and unknown ids become U+FFFD, one
+        character each: dropping them would let a policy fake a short answer with them."""
         out = []
         for i in ids:
             i = int(i)
             if i == self.eos_id:
                 break
-            if i >= len(self.specials) and i in self._itos:
-                out.append(self._itos[i])
+            out.append(self._itos[i] if i >= len(self.specials) and i in self._itos
+                       else REPLACEMENT)
         return "".join(out)
