@@ -57,6 +57,13 @@ class RunKeys(msgspec.Struct, frozen=True):
     def dlq(self) -> str:
         return f"{self.prefix}:dlq"
 
+    @property
+    def barrier(self) -> str:
+        """Step barrier (a plain string key holding an int, see :meth:`bus.Bus.set_barrier`):
+        the trainer raises it to ``k`` before anything lets a role begin step ``k``, so
+        commands for steps ``<= barrier`` are closed (:meth:`bus.Bus.publish_guarded`)."""
+        return f"{self.prefix}:barrier"
+
     def blob(self, name: str) -> str:
         """Key prefix of blob ``name`` (its chunks are ``...:0``, ``...:1``, ...)."""
         return f"{self.prefix}:blob:{name}"

@@ -14,6 +14,12 @@ Bus (all coroutines unless noted)
     ``publish_multi([(stream, msg), ...], *, atomic=True) -> list[str]``
         XADDs to several streams in one MULTI/EXEC (a run's keys share one hash slot)
     ``publish_raw(stream, fields) -> str``      XADD of arbitrary fields (tools, tests)
+    ``publish_guarded(stream, msg, guard_key, first_step) -> str | None``
+        XADD only while ``GET guard_key`` < ``first_step``, atomically (EVAL/EVALSHA): the
+        entry id, or None when refused (a step barrier, see :meth:`Bus.set_barrier`)
+    ``set_barrier(key, step) -> int``   raise an int key to ``step``, never lower it (EVAL:
+        GET + SET); returns the value it holds now
+    ``get_barrier(key) -> int``         GET, 0 when the key is missing
     ``read_all(stream, start="0", end="+", *, count=500, on_bad=None)``
         async iterator of :class:`Entry` ``(id, msg)``, XRANGE paging, for folding state
     ``tail(stream, last_id="$", *, block_ms=1000, count=100, on_bad=None, stop=None,
@@ -273,6 +279,28 @@ return redis.call('XTRIM', key, 'MINID', floor)
 """
 
 
+# Monotonic step barrier. KEYS[1] the barrier key; ARGV[1] the step. Never lowers it.
+_SET_BARRIER_LUA = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+local step = tonumber(ARGV[1])
+if cur < step then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return step
+end
+return cur
+"""
+
+# Guarded publish. KEYS[1] stream; KEYS[2] barrier key; ARGV[1] field; ARGV[2] encoded
+# message; ARGV[3] first step. XADD only while the barrier is below the first step.
+_PUBLISH_GUARDED_LUA = """
+local barrier = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+if barrier < tonumber(ARGV[3]) then
+  return redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+end
+return false
+"""
+
+
 class Bus:
     """A Redis Streams client for one process. Build it with :meth:`from_url`."""
 
@@ -295,6 +323,8 @@ class Bus:
         for name in _RAW_COMMANDS:
             client.set_response_callback(name, _raw)
         self._trim_script = client.register_script(_TRIM_LUA)
+        self._set_barrier_script = client.register_script(_SET_BARRIER_LUA)
+        self._guarded_script = client.register_script(_PUBLISH_GUARDED_LUA)
         self.on_retry: Callable[[str, int, BaseException], None] | None = None
         """Optional hook ``(op, attempt, error)`` run before each retry wait (metrics, tests)."""
 
@@ -463,6 +493,47 @@ class Bus:
             args += [k, v]
         entry_id: bytes = await self._call("XADD", lambda: self._redis.execute_command(*args))
         return entry_id.decode()
+
+    # ------------------------------------------------------------------ step barriers
+
+    async def publish_guarded(
+        self, stream: str, msg: Message, guard_key: str, first_step: int
+    ) -> str | None:
+        """Append ``msg`` only if the int at ``guard_key`` (0 when missing) is below
+        ``first_step``; returns the entry id, or None when refused (nothing was written).
+
+        Wraps one Lua script (EVALSHA, EVAL when the server does not have it yet: GET, then
+        XADD), so the check and the write are atomic: an accepted entry was appended before
+        any :meth:`set_barrier` that raised the key to ``first_step`` or above. ``stream``
+        and ``guard_key`` must share a hash slot on a cluster (a run's keys do). As with
+        :meth:`publish`, a retried call whose reply was lost may have written the entry
+        even if the retry reports None (the barrier moved meanwhile): callers that care
+        look for it in the stream.
+        """
+        data = encode(msg)
+        step = int(first_step)
+        entry_id: bytes | None = await self._call(
+            "XADD",
+            lambda: self._guarded_script(keys=[stream, guard_key], args=[FIELD, data, step]),
+        )
+        return None if entry_id is None else entry_id.decode()
+
+    async def set_barrier(self, key: str, step: int) -> int:
+        """Raise the int at ``key`` to ``step``; never lower it. Returns the value it holds
+        afterwards (``step`` or a higher one already there).
+
+        Wraps one Lua script (EVALSHA/EVAL: GET, then SET only if the value is lower), so
+        concurrent callers cannot move it backwards.
+        """
+        value = await self._call(
+            "SET", lambda: self._set_barrier_script(keys=[key], args=[int(step)])
+        )
+        return int(value)
+
+    async def get_barrier(self, key: str) -> int:
+        """The int at ``key``, 0 when it is missing. Wraps GET."""
+        raw = await self._call("GET", lambda: self._redis.execute_command("GET", key))
+        return 0 if raw is None else int(raw)
 
     # ------------------------------------------------------------------ reading logs
 

@@ -10,7 +10,9 @@ SPEC is one of:
 
 * ``K``: trainer step K (1-based);
 * ``A-B``: steps A to B inclusive, one session;
-* ``next:N``: the N steps after the last started one (``next`` alone is ``next:1``).
+* ``next:N``: the N steps after the last started one, or after the step the trainer is
+  already crossing into (the run's step barrier, docs/profiling.md); ``next`` alone is
+  ``next:1``.
 
 The service refuses steps that have already started, steps past the run's last step and steps
 that overlap a session already scheduled on the same role.

@@ -347,8 +347,10 @@ def _answer_request(
     view: RunView,
     req: ProfileRequest,
     scheduled: list[StartProfile],
+    barrier: int = 0,
 ) -> StartProfile | ProfileRequestRefused:
-    """Validate one runtime request against the log and the sessions scheduled so far."""
+    """Validate one runtime request against the log, the sessions scheduled so far and the
+    step barrier (steps ``<= barrier`` have begun or are beginning: closed to commands)."""
     if cfg.tool is None:
         return _refuse(
             req, "profiling is off: global_profiler.tool is null in the profiler service config"
@@ -368,7 +370,10 @@ def _answer_request(
         return _refuse(
             req, f"no rank of roles {req.roles} is selected by global_profiler.ranks={cfg.ranks}"
         )
-    last = view.last_started_step
+    started = view.last_started_step
+    # The barrier is ahead of StepStarted while the trainer crosses a step boundary: the
+    # step it names has begun for the components even though its StepStarted is not out.
+    last = max(started, barrier)
     if req.steps and req.next_steps:
         return _refuse(req, "give either steps or next_steps, not both")
     if req.next_steps < 0:
@@ -387,11 +392,18 @@ def _answer_request(
     if steps[-1] - steps[0] + 1 != len(steps):
         return _refuse(req, f"steps {steps} are not consecutive; one request is one session")
     first, final = steps[0], steps[-1]
+    if first <= started:
+        return _refuse(
+            req,
+            f"step {first} is not in the future: trainer step {started} has already started, "
+            f"so the earliest step a request can profile is {last + 1}",
+        )
     if first <= last:
         return _refuse(
             req,
-            f"step {first} is not in the future: trainer step {last} has already started, "
-            f"so the earliest step a request can profile is {last + 1}",
+            f"step {first} is not in the future: trainer step {last} has already begun "
+            f"(the trainer closed commands for steps up to {last}), so the earliest step a "
+            f"request can profile is {last + 1}",
         )
     total = view.total_steps
     if total is not None and final > total:
@@ -420,8 +432,12 @@ def _answer_request(
     return candidate
 
 
-def decide(cfg: ProfilerConfig, seen: Sequence[Event | Command]) -> list[Command | Event]:
-    """What the service must publish now, given everything seen so far (in log order).
+def decide(
+    cfg: ProfilerConfig, seen: Sequence[Event | Command], barrier: int = 0
+) -> list[Command | Event]:
+    """What the service must publish now, given everything seen so far (in log order) and
+    the run's step ``barrier`` (the value of ``RunKeys.barrier``: the trainer raises it to
+    ``k`` before it lets any role begin step ``k``; 0 when unknown).
 
     Returned in publishing order: commands go to the control stream, events to the events
     stream, one after the other, so a reader that sees ProfilerReady already finds every
@@ -433,6 +449,10 @@ def decide(cfg: ProfilerConfig, seen: Sequence[Event | Command]) -> list[Command
     * Each ProfileRequest not yet answered: a StartProfile with its ``request_id``, or a
       ProfileRequestRefused with the reason. Answered only once the run has started (a
       request read before RunStarted waits for it), except that ``tool`` null refuses at once.
+      A request's steps must come after both the last StepStarted and ``barrier``
+      (``next:N`` counts from the higher of the two). The service publishes these
+      StartProfile commands guarded by the barrier (:meth:`bus.Bus.publish_guarded`) and,
+      when the guard refuses one, decides again with the barrier it reads then.
     * RunFinished, when every session that could have run has a ProfileStopped for every
       expected ``(role, rank)`` (or the service gave up waiting, see
       :data:`SESSIONS_MISSING_CODE`): ProfilerFinished, once per log. Its ``manifest_path``
@@ -471,7 +491,7 @@ def decide(cfg: ProfilerConfig, seen: Sequence[Event | Command]) -> list[Command
     for req in view.requests:
         if req.request_id in view.answers:
             continue
-        answer = _answer_request(cfg, view, req, scheduled)
+        answer = _answer_request(cfg, view, req, scheduled, barrier)
         out.append(answer)
         if isinstance(answer, StartProfile):
             scheduled.append(answer)

@@ -5,12 +5,14 @@ Life of the service (``python -m profiler_service`` / ``rlbus profiler``):
 1. Read the run's control stream and events stream from their beginnings (either may not
    exist yet). This is all the state there is: a restarted service knows from the log what
    it already published, so it never publishes it twice.
-2. Follow the events stream. After every batch of new entries call
-   :func:`~profiler_service.schedule.decide` on the whole log and publish its output in order:
-   commands (StartProfile) to the control stream, events (ProfilerReady,
-   ProfileRequestRefused, ProfilerFinished) to the events stream. Keep ``manifest.json`` up to
-   date. Publish a Heartbeat (role ``profiler``) every ``heartbeat.interval_s`` once the
-   events stream exists (never creating it: that is the trainer's job).
+2. Follow the events stream. After every batch of new entries read the run's step barrier,
+   call :func:`~profiler_service.schedule.decide` on the whole log and the barrier, and
+   publish its output in order: commands (StartProfile) to the control stream, events
+   (ProfilerReady, ProfileRequestRefused, ProfilerFinished) to the events stream. A runtime
+   request's StartProfile is published guarded by the barrier (refused once the trainer
+   let its first step begin; then decide again). Keep ``manifest.json`` up to date.
+   Publish a Heartbeat (role ``profiler``) every ``heartbeat.interval_s`` once the events
+   stream exists (never creating it: that is the trainer's job).
 3. After RunFinished, wait up to ``global_profiler.handshake_timeout_s`` for the sessions
    still expected to stop; then publish a WarningRaised naming the missing ones (so the log
    says why), which lets ``decide`` finish.
@@ -94,6 +96,11 @@ WAITING_LOG_EVERY_S = 30.0
 """How often a service waiting for a run that has not started says so."""
 
 READ_COUNT = 500
+
+GUARD_ATTEMPTS = 5
+"""Decisions in a row one turn of the loop makes when the step barrier refuses a guarded
+StartProfile (each one re-reads the barrier first, so a second refusal needs the trainer to
+cross another step boundary in between)."""
 
 _KEPT = (
     RunStarted,
@@ -280,16 +287,73 @@ class ProfilerService:
     # ------------------------------------------------------------------ the loop
 
     async def _step(self) -> None:
-        """Publish whatever the log now calls for, and refresh the manifest."""
+        """Publish whatever the log now calls for, and refresh the manifest.
+
+        Runtime-request StartProfile commands go out guarded by the run's step barrier
+        (:meth:`_publish_request`). When the guard refuses one (the trainer crossed a step
+        boundary between our GET of the barrier and the publish), decide again with the
+        barrier read anew: ``next:N`` moves on to the steps after it, explicit steps that
+        have begun are refused with a reason. After :data:`GUARD_ATTEMPTS` refusals in a row
+        the log stays dirty and the next turn of the loop tries again.
+        """
         if not self._dirty:
             return
         self._dirty = False
-        for msg in decide(self.cfg.global_profiler, self.log):
+        for _ in range(GUARD_ATTEMPTS):
+            barrier = await self.bus.get_barrier(self.keys.barrier)
+            if await self._publish_decisions(barrier):
+                break
+        else:
+            log.info("step barrier kept moving under %d guarded publishes; retrying",
+                     GUARD_ATTEMPTS)
+            self._dirty = True
+        self._write_manifest()
+
+    async def _publish_decisions(self, barrier: int) -> bool:
+        """Publish :func:`decide`'s output in order; False if a guarded command was refused
+        (the rest is left for the next decision)."""
+        for msg in decide(self.cfg.global_profiler, self.log, barrier):
             if isinstance(msg, ProfilerFinished):
                 await self._finish(msg)
+            elif isinstance(msg, StartProfile) and msg.request_id:
+                if not await self._publish_request(msg):
+                    return False
             else:
                 await self._publish(msg)
-        self._write_manifest()
+        return True
+
+    async def _publish_request(self, cmd: StartProfile) -> bool:
+        """Publish a runtime request's StartProfile only while the trainer has not begun
+        its first step (barrier < first_step, checked and written atomically); True if it
+        is now in the control stream.
+
+        Scheduled sessions need no guard: they all go out at RunStarted, before the
+        trainer publishes weights version 0 (and raises the barrier to 1).
+        """
+        cmd = msgspec.structs.replace(cmd, ts=time.time())
+        entry_id = await self.bus.publish_guarded(
+            self.keys.control, cmd, self.keys.barrier, cmd.first_step
+        )
+        if entry_id is None:
+            # A retried call whose reply was lost may have landed before the barrier moved.
+            landed = await self._find_answer(cmd.request_id)
+            if landed is None:
+                log.info("StartProfile %s refused by the step barrier (step %d has begun); "
+                         "deciding again", cmd.session_id, cmd.first_step)
+                return False
+            cmd = landed
+        self.log.append(cmd)
+        self._dirty = True
+        log.info("published %s", _describe(cmd))
+        return True
+
+    async def _find_answer(self, request_id: str) -> StartProfile | None:
+        """The StartProfile answering ``request_id`` already in the control stream, if any."""
+        async for entry in self.bus.read_all(self.keys.control, count=READ_COUNT):
+            msg = entry.msg
+            if isinstance(msg, StartProfile) and msg.request_id == request_id:
+                return msg
+        return None
 
     def _done(self) -> bool:
         view = fold_log(self.log)

@@ -49,6 +49,7 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
+from profiler_service.request import request_profile
 from tests.procs import FAST, Procs, events_of, run_cli, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -432,6 +433,61 @@ async def test_runtime_request_on_live_run(
     # ... and profiled on both roles, exactly that step.
     manifest = await check_profiles(bus, run_keys, out, {cmd.session_id: {step}})
     assert {s["request_id"] for s in manifest["sessions"]} == {cmd.request_id}
+
+
+@pytest.mark.asyncio
+async def test_next_requests_at_step_boundaries_are_never_missed(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    """``next:1`` fired right at trainer step boundaries of a live run, the moment that used
+    to lose the race: WeightsPublished(v) is out (trainer step v+1 and rollouter step v+1
+    are beginning) but StepStarted(v+1) may not be. The step barrier makes the service grant
+    step v+2 or later, and every session comes out ``ok`` on both roles, never ``missed``.
+    """
+    out = tmp_path / "out"
+    total = 10
+    args = _args(redis_url, run_id, out, f"trainer.total_training_steps={total}",
+                 "global_profiler.steps=[]", "async_training.staleness_threshold=0",
+                 "heartbeat.timeout_s=60")
+    await start_service_first(procs, args)
+    procs.spawn("rollouter", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+
+    granted: list[tuple[int, StartProfile]] = []  # (weights version it was fired at, answer)
+    started: set[int] = set()
+    cursor = "0"
+    deadline = time.monotonic() + WAIT_S
+    finished = False
+    while not finished and len(granted) < 4:
+        assert time.monotonic() < deadline, "the run did not get through its steps in time"
+        entries, cursor = await bus.read_after(run_keys.events, cursor, count=1000, block_ms=200)
+        for _, msg in entries:
+            if isinstance(msg, StepStarted):
+                started.add(msg.step)
+            elif isinstance(msg, RunFinished):
+                finished = True
+            elif isinstance(msg, WeightsPublished) and 1 <= msg.version <= total - 3:
+                # One session at a time: the previous one's step has begun, so no overlap.
+                if granted and granted[-1][1].first_step not in started:
+                    continue
+                rid = f"edge{msg.version}"
+                rc = await request_profile(bus, run_id, "next:1", list(ROLES), 30.0, rid)
+                assert rc == 0, f"request at weights v{msg.version} answered {rc}"
+                control = await control_of(bus, run_keys)
+                (cmd,) = [m for m in control if isinstance(m, StartProfile)
+                          and m.request_id == rid]
+                granted.append((msg.version, cmd))
+        for name in COMPONENTS:
+            rc = procs.procs[name].poll()
+            assert rc is None or rc == 0, f"{name} exited {rc}:\n{procs.log(name)[-3000:]}"
+    assert len(granted) >= 2, granted
+    for version, cmd in granted:
+        # Weights v close step v+1 (barrier v+1 set before they are published).
+        assert version + 2 <= cmd.first_step == cmd.last_step <= total, (version, cmd)
+    await finish(bus, run_keys, procs)
+    await check_profiles(
+        bus, run_keys, out, {cmd.session_id: {cmd.first_step} for _, cmd in granted}
+    )
 
 
 # --------------------------------------------------------------------------- 5. bad config

@@ -25,6 +25,7 @@ from bus import (
     Bus,
     Entry,
     Heartbeat,
+    ProfileRequest,
     ProfileRequestRefused,
     ProfilerFinished,
     ProfilerReady,
@@ -38,6 +39,7 @@ from bus import (
     WarningRaised,
 )
 from profiler_service.request import request_profile, run_profile_request
+from profiler_service.service import ProfilerService
 from runconfig import config_to_dict, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -394,6 +396,128 @@ async def test_request_without_a_service_or_a_run(
     assert "no answer from the profiler service" in capfd.readouterr().err
     assert await request_profile(bus, run_id, "x", ["trainer"], 0.5) == 2
     assert await request_profile(bus, run_id, "3", ["nobody"], 0.5) == 2
+
+
+# --------------------------------------------------------------------------- the step barrier
+
+
+@pytest.mark.asyncio
+async def test_requests_at_a_step_boundary_skip_the_step_that_began(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The race: the trainer has crossed into step L+1 (barrier L+1: its control read and
+    weights are done or under way) but StepStarted(L+1) is not out. ``next:1`` must be L+2,
+    an explicit L+1 is refused with a reason, and L+2 explicitly is accepted."""
+    config = write_config(tmp_path, redis_url, run_id, steps=[])
+    proc = launch(config)
+    await bus.publish(run_keys.events, run_started(config, run_id))
+    await wait_for(bus, run_keys.events, lambda m: bool(of(m, ProfilerReady)), proc)
+    last = 3
+    await bus.set_barrier(run_keys.barrier, 1)  # as the trainer does before weights v0
+    for step in range(1, last + 1):
+        await bus.publish(run_keys.events, StepStarted(step=step, param_version=step - 1))
+        await bus.set_barrier(run_keys.barrier, step + 1)  # end of step: before its weights
+    capfd.readouterr()
+
+    assert await request_profile(bus, run_id, "next:1", ["trainer", "rollouter"], WAIT_S) == 0
+    assert f"step {last + 2}" in capfd.readouterr().out
+    control = [e.msg for e in await entries(bus, run_keys.control)]
+    (granted,) = [m for m in of(control, StartProfile) if m.request_id]
+    assert (granted.first_step, granted.last_step) == (last + 2, last + 2)
+
+    assert await request_profile(bus, run_id, str(last + 1), ["trainer"], WAIT_S) == 2
+    err = capfd.readouterr().err
+    assert "refused" in err and "already begun" in err, err
+    (refused,) = of([e.msg for e in await entries(bus, run_keys.events)], ProfileRequestRefused)
+    assert f"earliest step a request can profile is {last + 2}" in refused.reason
+    # An explicit later step is still fine (on a role the next:1 session leaves free).
+    await bus.publish(run_keys.events, StepStarted(step=last + 1, param_version=last))
+    assert await request_profile(bus, run_id, str(last + 3), ["trainer"], WAIT_S) == 0
+    control = [e.msg for e in await entries(bus, run_keys.control)]
+    assert [m.first_step for m in of(control, StartProfile) if m.request_id] == [
+        last + 2, last + 3
+    ]
+    proc.send_signal(signal.SIGTERM)
+    assert await wait_exit(proc) == 0
+
+
+def service_for(config: Path, bus: Bus) -> ProfilerService:
+    return ProfilerService(load_config(config), bus)
+
+
+@pytest.mark.asyncio
+async def test_guard_refusal_decides_again_with_the_new_barrier(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The barrier moves between the service's GET and its guarded publish (forced here by
+    serving it a stale barrier once): the StartProfile is refused by Redis, nothing lands,
+    and the service decides again: ``next:1`` for the step after the new barrier, an explicit
+    step that has begun refused with a reason."""
+    config = write_config(tmp_path, redis_url, run_id, steps=[])
+    await bus.publish(run_keys.events, run_started(config, run_id))
+    service = service_for(config, bus)
+    await service._catch_up()
+    await service._step()  # ProfilerReady
+    await bus.publish(run_keys.events, StepStarted(step=3, param_version=2))
+    await bus.set_barrier(run_keys.barrier, 4)  # the trainer crossed into step 4 meanwhile
+    real_get = bus.get_barrier
+    stale = [3, 3]
+
+    async def get_barrier(key: str) -> int:
+        return stale.pop(0) if stale else await real_get(key)
+
+    monkeypatch.setattr(bus, "get_barrier", get_barrier)
+    for req in (ProfileRequest(request_id="n1", next_steps=1),
+                ProfileRequest(request_id="e4", steps=[4])):
+        await bus.publish(run_keys.events, req)
+    service.log = []
+    await service._catch_up()
+    service._dirty = True
+    await service._step()
+    assert not stale  # both stale reads were used: the first decision was refused
+    control = [e.msg for e in await entries(bus, run_keys.control)]
+    (granted,) = of(control, StartProfile)
+    assert (granted.request_id, granted.first_step, granted.last_step) == ("n1", 5, 5)
+    events = [e.msg for e in await entries(bus, run_keys.events)]
+    (refused,) = of(events, ProfileRequestRefused)
+    assert refused.request_id == "e4" and "already begun" in refused.reason
+    service._dirty = True
+    await service._step()  # nothing more to say
+    assert len(await entries(bus, run_keys.control)) == 1
+
+
+@pytest.mark.asyncio
+async def test_guarded_publish_that_landed_despite_a_refused_retry_is_not_sent_twice(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A guarded XADD whose reply was lost lands; its retry finds the barrier moved and
+    reports a refusal. The service finds its command in the control stream and keeps it."""
+    config = write_config(tmp_path, redis_url, run_id, steps=[])
+    await bus.publish(run_keys.events, run_started(config, run_id))
+    await bus.publish(run_keys.events, StepStarted(step=2, param_version=1))
+    await bus.publish(run_keys.events, ProfileRequest(request_id="q", next_steps=1))
+    real = bus.publish_guarded
+
+    async def lost_reply(stream: str, msg: Any, guard_key: str, first_step: int) -> None:
+        assert await real(stream, msg, guard_key, first_step) is not None  # it landed...
+        await bus.set_barrier(guard_key, first_step)  # ...the barrier moved, the retry fails
+
+    monkeypatch.setattr(bus, "publish_guarded", lost_reply)
+    service = service_for(config, bus)
+    await service._catch_up()
+    await service._step()
+    control = [e.msg for e in await entries(bus, run_keys.control)]
+    (cmd,) = [m for m in of(control, StartProfile) if m.request_id]
+    assert cmd.first_step == 3
+    assert cmd in service.log
+    service._dirty = True
+    await service._step()
+    assert len([m for m in of([e.msg for e in await entries(bus, run_keys.control)],
+                              StartProfile) if m.request_id]) == 1
+    assert not of([e.msg for e in await entries(bus, run_keys.events)], ProfileRequestRefused)
 
 
 @pytest.mark.parametrize(

@@ -497,3 +497,119 @@ def test_manifest_is_a_pure_fold() -> None:
         path="../../etc/passwd", bytes=1, duration_s=0.1,
     )
     assert build_manifest("r1", [*log, escaping])["sessions"][0]["path"] == ""
+
+
+# --------------------------------------------------------------------------- the step barrier
+
+
+def test_barrier_ahead_of_step_started_moves_requests_on() -> None:
+    """At a step boundary the trainer raised the barrier to 4 but StepStarted(4) is not out:
+    ``next:1`` is step 5, an explicit step 4 is refused, and without a barrier nothing
+    changes."""
+    cfg = cfg_of([1])
+    log: Log = [run_started()]
+    log += decide(cfg, log)
+    log += [StepStarted(step=k, param_version=k - 1) for k in (1, 2, 3)]
+    nxt = ProfileRequest(request_id="q1", next_steps=2, ts=7.0)
+    assert [(s.first_step, s.last_step) for s in starts(decide(cfg, [*log, nxt]))] == [(4, 5)]
+    out = decide(cfg, [*log, nxt], barrier=4)
+    assert [(s.session_id, s.first_step, s.last_step) for s in starts(out)] == [
+        ("rq1-s5-6", 5, 6)
+    ]
+    explicit = ProfileRequest(request_id="q2", steps=[4], ts=8.0)
+    (refused,) = decide(cfg, [*log, explicit], barrier=4)
+    assert isinstance(refused, ProfileRequestRefused) and refused.request_id == "q2"
+    assert "already begun" in refused.reason
+    assert "earliest step a request can profile is 5" in refused.reason
+    # An explicit step after the barrier is fine; a barrier behind StepStarted changes nothing.
+    ok = ProfileRequest(request_id="q3", steps=[5], ts=9.0)
+    assert [s.first_step for s in starts(decide(cfg, [*log, ok], barrier=4))] == [5]
+    assert [s.first_step for s in starts(decide(cfg, [*log, nxt], barrier=2))] == [4]
+    # Scheduled sessions at RunStarted do not depend on the barrier.
+    fresh: Log = [run_started()]
+    assert decide(cfg, fresh, barrier=1) == decide(cfg, fresh)
+
+
+def serve_guarded(
+    cfg: ProfilerConfig,
+    inputs: Log,
+    barriers: Sequence[int],
+    moves: Sequence[int],
+    log: Log | None = None,
+) -> tuple[Log, list[tuple[StartProfile, int]]]:
+    """Play the service with the barrier: after input ``i`` it reads ``barriers[i]``, decides,
+    and publishes with the guard while the trainer has moved the barrier on by ``moves[i]``
+    (a refused command makes it decide again with the barrier as it is now).
+
+    Returns the log and every accepted runtime StartProfile with the barrier it beat. With
+    ``log`` it continues a log (a restarted service: no memory but the log).
+    """
+    log = [] if log is None else log
+    accepted: list[tuple[StartProfile, int]] = []
+    for entry, read, move in zip(inputs, barriers, moves, strict=True):
+        log.append(entry)
+        current = read + move  # the barrier when the guarded publishes reach Redis
+        barrier = read
+        for _ in range(3):
+            refused = False
+            for msg in decide(cfg, log, barrier):
+                if isinstance(msg, StartProfile) and msg.request_id:
+                    if msg.first_step <= current:  # publish_guarded refuses it
+                        refused = True
+                        break
+                    accepted.append((msg, current))
+                log.append(msg)
+            if not refused:
+                break
+            barrier = current  # re-read
+    return log, accepted
+
+
+@st.composite
+def barrier_runs(draw: st.DrawFn) -> tuple[ProfilerConfig, Log, list[int], list[int]]:
+    """A run of :func:`runs` plus, per input, the barrier the service reads (the trainer is
+    at step L or already crossed into L+1: L or L+1) and how far it moves before the publish."""
+    cfg, _, log = draw(runs())
+    barriers: list[int] = []
+    moves: list[int] = []
+    last = 0
+    for msg in log:
+        if isinstance(msg, StepStarted):
+            last = msg.step
+        floor = max(last, barriers[-1] + moves[-1] if barriers else 0)
+        barriers.append(draw(st.integers(floor, floor + 1)))
+        moves.append(draw(st.integers(0, 1)))
+    return cfg, log, barriers, moves
+
+
+@settings(max_examples=150, deadline=None)
+@given(run=barrier_runs())
+def test_guarded_answers_never_for_a_begun_step_and_replay_is_idempotent(
+    run: tuple[ProfilerConfig, Log, list[int], list[int]],
+) -> None:
+    cfg, inputs, barriers, moves = run
+    log, accepted = serve_guarded(cfg, inputs, barriers, moves)
+    # Every accepted runtime command is for steps after the barrier at its publish.
+    for cmd, barrier in accepted:
+        assert cmd.first_step > barrier, (cmd, barrier)
+        assert cmd.session_id == f"r{cmd.request_id}-s{cmd.first_step}-{cmd.last_step}"
+    # Each request is answered exactly once (a refused publish is decided again at once).
+    for req in [m for m in log if isinstance(m, ProfileRequest)]:
+        answers = [
+            m
+            for m in log
+            if isinstance(m, StartProfile | ProfileRequestRefused)
+            and m.request_id == req.request_id
+        ]
+        assert len(answers) == 1, (req, answers)
+    # Replay: once everything is answered, the log plus any barrier gives the same result.
+    final = barriers[-1] + moves[-1]
+    log += decide(cfg, log, final)
+    for barrier in (0, final, final + 5):
+        assert decide(cfg, log, barrier) == []
+    # A restarted service (the log only) with the same barriers continues identically.
+    cut = len(inputs) // 2
+    first, _ = serve_guarded(cfg, inputs[:cut], barriers[:cut], moves[:cut])
+    restarted, _ = serve_guarded(cfg, inputs[cut:], barriers[cut:], moves[cut:], log=first)
+    straight, _ = serve_guarded(cfg, inputs, barriers, moves)
+    assert restarted == straight

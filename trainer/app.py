@@ -484,11 +484,14 @@ class Trainer:
         if self.agent is not None and not resumed:
             await self._wait_for_profiler()
         await self._apply_commands()
+        first = self.state.last_step + 1
+        # Step barrier (docs/profiling.md): close commands for step `first` before weights
+        # (version 0) let a rollouter begin it; guarded StartProfiles for it now fail.
+        await self.bus.set_barrier(self.keys.barrier, first)
         if not resumed:
             await self._publish_weights(step=0)
         await self._issue_tickets()
         trigger = cfg.async_training.trigger_parameter_sync_step
-        first = self.state.last_step + 1
         for step in range(first, tc.total_training_steps + 1):
             t0 = time.monotonic()
             await self._apply_commands()
@@ -499,6 +502,8 @@ class Trainer:
             t_update = time.monotonic()
             metrics = self._update(groups)
             update_s = time.monotonic() - t_update
+            # Close step+1 to commands before its weights (or our next control read) exist.
+            await self.bus.set_barrier(self.keys.barrier, step + 1)
             if step % trigger == 0:
                 self.version += 1
                 await self._publish_weights(step)

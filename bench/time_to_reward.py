@@ -1,0 +1,127 @@
+"""Wall time until mean reward >= target: `rlbus up` vs an in-process synchronous GRPO loop.
+
+Both run here, one after the other, in one invocation, with the same policy, task and
+hyper-parameters (the defaults of runconfig/defaults.yaml, passed to bench/sync_grpo.py):
+
+- rlbus: `rlbus up` (embedded Redis; rollouter and trainer as separate processes, async
+  mode from the defaults), timed from launching the command until the progress line of the
+  first step whose reward/mean >= target;
+- in-process: `bench/sync_grpo.py` (generate -> reward -> update in one process, one torch
+  thread per core it may use), timed from launching it until it prints that it reached the
+  target.
+
+Wall time from launch for both, so start-up (imports, Redis, processes) counts against
+rlbus. Prints both times, the steps each needed and the ratio rlbus / in-process.
+
+    .venv/bin/python bench/time_to_reward.py [--target 0.9] [--seeds 0 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_LINE = re.compile(r"^step\s+(\d+)/\d+\s+reward\s+([0-9.]+)")
+REACHED = re.compile(r"reached [0-9.]+ at step (\d+)")
+
+
+def _defaults() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "runconfig" / "defaults.yaml").read_text())
+
+
+def _watch(cmd: list[str], found: Any, timeout_s: float) -> tuple[float | None, int | None]:
+    """Run ``cmd``; seconds from launch until ``found(line)`` returns a step, and that step."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT)
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            step = found(line)
+            if step is not None:
+                return time.perf_counter() - t0, step
+            if time.perf_counter() - t0 > timeout_s:
+                break
+        return None, None
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+
+
+def _rlbus(seed: int, target: float, out: Path) -> tuple[float | None, int | None]:
+    def found(line: str) -> int | None:
+        m = STEP_LINE.match(line.strip())
+        return int(m.group(1)) if m and float(m.group(2)) >= target else None
+
+    cmd = [sys.executable, "-m", "rlbus", "up", f"run.output_dir={out}", f"run.id=ttr-{seed}",
+           f"trainer.seed={seed}", f"model.seed={seed}", f"task.seed={seed}",
+           f"rollout.seed={seed}", "trainer.total_training_steps=400",
+           "trainer.save_freq=0"]
+    return _watch(cmd, found, 600)
+
+
+def _in_process(seed: int, target: float) -> tuple[float | None, int | None]:
+    d = _defaults()
+    t, r, m, k = d["trainer"], d["rollout"], d["model"], d["task"]
+    ac = d["async_training"]
+
+    def found(line: str) -> int | None:
+        m = REACHED.search(line)
+        return int(m.group(1)) if m else None
+
+    cmd = [sys.executable, str(ROOT / "bench" / "sync_grpo.py"), "--seed", str(seed),
+           "--target", str(target), "--steps", "400", "--threads", "2",
+           "--min-digits", str(k["min_digits"]), "--max-digits", str(k["max_digits"]),
+           "--d-model", str(m["d_model"]), "--layers", str(m["n_layers"]),
+           "--heads", str(m["n_heads"]),
+           "--prompts", str(t["ppo_mini_batch_size"] * ac["require_batches"]),
+           "--updates", str(ac["require_batches"] * t["ppo_epochs"]),
+           "--n", str(r["n"]), "--lr", str(t["lr"]), "--temperature", str(r["temperature"]),
+           "--max-new-tokens", str(r["max_new_tokens"]),
+           "--clip-low", str(t["clip_ratio_low"]), "--clip-high", str(t["clip_ratio_high"]),
+           "--grad-clip", str(t["grad_clip"]), "--quiet"]
+    return _watch(cmd, found, 600)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--target", type=float, default=0.9)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    a = p.parse_args(argv)
+    ours, theirs = [], []
+    with tempfile.TemporaryDirectory(prefix="rlbus-ttr-") as tmp:
+        for seed in a.seeds:
+            t_in, s_in = _in_process(seed, a.target)
+            t_up, s_up = _rlbus(seed, a.target, Path(tmp) / f"s{seed}")
+            print(f"seed {seed}: rlbus up {_fmt(t_up)} (step {s_up})   "
+                  f"in-process sync {_fmt(t_in)} (step {s_in})")
+            if t_in is not None and t_up is not None:
+                ours.append(t_up)
+                theirs.append(t_in)
+    if not ours:
+        print("no seed reached the target in both setups")
+        return 1
+    ratio = statistics.mean(ours) / statistics.mean(theirs)
+    print(f"mean time to reward >= {a.target}: rlbus {statistics.mean(ours):.1f} s, "
+          f"in-process {statistics.mean(theirs):.1f} s, ratio rlbus/in-process {ratio:.2f}")
+    return 0
+
+
+def _fmt(t: float | None) -> str:
+    return "never" if t is None else f"{t:6.1f} s"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
