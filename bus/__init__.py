@@ -79,6 +79,7 @@ from bus.server import (
     ensure_port_free,
     find_redis_server,
     free_port,
+    pdeathsig_hook,
     redis_server_version,
     serve_forever,
 )
@@ -163,6 +164,7 @@ __all__ = [
     "find_redis_server",
     "free_port",
     "open_store",
+    "pdeathsig_hook",
     "redact_url",
     "redis_server_version",
     "retry_async",

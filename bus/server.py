@@ -43,6 +43,7 @@ __all__ = [
     "ensure_port_free",
     "find_redis_server",
     "free_port",
+    "pdeathsig_hook",
     "redis_server_version",
     "serve_forever",
 ]
@@ -133,7 +134,7 @@ def _conf_quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _pdeathsig_hook() -> Callable[[], None] | None:
+def pdeathsig_hook() -> Callable[[], None] | None:
     """A preexec function asking Linux to SIGTERM the child when its parent dies, or None.
 
     Only from the main thread: PR_SET_PDEATHSIG fires when the *thread* that forked exits,
@@ -307,7 +308,7 @@ class EmbeddedRedis:
             # Own session: a Ctrl-C for the foreground job must not kill Redis before the
             # components that still write to it have stopped.
             start_new_session=True,
-            preexec_fn=_pdeathsig_hook() if self.die_with_owner else None,
+            preexec_fn=pdeathsig_hook() if self.die_with_owner else None,
         )
         self._proc, self._log = proc, log
         self._finalizer = weakref.finalize(self, _terminate, proc)

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import yaml
@@ -144,7 +145,7 @@ def _progress_line(event: StepFinished, total: int) -> str:
     )
 
 
-async def _watch(cfg: Config, url: str, children: list[Child], since: str) -> int:
+async def _watch(cfg: Config, url: str, children: list[Any], since: str) -> int:
     """Print progress from the events stream until the run finishes or a child fails."""
     keys = RunKeys(cfg.run.id or "")
     total = cfg.trainer.total_training_steps
@@ -212,7 +213,14 @@ def run_up(cfg: Config) -> int:
     tree["redis"]["url"] = url
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(tree, sort_keys=False))
-    children = _children(cfg, config_path, run_dir / "logs")
+    children: list[Any] = _children(cfg, config_path, run_dir / "logs")
+    if cfg.run.launcher == "ray":
+        from rlbus.ray_launcher import init_ray, ray_children
+
+        init_ray(cfg.run.ray_address, num_cpus=max(2, len(children)))
+        gpus = 1.0 if cfg.trainer.device.startswith("cuda") else 0.0
+        children = ray_children(children, trainer_gpus=gpus)
+        print(f"Ray launcher: {len(children)} tasks", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     rc = 1
     try:

@@ -47,6 +47,8 @@ class RedisConfig(_Section, frozen=True):
 class RunConfig(_Section, frozen=True):
     id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")] | None = None
     output_dir: str = "outputs"
+    launcher: Literal["local", "ray"] = "local"
+    ray_address: str | None = None
 
 
 class ModelConfig(_Section, frozen=True):
