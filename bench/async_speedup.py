@@ -76,6 +76,30 @@ def _step_stats(events: list[dict], skip: int) -> dict[str, float]:
     }
 
 
+_PROBE = (
+    "import time, torch\n"
+    "torch.set_num_threads(1)\n"
+    "a = torch.randn(256, 256)\n"
+    "t = time.perf_counter()\n"
+    "for _ in range(600): a @ a\n"
+    "print(time.perf_counter() - t)\n"
+)
+
+
+def _contention() -> float:
+    """How much slower one single-threaded torch process runs when a second one runs beside
+    it (1.0 = two independent cores; ~2.0 = the two CPUs share one physical core)."""
+
+    def timed(k: int) -> float:
+        procs = [subprocess.Popen([sys.executable, "-c", _PROBE], stdout=subprocess.PIPE,
+                                  text=True) for _ in range(k)]
+        return statistics.mean(float(p.communicate(timeout=120)[0]) for p in procs)
+
+    solo = min(timed(1) for _ in range(3))
+    pair = min(timed(2) for _ in range(3))
+    return pair / solo
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
@@ -92,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             "async_training.trigger_parameter_sync_step=1",
         ])
     s, x = _step_stats(sync, a.skip), _step_stats(asyn, a.skip)
+    c = _contention()
     # T_gen per step in the sync run: the rollouter's busy time is step time minus the time
     # the trainer was not waiting (update + publish), measured from the trainer's side.
     t_train = s["train_s"]
@@ -106,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"speedup async/sync      {speedup:.2f}x")
     print(f"ideal overlap bound     {bound:.2f}x  = (T_gen + T_train) / max(T_gen, T_train)")
     print(f"fraction of the bound   {speedup / bound:.0%}")
+    # Overlap runs generation and training at the same time; on CPUs that slow each other
+    # down by c, the overlapped step cannot be shorter than c * max(T_gen, T_train).
+    print(f"CPU contention factor   {c:.2f}  (two 1-thread torch processes side by side)")
+    print(f"bound on this machine   {(t_gen + t_train) / (c * max(t_gen, t_train)):.2f}x"
+          f"  = (T_gen + T_train) / (c * max(T_gen, T_train))")
     return 0
 
 

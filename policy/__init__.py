@@ -155,7 +155,8 @@ def decode_loop(
         raise ValueError("every prompt needs at least one token (e.g. bos)")
     if not prompts or max_new_tokens <= 0:
         n = len(prompts)
-        return Generation([[] for _ in range(n)], [np.zeros(0, np.float32)] * n, [False] * n)
+        return Generation([[] for _ in range(n)], [np.zeros(0, np.float32) for _ in range(n)],
+                          [False] * n)
     ids, mask = left_pad(prompts, pad_id, device)
     logits, cache = step(ids, mask, None)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)

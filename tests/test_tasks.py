@@ -16,19 +16,25 @@ from tasks.reward import RewardFnError, load_reward_fn
 
 
 def test_digits_reward_values() -> None:
+    # Position-wise match where stopping counts as one more position, over the longer length.
     assert digits_reward("321", "321") == 1.0
-    assert digits_reward("301", "321") == pytest.approx(2 / 3)
+    assert digits_reward("301", "321") == pytest.approx(3 / 4)  # 2 digits + the stop
+    assert digits_reward("999", "321") == pytest.approx(1 / 4)  # only the stop is right
+    assert digits_reward("32", "321") == pytest.approx(2 / 4)  # stopped early
+    assert digits_reward("3215", "321") == pytest.approx(3 / 5)  # did not stop
+    assert digits_reward("321000000", "321") == pytest.approx(3 / 10)
     assert digits_reward("", "321") == 0.0
-    assert digits_reward("32", "321") == pytest.approx(2 / 3)  # short: missing = wrong
-    assert digits_reward("999", "321") == 0.0
-    # Extra characters dilute the score: correct / max(len(answer), len(response)) ...
-    assert digits_reward("3210", "321") == pytest.approx(3 / 4)
-    assert digits_reward("321000000", "321") == pytest.approx(3 / 9)
-    assert 0.0 < digits_reward("3xxxxxx", "321") == pytest.approx(1 / 7)
-    # ... scaled by length_penalty.
-    assert digits_reward("3215", "321", length_penalty=0.0) == 1.0
-    assert digits_reward("3215", "321", length_penalty=0.5) == pytest.approx(1 - 0.5 / 4)
-    assert digits_reward("", "") == 1.0 and digits_reward("1", "", length_penalty=0.5) == 0.5
+    assert digits_reward("", "") == 1.0 and digits_reward("1", "") == 0.0
+    # A random-looking response earns a little, never a lot.
+    assert 0.0 < digits_reward("3\ufffd\ufffd\ufffd", "321") < 0.5
+
+
+def test_decode_keeps_non_characters_visible() -> None:
+    # pad/bos inside a response must not shorten it (that would fake a correct stop).
+    tok = CharTokenizer()
+    ids = [*tok.encode("32"), tok.pad_id, tok.bos_id]
+    assert len(tok.decode(ids)) == 4
+    assert digits_reward(tok.decode(ids), "32") < digits_reward("32", "32")
 
 
 def test_digits_prompts_deterministic() -> None:
