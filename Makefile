@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/rlbus up --config configs/demo.yaml run.id=demo-$$(date +%Y%m%d-%H%M%S)
+	$(VENV)/bin/rlbus up --config configs/demo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
