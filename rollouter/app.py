@@ -51,6 +51,7 @@ from tasks.reward import load_reward_fn
 __all__ = ["Rollouter", "TrainerGone", "main"]
 
 GROUP = "rollouter"
+MAX_ATTEMPTS = 3  # tries of one ticket before it goes to the dead-letter stream
 
 
 class TrainerGone(RuntimeError):
@@ -93,6 +94,8 @@ class Rollouter:
         self.trainer_seen_at: float | None = None
         self.started = time.monotonic()
         self.agent: Any = None
+        self.attempts: dict[str, int] = {}
+        self.retry: list[Any] = []
         self.busy_s = 0.0
         self.window_start = time.monotonic()
         self.generator = torch.Generator(device=self.device)
@@ -210,7 +213,10 @@ class Rollouter:
         else:
             await asyncio.to_thread(fn, *args)
 
-    async def _rollout(self, tickets: Sequence[PromptTicket]) -> list[Sample]:
+    async def _rollout(
+        self, tickets: Sequence[PromptTicket]
+    ) -> tuple[dict[str, list[Sample]], dict[str, str]]:
+        """Generate every ticket's responses: (samples by ticket id, errors by ticket id)."""
         rc, ac = self.cfg.rollout, self.cfg.async_training
         seqs = [
             _Seq(t, i, self.tokenizer.encode(t.prompt, bos=True), [], [])
@@ -228,22 +234,31 @@ class Rollouter:
             await self._in_worker(self._generate, seqs, rc.max_new_tokens)
         gen_s = time.monotonic() - t0
         self.busy_s += gen_s
-        samples = []
+        samples: dict[str, list[Sample]] = {}
+        failed: dict[str, str] = {}
         for s in seqs:
-            text = self.tokenizer.decode(s.tokens)
-            samples.append(Sample(
-                sample_id=f"{s.ticket.ticket_id}/{s.index}", ticket_id=s.ticket.ticket_id,
+            tid = s.ticket.ticket_id
+            if tid in failed:
+                continue
+            try:
+                reward = float(self.reward_fn(self.tokenizer.decode(s.tokens), s.ticket.answer))
+            except Exception as exc:  # one prompt's bad reward must not sink its batch-mates
+                failed[tid] = f"reward function failed: {type(exc).__name__}: {exc}"
+                samples.pop(tid, None)
+                continue
+            samples.setdefault(tid, []).append(Sample(
+                sample_id=f"{tid}/{s.index}", ticket_id=tid,
                 prompt_id=s.ticket.prompt_id, index=s.index, n=s.ticket.n,
                 prompt_tokens=Array.of(np.asarray(s.prompt, dtype=np.int32)),
                 response_tokens=Array.of(np.asarray(s.tokens, dtype=np.int32)),
                 logprobs=Array.of(np.asarray(s.logprobs, dtype=np.float32)),
-                reward=float(self.reward_fn(text, s.ticket.answer)),
+                reward=reward,
                 min_version=s.min_version, max_version=s.max_version, rank=self.rank,
                 gen_time_s=gen_s,
                 finish_reason="eos" if s.tokens and s.tokens[-1] == self.tokenizer.eos_id
                 else "length",
             ))
-        return samples
+        return samples, failed
 
     async def _serve(self, deliveries: list[Any]) -> None:
         tickets = []
@@ -264,16 +279,33 @@ class Rollouter:
         if self.finished:
             return
         try:
-            samples = await self._rollout([t for _, t in tickets])
+            samples, failed = await self._rollout([t for _, t in tickets])
         except Exception as exc:  # a failed rollout is an event, never "end of data"
-            for entry_id, t in tickets:
-                await self._publish(RolloutFailed(ticket_id=t.ticket_id, rank=self.rank,
-                                                  error=f"{type(exc).__name__}: {exc}"))
-                del entry_id  # not acked: redelivered, then dead-lettered after max deliveries
+            error = f"generation failed: {type(exc).__name__}: {exc}"
+            samples, failed = {}, {t.ticket_id: error for _, t in tickets}
+        # A failed ticket is retried here, then dead-lettered after MAX_ATTEMPTS (counting the
+        # deliveries before ours); the trainer then frees its budget slot.
+        for ticket_id, error in failed.items():
+            await self._publish(RolloutFailed(ticket_id=ticket_id, rank=self.rank, error=error))
+        for d in deliveries:
+            tid = getattr(d.msg, "ticket_id", None)
+            if tid not in failed:
+                continue
+            self.attempts[tid] = self.attempts.get(tid, d.deliveries - 1) + 1
+            if self.attempts[tid] >= MAX_ATTEMPTS:
+                del self.attempts[tid]
+                await self.consumer.dead_letter(
+                    d, f"rollout failed {MAX_ATTEMPTS} times; last: {failed[tid]}"
+                )
+            else:
+                self.retry.append(d)
+        done = [(entry_id, t) for entry_id, t in tickets if t.ticket_id in samples]
+        if not done:
             return
         # All responses of these tickets land together, then the tickets are acked.
-        await self.bus.publish_many(self.keys.samples, samples, atomic=True)
-        await self.consumer.ack(*(entry_id for entry_id, _ in tickets))
+        batch = [sample for _, t in done for sample in samples[t.ticket_id]]
+        await self.bus.publish_many(self.keys.samples, batch, atomic=True)
+        await self.consumer.ack(*(entry_id for entry_id, _ in done))
 
     async def run(self) -> int:
         self._build()
@@ -292,9 +324,12 @@ class Rollouter:
                 await self._swap_weights()
                 if self.finished:
                     break
-                deliveries = await self.consumer.read(
-                    count=self.cfg.rollout.prompts_per_batch, block_ms=200
-                )
+                if self.retry:
+                    deliveries, self.retry = self.retry, []
+                else:
+                    deliveries = await self.consumer.read(
+                        count=self.cfg.rollout.prompts_per_batch, block_ms=200
+                    )
                 if not deliveries:
                     self._check_trainer()
                     if time.monotonic() - last_reclaim > self.cfg.heartbeat.timeout_s / 2:

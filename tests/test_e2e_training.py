@@ -13,7 +13,9 @@ import pytest
 from bus import Bus, RunKeys
 from bus.messages import (
     ComponentFailed,
+    DeadLetter,
     PromptTicket,
+    RolloutFailed,
     RunFinished,
     RunStarted,
     Sample,
@@ -280,3 +282,51 @@ def test_bad_config_exits_2_naming_the_key(argv: list[str], key: str) -> None:
     res = run_cli(*argv, timeout_s=60)
     assert res.returncode == 2, res.stdout + res.stderr
     assert key in res.stderr, res.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_failing_tickets_are_dead_lettered_and_replaced(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    steps = 4
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 "task.reward_fn=tests.rewards_for_tests:fail_on_nines")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    events = await events_of(bus, run_keys.events)
+    failed = [e for e in events if isinstance(e, RolloutFailed)]
+    assert failed and all("verifier crashed" in e.error for e in failed)
+    dead = [m async for _, m in bus.read_all(run_keys.dlq)]
+    dead_tickets = {m.entry_id for m in dead if isinstance(m, DeadLetter)
+                    and m.source_stream == run_keys.prompts}
+    assert dead_tickets, "failing tickets should end in the dead-letter stream"
+    assert any(isinstance(e, WarningRaised) and e.code == "tickets_dead_lettered" for e in events)
+    samples = await _samples(bus, run_keys)
+    trained = [samples[sid] for e in _finished(events) for sid in e.sample_ids]
+    assert len(_finished(events)) == steps
+    # Healthy batch-mates of a failing prompt were trained; no failing prompt was.
+    tickets = {t.ticket_id: t async for _, t in _tickets(bus, run_keys)}
+    assert any(t.answer.startswith("9") for t in tickets.values())
+    assert not any(tickets[s.ticket_id].answer.startswith("9") for s in trained)
+
+
+async def _tickets(bus: Bus, keys: RunKeys):
+    async for entry_id, msg in bus.read_all(keys.prompts):
+        if isinstance(msg, PromptTicket):
+            yield entry_id, msg
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_rollouts_that_always_fail_stop_the_run_loudly(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    args = _args(redis_url, run_id, tmp_path, "task.reward_fn=tests.rewards_for_tests:always_fail")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    assert procs.wait("trainer", 120) == 1
+    assert "rollouts keep failing" in procs.log("trainer")
+    assert "verifier is down" in procs.log("trainer")

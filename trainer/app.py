@@ -38,6 +38,7 @@ from bus.keys import RUNS_STREAM
 from bus.messages import (
     CheckpointSaved,
     ComponentFailed,
+    DeadLetter,
     Event,
     Heartbeat,
     ProfilerReady,
@@ -65,6 +66,8 @@ from trainer.state import TrainerState, fold
 __all__ = ["PeerDead", "Trainer", "main"]
 
 GROUP = "trainer"
+# Consecutive rollout failures (with no sample in between) after which the run fails loudly.
+FAILURE_LIMIT = 10
 ROLLOUTER_GROUP = "rollouter"
 CONSUMER = "trainer-0"
 # Above this many bytes the weights go to a directory blob store instead of Redis chunks.
@@ -121,6 +124,10 @@ class Trainer:
         self.started_at = time.monotonic()
         self.last_sample_at = time.monotonic()
         self.rollout_failures = 0
+        self.failures_since_sample = 0
+        self.last_failure = ""
+        self.dead_tickets = 0  # dead-lettered tickets whose budget slot is not freed yet
+        self.dlq_last = "0"
         self.discarded = 0
         self.profiler_ready = asyncio.Event()
         self.agent: Any = None  # created only when profiling is configured
@@ -174,8 +181,19 @@ class Trainer:
                         self.heartbeats[(msg.role, msg.rank)] = msg
                     case RolloutFailed():
                         self.rollout_failures += 1
+                        self.failures_since_sample += 1
+                        self.last_failure = f"rollouter{msg.rank}: {msg.error}"
                     case ProfilerReady():
                         self.profiler_ready.set()
+            dead, self.dlq_last = await self.bus.read_after(
+                self.keys.dlq, self.dlq_last, count=1000
+            )
+            # A ticket that failed max_deliveries times will never come back as samples: free
+            # its budget slot (in the main loop) so the run does not starve on lost tickets.
+            self.dead_tickets += sum(
+                1 for _, m in dead
+                if isinstance(m, DeadLetter) and m.source_stream == self.keys.prompts
+            )
 
     async def _heartbeat(self) -> None:
         while True:
@@ -223,7 +241,13 @@ class Trainer:
     # ------------------------------------------------------------------ samples
 
     def _check_peers(self) -> None:
-        """Raise PeerDead when no rollouter has been heard from within the heartbeat timeout."""
+        """Raise PeerDead when no rollouter has been heard from within the heartbeat timeout,
+        or when rollouts keep failing and nothing else arrives."""
+        if self.failures_since_sample >= FAILURE_LIMIT:
+            raise PeerDead(
+                f"rollouts keep failing: {self.failures_since_sample} failures and no sample "
+                f"since the last one; last failure from {self.last_failure}"
+            )
         timeout = self.cfg.heartbeat.timeout_s
         now = time.time()
         silent_for = time.monotonic() - self.last_sample_at
@@ -282,12 +306,26 @@ class Trainer:
             return
         self.ready.append(group)
 
+    async def _free_dead_tickets(self) -> None:
+        if not self.dead_tickets:
+            return
+        count, self.dead_tickets = self.dead_tickets, 0
+        self.budget.complete(min(count, self.budget.outstanding))
+        await self._publish(WarningRaised(
+            source="trainer", code="tickets_dead_lettered",
+            message=f"{count} prompt ticket(s) failed too often and went to {self.keys.dlq}; "
+                    "issuing new ones in their place",
+        ))
+        await self._issue_tickets()
+
     async def _gather(self) -> list[_Group]:
         t0 = time.monotonic()
         while len(self.ready) < self.need:
+            await self._free_dead_tickets()
             deliveries = await self.consumer.read(count=256, block_ms=500)
             if deliveries:
                 self.last_sample_at = time.monotonic()
+                self.failures_since_sample = 0
             for d in deliveries:
                 await self._take(d)
             if not deliveries:
