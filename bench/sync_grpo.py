@@ -44,17 +44,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
     p.add_argument("--n", type=int, default=8, help="responses per prompt (rollout.n)")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--updates", type=int, default=1, help="optimizer steps (mini-batches) "
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--updates", type=int, default=4, help="optimizer steps (mini-batches) "
                    "per generated batch")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: max_digits + 1")
     p.add_argument("--clip-low", type=float, default=0.2)
     p.add_argument("--clip-high", type=float, default=0.28)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--entropy-coef", type=float, default=0.0)
+    p.add_argument("--entropy-coef", type=float, default=0.01)
     p.add_argument("--quiet", action="store_true", help="print every 10th step only")
     p.add_argument("--show", type=int, default=0, help="print this many samples per report")
     return p.parse_args(argv)
@@ -74,7 +74,9 @@ def run(a: argparse.Namespace) -> int | None:
     opt = torch.optim.Adam(policy.parameters(), lr=a.lr)
     reached: int | None = None
     t0 = time.perf_counter()
+    gen_s = train_s = 0.0  # where the time goes: generation vs update (rollouter vs trainer)
     for step in range(1, a.steps + 1):
+        t_gen = time.perf_counter()
         prompts = [source.next() for _ in range(a.prompts)]
         prompt_ids = [tok.encode(p.prompt, bos=True) for p in prompts for _ in range(a.n)]
         gen = policy.generate(prompt_ids, max_new, a.temperature, seed=a.seed * 1_000_003 + step)
@@ -85,6 +87,8 @@ def run(a: argparse.Namespace) -> int | None:
         adv = group_advantages(rewards).view(-1)
         batch = build_batch(list(zip(prompt_ids, gen.tokens, gen.logprobs, strict=True)),
                             pad_id=tok.pad_id, device=policy.device)
+        t_train = time.perf_counter()
+        gen_s += t_train - t_gen
 
         # `updates` optimizer steps per batch, each on its own slice of whole groups (one
         # PPO epoch). After the first, the policy has moved and the clip starts to matter.
@@ -107,6 +111,7 @@ def run(a: argparse.Namespace) -> int | None:
             stats.append((ent.item(), clipfrac.item(), approx_kl(logp, old, mask).item(),
                           gnorm.item()))
         ent_m, clip_m, kl_m, gnorm_m = (sum(x) / len(stats) for x in zip(*stats, strict=True))
+        train_s += time.perf_counter() - t_train
 
         r = rewards.mean().item()
         exact = (rewards == 1.0).float().mean().item()
@@ -125,7 +130,8 @@ def run(a: argparse.Namespace) -> int | None:
     if reached is None:
         print(f"did not reach {a.target} in {a.steps} steps ({elapsed:.1f} s)")
     else:
-        print(f"reached {a.target} at step {reached} after {elapsed:.1f} s")
+        print(f"reached {a.target} at step {reached} after {elapsed:.1f} s "
+              f"(generate {gen_s:.1f} s, update {train_s:.1f} s)")
     return reached
 
 

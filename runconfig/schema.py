@@ -71,14 +71,15 @@ class TaskConfig(_Section, frozen=True):
 
 
 class TrainerConfig(_Section, frozen=True):
-    total_training_steps: PosInt = 40
-    ppo_mini_batch_size: PosInt = 16
+    total_training_steps: PosInt = 300
+    ppo_mini_batch_size: PosInt = 8
     ppo_epochs: PosInt = 1
-    save_freq: NonNegInt = 20
-    lr: PosFloat = 2e-3
+    save_freq: NonNegInt = 100
+    lr: PosFloat = 1e-3
     clip_ratio_low: NonNegFloat = 0.2
-    clip_ratio_high: NonNegFloat = 0.2
+    clip_ratio_high: NonNegFloat = 0.28
     grad_clip: PosFloat = 1.0
+    entropy_coeff: NonNegFloat = 0.01
     tis_cap: PosFloat | None = 2.0
     device: str = "auto"
     threads: PosInt = 1
@@ -90,8 +91,8 @@ class RolloutConfig(_Section, frozen=True):
     replicas: PosInt = 1
     rank: NonNegInt = 0
     temperature: PosFloat = 1.0
-    max_new_tokens: PosInt = 6
-    prompts_per_batch: PosInt = 4
+    max_new_tokens: PosInt = 5
+    prompts_per_batch: PosInt = 8
     partial_chunk_tokens: PosInt = 2
     device: str = "auto"
     threads: PosInt = 1
@@ -101,7 +102,7 @@ class RolloutConfig(_Section, frozen=True):
 class AsyncTrainingConfig(_Section, frozen=True):
     staleness_threshold: NonNegFloat = 0.5
     trigger_parameter_sync_step: PosInt = 1
-    require_batches: PosInt = 1
+    require_batches: PosInt = 4
     partial_rollout: bool = False
 
 

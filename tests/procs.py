@@ -22,7 +22,9 @@ __all__ = ["FAST", "Procs", "events_of", "run_cli", "wait_exit", "wait_for"]
 # Small, fast runs: a few steps of the default task with short timeouts.
 FAST = (
     "trainer.ppo_mini_batch_size=4",
+    "async_training.require_batches=1",
     "rollout.n=4",
+    "rollout.prompts_per_batch=4",
     "heartbeat.interval_s=0.5",
     "heartbeat.timeout_s=20",
     "trainer.save_freq=0",

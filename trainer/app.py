@@ -378,13 +378,16 @@ class Trainer:
                     logp_behaviour=batch.old_logprobs if use_tis else None,
                     tis_cap=tc.tis_cap if use_tis else None,
                 )
+                ent = masked_mean(entropy, batch.response_mask)
+                if tc.entropy_coeff:
+                    loss = loss - tc.entropy_coeff * ent
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), tc.grad_clip)
                 self.optimizer.step()
                 stats["loss"].append(loss.item())
                 stats["clip"].append(clipfrac.item())
-                stats["ent"].append(float(masked_mean(entropy.detach(), batch.response_mask)))
+                stats["ent"].append(ent.item())
                 stats["gn"].append(float(grad_norm))
                 stats["kl"].append(float(approx_kl(logp, old, batch.response_mask)))
         flat_all = [s for group in samples for s in group]

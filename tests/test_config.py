@@ -1,0 +1,76 @@
+"""Config loading: defaults, files, dotted overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runconfig import Config, ConfigError, load_config, resolve_run_id
+
+
+def test_yaml_defaults_match_the_schema_defaults() -> None:
+    # Two places declare defaults (the YAML users read, the Structs code builds): keep them equal.
+    assert load_config() == Config()
+
+
+def test_file_then_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer:\n  total_training_steps: 7\nglobal_profiler:\n  steps: [1, 2]\n")
+    cfg = load_config(f, ["trainer.total_training_steps=9", "global_profiler.tool=torch"])
+    assert cfg.trainer.total_training_steps == 9
+    assert cfg.global_profiler.steps == [1, 2]
+    assert cfg.global_profiler.tool == "torch"
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("trainer.total_training_steps=abc", "trainer.total_training_steps"),
+        ("trainer.total_training_steps=0", "trainer.total_training_steps"),
+        ("async_training.staleness_threshold=-0.5", "async_training.staleness_threshold"),
+        ("global_profiler.steps=[0]", "global_profiler.steps"),
+        ("global_profiler.steps=[-1]", "global_profiler.steps"),
+        ("global_profiler.steps=[a]", "global_profiler.steps"),
+        ("global_profiler.steps=[1.5]", "global_profiler.steps"),
+        ("global_profiler.steps=[2,2]", "global_profiler.steps"),
+        ("global_profiler.tool=foo", "global_profiler.tool"),
+        ("global_profiler.roles=[x]", "global_profiler.roles"),
+        ("trainer.bogus=1", "trainer.bogus"),
+        ("bogus.key=1", "bogus"),
+        ("model.n_heads=3", "model.n_heads"),
+        ("task.min_digits=9", "task.min_digits"),
+        ("rollout.rank=1", "rollout.rank"),
+        ("run.id=../etc", "run.id"),
+        ("no_equals_sign", "no_equals_sign"),
+    ],
+)
+def test_bad_values_name_the_key(override: str, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert info.value.key == key
+    assert f"'{key}'" in str(info.value)
+
+
+def test_profile_steps_past_the_run_are_refused() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["global_profiler.tool=torch", "trainer.total_training_steps=5",
+                           "global_profiler.steps=[1,6]"])
+    assert info.value.key == "global_profiler.steps"
+
+
+def test_bad_file_names_config(tmp_path: Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("trainer: [1, 2]\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(f)
+    assert info.value.key == "trainer"
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "missing.yaml")
+    assert info.value.key == "--config"
+
+
+def test_null_run_id_is_resolved_once() -> None:
+    cfg = resolve_run_id(load_config())
+    assert cfg.run.id and cfg.run.id.startswith("run-")
+    assert resolve_run_id(cfg) == cfg
