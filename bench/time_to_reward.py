@@ -91,7 +91,8 @@ def _in_process(seed: int, target: float) -> tuple[float | None, int | None]:
            "--n", str(r["n"]), "--lr", str(t["lr"]), "--temperature", str(r["temperature"]),
            "--max-new-tokens", str(r["max_new_tokens"]),
            "--clip-low", str(t["clip_ratio_low"]), "--clip-high", str(t["clip_ratio_high"]),
-           "--grad-clip", str(t["grad_clip"]), "--quiet"]
+           "--grad-clip", str(t["grad_clip"]), "--entropy-coef", str(t["entropy_coeff"]),
+           "--quiet"]
     return _watch(cmd, found, 600)
 
 

@@ -15,6 +15,7 @@ from bus.blobs import (
     RedisBlobStore,
     open_store,
 )
+from bus.component import read_commands, run_with_bus
 from bus.errors import (
     BlobCorrupt,
     BlobError,
@@ -165,9 +166,11 @@ __all__ = [
     "free_port",
     "open_store",
     "pdeathsig_hook",
+    "read_commands",
     "redact_url",
     "redis_server_version",
     "retry_async",
+    "run_with_bus",
     "serve_forever",
     "validate_run_id",
 ]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -27,7 +26,7 @@ import msgspec
 import numpy as np
 import torch
 
-from bus import Bus, Consumer, RunKeys
+from bus import Bus, Consumer, RunKeys, read_commands, run_with_bus
 from bus.blobs import open_store
 from bus.messages import (
     Array,
@@ -38,8 +37,6 @@ from bus.messages import (
     RolloutFailed,
     RunFinished,
     Sample,
-    StartProfile,
-    StopProfile,
     WeightsPublished,
 )
 from policy import build_policy, resolve_device
@@ -132,12 +129,11 @@ class Rollouter:
     async def _apply_commands(self) -> None:
         if self.agent is None:
             return
-        entries, self.control_last = await self.bus.read_after(
-            self.keys.control, self.control_last, count=1000
+        commands, self.control_last = await read_commands(
+            self.bus, self.keys.control, self.control_last
         )
-        for _, msg in entries:
-            if isinstance(msg, StartProfile | StopProfile):
-                await self._publish(*self.agent.on_command(msg))
+        for cmd in commands:
+            await self._publish(*self.agent.on_command(cmd))
 
     def _check_trainer(self) -> None:
         timeout = self.cfg.heartbeat.timeout_s
@@ -355,22 +351,6 @@ class Rollouter:
                     await self._publish(*self.agent.close())
 
 
-async def _main_async(cfg: Config) -> int:
-    bus = Bus.from_url(cfg.redis.url or "")
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: task.cancel() if task else None)
-    try:
-        return await Rollouter(cfg, bus).run()
-    except asyncio.CancelledError:
-        print(f"rollouter{cfg.rollout.rank}: stopped by signal", file=sys.stderr)
-        return 143
-    finally:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(bus.close(), 5)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m rollouter [--config FILE] [KEY=VALUE ...]``."""
     cfg = load_or_exit(list(sys.argv[1:] if argv is None else argv), "rollouter")
@@ -379,4 +359,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"rollouter: error: invalid config key '{key}': required for a component "
                   "(rlbus up sets it for you)", file=sys.stderr)
             return 2
-    return asyncio.run(_main_async(cfg))
+    return run_with_bus(
+        cfg.redis.url or "", f"rollouter{cfg.rollout.rank}", lambda bus: Rollouter(cfg, bus).run()
+    )

@@ -22,7 +22,6 @@ import contextlib
 import hashlib
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -32,7 +31,7 @@ from typing import Any
 import msgspec
 import torch
 
-from bus import Bus, Consumer, Delivery, RunKeys
+from bus import Bus, Consumer, Delivery, RunKeys, read_commands, run_with_bus
 from bus.blobs import DirBlobStore, RedisBlobStore
 from bus.keys import RUNS_STREAM
 from bus.messages import (
@@ -47,10 +46,8 @@ from bus.messages import (
     RunFinished,
     RunStarted,
     Sample,
-    StartProfile,
     StepFinished,
     StepStarted,
-    StopProfile,
     TrainerResumed,
     WarningRaised,
     WeightsPublished,
@@ -162,12 +159,11 @@ class Trainer:
         """Read new control commands (one non-blocking XREAD) and hand them to the agent."""
         if self.agent is None:
             return
-        entries, self.control_last = await self.bus.read_after(
-            self.keys.control, self.control_last, count=1000
+        commands, self.control_last = await read_commands(
+            self.bus, self.keys.control, self.control_last
         )
-        for _, msg in entries:
-            if isinstance(msg, StartProfile | StopProfile):
-                await self._publish(*self.agent.on_command(msg))
+        for cmd in commands:
+            await self._publish(*self.agent.on_command(cmd))
 
     async def _follow_events(self) -> None:
         """Background: heartbeats of peers, rollout failures, ProfilerReady."""
@@ -597,22 +593,6 @@ class Trainer:
         }
 
 
-async def _main_async(cfg: Config) -> int:
-    bus = Bus.from_url(cfg.redis.url or "")
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: task.cancel() if task else None)
-    try:
-        return await Trainer(cfg, bus).run()
-    except asyncio.CancelledError:
-        print("trainer: stopped by signal", file=sys.stderr)
-        return 143
-    finally:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(bus.close(), 5)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m trainer [--config FILE] [KEY=VALUE ...]``."""
     cfg = load_or_exit(list(sys.argv[1:] if argv is None else argv), "trainer")
@@ -624,4 +604,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("trainer: error: invalid config key 'run.id': the trainer needs a run id",
               file=sys.stderr)
         return 2
-    return asyncio.run(_main_async(cfg))
+    return run_with_bus(cfg.redis.url or "", "trainer", lambda bus: Trainer(cfg, bus).run())
