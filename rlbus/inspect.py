@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from typing import Any
 
@@ -75,14 +76,18 @@ def inspect_run(cfg: Config, as_json: bool = False, plot: str | None = None) -> 
     if not events:
         print(f"rlbus inspect: run {run_id!r} has no events at this Redis", file=sys.stderr)
         return 1
-    out = sys.stdout.buffer
-    for entry_id, msg in events:
-        if as_json:
-            out.write(event_to_json(msg) + b"\n")
-        else:
-            out.write(summary_line(entry_id, msg).encode() + b"\n")
-    out.flush()
     if plot:
         _plot(events, plot)
         print(f"plot written to {plot}", file=sys.stderr)
+    out = sys.stdout.buffer
+    try:
+        for entry_id, msg in events:
+            if as_json:
+                out.write(event_to_json(msg) + b"\n")
+            else:
+                out.write(summary_line(entry_id, msg).encode() + b"\n")
+        out.flush()
+    except BrokenPipeError:  # `rlbus inspect ... | head`: the reader has seen enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 0

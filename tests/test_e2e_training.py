@@ -264,6 +264,11 @@ async def test_rlbus_up_and_inspect_json(tmp_path: Path) -> None:
     steps = [r for r in rows if r["type"] == "StepFinished"]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(len(r["sample_ids"]) == 16 and "reward/mean" in r["metrics"] for r in steps)
+    png = tmp_path / "metrics.png"
+    res = run_cli("inspect", "--run", "demo-e2e", "--plot", str(png), f"run.output_dir={out}")
+    assert res.returncode == 0, res.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "StepFinished" in res.stdout
 
 
 @pytest.mark.parametrize(
