@@ -40,7 +40,7 @@ from bus.messages import (
     WeightsPublished,
 )
 from policy import build_policy, resolve_device
-from policy.tokenizer import CharTokenizer
+from policy.text import build_tokenizer
 from profiling import create_agent
 from runconfig import Config, load_or_exit
 from tasks.reward import load_reward_fn
@@ -81,7 +81,7 @@ class Rollouter:
             bus, self.keys.prompts, GROUP, f"rollouter-{self.rank}", dlq_stream=self.keys.dlq
         )
         self.device = resolve_device(cfg.rollout.device)
-        self.tokenizer = CharTokenizer()
+        self.tokenizer = build_tokenizer(cfg.model)
         self.reward_fn = load_reward_fn(cfg.task.reward_fn)
         self.version = -1
         self.newest: WeightsPublished | None = None
