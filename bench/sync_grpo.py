@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip-low", type=float, default=0.2)
     p.add_argument("--clip-high", type=float, default=0.28)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--entropy-coef", type=float, default=0.01)
+    p.add_argument("--entropy-coef", type=float, default=0.0)
     p.add_argument("--quiet", action="store_true", help="print every 10th step only")
     p.add_argument("--show", type=int, default=0, help="print this many samples per report")
     return p.parse_args(argv)

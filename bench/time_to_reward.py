@@ -60,7 +60,9 @@ def _watch(cmd: list[str], found: Any, timeout_s: float) -> tuple[float | None, 
         proc.communicate(timeout=60)
 
 
-def _rlbus(seed: int, target: float, out: Path) -> tuple[float | None, int | None]:
+def _rlbus(
+    seed: int, target: float, out: Path, extra: list[str]
+) -> tuple[float | None, int | None]:
     def found(line: str) -> int | None:
         m = STEP_LINE.match(line.strip())
         return int(m.group(1)) if m and float(m.group(2)) >= target else None
@@ -68,7 +70,7 @@ def _rlbus(seed: int, target: float, out: Path) -> tuple[float | None, int | Non
     cmd = [sys.executable, "-m", "rlbus", "up", f"run.output_dir={out}", f"run.id=ttr-{seed}",
            f"trainer.seed={seed}", f"model.seed={seed}", f"task.seed={seed}",
            f"rollout.seed={seed}", "trainer.total_training_steps=400",
-           "trainer.save_freq=0"]
+           "trainer.save_freq=0", *extra]
     return _watch(cmd, found, 600)
 
 
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="extra overrides for the rlbus run only (e.g. async knobs)")
     a = p.parse_args(argv)
     ours, theirs = [], []
     with tempfile.TemporaryDirectory(prefix="rlbus-ttr-") as tmp:
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             # two threads than on one).
             runs = [_in_process(seed, a.target, threads) for threads in (1, 2)]
             t_in, s_in = min(runs, key=lambda r: float("inf") if r[0] is None else r[0])
-            t_up, s_up = _rlbus(seed, a.target, Path(tmp) / f"s{seed}")
+            t_up, s_up = _rlbus(seed, a.target, Path(tmp) / f"s{seed}", a.set)
             print(f"seed {seed}: rlbus up {_fmt(t_up)} (step {s_up})   "
                   f"in-process sync {_fmt(t_in)} (step {s_in})")
             if t_in is not None and t_up is not None:
