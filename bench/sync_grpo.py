@@ -1,8 +1,21 @@
 """In-process synchronous GRPO on the digits task: the reference learning curve.
 
-generate with the current policy -> rewards -> group advantages -> one PPO/Adam step -> repeat.
-Uses only policy/, tasks/ and trainer/grpo.py, so the distributed system learning slower than
-this points at the system, not the math. Defaults are the tuned hyper-parameters.
+generate with the current policy -> rewards -> group advantages -> PPO/Adam updates -> repeat.
+Uses only policy/, tasks/ and trainer/grpo.py, so if the distributed system learns slower
+than this, look at the system, not the math. The defaults are the tuned hyper-parameters:
+
+    task      digits, 3-4 digits ("123>" -> "321"), reward tasks.digits.digits_reward
+    policy    tiny: d_model 64, 2 layers, 4 heads, max_len 32, dropout 0, init seed = --seed
+    rollout   n 8, temperature 1.0, max_new_tokens 5 (max_digits + 1)
+    step      32 prompts x 8 = 256 responses, 4 mini-batches of 8 prompts (64 responses),
+              one Adam step each, one epoch; Adam lr 1e-3, grad-norm clip 1.0
+    loss      ppo_clip_loss, clip 0.2 / 0.28, token mean, minus 0.01 x entropy; no KL
+    old logp  the rollout log-probs, at the sampling temperature
+
+Measured on 2 shared CPU cores, 1 thread, seed 0: reward 0.05 at step 1, 0.17 at 10, 0.32
+at 30, 0.40 at 60, 0.68 at 80, 0.90 at 93 (7.3 s), 0.99 from step 110. Over seeds 0-9,
+0.9 comes at step 60-98, in 5-8 s alone (10-19 s with two runs sharing the cores); the
+entropy bonus is optional (without it: steps 59-128 over 15 seeds).
 
     .venv/bin/python bench/sync_grpo.py --threads 1 --seed 0
 """
@@ -54,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip-low", type=float, default=0.2)
     p.add_argument("--clip-high", type=float, default=0.28)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--entropy-coef", type=float, default=0.0)
+    p.add_argument("--entropy-coef", type=float, default=0.01)
     p.add_argument("--quiet", action="store_true", help="print every 10th step only")
     p.add_argument("--show", type=int, default=0, help="print this many samples per report")
     return p.parse_args(argv)

@@ -6,8 +6,9 @@ Two implementations: `policy.model.TinyGPT` (a small transformer for the built-i
 
 Batch layout shared by generation and training: each row is a prompt left-padded to a common
 width followed by its response right-padded to a common width, with an attention mask marking
-real tokens. Position ids are derived from the mask (cumsum - 1), so padding never shifts a
-token's position and the rollout log-probs match the trainer's recomputation.
+real tokens (`trainer.grpo.build_batch` makes it). Implementations derive position ids from
+the mask, so padding never shifts a token's position and the rollout log-probs match the
+trainer's recomputation on the same weights.
 """
 
 from __future__ import annotations

@@ -70,6 +70,19 @@ def test_generate_shapes() -> None:
         policy.generate(prompts, max_new_tokens=policy.cfg.max_len)
 
 
+def test_padding_does_not_change_outputs() -> None:
+    # A prompt's greedy answer and log-probs do not depend on what else is in the batch.
+    torch.manual_seed(1)
+    policy = TinyGPT(TinyConfig(d_model=32, n_layers=2, n_heads=2))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(5.0)
+    alone = policy.generate(_ids(["4>"]), 6, temperature=0.0)
+    mixed = policy.generate(_ids(["98765>", "4>", "3141>"]), 6, temperature=0.0)
+    assert mixed.tokens[1] == alone.tokens[0]
+    np.testing.assert_allclose(mixed.logprobs[1], alone.logprobs[0], atol=1e-5)
+
+
 def test_eos_stops_each_sequence() -> None:
     # A fake model: row i emits token 5 until step i, then eos (row 3 never).
     eos, vocab = 2, 8
