@@ -1,5 +1,5 @@
-"""TinyGPT: a small causal transformer (pre-LayerNorm, learned positions counted from the
-prompt's end, tied embeddings, KV-cached sampling)."""
+"""TinyGPT: a small causal transformer (pre-LayerNorm, learned absolute positions, tied
+embeddings, KV-cached sampling)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class TinyConfig:
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
-    max_len: int = 32  # positions: the first half for the prompt, the rest for the response
+    max_len: int = 32  # prompt + response tokens
     dropout: float = 0.0
 
 
@@ -133,12 +133,10 @@ class TinyGPT(nn.Module):
         idx: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
-        prompt_len: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
         """Logits [B, T, V] for new tokens `idx` [B, T].
 
         `attention_mask` [B, past + T] covers the cached tokens and the new ones (1 = real).
-        `prompt_len` [B] counts each row's real prompt tokens (default: all tokens so far).
         """
         B, T = idx.shape
         past = 0 if cache is None else cache[0][0].shape[2]
@@ -147,22 +145,11 @@ class TinyGPT(nn.Module):
         S = attention_mask.shape[1]
         if S != past + T:
             raise ValueError(f"attention_mask covers {S} tokens, expected {past + T}")
-        if prompt_len is None:
-            prompt_len = attention_mask.sum(1)
-        # Positions count from the end of the prompt: the first response token is always at
-        # `half`, the prompt's last token at half - 1, whatever the prompt's length. Padding
-        # cannot shift them, and "the k-th answer token relates to the k-th prompt token from
-        # the end" (reversal, arithmetic) is one fixed pattern instead of one per length.
-        half = self.cfg.max_len // 2
-        pos = positions_from_mask(attention_mask) - prompt_len.view(B, 1) + half
-        pos = pos[:, past:]
-        real = attention_mask[:, past:].bool()
-        if real.any() and (pos[real].min() < 0 or pos[real].max() >= self.cfg.max_len):
-            raise ValueError(
-                f"prompt longer than {half} or response longer than "
-                f"{self.cfg.max_len - half} tokens (max_len {self.cfg.max_len})"
-            )
-        pos = pos.clamp(0, self.cfg.max_len - 1)  # pads: any valid position
+        if S > self.cfg.max_len:
+            raise ValueError(f"sequence length {S} exceeds max_len {self.cfg.max_len}")
+        # Positions from the mask: padding never shifts a token, and a sequence continued
+        # from "prompt + tokens so far" (partial rollout) sees the same positions again.
+        pos = positions_from_mask(attention_mask)[:, past:]
         # Query i (absolute column past + i) sees real keys j <= past + i. Every query also
         # sees itself, so rows of pad queries are never fully masked (no NaN).
         cols = torch.arange(S, device=idx.device)
@@ -185,19 +172,17 @@ class TinyGPT(nn.Module):
         seed: int | None = None,
         generator: torch.Generator | None = None,
     ) -> Generation:
-        half = self.cfg.max_len // 2
         longest = max((len(p) for p in prompts), default=0)
-        if longest > half or max_new_tokens > self.cfg.max_len - half:
+        if longest + max_new_tokens > self.cfg.max_len:
             raise ValueError(
-                f"prompt length {longest} > {half} or max_new_tokens {max_new_tokens} > "
-                f"{self.cfg.max_len - half} (max_len {self.cfg.max_len} is split in halves)"
+                f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds "
+                f"max_len {self.cfg.max_len}"
             )
-        prompt_len = torch.tensor([len(p) for p in prompts], device=self.device)
         was_training = self.training
         self.eval()
         try:
             return decode_loop(
-                lambda ids, mask, cache: self(ids, mask, cache, prompt_len),
+                lambda ids, mask, cache: self(ids, mask, cache),
                 prompts,
                 max_new_tokens,
                 temperature,
@@ -216,8 +201,7 @@ class TinyGPT(nn.Module):
         response_len: int,
         temperature: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        prompt_len = attention_mask[:, : input_ids.shape[1] - response_len].sum(1)
-        logits, _ = self(input_ids, attention_mask, prompt_len=prompt_len)
+        logits, _ = self(input_ids, attention_mask)
         # Column t's logits predict column t + 1.
         pred = logits[:, -response_len - 1 : -1]
         return logprobs_from_logits(pred, input_ids[:, -response_len:], temperature)

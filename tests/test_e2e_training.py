@@ -53,6 +53,20 @@ def procs(tmp_path: Path):
     p.kill_all()
 
 
+def _start(procs: Procs, args: list[str], replicas: int = 1) -> None:
+    """Rollouter replicas, then the trainer, as real processes."""
+    for rank in range(replicas):
+        procs.spawn(f"rollouter{rank}", "rollouter", *args, f"rollout.rank={rank}")
+    procs.spawn("trainer", "trainer", *args)
+
+
+def _finish(procs: Procs, replicas: int = 1, trainer: str = "trainer") -> None:
+    """The trainer and every rollouter exit 0 (the run finished)."""
+    assert procs.wait(trainer, 180) == 0, procs.log(trainer)
+    for rank in range(replicas):
+        assert procs.wait(f"rollouter{rank}", 60) == 0, procs.log(f"rollouter{rank}")
+
+
 async def _samples(bus: Bus, keys: RunKeys) -> dict[str, Sample]:
     out: dict[str, Sample] = {}
     async for _, msg in bus.read_all(keys.samples):
@@ -73,12 +87,8 @@ async def test_two_rollouters_train_every_sample_once_within_staleness(
     steps, threshold = 6, 0.5
     args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  f"async_training.staleness_threshold={threshold}", "rollout.replicas=2")
-    procs.spawn("rollouter0", "rollouter", *args, "rollout.rank=0")
-    procs.spawn("rollouter1", "rollouter", *args, "rollout.rank=1")
-    procs.spawn("trainer", "trainer", *args)
-    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
-    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
-    assert procs.wait("rollouter1", 60) == 0, procs.log("rollouter1")
+    _start(procs, args, replicas=2)
+    _finish(procs, replicas=2)
 
     events = await events_of(bus, run_keys.events)
     finished = _finished(events)
@@ -127,10 +137,8 @@ async def test_sync_mode_trains_only_on_policy_samples(
                  "async_training.staleness_threshold=0",
                  "async_training.trigger_parameter_sync_step=1",
                  "async_training.partial_rollout=false")
-    procs.spawn("rollouter0", "rollouter", *args)
-    procs.spawn("trainer", "trainer", *args)
-    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
-    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    _start(procs, args)
+    _finish(procs)
     events = await events_of(bus, run_keys.events)
     samples = await _samples(bus, run_keys)
     finished = _finished(events)
@@ -153,10 +161,8 @@ async def test_partial_rollout_records_version_span(
     args = _args(redis_url, run_id, tmp_path, "trainer.total_training_steps=4",
                  "async_training.partial_rollout=true", "async_training.staleness_threshold=1",
                  "rollout.partial_chunk_tokens=1")
-    procs.spawn("rollouter0", "rollouter", *args)
-    procs.spawn("trainer", "trainer", *args)
-    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
-    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    _start(procs, args)
+    _finish(procs)
     events = await events_of(bus, run_keys.events)
     samples = await _samples(bus, run_keys)
     bound = max_staleness(1.0, 1, 1, 4)
@@ -200,9 +206,7 @@ async def test_killed_rollouter_tickets_are_reclaimed(
     steps = 6
     args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "rollout.replicas=2", "heartbeat.timeout_s=4")
-    procs.spawn("rollouter0", "rollouter", *args, "rollout.rank=0")
-    procs.spawn("rollouter1", "rollouter", *args, "rollout.rank=1")
-    procs.spawn("trainer", "trainer", *args)
+    _start(procs, args, replicas=2)
     await wait_for(bus, run_keys.events, lambda m: isinstance(m, StepStarted) and m.step == 2,
                    120, procs, ["trainer"])
     procs.kill("rollouter1", signal.SIGKILL)
@@ -222,8 +226,7 @@ async def test_killed_trainer_resumes_with_the_same_model(
     steps = 8
     args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "trainer.save_freq=3", "heartbeat.timeout_s=15")
-    procs.spawn("rollouter0", "rollouter", *args)
-    procs.spawn("trainer", "trainer", *args)
+    _start(procs, args)
     await wait_for(bus, run_keys.events,
                    lambda m: isinstance(m, StepFinished) and m.step == 5, 120, procs, ["trainer"])
     procs.kill("trainer", signal.SIGKILL)
@@ -297,10 +300,8 @@ async def test_failing_tickets_are_dead_lettered_and_replaced(
     steps = 4
     args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "task.reward_fn=tests.rewards_for_tests:fail_on_nines")
-    procs.spawn("rollouter0", "rollouter", *args)
-    procs.spawn("trainer", "trainer", *args)
-    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
-    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    _start(procs, args)
+    _finish(procs)
     events = await events_of(bus, run_keys.events)
     failed = [e for e in events if isinstance(e, RolloutFailed)]
     assert failed and all("verifier crashed" in e.error for e in failed)
@@ -330,8 +331,7 @@ async def test_rollouts_that_always_fail_stop_the_run_loudly(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
 ) -> None:
     args = _args(redis_url, run_id, tmp_path, "task.reward_fn=tests.rewards_for_tests:always_fail")
-    procs.spawn("rollouter0", "rollouter", *args)
-    procs.spawn("trainer", "trainer", *args)
+    _start(procs, args)
     assert procs.wait("trainer", 120) == 1
     assert "rollouts keep failing" in procs.log("trainer")
     assert "verifier is down" in procs.log("trainer")
