@@ -99,18 +99,14 @@ def _check_cross_fields(cfg: Config) -> None:
         raise ConfigError("model.n_heads", f"must divide model.d_model={m.d_model}")
     if m.kind == "hf" and not m.path:
         raise ConfigError("model.path", "model.kind=hf needs a local model directory")
-    if m.kind == "tiny":
-        # The tiny model splits max_len between prompt and response (policy/model.py).
-        half = m.max_len // 2
-        prompt = t.max_digits + 2  # bos, digits, separator
-        if cfg.async_training.partial_rollout:
-            prompt += cfg.rollout.max_new_tokens  # continuations re-enter as prompts
-        if cfg.rollout.max_new_tokens > m.max_len - half:
-            raise ConfigError("rollout.max_new_tokens", f"must be <= model.max_len - "
-                              f"model.max_len // 2 = {m.max_len - half}")
-        if t.kind == "digits" and prompt > half:
+    if m.kind == "tiny" and t.kind == "digits":
+        # Learned absolute positions: a prompt (bos, digits, separator) plus its response
+        # (continuations re-enter as prompts) must fit in model.max_len.
+        need = t.max_digits + 2 + cfg.rollout.max_new_tokens
+        if need > m.max_len:
             raise ConfigError("model.max_len", f"{m.max_len} is too short: prompts of "
-                              f"{prompt} tokens need model.max_len >= {2 * prompt}")
+                              f"{t.max_digits + 2} tokens plus rollout.max_new_tokens="
+                              f"{cfg.rollout.max_new_tokens} need model.max_len >= {need}")
     if t.min_digits > t.max_digits:
         raise ConfigError("task.min_digits", f"must be <= task.max_digits={t.max_digits}")
     if t.kind == "jsonl" and not t.path:

@@ -47,7 +47,7 @@ def build_prompt_source(cfg: Any = None, seed: int = 0) -> PromptSource:
 
         return DigitsPrompts(
             seed=seed,
-            min_digits=int(_get(cfg, "min_digits", None) or 3),
+            min_digits=int(_get(cfg, "min_digits", None) or 4),
             max_digits=int(_get(cfg, "max_digits", None) or 4),
         )
     if kind == "jsonl":

@@ -12,7 +12,7 @@ __all__ = ["DigitsPrompts", "digits_reward"]
 class DigitsPrompts:
     """Deterministic stream of digit-reversal prompts: prompt i depends only on (seed, i)."""
 
-    def __init__(self, seed: int = 0, min_digits: int = 3, max_digits: int = 4) -> None:
+    def __init__(self, seed: int = 0, min_digits: int = 4, max_digits: int = 4) -> None:
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
         self.seed = seed

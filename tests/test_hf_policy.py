@@ -61,6 +61,27 @@ def test_load_generate_and_logprobs(model_dir: Path) -> None:
     assert any(p.grad is not None for p in policy.parameters())
 
 
+def test_chunked_generation_logprobs_match(model_dir: Path) -> None:
+    # partial_rollout: continue from prompt + tokens so far, 2 tokens at a time.
+    policy = HFPolicy.from_pretrained(model_dir, device="cpu")
+    g = torch.Generator().manual_seed(1)
+    toks: list[list[int]] = [[] for _ in PROMPTS]
+    logps: list[list[float]] = [[] for _ in PROMPTS]
+    for _ in range(3):
+        live = [i for i, t in enumerate(toks) if not t or t[-1] != EOS]
+        if not live:
+            break
+        out = policy.generate([PROMPTS[i] + toks[i] for i in live], 2, 1.0, generator=g)
+        for i, t, lp in zip(live, out.tokens, out.logprobs, strict=True):
+            toks[i] += t
+            logps[i] += lp.tolist()
+    b = build_batch(list(zip(PROMPTS, toks, logps, strict=True)), policy.pad_id)
+    with torch.no_grad():
+        logp, _ = policy.logprobs_and_entropy(b.input_ids, b.attention_mask, b.response_len)
+    m = b.response_mask.bool()
+    torch.testing.assert_close(logp[m], b.old_logprobs[m], atol=2e-5, rtol=1e-5)
+
+
 def test_weights_round_trip_and_build(model_dir: Path) -> None:
     a = HFPolicy.from_pretrained(model_dir, device="cpu")
     b = build_policy({"kind": "hf", "path": str(model_dir)}, device="cpu")
