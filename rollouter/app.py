@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 import torch
 
-from bus import Bus, Consumer, RunKeys, read_commands, run_with_bus
+from bus import BlobNotFound, Bus, Consumer, RunKeys, read_commands, run_with_bus
 from bus.blobs import open_store
 from bus.messages import (
     Array,
@@ -157,7 +157,12 @@ class Rollouter:
             return
         store = open_store(newest.ref.store, bus=self.bus, run_keys=self.keys,
                            root=Path(self.cfg.run.output_dir) / self.run_id / "blobs")
-        blob = await store.get(newest.ref)
+        try:
+            blob = await store.get(newest.ref)
+        except BlobNotFound:
+            # Superseded and deleted while we were busy: a newer version is already published.
+            await self._poll_events()
+            return
         await asyncio.to_thread(self.policy.load_bytes, blob)
         old = self.version
         self.version = newest.version

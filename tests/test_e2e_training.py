@@ -123,8 +123,11 @@ async def test_two_rollouters_train_every_sample_once_within_staleness(
     assert all(isinstance(t, PromptTicket) for t in tickets)
     assert len(tickets) <= steps * 4 + budget
     # Weights: version 0 plus one per step.
-    versions = [e.version for e in events if isinstance(e, WeightsPublished)]
-    assert versions == list(range(steps + 1))
+    published = [e for e in events if isinstance(e, WeightsPublished)]
+    assert [e.version for e in published] == list(range(steps + 1))
+    # Old weight blobs are deleted; the newest ones stay readable.
+    kept = [await bus.exists(f"{e.ref.key}:0") for e in published]
+    assert kept == [False] * (steps + 1 - 3) + [True] * 3, kept
 
 
 @pytest.mark.e2e

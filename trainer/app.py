@@ -35,6 +35,7 @@ from bus import Bus, Consumer, Delivery, RunKeys, read_commands, run_with_bus
 from bus.blobs import DirBlobStore, RedisBlobStore
 from bus.keys import RUNS_STREAM
 from bus.messages import (
+    BlobRef,
     CheckpointSaved,
     ComponentFailed,
     DeadLetter,
@@ -69,6 +70,7 @@ ROLLOUTER_GROUP = "rollouter"
 CONSUMER = "trainer-0"
 # Above this many bytes the weights go to a directory blob store instead of Redis chunks.
 REDIS_BLOB_LIMIT = 64 * 1024 * 1024
+KEEP_WEIGHTS = 3  # weight versions whose blobs stay readable
 
 
 class PeerDead(RuntimeError):
@@ -132,6 +134,7 @@ class Trainer:
         self.events_last = "0"
         self.wait_s = 0.0
         self.blobs: RedisBlobStore | DirBlobStore = RedisBlobStore(bus, self.keys)
+        self.published: list[tuple[RedisBlobStore | DirBlobStore, BlobRef]] = []
 
     # ------------------------------------------------------------------ set-up
 
@@ -216,6 +219,12 @@ class Trainer:
             self.blobs = DirBlobStore(self.run_dir / "blobs")
         ref = await self.blobs.put(f"weights-v{self.version}", blob)
         await self._publish(WeightsPublished(version=self.version, ref=ref, step=step))
+        # Only the newest versions are ever loaded (rollouters take the latest); dropping
+        # older blobs keeps Redis (and its AOF) from growing by one model per step.
+        self.published.append((self.blobs, ref))
+        while len(self.published) > KEEP_WEIGHTS:
+            store, old = self.published.pop(0)
+            await store.delete(old)
 
     # ------------------------------------------------------------------ tickets
 
