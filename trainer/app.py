@@ -120,7 +120,6 @@ class Trainer:
         self.ready: list[_Group] = []
         self.consumer = Consumer(bus, self.keys.samples, GROUP, CONSUMER, dlq_stream=self.keys.dlq)
         self.heartbeats: dict[tuple[str, int], Heartbeat] = {}
-        self.started_at = time.monotonic()
         self.last_sample_at = time.monotonic()
         self.rollout_failures = 0
         self.failures_since_sample = 0

@@ -37,7 +37,6 @@ class TrainerState(msgspec.Struct, frozen=True):
     started: bool = False
     finished: bool = False
     last_step: int = 0
-    param_version: int = -1
     weights: tuple[tuple[int, BlobRef], ...] = ()
     checkpoints: tuple[tuple[int, str], ...] = ()
     trained: frozenset[str] = frozenset()
@@ -80,11 +79,7 @@ def apply(state: TrainerState, msg: Message) -> TrainerState:
                 steps=(*state.steps, record),
             )
         case WeightsPublished(version=version, ref=ref):
-            return replace(
-                state,
-                param_version=max(state.param_version, version),
-                weights=(*state.weights, (version, ref)),
-            )
+            return replace(state, weights=(*state.weights, (version, ref)))
         case CheckpointSaved(step=step, path=path):
             return replace(state, checkpoints=(*state.checkpoints, (step, path)))
         case RunFinished():
