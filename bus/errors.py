@@ -16,6 +16,7 @@ __all__ = [
     "BusAuthError",
     "BusError",
     "BusUnavailable",
+    "Fenced",
     "GoneError",
     "GroupGone",
     "PortInUse",
@@ -45,6 +46,18 @@ class BusUnavailable(BusError):
         self.url = url
         self.op = op
         self.attempts = attempts
+
+
+class Fenced(BusError):
+    """A write refused because another token holds the fencing lease (a second trainer, or
+    this one after its lease lapsed while it was paused)."""
+
+    def __init__(self, key: str, token: str, holder: str | None) -> None:
+        who = f"now held by {holder}" if holder else "now free (it lapsed)"
+        super().__init__(f"lease {key} is no longer ours ({token}): {who}")
+        self.key = key
+        self.token = token
+        self.holder = holder
 
 
 class BusAuthError(BusError):

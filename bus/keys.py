@@ -64,6 +64,21 @@ class RunKeys(msgspec.Struct, frozen=True):
         commands for steps ``<= barrier`` are closed (:meth:`bus.Bus.publish_guarded`)."""
         return f"{self.prefix}:barrier"
 
+    @property
+    def trainer_lease(self) -> str:
+        """The trainer's fencing lease (a string key with a TTL, see :mod:`bus.liveness`):
+        it holds the token of the one trainer allowed to write this run."""
+        return f"{self.prefix}:trainer-lease"
+
+    def alive(self, role: str, rank: int) -> str:
+        """Liveness key of one component (SET PX, refreshed every heartbeat interval); its
+        value is the component's latest :class:`~bus.messages.Heartbeat`."""
+        return f"{self.prefix}:alive:{role}:{rank}"
+
+    def alive_pattern(self, role: str = "*") -> str:
+        """SCAN MATCH pattern of the liveness keys of ``role`` (every role by default)."""
+        return f"{self.prefix}:alive:{role}:*"
+
     def blob(self, name: str) -> str:
         """Key prefix of blob ``name`` (its chunks are ``...:0``, ``...:1``, ...)."""
         return f"{self.prefix}:blob:{name}"

@@ -51,6 +51,8 @@ __all__ = [
     "StepFinished",
     "StepStarted",
     "StopProfile",
+    "TicketsClosed",
+    "TicketsIssued",
     "TrainerResumed",
     "WarningRaised",
     "WeightsPublished",
@@ -152,6 +154,9 @@ class StepFinished(_Base, frozen=True):
     duration_s: float
     param_version: int = 0
     ts: float = msgspec.field(default_factory=_now)
+    entry_ids: list[str] = []
+    """Samples-stream entry ids of the trained copies, in ``sample_ids`` order: replay reads
+    exactly these (a sample id may have several copies in the stream; only one was trained)."""
 
 
 class WeightsPublished(_Base, frozen=True):
@@ -285,6 +290,28 @@ class WarningRaised(_Base, frozen=True):
     ts: float = msgspec.field(default_factory=_now)
 
 
+class TicketsIssued(_Base, frozen=True):
+    """Prompt tickets the trainer issued (appended with the tickets, atomically): the ticket
+    ledger is folded from these, :class:`TicketsClosed` and :class:`StepFinished`."""
+
+    ticket_ids: list[str]
+    n: int
+    param_version: int
+    attempt: int = 0
+    reason: str = ""
+    """Why an ``attempt > 0`` was issued (lease expired, stale, invalid answer, ...)."""
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class TicketsClosed(_Base, frozen=True):
+    """Tickets the trainer gave up without training them (dead-lettered by the rollouters);
+    their budget slots are free again."""
+
+    ticket_ids: list[str]
+    reason: str
+    ts: float = msgspec.field(default_factory=_now)
+
+
 class RunFinished(_Base, frozen=True):
     """Last event of a run."""
 
@@ -310,6 +337,8 @@ class PromptTicket(_Base, frozen=True):
     n: int
     min_version: int
     ts: float = msgspec.field(default_factory=_now)
+    attempt: int = 0
+    """0 for the first issue of ``ticket_id``; each lease reissue adds 1 (first answer wins)."""
 
 
 class Sample(_Base, frozen=True):
@@ -335,6 +364,8 @@ class Sample(_Base, frozen=True):
     gen_time_s: float = 0.0
     finish_reason: str = "length"
     ts: float = msgspec.field(default_factory=_now)
+    attempt: int = 0
+    """The attempt of the ticket this response answers (see :attr:`PromptTicket.attempt`)."""
 
 
 # --------------------------------------------------------------------------- control
@@ -400,6 +431,8 @@ Event = (
     | RolloutFailed
     | ComponentFailed
     | WarningRaised
+    | TicketsIssued
+    | TicketsClosed
     | RunFinished
 )
 """Everything that goes to ``rlbus:{RUN}:events``."""

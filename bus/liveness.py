@@ -1,0 +1,192 @@
+"""Liveness judged by Redis's clock, and the trainer's fencing lease.
+
+Pulses are not facts, so they stay out of the durable events log: every component refreshes
+a key with a TTL (``SET key HEARTBEAT PX timeout``) once per heartbeat interval, from a task
+that heavy work never blocks (that work runs on a worker thread). A key that exists means
+"this process spoke within the timeout", by the Redis server's clock alone: no two hosts'
+clocks are ever compared, and a long step is not mistaken for death.
+
+The trainer's lease is the same idea with a fencing token: one trainer per run holds
+``rlbus:{RUN}:trainer-lease`` (value = its token) and every trainer write is a Lua script
+that first checks the token, so a second trainer, or a paused zombie of the first whose
+lease lapsed, cannot write a single entry.
+
+    ``pulse(bus, key, heartbeat, ttl_s)``                 SET PX
+    ``peers(bus, pattern) -> list[Heartbeat]``            SCAN MATCH + MGET
+    ``Lease(bus, key, token, ttl_s)``
+        ``acquire() -> str | None``        SET NX PX; None, or the holder's token when taken
+        ``steal(holder) -> bool``          compare-and-set (EVAL) when the holder is known dead
+        ``renew() -> bool``                compare-and-PEXPIRE (EVAL)
+        ``release()``                      compare-and-DEL (EVAL)
+        ``ttl_ms() -> int``                PTTL
+        ``write(items, ack=None) -> list[str]``   token check + XADDs + XACK, one EVAL
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from bus.errors import Fenced
+from bus.messages import FIELD, DecodeError, Heartbeat, Message, decode, encode
+from bus.streams import Bus
+
+__all__ = ["Lease", "peers", "pulse"]
+
+
+async def pulse(bus: Bus, key: str, heartbeat: Heartbeat, ttl_s: float) -> None:
+    """Say "alive" for ``ttl_s`` seconds, with ``heartbeat`` as the value. Wraps SET PX."""
+    ttl_ms = max(1, int(ttl_s * 1000))
+    data = encode(heartbeat)
+    await bus._call("SET", lambda: bus._redis.execute_command("SET", key, data, "PX", ttl_ms))
+
+
+async def peers(bus: Bus, pattern: str) -> list[Heartbeat]:
+    """The latest heartbeats of every live component whose key matches ``pattern``
+    (undecodable values are skipped). Wraps SCAN MATCH, then MGET."""
+    redis_ = bus._redis
+
+    async def scan() -> list[bytes]:
+        keys: list[bytes] = []
+        cursor: Any = 0
+        while True:
+            cursor, batch = await redis_.execute_command(
+                "SCAN", cursor, "MATCH", pattern, "COUNT", 1000
+            )
+            keys.extend(batch)
+            if int(cursor) == 0:
+                return sorted(set(keys))
+
+    keys = await bus._call("SCAN", scan)
+    if not keys:
+        return []
+    values = await bus._call("MGET", lambda: redis_.execute_command("MGET", *keys))
+    found = []
+    for raw in values:
+        if raw is None:  # expired between SCAN and MGET
+            continue
+        try:
+            msg = decode(raw)
+        except DecodeError:
+            continue
+        if isinstance(msg, Heartbeat):
+            found.append(msg)
+    return found
+
+
+# KEYS[1] lease; ARGV[1] expected token; ARGV[2] new token; ARGV[3] ttl ms.
+_STEAL_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0
+"""
+
+# KEYS[1] lease; ARGV[1] token; ARGV[2] ttl ms (0: delete).
+_RENEW_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '0' then redis.call('DEL', KEYS[1]) else redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1
+"""
+
+# Fenced write. KEYS[1] lease; KEYS[2..n+1] one stream per item; KEYS[n+2] (optional) the
+# stream to ack in. ARGV[1] token; ARGV[2] field; ARGV[3] n; ARGV[4..n+3] encoded messages;
+# ARGV[n+4] group; ARGV[n+5..] entry ids to ack. Returns the new entry ids, or false when the
+# token does not hold the lease (nothing is written).
+_WRITE_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+local n = tonumber(ARGV[3])
+local ids = {}
+for i = 1, n do
+  ids[i] = redis.call('XADD', KEYS[i + 1], '*', ARGV[2], ARGV[i + 3])
+end
+if #KEYS > n + 1 and #ARGV > n + 4 then
+  redis.call('XACK', KEYS[n + 2], ARGV[n + 4], unpack(ARGV, n + 5))
+end
+return ids
+"""
+
+
+class Lease:
+    """A fencing lease on ``key`` for the holder of ``token`` (see the module docstring)."""
+
+    def __init__(self, bus: Bus, key: str, token: str, ttl_s: float) -> None:
+        self.bus = bus
+        self.key = key
+        self.token = token
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        redis_ = bus._redis
+        self._steal = redis_.register_script(_STEAL_LUA)
+        self._renew = redis_.register_script(_RENEW_LUA)
+        self._write = redis_.register_script(_WRITE_LUA)
+
+    async def acquire(self) -> str | None:
+        """Take the lease if free: None on success, else the current holder's token.
+        Wraps SET NX PX (then GET)."""
+        redis_ = self.bus._redis
+
+        async def go() -> Any:
+            ok = await redis_.execute_command(
+                "SET", self.key, self.token, "NX", "PX", self.ttl_ms
+            )
+            if ok:
+                return None
+            holder = await redis_.execute_command("GET", self.key)
+            return b"" if holder is None else holder
+
+        holder = await self.bus._call("SET", go)
+        if holder is None:
+            return None
+        if holder == b"":  # expired between SET NX and GET: try once more
+            return await self.acquire()
+        return holder.decode(errors="replace")
+
+    async def steal(self, holder: str) -> bool:
+        """Replace ``holder``'s token by ours (only if it still holds it). Wraps EVAL."""
+        args = [holder, self.token, self.ttl_ms]
+        return bool(await self.bus._call("EVAL", lambda: self._steal(keys=[self.key], args=args)))
+
+    async def renew(self) -> bool:
+        """Extend our lease; False if we no longer hold it. Wraps EVAL (GET + PEXPIRE)."""
+        args = [self.token, self.ttl_ms]
+        return bool(await self.bus._call("EVAL", lambda: self._renew(keys=[self.key], args=args)))
+
+    async def release(self) -> None:
+        """Give the lease up if we hold it. Wraps EVAL (GET + DEL)."""
+        args = [self.token, 0]
+        await self.bus._call("EVAL", lambda: self._renew(keys=[self.key], args=args))
+
+    async def holder(self) -> str | None:
+        """The token holding the lease now (None: free). Wraps GET."""
+        raw = await self.bus._call("GET", lambda: self.bus._redis.execute_command("GET", self.key))
+        return None if raw is None else raw.decode(errors="replace")
+
+    async def ttl_ms(self) -> int:
+        """Milliseconds the lease has left (-2: free). Wraps PTTL."""
+        return int(await self.bus._call(
+            "PTTL", lambda: self.bus._redis.execute_command("PTTL", self.key)
+        ))
+
+    async def write(
+        self,
+        items: Sequence[tuple[str, Message]],
+        ack: tuple[str, str, Sequence[str]] | None = None,
+    ) -> list[str]:
+        """Append ``(stream, msg)`` items and XACK ``ack = (stream, group, ids)``, all in one
+        script that first checks our token: everything lands, in order, or nothing does.
+
+        Raises :class:`~bus.errors.Fenced` when another token holds the lease. Wraps EVAL
+        (GET, XADD..., XACK); every key must share the run's hash slot.
+        """
+        keys = [self.key, *(stream for stream, _ in items)]
+        args: list[Any] = [self.token, FIELD, len(items), *(encode(m) for _, m in items)]
+        if ack is not None and ack[2]:
+            stream, group, ids = ack
+            keys.append(stream)
+            args += [group, *ids]
+        reply = await self.bus._call("EVAL", lambda: self._write(keys=keys, args=args))
+        if reply is None:
+            holder = await self.holder()
+            raise Fenced(self.key, self.token, holder)
+        return [i.decode() if isinstance(i, bytes) else str(i) for i in reply]
