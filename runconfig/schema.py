@@ -109,6 +109,9 @@ class AsyncTrainingConfig(_Section, frozen=True):
 class HeartbeatConfig(_Section, frozen=True):
     interval_s: PosFloat = 1.0
     timeout_s: PosFloat = 30.0
+    ticket_lease_s: PosFloat | None = None
+    stall_warn_s: PosFloat = 60.0
+    stall_timeout_s: PosFloat = 1800.0
 
 
 class ProfilerConfig(_Section, frozen=True):
