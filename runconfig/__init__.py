@@ -5,10 +5,12 @@ from runconfig.load import (
     apply_override,
     config_to_dict,
     default_dict,
+    known_keys,
     load_config,
     load_or_exit,
     parse_config_args,
     resolve_run_id,
+    suggest_key,
 )
 from runconfig.schema import (
     AsyncTrainingConfig,
@@ -38,8 +40,10 @@ __all__ = [
     "apply_override",
     "config_to_dict",
     "default_dict",
+    "known_keys",
     "load_config",
     "load_or_exit",
     "parse_config_args",
     "resolve_run_id",
+    "suggest_key",
 ]

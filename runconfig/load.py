@@ -7,6 +7,8 @@ turn it into exit code 2 (see :func:`load_or_exit`).
 from __future__ import annotations
 
 import copy
+import difflib
+import functools
 import re
 import sys
 import time
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import msgspec.inspect
 import yaml
 
 from runconfig.schema import Config
@@ -24,20 +27,70 @@ __all__ = [
     "apply_override",
     "config_to_dict",
     "default_dict",
+    "known_keys",
     "load_config",
     "load_or_exit",
     "parse_config_args",
     "resolve_run_id",
+    "suggest_key",
 ]
 
 
 class ConfigError(ValueError):
-    """An invalid config or argument; ``key`` is the dotted key at fault."""
+    """An invalid config or argument; ``key`` is the dotted key at fault.
 
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"invalid config key '{key}': {message}")
+    ``suggestion`` is the closest known dotted key for an unknown one (else None); the message
+    then ends with ``; did you mean 'x.y'?``.
+    """
+
+    def __init__(self, key: str, message: str, suggestion: str | None = None) -> None:
+        text = f"invalid config key '{key}': {message}"
+        if suggestion:
+            text += f"; did you mean '{suggestion}'?"
+        super().__init__(text)
         self.key = key
         self.message = message
+        self.suggestion = suggestion
+
+
+def _leaves(info: msgspec.inspect.StructType, prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    for field in info.fields:
+        dotted = f"{prefix}{field.name}"
+        if isinstance(field.type, msgspec.inspect.StructType):
+            keys += _leaves(field.type, f"{dotted}.")
+        else:
+            keys.append(dotted)
+    return keys
+
+
+@functools.cache
+def _known() -> tuple[str, ...]:
+    info = msgspec.inspect.type_info(Config)
+    assert isinstance(info, msgspec.inspect.StructType)
+    return tuple(_leaves(info))
+
+
+def known_keys() -> list[str]:
+    """Every dotted key rlbus's config has (``trainer.lr``, ``global_profiler.steps``, ...)."""
+    return list(_known())
+
+
+def suggest_key(key: str, candidates: list[str] | tuple[str, ...] | None = None) -> str | None:
+    """The known dotted key closest to ``key`` (difflib), or None when nothing is close."""
+    pool = list(candidates if candidates is not None else _known())
+    match = difflib.get_close_matches(key, pool, n=1, cutoff=0.6)
+    if match:
+        return match[0]
+    # A misspelt section with a right leaf (``trainr.lr``): compare the leaf within sections.
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in pool if k.rsplit(".", 1)[-1] == leaf]
+    match = difflib.get_close_matches(key, same_leaf, n=1, cutoff=0.4)
+    return match[0] if match else None
+
+
+def _unknown(key: str, full: str, what: str = "unknown config key") -> ConfigError:
+    return ConfigError(key, what, suggest_key(full))
 
 
 def default_dict() -> dict[str, Any]:
@@ -63,10 +116,10 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
     node: Any = tree
     for depth, part in enumerate(parts[:-1]):
         if not isinstance(node, dict) or part not in node or not isinstance(node[part], dict):
-            raise ConfigError(".".join(parts[: depth + 1]), "unknown config section")
+            raise _unknown(".".join(parts[: depth + 1]), key, "unknown config section")
         node = node[part]
     if parts[-1] not in node:
-        raise ConfigError(key, "unknown config key")
+        raise _unknown(key, key)
     node[parts[-1]] = _parse_value(key, raw)
 
 
@@ -74,7 +127,7 @@ def _merge(base: dict[str, Any], update: dict[str, Any], prefix: str = "") -> No
     for key, value in update.items():
         dotted = f"{prefix}{key}"
         if key not in base:
-            raise ConfigError(dotted, "unknown config key")
+            raise _unknown(dotted, dotted)
         if isinstance(base[key], dict):
             if not isinstance(value, dict):
                 raise ConfigError(dotted, f"expected a mapping, got {value!r}")

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from runconfig import Config, ConfigError, load_config, resolve_run_id
+from runconfig import (
+    Config,
+    ConfigError,
+    config_to_dict,
+    known_keys,
+    load_config,
+    resolve_run_id,
+)
 
 
 def test_yaml_defaults_match_the_schema_defaults() -> None:
@@ -75,3 +82,38 @@ def test_null_run_id_is_resolved_once() -> None:
     cfg = resolve_run_id(load_config())
     assert cfg.run.id and cfg.run.id.startswith("run-")
     assert resolve_run_id(cfg) == cfg
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "suggestion"),
+    [
+        ("trainer.totl_training_steps=3", "trainer.totl_training_steps",
+         "trainer.total_training_steps"),
+        ("global_profiler.step=[1]", "global_profiler.step", "global_profiler.steps"),
+        ("trainr.lr=0.1", "trainr", "trainer.lr"),
+        ("bogus.key=1", "bogus", None),
+    ],
+)
+def test_unknown_keys_suggest_the_closest_known_key(
+    override: str, key: str, suggestion: str | None
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert info.value.key == key
+    assert info.value.suggestion == suggestion
+    if suggestion:
+        assert str(info.value).endswith(f"did you mean '{suggestion}'?")
+    else:
+        assert "did you mean" not in str(info.value)
+
+
+def test_known_keys_are_the_dotted_leaves_of_the_config() -> None:
+    keys = known_keys()
+    assert "trainer.lr" in keys and "global_profiler.steps" in keys
+    assert "trainer" not in keys and len(keys) == len(set(keys))
+    tree = config_to_dict(Config())
+    for key in keys:  # each names a leaf value of the config
+        node = tree
+        for part in key.split("."):
+            node = node[part]
+        assert not isinstance(node, dict), key
