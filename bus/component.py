@@ -4,16 +4,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import re
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 
+from bus.errors import BusAuthError, BusUnavailable, redact_url
 from bus.messages import Command, StartProfile, StopProfile
 from bus.streams import Bus
 
-__all__ = ["read_commands", "run_with_bus"]
+__all__ = ["bus_error_line", "expand_env", "read_commands", "run_with_bus"]
 
 CLOSE_TIMEOUT_S = 5.0
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_env(url: str) -> str:
+    """``url`` with every ``${VAR}`` replaced from the environment, so a password can live in
+    the environment while configs, logs and the run's RunStarted event keep the placeholder.
+    An unset variable raises :class:`KeyError` naming it."""
+
+    def sub(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in os.environ:
+            raise KeyError(name)
+        return os.environ[name]
+
+    return _ENV_REF.sub(sub, url)
+
+
+def bus_error_line(name: str, exc: BusUnavailable | BusAuthError) -> str:
+    """One line for an unreachable Redis or refused credentials: what failed, what to try."""
+    if isinstance(exc, BusAuthError):
+        return (f"{name}: error: {exc} (check the user and password in redis.url, or the "
+                "environment variable it names)")
+    return (f"{name}: error: cannot reach Redis at {exc.url} ({exc.op} failed after "
+            f"{exc.attempts} attempt(s)); is the server running there? check redis.url")
 
 
 async def read_commands(bus: Bus, control: str, cursor: str) -> tuple[list[Command], str]:
@@ -24,10 +52,15 @@ async def read_commands(bus: Bus, control: str, cursor: str) -> tuple[list[Comma
 
 
 async def _serve(url: str, name: str, body: Callable[[Bus], Awaitable[int]]) -> int:
-    bus = Bus.from_url(url)
+    try:
+        bus = Bus.from_url(expand_env(url))
+    except KeyError as exc:
+        print(f"{name}: error: invalid config key 'redis.url': environment variable "
+              f"{exc.args[0]} (named in {redact_url(url)}) is not set", file=sys.stderr)
+        return 2
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         # Cancelling the task runs every `finally` (traces written, ProfileStopped sent).
         loop.add_signal_handler(sig, lambda: task.cancel() if task else None)
     try:
@@ -35,11 +68,17 @@ async def _serve(url: str, name: str, body: Callable[[Bus], Awaitable[int]]) -> 
     except asyncio.CancelledError:
         print(f"{name}: stopped by signal", file=sys.stderr)
         return 143
+    except (BusUnavailable, BusAuthError) as exc:
+        # One line, not a traceback: the operator needs the URL and what to try.
+        print(bus_error_line(name, exc), file=sys.stderr, flush=True)
+        return 1
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(bus.close(), CLOSE_TIMEOUT_S)
 
 
 def run_with_bus(url: str, name: str, body: Callable[[Bus], Awaitable[int]]) -> int:
-    """Run ``body(bus)`` in a fresh event loop; SIGTERM/SIGINT end it with exit code 143."""
+    """Run ``body(bus)`` in a fresh event loop; SIGTERM/SIGINT/SIGHUP end it with exit code
+    143. ``${VAR}`` in ``url`` comes from the environment; an unreachable Redis is one line on
+    stderr and exit code 1."""
     return asyncio.run(_serve(url, name, body))

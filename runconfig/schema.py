@@ -32,6 +32,12 @@ NonNegFloat = Annotated[float, Meta(ge=0)]
 Step = Annotated[int, Meta(ge=1)]
 Role = Literal["trainer", "rollouter"]
 Content = Literal["shapes", "memory", "stack"]
+# verl's trainer.logger values; the metrics logger writes tensorboard and wandb (offline),
+# console is the progress lines, the others are accepted with a warning.
+LoggerName = Literal[
+    "console", "tensorboard", "wandb", "mlflow", "swanlab", "vemlp_wandb", "clearml", "trackio",
+    "file",
+]
 
 
 class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -49,6 +55,8 @@ class RunConfig(_Section, frozen=True):
     output_dir: str = "outputs"
     launcher: Literal["local", "ray"] = "local"
     ray_address: str | None = None
+    stop_grace_s: PosFloat = 10.0
+    progress_interval_s: PosFloat = 10.0
 
 
 class ModelConfig(_Section, frozen=True):
@@ -84,6 +92,11 @@ class TrainerConfig(_Section, frozen=True):
     device: str = "auto"
     threads: PosInt = 1
     seed: int = 0
+    logger: LoggerName | list[LoggerName] = msgspec.field(
+        default_factory=lambda: ["console", "tensorboard"]
+    )
+    project_name: str = "rlbus"
+    experiment_name: str | None = None
 
 
 class RolloutConfig(_Section, frozen=True):

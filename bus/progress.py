@@ -1,0 +1,132 @@
+"""One-line progress of a run, printed the same way by ``rlbus up`` and by every component.
+
+:func:`step_line` formats a StepFinished; :func:`follow_progress` tails a run's events stream
+(one XREAD BLOCK at a time, from the newest entry: the past is never re-read) and prints one
+line per finished step for the trainer, and one line every ``every_s`` seconds for the other
+roles. :class:`ProgressThread` runs that follower beside a component's own event loop, so no
+component code has to know about it. No torch here: ``rlbus up`` imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import threading
+import time
+from typing import TextIO
+
+import msgspec
+
+from bus.errors import BusError
+from bus.keys import RunKeys
+from bus.messages import RunFinished, StepFinished
+from bus.streams import Bus
+
+__all__ = ["ProgressSpec", "ProgressThread", "follow_progress", "step_line"]
+
+
+def step_line(event: StepFinished, total: int) -> str:
+    """``step   12/300  reward 0.412  staleness 0.50 (max 1)  123.4 samples/s  0.31s``."""
+    m = event.metrics
+    return (
+        f"step {event.step:>4}/{total}  reward {m.get('reward/mean', float('nan')):.3f}  "
+        f"staleness {m.get('staleness/mean', 0.0):.2f} (max {m.get('staleness/max', 0.0):.0f})  "
+        f"{m.get('throughput/samples_per_s', 0.0):6.1f} samples/s  {event.duration_s:5.2f}s"
+    )
+
+
+class ProgressSpec(msgspec.Struct, frozen=True):
+    """What to follow: run ``run_id`` of ``total_steps`` steps, printed as ``role``."""
+
+    run_id: str
+    total_steps: int
+    role: str
+    every_s: float = 10.0
+    """Roles other than the trainer print at most one line per this many seconds."""
+
+
+async def follow_progress(bus: Bus, spec: ProgressSpec, out: TextIO | None = None) -> None:
+    """Print progress lines for ``spec`` until the run finishes or the task is cancelled.
+
+    A Redis error ends the follower silently: the component itself reports it.
+    """
+    stream = RunKeys(spec.run_id).events
+    per_step = spec.role == "trainer"
+    try:
+        newest = await bus.latest(stream)
+        cursor = newest.id if newest is not None else "0-0"
+        last: StepFinished | None = None
+        shown: StepFinished | None = None
+        next_line = time.monotonic() + spec.every_s
+        while True:
+            wait_ms = 1000 if per_step else max(1, int((next_line - time.monotonic()) * 1000))
+            entries, cursor = await bus.read_after(stream, cursor, count=500, block_ms=wait_ms)
+            for _, msg in entries:
+                if isinstance(msg, StepFinished):
+                    last = msg
+                    if per_step:
+                        _print(out, f"{spec.role}: {step_line(msg, spec.total_steps)}")
+                elif isinstance(msg, RunFinished):
+                    return
+            if per_step or time.monotonic() < next_line:
+                continue
+            next_line = time.monotonic() + spec.every_s
+            if last is not None and last is not shown:
+                _print(out, f"{spec.role}: {step_line(last, spec.total_steps)}")
+                shown = last
+            else:
+                where = f"last step {last.step}" if last is not None else "no step yet"
+                _print(out, f"{spec.role}: no step finished in the last {spec.every_s:g} s "
+                            f"({where})")
+    except BusError:
+        return
+
+
+def _print(out: TextIO | None, line: str) -> None:
+    print(line, file=out if out is not None else sys.stdout, flush=True)
+
+
+class ProgressThread:
+    """:func:`follow_progress` on its own thread, event loop and connection.
+
+    ``start()`` then ``stop()`` (idempotent; waits at most ``join_s`` for the thread).
+    """
+
+    def __init__(self, url: str, spec: ProgressSpec, out: TextIO | None = None) -> None:
+        self.url = url
+        self.spec = spec
+        self.out = out
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._task = asyncio.current_task()  # type: ignore[assignment]
+            self._ready.set()
+            bus = Bus.from_url(self.url, client_name=f"rlbus-progress-{self.spec.role}")
+            try:
+                await follow_progress(bus, self.spec, self.out)
+            finally:
+                with contextlib.suppress(Exception):
+                    await bus.close()
+
+        with contextlib.suppress(asyncio.CancelledError):
+            asyncio.run(main())
+        self._ready.set()
+
+    def start(self) -> ProgressThread:
+        self._thread.start()
+        self._ready.wait(5.0)
+        return self
+
+    def stop(self, join_s: float = 5.0) -> None:
+        loop, task = self._loop, self._task
+        if loop is not None and task is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(task.cancel)
+        if self._thread.is_alive():
+            self._thread.join(join_s)
