@@ -1037,6 +1037,13 @@ class Consumer:
         self.stats.acked += int(n)
         return int(n)
 
+    def acked(self, ids: Iterable[str]) -> None:
+        """Record that ``ids`` were acked by another call than :meth:`ack` (e.g. inside a
+        fenced script together with the event that justifies the ack)."""
+        keys = list(ids)
+        self._inflight.difference_update(keys)
+        self.stats.acked += len(keys)
+
     async def dead_letter(self, entry: str | Delivery, reason: str, raw: bytes = b"") -> None:
         """Give up on an entry: write a DeadLetter with ``reason`` and XACK it, atomically
         (XADD to the DLQ + XACK in MULTI/EXEC). For handlers that find a message invalid.

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,9 @@ import msgspec
 import numpy as np
 import torch
 
-from bus import BlobNotFound, Bus, Consumer, RunKeys, read_commands, run_with_bus
+from bus import BlobError, BlobNotFound, Bus, Consumer, RunKeys, read_commands, run_with_bus
 from bus.blobs import open_store
+from bus.liveness import pulse
 from bus.messages import (
     Array,
     ComponentFailed,
@@ -36,7 +39,9 @@ from bus.messages import (
     PromptTicket,
     RolloutFailed,
     RunFinished,
+    RunStarted,
     Sample,
+    WarningRaised,
     WeightsPublished,
 )
 from policy import build_policy, resolve_device
@@ -49,6 +54,7 @@ __all__ = ["Rollouter", "TrainerGone", "main"]
 
 GROUP = "rollouter"
 MAX_ATTEMPTS = 3  # tries of one ticket before it goes to the dead-letter stream
+MAX_N = 4096  # responses one ticket may ask for; more is not a ticket we wrote
 
 
 class TrainerGone(RuntimeError):
@@ -84,12 +90,17 @@ class Rollouter:
         self.tokenizer = build_tokenizer(cfg.model)
         self.reward_fn = load_reward_fn(cfg.task.reward_fn)
         self.version = -1
+        self.loaded: WeightsPublished | None = None
         self.newest: WeightsPublished | None = None
+        self.bad_weights: set[str] = set()  # blob keys that failed to load
         self.finished = False
         self.events_last = "0"
         self.control_last = "0"
-        self.trainer_seen_at: float | None = None
-        self.started = time.monotonic()
+        self.trainer_absent_since: float | None = time.monotonic()
+        self.trainer_seen = False
+        # Generation and every profiler call run on this one thread: the loop stays free
+        # for liveness, and torch.profiler records the thread it was started on.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouter-gen")
         self.agent: Any = None
         self.attempts: dict[str, int] = {}
         self.retry: list[Any] = []
@@ -107,24 +118,32 @@ class Rollouter:
         # None when profiling is off: then no profiler object exists at all.
         self.agent = create_agent(self.cfg, "rollouter", self.rank, str(self.device))
 
+    async def _off(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run blocking torch work (generation, weight loading, profiler calls) on the
+        worker thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.worker, functools.partial(fn, *args))
+
     async def _publish(self, *events: Event) -> None:
         if events:
             await self.bus.publish_many(self.keys.events, list(events))
 
     async def _poll_events(self, block_ms: int | None = None) -> None:
-        """Read new run events: weights, the end of the run, the trainer's heartbeats."""
+        """Read new run events: weights (the newest in log order wins: after a resume from a
+        log that lost its tail, a lower version is the current one) and the run's end."""
         entries, self.events_last = await self.bus.read_after(
             self.keys.events, self.events_last, count=1000, block_ms=block_ms
         )
+        total = self.cfg.trainer.total_training_steps
         for _, msg in entries:
             match msg:
-                case WeightsPublished() if self.newest is None or msg.version > self.newest.version:
+                case WeightsPublished() if msg.ref.key not in self.bad_weights:
                     self.newest = msg
-                    self.trainer_seen_at = time.monotonic()
-                case RunFinished():
+                case RunStarted():
+                    self.finished = False
+                # A run extended with more steps than it finished with goes on.
+                case RunFinished() if msg.steps >= total:
                     self.finished = True
-                case Heartbeat(role="trainer"):
-                    self.trainer_seen_at = time.monotonic()
 
     async def _apply_commands(self) -> None:
         if self.agent is None:
@@ -135,25 +154,36 @@ class Rollouter:
         for cmd in commands:
             await self._publish(*self.agent.on_command(cmd))
 
-    def _check_trainer(self) -> None:
+    async def _check_trainer(self) -> None:
+        """Raise TrainerGone when the trainer's lease key has been absent for the heartbeat
+        timeout: the key's TTL is judged by Redis's clock, and the trainer renews it from a
+        loop that its updates never block, so a long step is not silence."""
         timeout = self.cfg.heartbeat.timeout_s
-        if self.trainer_seen_at is None:
-            waited = time.monotonic() - self.started
-            if waited > timeout:
-                raise TrainerGone(
-                    f"no trainer: no weights and no trainer heartbeat for run {self.run_id!r} "
-                    f"in {waited:.0f} s (heartbeat.timeout_s={timeout}); is the trainer running?"
-                )
-        elif time.monotonic() - self.trainer_seen_at > timeout:
+        now = time.monotonic()
+        if await self.bus.exists(self.keys.trainer_lease):
+            self.trainer_absent_since = None
+            self.trainer_seen = True
+            return
+        if self.trainer_absent_since is None:
+            self.trainer_absent_since = now
+        waited = now - self.trainer_absent_since
+        if waited <= timeout:
+            return
+        if not self.trainer_seen:
             raise TrainerGone(
-                f"trainer is silent: no heartbeat for {time.monotonic() - self.trainer_seen_at:.0f}"
-                f" s (heartbeat.timeout_s={timeout})"
+                f"no trainer: no trainer lease ({self.keys.trainer_lease}) for run "
+                f"{self.run_id!r} in {waited:.0f} s (heartbeat.timeout_s={timeout}); is the "
+                "trainer running?"
             )
+        raise TrainerGone(
+            f"trainer is gone: its lease {self.keys.trainer_lease} lapsed and stayed absent "
+            f"for {waited:.0f} s (heartbeat.timeout_s={timeout})"
+        )
 
     async def _swap_weights(self) -> None:
-        """Load the newest published weights if newer than ours (a step boundary)."""
+        """Load the newest published weights if they are not ours (a step boundary)."""
         newest = self.newest
-        if newest is None or newest.version <= self.version:
+        if newest is None or newest is self.loaded:
             return
         store = open_store(newest.ref.store, bus=self.bus, run_keys=self.keys,
                            root=Path(self.cfg.run.output_dir) / self.run_id / "blobs")
@@ -161,28 +191,49 @@ class Rollouter:
             blob = await store.get(newest.ref)
         except BlobNotFound:
             # Superseded and deleted while we were busy: a newer version is already published.
+            self.bad_weights.add(newest.ref.key)
             await self._poll_events()
             return
-        await asyncio.to_thread(self.policy.load_bytes, blob)
+        except BlobError as exc:
+            # Corrupt, or a WeightsPublished that no trainer wrote: keep what we hold.
+            self.bad_weights.add(newest.ref.key)
+            await self._publish(WarningRaised(
+                source=f"rollouter{self.rank}", code="weights_unloadable",
+                message=f"weights v{newest.version} ({newest.ref.key}) ignored: {exc}",
+            ))
+            return
+        try:
+            await self._off(self.policy.load_bytes, blob)
+        except Exception as exc:  # a blob that is not a state dict of our model
+            self.bad_weights.add(newest.ref.key)
+            await self._publish(WarningRaised(
+                source=f"rollouter{self.rank}", code="weights_unloadable",
+                message=f"weights v{newest.version} ({newest.ref.key}) ignored: "
+                        f"{type(exc).__name__}: {exc}",
+            ))
+            return
         old = self.version
+        self.loaded = newest
         self.version = newest.version
-        if self.agent is not None:
+        if self.agent is not None and old != self.version:
             if old >= 0:
-                await self._publish(*self.agent.step_end(old + 1))
+                await self._publish(*(await self._off(self.agent.step_end, old + 1)))
             await self._apply_commands()
-            await self._publish(*self.agent.step_begin(self.version + 1))
+            await self._publish(*(await self._off(self.agent.step_begin, self.version + 1)))
 
     async def _heartbeat(self) -> None:
+        """Background: refresh this replica's liveness key (a TTL judged by Redis's clock)."""
+        key = self.keys.alive("rollouter", self.rank)
         while True:
             now = time.monotonic()
             window = max(1e-6, now - self.window_start)
             idle = max(0.0, 1.0 - self.busy_s / window)
             self.busy_s, self.window_start = 0.0, now
-            await self._publish(Heartbeat(
+            await pulse(self.bus, key, Heartbeat(
                 role="rollouter", rank=self.rank, pid=os.getpid(),
                 state=f"weights v{self.version}",
                 metrics={"rollouter/idle_ratio": idle, "rollouter/version": float(self.version)},
-            ))
+            ), self.cfg.heartbeat.timeout_s)
             await asyncio.sleep(self.cfg.heartbeat.interval_s)
 
     # ------------------------------------------------------------------ generation
@@ -206,14 +257,6 @@ class Rollouter:
                 s.min_version = self.version
             s.max_version = self.version
 
-    async def _in_worker(self, fn: Any, *args: Any) -> None:
-        """Run blocking torch work off the event loop (heartbeats keep flowing), except while
-        profiling: torch.profiler records only the threads it was started on."""
-        if self.agent is not None and self.agent.active:
-            fn(*args)
-        else:
-            await asyncio.to_thread(fn, *args)
-
     async def _rollout(
         self, tickets: Sequence[PromptTicket]
     ) -> tuple[dict[str, list[Sample]], dict[str, str]]:
@@ -228,11 +271,11 @@ class Rollouter:
             # Generate in chunks; between chunks, pick up new weights mid-sequence.
             while any(not s.finished for s in seqs):
                 left = rc.max_new_tokens - min(len(s.tokens) for s in seqs if not s.finished)
-                await self._in_worker(self._generate, seqs, min(rc.partial_chunk_tokens, left))
+                await self._off(self._generate, seqs, min(rc.partial_chunk_tokens, left))
                 await self._poll_events()
                 await self._swap_weights()
         else:
-            await self._in_worker(self._generate, seqs, rc.max_new_tokens)
+            await self._off(self._generate, seqs, rc.max_new_tokens)
         gen_s = time.monotonic() - t0
         self.busy_s += gen_s
         samples: dict[str, list[Sample]] = {}
@@ -255,7 +298,7 @@ class Rollouter:
                 logprobs=Array.of(np.asarray(s.logprobs, dtype=np.float32)),
                 reward=reward,
                 min_version=s.min_version, max_version=s.max_version, rank=self.rank,
-                gen_time_s=gen_s,
+                gen_time_s=gen_s, attempt=s.ticket.attempt,
                 finish_reason="eos" if s.tokens and s.tokens[-1] == self.tokenizer.eos_id
                 else "length",
             ))
@@ -264,8 +307,11 @@ class Rollouter:
     async def _serve(self, deliveries: list[Any]) -> None:
         tickets = []
         for d in deliveries:
-            if isinstance(d.msg, PromptTicket):
+            if isinstance(d.msg, PromptTicket) and 1 <= d.msg.n <= MAX_N:
                 tickets.append((d.id, d.msg))
+            elif isinstance(d.msg, PromptTicket):
+                await self.consumer.dead_letter(d, f"ticket asks for n={d.msg.n} responses "
+                                                   f"(1..{MAX_N})")
             else:
                 await self.consumer.dead_letter(d, f"expected a PromptTicket, got "
                                                    f"{type(d.msg).__name__}")
@@ -276,7 +322,7 @@ class Rollouter:
             # The ticket demands newer weights than ours (on-policy or bounded staleness).
             await self._poll_events(block_ms=500)
             await self._swap_weights()
-            self._check_trainer()
+            await self._check_trainer()
         if self.finished:
             return
         try:
@@ -309,7 +355,7 @@ class Rollouter:
         await self.consumer.ack(*(entry_id for entry_id, _ in done))
 
     async def run(self) -> int:
-        self._build()
+        await self._off(self._build)
         await self.consumer.ensure_group()
         hb = asyncio.create_task(self._heartbeat())
         try:
@@ -317,7 +363,7 @@ class Rollouter:
             # already holds every command for step 1 when we read it in _swap_weights.
             while self.newest is None and not self.finished:
                 await self._poll_events(block_ms=500)
-                self._check_trainer()
+                await self._check_trainer()
             await self._swap_weights()
             last_reclaim = time.monotonic()
             while not self.finished:
@@ -332,7 +378,7 @@ class Rollouter:
                         count=self.cfg.rollout.prompts_per_batch, block_ms=200
                     )
                 if not deliveries:
-                    self._check_trainer()
+                    await self._check_trainer()
                     if time.monotonic() - last_reclaim > self.cfg.heartbeat.timeout_s / 2:
                         # Tickets held by a dead replica come back after the heartbeat timeout.
                         last_reclaim = time.monotonic()
@@ -353,7 +399,8 @@ class Rollouter:
                 await hb
             if self.agent is not None:
                 with contextlib.suppress(Exception):
-                    await self._publish(*self.agent.close())
+                    await self._publish(*(await self._off(self.agent.close)))
+            self.worker.shutdown(wait=False, cancel_futures=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,43 +4,55 @@ One step ``k`` (1-based), as in docs/architecture.md:
 
 1. apply the profiling commands due at ``k`` (profiler agent), publish ``StepStarted(k)``;
 2. gather ``require_batches * ppo_mini_batch_size`` complete prompt groups from the samples
-   stream (own pending entries first, duplicates of trained samples acked and skipped);
-3. GRPO update (group-normalised advantages, PPO-clip with rollout log-probs as old log-probs,
-   truncated importance weights for stale samples, grad clipping, Adam);
+   stream (own pending entries first; a sample is accepted only as an answer of an open
+   ticket of the ledger, validated against it; any other copy is acked and dropped);
+3. GRPO update (trainer.update) on the worker thread, so the event loop keeps the lease and
+   the liveness key fresh however long the update takes;
 4. every ``trigger_parameter_sync_step`` steps publish weights (claim check + WeightsPublished),
-   checkpoint when due, publish ``StepFinished(k, sample_ids, metrics)``, then ack the samples;
+   checkpoint when due, then ``StepFinished(k, sample_ids, entry_ids, metrics)`` and the acks
+   of those samples in one fenced script (an ack never lands without its StepFinished);
 5. issue new tickets up to the staleness budget, tagged with the current weights version.
 
-A restarted trainer folds the events log (trainer.state), loads the latest checkpoint and
-re-applies the finished steps after it from their recorded sample ids.
+Every write goes through the run's fencing lease (bus.liveness.Lease): a second trainer, or
+a paused zombie of this one, cannot write. Open tickets carry a lease too: one unanswered for
+``heartbeat.ticket_lease_s`` is reissued (attempt + 1) and the first complete answer wins.
+A restarted trainer folds the events log (trainer.state, trainer.ledger), loads the latest
+checkpoint and re-applies the finished steps after it from their recorded entries.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import math
 import os
+import secrets
+import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import torch
 
-from bus import Bus, Consumer, Delivery, RunKeys, read_commands, run_with_bus
-from bus.blobs import DirBlobStore, RedisBlobStore
+from bus import Bus, Consumer, Delivery, Fenced, Lease, RunKeys, read_commands, run_with_bus
+from bus.blobs import DirBlobStore, RedisBlobStore, open_store
 from bus.keys import RUNS_STREAM
+from bus.liveness import peers, pulse
 from bus.messages import (
-    BlobRef,
     CheckpointSaved,
     ComponentFailed,
     DeadLetter,
+    DecodeError,
     Event,
     Heartbeat,
+    Message,
     ProfilerReady,
     PromptTicket,
     RolloutFailed,
@@ -49,19 +61,24 @@ from bus.messages import (
     Sample,
     StepFinished,
     StepStarted,
+    TicketsClosed,
+    TicketsIssued,
     TrainerResumed,
     WarningRaised,
     WeightsPublished,
+    decode,
 )
 from policy import build_policy, resolve_device
 from profiling import create_agent
 from runconfig import Config, config_to_dict, load_or_exit
 from tasks import build_prompt_source
-from trainer.budget import TicketBudget, max_staleness, ticket_budget
-from trainer.grpo import approx_kl, build_batch, group_advantages, masked_mean, ppo_clip_loss
-from trainer.state import TrainerState, fold
+from trainer.budget import max_staleness, ticket_budget
+from trainer.ledger import OpenTicket, ticket_id, ticket_index
+from trainer.state import StepRecord, TrainerState, apply
+from trainer.update import grpo_update
+from trainer.validate import check_sample
 
-__all__ = ["PeerDead", "Trainer", "main"]
+__all__ = ["LogBehind", "PeerDead", "Trainer", "TrainerConflict", "main"]
 
 GROUP = "trainer"
 # Consecutive rollout failures (with no sample in between) after which the run fails loudly.
@@ -71,16 +88,31 @@ CONSUMER = "trainer-0"
 # Above this many bytes the weights go to a directory blob store instead of Redis chunks.
 REDIS_BLOB_LIMIT = 64 * 1024 * 1024
 KEEP_WEIGHTS = 3  # weight versions whose blobs stay readable
+# In-process restarts after the log was found behind the trainer (Redis lost its tail).
+MAX_LOG_RESTARTS = 5
+
+T = TypeVar("T")
 
 
 class PeerDead(RuntimeError):
-    """A component the trainer depends on has gone silent; the message names it."""
+    """A component the trainer depends on is gone, or the run cannot progress; the message
+    names what it was waiting for."""
+
+
+class TrainerConflict(RuntimeError):
+    """Another live trainer holds this run's lease; the message names it."""
+
+
+class LogBehind(RuntimeError):
+    """The events log lost writes this trainer made (Redis restarted without its last
+    second): the trainer must resume from the log as it is now."""
 
 
 class _Group(msgspec.Struct):
-    """The responses of one ticket gathered so far (entry ids kept for the ack)."""
+    """The responses of one attempt of one ticket gathered so far (entry ids for the ack)."""
 
-    ticket_id: str
+    index: int
+    attempt: int
     n: int
     samples: dict[int, tuple[str, Sample]] = {}
     arrived: float = 0.0
@@ -88,6 +120,29 @@ class _Group(msgspec.Struct):
     @property
     def complete(self) -> bool:
         return len(self.samples) >= self.n
+
+    def ordered(self) -> list[tuple[str, Sample]]:
+        return [pair for _, pair in sorted(self.samples.items())]
+
+
+def _pid_dead(pid: int) -> bool:
+    """Whether local process ``pid`` is gone (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+def _vocab_size(policy: torch.nn.Module) -> int | None:
+    sizes = [m.num_embeddings for m in policy.modules() if isinstance(m, torch.nn.Embedding)]
+    return max(sizes) if sizes else None
 
 
 class Trainer:
@@ -101,10 +156,8 @@ class Trainer:
         self.run_dir = Path(cfg.run.output_dir) / self.run_id
         tc, ac = cfg.trainer, cfg.async_training
         self.need = ac.require_batches * tc.ppo_mini_batch_size
-        self.budget = TicketBudget(
-            ticket_budget(ac.staleness_threshold, ac.trigger_parameter_sync_step,
-                          ac.require_batches, tc.ppo_mini_batch_size)
-        )
+        self.capacity = ticket_budget(ac.staleness_threshold, ac.trigger_parameter_sync_step,
+                                      ac.require_batches, tc.ppo_mini_batch_size)
         self.max_staleness = max_staleness(
             ac.staleness_threshold, ac.trigger_parameter_sync_step, ac.require_batches,
             tc.ppo_mini_batch_size,
@@ -114,32 +167,122 @@ class Trainer:
             {"kind": cfg.task.kind, "path": cfg.task.path, "min_digits": cfg.task.min_digits,
              "max_digits": cfg.task.max_digits, "seed": cfg.task.seed}
         )
+        self.epoch = secrets.token_hex(4)
+        self.lease = Lease(bus, self.keys.trainer_lease,
+                           f"{socket.gethostname()}:{os.getpid()}:{self.epoch}",
+                           cfg.heartbeat.timeout_s)
         self.version = 0
         self.state = TrainerState()
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[tuple[int, int], _Group] = {}
         self.ready: list[_Group] = []
+        self.taken: set[int] = set()  # tickets whose winning group waits in `ready`
+        self.issued_at: dict[int, float] = {}  # ticket -> monotonic time of its latest attempt
+        self.answer_s: deque[float] = deque(maxlen=64)  # issue -> complete group, recent
         self.consumer = Consumer(bus, self.keys.samples, GROUP, CONSUMER, dlq_stream=self.keys.dlq)
-        self.heartbeats: dict[tuple[str, int], Heartbeat] = {}
-        self.last_sample_at = time.monotonic()
+        self.rollouters: list[Heartbeat] = []
+        self.rollouters_seen_at = time.monotonic()
+        self.peers_read_at = 0.0
+        self.last_progress = time.monotonic()
+        self.last_stall_warning = 0.0
         self.rollout_failures = 0
         self.failures_since_sample = 0
         self.last_failure = ""
-        self.dead_tickets = 0  # dead-lettered tickets whose budget slot is not freed yet
+        self.dead_tickets: list[PromptTicket] = []  # dead-lettered by rollouters: to close
+        self.lost_samples: list[Sample] = []  # dead-lettered from our group: reissue their ticket
         self.dlq_last = "0"
         self.discarded = 0
+        self.reissued = 0
+        self.refused = 0
         self.profiler_ready = asyncio.Event()
         self.agent: Any = None  # created only when profiling is configured
         self.control_last = "0"
         self.events_last = "0"
+        self.last_finished_id: str | None = None
         self.wait_s = 0.0
+        self.fenced: str | None = None
+        self.lease_regained = False
         self.blobs: RedisBlobStore | DirBlobStore = RedisBlobStore(bus, self.keys)
-        self.published: list[tuple[RedisBlobStore | DirBlobStore, BlobRef]] = []
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-work")
+        self.vocab_size: int | None = None
+        self.max_len: int | None = cfg.model.max_len if cfg.model.kind == "tiny" else None
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _off(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run blocking work (update, serialisation, checkpoint I/O, profiler calls) on the
+        one worker thread: the loop stays free for the lease and liveness, and
+        torch.profiler sees every profiled call on the thread it was started on."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.worker, functools.partial(fn, *args, **kwargs))
+
+    async def _write(
+        self, items: Sequence[tuple[str, Message]],
+        ack: tuple[str, str, Sequence[str]] | None = None,
+    ) -> list[str]:
+        """Every write of the trainer: fenced by the run's lease (see bus.liveness)."""
+        try:
+            return await self.lease.write(items, ack)
+        except Fenced as exc:
+            if exc.holder is None and await self.lease.acquire() is None:
+                # Our lease vanished (Redis restarted, maybe without its last writes): it is
+                # ours again, but the state must come from the log as it is now.
+                raise LogBehind(f"the lease {self.keys.trainer_lease} had vanished") from exc
+            self.fenced = exc.holder or "nobody (the lease lapsed)"
+            raise
+
+    async def _publish(self, *events: Event) -> list[str]:
+        if not events:
+            return []
+        ids = await self._write([(self.keys.events, e) for e in events])
+        for event in events:
+            self.state = apply(self.state, event)
+        return ids
 
     # ------------------------------------------------------------------ set-up
 
     async def _read_log(self) -> None:
-        events = [msg async for _, msg in self.bus.read_all(self.keys.events)]
-        self.state = fold(events)
+        state = TrainerState()
+        async for entry in self.bus.read_all(self.keys.events):
+            state = apply(state, entry.msg)
+            if isinstance(entry.msg, StepFinished) and entry.msg.step == state.last_step:
+                self.last_finished_id = entry.id
+        self.state = state
+
+    async def _acquire_lease(self) -> None:
+        """Become the run's only trainer, or raise :class:`TrainerConflict` naming the live one.
+
+        A holder on this host whose process is gone is replaced at once; any other holder is
+        watched for one lease period: if it renews, it is alive; if its lease runs out, it
+        was dead (a crash on another host) and we take over.
+        """
+        hb = self.cfg.heartbeat
+        deadline = time.monotonic() + hb.timeout_s + 2 * hb.interval_s
+        first: tuple[float, int] | None = None  # (when, ttl) of the first look at the holder
+        while True:
+            holder = await self.lease.acquire()
+            if holder is None:
+                return
+            host, _, rest = holder.partition(":")
+            pid_text = rest.partition(":")[0]
+            if host == socket.gethostname() and pid_text.isdigit() and _pid_dead(int(pid_text)):
+                if await self.lease.steal(holder):
+                    return
+                continue
+            ttl, now = await self.lease.ttl_ms(), time.monotonic()
+            if first is None:
+                first = (now, ttl)
+                print(f"trainer: lease {self.keys.trainer_lease} held by {holder}; checking "
+                      f"whether it is alive (it lapses in {ttl / 1000:.0f} s unless renewed)",
+                      file=sys.stderr, flush=True)
+            elif ttl > first[1] - (now - first[0]) * 1000 + 250:
+                # A TTL that does not run down is being renewed: its holder is alive.
+                raise TrainerConflict(
+                    f"another trainer is running run {self.run_id!r}: {holder} renews the lease "
+                    f"{self.keys.trainer_lease}; stop it first (one trainer per run)"
+                )
+            if now > deadline:
+                raise TrainerConflict(f"the lease of run {self.run_id!r} stays held by {holder}")
+            await asyncio.sleep(hb.interval_s)
 
     def _build(self) -> None:
         tc = self.cfg.trainer
@@ -148,14 +291,11 @@ class Trainer:
         self.policy = build_policy(msgspec.to_builtins(self.cfg.model), self.device)
         self.policy.train()
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=tc.lr)
+        self.vocab_size = _vocab_size(self.policy)
         # None when profiling is off: then no profiler object exists at all.
         self.agent = create_agent(
             self.cfg, "trainer", 0, str(self.device), after_step=self.state.last_step
         )
-
-    async def _publish(self, *events: Event) -> None:
-        if events:
-            await self.bus.publish_many(self.keys.events, list(events))
 
     async def _apply_commands(self) -> None:
         """Read new control commands (one non-blocking XREAD) and hand them to the agent."""
@@ -168,15 +308,13 @@ class Trainer:
             await self._publish(*self.agent.on_command(cmd))
 
     async def _follow_events(self) -> None:
-        """Background: heartbeats of peers, rollout failures, ProfilerReady."""
+        """Background: rollout failures, ProfilerReady, dead-lettered tickets and samples."""
         while True:
             entries, self.events_last = await self.bus.read_after(
                 self.keys.events, self.events_last, count=1000, block_ms=1000
             )
             for _, msg in entries:
                 match msg:
-                    case Heartbeat(role="rollouter"):
-                        self.heartbeats[(msg.role, msg.rank)] = msg
                     case RolloutFailed():
                         self.rollout_failures += 1
                         self.failures_since_sample += 1
@@ -186,18 +324,42 @@ class Trainer:
             dead, self.dlq_last = await self.bus.read_after(
                 self.keys.dlq, self.dlq_last, count=1000
             )
-            # A ticket that failed max_deliveries times will never come back as samples: free
-            # its budget slot (in the main loop) so the run does not starve on lost tickets.
-            self.dead_tickets += sum(
-                1 for _, m in dead
-                if isinstance(m, DeadLetter) and m.source_stream == self.keys.prompts
-            )
+            for _, letter in dead:
+                if not isinstance(letter, DeadLetter):
+                    continue
+                # Only a decodable ticket or sample of ours touches the ledger: garbage that
+                # went to the DLQ never frees (or takes) a budget slot.
+                try:
+                    original = decode(letter.raw)
+                except DecodeError:
+                    continue
+                if letter.source_stream == self.keys.prompts and isinstance(
+                        original, PromptTicket):
+                    self.dead_tickets.append(original)
+                elif letter.source_stream == self.keys.samples and isinstance(original, Sample):
+                    self.lost_samples.append(original)
 
-    async def _heartbeat(self) -> None:
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(role="trainer", rank=0, pid=os.getpid(),
+                         state=f"step {self.state.last_step}",
+                         metrics={"trainer/version": float(self.version)})
+
+    async def _pulse(self) -> None:
+        """Background: renew the lease and the liveness key every heartbeat interval; never
+        blocked by a step (heavy work is on the worker thread)."""
+        hb = self.cfg.heartbeat
         while True:
-            await self._publish(Heartbeat(role="trainer", rank=0, pid=os.getpid(),
-                                          state=f"step {self.state.last_step}"))
-            await asyncio.sleep(self.cfg.heartbeat.interval_s)
+            if not await self.lease.renew():
+                holder = await self.lease.holder()
+                if holder is None and await self.lease.acquire() is None:
+                    # The key vanished (Redis restarted): ours again, but the log may have
+                    # lost its tail too; the main loop checks before it goes on.
+                    self.lease_regained = True
+                elif holder is not None and holder != self.lease.token:
+                    self.fenced = holder
+            await pulse(self.bus, self.keys.alive("trainer", 0), self._heartbeat(),
+                        hb.timeout_s)
+            await asyncio.sleep(hb.interval_s)
 
     async def _wait_for_profiler(self) -> None:
         timeout = self.cfg.global_profiler.handshake_timeout_s
@@ -213,209 +375,300 @@ class Trainer:
             ))
 
     async def _publish_weights(self, step: int) -> None:
-        blob = self.policy.state_bytes()
+        blob = await self._off(self.policy.state_bytes)
         if len(blob) > REDIS_BLOB_LIMIT and not isinstance(self.blobs, DirBlobStore):
             self.blobs = DirBlobStore(self.run_dir / "blobs")
-        ref = await self.blobs.put(f"weights-v{self.version}", blob)
+        # The epoch in the name: a zombie trainer can never overwrite the live one's blob.
+        ref = await self.blobs.put(f"weights-v{self.version}-{self.epoch}", blob)
         await self._publish(WeightsPublished(version=self.version, ref=ref, step=step))
-        # Only the newest versions are ever loaded (rollouters take the latest); dropping
-        # older blobs keeps Redis (and its AOF) from growing by one model per step.
-        self.published.append((self.blobs, ref))
-        while len(self.published) > KEEP_WEIGHTS:
-            store, old = self.published.pop(0)
-            await store.delete(old)
+        await self._drop_old_weights()
+
+    async def _drop_old_weights(self) -> None:
+        """Delete weight blobs older than the newest KEEP_WEIGHTS publications (any
+        incarnation's: the log names them), so Redis does not grow by a model per sync."""
+        refs = [ref for _, ref in self.state.weights]
+        keep = {ref.key for ref in refs[-KEEP_WEIGHTS:]}
+        for ref in refs[:-KEEP_WEIGHTS]:
+            if ref.key in keep:
+                continue
+            store = open_store(ref.store, bus=self.bus, run_keys=self.keys,
+                               root=self.run_dir / "blobs")
+            with contextlib.suppress(Exception):  # already gone is fine
+                await store.delete(ref)
+
+    async def _sweep_weight_blobs(self) -> None:
+        """On resume: delete weight blobs in Redis that no kept publication names (written
+        by an earlier incarnation that died before publishing or deleting them)."""
+        keep = {ref.key for _, ref in self.state.weights[-KEEP_WEIGHTS:]}
+        pattern = self.keys.blob("weights-*")
+        cursor: Any = 0
+        stale: set[str] = set()
+        while True:
+            cursor, batch = await self.bus.command("SCAN", cursor, "MATCH", pattern,
+                                                   "COUNT", 1000)
+            for raw in batch:
+                key = raw.decode() if isinstance(raw, bytes) else str(raw)
+                if key.rsplit(":", 1)[0] not in keep:
+                    stale.add(key)
+            if int(cursor) == 0:
+                break
+        if stale:
+            await self.bus.delete(*sorted(stale))
 
     # ------------------------------------------------------------------ tickets
 
+    def _lease_s(self) -> float:
+        hb = self.cfg.heartbeat
+        if hb.ticket_lease_s is not None:
+            return hb.ticket_lease_s
+        slowest = max(self.answer_s, default=0.0)
+        return max(hb.timeout_s, 4 * slowest)
+
     async def _issue_tickets(self) -> None:
-        room = self.budget.room()
+        room = self.capacity - self.state.ledger.outstanding
         if room <= 0:
             return
+        first = self.state.ledger.issued
         tickets = []
-        for _ in range(room):
-            index = self.budget.issued
+        for index in range(first, first + room):
             prompt = self.prompts.get(index)
             tickets.append(PromptTicket(
-                ticket_id=f"t{index}", prompt_id=prompt.prompt_id, prompt=prompt.prompt,
+                ticket_id=ticket_id(index), prompt_id=prompt.prompt_id, prompt=prompt.prompt,
                 answer=prompt.answer, n=self.cfg.rollout.n, min_version=self.version,
             ))
-            self.budget.take(1)
-        await self.bus.publish_many(self.keys.prompts, tickets)
+        event = TicketsIssued(ticket_ids=[t.ticket_id for t in tickets], n=self.cfg.rollout.n,
+                              param_version=self.version)
+        await self._write([*((self.keys.prompts, t) for t in tickets), (self.keys.events, event)])
+        self.state = apply(self.state, event)
+        now = time.monotonic()
+        for index in range(first, first + room):
+            self.issued_at[index] = now
+
+    async def _reissue(self, indices: Sequence[int], reason: str) -> None:
+        """Issue a new attempt of open tickets, tagged with the current weights: the first
+        complete answer of any attempt wins."""
+        by_attempt: dict[int, list[OpenTicket]] = {}
+        for index in sorted(set(indices)):
+            ticket = self.state.ledger.open.get(index)
+            if ticket is not None and index not in self.taken:
+                by_attempt.setdefault(ticket.attempt + 1, []).append(ticket)
+        now = time.monotonic()
+        for attempt, tickets in by_attempt.items():
+            items: list[tuple[str, Message]] = []
+            for t in tickets:
+                prompt = self.prompts.get(t.index)
+                items.append((self.keys.prompts, PromptTicket(
+                    ticket_id=ticket_id(t.index), prompt_id=prompt.prompt_id,
+                    prompt=prompt.prompt, answer=prompt.answer, n=t.n,
+                    min_version=self.version, attempt=attempt,
+                )))
+            event = TicketsIssued(ticket_ids=[ticket_id(t.index) for t in tickets], n=tickets[0].n,
+                                  param_version=self.version, attempt=attempt, reason=reason)
+            await self._write([*items, (self.keys.events, event)])
+            self.state = apply(self.state, event)
+            for t in tickets:
+                self.issued_at[t.index] = now
+                # Partial groups of older attempts may still complete first: they stay.
+            self.reissued += len(tickets)
+
+    async def _close_dead_tickets(self) -> None:
+        """Tickets the rollouters dead-lettered (their rollouts kept failing): give them up
+        and free their budget slots, unless a newer attempt is out."""
+        dead, self.dead_tickets = self.dead_tickets, []
+        close = []
+        reasons = []
+        for t in dead:
+            index = ticket_index(t.ticket_id)
+            ticket = self.state.ledger.open.get(index) if index is not None else None
+            if ticket is None or ticket.attempt != t.attempt or index in self.taken:
+                continue
+            close.append(t.ticket_id)
+            reasons.append(t.ticket_id)
+        if not close:
+            return
+        await self._publish(TicketsClosed(
+            ticket_ids=close,
+            reason=f"dead-lettered in {self.keys.dlq} after failed rollouts",
+        ))
+        await self._publish(WarningRaised(
+            source="trainer", code="tickets_dead_lettered",
+            message=f"{len(close)} prompt ticket(s) failed too often and went to "
+                    f"{self.keys.dlq} ({', '.join(reasons[:5])}); issuing new ones in their place",
+        ))
+        for tid in close:
+            index = ticket_index(tid)
+            if index is not None:
+                self.issued_at.pop(index, None)
+                self._drop_partial(index)
+
+    async def _reissue_lost_samples(self) -> None:
+        lost, self.lost_samples = self.lost_samples, []
+        indices = {i for s in lost if (i := ticket_index(s.ticket_id)) is not None}
+        indices = {i for i in indices if i in self.state.ledger.open and i not in self.taken}
+        if indices:
+            await self._reissue(sorted(indices), "an answer was dead-lettered")
+
+    async def _expire_leases(self) -> None:
+        """Reissue open tickets unanswered for longer than the ticket lease (lost with a
+        crashed Redis tail, held by a stuck rollouter, answered with copies we refused)."""
+        lease = self._lease_s()
+        now = time.monotonic()
+        expired = [i for i in self.state.ledger.open
+                   if i not in self.taken and now - self.issued_at.get(i, now) > lease]
+        if expired:
+            await self._reissue(expired, f"unanswered for {lease:.0f} s (ticket lease)")
 
     # ------------------------------------------------------------------ samples
 
-    def _check_peers(self) -> None:
-        """Raise PeerDead when no rollouter has been heard from within the heartbeat timeout,
-        or when rollouts keep failing and nothing else arrives."""
-        if self.failures_since_sample >= FAILURE_LIMIT:
-            raise PeerDead(
-                f"rollouts keep failing: {self.failures_since_sample} failures and no sample "
-                f"since the last one; last failure from {self.last_failure}"
-            )
-        timeout = self.cfg.heartbeat.timeout_s
-        now = time.time()
-        silent_for = time.monotonic() - self.last_sample_at
-        if silent_for < timeout:
-            return
-        alive = [hb for hb in self.heartbeats.values() if now - hb.ts < timeout]
-        if alive:
-            return
-        if not self.heartbeats:
-            raise PeerDead(
-                f"no rollouter: none has sent a heartbeat and no sample arrived in "
-                f"{silent_for:.0f} s (heartbeat.timeout_s={timeout}); is a rollouter running "
-                f"for run {self.run_id!r} at this Redis?"
-            )
-        last = max(self.heartbeats.values(), key=lambda hb: hb.ts)
-        raise PeerDead(
-            f"rollouter{last.rank} (and every other rollouter) is silent: last heartbeat "
-            f"{now - last.ts:.0f} s ago, no sample for {silent_for:.0f} s "
-            f"(heartbeat.timeout_s={timeout})"
-        )
+    def _drop_partial(self, index: int) -> None:
+        for key in [k for k in self.groups if k[0] == index]:
+            del self.groups[key]
+
+    async def _refuse(self, delivery: Delivery, reason: str) -> None:
+        self.refused += 1
+        await self.consumer.dead_letter(delivery, reason)
 
     async def _take(self, delivery: Delivery) -> None:
         entry_id, msg = delivery.id, delivery.msg
         if not isinstance(msg, Sample):
-            await self.consumer.dead_letter(
-                delivery, f"expected a Sample, got {type(msg).__name__}"
-            )
+            await self._refuse(delivery, f"expected a Sample, got {type(msg).__name__}")
             return
-        if msg.sample_id in self.state.trained:
-            await self.consumer.ack(entry_id)  # redelivered after a crash: trained already
+        ledger = self.state.ledger
+        index = ticket_index(msg.ticket_id)
+        if index is None or index >= ledger.issued:
+            await self._refuse(delivery, f"ticket {msg.ticket_id!r} was never issued")
             return
-        group = self.groups.get(msg.ticket_id)
+        ticket = ledger.open.get(index)
+        if ticket is None or index in self.taken:
+            # Trained already, given up, or another copy won: a duplicate, dropped.
+            await self.consumer.ack(entry_id)
+            return
+        problem = check_sample(msg, ticket, version=self.version,
+                               max_new_tokens=self.cfg.rollout.max_new_tokens,
+                               max_len=self.max_len, vocab_size=self.vocab_size)
+        if problem is not None:
+            await self._refuse(delivery, f"invalid answer of {msg.ticket_id}: {problem}")
+            self._drop_partial(index)
+            await self._reissue([index], "an answer was invalid")
+            return
+        key = (index, msg.attempt)
+        group = self.groups.get(key)
         if group is None:
-            group = self.groups[msg.ticket_id] = _Group(msg.ticket_id, msg.n, {})
+            group = self.groups[key] = _Group(index, msg.attempt, ticket.n, {})
         if msg.index in group.samples:
             await self.consumer.ack(entry_id)  # a duplicate publication of the same response
             return
         group.samples[msg.index] = (entry_id, msg)
         if not group.complete:
             return
-        del self.groups[msg.ticket_id]
+        # The first complete answer wins; every other attempt's partial copy is dropped
+        # (their entries are acked when they are read again, as duplicates).
+        self._drop_partial(index)
         group.arrived = time.monotonic()
+        self.answer_s.append(group.arrived - self.issued_at.get(index, group.arrived))
         oldest = min(s.min_version for _, s in group.samples.values())
         if self.version - oldest > self.max_staleness:
-            # Only a ticket held far longer than its peers gets here; training on it would break
-            # the staleness bound, so it is dropped loudly and its budget slot is freed.
+            # Only a ticket held far longer than its peers gets here; training on it would
+            # break the staleness bound, so it is answered again with current weights.
             self.discarded += 1
-            self.budget.complete(1)
             await self.consumer.ack(*(eid for eid, _ in group.samples.values()))
             await self._publish(WarningRaised(
                 source="trainer", code="stale_group_discarded",
-                message=f"ticket {group.ticket_id} generated with weights {oldest} is "
-                        f"{self.version - oldest} versions old (max {self.max_staleness})",
+                message=f"ticket {msg.ticket_id} generated with weights {oldest} is "
+                        f"{self.version - oldest} versions old (max {self.max_staleness}); "
+                        "reissued",
             ))
-            await self._issue_tickets()
+            await self._reissue([index], "answer too stale")
             return
+        self.taken.add(index)
         self.ready.append(group)
+        self.last_progress = time.monotonic()
 
-    async def _free_dead_tickets(self) -> None:
-        if not self.dead_tickets:
+    async def _check_peers(self) -> None:
+        """Raise PeerDead when no rollouter is alive (by Redis's clock: their liveness keys
+        have lapsed) for the heartbeat timeout, or when rollouts keep failing."""
+        if self.failures_since_sample >= FAILURE_LIMIT:
+            raise PeerDead(
+                f"rollouts keep failing: {self.failures_since_sample} failures and no sample "
+                f"since the last one; last failure from {self.last_failure}"
+            )
+        now = time.monotonic()
+        if now - self.peers_read_at < self.cfg.heartbeat.interval_s:
             return
-        count, self.dead_tickets = self.dead_tickets, 0
-        self.budget.complete(min(count, self.budget.outstanding))
-        await self._publish(WarningRaised(
-            source="trainer", code="tickets_dead_lettered",
-            message=f"{count} prompt ticket(s) failed too often and went to {self.keys.dlq}; "
-                    "issuing new ones in their place",
-        ))
-        await self._issue_tickets()
+        await self._read_peers()
+        if self.rollouters:
+            self.rollouters_seen_at = now
+            return
+        timeout = self.cfg.heartbeat.timeout_s
+        gone_for = now - self.rollouters_seen_at
+        if gone_for >= timeout:
+            raise PeerDead(
+                f"no rollouter is alive: none has refreshed its liveness key "
+                f"{self.keys.alive_pattern('rollouter')} for {gone_for:.0f} s "
+                f"(heartbeat.timeout_s={timeout}); is a rollouter running for run "
+                f"{self.run_id!r} at this Redis?"
+            )
+
+    async def _read_peers(self) -> None:
+        """The rollouters' latest heartbeats, from their liveness keys."""
+        self.peers_read_at = time.monotonic()
+        self.rollouters = await peers(self.bus, self.keys.alive_pattern("rollouter"))
+
+    def _waiting_for(self) -> str:
+        """What the trainer waits for, in words (stall warnings and failures)."""
+        ledger = self.state.ledger
+        waiting = sorted(i for i in ledger.open if i not in self.taken)
+        partial = [g for g in self.groups.values() if not g.complete]
+        versions = sorted({ledger.open[i].version for i in waiting})
+        alive = ", ".join(f"rollouter{h.rank} ({h.state})" for h in self.rollouters) or "none"
+        shown = ", ".join(ticket_id(i) for i in waiting[:8]) + (" ..." if len(waiting) > 8 else "")
+        return (f"{len(self.ready)}/{self.need} groups ready for step "
+                f"{self.state.last_step + 1}; {len(waiting)} open ticket(s) unanswered "
+                f"({shown}; weights versions {versions}; {len(partial)} partly answered); "
+                f"trainer holds weights v{self.version}; rollouters alive: {alive}")
+
+    async def _check_stall(self) -> None:
+        hb = self.cfg.heartbeat
+        now = time.monotonic()
+        stalled = now - self.last_progress
+        if stalled >= hb.stall_timeout_s:
+            raise PeerDead(f"no progress for {stalled:.0f} s (heartbeat.stall_timeout_s="
+                           f"{hb.stall_timeout_s}): {self._waiting_for()}")
+        if stalled >= hb.stall_warn_s and now - self.last_stall_warning >= hb.stall_warn_s:
+            self.last_stall_warning = now
+            message = f"no progress for {stalled:.0f} s: {self._waiting_for()}"
+            print(f"trainer: warning: {message}", file=sys.stderr, flush=True)
+            await self._publish(WarningRaised(source="trainer", code="trainer_stalled",
+                                              message=message))
 
     async def _gather(self) -> list[_Group]:
         t0 = time.monotonic()
+        self.last_progress = max(self.last_progress, t0)
         while len(self.ready) < self.need:
-            await self._free_dead_tickets()
+            self._check_fenced()
+            if self.dead_tickets:
+                await self._close_dead_tickets()
+                await self._issue_tickets()
+            if self.lost_samples:
+                await self._reissue_lost_samples()
             deliveries = await self.consumer.read(count=256, block_ms=500)
             if deliveries:
-                self.last_sample_at = time.monotonic()
                 self.failures_since_sample = 0
             for d in deliveries:
                 await self._take(d)
             if not deliveries:
-                self._check_peers()
+                # Only when the stream has nothing for us: answers that arrived during a long
+                # update are read before any lease is judged expired.
+                await self._check_peers()
+                await self._expire_leases()
+                await self._check_stall()
         self.wait_s = time.monotonic() - t0
         batch, self.ready = self.ready[: self.need], self.ready[self.need :]
         return batch
 
-    # ------------------------------------------------------------------ update
-
-    def _update(self, groups: Sequence[_Group]) -> dict[str, float]:
-        tc = self.cfg.trainer
-        mb = tc.ppo_mini_batch_size
-        samples = [[s for _, (_, s) in sorted(g.samples.items())] for g in groups]
-        rewards = torch.tensor([[s.reward for s in group] for group in samples])
-        adv = group_advantages(rewards)
-        stats: dict[str, list[float]] = {k: [] for k in ("loss", "clip", "ent", "gn", "kl")}
-        temperature = self.cfg.rollout.temperature
-        minibatches = []
-        for start in range(0, len(samples), mb):
-            flat = [s for group in samples[start : start + mb] for s in group]
-            batch = build_batch(
-                # copies: Array.numpy() views read-only message bytes
-                [(s.prompt_tokens.numpy().copy(), s.response_tokens.numpy().copy(),
-                  s.logprobs.numpy().copy()) for s in flat],
-                pad_id=self.policy.pad_id, device=self.device,
-            )
-            old = batch.old_logprobs
-            stale = any(s.min_version < self.version for s in flat)
-            if tc.tis_cap is not None and stale:
-                # Decoupled PPO for stale samples: the ratio is taken against the current
-                # (proximal) weights and the rollout policy enters only through a truncated
-                # importance weight, so a very stale sample cannot dominate the step.
-                with torch.no_grad():
-                    old, _ = self.policy.logprobs_and_entropy(
-                        batch.input_ids, batch.attention_mask, batch.response_len,
-                        temperature=temperature,
-                    )
-            a = adv[start : start + mb].reshape(-1).to(self.device)
-            minibatches.append((batch, old, a, stale))
-        for _ in range(tc.ppo_epochs):
-            for batch, old, a, stale in minibatches:
-                logp, entropy = self.policy.logprobs_and_entropy(
-                    batch.input_ids, batch.attention_mask, batch.response_len,
-                    temperature=temperature,
-                )
-                use_tis = tc.tis_cap is not None and stale
-                loss, clipfrac = ppo_clip_loss(
-                    logp, old, a, batch.response_mask, tc.clip_ratio_low, tc.clip_ratio_high,
-                    logp_behaviour=batch.old_logprobs if use_tis else None,
-                    tis_cap=tc.tis_cap if use_tis else None,
-                )
-                ent = masked_mean(entropy, batch.response_mask)
-                if tc.entropy_coeff:
-                    loss = loss - tc.entropy_coeff * ent
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), tc.grad_clip)
-                self.optimizer.step()
-                stats["loss"].append(loss.item())
-                stats["clip"].append(clipfrac.item())
-                stats["ent"].append(ent.item())
-                stats["gn"].append(float(grad_norm))
-                stats["kl"].append(float(approx_kl(logp, old, batch.response_mask)))
-        flat_all = [s for group in samples for s in group]
-        staleness = [self.version - s.min_version for s in flat_all]
-        lengths = [len(s.response_tokens) for s in flat_all]
-
-        def mean(xs: Sequence[float]) -> float:
-            return float(sum(xs) / len(xs)) if xs else 0.0
-
-        return {
-            "reward/mean": float(rewards.mean()),
-            "reward/max": float(rewards.max()),
-            "staleness/mean": mean(staleness),
-            "staleness/max": float(max(staleness)),
-            "actor/loss": mean(stats["loss"]),
-            "actor/pg_clipfrac": mean(stats["clip"]),
-            "actor/entropy": mean(stats["ent"]),
-            "actor/grad_norm": mean(stats["gn"]),
-            "actor/approx_kl": mean(stats["kl"]),
-            "response/length_mean": mean(lengths),
-        }
-
-    def _samples_of(self, groups: Sequence[_Group]) -> list[tuple[str, Sample]]:
-        return [pair for g in groups for _, pair in sorted(g.samples.items())]
+    def _check_fenced(self) -> None:
+        if self.fenced is not None:
+            raise Fenced(self.keys.trainer_lease, self.lease.token, self.fenced)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -426,7 +679,7 @@ class Trainer:
         tmp = path.with_suffix(".tmp")
         torch.save({"step": step, "version": self.version,
                     "model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "tickets_issued": self.budget.issued}, tmp)
+                    "tickets_issued": self.state.ledger.issued}, tmp)
         os.replace(tmp, path)  # atomic: a crash leaves the old checkpoint or the new one
         return path
 
@@ -435,6 +688,32 @@ class Trainer:
         self.policy.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
 
+    async def _replay_groups(self, rec: StepRecord) -> list[list[Sample]]:
+        """The exact samples step ``rec`` trained, grouped by ticket in training order."""
+        if rec.entry_ids:
+            found = await self.bus.read_ids(self.keys.samples, list(rec.entry_ids))
+            by_id = {eid: found.get(eid) for eid in rec.entry_ids}
+            samples = [m for m in by_id.values() if isinstance(m, Sample)]
+            missing = [sid for sid, eid in zip(rec.sample_ids, rec.entry_ids, strict=False)
+                       if not isinstance(by_id.get(eid), Sample)]
+        else:  # a log written before entry ids were recorded: look the ids up
+            wanted = set(rec.sample_ids)
+            by_sid: dict[str, Sample] = {}
+            async for _, msg in self.bus.read_all(self.keys.samples):
+                if isinstance(msg, Sample) and msg.sample_id in wanted:
+                    by_sid.setdefault(msg.sample_id, msg)
+            samples = [by_sid[sid] for sid in rec.sample_ids if sid in by_sid]
+            missing = [sid for sid in rec.sample_ids if sid not in by_sid]
+        if missing:
+            raise RuntimeError(
+                f"cannot re-apply step {rec.step}: samples {missing[:3]} are no longer in "
+                f"{self.keys.samples}"
+            )
+        groups: dict[str, list[Sample]] = {}
+        for s in samples:
+            groups.setdefault(s.ticket_id, []).append(s)
+        return [sorted(g, key=lambda s: s.index) for g in groups.values()]
+
     async def _resume(self) -> None:
         """Rebuild the model the trainer had: checkpoint, then re-apply the steps after it."""
         st = self.state
@@ -442,37 +721,22 @@ class Trainer:
         if ckpt_path is not None:
             if not await asyncio.to_thread(os.path.exists, ckpt_path):
                 raise RuntimeError(f"checkpoint {ckpt_path} named in the log is missing")
-            self._load_checkpoint(ckpt_path)
+            await self._off(self._load_checkpoint, ckpt_path)
         replay = st.steps_after_checkpoint()
         trigger = self.cfg.async_training.trigger_parameter_sync_step
-        if replay:
-            wanted = {sid for rec in replay for sid in rec.sample_ids}
-            found: dict[str, Sample] = {}
-            async for _, msg in self.bus.read_all(self.keys.samples):
-                if isinstance(msg, Sample) and msg.sample_id in wanted:
-                    found[msg.sample_id] = msg
-            for rec in replay:
-                missing = [sid for sid in rec.sample_ids if sid not in found]
-                if missing:
-                    raise RuntimeError(
-                        f"cannot re-apply step {rec.step}: samples {missing[:3]} are no longer "
-                        "in the samples stream"
-                    )
-                by_ticket: dict[str, _Group] = {}
-                for sid in rec.sample_ids:
-                    s = found[sid]
-                    g = by_ticket.setdefault(s.ticket_id, _Group(s.ticket_id, s.n, {}))
-                    g.samples[s.index] = ("", s)
-                # The version the trainer held while training that step (metrics only).
-                self.version = (rec.step - 1) // trigger
-                self._update(list(by_ticket.values()))
+        for rec in replay:
+            groups = await self._replay_groups(rec)
+            # The version the trainer held while training that step.
+            self.version = (rec.step - 1) // trigger
+            await self._off(self._update, groups)
         # Derived from finished steps, not from the newest WeightsPublished: weights published
         # by a step that never finished are superseded when that step is trained again.
         self.version = st.last_step // trigger
         published = st.weights_of(self.version)
         match = None
         if published is not None:
-            match = hashlib.sha256(self.policy.state_bytes()).hexdigest() == published.sha256
+            blob = await self._off(self.policy.state_bytes)
+            match = hashlib.sha256(blob).hexdigest() == published.sha256
         await self._publish(TrainerResumed(
             step=st.last_step, param_version=self.version, checkpoint_step=ckpt_step,
             replayed_steps=len(replay), weights_match=match,
@@ -483,36 +747,56 @@ class Trainer:
                 message=f"the resumed model does not hash to weights version {self.version} "
                         "that the trainer published before it stopped",
             ))
-        # Tickets: every issued ticket is in the prompts stream; those not trained yet are
-        # still out (pending or unread), so the budget counts them.
-        issued = await self.bus.length(self.keys.prompts)
-        trained_groups = len({sid.rsplit("/", 1)[0] for sid in st.trained})
-        self.budget = TicketBudget(self.budget.capacity, issued, min(trained_groups, issued))
+        await self._sweep_weight_blobs()
+        # Open tickets are still out (pending, unread, or lost with a Redis tail): their
+        # leases start now.
+        now = time.monotonic()
+        self.issued_at = dict.fromkeys(st.ledger.open, now)
 
     # ------------------------------------------------------------------ the run
 
     async def run(self) -> int:
+        try:
+            await self._acquire_lease()
+        except TrainerConflict as exc:
+            print(f"trainer: {exc}", file=sys.stderr, flush=True)
+            return 1
+        try:
+            return await self._run()
+        finally:
+            self.worker.shutdown(wait=False, cancel_futures=True)
+            with contextlib.suppress(Exception):
+                await self.lease.release()
+
+    async def _run(self) -> int:
         await self._read_log()
-        if self.state.finished:
+        total = self.cfg.trainer.total_training_steps
+        if self.state.finished and self.state.last_step >= total:
             print(f"trainer: run {self.run_id} already finished at step {self.state.last_step}")
             return 0
-        self._build()
+        await self._off(self._build)
         resumed = self.state.started
         await self.consumer.ensure_group()
         await Consumer(self.bus, self.keys.prompts, ROLLOUTER_GROUP, "trainer",
                        dlq_stream=self.keys.dlq).ensure_group()
-        if resumed:
-            await self._resume()
-        cfg_tree = config_to_dict(self.cfg)
-        await self._publish(RunStarted(run_id=self.run_id, config=cfg_tree, resumed=resumed))
-        if not resumed:
-            await self.bus.publish(RUNS_STREAM, RunStarted(run_id=self.run_id, config=cfg_tree))
-        tasks = [asyncio.create_task(self._follow_events()), asyncio.create_task(self._heartbeat())]
+        tasks = [asyncio.create_task(self._pulse())]
         try:
+            if resumed:
+                await self._resume()
+            cfg_tree = config_to_dict(self.cfg)
+            await self._publish(RunStarted(run_id=self.run_id, config=cfg_tree, resumed=resumed))
+            if not resumed:
+                await self.bus.publish(RUNS_STREAM, RunStarted(run_id=self.run_id, config=cfg_tree))
+            tasks.append(asyncio.create_task(self._follow_events()))
             return await self._loop(resumed)
         except PeerDead as exc:
             print(f"trainer: {exc}", file=sys.stderr, flush=True)
-            await self._publish(ComponentFailed(role="trainer", rank=0, error=str(exc)))
+            with contextlib.suppress(Exception):
+                await self._publish(ComponentFailed(role="trainer", rank=0, error=str(exc)))
+            return 1
+        except Fenced as exc:
+            print(f"trainer: fenced out, another trainer owns run {self.run_id!r}: {exc}",
+                  file=sys.stderr, flush=True)
             return 1
         finally:
             for t in tasks:
@@ -522,7 +806,21 @@ class Trainer:
                     await t
             if self.agent is not None:
                 with contextlib.suppress(Exception):
-                    await self._publish(*self.agent.close())
+                    await self._publish(*(await self._off(self.agent.close)))
+
+    async def _check_log(self) -> None:
+        """Raise LogBehind when our last StepFinished is no longer in the log (Redis came
+        back without its last writes): one XRANGE of one id per step."""
+        regained, self.lease_regained = self.lease_regained, False
+        if self.last_finished_id is None and not regained:
+            return
+        if self.last_finished_id is not None:
+            found = await self.bus.read_ids(self.keys.events, [self.last_finished_id])
+            if not found:
+                raise LogBehind(
+                    f"StepFinished({self.state.last_step}) at {self.last_finished_id} is no "
+                    f"longer in {self.keys.events}: Redis lost the log's tail"
+                )
 
     async def _loop(self, resumed: bool) -> int:
         cfg, tc = self.cfg, self.cfg.trainer
@@ -533,19 +831,22 @@ class Trainer:
         # Step barrier (docs/profiling.md): close commands for step `first` before weights
         # (version 0) let a rollouter begin it; guarded StartProfiles for it now fail.
         await self.bus.set_barrier(self.keys.barrier, first)
-        if not resumed:
-            await self._publish_weights(step=0)
+        # Resumed too: rollouters may hold weights the log no longer vouches for (a lost
+        # tail); the newest publication in log order is what they load.
+        await self._publish_weights(step=self.state.last_step)
         await self._issue_tickets()
         trigger = cfg.async_training.trigger_parameter_sync_step
         for step in range(first, tc.total_training_steps + 1):
             t0 = time.monotonic()
+            await self._check_log()
+            self._check_fenced()
             await self._apply_commands()
             if self.agent is not None:
-                await self._publish(*self.agent.step_begin(step))
+                await self._publish(*(await self._off(self.agent.step_begin, step)))
             await self._publish(StepStarted(step=step, param_version=self.version))
             groups = await self._gather()
             t_update = time.monotonic()
-            metrics = self._update(groups)
+            metrics = await self._off(self._update, [[s for _, s in g.ordered()] for g in groups])
             update_s = time.monotonic() - t_update
             # Close step+1 to commands before its weights (or our next control read) exist.
             await self.bus.set_barrier(self.keys.barrier, step + 1)
@@ -553,37 +854,47 @@ class Trainer:
                 self.version += 1
                 await self._publish_weights(step)
             if (tc.save_freq and step % tc.save_freq == 0) or step == tc.total_training_steps:
-                path = self._save_checkpoint(step)
+                path = await self._off(self._save_checkpoint, step)
                 await self._publish(CheckpointSaved(step=step, path=str(path),
                                                     param_version=self.version))
-            pairs = self._samples_of(groups)
+            pairs = [pair for g in groups for pair in g.ordered()]
+            await self._read_peers()
             duration = time.monotonic() - t0
             metrics.update(self._run_metrics(duration, update_s, len(pairs)))
-            ids = [s.sample_id for _, s in pairs]
-            await self._publish(StepFinished(step=step, sample_ids=ids, metrics=metrics,
-                                             duration_s=duration, param_version=self.version))
-            self.state = msgspec.structs.replace(
-                self.state, last_step=step, trained=self.state.trained | frozenset(ids)
-            )
-            await self.consumer.ack(*(eid for eid, _ in pairs))
-            self.budget.complete(len(groups))
+            entry_ids = [eid for eid, _ in pairs]
+            finished = StepFinished(step=step, sample_ids=[s.sample_id for _, s in pairs],
+                                    metrics=metrics, duration_s=duration,
+                                    param_version=self.version, entry_ids=entry_ids)
+            # The acks ride in the same fenced script as the StepFinished that justifies them.
+            ids = await self._write([(self.keys.events, finished)],
+                                    ack=(self.keys.samples, GROUP, entry_ids))
+            self.consumer.acked(entry_ids)
+            self.state = apply(self.state, finished)
+            self.last_finished_id = ids[0]
+            for g in groups:
+                self.taken.discard(g.index)
+                self.issued_at.pop(g.index, None)
+            self.last_progress = time.monotonic()
             if self.agent is not None:
-                await self._publish(*self.agent.step_end(step))
+                await self._publish(*(await self._off(self.agent.step_end, step)))
             if step < tc.total_training_steps:
                 await self._issue_tickets()
         if self.agent is not None:
-            await self._publish(*self.agent.close())
+            await self._publish(*(await self._off(self.agent.close)))
             self.agent = None
         await self._publish(RunFinished(run_id=self.run_id, steps=tc.total_training_steps))
         print(f"trainer: run {self.run_id} finished ({tc.total_training_steps} steps)", flush=True)
         return 0
 
+    def _update(self, groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
+        return grpo_update(self.policy, self.optimizer, groups, self.cfg.trainer,
+                           temperature=self.cfg.rollout.temperature, version=self.version,
+                           device=self.device)
+
     def _run_metrics(self, duration: float, update_s: float, n_samples: int) -> dict[str, float]:
-        now = time.time()
-        fresh = [hb for hb in self.heartbeats.values()
-                 if now - hb.ts < self.cfg.heartbeat.timeout_s]
-        idle = [hb.metrics["rollouter/idle_ratio"] for hb in fresh
+        idle = [hb.metrics["rollouter/idle_ratio"] for hb in self.rollouters
                 if "rollouter/idle_ratio" in hb.metrics]
+        ledger = self.state.ledger
         return {
             "trainer/idle_ratio": min(1.0, self.wait_s / duration) if duration > 0 else 0.0,
             "trainer/update_s": update_s,
@@ -593,12 +904,29 @@ class Trainer:
                 + sum(len(g.samples) for g in self.groups.values())
             ),
             "throughput/samples_per_s": n_samples / duration if duration > 0 else 0.0,
-            "tickets/issued": float(self.budget.issued),
-            "tickets/outstanding": float(self.budget.outstanding),
-            "tickets/budget": float(self.budget.capacity),
+            "tickets/issued": float(ledger.issued),
+            "tickets/outstanding": float(ledger.outstanding),
+            "tickets/budget": float(self.capacity),
+            "tickets/reissued": float(self.reissued),
+            "samples/refused": float(self.refused),
             "rollout/failures": float(self.rollout_failures),
             "staleness/discarded_groups": float(self.discarded),
         }
+
+
+async def _serve(cfg: Config, bus: Bus) -> int:
+    """Run the trainer; when the log turns out to be behind it (Redis lost its tail), start
+    over from the log in this process, a bounded number of times."""
+    for attempt in range(MAX_LOG_RESTARTS + 1):
+        trainer = Trainer(cfg, bus)
+        try:
+            return await trainer.run()
+        except LogBehind as exc:
+            print(f"trainer: {exc}; resuming from the log ({attempt + 1}/{MAX_LOG_RESTARTS})",
+                  file=sys.stderr, flush=True)
+    print(f"trainer: the log kept falling behind {MAX_LOG_RESTARTS} times; giving up",
+          file=sys.stderr, flush=True)
+    return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -612,4 +940,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("trainer: error: invalid config key 'run.id': the trainer needs a run id",
               file=sys.stderr)
         return 2
-    return run_with_bus(cfg.redis.url or "", "trainer", lambda bus: Trainer(cfg, bus).run())
+    return run_with_bus(cfg.redis.url or "", "trainer", lambda bus: _serve(cfg, bus))

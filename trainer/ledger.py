@@ -1,0 +1,104 @@
+"""The ticket ledger: which prompt tickets are open, folded from the events log.
+
+Pure (no Redis, no torch). A ticket ``t{i}`` is *open* from the :class:`TicketsIssued` that
+issues it until the :class:`StepFinished` that trains one of its answers or the
+:class:`TicketsClosed` that gives it up. A lease reissue (``attempt > 0``) keeps it open with
+a newer attempt and weights version; the first complete answer of any attempt wins, every
+other copy is a duplicate. Open tickets are what the staleness budget counts, so a resume
+restores the exact budget, and the ledger's size is bounded by the budget, not by the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from bus.messages import Message, StepFinished, TicketsClosed, TicketsIssued
+
+__all__ = ["Ledger", "OpenTicket", "apply", "fold", "ticket_id", "ticket_index", "ticket_of_sample"]
+
+
+def ticket_id(index: int) -> str:
+    """The id of ticket number ``index``."""
+    return f"t{index}"
+
+
+def ticket_index(tid: str) -> int | None:
+    """The number of ticket ``tid`` (``"t12"`` -> 12), or None for a malformed id."""
+    if len(tid) < 2 or tid[0] != "t" or not tid[1:].isdigit():
+        return None
+    return int(tid[1:])
+
+
+def ticket_of_sample(sample_id: str) -> int | None:
+    """The ticket number of sample ``"t12/3"``."""
+    return ticket_index(sample_id.rsplit("/", 1)[0])
+
+
+class OpenTicket(msgspec.Struct, frozen=True):
+    """An issued, not yet trained ticket: its size, latest attempt and that attempt's
+    weights version (the ``min_version`` a rollouter must hold)."""
+
+    index: int
+    n: int
+    attempt: int
+    version: int
+
+
+class Ledger(msgspec.Struct, frozen=True):
+    """``issued``: tickets ever issued (ids ``t0 .. t{issued-1}``); ``open``: by index."""
+
+    issued: int = 0
+    open: dict[int, OpenTicket] = {}
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.open)
+
+    @property
+    def closed(self) -> int:
+        return self.issued - len(self.open)
+
+
+def _close(ledger: Ledger, indices: Iterable[int | None]) -> Ledger:
+    drop = {i for i in indices if i is not None and i in ledger.open}
+    if not drop:
+        return ledger
+    return Ledger(ledger.issued, {i: t for i, t in ledger.open.items() if i not in drop})
+
+
+def apply(ledger: Ledger, msg: Message) -> Ledger:
+    """Fold one event into the ledger; other events change nothing."""
+    match msg:
+        case TicketsIssued(ticket_ids=ids, n=n, param_version=version, attempt=attempt):
+            opened = dict(ledger.open)
+            issued = ledger.issued
+            for tid in ids:
+                index = ticket_index(tid)
+                if index is None:
+                    continue
+                # A reissue of a ticket already closed (trained meanwhile) changes nothing;
+                # one of a ticket beyond `issued` means its first issue was lost with the
+                # log's tail, so the reissue opens it.
+                known = index < ledger.issued
+                if attempt > 0 and known and index not in opened:
+                    continue
+                if attempt == 0 and known:
+                    continue  # a duplicate of the first issue
+                opened[index] = OpenTicket(index, n, attempt, version)
+                issued = max(issued, index + 1)
+            return Ledger(issued, opened)
+        case StepFinished(sample_ids=ids):
+            return _close(ledger, (ticket_of_sample(sid) for sid in ids))
+        case TicketsClosed(ticket_ids=ids):
+            return _close(ledger, (ticket_index(tid) for tid in ids))
+    return ledger
+
+
+def fold(events: Iterable[Message], ledger: Ledger | None = None) -> Ledger:
+    """Fold events (in log order) into a :class:`Ledger`."""
+    ledger = ledger or Ledger()
+    for event in events:
+        ledger = apply(ledger, event)
+    return ledger
