@@ -1,8 +1,9 @@
-"""The ``rlbus`` command: ``up``, one component, ``redis``, ``profile`` and ``inspect``.
+"""The ``rlbus`` command: ``up``, one component, ``redis``, ``profile``, ``inspect``, ``config``.
 
 Every sub-command takes ``--config FILE`` and dotted ``KEY=VALUE`` overrides and validates the
 whole config before it does anything: an invalid config or argument exits with code 2 and a
-message naming the key.
+message naming the key. ``--help`` on any command prints its usage. A Redis that cannot be
+reached is one line naming its URL (exit code 1), never a traceback.
 """
 
 from __future__ import annotations
@@ -10,23 +11,65 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
+import yaml
+
+from bus.errors import BusAuthError, BusUnavailable, redact_url
 from runconfig import ConfigError, load_config, parse_config_args
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "main"]
 
-USAGE = """\
-usage: rlbus COMMAND [--config FILE] [KEY=VALUE ...]
+CONFIG_REF = (
+    "Config keys: docs/config.md (every key, default and meaning), or `rlbus config` for the\n"
+    "effective config and `rlbus config --show KEY` for one key. Overrides are verl-style\n"
+    "dotted KEY=VALUE, VALUE in YAML: trainer.total_training_steps=50 global_profiler.steps=[1,3]\n"
+)
 
-commands:
-  up          the main job on one machine: embedded Redis, profiler, rollouter(s), trainer
-  trainer     run the trainer component
-  rollouter   run one rollouter component (rollout.rank=I selects the replica)
-  profiler    run the standalone profiler service
-  redis       run the embedded redis-server in the foreground and print its URL
-  profile     profile a live run: rlbus profile --run RUN --steps SPEC [--roles trainer,rollouter]
-  inspect     a run's log: rlbus inspect --run RUN [--json] [--plot FILE.png]
-"""
+COMMON = "[--config FILE] [KEY=VALUE ...]"
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": (f"rlbus up {COMMON}",
+           "The main job on one machine: embedded Redis (unless redis.url is set), the profiler\n"
+           "service (global_profiler.tool set), the metrics logger (trainer.logger has\n"
+           "tensorboard or wandb), rollout.replicas rollouters and the trainer, each a process.\n"
+           "Ctrl-C, SIGTERM or SIGHUP stop every part (a second one kills at once) and print\n"
+           "the command that resumes the run; the same run.id resumes it."),
+    "trainer": (f"rlbus trainer {COMMON}",
+                "Run the trainer component (needs redis.url and run.id). Prints one progress\n"
+                "line per step."),
+    "rollouter": (f"rlbus rollouter {COMMON}",
+                  "Run one rollouter component (rollout.rank=I selects the replica; needs\n"
+                  "redis.url and run.id). Prints a progress line every run.progress_interval_s."),
+    "profiler": (f"rlbus profiler {COMMON}",
+                 "Run the standalone profiler service for run.id (needs redis.url)."),
+    "logger": (f"rlbus logger {COMMON}",
+               "Run the metrics logger for run.id: writes StepFinished metrics to TensorBoard\n"
+               "files under run.output_dir/RUN/tensorboard (and wandb, offline, when\n"
+               "trainer.logger has it and wandb is installed). Restarts continue where it was."),
+    "redis": (f"rlbus redis {COMMON}",
+              "Run the embedded redis-server in the foreground (data in run.output_dir/redis)\n"
+              "and print its URL on the first line."),
+    "profile": (f"rlbus profile --run RUN --steps SPEC [--roles trainer,rollouter] "
+                f"[--timeout S] {COMMON}",
+                "Profile a live run. SPEC is K, A-B or next:N. Exit 0: the session is\n"
+                "scheduled and will write a trace; 2: refused (profiling off, past step, bad\n"
+                "SPEC), with the reason; 1: no answer within --timeout (the request is then\n"
+                "withdrawn so it is never served later)."),
+    "inspect": ("rlbus inspect --run RUN [--json] [--heartbeats] [--plot FILE.png] "
+                f"[--target R] [--trace FILE.json] {COMMON}",
+                "A run's log: a timeline with wall-clock times (heartbeats hidden unless\n"
+                "--heartbeats), one JSON object per event (--json), a metrics plot (--plot, only\n"
+                "the plot), or the whole run as one Chrome/Perfetto trace (--trace: a track per\n"
+                "component; open it at ui.perfetto.dev)."),
+    "config": (f"rlbus config [--show KEY] {COMMON}",
+               "Print the effective config (defaults + file + overrides) as YAML, or one key's\n"
+               "value with --show KEY. Passwords in redis.url are shown as ***."),
+}
+
+USAGE = "usage: rlbus COMMAND [--config FILE] [KEY=VALUE ...]\n\ncommands:\n" + "".join(
+    f"  {name:<10}  {text.splitlines()[0]}\n" for name, (_, text) in COMMANDS.items()
+) + "\n`rlbus COMMAND --help` for one command. " + CONFIG_REF
 
 
 class _ArgError(Exception):
@@ -45,10 +88,16 @@ def _fail(prog: str, message: str) -> int:
     return 2
 
 
-def _split(prog: str, argv: Sequence[str], extra: list[tuple[str, dict]]) -> tuple[
+def _help(command: str) -> int:
+    usage, text = COMMANDS[command]
+    print(f"usage: {usage}\n\n{text}\n\n{CONFIG_REF}", end="")
+    return 0
+
+
+def _split(prog: str, argv: Sequence[str], extra: list[tuple[str, dict[str, Any]]]) -> tuple[
     argparse.Namespace, list[str]
 ]:
-    parser = _Parser(prog=prog, add_help=True)
+    parser = _Parser(prog=prog, add_help=False)
     parser.add_argument("--config", default=None)
     for flag, kwargs in extra:
         parser.add_argument(flag, **kwargs)
@@ -60,23 +109,46 @@ def _split(prog: str, argv: Sequence[str], extra: list[tuple[str, dict]]) -> tup
 
 
 def _component(name: str, argv: list[str]) -> int:
+    file, overrides = parse_config_args(argv)
+    cfg = load_config(file, overrides)
     # Imported here so `rlbus redis` or `rlbus inspect` do not pay for torch.
     if name == "trainer":
         from trainer.app import main as component_main
     elif name == "rollouter":
         from rollouter.app import main as component_main
+    elif name == "logger":
+        from metrics_logger.app import main as component_main
     else:
         from profiler_service.__main__ import main as component_main
-    return int(component_main(argv) or 0)
+    from rlbus.credentials import expanded_url
+
+    url = expanded_url(cfg)
+    if name in ("profiler", "logger") and url is not None and url != cfg.redis.url:
+        # In-process argv only (never a child's command line): these connect with the URL
+        # as given, so hand them the expanded one.
+        argv = [*argv, f"redis.url={url}"]
+    progress = None
+    if url is not None and cfg.run.id is not None:
+        from bus.progress import ProgressSpec, ProgressThread
+
+        role = f"rollouter{cfg.rollout.rank}" if name == "rollouter" else name
+        spec = ProgressSpec(cfg.run.id, cfg.trainer.total_training_steps, role,
+                            cfg.run.progress_interval_s)
+        progress = ProgressThread(url, spec).start()
+    try:
+        return int(component_main(argv) or 0)
+    finally:
+        if progress is not None:
+            progress.stop()
 
 
 def _redis(argv: list[str]) -> int:
+    from pathlib import Path
+
     from bus.server import serve_forever
 
     file, overrides = parse_config_args(argv)
     cfg = load_config(file, overrides)
-    from pathlib import Path
-
     return serve_forever(
         Path(cfg.run.output_dir) / "redis", port=cfg.redis.port, binary=cfg.redis.binary
     )
@@ -98,16 +170,23 @@ def _profile(argv: list[str]) -> int:
     bad = [r for r in roles if r not in ("trainer", "rollouter")]
     if bad or not roles:
         raise _ArgError(f"--roles: unknown role(s) {bad or roles}; use trainer,rollouter")
-    from profiler_service.request import parse_spec, run_profile_request
+    if ns.timeout <= 0:
+        raise _ArgError(f"--timeout: must be > 0 seconds, got {ns.timeout:g}")
+    from profiler_service.request import parse_spec
 
     try:
         parse_spec(ns.steps)
     except ValueError as exc:
         raise _ArgError(f"--steps: {exc}") from None
-    from rlbus.launcher import redis_for_reading
+    from rlbus.launcher import RunDataMissing, redis_for_reading
+    from rlbus.profile import profile_live_run
 
-    with redis_for_reading(cfg) as url:
-        return run_profile_request(url, ns.run, ns.steps, roles, ns.timeout)
+    try:
+        with redis_for_reading(cfg) as url:
+            return profile_live_run(url, ns.run, ns.steps, roles, ns.timeout)
+    except RunDataMissing as exc:
+        print(f"rlbus profile: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _inspect(argv: list[str]) -> int:
@@ -117,13 +196,38 @@ def _inspect(argv: list[str]) -> int:
         [
             ("--run", {"required": True}),
             ("--json", {"action": "store_true"}),
+            ("--heartbeats", {"action": "store_true"}),
             ("--plot", {"default": None}),
+            ("--target", {"type": float, "default": 0.9}),
+            ("--trace", {"default": None}),
         ],
     )
     cfg = load_config(ns.config, [*overrides, f"run.id={ns.run}"])
     from rlbus.inspect import inspect_run
 
-    return inspect_run(cfg, as_json=ns.json, plot=ns.plot)
+    return inspect_run(cfg, as_json=ns.json, plot=ns.plot, heartbeats=ns.heartbeats,
+                       target=ns.target, trace=ns.trace)
+
+
+def _config(argv: list[str]) -> int:
+    ns, overrides = _split("rlbus config", argv, [("--show", {"default": None})])
+    cfg = load_config(ns.config, overrides)
+    from runconfig import config_to_dict, known_keys, suggest_key
+
+    tree = config_to_dict(cfg)
+    if tree["redis"]["url"]:
+        tree["redis"]["url"] = redact_url(tree["redis"]["url"])
+    if ns.show is None:
+        print(yaml.safe_dump(tree, sort_keys=False), end="")
+        return 0
+    node: Any = tree
+    for part in ns.show.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(ns.show, "unknown config key", suggest_key(ns.show, known_keys()))
+        node = node[part]
+    text = yaml.safe_dump(node, sort_keys=False, default_flow_style=not isinstance(node, dict))
+    print(text.removesuffix("...\n").rstrip("\n"))
+    return 0
 
 
 def _up(argv: list[str]) -> int:
@@ -131,7 +235,16 @@ def _up(argv: list[str]) -> int:
     cfg = load_config(file, overrides)
     from rlbus.launcher import run_up
 
-    return run_up(cfg)
+    return run_up(cfg, argv)
+
+
+_HANDLERS = {
+    "up": _up,
+    "redis": _redis,
+    "profile": _profile,
+    "inspect": _inspect,
+    "config": _config,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -142,23 +255,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     prog = f"rlbus {command}"
+    if command not in COMMANDS:
+        print(USAGE, end="", file=sys.stderr)
+        return _fail("rlbus", f"unknown command {command!r}")
+    if "-h" in rest or "--help" in rest:
+        return _help(command)
     try:
-        if command in ("trainer", "rollouter", "profiler"):
+        if command in ("trainer", "rollouter", "profiler", "logger"):
             return _component(command, rest)
-        if command == "redis":
-            return _redis(rest)
-        if command == "profile":
-            return _profile(rest)
-        if command == "inspect":
-            return _inspect(rest)
-        if command == "up":
-            return _up(rest)
+        return _HANDLERS[command](rest)
     except ConfigError as exc:
         return _fail(prog, str(exc))
     except _ArgError as exc:
         return _fail(prog, str(exc))
-    print(USAGE, end="", file=sys.stderr)
-    return _fail("rlbus", f"unknown command {command!r}")
+    except (BusUnavailable, BusAuthError) as exc:
+        from bus.component import bus_error_line
+
+        print(bus_error_line(prog, exc), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,16 +1,24 @@
-"""``rlbus inspect``: a run's events log as a timeline, JSON lines, or a metrics plot."""
+"""``rlbus inspect``: a run's events log as a timeline, JSON lines, a metrics plot or a trace.
+
+The timeline shows wall-clock times (and seconds since the run's first event); heartbeats are
+hidden unless asked for. ``--plot`` and ``--trace`` write only their file. Nothing is created
+as a side effect: no folder for a mistyped ``run.output_dir`` or plot path.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from bus import Bus, RunKeys
-from bus.messages import Message, StepFinished
+from bus.messages import Heartbeat, Message, ProfileStopped, Sample, StepFinished
 from runconfig import Config
 
 __all__ = ["event_to_json", "inspect_run", "summary_line"]
@@ -25,67 +33,143 @@ def event_to_json(msg: Message) -> bytes:
     return _json.encode(tree)
 
 
-def summary_line(entry_id: str, msg: Message) -> str:
-    """A one-line human description of an event."""
+def _entry_time(entry_id: str) -> float:
+    return int(entry_id.split("-", 1)[0]) / 1000.0
+
+
+def summary_line(entry_id: str, msg: Message, t0: float | None = None) -> str:
+    """One line: ``HH:MM:SS.mmm  +SECONDS  TYPE  fields`` (time from the entry id)."""
+    when = _entry_time(entry_id)
+    stamp = dt.datetime.fromtimestamp(when).strftime("%H:%M:%S.%f")[:-3]
+    rel = f"+{when - (t0 if t0 is not None else when):8.2f}s"
     name = type(msg).__name__
     if isinstance(msg, StepFinished):
         m = msg.metrics
-        return (f"{entry_id:<18} {name:<18} step={msg.step} samples={len(msg.sample_ids)} "
+        text = (f"step={msg.step} samples={len(msg.sample_ids)} "
                 f"reward={m.get('reward/mean', float('nan')):.3f} "
                 f"staleness={m.get('staleness/mean', 0.0):.2f} {msg.duration_s:.2f}s")
-    fields = msgspec.to_builtins(msg)
-    for noisy in ("v", "ts", "config", "raw"):
-        fields.pop(noisy, None)
-    text = " ".join(f"{k}={v}" for k, v in fields.items())
-    return f"{entry_id:<18} {name:<18} {text}"[:200]
+    else:
+        fields = msgspec.to_builtins(msg)
+        for noisy in ("type", "v", "ts", "config", "raw"):
+            fields.pop(noisy, None)
+        text = " ".join(f"{k}={v}" for k, v in fields.items())
+    return f"{stamp} {rel}  {name:<18} {text}"[:220]
 
 
-async def _events(url: str, run_id: str) -> list[tuple[str, Message]]:
+async def _read(url: str, run_id: str, with_samples: bool) -> tuple[
+    list[tuple[str, Message]], list[Sample]
+]:
     bus = Bus.from_url(url)
+    keys = RunKeys(run_id)
     try:
-        return [(entry_id, msg) async for entry_id, msg in bus.read_all(RunKeys(run_id).events)]
+        events = [(entry_id, msg) async for entry_id, msg in bus.read_all(keys.events)]
+        samples: list[Sample] = []
+        if with_samples and events:
+            samples = [m async for _, m in bus.read_all(keys.samples) if isinstance(m, Sample)]
+        return events, samples
     finally:
         await bus.close()
 
 
-def _plot(events: list[tuple[str, Message]], path: str) -> None:
+def _plot(run_id: str, events: list[tuple[str, Message]], path: str, target: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [m for _, m in events if isinstance(m, StepFinished)]
+    profiled = sorted({(m.first_step, m.last_step) for _, m in events
+                       if isinstance(m, ProfileStopped) and m.status == "ok"})
     keys = ["reward/mean", "staleness/mean", "trainer/idle_ratio", "throughput/samples_per_s"]
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True)
-    for ax, key in zip(axes, keys, strict=True):
+    for i, (ax, key) in enumerate(zip(axes, keys, strict=True)):
         ax.plot([s.step for s in steps], [s.metrics.get(key, float("nan")) for s in steps])
         ax.set_ylabel(key, fontsize=8)
         ax.grid(alpha=0.3)
+        for j, (first, last) in enumerate(profiled):
+            ax.axvspan(first - 0.5, last + 0.5, color="tab:orange", alpha=0.25,
+                       label="profiled" if i == 0 and j == 0 else None)
+    axes[0].axhline(target, color="tab:green", linestyle="--", label=f"target {target:g}")
+    axes[0].legend(fontsize=7, loc="lower right")
     axes[-1].set_xlabel("step")
+    fig.suptitle(f"run {run_id}: {len(steps)} steps")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
-def inspect_run(cfg: Config, as_json: bool = False, plot: str | None = None) -> int:
-    """Print run ``cfg.run.id``'s events; exit code 1 when the run has no events."""
-    from rlbus.launcher import redis_for_reading
+def _check_out_path(flag: str, path: str) -> str | None:
+    parent = Path(path).parent
+    if not parent.is_dir():
+        return f"{flag}: folder {parent} does not exist (not creating it)"
+    return None
 
+
+def inspect_run(
+    cfg: Config,
+    as_json: bool = False,
+    plot: str | None = None,
+    heartbeats: bool = False,
+    target: float = 0.9,
+    trace: str | None = None,
+) -> int:
+    """Print or write run ``cfg.run.id``'s events; exit code 1 when the run has no events."""
+    from rlbus.launcher import RunDataMissing, redis_for_reading
+
+    for flag, path in (("--plot", plot), ("--trace", trace)):
+        problem = _check_out_path(flag, path) if path else None
+        if problem:
+            print(f"rlbus inspect: error: {problem}", file=sys.stderr)
+            return 2
     run_id = cfg.run.id or ""
-    with redis_for_reading(cfg) as url:
-        events = asyncio.run(_events(url, run_id))
+    try:
+        with redis_for_reading(cfg) as url:
+            events, samples = asyncio.run(_read(url, run_id, with_samples=trace is not None))
+    except RunDataMissing as exc:
+        print(f"rlbus inspect: error: {exc}", file=sys.stderr)
+        return 1
     if not events:
         print(f"rlbus inspect: run {run_id!r} has no events at this Redis", file=sys.stderr)
         return 1
-    if plot:
-        _plot(events, plot)
-        print(f"plot written to {plot}", file=sys.stderr)
+    if plot or trace:
+        if plot:
+            _plot(run_id, events, plot, target)
+            print(f"plot written to {plot}", file=sys.stderr)
+        if trace:
+            _write_trace(cfg, run_id, events, samples, trace)
+        return 0
+    return _print_events(run_id, events, as_json, heartbeats)
+
+
+def _write_trace(cfg: Config, run_id: str, events: list[tuple[str, Message]],
+                 samples: list[Sample], path: str) -> None:
+    from profiling import profile_root
+    from rlbus.trace import build_trace
+
+    tree = build_trace(run_id, [m for _, m in events], samples, Path(profile_root(cfg)))
+    Path(path).write_text(json.dumps(tree))
+    print(f"trace written to {path} ({len(tree['traceEvents'])} events; open it at "
+          "ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
+
+
+def _print_events(run_id: str, events: list[tuple[str, Message]], as_json: bool,
+                  heartbeats: bool) -> int:
+    shown = [(i, m) for i, m in events if heartbeats or not isinstance(m, Heartbeat)]
     out = sys.stdout.buffer
     try:
-        for entry_id, msg in events:
+        if not as_json:
+            t0 = _entry_time(events[0][0])
+            first = dt.datetime.fromtimestamp(t0).strftime("%Y-%m-%d %H:%M:%S")
+            span = _entry_time(events[-1][0]) - t0
+            hidden = len(events) - len(shown)
+            note = f"; {hidden} heartbeats hidden (--heartbeats shows them)" if hidden else ""
+            out.write(f"run {run_id}: {len(events)} events from {first} over {span:.1f} s"
+                      f"{note}\n".encode())
+        for entry_id, msg in shown:
             if as_json:
                 out.write(event_to_json(msg) + b"\n")
             else:
-                out.write(summary_line(entry_id, msg).encode() + b"\n")
+                out.write(summary_line(entry_id, msg, t0).encode() + b"\n")
         out.flush()
     except BrokenPipeError:  # `rlbus inspect ... | head`: the reader has seen enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -80,8 +80,9 @@ def ray_children(children: list[Any], trainer_gpus: float) -> list[RayChild]:
     out = []
     for c in children:
         gpus = trainer_gpus if c.name == "trainer" else 0.0
-        # The profiler service is I/O only: it should not hold a CPU slot a rollouter needs.
-        cpus = 0.1 if c.name == "profiler" else 1.0
+        # The profiler service and the logger are I/O only: they should not hold a CPU slot
+        # a rollouter needs.
+        cpus = 0.1 if c.name in ("profiler", "logger") else 1.0
         out.append(RayChild(c.name, c.argv, c.log_path, num_cpus=cpus, num_gpus=gpus))
     return out
 

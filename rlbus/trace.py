@@ -1,0 +1,223 @@
+"""A whole run as one Chrome/Perfetto trace, built from its event log (``rlbus inspect --trace``).
+
+One process track per component (trainer, each rollouter, the profiler service, the metrics
+logger) plus a ``run`` track for run-wide events. The trainer has its steps (with their
+metrics), weight publications and checkpoints; a rollouter has its generation windows by
+weights version (from the samples stream when it is still there); every role has its profile
+sessions with the path of their torch trace; warnings and failures are global instants.
+Times are microseconds since the run's first event (Trace Event Format, ``displayTimeUnit``
+ms); open the file at ui.perfetto.dev or chrome://tracing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bus.messages import (
+    CheckpointSaved,
+    ComponentFailed,
+    Heartbeat,
+    Message,
+    ProfileRequest,
+    ProfileRequestRefused,
+    ProfilerFinished,
+    ProfilerReady,
+    ProfileStarted,
+    ProfileStopped,
+    RolloutFailed,
+    RunFinished,
+    RunStarted,
+    Sample,
+    StepFinished,
+    StepStarted,
+    TrainerResumed,
+    WarningRaised,
+    WeightsPublished,
+)
+
+__all__ = ["build_trace"]
+
+RUN_PID, TRAINER_PID, PROFILER_PID, LOGGER_PID, ROLLOUTER_PID0 = 0, 1, 2, 3, 10
+STEPS_TID, WEIGHTS_TID, PROFILE_TID, FAILURES_TID, GEN_TID = 1, 2, 3, 4, 1
+
+
+class _Builder:
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.events: list[dict[str, Any]] = []
+        self.names: dict[int, str] = {}
+        self.threads: set[tuple[int, int, str]] = set()
+
+    def us(self, ts: float) -> float:
+        return round((ts - self.t0) * 1e6, 1)
+
+    def track(self, pid: int, process: str, tid: int, thread: str) -> None:
+        self.names.setdefault(pid, process)
+        self.threads.add((pid, tid, thread))
+
+    def span(self, pid: int, tid: int, name: str, start: float, end: float,
+             args: dict[str, Any] | None = None, cat: str = "run") -> None:
+        self.events.append({"ph": "X", "pid": pid, "tid": tid, "name": name, "cat": cat,
+                            "ts": self.us(start), "dur": max(1.0, self.us(end) - self.us(start)),
+                            "args": args or {}})
+
+    def instant(self, pid: int, tid: int, name: str, ts: float,
+                args: dict[str, Any] | None = None, scope: str = "t", cat: str = "run") -> None:
+        self.events.append({"ph": "i", "s": scope, "pid": pid, "tid": tid, "name": name,
+                            "cat": cat, "ts": self.us(ts), "args": args or {}})
+
+    def counter(self, pid: int, name: str, ts: float, values: dict[str, float]) -> None:
+        self.events.append({"ph": "C", "pid": pid, "tid": 0, "name": name, "ts": self.us(ts),
+                            "args": values})
+
+    def metadata(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for pid, name in self.names.items():
+            out.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_name",
+                        "args": {"name": name}})
+            out.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index",
+                        "args": {"sort_index": pid}})
+        for pid, tid, name in sorted(self.threads):
+            out.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                        "args": {"name": name}})
+        return out
+
+
+def _role_pid(role: str, rank: int) -> tuple[int, str]:
+    if role == "trainer":
+        return TRAINER_PID, "trainer"
+    if role == "rollouter":
+        return ROLLOUTER_PID0 + rank, f"rollouter{rank}"
+    if role == "logger":
+        return LOGGER_PID, "logger"
+    return PROFILER_PID, "profiler service"
+
+
+def _clean(value: float) -> float | None:
+    return None if value != value else value  # NaN is not valid JSON
+
+
+def build_trace(
+    run_id: str,
+    events: Sequence[Message],
+    samples: Iterable[Sample] = (),
+    profile_dir: Path | None = None,
+) -> dict[str, Any]:
+    """The trace of run ``run_id`` as a JSON-ready dict (``traceEvents`` and metadata).
+
+    ``profile_dir`` (``save_path/RUN``) turns the relative trace path of a ProfileStopped
+    into the file's full path.
+    """
+    stamps = [float(ts) for m in events if (ts := getattr(m, "ts", None))]
+    t0 = min(stamps) if stamps else 0.0
+    b = _Builder(t0)
+    b.track(RUN_PID, f"run {run_id}", 0, "run")
+    step_start: dict[int, float] = {}
+    profile_start: dict[tuple[str, str, int], float] = {}
+    for msg in events:
+        match msg:
+            case Heartbeat():
+                continue
+            case RunStarted():
+                b.instant(RUN_PID, 0, "RunStarted" + (" (resumed)" if msg.resumed else ""),
+                          msg.ts, scope="g")
+            case RunFinished():
+                b.instant(RUN_PID, 0, f"RunFinished after {msg.steps} steps ({msg.status})",
+                          msg.ts, scope="g")
+            case StepStarted():
+                step_start[msg.step] = msg.ts
+            case StepFinished():
+                b.track(TRAINER_PID, "trainer", STEPS_TID, "steps")
+                start = step_start.pop(msg.step, msg.ts - msg.duration_s)
+                metrics = {k: _clean(v) for k, v in msg.metrics.items()}
+                b.span(TRAINER_PID, STEPS_TID, f"step {msg.step}", start, msg.ts,
+                       {"step": msg.step, "param_version": msg.param_version,
+                        "samples": len(msg.sample_ids), **metrics}, cat="step")
+                reward = _clean(msg.metrics.get("reward/mean", float("nan")))
+                if reward is not None:
+                    b.counter(TRAINER_PID, "reward/mean", msg.ts, {"reward/mean": reward})
+                b.counter(TRAINER_PID, "staleness/mean", msg.ts,
+                          {"staleness/mean": msg.metrics.get("staleness/mean", 0.0)})
+            case WeightsPublished():
+                b.track(TRAINER_PID, "trainer", WEIGHTS_TID, "weights and checkpoints")
+                b.instant(TRAINER_PID, WEIGHTS_TID, f"weights v{msg.version} published", msg.ts,
+                          {"version": msg.version, "step": msg.step, "bytes": msg.ref.size,
+                           "store": msg.ref.store})
+            case CheckpointSaved():
+                b.track(TRAINER_PID, "trainer", WEIGHTS_TID, "weights and checkpoints")
+                b.instant(TRAINER_PID, WEIGHTS_TID, f"checkpoint step {msg.step}", msg.ts,
+                          {"path": msg.path, "param_version": msg.param_version})
+            case TrainerResumed():
+                b.track(TRAINER_PID, "trainer", WEIGHTS_TID, "weights and checkpoints")
+                b.instant(TRAINER_PID, WEIGHTS_TID, f"resumed after step {msg.step}", msg.ts,
+                          {"checkpoint_step": msg.checkpoint_step,
+                           "replayed_steps": msg.replayed_steps,
+                           "weights_match": msg.weights_match})
+            case ProfileStarted():
+                profile_start[(msg.session_id, msg.role, msg.rank)] = msg.ts
+            case ProfileStopped():
+                pid, name = _role_pid(msg.role, msg.rank)
+                b.track(pid, name, PROFILE_TID, "profiling")
+                start = profile_start.pop((msg.session_id, msg.role, msg.rank),
+                                          msg.ts - msg.duration_s)
+                path = str(profile_dir / msg.path) if profile_dir and msg.path else msg.path
+                b.span(pid, PROFILE_TID,
+                       f"profile steps {msg.first_step}-{msg.last_step} ({msg.status})",
+                       start, msg.ts,
+                       {"session": msg.session_id, "tool": msg.tool, "status": msg.status,
+                        "trace": path, "bytes": msg.bytes, "top_ops": msg.top_ops},
+                       cat="profile")
+            case ProfilerReady() | ProfilerFinished() | ProfileRequest() | ProfileRequestRefused():
+                b.track(PROFILER_PID, "profiler service", PROFILE_TID, "decisions")
+                args: dict[str, Any] = {}
+                if isinstance(msg, ProfileRequestRefused):
+                    args = {"request": msg.request_id, "reason": msg.reason}
+                elif isinstance(msg, ProfileRequest):
+                    args = {"request": msg.request_id, "steps": msg.steps,
+                            "next_steps": msg.next_steps, "roles": msg.roles}
+                elif isinstance(msg, ProfilerFinished):
+                    args = {"manifest": msg.manifest_path, "sessions": msg.sessions}
+                b.instant(PROFILER_PID, PROFILE_TID, type(msg).__name__, msg.ts, args)
+            case WarningRaised():
+                b.instant(RUN_PID, 0, f"warning {msg.code}", msg.ts,
+                          {"source": msg.source, "message": msg.message}, scope="g")
+            case ComponentFailed():
+                b.instant(RUN_PID, 0, f"{msg.role}{msg.rank} failed", msg.ts,
+                          {"error": msg.error}, scope="g")
+            case RolloutFailed():
+                pid, name = _role_pid("rollouter", msg.rank)
+                b.track(pid, name, FAILURES_TID, "failures")
+                b.instant(pid, FAILURES_TID, "rollout failed", msg.ts,
+                          {"ticket": msg.ticket_id, "error": msg.error})
+            case _:
+                pass
+    _generation_windows(b, samples)
+    return {
+        "traceEvents": b.metadata() + b.events,
+        "displayTimeUnit": "ms",
+        "otherData": {"run_id": run_id, "source": "rlbus inspect --trace", "t0_unix_s": t0},
+    }
+
+
+def _generation_windows(b: _Builder, samples: Iterable[Sample]) -> None:
+    """One span per rollouter and weights version: first generation start to last sample."""
+    windows: dict[tuple[int, int], list[float]] = {}
+    for s in samples:
+        key = (s.rank, s.max_version)
+        start = s.ts - s.gen_time_s
+        w = windows.get(key)
+        if w is None:
+            windows[key] = [start, s.ts, 1.0]
+        else:
+            w[0], w[1], w[2] = min(w[0], start), max(w[1], s.ts), w[2] + 1
+    last_end: dict[int, float] = {}
+    for (rank, version), (start, end, count) in sorted(windows.items()):
+        pid, name = _role_pid("rollouter", rank)
+        b.track(pid, name, GEN_TID, "generation")
+        start = max(start, last_end.get(rank, start))  # spans on one track must not overlap
+        last_end[rank] = max(end, start)
+        b.span(pid, GEN_TID, f"generate with weights v{version}", start, max(end, start),
+               {"weights_version": version, "samples": int(count),
+                "rollouter_step": version + 1}, cat="generation")
