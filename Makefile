@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # torch is pinned so pip takes the CPU wheel on this machine instead of a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo shim test lint bench clean
 
 venv: $(STAMP)
 
@@ -14,11 +14,23 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,hf,ray,plot]" "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev,hf,ray,plot,logger]" "$(TORCH)"
 	touch $(STAMP)
 
+# `rlbus` lives in .venv/bin: the demo says how to call it without activating the venv.
 demo: $(STAMP)
-	$(VENV)/bin/rlbus up --config configs/demo.yaml
+	@$(VENV)/bin/rlbus up --config configs/demo.yaml; rc=$$?; echo; \
+	echo "rlbus is installed in $(CURDIR)/$(VENV)/bin: call it as $(VENV)/bin/rlbus ..., or"; \
+	echo "'. $(VENV)/bin/activate' first, or 'make shim' to link it into ~/.local/bin."; \
+	exit $$rc
+
+# A link on PATH works without activating the venv: the script's shebang names .venv's python.
+SHIM_DIR ?= $(HOME)/.local/bin
+shim: $(STAMP)
+	mkdir -p $(SHIM_DIR)
+	ln -sf $(CURDIR)/$(VENV)/bin/rlbus $(SHIM_DIR)/rlbus
+	@echo "linked $(SHIM_DIR)/rlbus -> $(CURDIR)/$(VENV)/bin/rlbus"
+	@case ":$$PATH:" in *":$(SHIM_DIR):"*) ;; *) echo "add $(SHIM_DIR) to PATH";; esac
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
