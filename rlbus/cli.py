@@ -127,6 +127,11 @@ def _component(name: str, argv: list[str]) -> int:
         # In-process argv only (never a child's command line): these connect with the URL
         # as given, so hand them the expanded one.
         argv = [*argv, f"redis.url={url}"]
+    if url is not None:
+        # One line if Redis cannot be reached, whatever the component logs while retrying.
+        from rlbus.launcher import ping
+
+        ping(url, quick=False)
     progress = None
     if url is not None and cfg.run.id is not None:
         from bus.progress import ProgressSpec, ProgressThread

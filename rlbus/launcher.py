@@ -57,6 +57,7 @@ __all__ = [
     "RunDataMissing",
     "RunStatus",
     "Supervisor",
+    "ping",
     "redis_for_reading",
     "resume_command",
     "run_status",
@@ -153,13 +154,20 @@ async def run_status(url: str, run_id: str) -> RunStatus:
     return status
 
 
-async def _ping(url: str) -> None:
-    # A short bound: a wrong URL should be one line within a couple of seconds.
-    bus = Bus.from_url(url, retry=RetryPolicy(attempts=3, base_s=0.2, max_s=1.0))
+async def _ping(url: str, quick: bool = True) -> None:
+    # quick: a wrong URL is one line within a couple of seconds (interactive commands);
+    # else the bus's usual retry bound, for components that may start just before Redis.
+    retry = RetryPolicy(attempts=3, base_s=0.2, max_s=1.0) if quick else None
+    bus = Bus.from_url(url, retry=retry)
     try:
         await bus.ping()
     finally:
         await bus.close()
+
+
+def ping(url: str, quick: bool = True) -> None:
+    """PING ``url`` (raises :class:`bus.BusUnavailable` / :class:`bus.BusAuthError`)."""
+    asyncio.run(_ping(url, quick))
 
 
 # --------------------------------------------------------------------------- children
