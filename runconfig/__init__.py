@@ -1,6 +1,7 @@
 """The config of a run: defaults, loading with overrides, validation (exit 2 naming the key)."""
 
 from runconfig.load import (
+    Assignment,
     ConfigError,
     apply_override,
     config_to_dict,
@@ -9,33 +10,41 @@ from runconfig.load import (
     load_config,
     load_or_exit,
     parse_config_args,
+    parse_override,
     resolve_run_id,
     suggest_key,
 )
 from runconfig.schema import (
     AsyncTrainingConfig,
     Config,
+    GlobalToolConfig,
     HeartbeatConfig,
     ModelConfig,
+    NsysToolConfig,
     ProfilerConfig,
     RedisConfig,
     RolloutConfig,
     RunConfig,
     TaskConfig,
+    TorchMemoryToolConfig,
     TrainerConfig,
 )
 
 __all__ = [
+    "Assignment",
     "AsyncTrainingConfig",
     "Config",
     "ConfigError",
+    "GlobalToolConfig",
     "HeartbeatConfig",
     "ModelConfig",
+    "NsysToolConfig",
     "ProfilerConfig",
     "RedisConfig",
     "RolloutConfig",
     "RunConfig",
     "TaskConfig",
+    "TorchMemoryToolConfig",
     "TrainerConfig",
     "apply_override",
     "config_to_dict",
@@ -44,6 +53,7 @@ __all__ = [
     "load_config",
     "load_or_exit",
     "parse_config_args",
+    "parse_override",
     "resolve_run_id",
     "suggest_key",
 ]

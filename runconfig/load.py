@@ -12,17 +12,21 @@ import functools
 import re
 import sys
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import msgspec.inspect
 import yaml
 
+from runconfig import verl as verl_table
+from runconfig import yaml12
 from runconfig.schema import Config
 
 __all__ = [
+    "Assignment",
     "ConfigError",
     "apply_override",
     "config_to_dict",
@@ -31,6 +35,7 @@ __all__ = [
     "load_config",
     "load_or_exit",
     "parse_config_args",
+    "parse_override",
     "resolve_run_id",
     "suggest_key",
 ]
@@ -53,88 +58,314 @@ class ConfigError(ValueError):
         self.suggestion = suggestion
 
 
-def _leaves(info: msgspec.inspect.StructType, prefix: str = "") -> list[str]:
-    keys: list[str] = []
+class _Keys(msgspec.Struct, frozen=True):
+    """The shape of the config: dotted leaves, mapping-valued leaves, sections."""
+
+    leaves: tuple[str, ...]
+    mappings: frozenset[str]  # leaves whose value is an open mapping (nsys options)
+    sections: frozenset[str]  # dotted prefixes of leaves ("trainer", "global_profiler...")
+
+
+def _walk(info: msgspec.inspect.StructType, prefix: str, out: list[tuple[str, bool]]) -> None:
     for field in info.fields:
         dotted = f"{prefix}{field.name}"
         if isinstance(field.type, msgspec.inspect.StructType):
-            keys += _leaves(field.type, f"{dotted}.")
+            _walk(field.type, f"{dotted}.", out)
         else:
-            keys.append(dotted)
-    return keys
+            out.append((dotted, isinstance(field.type, msgspec.inspect.DictType)))
 
 
 @functools.cache
-def _known() -> tuple[str, ...]:
+def _shape() -> _Keys:
     info = msgspec.inspect.type_info(Config)
     assert isinstance(info, msgspec.inspect.StructType)
-    return tuple(_leaves(info))
+    found: list[tuple[str, bool]] = []
+    _walk(info, "", found)
+    leaves = tuple(k for k, _ in found)
+    sections = {k.rsplit(".", i)[0] for k in leaves for i in range(1, k.count(".") + 1)}
+    return _Keys(leaves, frozenset(k for k, m in found if m), frozenset(sections))
 
 
-def known_keys() -> list[str]:
-    """Every dotted key rlbus's config has (``trainer.lr``, ``global_profiler.steps``, ...)."""
-    return list(_known())
+def known_keys(verl: bool = False) -> list[str]:
+    """Every dotted key of rlbus's config (``trainer.lr``, ``global_profiler.steps``, ...).
+
+    With ``verl=True`` also verl's spellings that rlbus accepts (see
+    :mod:`runconfig.verl`; a subtree is listed as ``prefix.*``).
+    """
+    keys = list(_shape().leaves)
+    return keys + [k for k in verl_table.verl_keys() if k not in keys] if verl else keys
 
 
 def suggest_key(key: str, candidates: list[str] | tuple[str, ...] | None = None) -> str | None:
-    """The known dotted key closest to ``key`` (difflib), or None when nothing is close."""
-    pool = list(candidates if candidates is not None else _known())
-    match = difflib.get_close_matches(key, pool, n=1, cutoff=0.6)
+    """The known dotted key closest to ``key`` (difflib), or None when nothing is close.
+
+    Candidates default to rlbus's keys and verl's exact spellings.
+    """
+    if candidates is None:
+        exact = [k for k in verl_table.verl_keys() if not k.endswith(".*")]
+        candidates = [*_shape().leaves, *exact]
+    pool = list(candidates)
+    match = difflib.get_close_matches(key, pool, n=1, cutoff=0.75)
     if match:
         return match[0]
-    # A misspelt section with a right leaf (``trainr.lr``): compare the leaf within sections.
+    # A misspelt section with a right leaf (``trainr.lr``): compare within that leaf name.
     leaf = key.rsplit(".", 1)[-1]
     same_leaf = [k for k in pool if k.rsplit(".", 1)[-1] == leaf]
     match = difflib.get_close_matches(key, same_leaf, n=1, cutoff=0.4)
     return match[0] if match else None
 
 
-def _unknown(key: str, full: str, what: str = "unknown config key") -> ConfigError:
-    return ConfigError(key, what, suggest_key(full))
-
-
 def default_dict() -> dict[str, Any]:
     """The package defaults (``runconfig/defaults.yaml``) as a plain dict."""
     text = resources.files("runconfig").joinpath("defaults.yaml").read_text()
-    return yaml.safe_load(text)
+    return yaml12.safe_load(text)
+
+
+# --------------------------------------------------------------------------- override grammar
+
+Verb = Literal["set", "add", "force", "delete"]
+
+
+class Assignment(msgspec.Struct, frozen=True):
+    """One parsed ``KEY=VALUE`` (Hydra grammar: ``+`` add, ``++`` add or set, ``~`` delete)."""
+
+    verb: Verb
+    key: str
+    value: Any = None
+    has_value: bool = True  # False for a bare ``~KEY``
+    merge: bool = False  # a mapping from a file: merged into a mapping-valued key
+
+
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z0-9_][A-Za-z0-9_-]*)*$")
 
 
 def _parse_value(key: str, text: str) -> Any:
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        return yaml12.safe_load(text) if text != "" else ""
     except yaml.YAMLError as exc:
         raise ConfigError(key, f"cannot parse value {text!r}: {exc}") from None
 
 
-def apply_override(tree: dict[str, Any], override: str) -> None:
-    """Apply one ``a.b.c=VALUE`` override in place; VALUE is YAML (``[1,3]``, ``null``)."""
-    key, sep, raw = override.partition("=")
+def parse_override(text: str) -> Assignment:
+    """``KEY=VALUE``, ``+KEY=VALUE``, ``++KEY=VALUE``, ``~KEY`` or ``~KEY=VALUE``.
+
+    VALUE is YAML with YAML 1.2 numbers (``[1,3]``, ``null``, ``1e-6``).
+    """
+    body, verb = text, "set"
+    if text.startswith("++"):
+        body, verb = text[2:], "force"
+    elif text.startswith("+"):
+        body, verb = text[1:], "add"
+    elif text.startswith("~"):
+        body, verb = text[1:], "delete"
+    key, sep, raw = body.partition("=")
     key = key.strip()
-    if not sep or not key:
-        raise ConfigError(key or override, f"override {override!r} is not KEY=VALUE")
-    parts = key.split(".")
-    node: Any = tree
-    for depth, part in enumerate(parts[:-1]):
-        if not isinstance(node, dict) or part not in node or not isinstance(node[part], dict):
-            raise _unknown(".".join(parts[: depth + 1]), key, "unknown config section")
-        node = node[part]
-    if parts[-1] not in node:
-        raise _unknown(key, key)
-    node[parts[-1]] = _parse_value(key, raw)
+    if not key or not _KEY_RE.match(key):
+        raise ConfigError(key or text, f"override {text!r} is not KEY=VALUE")
+    if verb == "delete":
+        if not sep:
+            return Assignment("delete", key, has_value=False)
+        return Assignment("delete", key, _parse_value(key, raw))
+    if not sep:
+        raise ConfigError(key, f"override {text!r} is not KEY=VALUE")
+    return Assignment(verb, key, _parse_value(key, raw))
 
 
-def _merge(base: dict[str, Any], update: dict[str, Any], prefix: str = "") -> None:
-    for key, value in update.items():
-        dotted = f"{prefix}{key}"
-        if key not in base:
-            raise _unknown(dotted, dotted)
-        if isinstance(base[key], dict):
-            if not isinstance(value, dict):
+def _flatten(user: dict[str, Any]) -> list[Assignment]:
+    """A config file's nested mapping as dotted assignments, in file order."""
+    shape = _shape()
+    out: list[Assignment] = []
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for name, value in node.items():
+            dotted = f"{prefix}{name}"
+            if dotted in shape.mappings:
+                out.append(Assignment("set", dotted, value, merge=isinstance(value, dict)))
+            elif dotted in shape.sections and value is None:
+                continue  # an empty section (`trainer:` with everything commented out)
+            elif dotted in shape.sections and not isinstance(value, dict):
                 raise ConfigError(dotted, f"expected a mapping, got {value!r}")
-            _merge(base[key], value, f"{dotted}.")
-        else:
-            base[key] = value
+            elif isinstance(value, dict) and value and dotted not in shape.leaves:
+                walk(value, f"{dotted}.")
+            else:
+                out.append(Assignment("set", dotted, value))
 
+    walk(user, "")
+    return out
+
+
+# --------------------------------------------------------------------------- applying
+
+
+def _warn_stderr(message: str) -> None:
+    print(f"rlbus: warning: {message}", file=sys.stderr, flush=True)
+
+
+class _Builder:
+    """Applies assignments to the defaults tree, remembering who set what."""
+
+    def __init__(self, tree: dict[str, Any], warn: Callable[[str], None]) -> None:
+        self.tree = tree
+        self.defaults = copy.deepcopy(tree)
+        self.warn = warn
+        self.origin: dict[str, str] = {}  # rlbus key -> the key the user wrote
+        self.explicit: set[str] = set()  # rlbus keys the user set
+        self.derived: dict[str, Any] = {}  # verl keys resolved at the end
+        self.warned: set[str] = set()
+
+    # ---- tree access
+    @staticmethod
+    def _get(tree: dict[str, Any], key: str) -> Any:
+        node: Any = tree
+        for part in key.split("."):
+            node = node[part]
+        return node
+
+    def _put(self, key: str, value: Any) -> None:
+        *parents, leaf = key.split(".")
+        node = self.tree
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+
+    def set(self, key: str, value: Any, by: str) -> None:
+        self._put(key, copy.deepcopy(value))
+        self.origin[key] = by
+        self.explicit.add(key)
+
+    def reset(self, key: str) -> None:
+        self._put(key, copy.deepcopy(self._get(self.defaults, key)))
+        self.origin.pop(key, None)
+        self.explicit.discard(key)
+
+    # ---- one assignment
+    def apply(self, a: Assignment) -> None:
+        shape = _shape()
+        if a.key in shape.leaves:
+            self._own(a, a.key)
+            return
+        parent = next((m for m in shape.mappings if a.key.startswith(f"{m}.")), None)
+        if parent is not None:
+            self._option(a, parent, a.key[len(parent) + 1:])
+            return
+        leaf = next((k for k in shape.leaves if a.key.startswith(f"{k}.")), None)
+        if leaf is not None:
+            raise ConfigError(a.key, f"{leaf} is a value, not a section")
+        row = verl_table.lookup(a.key)
+        if row is None:
+            head = a.key.split(".", 1)[0]
+            verl_heads = {k.split(".", 1)[0] for k in verl_table.verl_keys()}
+            if head not in shape.sections and head not in verl_heads:
+                raise ConfigError(head, "unknown config section", suggest_key(a.key))
+            raise ConfigError(a.key, "unknown config key", suggest_key(a.key))
+        self._verl(a, row)
+
+    def _own(self, a: Assignment, key: str, by: str | None = None,
+             value: Any = None, convert: bool = False) -> None:
+        by = by or a.key
+        if a.verb == "add":
+            raise ConfigError(by, "'+' adds a key the config does not have, and it has this "
+                                  f"one: write {by}=VALUE (or ++{by}=VALUE)")
+        if a.verb == "delete":
+            if a.has_value and self._get(self.tree, key) != (value if convert else a.value):
+                raise ConfigError(by, f"not deleted: its value is {self._get(self.tree, key)!r}, "
+                                      f"not {a.value!r}")
+            self.reset(key)
+            return
+        new = value if convert else a.value
+        if a.merge and isinstance(self._get(self.tree, key), dict):
+            new = {**self._get(self.tree, key), **new}
+        self.set(key, new, by)
+
+    def _option(self, a: Assignment, parent: str, name: str) -> None:
+        options = dict(self._get(self.tree, parent))
+        if a.verb == "delete":
+            if name not in options:
+                raise ConfigError(a.key, f"not deleted: {parent} has no option {name!r}")
+            del options[name]
+        elif a.verb == "add" and name in options:
+            raise ConfigError(a.key, f"'+' adds an option {parent} does not have, and it has "
+                                     f"this one: write {a.key}=VALUE (or ++{a.key}=VALUE)")
+        elif a.verb == "set" and name not in options:
+            raise ConfigError(a.key, f"{parent} has no option {name!r}; add it with "
+                                     f"+{a.key}=VALUE", suggest_key(name, list(options)))
+        else:
+            options[name] = a.value
+        self.set(parent, options, self.origin.get(parent, a.key))
+
+    def _verl(self, a: Assignment, row: verl_table.VerlKey) -> None:
+        if row.kind == "ignored":
+            if a.key not in self.warned:
+                self.warned.add(a.key)
+                self.warn(f"config key '{a.key}' is verl's and has no meaning in rlbus: "
+                          f"ignored ({row.note})")
+            return
+        if row.kind == "fixed":
+            if a.verb == "delete" or a.value in row.values:
+                return
+            allowed = " or ".join(repr(v) for v in row.values)
+            raise ConfigError(a.key, f"rlbus supports only {allowed}, got {a.value!r}: {row.note}")
+        if row.kind == "derived":
+            if a.verb == "add":
+                raise ConfigError(a.key, "'+' adds a key the config does not have, and it has "
+                                         f"this one: write {a.key}=VALUE")
+            if a.verb == "delete":
+                self.derived.pop(a.key, None)
+            else:
+                self.derived[a.key] = a.value
+            return
+        value = a.value
+        if row.convert is not None and a.verb != "delete":
+            try:
+                value = row.convert(a.key, value)
+            except verl_table.VerlError as exc:
+                raise ConfigError(exc.key, exc.message) from None
+        for target, what in row.targets:
+            if what is verl_table.VALUE:
+                self._own(a, target, by=a.key, value=value, convert=True)
+            elif a.verb == "delete":
+                self.reset(target)
+            else:
+                self.set(target, what, a.key)
+
+    # ---- after every assignment
+    def finish(self) -> None:
+        try:
+            derived = verl_table.derive(self.derived, self.tree, frozenset(self.explicit))
+        except verl_table.VerlError as exc:
+            raise ConfigError(exc.key, exc.message) from None
+        for key, value, by in derived:
+            self.set(key, value, by)
+        prof = self.tree["global_profiler"]
+        if prof.get("steps", ()) is None:
+            prof["steps"] = []  # verl's default: profile no step
+        if self.tree["trainer"].get("save_freq") == -1:
+            self.tree["trainer"]["save_freq"] = 0  # verl's "never": no periodic checkpoint
+        tool = prof.get("tool")
+        if tool is not None and tool not in TOOLS:
+            why = _VERL_TOOLS.get(str(tool), "")
+            raise ConfigError(self.origin.get("global_profiler.tool", "global_profiler.tool"),
+                              f"unknown tool {tool!r}{why}; the tools are "
+                              f"{', '.join(TOOLS)}, or null (off)")
+        nsys = "global_profiler.global_tool_config.nsys.worker_nsight_options"
+        options = self._get(self.tree, nsys)
+        if isinstance(options, dict) and options.get("capture-range", NSYS_RANGE) != NSYS_RANGE:
+            raise ConfigError(f"{nsys}.capture-range",
+                              f"must be {NSYS_RANGE}: rlbus opens the capture ranges itself "
+                              "(cudaProfilerStart/Stop at step boundaries)")
+
+    def error(self, key: str, message: str) -> ConfigError:
+        """An error about rlbus ``key``, named as the user wrote it (maybe a verl spelling)."""
+        by = self.origin.get(key, key)
+        return ConfigError(by, message if by == key else f"{message} (it sets {key})")
+
+
+TOOLS = ("torch", "torch_memory", "nsys")
+NSYS_RANGE = "cudaProfilerApi"
+_VERL_TOOLS = {
+    "npu": " (verl's npu profiles Ascend NPUs; rlbus runs on CPU and CUDA)",
+    "precision_debugger": " (verl's msprobe precision debugger has no counterpart here)",
+}
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 
@@ -143,7 +374,7 @@ def _key_of(message: str) -> str:
     match = _PATH.search(message)
     if not match:
         return "<config>"
-    return re.sub(r"\[\d+\]", "", match.group(1)) or "<config>"
+    return re.sub(r"\[[^\]]*\]", "", match.group(1)) or "<config>"
 
 
 def _check_cross_fields(cfg: Config) -> None:
@@ -183,26 +414,45 @@ def _check_cross_fields(cfg: Config) -> None:
         )
 
 
+def apply_override(tree: dict[str, Any], override: str) -> None:
+    """Apply one override (Hydra grammar, rlbus or verl keys) to a config tree in place.
+
+    Ignored verl keys warn on stderr; derived verl keys are resolved against ``tree``.
+    """
+    builder = _Builder(tree, _warn_stderr)
+    builder.apply(parse_override(override))
+    builder.finish()
+
+
 def load_config(
     config_file: str | Path | None = None,
     overrides: list[str] | tuple[str, ...] = (),
     base: dict[str, Any] | None = None,
+    on_warning: Callable[[str], None] | None = None,
 ) -> Config:
-    """Defaults (or ``base``), then ``config_file``, then ``overrides``; validated as a whole."""
+    """Defaults (or ``base``), then ``config_file``, then ``overrides``; validated as a whole.
+
+    Keys may be rlbus's or verl's spellings (:mod:`runconfig.verl`); overrides follow Hydra's
+    grammar (``+KEY=V``, ``++KEY=V``, ``~KEY``). Each ignored verl key is reported once through
+    ``on_warning`` (default: a line on stderr).
+    """
     tree = copy.deepcopy(base) if base is not None else default_dict()
+    builder = _Builder(tree, on_warning or _warn_stderr)
     if config_file is not None:
         path = Path(config_file)
         try:
-            user = yaml.safe_load(path.read_text()) or {}
+            user = yaml12.safe_load(path.read_text()) or {}
         except OSError as exc:
             raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from None
         except yaml.YAMLError as exc:
             raise ConfigError("--config", f"{path} is not valid YAML: {exc}") from None
         if not isinstance(user, dict):
             raise ConfigError("--config", f"{path} must hold a mapping of sections")
-        _merge(tree, user)
+        for assignment in _flatten(user):
+            builder.apply(assignment)
     for override in overrides:
-        apply_override(tree, override)
+        builder.apply(parse_override(override))
+    builder.finish()
     try:
         cfg = msgspec.convert(tree, Config, strict=True)
     except msgspec.ValidationError as exc:
@@ -211,7 +461,7 @@ def load_config(
         if text.startswith("Object contains unknown field"):
             field = re.search(r"`([^`]*)`", text)
             key = f"{key}.{field.group(1)}" if field and key != "<config>" else key
-        raise ConfigError(key, text.split(" - at ")[0]) from None
+        raise builder.error(key, text.split(" - at ")[0]) from None
     _check_cross_fields(cfg)
     return cfg
 
@@ -252,7 +502,9 @@ def load_or_exit(argv: list[str], prog: str) -> Config:
     """Load the config from command-line arguments; on error print it and exit with code 2."""
     try:
         file, overrides = parse_config_args(argv)
-        return load_config(file, overrides)
+        return load_config(
+            file, overrides, on_warning=lambda m: print(f"{prog}: warning: {m}", file=sys.stderr)
+        )
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

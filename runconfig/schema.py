@@ -15,13 +15,16 @@ from msgspec import Meta
 __all__ = [
     "AsyncTrainingConfig",
     "Config",
+    "GlobalToolConfig",
     "HeartbeatConfig",
     "ModelConfig",
+    "NsysToolConfig",
     "ProfilerConfig",
     "RedisConfig",
     "RolloutConfig",
     "RunConfig",
     "TaskConfig",
+    "TorchMemoryToolConfig",
     "TrainerConfig",
 ]
 
@@ -31,7 +34,11 @@ PosFloat = Annotated[float, Meta(gt=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 Step = Annotated[int, Meta(ge=1)]
 Role = Literal["trainer", "rollouter"]
-Content = Literal["shapes", "memory", "stack"]
+# verl's torch profiler contents: cpu (always recorded), cuda (CUDA activity), shapes, memory,
+# stack. An empty list records CPU and CUDA activity; a list without "cuda" records no CUDA.
+Content = Literal["cpu", "cuda", "shapes", "memory", "stack"]
+Tool = Literal["torch", "torch_memory", "nsys"]
+NsysOption = str | int | float | bool | None
 # verl's trainer.logger values; the metrics logger writes tensorboard and wandb (offline),
 # console is the progress lines, the others are accepted with a warning.
 LoggerName = Literal[
@@ -127,8 +134,39 @@ class HeartbeatConfig(_Section, frozen=True):
     stall_timeout_s: PosFloat = 1800.0
 
 
+class TorchMemoryToolConfig(_Section, frozen=True):
+    """verl's ``global_tool_config.torch_memory``: CUDA allocator history for snapshots."""
+
+    trace_alloc_max_entries: PosInt = 100_000
+    stack_depth: PosInt = 32
+    context: Literal["alloc", "state", "all"] | None = "all"
+    stacks: Literal["python", "all"] = "all"
+
+
+def _nsight_options() -> dict[str, NsysOption]:
+    return {
+        "trace": "cuda,nvtx",
+        "cuda-memory-usage": "true",
+        "capture-range": "cudaProfilerApi",
+        "capture-range-end": "repeat",
+        "kill": "none",
+    }
+
+
+class NsysToolConfig(_Section, frozen=True):
+    """verl's ``global_tool_config.nsys``, for processes that rlbus opens capture ranges in."""
+
+    discrete: bool = False
+    worker_nsight_options: dict[str, NsysOption] = msgspec.field(default_factory=_nsight_options)
+
+
+class GlobalToolConfig(_Section, frozen=True):
+    torch_memory: TorchMemoryToolConfig = TorchMemoryToolConfig()
+    nsys: NsysToolConfig = NsysToolConfig()
+
+
 class ProfilerConfig(_Section, frozen=True):
-    tool: Literal["torch", "torch_memory", "nsys"] | None = None
+    tool: Tool | None = None
     steps: list[Step] = msgspec.field(default_factory=lambda: [1])
     profile_continuous_steps: bool = False
     save_path: str | None = None
@@ -137,6 +175,7 @@ class ProfilerConfig(_Section, frozen=True):
     contents: list[Content] = msgspec.field(default_factory=list)
     handshake_timeout_s: PosFloat = 20.0
     finish_hook_cmd: str | None = None
+    global_tool_config: GlobalToolConfig = GlobalToolConfig()
 
 
 class Config(_Section, frozen=True):

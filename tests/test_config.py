@@ -13,6 +13,7 @@ from runconfig import (
     known_keys,
     load_config,
     resolve_run_id,
+    verl,
 )
 
 
@@ -116,4 +117,215 @@ def test_known_keys_are_the_dotted_leaves_of_the_config() -> None:
         node = tree
         for part in key.split("."):
             node = node[part]
-        assert not isinstance(node, dict), key
+        assert not isinstance(node, dict) or key.endswith("_options"), key
+
+
+# --------------------------------------------------------------------------- YAML 1.2, Hydra
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [("trainer.lr=1e-6", 1e-6), ("trainer.lr=1E-3", 1e-3), ("trainer.lr=.5", 0.5),
+     ("trainer.lr=2", 2.0), ("trainer.lr=1.0e-6", 1e-6)],
+)
+def test_yaml_1_2_floats(override: str, expected: float) -> None:
+    assert load_config(None, [override]).trainer.lr == expected
+
+
+def test_yaml_1_2_numbers_in_files(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer:\n  lr: 1e-6\n  seed: 010\nglobal_profiler:\n  global_tool_config:\n"
+                 "    torch_memory:\n      trace_alloc_max_entries: 100_000\n")
+    cfg = load_config(f)
+    assert cfg.trainer.lr == 1e-6 and cfg.trainer.seed == 10
+    assert cfg.global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries == 100_000
+
+
+def test_hydra_add_force_and_delete() -> None:
+    cfg = load_config(None, ["++trainer.lr=0.5", "trainer.ppo_epochs=3"])
+    assert (cfg.trainer.lr, cfg.trainer.ppo_epochs) == (0.5, 3)
+    cfg = load_config(None, ["trainer.lr=0.5", "~trainer.lr", "trainer.ppo_epochs=3",
+                             "~trainer.ppo_epochs=3"])
+    assert (cfg.trainer.lr, cfg.trainer.ppo_epochs) == (Config().trainer.lr, 1)
+    with pytest.raises(ConfigError, match="'\\+' adds a key") as info:
+        load_config(None, ["+trainer.lr=0.5"])
+    assert info.value.key == "trainer.lr"
+    with pytest.raises(ConfigError, match="not deleted") as info:
+        load_config(None, ["~trainer.ppo_epochs=7"])
+    assert info.value.key == "trainer.ppo_epochs"
+    with pytest.raises(ConfigError, match="unknown config key") as info:
+        load_config(None, ["++trainer.no_such_key=1"])
+    assert info.value.key == "trainer.no_such_key"
+
+
+def test_hydra_grammar_on_mapping_options() -> None:
+    nsys = "global_profiler.global_tool_config.nsys.worker_nsight_options"
+    cfg = load_config(None, [f"+{nsys}.sample=cpu", f"{nsys}.trace=cuda,nvtx,osrt",
+                             f"~{nsys}.kill"])
+    options = cfg.global_profiler.global_tool_config.nsys.worker_nsight_options
+    assert options["sample"] == "cpu" and options["trace"] == "cuda,nvtx,osrt"
+    assert "kill" not in options
+    with pytest.raises(ConfigError, match="add it with") as info:
+        load_config(None, [f"{nsys}.sample=cpu"])
+    assert info.value.key == f"{nsys}.sample"
+    with pytest.raises(ConfigError, match="must be cudaProfilerApi") as info:
+        load_config(None, [f"{nsys}.capture-range=nvtx"])
+    assert info.value.key == f"{nsys}.capture-range"
+
+
+def test_verl_specials_steps_null_and_save_freq_minus_one() -> None:
+    cfg = load_config(None, ["global_profiler.tool=torch", "global_profiler.steps=null",
+                             "trainer.save_freq=-1"])
+    assert cfg.global_profiler.steps == []
+    assert cfg.trainer.save_freq == 0  # no periodic checkpoint (the last step is still saved)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["trainer.save_freq=-2"])
+    assert info.value.key == "trainer.save_freq"
+
+
+@pytest.mark.parametrize("tool", ["npu", "precision_debugger", "perf"])
+def test_unknown_profiler_tool_lists_the_tools(tool: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"global_profiler.tool={tool}"])
+    assert info.value.key == "global_profiler.tool"
+    assert "torch, torch_memory, nsys, or null" in str(info.value)
+
+
+@pytest.mark.parametrize("contents", ["[cpu]", "[cuda]", "[cpu,cuda,shapes,memory,stack]"])
+def test_verl_torch_contents(contents: str) -> None:
+    cfg = load_config(None, [f"global_profiler.contents={contents}"])
+    assert cfg.global_profiler.contents == contents.strip("[]").split(",")
+
+
+# --------------------------------------------------------------------------- verl spellings
+
+TM = "global_profiler.global_tool_config.torch_memory"
+
+
+@pytest.mark.parametrize(
+    ("override", "attr", "expected"),
+    [
+        ("actor_rollout_ref.actor.ppo_mini_batch_size=16", "trainer.ppo_mini_batch_size", 16),
+        ("actor_rollout_ref.actor.ppo_epochs=2", "trainer.ppo_epochs", 2),
+        ("actor_rollout_ref.actor.clip_ratio_low=0.1", "trainer.clip_ratio_low", 0.1),
+        ("actor_rollout_ref.actor.clip_ratio_high=0.3", "trainer.clip_ratio_high", 0.3),
+        ("actor_rollout_ref.actor.entropy_coeff=0", "trainer.entropy_coeff", 0.0),
+        ("actor_rollout_ref.actor.grad_clip=0.5", "trainer.grad_clip", 0.5),
+        ("actor_rollout_ref.actor.optim.clip_grad=0.5", "trainer.grad_clip", 0.5),
+        ("actor_rollout_ref.actor.optim.lr=1e-6", "trainer.lr", 1e-6),
+        ("actor_rollout_ref.rollout.n=16", "rollout.n", 16),
+        ("actor_rollout_ref.rollout.temperature=0.7", "rollout.temperature", 0.7),
+        ("actor_rollout_ref.rollout.response_length=6", "rollout.max_new_tokens", 6),
+        ("data.max_response_length=6", "rollout.max_new_tokens", 6),
+        ("actor_rollout_ref.model.path=/m", "model.path", "/m"),
+        ("actor_rollout_ref.model.path=/m", "model.kind", "hf"),
+        ("data.train_files=/d.jsonl", "task.path", "/d.jsonl"),
+        ("data.train_files=[/d.jsonl]", "task.kind", "jsonl"),
+        (f"{TM}.trace_alloc_max_entries=5000", f"{TM}.trace_alloc_max_entries", 5000),
+        (f"{TM}.stack_depth=8", f"{TM}.stack_depth", 8),
+    ],
+)
+def test_verl_keys_set_rlbus_keys(override: str, attr: str, expected: object) -> None:
+    node: object = load_config(None, [override])
+    for part in attr.split("."):
+        node = getattr(node, part)
+    assert node == expected
+
+
+def test_response_length_wins_over_data_max_response_length_in_any_order() -> None:
+    for args in (["data.max_response_length=3", "actor_rollout_ref.rollout.response_length=6"],
+                 ["actor_rollout_ref.rollout.response_length=6", "data.max_response_length=3"],
+                 ["rollout.max_new_tokens=6", "data.max_response_length=3"]):
+        assert load_config(None, args).rollout.max_new_tokens == 6
+
+
+def test_total_rollout_steps_give_the_number_of_steps() -> None:
+    cfg = load_config(None, ["rollout.total_rollout_steps=100",
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                             "async_training.require_batches=2"])
+    assert cfg.trainer.total_training_steps == 12  # 100 // (4 * 2), as verl's trainer stops
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["rollout.total_rollout_steps=100", "trainer.total_training_steps=5",
+                           "trainer.ppo_mini_batch_size=4", "async_training.require_batches=2"])
+    assert info.value.key == "rollout.total_rollout_steps"
+
+
+def test_per_role_profiler_switches() -> None:
+    actor = "actor_rollout_ref.actor.profiler"
+    rollout = "actor_rollout_ref.rollout.profiler"
+    assert load_config(None, [f"{actor}.enable=True"]).global_profiler.roles == ["trainer"]
+    cfg = load_config(None, [f"{actor}.enable=True", f"{rollout}.enable=True",
+                             f"{actor}.tool_config.torch.contents=[cuda,shapes]",
+                             f"{rollout}.tool_config.torch.contents=[cuda,shapes]"])
+    assert cfg.global_profiler.roles == ["trainer", "rollouter"]
+    assert cfg.global_profiler.contents == ["cuda", "shapes"]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"{actor}.tool_config.torch.contents=[cuda]",
+                           f"{rollout}.tool_config.torch.contents=[cpu]"])
+    assert info.value.key.endswith("torch.contents")
+
+
+def test_a_bad_value_names_the_verl_key_the_user_wrote() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["actor_rollout_ref.actor.optim.lr=-1"])
+    assert info.value.key == "actor_rollout_ref.actor.optim.lr"
+    assert "trainer.lr" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "ok"),
+    [("algorithm.adv_estimator=grpo", True), ("algorithm.adv_estimator=gae", False),
+     ("actor_rollout_ref.actor.use_kl_loss=False", True),
+     ("actor_rollout_ref.actor.use_kl_loss=True", False),
+     ("actor_rollout_ref.rollout.top_k=-1", True), ("actor_rollout_ref.rollout.top_p=0.9", False),
+     ("data.train_files=/d.parquet", False), ("data.train_files=[/a.jsonl,/b.jsonl]", False)],
+)
+def test_verl_keys_rlbus_does_one_way(override: str, ok: bool) -> None:
+    if ok:
+        load_config(None, [override])
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert info.value.key == override.split("=")[0]
+
+
+def test_ignored_verl_keys_warn_once_each_naming_the_key(tmp_path: Path) -> None:
+    f = tmp_path / "verl.yaml"
+    f.write_text("trainer:\n  nnodes: 2\n  n_gpus_per_node: 8\n"
+                 "actor_rollout_ref:\n  rollout:\n    gpu_memory_utilization: 0.8\n")
+    warnings: list[str] = []
+    load_config(f, ["trainer.nnodes=4", "+actor_rollout_ref.model.override_config.x=1",
+                    "trainer.test_freq=10"], on_warning=warnings.append)
+    named = [w.split("'")[1] for w in warnings]
+    assert sorted(named) == sorted([
+        "trainer.nnodes", "trainer.n_gpus_per_node",
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+        "actor_rollout_ref.model.override_config.x", "trainer.test_freq",
+    ])
+
+
+def test_verl_nested_file(tmp_path: Path) -> None:
+    f = tmp_path / "verl.yaml"
+    f.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1e-6\n"
+                 "    ppo_mini_batch_size: 2\n  rollout:\n    n: 3\n"
+                 "async_training:\n  require_batches: 2\n")
+    cfg = load_config(f, on_warning=lambda m: None)
+    assert (cfg.trainer.lr, cfg.trainer.ppo_mini_batch_size, cfg.rollout.n) == (1e-6, 2, 3)
+
+
+def test_misspelt_verl_keys_are_refused_with_a_suggestion() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["actor_rollout_ref.actor.ppo_mini_batchsize=4"])
+    assert info.value.key == "actor_rollout_ref.actor.ppo_mini_batchsize"
+    assert info.value.suggestion == "actor_rollout_ref.actor.ppo_mini_batch_size"
+
+
+def test_verl_table_is_consistent_and_documented() -> None:
+    own = set(known_keys())
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    for row in verl.TABLE:
+        assert row.key not in own, f"{row.key} is an rlbus key: the table row is dead"
+        assert f"`{row.key}`" in docs, f"docs/config.md does not list {row.key}"
+        for target, _ in row.targets:
+            assert target in own, f"{row.key} -> unknown rlbus key {target}"
+    assert set(known_keys(verl=True)) == own | {row.key for row in verl.TABLE}
