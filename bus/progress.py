@@ -46,16 +46,21 @@ class ProgressSpec(msgspec.Struct, frozen=True):
     """Roles other than the trainer print at most one line per this many seconds."""
 
 
-async def follow_progress(bus: Bus, spec: ProgressSpec, out: TextIO | None = None) -> None:
-    """Print progress lines for ``spec`` until the run finishes or the task is cancelled.
+async def follow_progress(
+    bus: Bus, spec: ProgressSpec, out: TextIO | None = None, after: str | None = None
+) -> None:
+    """Print progress lines for ``spec`` until the run finishes or the task is cancelled,
+    for entries after ``after`` (default: the newest entry when it starts).
 
     A Redis error ends the follower silently: the component itself reports it.
     """
     stream = RunKeys(spec.run_id).events
     per_step = spec.role == "trainer"
     try:
-        newest = await bus.latest(stream)
-        cursor = newest.id if newest is not None else "0-0"
+        if after is None:
+            newest = await bus.latest(stream)
+            after = newest.id if newest is not None else "0-0"
+        cursor = after
         last: StepFinished | None = None
         shown: StepFinished | None = None
         next_line = time.monotonic() + spec.every_s

@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import redis
 
+from rlbus.cli import COMMANDS, main
 from tests.procs import run_cli
 
 
@@ -52,5 +54,40 @@ def test_profile_bad_spec_and_roles_exit_2() -> None:
 
 
 def test_inspect_unknown_run_says_so(tmp_path: Path) -> None:
+    (tmp_path / "redis").mkdir()  # an output folder with embedded Redis data, not this run's
     res = run_cli("inspect", "--run", "nothing-here", f"run.output_dir={tmp_path}")
     assert res.returncode == 1 and "no events" in res.stderr
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_has_help_pointing_at_the_config_reference(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: rlbus {command}") and "docs/config.md" in out
+
+
+def test_config_prints_the_effective_config_and_one_key(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["config", "trainer.lr=0.5", "redis.url=redis://u:s3cret@h:6379/0"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 0.5" in out and "s3cret" not in out and "redis://u:***@h:6379/0" in out
+    assert main(["config", "--show", "global_profiler.steps", "global_profiler.steps=[1,3]"]) == 0
+    assert capsys.readouterr().out == "[1, 3]\n"
+    assert main(["config", "--show", "trainer.lrr"]) == 2
+    assert "did you mean 'trainer.lr'" in capsys.readouterr().err
+
+
+def test_password_from_the_environment_is_never_printed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("RLBUS_TEST_PW", "s3cret")
+    url = "redis.url=redis://u:${RLBUS_TEST_PW}@127.0.0.1:1/0"
+    assert main(["inspect", "--run", "x", url]) == 1
+    err = capsys.readouterr().err
+    assert "s3cret" not in err and "redis://u:***@127.0.0.1:1/0" in err
+    monkeypatch.delenv("RLBUS_TEST_PW")
+    assert main(["inspect", "--run", "x", url]) == 2
+    assert "RLBUS_TEST_PW" in capsys.readouterr().err

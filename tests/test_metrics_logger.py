@@ -1,0 +1,71 @@
+"""The metrics logger follows from its stored position: a restart adds the new points only; and
+the shared progress follower prints the same line as `rlbus up`."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+import pytest
+
+from bus import Bus, RunFinished, RunKeys, RunStarted, StepFinished
+from bus.progress import ProgressSpec, follow_progress, step_line
+from metrics_logger import MetricsLogger, logger_warnings, position_file, tensorboard_dir
+from metrics_logger.app import TensorBoardSink
+from runconfig import load_config
+
+
+def _step(k: int) -> StepFinished:
+    return StepFinished(step=k, sample_ids=[f"t{k}/0"], duration_s=0.1,
+                        metrics={"reward/mean": k / 10, "staleness/mean": 0.5})
+
+
+def _points(cfg_dir: Path) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(cfg_dir))
+    acc.Reload()
+    return [e.step for e in acc.Scalars("reward/mean")]
+
+
+@pytest.mark.asyncio
+async def test_restart_continues_from_stored_position_without_duplicates(
+    bus: Bus, run_id: str, tmp_path: Path
+) -> None:
+    cfg = load_config(None, [f"run.id={run_id}", f"run.output_dir={tmp_path}"])
+    events = RunKeys(run_id).events
+    await bus.publish_many(events, [RunStarted(run_id=run_id, config={}),
+                                    *(_step(k) for k in (1, 2, 3)),
+                                    RunFinished(run_id=run_id, steps=3)])
+    first = MetricsLogger(cfg, bus, [TensorBoardSink(tensorboard_dir(cfg))])
+    assert await first.run() == 0 and first.written == 3
+    assert position_file(cfg).is_file()
+    # The run goes on (a resumed trainer; step 3 published again by a retried write).
+    await bus.publish_many(events, [RunStarted(run_id=run_id, config={}, resumed=True),
+                                    _step(3), _step(4), _step(5),
+                                    RunFinished(run_id=run_id, steps=5)])
+    second = MetricsLogger(cfg, bus, [TensorBoardSink(tensorboard_dir(cfg))])
+    assert await second.run() == 0 and second.written == 2
+    assert _points(tensorboard_dir(cfg)) == [1, 2, 3, 4, 5]
+
+
+def test_logger_names_take_verl_values_and_warn_about_the_rest() -> None:
+    cfg = load_config(None, ["trainer.logger=[console,tensorboard,mlflow]"])
+    warnings = logger_warnings(cfg)
+    assert len(warnings) == 1 and "'mlflow' is not supported" in warnings[0]
+    assert load_config(None, ["trainer.logger=console"]).trainer.logger == "console"
+
+
+@pytest.mark.asyncio
+async def test_progress_follower_prints_each_new_step_only(
+    bus: Bus, run_id: str
+) -> None:
+    events = RunKeys(run_id).events
+    past = await bus.publish(events, _step(1))  # the follower starts after it
+    out = io.StringIO()
+    spec = ProgressSpec(run_id, 5, "trainer")
+    task = asyncio.create_task(follow_progress(bus, spec, out, after=past))
+    await bus.publish_many(events, [_step(2), _step(3), RunFinished(run_id=run_id, steps=3)])
+    await asyncio.wait_for(task, 30)
+    assert out.getvalue().splitlines() == [f"trainer: {step_line(_step(k), 5)}" for k in (2, 3)]
