@@ -72,10 +72,15 @@ class RedisBlobStore:
         key = self.run_keys.blob(name)
         size = len(view)
         chunks = max(1, -(-size // self.chunk_size))
-        sha = hashlib.sha256(view).hexdigest()
-        parts = [
-            bytes(view[i * self.chunk_size : (i + 1) * self.chunk_size]) for i in range(chunks)
-        ]
+
+        def prepare() -> tuple[str, list[bytes]]:
+            # Hashing and copying a model are seconds of CPU: never on the event loop.
+            return hashlib.sha256(view).hexdigest(), [
+                bytes(view[i * self.chunk_size : (i + 1) * self.chunk_size])
+                for i in range(chunks)
+            ]
+
+        sha, parts = await asyncio.to_thread(prepare)
         redis_ = self.bus._redis
 
         async def go() -> Any:
@@ -103,7 +108,9 @@ class RedisBlobStore:
             raise BlobNotFound(f"blob {ref.key!r} does not exist (deleted, or another Redis?)")
         if missing:
             raise BlobCorrupt(f"blob {ref.key!r} is missing chunk(s) {', '.join(missing)}")
-        return _verify(ref, b"".join(p for p in parts if p is not None))
+        return await asyncio.to_thread(
+            lambda: _verify(ref, b"".join(p for p in parts if p is not None))
+        )
 
     async def delete(self, ref: BlobRef) -> None:
         """Remove the blob's chunks. Wraps DEL."""
@@ -146,7 +153,7 @@ class DirBlobStore:
         """Write blob ``name`` (a relative path) atomically; returns its reference."""
         path = self.path_of(name)
         view = memoryview(data).cast("B")
-        sha = hashlib.sha256(view).hexdigest()
+        sha = await asyncio.to_thread(lambda: hashlib.sha256(view).hexdigest())
         await asyncio.to_thread(self._write, path, view)
         return BlobRef(store=self.store, key=name, size=len(view), sha256=sha, chunks=0)
 
@@ -159,7 +166,7 @@ class DirBlobStore:
             data = await asyncio.to_thread(path.read_bytes)
         except FileNotFoundError:
             raise BlobNotFound(f"blob file {path} does not exist") from None
-        return _verify(ref, data)
+        return await asyncio.to_thread(_verify, ref, data)
 
     async def delete(self, ref: BlobRef) -> None:
         """Remove the blob's file (missing is fine)."""

@@ -18,7 +18,7 @@ lease lapsed, cannot write a single entry.
         ``steal(holder) -> bool``          compare-and-set (EVAL) when the holder is known dead
         ``renew() -> bool``                compare-and-PEXPIRE (EVAL)
         ``release()``                      compare-and-DEL (EVAL)
-        ``ttl_ms() -> int``                PTTL
+        ``remaining_ms() -> int``          PTTL
         ``write(items, ack=None) -> list[str]``   token check + XADDs + XACK, one EVAL
 """
 
@@ -162,7 +162,7 @@ class Lease:
         raw = await self.bus._call("GET", lambda: self.bus._redis.execute_command("GET", self.key))
         return None if raw is None else raw.decode(errors="replace")
 
-    async def ttl_ms(self) -> int:
+    async def remaining_ms(self) -> int:
         """Milliseconds the lease has left (-2: free). Wraps PTTL."""
         return int(await self.bus._call(
             "PTTL", lambda: self.bus._redis.execute_command("PTTL", self.key)

@@ -19,6 +19,7 @@ import functools
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -91,7 +92,8 @@ class Rollouter:
         self.reward_fn = load_reward_fn(cfg.task.reward_fn)
         self.version = -1
         self.loaded: WeightsPublished | None = None
-        self.newest: WeightsPublished | None = None
+        # Recent publications in log order; the newest loadable one is current.
+        self.published: deque[WeightsPublished] = deque(maxlen=8)
         self.bad_weights: set[str] = set()  # blob keys that failed to load
         self.finished = False
         self.events_last = "0"
@@ -138,7 +140,7 @@ class Rollouter:
         for _, msg in entries:
             match msg:
                 case WeightsPublished() if msg.ref.key not in self.bad_weights:
-                    self.newest = msg
+                    self.published.append(msg)
                 case RunStarted():
                     self.finished = False
                 # A run extended with more steps than it finished with goes on.
@@ -180,6 +182,14 @@ class Rollouter:
             f"for {waited:.0f} s (heartbeat.timeout_s={timeout})"
         )
 
+    @property
+    def newest(self) -> WeightsPublished | None:
+        """The newest publication (in log order) not known to be unloadable."""
+        for msg in reversed(self.published):
+            if msg.ref.key not in self.bad_weights:
+                return msg
+        return None
+
     async def _swap_weights(self) -> None:
         """Load the newest published weights if they are not ours (a step boundary)."""
         newest = self.newest
@@ -195,12 +205,14 @@ class Rollouter:
             await self._poll_events()
             return
         except BlobError as exc:
-            # Corrupt, or a WeightsPublished that no trainer wrote: keep what we hold.
+            # Corrupt, or a WeightsPublished that no trainer wrote: fall back to the newest
+            # loadable publication before it.
             self.bad_weights.add(newest.ref.key)
             await self._publish(WarningRaised(
                 source=f"rollouter{self.rank}", code="weights_unloadable",
                 message=f"weights v{newest.version} ({newest.ref.key}) ignored: {exc}",
             ))
+            await self._swap_weights()
             return
         try:
             await self._off(self.policy.load_bytes, blob)
@@ -211,6 +223,7 @@ class Rollouter:
                 message=f"weights v{newest.version} ({newest.ref.key}) ignored: "
                         f"{type(exc).__name__}: {exc}",
             ))
+            await self._swap_weights()
             return
         old = self.version
         self.loaded = newest
@@ -355,9 +368,10 @@ class Rollouter:
         await self.consumer.ack(*(entry_id for entry_id, _ in done))
 
     async def run(self) -> int:
+        # Alive from the first moment: building a large model must not look like death.
+        hb = asyncio.create_task(self._heartbeat())
         await self._off(self._build)
         await self.consumer.ensure_group()
-        hb = asyncio.create_task(self._heartbeat())
         try:
             # Weights version 0 first: they come after ProfilerReady, so the control stream
             # already holds every command for step 1 when we read it in _swap_weights.

@@ -268,7 +268,7 @@ class Trainer:
                 if await self.lease.steal(holder):
                     return
                 continue
-            ttl, now = await self.lease.ttl_ms(), time.monotonic()
+            ttl, now = await self.lease.remaining_ms(), time.monotonic()
             if first is None:
                 first = (now, ttl)
                 print(f"trainer: lease {self.keys.trainer_lease} held by {holder}; checking "
@@ -761,9 +761,15 @@ class Trainer:
         except TrainerConflict as exc:
             print(f"trainer: {exc}", file=sys.stderr, flush=True)
             return 1
+        # From here on the lease and liveness key stay fresh, whatever the start-up costs
+        # (a large model can take minutes to build or load).
+        pulse_task = asyncio.create_task(self._pulse())
         try:
             return await self._run()
         finally:
+            pulse_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pulse_task
             self.worker.shutdown(wait=False, cancel_futures=True)
             with contextlib.suppress(Exception):
                 await self.lease.release()
@@ -779,7 +785,7 @@ class Trainer:
         await self.consumer.ensure_group()
         await Consumer(self.bus, self.keys.prompts, ROLLOUTER_GROUP, "trainer",
                        dlq_stream=self.keys.dlq).ensure_group()
-        tasks = [asyncio.create_task(self._pulse())]
+        tasks: list[asyncio.Task[None]] = []
         try:
             if resumed:
                 await self._resume()
@@ -824,6 +830,7 @@ class Trainer:
 
     async def _loop(self, resumed: bool) -> int:
         cfg, tc = self.cfg, self.cfg.trainer
+        self.rollouters_seen_at = time.monotonic()  # rollouters are judged from here on
         if self.agent is not None and not resumed:
             await self._wait_for_profiler()
         await self._apply_commands()

@@ -1,0 +1,268 @@
+"""Faults a real job meets, with real processes and a real Redis: long updates, lost tickets,
+duplicated and malformed entries, a second trainer, forged weights, leaked blobs.
+
+Each test asserts the outcome: the run finishes with every step once and no sample twice, or
+the part exits non-zero naming the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bus import Bus, RunKeys
+from bus.messages import (
+    FIELD,
+    Array,
+    BlobRef,
+    ComponentFailed,
+    DeadLetter,
+    RunFinished,
+    RunStarted,
+    Sample,
+    StepFinished,
+    StepStarted,
+    TicketsIssued,
+    TrainerResumed,
+    WarningRaised,
+    WeightsPublished,
+)
+from tests.procs import FAST, Procs, events_of, wait_for
+from trainer.budget import ticket_budget
+
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio]
+
+
+def _args(redis_url: str, run_id: str, out: Path, *extra: str) -> list[str]:
+    return [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={out}", *FAST, *extra]
+
+
+@pytest.fixture
+def procs(tmp_path: Path):
+    p = Procs(tmp_path / "logs")
+    yield p
+    p.kill_all()
+
+
+def _finished(events: list) -> list[StepFinished]:
+    return [e for e in events if isinstance(e, StepFinished)]
+
+
+def _assert_ledger(events: list, steps: int) -> None:
+    """Every step finished once (the last copy counts) and no sample id was trained twice."""
+    finished = {e.step: e for e in _finished(events)}
+    assert sorted(finished) == list(range(1, steps + 1))
+    trained = [sid for e in finished.values() for sid in e.sample_ids]
+    assert len(trained) == len(set(trained)), "a sample was trained twice"
+
+
+async def test_update_longer_than_the_heartbeat_timeout_is_not_death(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    """Updates run on a worker thread: liveness keys stay fresh during a step of any length."""
+    steps = 3
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 "heartbeat.interval_s=0.2", "heartbeat.timeout_s=1.5",
+                 "model.d_model=256", "model.n_layers=6", "trainer.ppo_epochs=8",
+                 "trainer.ppo_mini_batch_size=8", "rollout.prompts_per_batch=8")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    assert procs.wait("trainer", 300) == 0, procs.log("trainer")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    events = await events_of(bus, run_keys.events)
+    _assert_ledger(events, steps)
+    longest = max(e.metrics["trainer/update_s"] for e in _finished(events))
+    # The point of the test: an update outlasted the timeout, and nobody was declared dead.
+    assert longest > 1.5, f"updates took only {longest:.2f} s; make the model bigger"
+
+
+async def test_lost_tickets_are_reissued_and_the_run_finishes(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    """Tickets that vanish from the prompts stream (as with a Redis that lost its tail) come
+    back through their lease; the first answer wins."""
+    steps = 3
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 "heartbeat.ticket_lease_s=1.5")
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, lambda m: isinstance(m, TicketsIssued), 60, procs,
+                   ["trainer"])
+    ids = [eid async for eid, _ in bus.read_all(run_keys.prompts)]
+    assert ids
+    await bus.command("XDEL", run_keys.prompts, *ids[:3])
+    procs.spawn("rollouter0", "rollouter", *args)
+    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
+    events = await events_of(bus, run_keys.events)
+    _assert_ledger(events, steps)
+    reissued = [e for e in events if isinstance(e, TicketsIssued) and e.attempt > 0]
+    assert reissued and "lease" in reissued[0].reason
+
+
+async def test_a_run_that_cannot_progress_says_why_then_fails(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    """No answer ever comes (every ticket deleted, leases longer than the test): the trainer
+    warns what it waits for, then fails naming it; it never waits in silence."""
+    args = _args(redis_url, run_id, tmp_path, "trainer.total_training_steps=2",
+                 "heartbeat.ticket_lease_s=600", "heartbeat.stall_warn_s=1",
+                 "heartbeat.stall_timeout_s=4")
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, lambda m: isinstance(m, TicketsIssued), 60, procs,
+                   ["trainer"])
+    ids = [eid async for eid, _ in bus.read_all(run_keys.prompts)]
+    await bus.command("XDEL", run_keys.prompts, *ids)
+    procs.spawn("rollouter0", "rollouter", *args)
+    assert procs.wait("trainer", 120) == 1, procs.log("trainer")
+    events = await events_of(bus, run_keys.events)
+    warnings = [e for e in events if isinstance(e, WarningRaised) and e.code == "trainer_stalled"]
+    assert warnings and "open ticket" in warnings[0].message
+    failed = [e for e in events if isinstance(e, ComponentFailed) and e.role == "trainer"]
+    assert failed and "no progress" in failed[0].error and "t0" in failed[0].error
+    assert "no progress" in procs.log("trainer")
+
+
+async def _duplicate_samples(bus: Bus, keys: RunKeys, stop: asyncio.Event) -> int:
+    """Re-append every sample entry byte for byte (a retried XADD), until ``stop``."""
+    copied = 0
+    cursor = "0"
+    while not stop.is_set():
+        reply = await bus.command("XREAD", "COUNT", 100, "BLOCK", 100, "STREAMS",
+                                  keys.samples, cursor)
+        if not reply:
+            continue
+        for entry_id, fields in reply[0][1]:
+            cursor = entry_id.decode()
+            if copied % 2 == 0:
+                await bus.command("XADD", keys.samples, "*", *fields)
+            copied += 1
+    return copied
+
+
+async def test_duplicated_samples_are_trained_once(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    steps = 5
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 "trainer.save_freq=2")
+    stop = asyncio.Event()
+    copier = asyncio.create_task(_duplicate_samples(bus, run_keys, stop))
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, lambda m: isinstance(m, StepFinished) and m.step == 3,
+                   120, procs, ["trainer"])
+    procs.kill("trainer")
+    procs.spawn("trainer2", "trainer", *args)
+    assert procs.wait("trainer2", 180) == 0, procs.log("trainer2")
+    stop.set()
+    assert await copier > 0
+    events = await events_of(bus, run_keys.events)
+    _assert_ledger(events, steps)
+    resumed = [e for e in events if isinstance(e, TrainerResumed)]
+    assert resumed and resumed[0].weights_match is True
+    # The trained copies are the recorded ones.
+    for e in _finished(events):
+        found = await bus.read_ids(run_keys.samples, e.entry_ids)
+        assert [found[i].sample_id for i in e.entry_ids] == e.sample_ids
+
+
+def _forged_sample(ticket: str, n: int) -> Sample:
+    return Sample(
+        sample_id=f"{ticket}/0", ticket_id=ticket, prompt_id="p", index=0, n=n,
+        prompt_tokens=Array.of(np.asarray([1, 2, 3], dtype=np.int32)),
+        response_tokens=Array.of(np.asarray([4], dtype=np.int32)),
+        logprobs=Array.of(np.asarray([-0.5], dtype=np.float32)),
+        reward=1.0, min_version=0, max_version=0,
+    )
+
+
+async def test_malformed_entries_are_dead_lettered_and_change_nothing(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    """A well-formed Sample that contradicts its ticket, garbage in the prompts and samples
+    streams, and a forged WeightsPublished: dead-lettered or ignored with a reason; the
+    budget never moves and the run finishes."""
+    steps = 4
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}")
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, lambda m: isinstance(m, TicketsIssued), 60, procs,
+                   ["trainer"])
+    await bus.publish(run_keys.samples, _forged_sample("t0", n=1))  # n=1 for a ticket of n=4
+    await bus.publish(run_keys.samples, _forged_sample("t999999", n=4))  # never issued
+    await bus.publish_raw(run_keys.samples, {FIELD: b"\x00garbage"})
+    for _ in range(8):
+        await bus.publish_raw(run_keys.prompts, {FIELD: b"\xffnot a ticket"})
+    await bus.publish(run_keys.events, WeightsPublished(
+        version=10**9, ref=BlobRef(store="redis", key=run_keys.blob("forged"), size=1,
+                                   sha256="0" * 64, chunks=1)))
+    procs.spawn("rollouter0", "rollouter", *args)
+    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    events = await events_of(bus, run_keys.events)
+    _assert_ledger(events, steps)
+    letters = [m async for _, m in bus.read_all(run_keys.dlq)]
+    reasons = " | ".join(m.reason for m in letters if isinstance(m, DeadLetter))
+    assert "asked for n=4" in reasons and "never issued" in reasons
+    budget = ticket_budget(0.5, 1, 1, 4)
+    assert all(e.metrics["tickets/outstanding"] <= budget for e in _finished(events))
+    # The forged version was never generated with (validation would have refused it).
+    assert all(e.metrics["staleness/max"] >= 0 for e in _finished(events))
+
+
+async def test_a_second_trainer_is_refused_and_a_zombie_is_fenced_out(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    steps = 4
+    # Profiling on and no profiler service: the first trainer holds the lease while it waits
+    # for the handshake, which keeps it alive and busy for as long as the test needs.
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 "heartbeat.interval_s=0.2", "heartbeat.timeout_s=2",
+                 "global_profiler.tool=torch", "global_profiler.steps=[]",
+                 "global_profiler.handshake_timeout_s=60")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, lambda m: isinstance(m, RunStarted), 60, procs,
+                   ["trainer"])
+    # A second trainer while the first is alive: refused, naming the holder.
+    procs.spawn("second", "trainer", *args)
+    assert procs.wait("second", 60) == 1, procs.log("second")
+    assert "another trainer is running" in procs.log("second")
+    # The first one paused past its lease: a new trainer takes over; the zombie, woken up,
+    # cannot write a single entry.
+    zombie = procs.procs["trainer"]
+    os.killpg(zombie.pid, signal.SIGSTOP)
+    procs.spawn("third", "trainer", *args)
+    await wait_for(bus, run_keys.events, lambda m: isinstance(m, TrainerResumed), 60, procs,
+                   ["third"])
+    os.killpg(zombie.pid, signal.SIGCONT)
+    assert procs.wait("third", 180) == 0, procs.log("third")
+    assert procs.wait("trainer", 120) == 1, procs.log("trainer")
+    assert "fenced out" in procs.log("trainer")
+    events = await events_of(bus, run_keys.events)
+    _assert_ledger(events, steps)
+    assert sum(isinstance(e, RunFinished) for e in events) == 1
+
+
+async def test_resumed_trainer_leaves_no_weight_blobs_behind(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    steps = 8
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 "trainer.save_freq=2")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    for k in (3, 6):
+        await wait_for(bus, run_keys.events,
+                       lambda m, k=k: isinstance(m, StepStarted) and m.step == k,
+                       120, procs, [n for n in procs.procs if n.startswith("trainer")][-1:])
+        name = [n for n in procs.procs if n.startswith("trainer")][-1]
+        procs.kill(name)
+        procs.spawn(f"trainer{k}", "trainer", *args)
+    assert procs.wait("trainer6", 180) == 0, procs.log("trainer6")
+    keys = await bus.command("KEYS", run_keys.blob("weights-*"))
+    blobs = {k.decode().rsplit(":", 1)[0] for k in keys}
+    assert len(blobs) <= 3, sorted(blobs)
