@@ -11,7 +11,8 @@ COPY policy policy
 COPY tasks tasks
 COPY runconfig runconfig
 COPY rlbus rlbus
+COPY metrics_logger metrics_logger
 # Pin torch first so the resolver does not pick a different build for the project.
-RUN pip install --no-cache-dir "torch==2.13.0" && pip install --no-cache-dir ".[plot]" "torch==2.13.0"
+RUN pip install --no-cache-dir "torch==2.13.0" && pip install --no-cache-dir ".[plot,logger]" "torch==2.13.0"
 ENV PYTHONUNBUFFERED=1
 ENTRYPOINT ["rlbus"]

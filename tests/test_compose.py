@@ -1,84 +1,96 @@
 """docker-compose.yml cannot be `up`-ed here (no Docker engine), so run every command in it as
-a local process, against the redis-server command it names, and check the run completes."""
+a local process, with the environment compose would give it, against a redis-server >= 7
+started by the same script with the same ACL file, and check the run completes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from bus import free_port
+from bus import Bus, RunKeys, RunStarted
+from tests.compose_redis import ROOT, USERS, AclRedis, acl_env, interpolate, password
 from tests.procs import Procs
 
-ROOT = Path(__file__).resolve().parents[1]
-COMPOSE_URL = "redis.url=redis://redis:6379/0"
+COMPONENTS = {"profiler", "logger", "trainer", "rollouter0", "rollouter1"}
 
 
 def _compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
-def test_every_component_service_runs_an_rlbus_command() -> None:
+def test_every_service_is_secured_and_runs_an_rlbus_command() -> None:
     services = _compose()["services"]
-    assert {"redis", "profiler", "trainer", "rollouter0", "rollouter1"} <= set(services)
-    dockerfile = (ROOT / "Dockerfile").read_text()
-    assert 'ENTRYPOINT ["rlbus"]' in dockerfile
-    for name, svc in services.items():
-        if name == "redis":
-            continue
-        assert svc["command"][0] in {"trainer", "rollouter", "profiler"}, name
-        assert COMPOSE_URL in svc["command"], name
+    assert {"redis", *COMPONENTS} <= set(services)
+    assert 'ENTRYPOINT ["rlbus"]' in (ROOT / "Dockerfile").read_text()
+    redis_svc = services["redis"]
+    assert redis_svc["command"][:2] == ["sh", "/etc/rlbus/start-redis.sh"]
+    script = (ROOT / "deploy" / "redis" / "start-redis.sh").read_text()
+    for flag in ("--aclfile", "--appendfsync everysec", "--maxmemory-policy noeviction"):
+        assert flag in script, flag
+    for name in COMPONENTS:
+        svc = services[name]
+        assert svc["command"][0] in {"trainer", "rollouter", "profiler", "logger"}, name
+        url = next(a for a in svc["command"] if a.startswith("redis.url="))
+        user = svc["command"][0]
+        # The password is the service's own, from the environment, expanded by rlbus.
+        assert url == f"redis.url=redis://{user}:$${{RLBUS_REDIS_PASSWORD}}@redis:6379/0", name
+        assert svc["environment"]["RLBUS_REDIS_PASSWORD"].startswith(
+            f"${{RLBUS_{user.upper()}_PASSWORD:?"), name
 
 
 @pytest.mark.e2e
 def test_compose_commands_run_as_local_processes(
-    tmp_path: Path, redis_binary: str, run_id: str
+    tmp_path: Path, redis7_binary: str, run_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     services = _compose()["services"]
-    port = free_port()
-    redis_cmd = [redis_binary if c == "redis-server" else c for c in services["redis"]["command"]]
-    data = tmp_path / "redis"
-    data.mkdir()
-    redis = subprocess.Popen(
-        [*redis_cmd, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
+    env = acl_env(run_id)
+    server = AclRedis(redis7_binary, tmp_path / "redis", run_id)
     procs = Procs(tmp_path / "logs")
+    out = tmp_path / "outputs"
     # Shorter than the compose run, same commands: later overrides win.
     short = ["trainer.total_training_steps=3", "global_profiler.steps=[1,3]",
              "trainer.ppo_mini_batch_size=4", "rollout.n=4", "heartbeat.timeout_s=20"]
     try:
-        subprocess.run([sys.executable, "-c", "import redis,time\n"
-                        f"c=redis.Redis(port={port})\n"
-                        "for _ in range(100):\n"
-                        "  try:\n    c.ping(); break\n"
-                        "  except Exception: time.sleep(0.1)\n"], check=True, timeout=30)
-        for name, svc in services.items():
-            if name == "redis":
-                continue
-            argv = [
-                f"redis.url={url}" if a == COMPOSE_URL
-                else f"run.id={run_id}" if a == "run.id=demo"
-                else f"run.output_dir={tmp_path / 'outputs'}" if a.startswith("run.output_dir=")
-                else a
-                for a in svc["command"]
-            ]
+        for name in sorted(COMPONENTS):
+            svc = services[name]
+            for key, value in svc.get("environment", {}).items():
+                monkeypatch.setenv(key, interpolate(str(value), env))  # as compose would
+            argv = [interpolate(a, env).replace("@redis:6379/", f"@127.0.0.1:{server.port}/")
+                    for a in svc["command"]]
+            argv = [f"run.output_dir={out}" if a.startswith("run.output_dir=") else a
+                    for a in argv]
             procs.spawn(name, "rlbus", *argv, *short)
-        for name in ("trainer", "rollouter0", "rollouter1", "profiler"):
+        for name in ("trainer", "rollouter0", "rollouter1", "profiler", "logger"):
             assert procs.wait(name, 240) == 0, procs.log(name)
-        manifest = json.loads(
-            (tmp_path / "outputs" / "profiles" / run_id / "manifest.json").read_text()
-        )
+        manifest = json.loads((out / "profiles" / run_id / "manifest.json").read_text())
         done = {(s["role"], s["rank"], s["first_step"]) for s in manifest["sessions"]
                 if s["status"] == "ok"}
         assert {("trainer", 0, 1), ("rollouter", 0, 1), ("rollouter", 1, 1),
                 ("trainer", 0, 3)} <= done
+        assert "trainer: step    3/3" in procs.log("trainer")  # its own progress lines
+        assert list((out / run_id / "tensorboard").glob("events.out.tfevents.*"))
+        # No password in any log, nor in the run's log (RunStarted keeps the placeholder).
+        for name in COMPONENTS:
+            for user in USERS:
+                assert password(user) not in procs.log(name), (name, user)
+        started = asyncio.run(_run_started(server.url("admin"), run_id))
+        assert "${RLBUS_REDIS_PASSWORD}" in started.config["redis"]["url"]
+        assert password("trainer") not in json.dumps(started.config)
     finally:
         procs.kill_all()
-        redis.terminate()
-        redis.wait(timeout=30)
+        server.stop()
+
+
+async def _run_started(url: str, run_id: str) -> RunStarted:
+    bus = Bus.from_url(url)
+    try:
+        async for _, msg in bus.read_all(RunKeys(run_id).events):
+            if isinstance(msg, RunStarted):
+                return msg
+        raise AssertionError("no RunStarted")
+    finally:
+        await bus.close()

@@ -1,0 +1,90 @@
+"""A redis-server >= 7 started the way docker-compose.yml starts it: deploy/redis/start-redis.sh
+renders deploy/redis/users.acl with passwords from the environment (the test's own)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import redis
+
+from bus import free_port
+
+__all__ = ["ROOT", "USERS", "AclRedis", "acl_env", "interpolate", "password"]
+
+ROOT = Path(__file__).resolve().parents[1]
+USERS = ("admin", "trainer", "rollouter", "profiler", "logger", "operator")
+
+
+def password(user: str) -> str:
+    return f"test-{user}-pw-Zq7"
+
+
+def acl_env(run_id: str) -> dict[str, str]:
+    env = {f"RLBUS_{u.upper()}_PASSWORD": password(u) for u in USERS}
+    env["RLBUS_RUN_ID"] = run_id
+    return env
+
+
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([-?])([^}]*))?\}")
+
+
+def interpolate(value: str, env: Mapping[str, str]) -> str:
+    """Compose's interpolation: ``$$`` is a literal ``$``; ``${VAR}``, ``${VAR:-default}``,
+    ``${VAR:?error}``."""
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        if env.get(name):
+            return env[name]
+        if op == "?":
+            raise KeyError(f"{name}: {arg}")
+        return arg if op == "-" else ""
+
+    return _VAR.sub(sub, value)
+
+
+class AclRedis:
+    """The server of docker-compose.yml's redis service, on a free loopback port."""
+
+    def __init__(self, binary: str, dir: Path, run_id: str) -> None:
+        self.port = free_port()
+        self.run_id = run_id
+        dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **acl_env(run_id), "RLBUS_ACL_OUT": str(dir / "users.acl")}
+        with (dir / "redis.log").open("wb") as log:
+            self.proc = subprocess.Popen(
+                ["sh", str(ROOT / "deploy" / "redis" / "start-redis.sh"), binary,
+                 "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(dir)],
+                env=env, stdout=log, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 30
+        client = redis.Redis(port=self.port, socket_timeout=5)
+        try:
+            while True:  # the default user may PING, as the compose healthcheck does
+                try:
+                    client.ping()
+                    return
+                except redis.ConnectionError:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError((dir / "redis.log").read_text()) from None
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def url(self, user: str, pw: str | None = None) -> str:
+        return f"redis://{user}:{pw or password(user)}@127.0.0.1:{self.port}/0"
+
+    def client(self, user: str) -> redis.Redis:
+        return redis.Redis(port=self.port, username=user, password=password(user),
+                           socket_timeout=10)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
