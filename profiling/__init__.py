@@ -3,17 +3,53 @@
 Components import this package, never each other. With profiling off they create no agent
 (:func:`create_agent` returns ``None``). The agent does no bus I/O: the component feeds it the
 control commands it read and publishes the events it returns.
+
+The agent (and torch) is imported on first use, so the torch-free helpers (paths, the finish
+hook's environment, the nsys command line, trace finishing) cost a process such as the
+profiler service no torch import.
 """
 
-from profiling.agent import TOOLS, AgentEvent, ProfilerAgent, create_agent
-from profiling.paths import profile_root, safe_name, trace_path
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from profiling.hook import hook_env
+from profiling.nsys import nsys_command
+from profiling.paths import (
+    profile_root,
+    safe_name,
+    session_view_path,
+    trace_path,
+    trace_rank,
+    trace_world_size,
+)
+from profiling.traces import finish_trace, link_session_view
+
+if TYPE_CHECKING:
+    from profiling.agent import TOOLS, AgentEvent, ProfilerAgent, create_agent
 
 __all__ = [
     "TOOLS",
     "AgentEvent",
     "ProfilerAgent",
     "create_agent",
+    "finish_trace",
+    "hook_env",
+    "link_session_view",
+    "nsys_command",
     "profile_root",
     "safe_name",
+    "session_view_path",
     "trace_path",
+    "trace_rank",
+    "trace_world_size",
 ]
+
+_AGENT_NAMES = frozenset({"TOOLS", "AgentEvent", "ProfilerAgent", "create_agent"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _AGENT_NAMES:
+        return getattr(importlib.import_module("profiling.agent"), name)
+    raise AttributeError(f"module 'profiling' has no attribute {name!r}")

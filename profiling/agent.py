@@ -21,6 +21,17 @@ Session life cycle (one active session per agent at a time)::
     on_command(StartProfile) -> armed -> step_begin(first..last) -> active -> step_end(last)
                                                                             -> ProfileStopped
 
+Traces carry ``distributedInfo.rank`` (trainer 0, rollouter replica ``r`` 1 + r), the role,
+run and session in an ``"rlbus"`` object, and their own path as ``traceName``; each is also
+linked from ``sessions/SESSION/{role}{rank}.json.gz``, a folder of one trace per rank that
+Holistic Trace Analysis loads (see :mod:`profiling.traces`).
+
+Warm-up: the first ``torch.profiler`` start in a process initialises Kineto (about a second on
+CPU, more with CUPTI), and it must happen on the thread that later profiles. :func:`create_agent`
+therefore starts and stops a throwaway profiler (:meth:`ProfilerAgent.warm_up`) when the tool
+uses torch.profiler, so the first profiled step measures the step, not the profiler. Call
+:func:`create_agent` on the thread that will call ``step_begin``/``step_end``.
+
 ProfileStopped.status is one of ``ok``, ``missed`` (its steps were already past, or the
 component closed before they came), ``cancelled`` (StopProfile before it started),
 ``unavailable`` (the tool cannot run here, e.g. nsys without CUDA) or ``error: ...``. For
@@ -30,10 +41,10 @@ profiled; otherwise they are the requested ones.
 
 from __future__ import annotations
 
-import gzip
+import inspect
 import json
 import os
-import shutil
+import pickle
 import tempfile
 import threading
 import time
@@ -45,8 +56,16 @@ import torch
 import torch.profiler
 
 from bus.messages import ProfileStarted, ProfileStopped, StartProfile, StopProfile, WarningRaised
-from profiling.paths import profile_root, trace_path
-from runconfig.schema import Config
+from profiling.nsys import nsys_command
+from profiling.paths import (
+    profile_root,
+    session_view_path,
+    trace_path,
+    trace_rank,
+    trace_world_size,
+)
+from profiling.traces import finish_trace, link_session_view
+from runconfig.schema import Config, GlobalToolConfig
 
 __all__ = ["TOOLS", "AgentEvent", "ProfilerAgent", "create_agent"]
 
@@ -57,10 +76,10 @@ TOOLS = frozenset({"torch", "torch_memory", "nsys"})
 """Tools the agent knows."""
 
 TOP_OPS = 10
-_MEMORY_HISTORY_ENTRIES = 100_000  # CUDA allocator events kept for torch_memory snapshots
 _GZIP_LEVEL = 6  # level 9 is several times slower on large traces for a few % smaller files
 _TOP_OPS_MAX_BYTES = 256 << 20  # above this, parsing the trace for top_ops costs too much
 _CPU_CATS = frozenset({"cpu_op", "user_annotation", "python_function", "cuda_runtime"})
+_WARMED: dict[tuple[bool, int], float] = {}  # (cuda, thread id) -> seconds the warm-up took
 
 
 @dataclass(slots=True)
@@ -71,7 +90,8 @@ class _Session:
     last_done: int = 0  # last step whose step_end ran inside this session
     prof: Any = None  # torch.profiler.profile while a torch/torch_memory session runs
     memory_history: bool = False  # CUDA allocator history recording (torch_memory)
-    nsys: bool = False  # cudaProfilerStart issued; step ranges are NVTX
+    nsys: bool = False  # an nsys session: step ranges are NVTX
+    range_open: bool = False  # cudaProfilerStart issued, no cudaProfilerStop yet
     stop_requested: bool = False
 
 
@@ -86,11 +106,30 @@ def create_agent(
     """The agent a component should hold, or ``None`` when profiling is off.
 
     ``run_id`` overrides ``cfg.run.id``; ``after_step`` is the last finished step when the
-    component resumes (see :class:`ProfilerAgent`).
+    component resumes (see :class:`ProfilerAgent`). The agent takes its tool options
+    (``global_tool_config``), its trace rank and the run's world size from ``cfg``, and is
+    warmed up (:meth:`ProfilerAgent.warm_up`) before it is returned: call this on the thread
+    that will run the steps.
     """
-    if cfg.global_profiler.tool is None:
+    prof = cfg.global_profiler
+    if prof.tool is None:
         return None
-    return ProfilerAgent(role, rank, profile_root(cfg, run_id), device, after_step=after_step)
+    rid = run_id if run_id is not None else cfg.run.id
+    agent = ProfilerAgent(
+        role,
+        rank,
+        profile_root(cfg, run_id),
+        device,
+        after_step=after_step,
+        run_id=rid or "",
+        world_size=trace_world_size(cfg.rollout.replicas),
+        tools=prof.global_tool_config,
+    )
+    if prof.tool == "nsys":
+        agent.nsys_command = nsys_command(cfg, role, rank, run_id)
+    else:
+        agent.warm_up()
+    return agent
 
 
 class ProfilerAgent:
@@ -101,6 +140,9 @@ class ProfilerAgent:
     ``"auto"``); CUDA activity, NVTX and memory history are used only when it is a CUDA device
     and CUDA is available. ``after_step`` marks steps ``<= after_step`` as past, so a resumed
     component that re-reads old commands reports them ``missed`` instead of profiling them.
+    ``run_id`` goes into the traces' metadata; ``world_size`` (default: this trace rank + 1)
+    and the trace rank (:func:`~profiling.paths.trace_rank`) into their ``distributedInfo``;
+    ``tools`` are verl's ``global_tool_config`` (torch_memory history, nsys ranges).
     """
 
     def __init__(
@@ -111,9 +153,18 @@ class ProfilerAgent:
         device: str = "cpu",
         *,
         after_step: int = 0,
+        run_id: str = "",
+        world_size: int | None = None,
+        tools: GlobalToolConfig | None = None,
     ) -> None:
         self.role = role
         self.rank = int(rank)
+        self.run_id = run_id
+        self.trace_rank = trace_rank(role, self.rank)
+        self.world_size = max(int(world_size or 0), self.trace_rank + 1)
+        self.tools = tools if tools is not None else GlobalToolConfig()
+        self.nsys_command: list[str] = []  # shown when nsys is not attached (create_agent)
+        self.warm_thread: int | None = None  # thread the profiler was warmed up on
         self.run_dir = Path(run_dir)
         self.device = device
         want_cuda = device == "auto" or device.startswith("cuda")
@@ -143,6 +194,30 @@ class ProfilerAgent:
     def armed(self) -> int:
         """How many sessions wait for their first step."""
         return len(self._queue)
+
+    def warm_up(self) -> float:
+        """Start and stop a throwaway torch.profiler on this thread; seconds it took.
+
+        The first start in a process initialises Kineto (and CUPTI with CUDA activity) on the
+        calling thread: done here, at start-up, it is not inside the first profiled step.
+        Once per process, thread and activity set; errors are ignored (the real start will
+        report them).
+        """
+        key = (self._cuda, threading.get_ident())
+        self.warm_thread = key[1]
+        if key in _WARMED:
+            return 0.0
+        t0 = time.monotonic()
+        try:
+            prof = torch.profiler.profile(activities=self._activities(cuda=True))
+            prof.start()
+            with torch.profiler.record_function("rlbus:warm_up"):
+                torch.zeros(8).add_(1)
+            prof.stop()
+        except Exception:
+            pass
+        _WARMED[key] = time.monotonic() - t0
+        return _WARMED[key]
 
     def on_command(self, cmd: object) -> list[AgentEvent]:
         """Take one control command; anything not addressed to this role/rank is ignored."""
@@ -272,6 +347,13 @@ class ProfilerAgent:
 
     # ------------------------------------------------------------------ start / stop
 
+    def _activities(self, cuda: bool) -> list[Any]:
+        """CPU always (the step annotations are CPU events); CUDA when asked and present."""
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if cuda and self._cuda:
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        return acts
+
     def _start(self, cmd: StartProfile, step: int) -> list[AgentEvent]:
         events: list[AgentEvent] = []
         if cmd.tool == "nsys" and not self._cuda:
@@ -279,27 +361,38 @@ class ProfilerAgent:
                 self._warn("nsys_no_cuda", f"session {cmd.session_id!r}: nsys needs CUDA"),
                 self._stopped_unrun(cmd, "unavailable"),
             ]
+        if cmd.tool != "nsys" and self.warm_thread not in (None, threading.get_ident()):
+            events.append(self._warn(
+                "profiler_warmed_elsewhere",
+                "torch.profiler was warmed up on another thread than the one running the "
+                "steps; the first profiled step includes the profiler's start-up",
+            ))
+            self.warm_thread = None
         sess = _Session(cmd=cmd, started_step=step)
+        contents = set(cmd.contents)
         try:
             if cmd.tool == "nsys":
-                torch.cuda.cudart().cudaProfilerStart()
                 sess.nsys = True
+                if not self.tools.nsys.discrete:  # one capture range for the whole session
+                    torch.cuda.cudart().cudaProfilerStart()
+                    sess.range_open = True
                 if not _nsys_attached():
+                    hint = " ".join(self.nsys_command) or (
+                        "nsys profile --capture-range=cudaProfilerApi ..."
+                    )
                     events.append(
                         self._warn(
                             "nsys_not_attached",
                             "cudaProfilerStart issued but this process does not seem to run "
-                            "under nsys (use nsys profile --capture-range=cudaProfilerApi)",
+                            f"under nsys (start it as: {hint} python -m {self.role} ...)",
                         )
                     )
             else:
-                memory = "memory" in cmd.contents
+                memory = "memory" in contents
                 if cmd.tool == "torch_memory":
                     memory = True
                     if self._cuda:
-                        torch.cuda.memory._record_memory_history(
-                            max_entries=_MEMORY_HISTORY_ENTRIES
-                        )
+                        torch.cuda.memory._record_memory_history(**self._history_kwargs())
                         sess.memory_history = True
                     else:
                         events.append(
@@ -309,14 +402,20 @@ class ProfilerAgent:
                                 "profile (torch.profiler, profile_memory=True) instead",
                             )
                         )
-                activities = [torch.profiler.ProfilerActivity.CPU]
-                if self._cuda:
-                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                if "cuda" in contents and not self._cuda:
+                    events.append(
+                        self._warn(
+                            "profile_no_cuda",
+                            f"session {cmd.session_id!r}: contents asks for cuda but this "
+                            "process has no CUDA device; recording CPU activity only",
+                        )
+                    )
+                # verl's rule: no contents = CPU + CUDA; a list without "cuda" = no CUDA.
                 prof = torch.profiler.profile(
-                    activities=activities,
-                    record_shapes="shapes" in cmd.contents,
+                    activities=self._activities(cuda=not contents or "cuda" in contents),
+                    record_shapes="shapes" in contents,
                     profile_memory=memory,
-                    with_stack="stack" in cmd.contents,
+                    with_stack="stack" in contents,
                 )
                 prof.start()
                 sess.prof = prof
@@ -336,11 +435,27 @@ class ProfilerAgent:
         )
         return events
 
+    def _history_kwargs(self) -> dict[str, Any]:
+        """verl's torch_memory options as ``_record_memory_history`` arguments."""
+        tm = self.tools.torch_memory
+        kwargs: dict[str, Any] = {
+            "context": tm.context,
+            "stacks": tm.stacks,
+            "max_entries": tm.trace_alloc_max_entries,
+            "device": self._cuda_device,
+        }
+        if "stack_depth" in _history_params():
+            kwargs["stack_depth"] = tm.stack_depth
+        return kwargs
+
     def _open_step(self, step: int) -> list[AgentEvent]:
         sess = self._active
         assert sess is not None
         try:
             if sess.nsys:
+                if not sess.range_open:  # discrete: one capture range per step
+                    torch.cuda.cudart().cudaProfilerStart()
+                    sess.range_open = True
                 torch.cuda.nvtx.range_push(f"step:{step}")
                 self._nvtx_open = True
             else:
@@ -362,6 +477,10 @@ class ProfilerAgent:
         if self._nvtx_open:
             self._nvtx_open = False
             torch.cuda.nvtx.range_pop()
+            sess = self._active
+            if sess is not None and sess.range_open and self.tools.nsys.discrete:
+                sess.range_open = False
+                torch.cuda.cudart().cudaProfilerStop()
 
     def _close_step_or_fail(self) -> list[AgentEvent]:
         """Close the step annotation; if torch refuses, end the session with an error."""
@@ -388,7 +507,7 @@ class ProfilerAgent:
         except Exception:
             pass
         try:
-            if sess.nsys:
+            if sess.range_open:
                 torch.cuda.cudart().cudaProfilerStop()
         except Exception:
             pass
@@ -397,12 +516,12 @@ class ProfilerAgent:
         """Stop the active session, write what it recorded, report it. Never raises."""
         sess = self._active
         assert sess is not None
-        self._active = None
         errors: list[str] = []
         try:
             self._close_step()
         except Exception as exc:
             errors.append(f"closing annotation: {_err(exc)}")
+        self._active = None
         last = max(sess.last_done, self._in_step or 0, sess.started_step)
         duration = time.monotonic() - sess.t0
         try:
@@ -411,7 +530,8 @@ class ProfilerAgent:
                 torch.cuda.synchronize(self._cuda_device)
         except Exception as exc:
             errors.append(f"synchronize: {_err(exc)}")
-        if sess.nsys:
+        if sess.range_open:
+            sess.range_open = False
             try:
                 torch.cuda.cudart().cudaProfilerStop()
             except Exception as exc:
@@ -468,16 +588,15 @@ class ProfilerAgent:
     # ------------------------------------------------------------------ files
 
     def _write_trace(self, sess: _Session, events: list[AgentEvent]) -> tuple[str, int, list[str]]:
-        """Chrome trace -> gzip -> atomic rename.
+        """Chrome trace -> patched gzip (:func:`~profiling.traces.finish_trace`) -> rename.
 
-        Returns (path relative to run_dir, bytes, top ops); a failure to rank the ops only
-        appends a warning to ``events`` (the trace is still good).
+        Returns (path relative to run_dir, bytes, top ops); a failure to rank the ops or to
+        link the session view only appends a warning to ``events`` (the trace is still good).
         """
         final = trace_path(self.run_dir, self.role, self.rank, sess.cmd.session_id, ".json.gz")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd, raw_name = tempfile.mkstemp(dir=self.run_dir, prefix=".tmp-", suffix=".json")
         os.close(fd)
-        gz_name = raw_name + ".gz"
         try:
             sess.prof.export_chrome_trace(raw_name)
             top: list[str] = []
@@ -487,27 +606,45 @@ class ProfilerAgent:
                         top = _top_ops(json.load(src))
             except Exception as exc:
                 events.append(self._warn("profile_top_ops_failed", _err(exc)))
-            with open(raw_name, "rb") as src, open(gz_name, "wb") as out:
-                with gzip.GzipFile(
-                    filename="", mode="wb", fileobj=out, compresslevel=_GZIP_LEVEL, mtime=0
-                ) as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-                out.flush()
-                os.fsync(out.fileno())  # the rename must not publish a file still in cache
-            os.replace(gz_name, final)
+            metadata = {
+                "role": self.role,
+                "replica": self.rank,
+                "run_id": self.run_id,
+                "session_id": sess.cmd.session_id,
+                "first_step": sess.started_step,
+                "last_step": max(sess.last_done, sess.started_step),
+                "tool": sess.cmd.tool,
+            }
+            size = finish_trace(
+                Path(raw_name), final, self.trace_rank, self.world_size, metadata, _GZIP_LEVEL
+            )
         finally:
-            for leftover in (raw_name, gz_name):
-                Path(leftover).unlink(missing_ok=True)
-        return final.name, final.stat().st_size, top
+            Path(raw_name).unlink(missing_ok=True)
+        try:
+            view = session_view_path(self.run_dir, sess.cmd.session_id, self.role, self.rank)
+            link_session_view(view, final)
+        except Exception as exc:
+            events.append(self._warn("profile_view_failed", f"sessions/ link: {_err(exc)}"))
+        return final.name, size, top
 
     def _write_memory_snapshot(self, session_id: str) -> None:
-        """CUDA allocator history to ``{role}{rank}-{session}.pickle`` (atomic)."""
+        """CUDA allocator history to ``{role}{rank}-{session}.pickle`` (atomic).
+
+        Stacks are cut to ``torch_memory.stack_depth`` frames where torch's
+        ``_record_memory_history`` takes no depth of its own.
+        """
         final = trace_path(self.run_dir, self.role, self.rank, session_id, ".pickle")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=".tmp-", suffix=".pickle")
         os.close(fd)
         try:
-            torch.cuda.memory._dump_snapshot(tmp)
+            snapshot = torch.cuda.memory._snapshot(self._cuda_device)
+            if "stack_depth" not in _history_params():
+                _cut_frames(snapshot, self.tools.torch_memory.stack_depth)
+            with open(tmp, "wb") as out:
+                pickle.dump(snapshot, out)
+                out.flush()
+                os.fsync(out.fileno())
             os.replace(tmp, final)
         finally:
             Path(tmp).unlink(missing_ok=True)
@@ -530,6 +667,31 @@ class ProfilerAgent:
             duration_s=0.0,
             status=status,
         )
+
+
+def _history_params() -> frozenset[str]:
+    """Parameter names of this torch's ``torch.cuda.memory._record_memory_history``."""
+    try:
+        return frozenset(inspect.signature(torch.cuda.memory._record_memory_history).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+def _cut_frames(snapshot: Any, depth: int) -> None:
+    """Keep the innermost ``depth`` frames of every stack in a CUDA memory snapshot."""
+    def cut(item: Any) -> None:
+        if isinstance(item, dict):
+            frames = item.get("frames")
+            if isinstance(frames, list) and len(frames) > depth:
+                item["frames"] = frames[:depth]
+            for value in item.values():
+                if isinstance(value, list | dict):
+                    cut(value)
+        elif isinstance(item, list):
+            for value in item:
+                cut(value)
+
+    cut(snapshot)
 
 
 def _err(exc: BaseException) -> str:

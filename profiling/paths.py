@@ -14,10 +14,23 @@ from pathlib import Path
 
 from runconfig.schema import Config
 
-__all__ = ["MAX_NAME_LEN", "profile_root", "safe_name", "trace_path"]
+__all__ = [
+    "MAX_NAME_LEN",
+    "SESSIONS_DIR",
+    "profile_root",
+    "safe_name",
+    "session_view_path",
+    "trace_path",
+    "trace_rank",
+    "trace_world_size",
+]
 
 MAX_NAME_LEN = 64
 """Longest sanitised name component (a session id or role) used in a file name."""
+
+SESSIONS_DIR = "sessions"
+"""``run_dir/sessions/SESSION/``: one link per process of that session (see
+:func:`session_view_path`)."""
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _DOTS = re.compile(r"\.{2,}")
@@ -63,4 +76,38 @@ def trace_path(run_dir: Path, role: str, rank: int, session_id: str, suffix: str
     # Belt and braces: the sanitised name cannot escape, but a future change might.
     if path.resolve().parent != run_dir.resolve():
         raise ValueError(f"trace path {path} escapes {run_dir}")
+    return path
+
+
+def trace_rank(role: str, rank: int) -> int:
+    """The rank a trace carries in ``distributedInfo``: distinct per role and replica.
+
+    The trainer is 0 and rollouter replica ``r`` is ``1 + r``, so the traces of one session
+    (a trainer and every rollouter) are ranks ``0..replicas`` of one job for tools such as
+    Holistic Trace Analysis. Another role gets ``rank`` unchanged.
+    """
+    if role == "trainer":
+        return 0
+    if role == "rollouter":
+        return 1 + int(rank)
+    return int(rank)
+
+
+def trace_world_size(replicas: int) -> int:
+    """How many trace ranks a run has: the trainer plus ``replicas`` rollouters."""
+    return 1 + int(replicas)
+
+
+def session_view_path(run_dir: Path, session_id: str, role: str, rank: int) -> Path:
+    """``run_dir/sessions/{session_id}/{role}{rank}.json.gz``: the session's folder.
+
+    Such a folder holds one trace per process of one session, each with its own
+    ``distributedInfo.rank``, and nothing else: the folder that tools taking "a directory of
+    one trace per rank" (Holistic Trace Analysis) load. ``run_dir`` itself also holds
+    ``manifest.json`` and every session's traces, so it is not such a folder.
+    """
+    folder = run_dir / SESSIONS_DIR / safe_name(session_id)
+    path = folder / f"{safe_name(role, 32)}{int(rank)}.json.gz"
+    if path.resolve().parent.parent != (run_dir / SESSIONS_DIR).resolve():
+        raise ValueError(f"session view {path} escapes {run_dir}")
     return path

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from bus.messages import ProfileStarted, ProfileStopped, StartProfile, StopProfile, WarningRaised
 from profiling import ProfilerAgent, create_agent, profile_root, safe_name, trace_path
+from profiling import agent as agent_module
 from profiling.agent import AgentEvent, _top_ops
-from runconfig.schema import Config, ProfilerConfig, RunConfig
+from runconfig.schema import Config, ProfilerConfig, RolloutConfig, RunConfig
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -135,9 +136,18 @@ def test_single_step_session_writes_trace_and_events(make_agent: Any) -> None:
     assert any(op.startswith("aten::") for op in stopped.top_ops)
     assert not any(op.startswith("step:") for op in stopped.top_ops)
     assert len(stopped.top_ops) <= 10
-    assert step_annotations(load_trace(path)) == {"step:1"}
-    # Only the trace: no temp files left behind.
-    assert sorted(p.name for p in agent.run_dir.iterdir()) == ["trainer0-s1.json.gz"]
+    trace = load_trace(path)
+    assert step_annotations(trace) == {"step:1"}
+    # For other tools: the rank (trainer = 0), the role and the file's real path.
+    assert trace["distributedInfo"] == {"rank": 0, "world_size": 1}
+    assert next(iter(trace)) == "distributedInfo"
+    assert trace["rlbus"]["role"] == "trainer" and trace["rlbus"]["session_id"] == "s1"
+    assert trace["traceName"] == str(path.resolve())
+    # Only the trace and its session view: no temp files left behind.
+    files = sorted(str(p.relative_to(agent.run_dir)) for p in agent.run_dir.rglob("*"))
+    assert files == ["sessions", "sessions/s1", "sessions/s1/trainer0.json.gz",
+                     "trainer0-s1.json.gz"]
+    assert (agent.run_dir / "sessions/s1/trainer0.json.gz").resolve() == path.resolve()
 
 
 def test_continuous_session_is_one_trace(make_agent: Any) -> None:
@@ -545,3 +555,171 @@ def test_step_begin_twice_closes_dangling_annotation(make_agent: Any) -> None:
     stopped = only_stopped(agent.step_end(2))
     assert stopped.status == "ok"
     assert step_annotations(load_trace(agent.run_dir / stopped.path)) == {"step:1", "step:2"}
+
+
+# --------------------------------------------------------------------------- traces for tools
+
+
+def test_traces_carry_a_distinct_rank_per_role_and_replica(tmp_path: Path) -> None:
+    cfg = Config(
+        run=RunConfig(id="r1", output_dir=str(tmp_path)),
+        global_profiler=ProfilerConfig(tool="torch"),
+        rollout=RolloutConfig(replicas=3),
+    )
+    traces = {}
+    for role, rank in (("trainer", 0), ("rollouter", 0), ("rollouter", 2)):
+        agent = create_agent(cfg, role, rank, DEVICE)
+        assert agent is not None
+        agent.on_command(start("s1", 1, 1))
+        stopped = only_stopped(step(agent, 1))
+        traces[(role, rank)] = load_trace(agent.run_dir / stopped.path)
+        agent.close()
+    ranks = {k: t["distributedInfo"]["rank"] for k, t in traces.items()}
+    assert ranks == {("trainer", 0): 0, ("rollouter", 0): 1, ("rollouter", 2): 3}
+    assert {t["distributedInfo"]["world_size"] for t in traces.values()} == {4}
+    assert traces[("rollouter", 2)]["rlbus"] == {
+        "role": "rollouter", "replica": 2, "run_id": "r1", "session_id": "s1",
+        "first_step": 1, "last_step": 1, "tool": "torch",
+    }
+    view = tmp_path / "profiles" / "r1" / "sessions" / "s1"
+    assert sorted(p.name for p in view.iterdir()) == [
+        "rollouter0.json.gz", "rollouter2.json.gz", "trainer0.json.gz"]
+    for (role, rank), trace in traces.items():
+        assert trace["traceName"] == str((view / f"{role}{rank}.json.gz").resolve())
+
+
+def test_create_agent_warms_the_profiler_up_on_its_thread(tmp_path: Path) -> None:
+    cfg = Config(run=RunConfig(id="r1", output_dir=str(tmp_path)),
+                 global_profiler=ProfilerConfig(tool="torch"))
+    agent = create_agent(cfg, "trainer", 0, DEVICE)
+    assert agent is not None
+    assert agent.warm_thread == threading.get_ident()
+    assert (CUDA, threading.get_ident()) in agent_module._WARMED
+    assert agent.warm_up() == 0.0  # once per thread
+    agent.on_command(start("s1", 1, 1))
+    events = step(agent, 1)
+    assert of(events, WarningRaised) == [] and only_stopped(events).status == "ok"
+
+
+def test_a_session_on_another_thread_than_the_warm_up_says_so(tmp_path: Path) -> None:
+    cfg = Config(run=RunConfig(id="r1", output_dir=str(tmp_path)),
+                 global_profiler=ProfilerConfig(tool="torch"))
+    agent = create_agent(cfg, "trainer", 0, DEVICE)
+    assert agent is not None
+    agent.on_command(start("s1", 1, 1))
+    out: list[AgentEvent] = []
+    worker = threading.Thread(target=lambda: out.extend(step(agent, 1)))
+    worker.start()
+    worker.join(timeout=60)
+    assert [w.code for w in of(out, WarningRaised)] == ["profiler_warmed_elsewhere"]
+    assert only_stopped(out).status == "ok"
+
+
+def test_nsys_agent_is_not_warmed_and_knows_its_command(tmp_path: Path) -> None:
+    cfg = Config(run=RunConfig(id="r1", output_dir=str(tmp_path)),
+                 global_profiler=ProfilerConfig(tool="nsys"))
+    agent = create_agent(cfg, "rollouter", 1, "cpu")
+    assert agent is not None and agent.warm_thread is None
+    assert agent.nsys_command[:2] == ["nsys", "profile"]
+    assert "--capture-range=cudaProfilerApi" in agent.nsys_command
+    assert agent.nsys_command[-1] == f"--output={tmp_path.resolve()}/profiles/r1/rollouter1-%p"
+
+
+@pytest.mark.skipif(CUDA, reason="tests the no-CUDA case")
+def test_cuda_contents_without_cuda_warns_and_records_cpu(make_agent: Any) -> None:
+    agent = make_agent()
+    agent.on_command(start("c", 1, 1, contents=["cpu", "cuda"]))
+    began = agent.step_begin(1)
+    assert [w.code for w in of(began, WarningRaised)] == ["profile_no_cuda"]
+    work()
+    stopped = only_stopped(agent.step_end(1))
+    assert stopped.status == "ok"
+    assert step_annotations(load_trace(agent.run_dir / stopped.path)) == {"step:1"}
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize(("contents", "kernels"), [([], True), (["cuda"], True),
+                                                   (["cpu"], False), (["shapes"], False)])
+def test_contents_select_cuda_activity_as_verl_does(
+    make_agent: Any, contents: list[str], kernels: bool
+) -> None:
+    agent = make_agent()
+    agent.on_command(start("k", 1, 1, contents=contents))
+    stopped = only_stopped(step(agent, 1))
+    trace = load_trace(agent.run_dir / stopped.path)
+    has_kernels = any(e.get("cat") == "kernel" for e in trace["traceEvents"])
+    assert has_kernels is kernels
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_torch_memory_options_bound_the_snapshot(make_agent: Any) -> None:
+    import pickle
+
+    from runconfig.schema import GlobalToolConfig, TorchMemoryToolConfig
+
+    tools = GlobalToolConfig(torch_memory=TorchMemoryToolConfig(
+        trace_alloc_max_entries=20, stack_depth=3))
+    agent = make_agent(tools=tools)
+    agent.on_command(start("mem", 1, 1, tool="torch_memory"))
+    agent.step_begin(1)
+    for _ in range(50):
+        torch.randn(256, 256, device=DEVICE).relu_()
+    stopped = only_stopped(agent.step_end(1))
+    assert stopped.status == "ok"
+    with open(agent.run_dir / "trainer0-mem.pickle", "rb") as f:
+        snap = pickle.load(f)
+    traces = [e for device in snap["device_traces"] for e in device]
+    assert 0 < len(traces) <= 20
+    assert all(len(e.get("frames", ())) <= 3 for e in traces)
+
+
+def test_memory_history_arguments_follow_verl_options() -> None:
+    from runconfig.schema import GlobalToolConfig, TorchMemoryToolConfig
+
+    tools = GlobalToolConfig(torch_memory=TorchMemoryToolConfig(
+        trace_alloc_max_entries=7, stack_depth=4, context="alloc", stacks="python"))
+    agent = ProfilerAgent("trainer", 0, Path("/nonexistent"), "cpu", tools=tools)
+    kwargs = agent._history_kwargs()
+    assert (kwargs["max_entries"], kwargs["context"], kwargs["stacks"]) == (7, "alloc", "python")
+    snap = {"segments": [{"blocks": [{"frames": list(range(10))}]}],
+            "device_traces": [[{"frames": list(range(6))}, {"frames": [1]}]]}
+    agent_module._cut_frames(snap, 4)
+    assert snap["segments"][0]["blocks"][0]["frames"] == [0, 1, 2, 3]
+    assert [len(e["frames"]) for e in snap["device_traces"][0]] == [4, 1]
+
+
+class _FakeCudart:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def cudaProfilerStart(self) -> None:
+        self.calls.append("start")
+
+    def cudaProfilerStop(self) -> None:
+        self.calls.append("stop")
+
+
+@pytest.mark.parametrize(("discrete", "expected"), [
+    (False, ["start", "push:1", "pop", "push:2", "pop", "stop"]),
+    (True, ["start", "push:1", "pop", "stop", "start", "push:2", "pop", "stop"]),
+])
+def test_nsys_capture_ranges_per_session_or_per_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, discrete: bool, expected: list[str]
+) -> None:
+    # No GPU here: CUDA's profiler API and NVTX are replaced by recorders (the real calls are
+    # exercised by test_nsys_on_cuda_is_ok_without_path on a CUDA machine).
+    from runconfig.schema import GlobalToolConfig, NsysToolConfig
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart(calls))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda n: calls.append(f"push:{n[5:]}"))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append("pop"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setenv("NSYS_PROFILING_SESSION_ID", "1")
+    agent = ProfilerAgent("trainer", 0, tmp_path, "cpu",
+                          tools=GlobalToolConfig(nsys=NsysToolConfig(discrete=discrete)))
+    agent._cuda = True
+    agent.on_command(start("ns", 1, 2, tool="nsys"))
+    events = step(agent, 1) + step(agent, 2)
+    assert only_stopped(events).status == "ok"
+    assert calls == expected
