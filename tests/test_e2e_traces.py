@@ -1,0 +1,86 @@
+"""Traces that other tools read: a profiled run of real processes, loaded by Holistic Trace
+Analysis (the ``dev`` extra) one rank per file, with ``step:K`` durations that agree with the
+trainer's StepFinished durations.
+
+The profiler service, two rollouter replicas and the trainer run as real processes against a
+throwaway redis-server. Steps 1-2 are one continuous session, so ``sessions/s1-2/`` holds one
+trace per process: the trainer (rank 0) and rollouters 0 and 1 (ranks 1 and 2).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from bus import Bus, RunKeys
+from bus.messages import StepFinished
+from tests.procs import FAST, Procs, events_of
+
+hta = pytest.importorskip("hta.trace_analysis", reason="the dev extra (HTA) is not installed")
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 3
+REPLICAS = 2
+WAIT_S = 240.0
+
+
+@pytest.mark.asyncio
+async def test_a_sessions_traces_load_in_hta_one_rank_per_file(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    args = [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={tmp_path}", *FAST,
+            f"trainer.total_training_steps={STEPS}", f"rollout.replicas={REPLICAS}",
+            # Longer updates: a step of several hundred ms, so the few Redis round trips the
+            # trainer makes before step_begin and after StepFinished stay a small fraction.
+            "trainer.ppo_epochs=10",
+            "global_profiler.tool=torch", "global_profiler.steps=[1,2]",
+            "global_profiler.profile_continuous_steps=true"]
+    procs = Procs(tmp_path / "logs")
+    try:
+        procs.spawn("profiler", "profiler_service", *args)
+        for rank in range(REPLICAS):
+            procs.spawn(f"rollouter{rank}", "rollouter", *args, f"rollout.rank={rank}")
+        procs.spawn("trainer", "trainer", *args)
+        for name in ("trainer", *(f"rollouter{r}" for r in range(REPLICAS)), "profiler"):
+            assert procs.wait(name, WAIT_S) == 0, procs.log(name)[-3000:]
+    finally:
+        procs.kill_all()
+
+    finished = {e.step: e for e in await events_of(bus, run_keys.events)
+                if isinstance(e, StepFinished)}
+    assert sorted(finished) == list(range(1, STEPS + 1))
+
+    folder = tmp_path / "profiles" / run_id / "sessions" / "s1-2"
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == ["rollouter0.json.gz", "rollouter1.json.gz", "trainer0.json.gz"]
+    for name in files:
+        with gzip.open(folder / name, "rt") as fh:
+            trace = json.load(fh)
+        assert trace["traceName"] == str((folder / name).resolve())  # the file itself
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pandas/plotly deprecations inside HTA
+        analysis = hta.TraceAnalysis(trace_dir=str(folder))
+    assert sorted(analysis.t.traces) == [0, 1, 2]  # one rank per file, none dropped
+    roles = {r: (m["rlbus"]["role"], m["rlbus"]["replica"])
+             for r, m in analysis.t.meta_data.items()}
+    assert roles == {0: ("trainer", 0), 1: ("rollouter", 0), 2: ("rollouter", 1)}
+
+    names = analysis.t.symbol_table.get_sym_table()
+    for rank, df in analysis.t.traces.items():
+        steps = {names[i]: float(d) / 1e6 for i, d in zip(df["name"], df["dur"], strict=True)
+                 if names[i].startswith("step:")}
+        assert sorted(steps) == ["step:1", "step:2"], (rank, steps)
+        if rank != 0:
+            continue
+        for k in (1, 2):
+            # The annotation spans step_begin..step_end, StepFinished the trainer's own clock
+            # of the same step: they agree within a few percent (step 1 included, since the
+            # profiler was warmed up before it).
+            want = finished[k].duration_s
+            assert abs(steps[f"step:{k}"] - want) <= 0.05 * want, (k, steps, want)
