@@ -241,6 +241,8 @@ class _Builder:
     # ---- one assignment
     def apply(self, a: Assignment) -> None:
         shape = _shape()
+        if a.key.rsplit(".", 1)[-1] == "_target_":
+            return  # Hydra's instantiation target in a verl YAML file: no meaning here
         if a.key in shape.leaves:
             self._own(a, a.key)
             return

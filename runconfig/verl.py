@@ -310,7 +310,9 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("global_profiler.global_tool_config.precision_debugger.*",
              "rlbus has no precision_debugger tool"),
     _ignored("global_profiler.global_tool_config.npu.*", "rlbus has no npu tool"),
-    # ---- other verl sections
+    # ---- other verl sections, and Hydra's own
+    _ignored("hydra.*", "Hydra's settings: rlbus reads one YAML file"),
+    _ignored("defaults", "Hydra's composition list: rlbus reads one YAML file"),
     _ignored("critic.*", "rlbus has no critic (GRPO)"),
     _ignored("reward_model.*", "rewards come from task.reward_fn"),
     _ignored("reward.*", "rewards come from task.reward_fn"),

@@ -329,3 +329,15 @@ def test_verl_table_is_consistent_and_documented() -> None:
         for target, _ in row.targets:
             assert target in own, f"{row.key} -> unknown rlbus key {target}"
     assert set(known_keys(verl=True)) == own | {row.key for row in verl.TABLE}
+
+
+def test_a_verl_yaml_files_hydra_entries_are_skipped(tmp_path: Path) -> None:
+    f = tmp_path / "verl.yaml"
+    f.write_text("hydra:\n  searchpath: [pkg://verl.trainer.config]\n"
+                 "defaults:\n  - ppo_trainer\n  - _self_\n"
+                 "global_profiler:\n  _target_: verl.utils.profiler.ProfilerConfig\n"
+                 "  tool: null\n  steps: null\n")
+    warnings: list[str] = []
+    cfg = load_config(f, on_warning=warnings.append)
+    assert cfg.global_profiler.steps == []
+    assert sorted(w.split("'")[1] for w in warnings) == ["defaults", "hydra.searchpath"]
