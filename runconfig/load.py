@@ -133,7 +133,6 @@ class Assignment(msgspec.Struct, frozen=True):
     key: str
     value: Any = None
     has_value: bool = True  # False for a bare ``~KEY``
-    merge: bool = False  # a mapping from a file: merged into a mapping-valued key
 
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z0-9_][A-Za-z0-9_-]*)*$")
@@ -180,7 +179,9 @@ def _flatten(user: dict[str, Any]) -> list[Assignment]:
         for name, value in node.items():
             dotted = f"{prefix}{name}"
             if dotted in shape.mappings:
-                out.append(Assignment("set", dotted, value, merge=isinstance(value, dict)))
+                # Replaces the default mapping (as a key=VALUE override does), so a config
+                # written out by config_to_dict reads back unchanged.
+                out.append(Assignment("set", dotted, value))
             elif dotted in shape.sections and value is None:
                 continue  # an empty section (`trainer:` with everything commented out)
             elif dotted in shape.sections and not isinstance(value, dict):
@@ -274,10 +275,7 @@ class _Builder:
                                       f"not {a.value!r}")
             self.reset(key)
             return
-        new = value if convert else a.value
-        if a.merge and isinstance(self._get(self.tree, key), dict):
-            new = {**self._get(self.tree, key), **new}
-        self.set(key, new, by)
+        self.set(key, value if convert else a.value, by)
 
     def _option(self, a: Assignment, parent: str, name: str) -> None:
         options = dict(self._get(self.tree, parent))

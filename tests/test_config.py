@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from runconfig import (
     Config,
@@ -341,3 +342,13 @@ def test_a_verl_yaml_files_hydra_entries_are_skipped(tmp_path: Path) -> None:
     cfg = load_config(f, on_warning=warnings.append)
     assert cfg.global_profiler.steps == []
     assert sorted(w.split("'")[1] for w in warnings) == ["defaults", "hydra.searchpath"]
+
+
+def test_a_written_config_reads_back_unchanged(tmp_path: Path) -> None:
+    # rlbus up hands its children config_to_dict(cfg) as YAML: it must load as the same config.
+    nsys = "global_profiler.global_tool_config.nsys.worker_nsight_options"
+    cfg = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-6", "global_profiler.steps=null",
+                             f"~{nsys}.kill", f"+{nsys}.sample=cpu", "trainer.save_freq=-1"])
+    f = tmp_path / "config.yaml"
+    f.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    assert load_config(f) == cfg
