@@ -16,6 +16,7 @@ __all__ = [
     "BusAuthError",
     "BusError",
     "BusUnavailable",
+    "EntryGone",
     "Fenced",
     "GoneError",
     "GroupGone",
@@ -46,6 +47,16 @@ class BusUnavailable(BusError):
         self.url = url
         self.op = op
         self.attempts = attempts
+
+
+class EntryGone(BusError):
+    """A write refused because an entry it depends on is no longer in its stream (Redis
+    came back without its last writes)."""
+
+    def __init__(self, stream: str, entry_id: str) -> None:
+        super().__init__(f"entry {entry_id} is no longer in {stream}")
+        self.stream = stream
+        self.entry_id = entry_id
 
 
 class Fenced(BusError):

@@ -19,7 +19,8 @@ lease lapsed, cannot write a single entry.
         ``renew() -> bool``                compare-and-PEXPIRE (EVAL)
         ``release()``                      compare-and-DEL (EVAL)
         ``remaining_ms() -> int``          PTTL
-        ``write(items, ack=None) -> list[str]``   token check + XADDs + XACK, one EVAL
+        ``write(items, ack=None, require=None) -> list[str]``   token check (+ an entry
+            that must still exist) + XADDs + XACK, one EVAL
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from bus.errors import Fenced
+from bus.errors import EntryGone, Fenced
 from bus.messages import FIELD, DecodeError, Heartbeat, Message, decode, encode
 from bus.streams import Bus
 
@@ -90,19 +91,26 @@ if ARGV[2] == '0' then redis.call('DEL', KEYS[1]) else redis.call('PEXPIRE', KEY
 return 1
 """
 
-# Fenced write. KEYS[1] lease; KEYS[2..n+1] one stream per item; KEYS[n+2] (optional) the
-# stream to ack in. ARGV[1] token; ARGV[2] field; ARGV[3] n; ARGV[4..n+3] encoded messages;
-# ARGV[n+4] group; ARGV[n+5..] entry ids to ack. Returns the new entry ids, or false when the
-# token does not hold the lease (nothing is written).
+# Fenced write. KEYS[1] lease; KEYS[2..n+1] one stream per item; then, optionally, the stream
+# to ack in and the stream that must still hold entry ARGV[4]. ARGV[1] token; ARGV[2] field;
+# ARGV[3] n; ARGV[4] required entry id ('' for none); ARGV[5] ack group ('' for none);
+# ARGV[6..n+5] encoded messages; ARGV[n+6..] entry ids to ack. Returns the new entry ids;
+# false when the token does not hold the lease, -1 when the required entry is gone (nothing
+# is written either way).
 _WRITE_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
 local n = tonumber(ARGV[3])
+local k = n + 2
+if ARGV[5] ~= '' then k = k + 1 end
+if ARGV[4] ~= '' then
+  if #redis.call('XRANGE', KEYS[k], ARGV[4], ARGV[4]) == 0 then return -1 end
+end
 local ids = {}
 for i = 1, n do
-  ids[i] = redis.call('XADD', KEYS[i + 1], '*', ARGV[2], ARGV[i + 3])
+  ids[i] = redis.call('XADD', KEYS[i + 1], '*', ARGV[2], ARGV[i + 5])
 end
-if #KEYS > n + 1 and #ARGV > n + 4 then
-  redis.call('XACK', KEYS[n + 2], ARGV[n + 4], unpack(ARGV, n + 5))
+if ARGV[5] ~= '' and #ARGV > n + 5 then
+  redis.call('XACK', KEYS[n + 2], ARGV[5], unpack(ARGV, n + 6))
 end
 return ids
 """
@@ -172,21 +180,30 @@ class Lease:
         self,
         items: Sequence[tuple[str, Message]],
         ack: tuple[str, str, Sequence[str]] | None = None,
+        require: tuple[str, str] | None = None,
     ) -> list[str]:
         """Append ``(stream, msg)`` items and XACK ``ack = (stream, group, ids)``, all in one
-        script that first checks our token: everything lands, in order, or nothing does.
+        script that first checks our token (and, with ``require = (stream, id)``, that this
+        entry is still there): everything lands, in order, or nothing does.
 
-        Raises :class:`~bus.errors.Fenced` when another token holds the lease. Wraps EVAL
-        (GET, XADD..., XACK); every key must share the run's hash slot.
+        Raises :class:`~bus.errors.Fenced` when another token holds the lease, and
+        :class:`~bus.errors.EntryGone` when the required entry is missing (the log lost its
+        tail). Wraps EVAL (GET, XRANGE, XADD..., XACK); every key must share the run's slot.
         """
         keys = [self.key, *(stream for stream, _ in items)]
-        args: list[Any] = [self.token, FIELD, len(items), *(encode(m) for _, m in items)]
-        if ack is not None and ack[2]:
-            stream, group, ids = ack
-            keys.append(stream)
-            args += [group, *ids]
+        acked = ack is not None and bool(ack[2])
+        args: list[Any] = [self.token, FIELD, len(items), require[1] if require else "",
+                           ack[1] if ack is not None and acked else ""]
+        args += [encode(m) for _, m in items]
+        if ack is not None and acked:
+            keys.append(ack[0])
+            args += list(ack[2])
+        if require is not None:
+            keys.append(require[0])
         reply = await self.bus._call("EVAL", lambda: self._write(keys=keys, args=args))
         if reply is None:
             holder = await self.holder()
             raise Fenced(self.key, self.token, holder)
+        if reply == -1 and require is not None:
+            raise EntryGone(require[0], require[1])
         return [i.decode() if isinstance(i, bytes) else str(i) for i in reply]

@@ -130,9 +130,10 @@ class Rollouter:
         if events:
             await self.bus.publish_many(self.keys.events, list(events))
 
-    async def _poll_events(self, block_ms: int | None = None) -> None:
+    async def _poll_events(self, block_ms: int | None = None) -> bool:
         """Read new run events: weights (the newest in log order wins: after a resume from a
-        log that lost its tail, a lower version is the current one) and the run's end."""
+        log that lost its tail, a lower version is the current one) and the run's end.
+        Returns whether it has read the whole log."""
         entries, self.events_last = await self.bus.read_after(
             self.keys.events, self.events_last, count=1000, block_ms=block_ms
         )
@@ -146,6 +147,7 @@ class Rollouter:
                 # A run extended with more steps than it finished with goes on.
                 case RunFinished() if msg.steps >= total:
                     self.finished = True
+        return len(entries) < 1000  # caught up with the log
 
     async def _apply_commands(self) -> None:
         if self.agent is None:
@@ -330,12 +332,23 @@ class Rollouter:
                                                    f"{type(d.msg).__name__}")
         if not tickets:
             return
-        need = max(t.min_version for _, t in tickets)
-        while self.version < need and not self.finished:
+        while not self.finished:
+            need = max(t.min_version for _, t in tickets)
+            if self.version >= need:
+                break
             # The ticket demands newer weights than ours (on-policy or bounded staleness).
-            await self._poll_events(block_ms=500)
+            caught_up = await self._poll_events(block_ms=500)
             await self._swap_weights()
             await self._check_trainer()
+            newest = self.newest
+            if caught_up and newest is not None and need > newest.version:
+                # The trainer publishes weights before the tickets that need them, so once
+                # we have read the whole log, a ticket asking for more than its newest
+                # weights was issued in a stretch of log that Redis lost (or was forged).
+                await self._drop_unservable(deliveries, tickets, newest.version)
+                tickets = [(i, t) for i, t in tickets if t.min_version <= newest.version]
+                if not tickets:
+                    return
         if self.finished:
             return
         try:
@@ -366,6 +379,16 @@ class Rollouter:
         batch = [sample for _, t in done for sample in samples[t.ticket_id]]
         await self.bus.publish_many(self.keys.samples, batch, atomic=True)
         await self.consumer.ack(*(entry_id for entry_id, _ in done))
+
+    async def _drop_unservable(
+        self, deliveries: list[Any], tickets: list[tuple[str, PromptTicket]], newest: int
+    ) -> None:
+        ids = {i for i, t in tickets if t.min_version > newest}
+        for d in deliveries:
+            if d.id in ids:
+                await self.consumer.dead_letter(
+                    d, f"ticket asks for weights v{d.msg.min_version} but the newest in the "
+                       f"log is v{newest}: issued in a stretch of log Redis lost")
 
     async def run(self) -> int:
         # Alive from the first moment: building a large model must not look like death.

@@ -32,6 +32,7 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
+from tests.aof import aof_path, cut_aof_before
 from tests.procs import FAST, Procs, events_of, wait_for
 from trainer.budget import ticket_budget
 
@@ -220,7 +221,7 @@ async def test_a_second_trainer_is_refused_and_a_zombie_is_fenced_out(
     # Profiling on and no profiler service: the first trainer holds the lease while it waits
     # for the handshake, which keeps it alive and busy for as long as the test needs.
     args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
-                 "heartbeat.interval_s=0.2", "heartbeat.timeout_s=2",
+                 "heartbeat.interval_s=0.2", "heartbeat.timeout_s=5",
                  "global_profiler.tool=torch", "global_profiler.steps=[]",
                  "global_profiler.handshake_timeout_s=60")
     procs.spawn("rollouter0", "rollouter", *args)
@@ -266,3 +267,39 @@ async def test_resumed_trainer_leaves_no_weight_blobs_behind(
     keys = await bus.command("KEYS", run_keys.blob("weights-*"))
     blobs = {k.decode().rsplit(":", 1)[0] for k in keys}
     assert len(blobs) <= 3, sorted(blobs)
+
+
+def _is_step_finished(args: list[bytes]) -> bool:
+    return (args[0].upper() == b"XADD" and args[1].endswith(b":events")
+            and b"StepFinished" in args[-1])
+
+
+@pytest.mark.chaos
+async def test_a_log_that_lost_its_tail(
+    redis_factory, make_bus, run_id: str, tmp_path: Path, procs: Procs
+) -> None:
+    """Redis killed and restarted from an AOF cut before the last two StepFinished (what
+    `appendfsync everysec` loses): the trainer notices the log is behind what it did,
+    resumes from the log in-process, and the run finishes with every step once and no
+    sample trained twice."""
+    server = redis_factory(appendonly=True)
+    bus = await make_bus(server.url)
+    keys = RunKeys(run_id)
+    steps = 12
+    args = _args(server.url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 "trainer.save_freq=3")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, keys.events, lambda m: isinstance(m, StepFinished) and m.step == 7,
+                   120, procs, ["trainer"])
+    server.kill()
+    removed = cut_aof_before(aof_path(server.dir), _is_step_finished, which=-2)
+    server.start()
+    assert removed > 0
+    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    assert "resuming from the log" in procs.log("trainer")
+    events = await events_of(bus, keys.events)
+    _assert_ledger(events, steps)
+    resumed = [e for e in events if isinstance(e, TrainerResumed)]
+    assert resumed and all(e.weights_match is not False for e in resumed)

@@ -41,7 +41,17 @@ from typing import Any, TypeVar
 import msgspec
 import torch
 
-from bus import Bus, Consumer, Delivery, Fenced, Lease, RunKeys, read_commands, run_with_bus
+from bus import (
+    Bus,
+    Consumer,
+    Delivery,
+    EntryGone,
+    Fenced,
+    Lease,
+    RunKeys,
+    read_commands,
+    run_with_bus,
+)
 from bus.blobs import DirBlobStore, RedisBlobStore, open_store
 from bus.keys import RUNS_STREAM
 from bus.liveness import peers, pulse
@@ -218,10 +228,11 @@ class Trainer:
     async def _write(
         self, items: Sequence[tuple[str, Message]],
         ack: tuple[str, str, Sequence[str]] | None = None,
+        require: tuple[str, str] | None = None,
     ) -> list[str]:
         """Every write of the trainer: fenced by the run's lease (see bus.liveness)."""
         try:
-            return await self.lease.write(items, ack)
+            return await self.lease.write(items, ack, require)
         except Fenced as exc:
             if exc.holder is None and await self.lease.acquire() is None:
                 # Our lease vanished (Redis restarted, maybe without its last writes): it is
@@ -873,8 +884,15 @@ class Trainer:
                                     metrics=metrics, duration_s=duration,
                                     param_version=self.version, entry_ids=entry_ids)
             # The acks ride in the same fenced script as the StepFinished that justifies them.
-            ids = await self._write([(self.keys.events, finished)],
-                                    ack=(self.keys.samples, GROUP, entry_ids))
+            # ... and only if the previous StepFinished is still in the log.
+            require = (None if self.last_finished_id is None
+                       else (self.keys.events, self.last_finished_id))
+            try:
+                ids = await self._write([(self.keys.events, finished)],
+                                        ack=(self.keys.samples, GROUP, entry_ids),
+                                        require=require)
+            except EntryGone as exc:
+                raise LogBehind(f"StepFinished({step - 1}) is gone from the log ({exc})") from exc
             self.consumer.acked(entry_ids)
             self.state = apply(self.state, finished)
             self.last_finished_id = ids[0]
