@@ -479,7 +479,9 @@ class ProfilerAgent:
             torch.cuda.nvtx.range_pop()
             sess = self._active
             if sess is not None and sess.range_open and self.tools.nsys.discrete:
+                # The step's queued kernels belong in its range: let them land first.
                 sess.range_open = False
+                torch.cuda.synchronize(self._cuda_device)
                 torch.cuda.cudart().cudaProfilerStop()
 
     def _close_step_or_fail(self) -> list[AgentEvent]:
@@ -612,7 +614,7 @@ class ProfilerAgent:
                 "run_id": self.run_id,
                 "session_id": sess.cmd.session_id,
                 "first_step": sess.started_step,
-                "last_step": max(sess.last_done, sess.started_step),
+                "last_step": max(sess.last_done, self._in_step or 0, sess.started_step),
                 "tool": sess.cmd.tool,
             }
             size = finish_trace(
