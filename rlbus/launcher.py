@@ -509,12 +509,8 @@ def run_up(cfg: Config, argv: Sequence[str] = ()) -> int:
                       f"`{_prog()} inspect --run {run_id} run.output_dir={cfg.run.output_dir}`)",
                       flush=True)
                 return 0
-            print(f"rlbus up: error: invalid config key 'trainer.total_training_steps': run "
-                  f"{run_id} finished after {status.finished_steps} steps; continuing a "
-                  f"finished run to {total} steps is not supported yet (its trainer and "
-                  "rollouters stop at the run's RunFinished). Start a new run.id, or see "
-                  "docs/operations.md", file=sys.stderr, flush=True)
-            return 2
+            print(f"run {run_id} finished after {status.finished_steps} steps: continuing it "
+                  f"to {total} (trainer.total_training_steps)", flush=True)
         from metrics_logger import logger_warnings
 
         for warning in logger_warnings(cfg):

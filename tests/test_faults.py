@@ -303,3 +303,22 @@ async def test_a_log_that_lost_its_tail(
     _assert_ledger(events, steps)
     resumed = [e for e in events if isinstance(e, TrainerResumed)]
     assert resumed and all(e.weights_match is not False for e in resumed)
+
+
+async def test_a_finished_run_continues_with_more_steps(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    args = _args(redis_url, run_id, tmp_path, "trainer.save_freq=2")
+    procs.spawn("rollouter0", "rollouter", *args, "trainer.total_training_steps=3")
+    procs.spawn("trainer", "trainer", *args, "trainer.total_training_steps=3")
+    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    procs.spawn("rollouter0b", "rollouter", *args, "trainer.total_training_steps=5")
+    procs.spawn("trainer2", "trainer", *args, "trainer.total_training_steps=5")
+    assert procs.wait("trainer2", 180) == 0, procs.log("trainer2")
+    assert procs.wait("rollouter0b", 60) == 0, procs.log("rollouter0b")
+    events = await events_of(bus, run_keys.events)
+    _assert_ledger(events, 5)
+    assert [e.steps for e in events if isinstance(e, RunFinished)] == [3, 5]
+    resumed = [e for e in events if isinstance(e, TrainerResumed)]
+    assert resumed and resumed[0].step == 3 and resumed[0].weights_match is True

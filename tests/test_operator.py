@@ -64,10 +64,7 @@ def test_up_on_a_finished_run_exits_at_once_saying_so(finished: FinishedRun) -> 
     res = finished.cli("up", f"run.id={RUN}", f"trainer.total_training_steps={STEPS}")
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"run {RUN} already finished after {STEPS} steps" in res.stdout
-    more = finished.cli("up", f"run.id={RUN}", f"trainer.total_training_steps={STEPS + 5}")
-    assert more.returncode == 2, more.stdout + more.stderr
-    assert "invalid config key 'trainer.total_training_steps'" in more.stderr
-    assert f"finished after {STEPS} steps" in more.stderr
+    # Continuing it with more steps: tests/test_faults.py (it would change this shared run).
 
 
 @pytest.mark.e2e
