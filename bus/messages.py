@@ -242,6 +242,9 @@ class ProfileRequest(_Base, frozen=True):
     next_steps: int = 0
     roles: list[str] = msgspec.field(default_factory=lambda: ["trainer", "rollouter"])
     ts: float = msgspec.field(default_factory=_now)
+    timeout_s: float = 30.0
+    """How long the client waits for the answer. The profiler service never serves a request
+    older than this (judged by Redis's clock: now vs the entry id); it refuses it instead."""
 
 
 class ProfileRequestRefused(_Base, frozen=True):

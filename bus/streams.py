@@ -37,6 +37,7 @@ Bus (all coroutines unless noted)
     ``destroy_group(stream, group) -> bool``                              XGROUP DESTROY
     ``delete(*keys) -> int``                                              DEL
     ``exists(key) -> bool``                                               EXISTS
+    ``server_time() -> float``   Redis's clock, s (entry ids are its ms)  TIME
     ``command(*args) -> Any``   one raw command under the retry policy (tools, tests)
     ``ping()``, ``server_version() -> (major, minor, patch)``, ``close()``
     ``on_retry``: optional hook ``(op, attempt, error)`` called before each retry wait
@@ -417,6 +418,16 @@ class Bus:
     async def ping(self) -> None:
         """Wraps PING (raises :class:`BusUnavailable` if Redis stays unreachable)."""
         await self._call("PING", lambda: self._redis.execute_command("PING"))
+
+    async def server_time(self) -> float:
+        """The Redis server's clock, in seconds since the epoch. Wraps TIME.
+
+        Entry ids of ``XADD *`` are this clock in milliseconds, so an entry's age is
+        ``server_time()`` minus its id's ms part: one clock, whatever the hosts' clocks say.
+        """
+        reply = await self._call("TIME", lambda: self._redis.execute_command("TIME"))
+        seconds, micros = reply
+        return int(seconds) + int(micros) / 1_000_000
 
     async def server_version(self) -> tuple[int, int, int]:
         """The server's version, from INFO server."""

@@ -1,4 +1,4 @@
-"""The run's trace manifest: a pure fold of the log, written atomically.
+"""The run's trace manifest: a pure function of the folded log, written atomically.
 
 ``save_path/RUN/manifest.json`` (``run.output_dir/profiles/RUN/`` when ``save_path`` is null)
 lists one entry per ``(session, role, rank)``:
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from bus.keys import validate_run_id
-from bus.messages import Command, Event, ProfileStarted, ProfileStopped, StartProfile
-from profiler_service.schedule import MANIFEST_NAME, expected_targets, fold_log
+from bus.messages import ProfileStopped
+from profiler_service.schedule import MANIFEST_NAME, expected_targets
+from profiler_service.state import ServiceState
 from runconfig.schema import Config
 
 __all__ = [
@@ -68,56 +68,64 @@ def _relative_trace_path(raw: str) -> str:
     return str(path)
 
 
-def build_manifest(
-    run_id: str, seen: Sequence[Event | Command], final: bool = False
-) -> dict[str, Any]:
-    """The manifest implied by the log ``seen`` (events and control, any merge order).
+def _stopped_fields(stopped: ProfileStopped) -> dict[str, Any]:
+    return {
+        "first_step": stopped.first_step,
+        "last_step": stopped.last_step,
+        "tool": stopped.tool,
+        "path": _relative_trace_path(stopped.path),
+        "bytes": stopped.bytes,
+        "status": stopped.status or "ok",
+        "duration_s": stopped.duration_s,
+    }
+
+
+def build_manifest(run_id: str, state: ServiceState, final: bool = False) -> dict[str, Any]:
+    """The manifest implied by the folded log ``state``.
 
     ``final`` (or a ProfilerFinished, or the service's give-up warning, in the log) turns
     sessions still ``scheduled``/``running`` into ``missing`` (or ``not_reached``).
+    O(sessions): the service rebuilds it only when a session fact changed, off its loop.
     """
-    view = fold_log(seen)
-    final = final or view.profiler_finished or view.gave_up_waiting
-    last_step = view.run_finished.steps if view.run_finished is not None else None
+    final = final or state.profiler_finished or state.gave_up_waiting
+    last_step = state.run_finished.steps if state.run_finished is not None else None
     entries: dict[tuple[str, str, int], dict[str, Any]] = {}
-
-    for msg in seen:
-        if isinstance(msg, StartProfile) and view.sent.get(msg.session_id) is msg:
-            for role, rank in expected_targets(msg.roles, view.replicas, msg.ranks):
-                entries.setdefault(
-                    (msg.session_id, role, rank),
-                    {
-                        "id": msg.session_id,
-                        "role": role,
-                        "rank": rank,
-                        "first_step": msg.first_step,
-                        "last_step": msg.last_step,
-                        "tool": msg.tool,
-                        "path": "",
-                        "bytes": 0,
-                        "status": "scheduled",
-                        "request_id": msg.request_id,
-                    },
-                )
-    for msg in seen:
-        if isinstance(msg, ProfileStarted):
-            entry = entries.get((msg.session_id, msg.role, msg.rank))
-            if entry is not None and entry["status"] == "scheduled":
-                entry["status"] = "running"
-        elif isinstance(msg, ProfileStopped):
-            key = (msg.session_id, msg.role, msg.rank)
-            entry = entries.setdefault(
-                key, {"id": msg.session_id, "role": msg.role, "rank": msg.rank, "request_id": ""}
-            )
-            entry.update(
-                first_step=msg.first_step,
-                last_step=msg.last_step,
-                tool=msg.tool,
-                path=_relative_trace_path(msg.path),
-                bytes=msg.bytes,
-                status=msg.status or "ok",
-                duration_s=msg.duration_s,
-            )
+    for cmd in state.sent_sessions():
+        session = state.sessions[cmd.session_id]
+        for role, rank in expected_targets(cmd.roles, state.replicas, cmd.ranks):
+            entry: dict[str, Any] = {
+                "id": cmd.session_id,
+                "role": role,
+                "rank": rank,
+                "first_step": cmd.first_step,
+                "last_step": cmd.last_step,
+                "tool": cmd.tool,
+                "path": "",
+                "bytes": 0,
+                "status": "running" if (role, rank) in session.started else "scheduled",
+                "request_id": cmd.request_id,
+            }
+            fact = session.stop_of(role, rank)
+            if fact is not None:
+                entry.update(_stopped_fields(fact.stopped))
+            entries.setdefault((cmd.session_id, role, rank), entry)
+    # A ProfileStopped nobody expected (unknown session or process) still gets its entry, at
+    # the end, in the order those reports first arrived.
+    unexpected = [
+        (fact.order, session.session_id, fact)
+        for session in state.sessions.values()
+        for fact in session.stops
+        if (session.session_id, fact.role, fact.rank) not in entries
+    ]
+    unexpected.sort(key=lambda item: item[0])
+    for _, sid, fact in unexpected:
+        entries[(sid, fact.role, fact.rank)] = {
+            "id": sid,
+            "role": fact.role,
+            "rank": fact.rank,
+            "request_id": "",
+            **_stopped_fields(fact.stopped),
+        }
     if final:
         for entry in entries.values():
             if entry["status"] in ("scheduled", "running"):

@@ -4,7 +4,9 @@ It publishes a :class:`~bus.messages.ProfileRequest` to the run's events stream 
 bounded by a timeout, for the profiler service's answer: a StartProfile carrying the request
 id on the control stream (accepted: exit code 0) or a ProfileRequestRefused on the events
 stream (refused: exit code 2, the reason is printed). No answer in time means the service is
-not running for this run (exit code 1).
+not running for this run (exit code 1). The request carries that timeout
+(``ProfileRequest.timeout_s``): a service that first sees it later than that, by Redis's
+clock, refuses it as expired instead of scheduling a session nobody waits for.
 
 SPEC is one of:
 
@@ -153,6 +155,7 @@ async def request_profile(
         steps=list(parsed.steps),
         next_steps=parsed.next_steps,
         roles=list(dict.fromkeys(roles)),
+        timeout_s=timeout_s,  # the service never serves it after we stopped waiting
     )
     events_cursor = _after(await bus.publish(keys.events, request))
 

@@ -1,8 +1,9 @@
-"""The profiler service's decision core: pure functions of the config and the run's log.
+"""The profiler service's decision core: pure functions of the config and the folded log.
 
 Nothing here does I/O, reads the clock or keeps state between calls. :func:`decide` is given
-*everything* seen so far on the run's events and control streams (the service's own earlier
-output included) and returns only what is still missing. That one rule buys three properties:
+the state folded from *everything* seen so far on the run's events and control streams (the
+service's own earlier output included; see :mod:`profiler_service.state`) and returns only
+what is still missing. That one rule buys three properties:
 
 * start order does not matter: a service that starts after the trainer reads the log from its
   beginning and computes the same commands as one that was waiting for ``RunStarted``;
@@ -10,6 +11,9 @@ output included) and returns only what is still missing. That one rule buys thre
 * replay is deterministic: the same log gives the same output, timestamps included (every
   returned message takes the timestamp of the entry that caused it; the service restamps it
   when it publishes).
+
+Because the state is folded one entry at a time (``state = apply(state, entry)``), deciding
+after a new entry costs the same at step 10 as at step 100 000.
 
 Steps are 1-based. A trainer step K is the K-th update; a rollouter step K is the window in
 which it generates with weights version K-1. A :class:`~bus.messages.StartProfile` names the
@@ -20,11 +24,9 @@ late for a step, step 1 included.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
-
-import msgspec
 
 from bus.messages import (
     Command,
@@ -33,12 +35,14 @@ from bus.messages import (
     ProfileRequestRefused,
     ProfilerFinished,
     ProfilerReady,
-    ProfileStopped,
-    RunFinished,
-    RunStarted,
     StartProfile,
-    StepStarted,
-    WarningRaised,
+)
+from profiler_service.state import (
+    PROFILER_SOURCE,
+    SESSIONS_MISSING_CODE,
+    PendingRequest,
+    ServiceState,
+    Target,
 )
 from runconfig.schema import ProfilerConfig
 
@@ -50,12 +54,11 @@ __all__ = [
     "PROFILER_SOURCE",
     "ROLES",
     "SESSIONS_MISSING_CODE",
-    "RunView",
     "Target",
     "decide",
     "expected_ranks",
     "expected_targets",
-    "fold_log",
+    "expired_reason",
     "is_safe_label",
     "outstanding_targets",
     "plan_sessions",
@@ -80,19 +83,8 @@ MAX_REQUEST_STEPS = 1000
 MANIFEST_NAME = "manifest.json"
 """File name of the manifest inside ``save_path/RUN``."""
 
-PROFILER_SOURCE = "profiler"
-"""``source`` of the WarningRaised events the profiler service publishes (and its role)."""
-
-SESSIONS_MISSING_CODE = "profile_sessions_missing"
-"""WarningRaised code the service publishes when, after RunFinished, it gave up waiting for
-the last ProfileStopped events. Once it is in the log, :func:`decide` finishes the run."""
-
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-Target = tuple[str, int]
-"""One profiled process: ``(role, rank)``."""
-
 
 # --------------------------------------------------------------------------- labels
 
@@ -209,6 +201,40 @@ def plan_sessions(
     ]
 
 
+@functools.lru_cache(maxsize=16)
+def _plan_cached(
+    tool: str | None,
+    steps: tuple[int, ...],
+    continuous: bool,
+    roles: tuple[str, ...],
+    ranks: tuple[int, ...],
+    contents: tuple[str, ...],
+    replicas: int,
+    total_steps: int | None,
+    ts: float,
+) -> tuple[StartProfile, ...]:
+    cfg = ProfilerConfig(
+        tool=tool,  # type: ignore[arg-type]
+        steps=list(steps),
+        profile_continuous_steps=continuous,
+        roles=list(roles),  # type: ignore[arg-type]
+        ranks=list(ranks),
+        contents=list(contents),  # type: ignore[arg-type]
+    )
+    return tuple(plan_sessions(cfg, replicas, total_steps, ts))
+
+
+def _plan(
+    cfg: ProfilerConfig, replicas: int, total_steps: int | None, ts: float
+) -> tuple[StartProfile, ...]:
+    """:func:`plan_sessions`, computed once per distinct input (``decide`` runs after every
+    new entry; the plan changes only with the config or the latest RunStarted)."""
+    return _plan_cached(
+        cfg.tool, tuple(cfg.steps), cfg.profile_continuous_steps, tuple(cfg.roles),
+        tuple(cfg.ranks), tuple(cfg.contents), replicas, total_steps, ts,
+    )
+
+
 def sessions_overlap(a: StartProfile, b: StartProfile) -> bool:
     """Whether two sessions share a role and at least one step."""
     shares_role = any(role in b.roles for role in a.roles)
@@ -218,119 +244,23 @@ def sessions_overlap(a: StartProfile, b: StartProfile) -> bool:
 # --------------------------------------------------------------------------- the log, folded
 
 
-class RunView(msgspec.Struct, kw_only=True):
-    """What the log says so far, as far as the profiler service is concerned."""
-
-    run_started: RunStarted | None = None
-    """The latest RunStarted (a resumed run publishes it again)."""
-    ready_since_run_started: bool = False
-    """A ProfilerReady follows the latest RunStarted."""
-    run_finished: RunFinished | None = None
-    """A RunFinished that follows the latest RunStarted."""
-    gave_up_waiting: bool = False
-    """A SESSIONS_MISSING_CODE warning follows that RunFinished."""
-    profiler_finished: bool = False
-    last_started_step: int = 0
-    """Highest trainer StepStarted seen (0 before step 1)."""
-    sent: dict[str, StartProfile] = msgspec.field(default_factory=dict)
-    """StartProfile commands already in the control stream, by session id (first wins)."""
-    answers: dict[str, StartProfile | ProfileRequestRefused] = msgspec.field(
-        default_factory=dict
-    )
-    """Answers already published, by request id (first wins)."""
-    requests: list[ProfileRequest] = msgspec.field(default_factory=list)
-    """Runtime requests in log order, first occurrence of each request id only."""
-    stopped: set[tuple[str, str, int]] = msgspec.field(default_factory=set)
-    """``(session_id, role, rank)`` of every ProfileStopped."""
-
-    @property
-    def total_steps(self) -> int | None:
-        """``trainer.total_training_steps`` of the run's config, when it says."""
-        return _config_int(self.run_started, "trainer", "total_training_steps")
-
-    @property
-    def replicas(self) -> int:
-        """``rollout.replicas`` of the run's config (1 when it does not say)."""
-        return _config_int(self.run_started, "rollout", "replicas") or 1
-
-
-def _config_int(run_started: RunStarted | None, section: str, key: str) -> int | None:
-    if run_started is None:
-        return None
-    node: Any = run_started.config.get(section) if isinstance(run_started.config, dict) else None
-    value = node.get(key) if isinstance(node, dict) else None
-    # bool is an int subclass; a config that says `true` here is not a count.
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    return None
-
-
-def fold_log(seen: Sequence[Event | Command]) -> RunView:
-    """Fold the events and control entries seen so far into a :class:`RunView`.
-
-    Only the relative order of *events* matters (RunStarted vs ProfilerReady/RunFinished);
-    commands are matched by id wherever they appear, so the caller may merge the two streams
-    in any order.
-    """
-    view = RunView()
-    seen_request_ids: set[str] = set()
-    for msg in seen:
-        match msg:
-            case RunStarted():
-                view.run_started = msg
-                view.ready_since_run_started = False
-                view.run_finished = None
-                view.gave_up_waiting = False
-            case ProfilerReady():
-                view.ready_since_run_started = view.run_started is not None
-            case RunFinished():
-                if view.run_started is not None:
-                    view.run_finished = msg
-                    view.gave_up_waiting = False
-            case WarningRaised(source=source, code=code):
-                if (
-                    source == PROFILER_SOURCE
-                    and code == SESSIONS_MISSING_CODE
-                    and view.run_finished is not None
-                ):
-                    view.gave_up_waiting = True
-            case ProfilerFinished():
-                view.profiler_finished = True
-            case StepStarted():
-                view.last_started_step = max(view.last_started_step, msg.step)
-            case StartProfile():
-                view.sent.setdefault(msg.session_id, msg)
-                if msg.request_id:
-                    view.answers.setdefault(msg.request_id, msg)
-            case ProfileRequestRefused():
-                view.answers.setdefault(msg.request_id, msg)
-            case ProfileRequest():
-                if msg.request_id not in seen_request_ids:
-                    seen_request_ids.add(msg.request_id)
-                    view.requests.append(msg)
-            case ProfileStopped():
-                view.stopped.add((msg.session_id, msg.role, msg.rank))
-            case _:
-                pass
-    return view
-
-
 def outstanding_targets(
-    view: RunView, scheduled: Iterable[StartProfile] | None = None
+    state: ServiceState, scheduled: Iterable[StartProfile] | None = None
 ) -> list[tuple[str, str, int]]:
     """``(session_id, role, rank)`` still expected to stop, for a finished run.
 
     A session whose first step is past the run's last step never started and is not waited
-    for. Before RunFinished everything unstopped is outstanding.
+    for. Before RunFinished everything unstopped is outstanding. O(sessions): the service
+    asks only once the run has finished.
     """
-    sessions = list(view.sent.values()) if scheduled is None else list(scheduled)
-    last_step = view.run_finished.steps if view.run_finished is not None else None
+    sessions = state.sent_sessions() if scheduled is None else list(scheduled)
+    last_step = state.run_finished.steps if state.run_finished is not None else None
     missing: list[tuple[str, str, int]] = []
     for session in sessions:
         if last_step is not None and session.first_step > last_step:
             continue
-        for role, rank in expected_targets(session.roles, view.replicas, session.ranks):
-            if (session.session_id, role, rank) not in view.stopped:
+        for role, rank in expected_targets(session.roles, state.replicas, session.ranks):
+            if not state.stopped(session.session_id, role, rank):
                 missing.append((session.session_id, role, rank))
     return missing
 
@@ -342,11 +272,29 @@ def _refuse(req: ProfileRequest, reason: str) -> ProfileRequestRefused:
     return ProfileRequestRefused(request_id=req.request_id, reason=reason, ts=req.ts)
 
 
+def expired_reason(pending: PendingRequest, now_ms: int | None) -> str | None:
+    """Why ``pending`` must not be served any more, judged by the Redis server's clock alone:
+    its age is ``now_ms`` (Redis ``TIME``) minus its arrival (its entry id), and the client
+    stops waiting ``timeout_s`` after it sent it. None while it may still be served (or when
+    either time is unknown)."""
+    if now_ms is None or pending.arrived_ms is None:
+        return None
+    age_ms = now_ms - pending.arrived_ms
+    limit_ms = pending.request.timeout_s * 1000.0
+    if age_ms <= limit_ms:
+        return None
+    return (
+        f"expired: the request arrived {age_ms / 1000:.1f} s before the profiler service "
+        f"could answer it, past its timeout of {pending.request.timeout_s:g} s; nobody is "
+        "waiting for the answer any more, so no session is scheduled for it"
+    )
+
+
 def _answer_request(
     cfg: ProfilerConfig,
-    view: RunView,
+    state: ServiceState,
     req: ProfileRequest,
-    scheduled: list[StartProfile],
+    scheduled: Sequence[StartProfile],
     barrier: int = 0,
 ) -> StartProfile | ProfileRequestRefused:
     """Validate one runtime request against the log, the sessions scheduled so far and the
@@ -355,22 +303,28 @@ def _answer_request(
         return _refuse(
             req, "profiling is off: global_profiler.tool is null in the profiler service config"
         )
+    if state.run_profiling_off:
+        return _refuse(
+            req,
+            "profiling is off for this run: it was started with global_profiler.tool null, "
+            "so its trainer and rollouters hold no profiler and no trace could be written",
+        )
     if not is_safe_label(req.request_id, MAX_REQUEST_ID_LEN):
         return _refuse(
             req,
             f"request id must be 1-{MAX_REQUEST_ID_LEN} letters, digits, '_', '.' or '-'",
         )
-    if view.run_finished is not None:
-        return _refuse(req, f"the run has finished (after step {view.run_finished.steps})")
+    if state.run_finished is not None:
+        return _refuse(req, f"the run has finished (after step {state.run_finished.steps})")
     unknown = [r for r in req.roles if r not in ROLES]
     if unknown or not req.roles:
         return _refuse(req, f"roles must be a non-empty subset of {list(ROLES)}, got {req.roles}")
-    roles = _profiled_roles(req.roles, view.replicas, cfg.ranks)
+    roles = _profiled_roles(req.roles, state.replicas, cfg.ranks)
     if not roles:
         return _refuse(
             req, f"no rank of roles {req.roles} is selected by global_profiler.ranks={cfg.ranks}"
         )
-    started = view.last_started_step
+    started = state.last_started_step
     # The barrier is ahead of StepStarted while the trainer crosses a step boundary: the
     # step it names has begun for the components even though its StepStarted is not out.
     last = max(started, barrier)
@@ -405,7 +359,7 @@ def _answer_request(
             f"(the trainer closed commands for steps up to {last}), so the earliest step a "
             f"request can profile is {last + 1}",
         )
-    total = view.total_steps
+    total = state.total_steps
     if total is not None and final > total:
         return _refuse(
             req, f"step {final} is past the run's last step (trainer.total_training_steps={total})"
@@ -433,11 +387,16 @@ def _answer_request(
 
 
 def decide(
-    cfg: ProfilerConfig, seen: Sequence[Event | Command], barrier: int = 0
+    cfg: ProfilerConfig,
+    state: ServiceState,
+    barrier: int = 0,
+    now_ms: int | None = None,
 ) -> list[Command | Event]:
-    """What the service must publish now, given everything seen so far (in log order) and
-    the run's step ``barrier`` (the value of ``RunKeys.barrier``: the trainer raises it to
-    ``k`` before it lets any role begin step ``k``; 0 when unknown).
+    """What the service must publish now, given the folded log ``state`` (everything seen so
+    far on the events and control streams, its own output included), the run's step
+    ``barrier`` (the value of ``RunKeys.barrier``: the trainer raises it to ``k`` before it
+    lets any role begin step ``k``; 0 when unknown) and the Redis server's clock ``now_ms``
+    (``TIME`` in ms; None: requests are not judged by age).
 
     Returned in publishing order: commands go to the control stream, events to the events
     stream, one after the other, so a reader that sees ProfilerReady already finds every
@@ -448,9 +407,11 @@ def decide(
       run has finished: nobody is left to arm them.
     * Each ProfileRequest not yet answered: a StartProfile with its ``request_id``, or a
       ProfileRequestRefused with the reason. Answered only once the run has started (a
-      request read before RunStarted waits for it), except that ``tool`` null refuses at once.
-      A request's steps must come after both the last StepStarted and ``barrier``
-      (``next:N`` counts from the higher of the two). The service publishes these
+      request read before RunStarted waits for it), except that ``tool`` null refuses at once,
+      and so does a request older than its own ``timeout_s`` (see :func:`expired_reason`):
+      its client has given up, so it is never served. A run started with ``tool`` null gets
+      refusals only. A request's steps must come after both the last StepStarted and
+      ``barrier`` (``next:N`` counts from the higher of the two). The service publishes these
       StartProfile commands guarded by the barrier (:meth:`bus.Bus.publish_guarded`) and,
       when the guard refuses one, decides again with the barrier it reads then.
     * RunFinished, when every session that could have run has a ProfileStopped for every
@@ -459,49 +420,69 @@ def decide(
       is :data:`MANIFEST_NAME` (relative) and ``hook_rc`` None: the service fills both in.
 
     ``tool`` null: no command at all, only refusals.
+
+    Cost: O(configured sessions + pending requests x open sessions) while the run goes on,
+    whatever the length of the log; every session sent is listed only when a configured one
+    is still unsent (at RunStarted) or once the run has finished.
     """
-    view = fold_log(seen)
     out: list[Command | Event] = []
     if cfg.tool is None:
-        for req in view.requests:
-            if req.request_id not in view.answers:
-                out.append(_answer_request(cfg, view, req, []))
+        for pending in state.pending:
+            out.append(_answer_request(cfg, state, pending.request, []))
         return out
-    started = view.run_started
+    started = state.run_started
     if started is None:
+        # Nothing can be scheduled yet, but a request nobody waits for is refused at once.
+        for pending in state.pending:
+            reason = expired_reason(pending, now_ms)
+            if reason is not None:
+                out.append(_refuse(pending.request, reason))
         return out
 
-    scheduled: list[StartProfile] = list(view.sent.values())
+    sent: list[StartProfile] | None = None  # the sessions already sent, listed when needed
+    new: list[StartProfile] = []
+
+    def scheduled() -> list[StartProfile]:
+        nonlocal sent
+        if sent is None:
+            sent = state.sent_sessions()
+        return [*sent, *new]
+
     planned_ids: list[str] = []
-    for session in plan_sessions(cfg, view.replicas, view.total_steps, ts=started.ts):
-        if session.session_id in view.sent:
+    for session in _plan(cfg, state.replicas, state.total_steps, started.ts):
+        if state.is_sent(session.session_id):
             planned_ids.append(session.session_id)
             continue
-        if view.run_finished is not None:
+        if state.run_finished is not None:
             continue  # a service that starts after the run ended: nobody is left to arm it
         # A restart with a changed config must not add sessions over ones already armed.
-        if any(sessions_overlap(session, other) for other in scheduled):
+        if any(sessions_overlap(session, other) for other in scheduled()):
             continue
         out.append(session)
-        scheduled.append(session)
+        new.append(session)
         planned_ids.append(session.session_id)
-    if not view.ready_since_run_started and view.run_finished is None:
+    if not state.ready_since_run_started and state.run_finished is None:
         out.append(ProfilerReady(session_ids=planned_ids, ts=started.ts))
 
-    for req in view.requests:
-        if req.request_id in view.answers:
+    for pending in state.pending:
+        reason = expired_reason(pending, now_ms)
+        if reason is not None:
+            out.append(_refuse(pending.request, reason))
             continue
-        answer = _answer_request(cfg, view, req, scheduled, barrier)
+        # A request is for steps after the last started one, so only sessions that end
+        # after it can overlap it: the open ones (in the order sent), not the whole run's.
+        candidates = [*state.open_sessions, *new]
+        answer = _answer_request(cfg, state, pending.request, candidates, barrier)
         out.append(answer)
         if isinstance(answer, StartProfile):
-            scheduled.append(answer)
+            new.append(answer)
 
-    finished = view.run_finished
-    if finished is not None and not view.profiler_finished:
-        if view.gave_up_waiting or not outstanding_targets(view, scheduled):
+    finished = state.run_finished
+    if finished is not None and not state.profiler_finished:
+        if state.gave_up_waiting or not outstanding_targets(state, scheduled()):
             out.append(
                 ProfilerFinished(
-                    manifest_path=MANIFEST_NAME, sessions=len(scheduled), ts=finished.ts
+                    manifest_path=MANIFEST_NAME, sessions=state.sent + len(new), ts=finished.ts
                 )
             )
     return out

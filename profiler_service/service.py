@@ -2,17 +2,27 @@
 
 Life of the service (``python -m profiler_service`` / ``rlbus profiler``):
 
-1. Read the run's control stream and events stream from their beginnings (either may not
-   exist yet). This is all the state there is: a restarted service knows from the log what
-   it already published, so it never publishes it twice.
-2. Follow the events stream. After every batch of new entries read the run's step barrier,
-   call :func:`~profiler_service.schedule.decide` on the whole log and the barrier, and
-   publish its output in order: commands (StartProfile) to the control stream, events
-   (ProfilerReady, ProfileRequestRefused, ProfilerFinished) to the events stream. A runtime
-   request's StartProfile is published guarded by the barrier (refused once the trainer
-   let its first step begin; then decide again). Keep ``manifest.json`` up to date.
-   Publish a Heartbeat (role ``profiler``) every ``heartbeat.interval_s`` once the events
-   stream exists (never creating it: that is the trainer's job).
+1. Fold the run's control stream and events stream into its state
+   (:mod:`profiler_service.state`: ``state = apply(state, entry)``, one entry at a time;
+   either stream may not exist yet). That state is all there is: a restarted service knows
+   from the log what it already published, so it never publishes it twice. It starts from
+   the snapshot it keeps next to the manifest when there is one (the folded state and the
+   id of the last events entry in it), so a restart reads only the log after that position;
+   a snapshot the log does not confirm (its position is not in the stream: a lost tail,
+   another run with the same id) is ignored and the whole log is folded.
+2. Follow the events stream, folding each new entry (the entries themselves are not kept).
+   After a batch that changed the state, read the run's step barrier (and, when a runtime
+   request is waiting, Redis's clock), call :func:`~profiler_service.schedule.decide` on the
+   state, and publish its output in order: commands (StartProfile) to the control stream,
+   events (ProfilerReady, ProfileRequestRefused, ProfilerFinished) to the events stream. A
+   runtime request's StartProfile is published guarded by the barrier (refused once the
+   trainer let its first step begin; then decide again); a request older than its own
+   timeout is refused, never served. Keep ``manifest.json`` up to date (at most every
+   :data:`MANIFEST_EVERY_S`, written on a worker thread).
+   From start to exit, say "alive" every ``heartbeat.interval_s`` on the liveness key
+   ``RunKeys.alive("profiler", 0)`` (a TTL key, :func:`bus.pulse`; never in the log), from a
+   task that nothing on the loop blocks: file writes run on threads, the hook is an asyncio
+   subprocess.
 3. After RunFinished, wait up to ``global_profiler.handshake_timeout_s`` for the sessions
    still expected to stop; then publish a WarningRaised naming the missing ones (so the log
    says why), which lets ``decide`` finish.
@@ -44,27 +54,29 @@ from bus import (
     Entry,
     Event,
     Heartbeat,
-    ProfileRequest,
     ProfileRequestRefused,
     ProfilerFinished,
     ProfilerReady,
-    ProfileStarted,
-    ProfileStopped,
-    RunFinished,
     RunKeys,
-    RunStarted,
     StartProfile,
-    StepStarted,
     StopProfile,
     WarningRaised,
+    pulse,
 )
 from profiler_service.manifest import build_manifest, manifest_file, profile_dir, write_manifest
 from profiler_service.schedule import (
     PROFILER_SOURCE,
     SESSIONS_MISSING_CODE,
     decide,
-    fold_log,
     outstanding_targets,
+)
+from profiler_service.state import (
+    Fact,
+    ServiceState,
+    Snapshot,
+    apply,
+    decode_snapshot,
+    encode_snapshot,
 )
 from runconfig.schema import Config
 
@@ -72,6 +84,7 @@ __all__ = [
     "HOOK_INTERRUPTED_CODE",
     "HOOK_MARKER_NAME",
     "HOOK_TIMEOUT_S",
+    "SNAPSHOT_NAME",
     "ProfilerService",
     "serve",
 ]
@@ -89,11 +102,25 @@ HOOK_INTERRUPTED_CODE = "finish_hook_interrupted"
 HOOK_TIMEOUT_S = 600.0
 """Longest a finish hook may run before it is killed (its exit code is then recorded as -9)."""
 
+SNAPSHOT_NAME = ".profiler_state.msgpack"
+"""The service's snapshot in ``save_path/RUN``: its folded state and tracking positions
+(:class:`~profiler_service.state.Snapshot`). A cache of the log, never a source of facts."""
+
+SNAPSHOT_EVERY_S = 5.0
+"""Shortest time between two snapshot writes (one is also written on a clean exit)."""
+
+MANIFEST_EVERY_S = 0.5
+"""Shortest time between two manifest writes while the run goes on (the final one is
+written at once); changes in between are coalesced."""
+
 WAIT_SLICE_S = 0.5
 """Longest single wait of the main loop (SIGTERM and timers are noticed at least this often)."""
 
 WAITING_LOG_EVERY_S = 30.0
 """How often a service waiting for a run that has not started says so."""
+
+ALIVE_DELETE_TIMEOUT_S = 2.0
+"""Bound on removing the liveness key at exit (Redis may be what failed)."""
 
 READ_COUNT = 500
 
@@ -101,23 +128,6 @@ GUARD_ATTEMPTS = 5
 """Decisions in a row one turn of the loop makes when the step barrier refuses a guarded
 StartProfile (each one re-reads the barrier first, so a second refusal needs the trainer to
 cross another step boundary in between)."""
-
-_KEPT = (
-    RunStarted,
-    StepStarted,
-    RunFinished,
-    ProfilerReady,
-    ProfileStarted,
-    ProfileStopped,
-    ProfilerFinished,
-    ProfileRequest,
-    ProfileRequestRefused,
-    WarningRaised,
-    StartProfile,
-    StopProfile,
-)
-"""Message types the decisions and the manifest depend on; the rest (heartbeats, samples'
-announcements, metrics) is not kept in memory."""
 
 
 class ProfilerService:
@@ -131,77 +141,208 @@ class ProfilerService:
         self.keys = RunKeys(cfg.run.id)
         self.profile_dir = profile_dir(cfg)
         self.manifest_path = manifest_file(cfg)
-        self.log: list[Event | Command] = []
-        """Everything relevant seen on both streams (our own output included), log order."""
+        self.snapshot_path = self.profile_dir / SNAPSHOT_NAME
+        self.state = ServiceState()
+        """Everything seen on both streams (our own output included), folded."""
+        self.events_position = "0"
+        """Tracking position: id of the last events entry folded into :attr:`state`."""
+        self.control_position = ""
+        """Id of the last control entry known (read, or published by us)."""
         self._own_event_ids: set[str] = set()
-        self._events_cursor = "0"
         self._events_exist = False
         self._give_up_at: float | None = None
-        self._next_heartbeat = 0.0
-        self._dirty = True  # the log changed since the last decision
+        self._dirty = True  # the state changed since the last decision
+        self._caught_up = False  # read the log and made a first decision
+        self._hook_running = False
+        self._pulse_now = asyncio.Event()
+        self._pulsed_activity = ""
+        self._manifest_inputs: tuple[Any, ...] | None = None
+        self._manifest_due = 0.0
+        self._snapshot_of: tuple[ServiceState, str] | None = None
+        self._snapshot_due = 0.0
 
-    # ------------------------------------------------------------------ reading
+    # ------------------------------------------------------------------ folding
 
-    def _keep(self, entry: Entry) -> None:
-        if isinstance(entry.msg, _KEPT):
-            self.log.append(entry.msg)  # type: ignore[arg-type]
+    def _fold(self, msg: Fact, entry_id: str | None = None) -> None:
+        """Fold one entry into the state (``entry_id``: its events stream id, if any)."""
+        state = apply(self.state, msg, entry_id)
+        if state is not self.state:
+            self.state = state
             self._dirty = True
 
     async def _catch_up(self) -> None:
-        """Read both streams from their beginnings: the state a restarted service resumes."""
-        async for entry in self.bus.read_all(self.keys.control, count=READ_COUNT):
-            self._keep(entry)
-        async for entry in self.bus.read_all(self.keys.events, count=READ_COUNT):
-            self._events_cursor = entry.id
+        """Fold both streams (the events one from the snapshot's position, if any): the state
+        a restarted service resumes."""
+        snapshot = await self._load_snapshot()
+        start = "0"
+        if snapshot is not None:
+            self.state = snapshot.state
+            self.events_position = snapshot.events_position
+            self.control_position = snapshot.control_position
             self._events_exist = True
-            self._keep(entry)
+            start = f"({snapshot.events_position}"
+        changed = 0
+        # The control stream holds commands only (a few per session): read it whole; its
+        # commands are matched by id, so folding one again changes nothing.
+        async for entry in self.bus.read_all(self.keys.control, count=READ_COUNT):
+            self.control_position = entry.id
+            before = self.state
+            self._fold(entry.msg)
+            changed += self.state is not before
+        async for entry in self.bus.read_all(self.keys.events, start, count=READ_COUNT):
+            self.events_position = entry.id
+            self._events_exist = True
+            before = self.state
+            self._fold(entry.msg, entry.id)
+            changed += self.state is not before
         # A stream that holds only garbage still exists; read_all skipped those entries.
         if not self._events_exist and await self.bus.exists(self.keys.events):
             self._events_exist = True
+        where = f" after the snapshot at {snapshot.events_position}" if snapshot else ""
+        log.info("run %s: read %d relevant entries from the log%s", self.keys.run_id, changed,
+                 where)
+
+    async def _load_snapshot(self) -> Snapshot | None:
+        """The snapshot next to the manifest, if the log confirms it."""
+        if self.cfg.global_profiler.tool is None:
+            return None
+        data = await asyncio.to_thread(_read_bytes, self.snapshot_path)
+        if data is None:
+            return None
+        snapshot = decode_snapshot(data)
+        if snapshot is None or snapshot.run_id != self.keys.run_id:
+            log.info("ignoring %s (not a snapshot of this run); reading the whole log",
+                     self.snapshot_path)
+            return None
+        # A snapshot says what the log held up to its positions. If the log lacks them (a
+        # Redis that lost its tail, or a new run reusing the id) the log wins.
+        checks = [(self.keys.events, snapshot.events_position)]
+        if snapshot.control_position:
+            checks.append((self.keys.control, snapshot.control_position))
+        for stream, position in checks:
+            if not await self.bus.read_ids(stream, [position]):
+                log.warning("snapshot %s names entry %s of %s, which the log does not hold; "
+                            "reading the whole log", self.snapshot_path, position, stream)
+                return None
+        return snapshot
 
     async def _follow(self, queue: asyncio.Queue[Entry], stop: asyncio.Event) -> None:
         """Background: new events entries into ``queue`` (XREAD BLOCK, bounded waits)."""
         block_ms = int(WAIT_SLICE_S * 1000)
         async for entry in self.bus.tail(
-            self.keys.events, self._events_cursor, block_ms=block_ms, count=READ_COUNT, stop=stop
+            self.keys.events, self.events_position, block_ms=block_ms, count=READ_COUNT,
+            stop=stop,
         ):
             await queue.put(entry)
 
     # ------------------------------------------------------------------ publishing
 
     async def _publish(self, msg: Command | Event) -> None:
-        """Publish one decision (restamped with the current time) and remember it."""
+        """Publish one decision (restamped with the current time) and fold it."""
         msg = msgspec.structs.replace(msg, ts=time.time())
         if isinstance(msg, StartProfile | StopProfile):
-            await self.bus.publish(self.keys.control, msg)
+            self.control_position = await self.bus.publish(self.keys.control, msg)
+            self._fold(msg)
         else:
             entry_id = await self.bus.publish(self.keys.events, msg)
             self._own_event_ids.add(entry_id)
-        self.log.append(msg)
+            self._fold(msg, entry_id)
         self._dirty = True
         log.info("published %s", _describe(msg))
 
-    async def _heartbeat(self, now: float) -> None:
-        if not self._events_exist or now < self._next_heartbeat:
+    # ------------------------------------------------------------------ liveness
+
+    def _activity(self) -> str:
+        state = self.state
+        if not self._caught_up:
+            return "catching up"
+        if self._hook_running:
+            return "running the finish hook"
+        if state.run_started is None:
+            return "waiting for RunStarted"
+        if state.run_finished is not None:
+            return "finishing"
+        return "following"
+
+    async def _pulse_forever(self) -> None:
+        """Refresh the liveness key every ``heartbeat.interval_s`` (at once when
+        :attr:`_pulse_now` is set); cancelled at exit."""
+        key = self.keys.alive(PROFILER_SOURCE, 0)
+        while True:
+            state = self.state
+            heartbeat = Heartbeat(
+                role=PROFILER_SOURCE,
+                rank=0,
+                pid=os.getpid(),
+                state=self._activity(),
+                metrics={
+                    "sessions": float(state.sent),
+                    "pending_requests": float(len(state.pending)),
+                    "last_started_step": float(state.last_started_step),
+                },
+            )
+            self._pulse_now.clear()
+            self._pulsed_activity = heartbeat.state
+            await pulse(self.bus, key, heartbeat, self.cfg.heartbeat.timeout_s)
+            # asyncio.timeout, not wait_for: on 3.11 a wait_for whose event fires as the
+            # task is cancelled swallows the cancellation, and this loop would never end.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.cfg.heartbeat.interval_s):
+                    await self._pulse_now.wait()
+
+    # ------------------------------------------------------------------ files
+
+    def _profiled(self) -> bool:
+        # Nothing to describe otherwise: do not create folders for a run that is not profiled.
+        return self.cfg.global_profiler.tool is not None and self.state.run_started is not None
+
+    async def _write_manifest(self, final: bool = False) -> None:
+        """Write the manifest of the current state, on a worker thread (the state is frozen,
+        so the thread reads it safely while the loop goes on)."""
+        if not self._profiled():
             return
-        self._next_heartbeat = now + self.cfg.heartbeat.interval_s
-        view = fold_log(self.log)
-        state = "waiting for RunStarted" if view.run_started is None else "following"
-        if view.run_finished is not None:
-            state = "finishing"
-        await self.bus.publish(
-            self.keys.events,
-            Heartbeat(role=PROFILER_SOURCE, rank=0, pid=os.getpid(), state=state),
+        state = self.state
+        self._manifest_inputs = _manifest_inputs(state)
+        entries = await asyncio.to_thread(
+            _write_manifest_file, self.manifest_path, self.keys.run_id, state, final
         )
+        if entries is not None:
+            log.info("manifest %s: %d entries", self.manifest_path, entries)
+
+    async def _write_snapshot(self) -> None:
+        """Store the state and the tracking positions, on a worker thread. Only when every
+        event we published has come back through the tail, so that everything the state
+        holds is at or before :attr:`events_position`."""
+        if not self._profiled() or self._own_event_ids or self.events_position == "0":
+            return
+        last = self._snapshot_of
+        if last is not None and last[0] is self.state and last[1] == self.events_position:
+            return  # this very state at this very position is stored already
+        snapshot = Snapshot(
+            state=self.state,
+            run_id=self.keys.run_id,
+            events_position=self.events_position,
+            control_position=self.control_position,
+        )
+        await asyncio.to_thread(_write_snapshot_file, self.snapshot_path, snapshot)
+        self._snapshot_of = (snapshot.state, snapshot.events_position)
+
+    async def _keep_files(self, now: float) -> None:
+        """Write the manifest when its inputs changed and the snapshot when due."""
+        if not self._profiled():
+            return
+        inputs = _manifest_inputs(self.state)
+        stale = self._manifest_inputs is None or any(
+            a is not b for a, b in zip(inputs, self._manifest_inputs, strict=True)
+        )
+        if stale and now >= self._manifest_due:
+            self._manifest_due = now + MANIFEST_EVERY_S
+            await self._write_manifest()
+        if now >= self._snapshot_due:
+            self._snapshot_due = now + SNAPSHOT_EVERY_S
+            await self._write_snapshot()
 
     # ------------------------------------------------------------------ finishing
-
-    def _write_manifest(self, final: bool = False) -> None:
-        if self.cfg.global_profiler.tool is None or fold_log(self.log).run_started is None:
-            return  # nothing to describe: do not create folders for a run that is not profiled
-        manifest = build_manifest(self.keys.run_id, self.log, final=final)
-        if write_manifest(self.manifest_path, manifest):
-            log.info("manifest %s: %d entries", self.manifest_path, len(manifest["sessions"]))
 
     async def _run_hook_once(self) -> int | None:
         """Run ``finish_hook_cmd`` unless a marker says it already ran; its exit code."""
@@ -209,7 +350,7 @@ class ProfilerService:
         if not cmd:
             return None
         marker = self.profile_dir / HOOK_MARKER_NAME
-        previous = _read_marker(marker)
+        previous = await asyncio.to_thread(_read_marker, marker)
         if previous is not None:
             rc = previous.get("rc")
             if isinstance(rc, int):
@@ -227,7 +368,7 @@ class ProfilerService:
             )
             return None
         started = time.time()
-        _write_marker(marker, {"started": started})
+        await asyncio.to_thread(_write_marker, marker, {"started": started})
         env = {
             **os.environ,
             "RLBUS_RUN_ID": self.keys.run_id,
@@ -235,20 +376,26 @@ class ProfilerService:
             "RLBUS_MANIFEST": str(self.manifest_path.resolve()),
         }
         log.info("running finish hook: %s", cmd)
-        # The command comes from this process's own config file, never from a message.
-        proc = await asyncio.create_subprocess_shell(cmd, env=env)
+        self._hook_running = True
+        self._pulse_now.set()
         try:
-            rc = await asyncio.wait_for(proc.wait(), HOOK_TIMEOUT_S)
-        except TimeoutError:
-            log.error("finish hook ran over %.0f s; killing it", HOOK_TIMEOUT_S)
-            proc.kill()
-            rc = await proc.wait()
-        _write_marker(marker, {"started": started, "rc": rc})
+            # The command comes from this process's own config file, never from a message.
+            # An asyncio subprocess: the loop (and the liveness pulse) goes on while it runs.
+            proc = await asyncio.create_subprocess_shell(cmd, env=env)
+            try:
+                rc = await asyncio.wait_for(proc.wait(), HOOK_TIMEOUT_S)
+            except TimeoutError:
+                log.error("finish hook ran over %.0f s; killing it", HOOK_TIMEOUT_S)
+                proc.kill()
+                rc = await proc.wait()
+        finally:
+            self._hook_running = False
+        await asyncio.to_thread(_write_marker, marker, {"started": started, "rc": rc})
         log.info("finish hook exited with code %d", rc)
         return rc
 
     async def _finish(self, template: ProfilerFinished) -> None:
-        self._write_manifest(final=True)
+        await self._write_manifest(final=True)
         hook_rc = await self._run_hook_once()
         await self._publish(
             msgspec.structs.replace(
@@ -258,11 +405,11 @@ class ProfilerService:
 
     async def _check_give_up(self, now: float) -> None:
         """After RunFinished, bound the wait for the last ProfileStopped events."""
-        view = fold_log(self.log)
-        if view.run_finished is None or view.profiler_finished or view.gave_up_waiting:
+        state = self.state
+        if state.run_finished is None or state.profiler_finished or state.gave_up_waiting:
             self._give_up_at = None
             return
-        missing = outstanding_targets(view)
+        missing = outstanding_targets(state)
         if not missing:
             return
         if self._give_up_at is None:
@@ -287,32 +434,37 @@ class ProfilerService:
     # ------------------------------------------------------------------ the loop
 
     async def _step(self) -> None:
-        """Publish whatever the log now calls for, and refresh the manifest.
+        """Publish whatever the state now calls for.
 
         Runtime-request StartProfile commands go out guarded by the run's step barrier
         (:meth:`_publish_request`). When the guard refuses one (the trainer crossed a step
         boundary between our GET of the barrier and the publish), decide again with the
         barrier read anew: ``next:N`` moves on to the steps after it, explicit steps that
         have begun are refused with a reason. After :data:`GUARD_ATTEMPTS` refusals in a row
-        the log stays dirty and the next turn of the loop tries again.
+        the state stays dirty and the next turn of the loop tries again.
+
+        Redis's clock is read once per batch, and only while a request waits for an answer:
+        requests older than their own timeout are refused, never served.
         """
         if not self._dirty:
             return
         self._dirty = False
+        now_ms: int | None = None
+        if self.state.pending and self.cfg.global_profiler.tool is not None:
+            now_ms = int(await self.bus.server_time() * 1000)
         for _ in range(GUARD_ATTEMPTS):
             barrier = await self.bus.get_barrier(self.keys.barrier)
-            if await self._publish_decisions(barrier):
+            if await self._publish_decisions(barrier, now_ms):
                 break
         else:
             log.info("step barrier kept moving under %d guarded publishes; retrying",
                      GUARD_ATTEMPTS)
             self._dirty = True
-        self._write_manifest()
 
-    async def _publish_decisions(self, barrier: int) -> bool:
+    async def _publish_decisions(self, barrier: int, now_ms: int | None = None) -> bool:
         """Publish :func:`decide`'s output in order; False if a guarded command was refused
         (the rest is left for the next decision)."""
-        for msg in decide(self.cfg.global_profiler, self.log, barrier):
+        for msg in decide(self.cfg.global_profiler, self.state, barrier, now_ms):
             if isinstance(msg, ProfilerFinished):
                 await self._finish(msg)
             elif isinstance(msg, StartProfile) and msg.request_id:
@@ -342,7 +494,9 @@ class ProfilerService:
                          "deciding again", cmd.session_id, cmd.first_step)
                 return False
             cmd = landed
-        self.log.append(cmd)
+        else:
+            self.control_position = entry_id
+        self._fold(cmd)
         self._dirty = True
         log.info("published %s", _describe(cmd))
         return True
@@ -356,47 +510,72 @@ class ProfilerService:
         return None
 
     def _done(self) -> bool:
-        view = fold_log(self.log)
-        if view.run_finished is None:
+        state = self.state
+        if state.run_finished is None:
             return False
-        return view.profiler_finished or self.cfg.global_profiler.tool is None
+        return state.profiler_finished or self.cfg.global_profiler.tool is None
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until the run finished (0), ``stop`` is set (0) or Redis fails (1)."""
         if self.cfg.global_profiler.tool is None:
             log.info("global_profiler.tool is null: profiling is off; refusing runtime requests")
-        await self._catch_up()
-        log.info("run %s: read %d relevant entries from the log", self.keys.run_id, len(self.log))
-        queue: asyncio.Queue[Entry] = asyncio.Queue()
-        follower = asyncio.create_task(self._follow(queue, stop), name="follow-events")
-        last_waiting_log = time.monotonic()
+        self._pulse_now = asyncio.Event()
+        pulser = asyncio.create_task(self._pulse_forever(), name="profiler-pulse")
+        follower: asyncio.Task[None] | None = None
         try:
+            await self._catch_up()
+            queue: asyncio.Queue[Entry] = asyncio.Queue()
+            follower = asyncio.create_task(self._follow(queue, stop), name="follow-events")
+            helpers = (follower, pulser)
+            last_waiting_log = time.monotonic()
             while not stop.is_set():
                 await self._step()
+                if not self._caught_up:
+                    self._caught_up = True
+                    self._pulse_now.set()  # say at once that the log is read and decided on
                 if self._done():
                     log.info("run %s finished; profiler service done", self.keys.run_id)
                     return 0
                 now = time.monotonic()
                 await self._check_give_up(now)
-                await self._heartbeat(now)
-                if follower.done():
-                    follower.result()  # re-raise what ended it (BusUnavailable, ...)
-                    return 0  # it ends without error only when stop is set
+                await self._keep_files(now)
+                if self._activity() != self._pulsed_activity:
+                    self._pulse_now.set()  # say what changed now, not an interval later
+                for task in helpers:
+                    if task.done():
+                        task.result()  # re-raise what ended it (BusUnavailable, ...)
+                        return 0  # the follower ends without error only when stop is set
                 if not self._events_exist and now - last_waiting_log >= WAITING_LOG_EVERY_S:
                     last_waiting_log = now
                     log.info("waiting for run %s to start (no events at %s yet)",
                              self.keys.run_id, self.bus.url)
-                await self._drain(queue, stop)
+                await self._drain(queue)
             log.info("stopped by signal")
             return 0
         finally:
             stop.set()
-            follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError, BusError):
-                await follower
+            for task in (follower, pulser):
+                if task is None:
+                    continue
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, BusError):
+                    await task
+            await self._at_exit()
 
-    async def _drain(self, queue: asyncio.Queue[Entry], stop: asyncio.Event) -> None:
-        """Wait (bounded) for new entries, then take every one already queued."""
+    async def _at_exit(self) -> None:
+        """Flush the files (their last changes may have been coalesced) and take the liveness
+        key down: a clean exit is not a silent death."""
+        with contextlib.suppress(OSError):
+            if self._caught_up:
+                await self._write_manifest(final=self.state.profiler_finished)
+                await self._write_snapshot()
+        with contextlib.suppress(BusError, TimeoutError):
+            await asyncio.wait_for(
+                self.bus.delete(self.keys.alive(PROFILER_SOURCE, 0)), ALIVE_DELETE_TIMEOUT_S
+            )
+
+    async def _drain(self, queue: asyncio.Queue[Entry]) -> None:
+        """Wait (bounded) for new entries, then fold every one already queued."""
         timeout = WAIT_SLICE_S
         if self._give_up_at is not None:
             timeout = max(0.0, min(timeout, self._give_up_at - time.monotonic()))
@@ -407,10 +586,50 @@ class ProfilerService:
             got.append(queue.get_nowait())
         for entry in got:
             self._events_exist = True
+            self.events_position = entry.id
             if entry.id in self._own_event_ids:
-                self._own_event_ids.discard(entry.id)  # ours: already in the log
+                self._own_event_ids.discard(entry.id)  # ours: already folded
                 continue
-            self._keep(entry)
+            self._fold(entry.msg, entry.id)
+
+
+def _manifest_inputs(state: ServiceState) -> tuple[Any, ...]:
+    """The parts of the state the manifest depends on (compared by identity: each is
+    replaced, never changed, so a new object means a change)."""
+    return (
+        state.sessions,
+        state.run_started,
+        state.run_finished,
+        state.profiler_finished,
+        state.gave_up_waiting,
+    )
+
+
+def _write_manifest_file(path: Path, run_id: str, state: ServiceState, final: bool) -> int | None:
+    """Build and write the manifest (worker thread); its entry count if the file changed."""
+    manifest = build_manifest(run_id, state, final=final)
+    if write_manifest(path, manifest):
+        return len(manifest["sessions"])
+    return None
+
+
+def _write_snapshot_file(path: Path, snapshot: Snapshot) -> None:
+    """Encode and write ``snapshot`` atomically (worker thread)."""
+    data = encode_snapshot(snapshot)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def _describe(msg: Command | Event) -> str:

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from bus import Bus, RunKeys
+from bus import Bus, RunKeys, peers
 from bus.messages import (
     Heartbeat,
     ProfileRequest,
@@ -120,6 +120,21 @@ async def wait_log(procs: Procs, name: str, text: str, timeout_s: float = WAIT_S
         rc = procs.procs[name].poll()
         assert rc is None, f"{name} exited {rc}:\n{procs.log(name)[-3000:]}"
         assert time.monotonic() < deadline, f"no {text!r} in {name}'s log:\n{procs.log(name)}"
+        await asyncio.sleep(0.05)
+
+
+async def wait_alive(bus: Bus, keys: RunKeys, procs: Procs, name: str) -> Heartbeat:
+    """Wait until the profiler service ``name`` says on its liveness key that it has read the
+    log and decided on it (fails early if it died)."""
+    pid = procs.procs[name].pid
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        for beat in await peers(bus, keys.alive_pattern("profiler")):
+            if beat.pid == pid and beat.state != "catching up":
+                return beat
+        rc = procs.procs[name].poll()
+        assert rc is None, f"{name} exited {rc}:\n{procs.log(name)[-3000:]}"
+        assert time.monotonic() < deadline, f"no heartbeat from {name}:\n{procs.log(name)}"
         await asyncio.sleep(0.05)
 
 
@@ -356,13 +371,10 @@ async def test_service_killed_mid_session_components_stop_by_themselves(
     # A new service on the still-live run rebuilds its state from the log: nothing is sent
     # twice. The rollouter is held so that the run cannot finish under it.
     with paused(procs, "rollouter"):
-        proc = procs.spawn("profiler2", "profiler_service", *args)
-        # Its first heartbeat comes after it read the log and made its first decisions.
-        await wait_for(
-            bus, run_keys.events,
-            lambda m: isinstance(m, Heartbeat) and m.role == "profiler" and m.pid == proc.pid,
-            WAIT_S, procs, ("profiler2", "trainer"),
-        )
+        procs.spawn("profiler2", "profiler_service", *args)
+        # Its liveness key stops saying "catching up" once it has read the log and made its
+        # first decisions (heartbeats are TTL keys, not events in the log).
+        await wait_alive(bus, run_keys, procs, "profiler2")
         events = await events_of(bus, run_keys.events)
         assert not [e for e in events if isinstance(e, RunFinished)], "the run ended too soon"
         control = await control_of(bus, run_keys)

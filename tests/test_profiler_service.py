@@ -37,9 +37,11 @@ from bus import (
     StartProfile,
     StepStarted,
     WarningRaised,
+    peers,
 )
 from profiler_service.request import request_profile, run_profile_request
-from profiler_service.service import ProfilerService
+from profiler_service.service import SNAPSHOT_NAME, ProfilerService
+from profiler_service.state import ServiceState
 from runconfig import config_to_dict, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,6 +133,23 @@ async def wait_for(
         await asyncio.sleep(0.05)
 
 
+async def wait_alive(
+    bus: Bus, keys: RunKeys, proc: subprocess.Popen[bytes], state: str | None = None
+) -> Heartbeat:
+    """Wait until the service's liveness key holds a heartbeat from ``proc`` saying it has
+    read the log and decided on it (and, with ``state``, that it is doing that)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        for beat in await peers(bus, keys.alive_pattern("profiler")):
+            if beat.pid == proc.pid and beat.state != "catching up" and (
+                state is None or beat.state == state
+            ):
+                return beat
+        assert proc.poll() is None, f"service exited early:\n{service_log(proc)}"
+        assert time.monotonic() < deadline, f"no heartbeat from {proc.pid}:\n{service_log(proc)}"
+        await asyncio.sleep(0.05)
+
+
 async def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float = WAIT_S) -> int:
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None:
@@ -198,9 +217,10 @@ async def test_started_before_run_started(
     await bus.publish_raw(run_keys.events, {b"other": b"field"})
     await bus.publish(run_keys.events, run_started(config, run_id))
     await assert_step1_then_ready(bus, run_keys, proc)
-    await wait_for(
-        bus, run_keys.events, lambda m: any(h.pid == proc.pid for h in of(m, Heartbeat)), proc
-    )
+    # Alive by the liveness key (a TTL key), never by events in the durable log.
+    beat = await wait_alive(bus, run_keys, proc, "following")
+    assert (beat.role, beat.rank) == ("profiler", 0)
+    assert await bus.command("PTTL", run_keys.alive("profiler", 0)) > 0
 
     # Run ends without any ProfileStopped: after handshake_timeout_s the service gives up,
     # says so, marks the sessions missing and finishes.
@@ -210,6 +230,8 @@ async def test_started_before_run_started(
     (warning,) = [w for w in of(msgs, WarningRaised) if w.source == "profiler"]
     assert "trainer0:s1-1" in warning.message and "rollouter0:s1-1" in warning.message
     (finished,) = of(msgs, ProfilerFinished)
+    assert not of(msgs, Heartbeat)
+    assert not await peers(bus, run_keys.alive_pattern("profiler"))  # a clean exit says so
     manifest_path = tmp_path / "profiles" / run_id / "manifest.json"
     assert finished.manifest_path == str(manifest_path.resolve())
     manifest = json.loads(manifest_path.read_text())
@@ -330,13 +352,9 @@ async def test_sigkill_and_restart_sends_no_duplicates(
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     restarted = launch(config)
-    # Its first heartbeat comes after it has read the whole log back and decided on it.
-    await wait_for(
-        bus,
-        run_keys.events,
-        lambda m: any(h.pid == restarted.pid for h in of(m, Heartbeat)),
-        restarted,
-    )
+    # Its heartbeat stops saying "catching up" once it has read the whole log back and
+    # decided on it.
+    await wait_alive(bus, run_keys, restarted)
     # ...and it still answers requests, without clashing with what the first one sent.
     assert await request_profile(bus, run_id, "4", ["trainer"], WAIT_S) == 0
     assert await request_profile(bus, run_id, "4", ["rollouter"], WAIT_S) == 2
@@ -396,6 +414,99 @@ async def test_request_without_a_service_or_a_run(
     assert "no answer from the profiler service" in capfd.readouterr().err
     assert await request_profile(bus, run_id, "x", ["trainer"], 0.5) == 2
     assert await request_profile(bus, run_id, "3", ["nobody"], 0.5) == 2
+
+
+async def until_redis_clock_passes(bus: Bus, entry_id: str, seconds: float) -> None:
+    """Wait until the Redis server's clock is more than ``seconds`` past ``entry_id``'s
+    arrival (the clock the service judges ages by)."""
+    arrived_ms = int(entry_id.partition("-")[0])
+    deadline = time.monotonic() + WAIT_S
+    while await bus.server_time() * 1000 <= arrived_ms + seconds * 1000:
+        assert time.monotonic() < deadline, "the Redis clock does not move"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.asyncio
+async def test_a_request_nobody_waits_for_any_more_is_refused_by_a_later_service(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """``rlbus profile`` gave up (no service was running); a service started later must not
+    schedule a session at a step nobody asked for any more. A request still within its own
+    timeout is served as usual."""
+    config = write_config(tmp_path, redis_url, run_id)
+    await bus.publish(run_keys.events, run_started(config, run_id))
+    assert await request_profile(bus, run_id, "5", ["trainer"], 0.2) == 1
+    assert "no answer" in capfd.readouterr().err
+    (old,) = [e for e in await entries(bus, run_keys.events)
+              if isinstance(e.msg, ProfileRequest)]
+    assert old.msg.timeout_s == 0.2  # the client says how long it waits
+    await bus.publish(run_keys.events, ProfileRequest(request_id="fresh", steps=[6],
+                                                      timeout_s=3600.0))
+    await until_redis_clock_passes(bus, old.id, old.msg.timeout_s)
+
+    proc = launch(config)
+    events = await wait_for(bus, run_keys.events, lambda m: bool(of(m, ProfileRequestRefused)),
+                            proc)
+    (refused,) = of([e.msg for e in events], ProfileRequestRefused)
+    assert refused.request_id == old.msg.request_id
+    assert refused.reason.startswith("expired"), refused.reason
+    control = await wait_for(
+        bus, run_keys.control, lambda m: any(c.request_id == "fresh" for c in of(m, StartProfile)),
+        proc,
+    )
+    served = [e.msg for e in control if isinstance(e.msg, StartProfile) and e.msg.request_id]
+    assert [(c.request_id, c.first_step) for c in served] == [("fresh", 6)]
+
+
+@pytest.mark.asyncio
+async def test_restart_reads_only_the_log_after_its_snapshot_unless_the_log_lost_it(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch
+) -> None:
+    config = write_config(tmp_path, redis_url, run_id)
+    snapshot_path = tmp_path / "profiles" / run_id / SNAPSHOT_NAME
+    proc = launch(config)
+    await bus.publish(run_keys.events, run_started(config, run_id))
+    await assert_step1_then_ready(bus, run_keys, proc)
+    await bus.publish(run_keys.events, StepStarted(step=1, param_version=0))
+
+    async def stop_after_step(proc: subprocess.Popen[bytes], step: int) -> None:
+        # The heartbeat says when the service has folded StepStarted(step), the last entry.
+        deadline = time.monotonic() + WAIT_S
+        while (await wait_alive(bus, run_keys, proc)).metrics["last_started_step"] < step:
+            assert time.monotonic() < deadline, service_log(proc)
+            await asyncio.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert await wait_exit(proc) == 0
+        assert snapshot_path.is_file()  # written at a clean exit
+
+    await stop_after_step(proc, 1)
+    # While no service runs: a step and a request.
+    await bus.publish(run_keys.events, StepStarted(step=2, param_version=1))
+    await bus.publish(run_keys.events, ProfileRequest(request_id="q", steps=[4]))
+    again = launch(config)
+    await wait_log_line(again, "read 2 relevant entries from the log after the snapshot at")
+    await wait_for(bus, run_keys.control,
+                   lambda m: any(c.request_id == "q" for c in of(m, StartProfile)), again)
+    await bus.publish(run_keys.events, StepStarted(step=3, param_version=2))
+    await stop_after_step(again, 3)
+
+    # The log lost its tail (Redis with AOF everysec): the snapshot's position is gone.
+    last = await bus.latest(run_keys.events)
+    assert last is not None and isinstance(last.msg, StepStarted) and last.msg.step == 3
+    await bus.command("XDEL", run_keys.events, last.id)
+    third = launch(config)
+    await wait_log_line(third, "which the log does not hold; reading the whole log")
+    await wait_alive(bus, run_keys, third)
+    assert "after the snapshot" not in service_log(third)
+
+    # Whichever way it rebuilt its state, nothing was published twice.
+    control = [e.msg for e in await entries(bus, run_keys.control)]
+    assert [c.session_id for c in of(control, StartProfile)] == ["s1-1", "rq-s4-4"]
+    events = [e.msg for e in await entries(bus, run_keys.events)]
+    assert len(of(events, ProfilerReady)) == 1 and not of(events, ProfileRequestRefused)
+    third.send_signal(signal.SIGTERM)
+    assert await wait_exit(third) == 0
 
 
 # --------------------------------------------------------------------------- the step barrier
@@ -472,7 +583,7 @@ async def test_guard_refusal_decides_again_with_the_new_barrier(
     for req in (ProfileRequest(request_id="n1", next_steps=1),
                 ProfileRequest(request_id="e4", steps=[4])):
         await bus.publish(run_keys.events, req)
-    service.log = []
+    service.state = ServiceState()
     await service._catch_up()
     service._dirty = True
     await service._step()
@@ -512,7 +623,7 @@ async def test_guarded_publish_that_landed_despite_a_refused_retry_is_not_sent_t
     control = [e.msg for e in await entries(bus, run_keys.control)]
     (cmd,) = [m for m in of(control, StartProfile) if m.request_id]
     assert cmd.first_step == 3
-    assert cmd in service.log
+    assert service.state.sessions[cmd.session_id].cmd == cmd
     service._dirty = True
     await service._step()
     assert len([m for m in of([e.msg for e in await entries(bus, run_keys.control)],

@@ -1,4 +1,9 @@
-"""Property tests of the profiler service's pure decision core (no Redis, no I/O)."""
+"""Property tests of the profiler service's pure decision core (no Redis, no I/O).
+
+Decisions are a function of the config and the folded log: :func:`decide` here folds a log
+and decides (as a freshly started service does); :func:`serve` plays a running service that
+folds one entry at a time and decides after each, as ``profiler_service.service`` does.
+"""
 
 from __future__ import annotations
 
@@ -23,12 +28,12 @@ from bus.messages import (
     StepStarted,
     WarningRaised,
 )
+from profiler_service import schedule
 from profiler_service.manifest import build_manifest
 from profiler_service.request import parse_spec
 from profiler_service.schedule import (
     PROFILER_SOURCE,
     SESSIONS_MISSING_CODE,
-    decide,
     expected_targets,
     is_safe_label,
     plan_sessions,
@@ -36,11 +41,19 @@ from profiler_service.schedule import (
     sessions_overlap,
     step_runs,
 )
+from profiler_service.state import apply, fold
 from runconfig.schema import ProfilerConfig
 
 TOTAL = 30
 
 Log = list[Event | Command]
+
+
+def decide(
+    cfg: ProfilerConfig, log: Sequence[Event | Command], barrier: int = 0
+) -> list[Command | Event]:
+    """What a service that has just read ``log`` publishes."""
+    return schedule.decide(cfg, fold(log), barrier)
 
 
 def run_started(total: int = TOTAL, replicas: int = 1, ts: float = 100.0) -> RunStarted:
@@ -333,12 +346,12 @@ def test_gave_up_waiting_finishes_and_manifest_says_missing() -> None:
         RunFinished(run_id="r1", steps=TOTAL),
     ]
     assert decide(cfg, log) == []
-    manifest = build_manifest("r1", log)
+    manifest = build_manifest("r1", fold(log))
     assert [e["status"] for e in manifest["sessions"]] == ["ok", "scheduled"]
     log.append(WarningRaised(source=PROFILER_SOURCE, code=SESSIONS_MISSING_CODE, message="x"))
     out = decide(cfg, log)
     assert [type(m) for m in out] == [ProfilerFinished]
-    manifest = build_manifest("r1", [*log, *out])
+    manifest = build_manifest("r1", fold([*log, *out]))
     assert [(e["role"], e["status"], e["path"]) for e in manifest["sessions"]] == [
         ("trainer", "ok", "trainer0-s1-1.json.gz"),
         ("rollouter", "missing", ""),
@@ -352,7 +365,7 @@ def test_sessions_after_the_last_step_are_not_waited_for() -> None:
     log += [*stop_all(starts(log)[0], 1), RunFinished(run_id="r1", steps=4, status="failed")]
     out = decide(cfg, log)
     assert [type(m) for m in out] == [ProfilerFinished]
-    statuses = {e["id"]: e["status"] for e in build_manifest("r1", [*log, *out])["sessions"]}
+    statuses = {e["id"]: e["status"] for e in build_manifest("r1", fold([*log, *out]))["sessions"]}
     assert statuses == {"s1-1": "ok", "s9-9": "not_reached"}
 
 
@@ -391,18 +404,40 @@ def runs(draw: st.DrawFn) -> tuple[ProfilerConfig, int, Log]:
     return cfg, replicas, log
 
 
+class Service:
+    """A service that folds one entry at a time (``state = apply(state, entry)``) and keeps
+    nothing else; every step checks that its state is the fold of the whole log so far."""
+
+    def __init__(self, log: Log) -> None:
+        self.log = log
+        self.state = fold(log)  # a service starting on this log reads it whole
+
+    def add(self, msg: Event | Command) -> None:
+        self.log.append(msg)
+        self.state = apply(self.state, msg)
+
+    def decide(self, cfg: ProfilerConfig, barrier: int = 0) -> list[Command | Event]:
+        assert self.state == fold(self.log)  # incremental == full fold...
+        out = schedule.decide(cfg, self.state, barrier)
+        assert out == decide(cfg, self.log, barrier)  # ...so the same decisions
+        return out
+
+
 def serve(cfg: ProfilerConfig, inputs: Log, log: Log | None = None, crash_at: int = -1) -> Log:
     """Play the service: after each input entry, decide and append what it publishes.
 
     With ``crash_at`` a fresh service (no memory but the log) takes over at that point.
     """
-    log = [] if log is None else log
+    service = Service([] if log is None else log)
     for i, entry in enumerate(inputs):
-        log.append(entry)
+        service.add(entry)
         if i == crash_at:
             continue  # died before deciding on this entry; the next one catches up
-        log += decide(cfg, log)
-    return log
+        if i - 1 == crash_at:
+            service = Service(service.log)  # the new service folds the log from the start
+        for msg in service.decide(cfg):
+            service.add(msg)
+    return service.log
 
 
 @settings(max_examples=150, deadline=None)
@@ -473,7 +508,7 @@ def test_manifest_is_a_pure_fold() -> None:
     cfg = cfg_of([1])
     log: Log = [run_started(replicas=2)]
     log += decide(cfg, log)
-    manifest = build_manifest("r1", log)
+    manifest = build_manifest("r1", fold(log))
     assert manifest == {
         "run_id": "r1",
         "sessions": [
@@ -496,7 +531,7 @@ def test_manifest_is_a_pure_fold() -> None:
         session_id="s1-1", role="trainer", rank=0, first_step=1, last_step=1, tool="torch",
         path="../../etc/passwd", bytes=1, duration_s=0.1,
     )
-    assert build_manifest("r1", [*log, escaping])["sessions"][0]["path"] == ""
+    assert build_manifest("r1", fold([*log, escaping]))["sessions"][0]["path"] == ""
 
 
 # --------------------------------------------------------------------------- the step barrier
@@ -544,24 +579,25 @@ def serve_guarded(
     Returns the log and every accepted runtime StartProfile with the barrier it beat. With
     ``log`` it continues a log (a restarted service: no memory but the log).
     """
-    log = [] if log is None else log
+    service = Service([] if log is None else log)
     accepted: list[tuple[StartProfile, int]] = []
     for entry, read, move in zip(inputs, barriers, moves, strict=True):
-        log.append(entry)
+        service.add(entry)
         current = read + move  # the barrier when the guarded publishes reach Redis
         barrier = read
         for _ in range(3):
             refused = False
-            for msg in decide(cfg, log, barrier):
+            for msg in service.decide(cfg, barrier):
                 if isinstance(msg, StartProfile) and msg.request_id:
                     if msg.first_step <= current:  # publish_guarded refuses it
                         refused = True
                         break
                     accepted.append((msg, current))
-                log.append(msg)
+                service.add(msg)
             if not refused:
                 break
             barrier = current  # re-read
+    log = service.log
     return log, accepted
 
 

@@ -1,0 +1,431 @@
+"""The profiler service's state, folded from the run's log one entry at a time.
+
+``state = fold(log)`` where ``fold`` is repeated :func:`apply`: ``apply(state, msg)`` returns
+the state after one more entry of the events or control stream and leaves its argument as it
+was (every record here is frozen). The service keeps only the latest state and the id of the
+last events entry it applied (its tracking position), never the entries themselves, so each
+new entry costs the same however long the run has been going:
+
+* the scalar facts (latest RunStarted, ProfilerReady since, RunFinished, ...) are replaced;
+* per-session facts live in a persistent map (:class:`~profiler_service.pmap.PMap`), so a
+  ProfileStarted/ProfileStopped replaces one small :class:`Session` record and one path of
+  the map, not a copy of every session;
+* runtime requests are kept only while they are unanswered (:attr:`ServiceState.pending`);
+  answered request ids stay in a persistent set for de-duplication.
+
+Entries that do not concern the service (samples' announcements, metrics, heartbeats, ...)
+return the very same state object, which lets the service skip deciding after them.
+
+The state is everything :func:`~profiler_service.schedule.decide` and
+:func:`~profiler_service.manifest.build_manifest` need; both are pure functions of it (plus
+the config). Only the relative order of *events* matters: commands are matched by id, so the
+control stream may be merged in anywhere (the service reads it first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from bus.messages import (
+    Command,
+    Event,
+    ProfileRequest,
+    ProfileRequestRefused,
+    ProfilerFinished,
+    ProfilerReady,
+    ProfileStarted,
+    ProfileStopped,
+    RunFinished,
+    RunStarted,
+    StartProfile,
+    StepStarted,
+    WarningRaised,
+)
+from profiler_service.pmap import PMap
+
+__all__ = [
+    "PROFILER_SOURCE",
+    "SESSIONS_MISSING_CODE",
+    "Fact",
+    "PendingRequest",
+    "ServiceState",
+    "Session",
+    "Snapshot",
+    "StopFact",
+    "Target",
+    "apply",
+    "decode_snapshot",
+    "encode_snapshot",
+    "entry_ms",
+    "fold",
+]
+
+PROFILER_SOURCE = "profiler"
+"""``source`` of the WarningRaised events the profiler service publishes (and its role)."""
+
+SESSIONS_MISSING_CODE = "profile_sessions_missing"
+"""WarningRaised code the service publishes when, after RunFinished, it gave up waiting for
+the last ProfileStopped events. Once it is in the log, ``decide`` finishes the run."""
+
+Fact = Event | Command
+"""An entry of the events or the control stream."""
+
+Target = tuple[str, int]
+"""One profiled process: ``(role, rank)``."""
+
+
+class StopFact(msgspec.Struct, frozen=True):
+    """The ProfileStopped of one ``(role, rank)`` for a session: the latest one (the last
+    report wins), and ``order``, when the first one was folded (the manifest lists
+    unexpected reporters in that order)."""
+
+    role: str
+    rank: int
+    order: int
+    stopped: ProfileStopped
+
+
+class Session(msgspec.Struct, frozen=True):
+    """What the log says about one session id."""
+
+    session_id: str
+    cmd: StartProfile | None = None
+    """The first StartProfile with this id (None: only reports of it so far)."""
+    seq: int = -1
+    """Position of ``cmd`` among the sessions sent (the manifest's order)."""
+    started: tuple[Target, ...] = ()
+    """``(role, rank)`` of every ProfileStarted, first report first."""
+    stops: tuple[StopFact, ...] = ()
+    """One per ``(role, rank)`` that reported the session stopped."""
+
+    def stop_of(self, role: str, rank: int) -> StopFact | None:
+        """The stop reported by ``(role, rank)``, if any."""
+        for fact in self.stops:
+            if fact.role == role and fact.rank == rank:
+                return fact
+        return None
+
+
+class PendingRequest(msgspec.Struct, frozen=True):
+    """A runtime request not answered yet, with its Redis arrival time (the ms part of its
+    events entry id; None when it was folded without an id)."""
+
+    request: ProfileRequest
+    arrived_ms: int | None = None
+
+
+_NO_SESSIONS: PMap[str, Session] = PMap()
+_NO_IDS: PMap[str, bool] = PMap()
+
+
+class ServiceState(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the profiler service has learnt from the log (see the module docstring)."""
+
+    run_started: RunStarted | None = None
+    """The latest RunStarted (a resumed run publishes it again)."""
+    ready_since_run_started: bool = False
+    """A ProfilerReady follows the latest RunStarted."""
+    run_finished: RunFinished | None = None
+    """A RunFinished that follows the latest RunStarted."""
+    gave_up_waiting: bool = False
+    """A SESSIONS_MISSING_CODE warning follows that RunFinished."""
+    profiler_finished: bool = False
+    last_started_step: int = 0
+    """Highest trainer StepStarted seen (0 before step 1)."""
+    sessions: PMap[str, Session] = _NO_SESSIONS
+    """Every session id the log mentions (sent, started or stopped)."""
+    sent: int = 0
+    """How many sessions have a StartProfile (the next one's :attr:`Session.seq`)."""
+    stop_reports: int = 0
+    """How many ``(session, role, rank)`` reported a stop (the next :attr:`StopFact.order`)."""
+    answered: PMap[str, bool] = _NO_IDS
+    """Request ids that have an answer in the log (a StartProfile or a refusal)."""
+    pending: tuple[PendingRequest, ...] = ()
+    """Runtime requests without an answer yet, in log order, one per request id."""
+    open_sessions: tuple[StartProfile, ...] = ()
+    """The sessions sent whose last step is after the last started one, in the order they
+    were sent: the only ones a runtime request (always for later steps) can overlap."""
+    open_until: int = 0
+    """The lowest ``last_step`` of :attr:`open_sessions` (0 when there is none): the step
+    at which one of them closes."""
+
+    @property
+    def total_steps(self) -> int | None:
+        """``trainer.total_training_steps`` of the run's config, when it says."""
+        return _config_int(self.run_started, "trainer", "total_training_steps")
+
+    @property
+    def replicas(self) -> int:
+        """``rollout.replicas`` of the run's config (1 when it does not say)."""
+        return _config_int(self.run_started, "rollout", "replicas") or 1
+
+    @property
+    def run_profiling_off(self) -> bool:
+        """The run's own config (in RunStarted) says ``global_profiler.tool: null``: its
+        trainer and rollouters hold no profiler, so no session could ever run."""
+        if self.run_started is None or not isinstance(self.run_started.config, dict):
+            return False
+        section = self.run_started.config.get("global_profiler")
+        return isinstance(section, dict) and "tool" in section and section["tool"] is None
+
+    def sent_sessions(self) -> list[StartProfile]:
+        """Every StartProfile sent, in the order they were sent. O(sessions)."""
+        found = [s for s in self.sessions.values() if s.cmd is not None]
+        found.sort(key=lambda s: s.seq)
+        return [s.cmd for s in found if s.cmd is not None]
+
+    def is_sent(self, session_id: str) -> bool:
+        """Whether a StartProfile with this id is in the log."""
+        session = self.sessions.get(session_id)
+        return session is not None and session.cmd is not None
+
+    def stopped(self, session_id: str, role: str, rank: int) -> bool:
+        """Whether ``(role, rank)`` reported ``session_id`` stopped."""
+        session = self.sessions.get(session_id)
+        return session is not None and session.stop_of(role, rank) is not None
+
+
+def _config_int(run_started: RunStarted | None, section: str, key: str) -> int | None:
+    if run_started is None:
+        return None
+    node: Any = run_started.config.get(section) if isinstance(run_started.config, dict) else None
+    value = node.get(key) if isinstance(node, dict) else None
+    # bool is an int subclass; a config that says `true` here is not a count.
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return None
+
+
+def entry_ms(entry_id: str | None) -> int | None:
+    """The millisecond part of a stream entry id (the Redis server's clock when it was
+    appended), or None."""
+    if not entry_id:
+        return None
+    ms, _, _ = entry_id.partition("-")
+    return int(ms) if ms.isdigit() else None
+
+
+_replace = msgspec.structs.replace
+
+
+def _answer(state: ServiceState, request_id: str) -> ServiceState:
+    """``request_id`` has its answer in the log."""
+    answered = state.answered.set(request_id, True)
+    pending = state.pending
+    if any(p.request.request_id == request_id for p in pending):
+        pending = tuple(p for p in pending if p.request.request_id != request_id)
+    if answered is state.answered and pending is state.pending:
+        return state
+    return _replace(state, answered=answered, pending=pending)
+
+
+def _lowest_last_step(sessions: tuple[StartProfile, ...]) -> int:
+    return min((s.last_step for s in sessions), default=0)
+
+
+def _session(state: ServiceState, session_id: str) -> Session:
+    return state.sessions.get(session_id) or Session(session_id=session_id)
+
+
+def apply(state: ServiceState, msg: Fact, entry_id: str | None = None) -> ServiceState:
+    """The state after ``msg``; ``state`` itself is left as it was.
+
+    ``entry_id``: the entry's id in the events stream (a ProfileRequest's arrival time is
+    taken from it); None for control entries and for logs folded without ids. Entries that
+    change nothing return ``state`` itself. O(1) whatever the log before it: at most one
+    path of a persistent map and one small record are replaced.
+    """
+    match msg:
+        case RunStarted():
+            return _replace(
+                state,
+                run_started=msg,
+                ready_since_run_started=False,
+                run_finished=None,
+                gave_up_waiting=False,
+            )
+        case ProfilerReady():
+            ready = state.run_started is not None
+            if ready == state.ready_since_run_started:
+                return state
+            return _replace(state, ready_since_run_started=ready)
+        case RunFinished():
+            if state.run_started is None:
+                return state
+            return _replace(state, run_finished=msg, gave_up_waiting=False)
+        case WarningRaised(source=source, code=code):
+            if (
+                source == PROFILER_SOURCE
+                and code == SESSIONS_MISSING_CODE
+                and state.run_finished is not None
+                and not state.gave_up_waiting
+            ):
+                return _replace(state, gave_up_waiting=True)
+            return state
+        case ProfilerFinished():
+            if state.profiler_finished:
+                return state
+            return _replace(state, profiler_finished=True)
+        case StepStarted(step=step):
+            if step <= state.last_started_step:
+                return state
+            if state.open_sessions and step >= state.open_until:
+                # Sessions end at this step: each leaves the open list once, so this filter
+                # costs O(1) per session over the run, not per step.
+                still = tuple(s for s in state.open_sessions if s.last_step > step)
+                return _replace(state, last_started_step=step, open_sessions=still,
+                                open_until=_lowest_last_step(still))
+            return _replace(state, last_started_step=step)
+        case StartProfile(session_id=sid, request_id=request_id):
+            session = _session(state, sid)
+            if session.cmd is None:
+                session = _replace(session, cmd=msg, seq=state.sent)
+                state = _replace(state, sessions=state.sessions.set(sid, session),
+                                 sent=state.sent + 1)
+                if msg.last_step > state.last_started_step:
+                    opened = (*state.open_sessions, msg)
+                    state = _replace(state, open_sessions=opened,
+                                     open_until=_lowest_last_step(opened))
+            return _answer(state, request_id) if request_id else state
+        case ProfileRequestRefused(request_id=request_id):
+            return _answer(state, request_id)
+        case ProfileRequest(request_id=request_id):
+            if request_id in state.answered or any(
+                p.request.request_id == request_id for p in state.pending
+            ):
+                return state  # answered already, or a duplicate of one waiting
+            pending = PendingRequest(msg, entry_ms(entry_id))
+            return _replace(state, pending=(*state.pending, pending))
+        case ProfileStarted(session_id=sid, role=role, rank=rank):
+            session = _session(state, sid)
+            if (role, rank) in session.started:
+                return state
+            session = _replace(session, started=(*session.started, (role, rank)))
+            return _replace(state, sessions=state.sessions.set(sid, session))
+        case ProfileStopped(session_id=sid, role=role, rank=rank):
+            session = _session(state, sid)
+            before = session.stop_of(role, rank)
+            if before is None:
+                fact = StopFact(role, rank, state.stop_reports, msg)
+                session = _replace(session, stops=(*session.stops, fact))
+                return _replace(state, sessions=state.sessions.set(sid, session),
+                                stop_reports=state.stop_reports + 1)
+            fact = _replace(before, stopped=msg)
+            stops = tuple(fact if f is before else f for f in session.stops)
+            session = _replace(session, stops=stops)
+            return _replace(state, sessions=state.sessions.set(sid, session))
+    return state
+
+
+def fold(
+    log: Iterable[Fact | tuple[str, Fact]], state: ServiceState | None = None
+) -> ServiceState:
+    """Fold a log into a state (from ``state``, or from the empty state): repeated
+    :func:`apply`. Items are messages or ``(events entry id, message)`` pairs (such as
+    :class:`bus.Entry`)."""
+    state = ServiceState() if state is None else state
+    for item in log:
+        if isinstance(item, tuple):
+            state = apply(state, item[1], item[0])
+        else:
+            state = apply(state, item)
+    return state
+
+
+# --------------------------------------------------------------------------- snapshots
+
+SNAPSHOT_FORMAT = 1
+"""Version of :class:`Snapshot`'s layout; a file of another version is ignored."""
+
+
+class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """A folded state and where in the log it was folded up to (the tracking positions), as
+    stored by the service so that a restart reads only the log after it."""
+
+    state: ServiceState
+    run_id: str
+    events_position: str
+    """Id of the last events entry folded into ``state`` (every one before it is folded)."""
+    control_position: str = ""
+    """Id of the last control entry the service knew of ("" for none)."""
+
+
+class _SnapshotFile(msgspec.Struct, frozen=True, kw_only=True):
+    format: int
+    run_id: str
+    events_position: str
+    control_position: str
+    run_started: RunStarted | None
+    ready_since_run_started: bool
+    run_finished: RunFinished | None
+    gave_up_waiting: bool
+    profiler_finished: bool
+    last_started_step: int
+    sessions: list[Session]
+    sent: int
+    stop_reports: int
+    answered: list[str]
+    pending: list[PendingRequest]
+
+
+def encode_snapshot(snapshot: Snapshot) -> bytes:
+    """``snapshot`` as msgpack bytes. O(sessions)."""
+    state = snapshot.state
+    return msgspec.msgpack.encode(
+        _SnapshotFile(
+            format=SNAPSHOT_FORMAT,
+            run_id=snapshot.run_id,
+            events_position=snapshot.events_position,
+            control_position=snapshot.control_position,
+            run_started=state.run_started,
+            ready_since_run_started=state.ready_since_run_started,
+            run_finished=state.run_finished,
+            gave_up_waiting=state.gave_up_waiting,
+            profiler_finished=state.profiler_finished,
+            last_started_step=state.last_started_step,
+            sessions=sorted(state.sessions.values(), key=lambda s: s.session_id),
+            sent=state.sent,
+            stop_reports=state.stop_reports,
+            answered=sorted(state.answered),
+            pending=list(state.pending),
+        )
+    )
+
+
+def decode_snapshot(data: bytes) -> Snapshot | None:
+    """The snapshot in ``data``; None if it is not one this code wrote (other format,
+    corrupt bytes): the caller then folds the whole log."""
+    try:
+        raw = msgspec.msgpack.decode(data, type=_SnapshotFile)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if raw.format != SNAPSHOT_FORMAT:
+        return None
+    sessions = PMap((s.session_id, s) for s in raw.sessions)
+    sent = sorted((s for s in raw.sessions if s.cmd is not None), key=lambda s: s.seq)
+    still = tuple(s.cmd for s in sent if s.cmd is not None
+                  and s.cmd.last_step > raw.last_started_step)
+    state = ServiceState(
+        run_started=raw.run_started,
+        ready_since_run_started=raw.ready_since_run_started,
+        run_finished=raw.run_finished,
+        gave_up_waiting=raw.gave_up_waiting,
+        profiler_finished=raw.profiler_finished,
+        last_started_step=raw.last_started_step,
+        sessions=sessions,
+        sent=raw.sent,
+        stop_reports=raw.stop_reports,
+        answered=PMap((rid, True) for rid in raw.answered),
+        pending=tuple(raw.pending),
+        open_sessions=still,
+        open_until=_lowest_last_step(still),
+    )
+    return Snapshot(
+        state=state,
+        run_id=raw.run_id,
+        events_position=raw.events_position,
+        control_position=raw.control_position,
+    )

@@ -1,0 +1,484 @@
+"""Property tests of the profiler service's state: ``state = fold(log)`` folded one entry at a
+time (no Redis, no I/O).
+
+* folding from any split point (a prefix, then the rest one entry at a time) gives the same
+  state as folding the whole log, and ``apply`` never changes the state it is given;
+* decisions and the manifest computed from the incremental state are those of the whole
+  log, and those the service computed before it folded incrementally (the oracle in
+  ``tests/profiler_reference.py`` recomputes everything from the whole log on every call);
+* a snapshot of the state, decoded and folded on, is the state of the whole log;
+* the persistent map behaves like a dict, hash collisions included;
+* a runtime request is refused, never served, once it is older than its own timeout (judged
+  by the Redis clock and its entry id), and when the run's config has profiling off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bus.messages import (
+    BlobRef,
+    CheckpointSaved,
+    Command,
+    Event,
+    Heartbeat,
+    ProfileRequest,
+    ProfileRequestRefused,
+    ProfilerFinished,
+    ProfilerReady,
+    ProfileStarted,
+    ProfileStopped,
+    RunFinished,
+    RunStarted,
+    StartProfile,
+    StepFinished,
+    StepStarted,
+    WarningRaised,
+    WeightsPublished,
+)
+from profiler_service.manifest import build_manifest
+from profiler_service.pmap import PMap
+from profiler_service.schedule import PROFILER_SOURCE, SESSIONS_MISSING_CODE, decide
+from profiler_service.state import (
+    ServiceState,
+    Snapshot,
+    apply,
+    decode_snapshot,
+    encode_snapshot,
+    fold,
+)
+from runconfig.schema import ProfilerConfig
+from tests.profiler_reference import reference_decide, reference_manifest
+
+TOTAL = 30
+msgspec_replace = msgspec.structs.replace
+Fact = Event | Command
+Item = Fact | tuple[str, Fact]
+
+SESSION_IDS = ["s1-1", "s2-3", "rq1-s4-4", "odd"]
+REQUEST_IDS = ["q1", "q2", "q3", "bad/id"]
+ROLE_NAMES = ["trainer", "rollouter"]
+
+
+def run_started(replicas: int, ts: float = 100.0, resumed: bool = False) -> RunStarted:
+    return RunStarted(
+        run_id="r1",
+        config={"trainer": {"total_training_steps": TOTAL}, "rollout": {"replicas": replicas}},
+        ts=ts,
+        resumed=resumed,
+    )
+
+
+def cfg_of(steps: Sequence[int], continuous: bool, roles: Sequence[str]) -> ProfilerConfig:
+    return ProfilerConfig(
+        tool="torch",
+        steps=list(steps),
+        profile_continuous_steps=continuous,
+        roles=list(roles),  # type: ignore[arg-type]
+    )
+
+
+# --------------------------------------------------------------------------- strategies
+
+steps_ = st.integers(1, TOTAL)
+roles_ = st.lists(st.sampled_from(ROLE_NAMES), min_size=1, max_size=2, unique=True)
+ranks_ = st.integers(0, 1)
+
+
+@st.composite
+def start_profiles(draw: st.DrawFn) -> StartProfile:
+    first = draw(steps_)
+    return StartProfile(
+        session_id=draw(st.sampled_from(SESSION_IDS)),
+        roles=draw(roles_),
+        tool="torch",
+        first_step=first,
+        last_step=first + draw(st.integers(0, 2)),
+        ranks=draw(st.lists(ranks_, max_size=2, unique=True)),
+        request_id=draw(st.sampled_from(["", "", *REQUEST_IDS])),
+        ts=1.0,
+    )
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> ProfileRequest:
+    if draw(st.booleans()):
+        first = draw(st.sampled_from([0, 1, 2, 3, 5, 9, 12, TOTAL, TOTAL + 1]))
+        steps = list(range(first, first + draw(st.integers(0, 3))))
+        next_steps = 0
+    else:
+        steps, next_steps = [], draw(st.integers(-1, 4))
+    return ProfileRequest(
+        request_id=draw(st.sampled_from(REQUEST_IDS)),
+        steps=steps,
+        next_steps=next_steps,
+        roles=draw(st.lists(st.sampled_from([*ROLE_NAMES, "x"]), max_size=2, unique=True)),
+        ts=2.0,
+        timeout_s=draw(st.sampled_from([0.05, 1.0, 30.0])),
+    )
+
+
+@st.composite
+def stops(draw: st.DrawFn) -> ProfileStopped:
+    first = draw(steps_)
+    return ProfileStopped(
+        session_id=draw(st.sampled_from(SESSION_IDS)),
+        role=draw(st.sampled_from(ROLE_NAMES)),
+        rank=draw(ranks_),
+        first_step=first,
+        last_step=first,
+        tool="torch",
+        path=draw(st.sampled_from(["t.json.gz", "../x", "/abs", ""])),
+        bytes=draw(st.integers(0, 100)),
+        duration_s=0.5,
+        status=draw(st.sampled_from(["ok", "", "missed", "error: boom"])),
+        ts=3.0,
+    )
+
+
+def _weights(version: int) -> WeightsPublished:
+    return WeightsPublished(version=version, ref=BlobRef("redis", "k", 1, "0" * 64), ts=1.0)
+
+
+small_steps = st.integers(1, 8)
+profile_started = st.builds(
+    lambda sid, role, rank, step: ProfileStarted(
+        session_id=sid, role=role, rank=rank, step=step, tool="torch", ts=1.0
+    ),
+    st.sampled_from(SESSION_IDS), st.sampled_from(ROLE_NAMES), ranks_, steps_,
+)
+rare: st.SearchStrategy[Fact] = st.one_of(
+    st.integers(1, 2).map(lambda r: run_started(r, ts=200.0, resumed=True)),
+    st.just(ProfilerReady(session_ids=[], ts=1.0)),
+    steps_.map(lambda s: RunFinished(run_id="r1", steps=s, ts=9.0)),
+    st.just(WarningRaised(source=PROFILER_SOURCE, code=SESSIONS_MISSING_CODE, message="m",
+                          ts=1.0)),
+    st.just(WarningRaised(source="trainer", code="other", message="m", ts=1.0)),
+    st.just(ProfilerFinished(manifest_path="manifest.json", sessions=0, ts=1.0)),
+    st.sampled_from(REQUEST_IDS).map(
+        lambda rid: ProfileRequestRefused(request_id=rid, reason="no", ts=1.0)
+    ),
+    # Entries the service does not care about.
+    steps_.map(lambda s: StepFinished(step=s, sample_ids=[], metrics={}, duration_s=0.1,
+                                      ts=1.0)),
+    steps_.map(_weights),
+    steps_.map(lambda s: CheckpointSaved(step=s, path="c", param_version=s, ts=1.0)),
+    st.just(Heartbeat(role="trainer", rank=0, pid=1, ts=1.0)),
+)
+facts: st.SearchStrategy[Fact] = st.one_of(
+    start_profiles(),
+    requests(),
+    profile_started,
+    stops(),
+    small_steps.map(lambda s: StepStarted(step=s, param_version=s - 1, ts=1.0)),
+    start_profiles(),
+    profile_started,
+    stops(),
+    requests(),
+    rare,
+    rare,
+)
+
+
+@st.composite
+def logs(draw: st.DrawFn, max_size: int = 40) -> list[Item]:
+    """A merged log: events as ``(entry id, msg)`` with increasing Redis ms, commands bare
+    (the control stream's entries carry no events id)."""
+    items: list[Item] = []
+    ms = 1_000_000
+    body = draw(st.lists(facts, min_size=min(5, max_size), max_size=max_size))
+    if draw(st.integers(0, 3)):  # most logs start with the run
+        body.insert(0, run_started(draw(st.integers(1, 2))))
+    for msg in body:
+        ms += draw(st.integers(0, 2000))
+        if isinstance(msg, StartProfile):
+            items.append(msg)
+        else:
+            items.append((f"{ms}-0", msg))
+    return items
+
+
+def msgs_of(log: Sequence[Item]) -> list[Fact]:
+    return [item[1] if isinstance(item, tuple) else item for item in log]
+
+
+configs = st.builds(
+    cfg_of,
+    st.lists(steps_, max_size=6, unique=True),
+    st.booleans(),
+    roles_,
+)
+
+
+# --------------------------------------------------------------------------- fold = repeated apply
+
+
+@settings(max_examples=300, deadline=None)
+@given(log=logs(), cut=st.integers(0, 40))
+def test_fold_equals_prefix_then_apply_the_rest(log: list[Item], cut: int) -> None:
+    cut = min(cut, len(log))
+    state = fold(log[:cut])
+    for item in log[cut:]:
+        state = apply(state, item[1], item[0]) if isinstance(item, tuple) else apply(state, item)
+    assert state == fold(log)
+    assert fold(log[cut:], fold(log[:cut])) == fold(log)
+
+
+@settings(max_examples=200, deadline=None)
+@given(log=logs())
+def test_apply_never_changes_the_state_it_is_given(log: list[Item]) -> None:
+    states = [ServiceState()]
+    for item in log:
+        states.append(fold([item], states[-1]))
+    # Every intermediate state is still the fold of its prefix after all the later applies.
+    for i, state in enumerate(states):
+        assert state == fold(log[:i])
+
+
+@given(step=steps_)
+def test_entries_the_service_ignores_return_the_same_state(step: int) -> None:
+    state = fold([run_started(1), StepStarted(step=step, param_version=0)])
+    for msg in (
+        StepFinished(step=step, sample_ids=[], metrics={}, duration_s=0.1),
+        _weights(step),
+        CheckpointSaved(step=step, path="c", param_version=step),
+        Heartbeat(role="rollouter", rank=0, pid=1),
+        StepStarted(step=step, param_version=0),  # not past the highest step: no change
+        WarningRaised(source="trainer", code="x", message="y"),
+    ):
+        assert apply(state, msg) is state
+
+
+@settings(max_examples=200, deadline=None)
+@given(cfg=configs, log=logs(), barrier=st.integers(0, 4), clock=st.integers(0, 5000))
+def test_incremental_decisions_equal_decisions_from_the_full_fold(
+    cfg: ProfilerConfig, log: list[Item], barrier: int, clock: int
+) -> None:
+    state = ServiceState()
+    for i, item in enumerate(log):
+        state = fold([item], state)
+        last_ms = max((int(x[0].split("-")[0]) for x in log[: i + 1] if isinstance(x, tuple)),
+                      default=1_000_000)
+        now_ms = last_ms + clock
+        assert decide(cfg, state, barrier, now_ms) == decide(cfg, fold(log[: i + 1]), barrier,
+                                                             now_ms)
+
+
+@settings(max_examples=300, deadline=None)
+@given(cfg=configs, log=logs(), barrier=st.integers(0, 4), final=st.booleans())
+def test_same_decisions_and_manifest_as_recomputing_from_the_whole_log(
+    cfg: ProfilerConfig, log: list[Item], barrier: int, final: bool
+) -> None:
+    """The behaviour before the incremental state: same output on any log (with no clock,
+    requests are not judged by age, as before)."""
+    state = fold(log)
+    msgs = msgs_of(log)
+    assert decide(cfg, state, barrier) == reference_decide(cfg, msgs, barrier)
+    assert build_manifest("r1", state, final=final) == reference_manifest("r1", msgs, final)
+
+
+_S11 = StartProfile(session_id="s1-1", roles=ROLE_NAMES, tool="torch", first_step=1,
+                   last_step=1, ts=1.0)
+_STOP = ProfileStopped(session_id="s1-1", role="trainer", rank=0, first_step=1, last_step=1,
+                       tool="torch", path="t.json.gz", bytes=1, duration_s=0.1, ts=1.0)
+_GAVE_UP = WarningRaised(source=PROFILER_SOURCE, code=SESSIONS_MISSING_CODE, message="m",
+                         ts=1.0)
+TRICKY: list[list[Fact]] = [
+    # A second RunFinished (a resumed run that ended again) resets the give-up.
+    [run_started(1), _S11, RunFinished(run_id="r1", steps=5), _GAVE_UP,
+     RunFinished(run_id="r1", steps=6)],
+    # A give-up before any RunFinished means nothing.
+    [run_started(1), _S11, _GAVE_UP, RunFinished(run_id="r1", steps=5)],
+    # Reports before the command (the control stream may be merged in anywhere).
+    [run_started(2), _STOP, ProfileStarted(session_id="s1-1", role="rollouter", rank=1, step=1,
+                                           tool="torch"), _S11],
+    # An answer before its request; a duplicate request; a resumed run.
+    [run_started(1), StartProfile(session_id="rq1-s4-4", roles=["trainer"], tool="torch",
+                                  first_step=4, last_step=4, request_id="q1", ts=1.0),
+     ProfileRequest(request_id="q1", steps=[4]), ProfileRequest(request_id="q2", steps=[4]),
+     ProfileRequest(request_id="q2", steps=[9]), run_started(1, ts=5.0, resumed=True)],
+    # Two stops of one process: the last one wins, in the first one's place.
+    [run_started(1), _S11, _STOP, msgspec_replace(_STOP, status="error: x"),
+     RunFinished(run_id="r1", steps=1)],
+]
+
+
+@settings(max_examples=20, deadline=None)
+@given(cfg=configs, which=st.integers(0, len(TRICKY) - 1), final=st.booleans())
+def test_tricky_logs_same_as_recomputing_from_the_whole_log(
+    cfg: ProfilerConfig, which: int, final: bool
+) -> None:
+    log = TRICKY[which]
+    for i in range(len(log) + 1):
+        state = fold(log[:i])
+        assert decide(cfg, state) == reference_decide(cfg, log[:i])
+        assert build_manifest("r1", state, final) == reference_manifest("r1", log[:i], final)
+
+
+@settings(max_examples=100, deadline=None)
+@given(cfg=configs, log=logs(max_size=60), cut=st.integers(0, 60))
+def test_a_whole_run_served_incrementally_equals_the_reference_service(
+    cfg: ProfilerConfig, log: list[Item], cut: int
+) -> None:
+    """Play both services on the same inputs (each publishes what it decides after every
+    entry); one folds incrementally and restarts from a snapshot at ``cut``, the other
+    recomputes from the whole log. Their logs come out identical."""
+    inputs = msgs_of(log)
+    ours: list[Fact] = []
+    theirs: list[Fact] = []
+    state = ServiceState()
+    for i, msg in enumerate(inputs):
+        if i == cut:  # a restart from a snapshot of what was folded so far
+            decoded = decode_snapshot(encode_snapshot(Snapshot(
+                state=state, run_id="r1", events_position="1-0")))
+            assert decoded is not None
+            state = decoded.state
+        ours.append(msg)
+        state = apply(state, msg)
+        for out in decide(cfg, state):
+            ours.append(out)
+            state = apply(state, out)
+        theirs.append(msg)
+        theirs += reference_decide(cfg, theirs)
+    assert ours == theirs
+    assert state == fold(ours)
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+@settings(max_examples=200, deadline=None)
+@given(log=logs(), cut=st.integers(0, 40))
+def test_snapshot_round_trip_then_fold_on(log: list[Item], cut: int) -> None:
+    cut = min(cut, len(log))
+    snapshot = Snapshot(state=fold(log[:cut]), run_id="r1", events_position="5-1",
+                        control_position="4-0")
+    decoded = decode_snapshot(encode_snapshot(snapshot))
+    assert decoded == snapshot
+    assert fold(log[cut:], decoded.state) == fold(log)
+
+
+def test_a_file_that_is_not_a_snapshot_is_ignored() -> None:
+    assert decode_snapshot(b"") is None
+    assert decode_snapshot(b"\x81\xa1x\x01") is None
+    good = encode_snapshot(Snapshot(state=ServiceState(), run_id="r", events_position="1-0"))
+    assert decode_snapshot(good[:-3]) is None
+
+
+# --------------------------------------------------------------------------- the persistent map
+
+
+class Key:
+    """A key whose hash the test chooses, to force deep paths and full collisions."""
+
+    def __init__(self, name: int, h: int) -> None:
+        self.name = name
+        self.h = h
+
+    def __hash__(self) -> int:
+        return self.h
+
+    def __eq__(self, other: object) -> bool:  # equal keys have equal hashes, as they must
+        return isinstance(other, Key) and (other.name, other.h) == (self.name, self.h)
+
+    def __repr__(self) -> str:
+        return f"Key({self.name}, {self.h:#x})"
+
+
+hashes = st.sampled_from([0, 1, 32, 1 << 60, (1 << 60) | 1, -1, -2, 7 << 55, 2**63 - 1])
+keys = st.one_of(
+    st.integers(-50, 50),
+    st.text(max_size=3),
+    st.builds(Key, st.integers(0, 20), hashes),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.tuples(keys, st.integers(0, 3)), max_size=60))
+def test_pmap_behaves_like_a_dict_and_never_changes_a_version(
+    ops: list[tuple[Any, int]],
+) -> None:
+    versions: list[tuple[PMap[Any, int], dict[Any, int]]] = [(PMap(), {})]
+    for key, value in ops:
+        pmap, model = versions[-1]
+        versions.append((pmap.set(key, value), {**model, key: value}))
+    for pmap, model in versions:  # every older version is untouched
+        assert len(pmap) == len(model)
+        assert dict(pmap.items()) == model
+        assert sorted(map(repr, pmap)) == sorted(map(repr, model))
+        for key, value in model.items():
+            assert key in pmap and pmap[key] == value and pmap.get(key) == value
+        assert pmap == PMap(model.items())
+    missing = Key(99, 0)
+    assert missing not in versions[-1][0] and versions[-1][0].get(missing, "d") == "d"
+
+
+def test_pmap_set_to_the_same_value_is_the_same_map() -> None:
+    value = object()
+    pmap = PMap([("a", value)])
+    assert pmap.set("a", value) is pmap
+    assert pmap.set("a", object()) is not pmap
+
+
+# --------------------------------------------------------------------------- expiry and tool off
+
+
+CFG = cfg_of([1], False, ROLE_NAMES)
+
+
+def _started_log() -> list[Item]:
+    log: list[Item] = [("1000-0", run_started(1))]
+    for msg in decide(CFG, fold(log)):
+        log.append(("1001-0", msg) if not isinstance(msg, StartProfile) else msg)
+    return log
+
+
+def test_request_older_than_its_timeout_is_refused_never_served() -> None:
+    req = ProfileRequest(request_id="q", steps=[5], timeout_s=2.0, ts=0.0)
+    state = fold([*_started_log(), ("5000-0", req)])
+    # Served while its client still waits (by the Redis clock: now - arrival <= timeout) ...
+    (served,) = decide(CFG, state, now_ms=7000)
+    assert isinstance(served, StartProfile) and served.request_id == "q"
+    # ... refused once that is over, whatever its own `ts` (another host's clock) says.
+    (refused,) = decide(CFG, state, now_ms=7001)
+    assert isinstance(refused, ProfileRequestRefused) and refused.request_id == "q"
+    assert refused.reason.startswith("expired") and "timeout of 2 s" in refused.reason
+    # Answered: nothing more, whatever the clock.
+    assert decide(CFG, apply(state, refused), now_ms=10**9) == []
+    # Without a clock (or without an entry id) requests are not judged by age.
+    assert decide(CFG, state) == [served]
+    assert decide(CFG, fold([*_started_log(), req]), now_ms=10**9) == [served]
+
+
+def test_expired_request_is_refused_at_once_even_before_run_started() -> None:
+    old = ProfileRequest(request_id="old", steps=[5], timeout_s=1.0)
+    fresh = ProfileRequest(request_id="fresh", steps=[6], timeout_s=60.0)
+    state = fold([("1000-0", old), ("1500-0", fresh)])
+    (refused,) = decide(CFG, state, now_ms=2500)
+    assert refused.request_id == "old" and refused.reason.startswith("expired")  # type: ignore[union-attr]
+    # The fresh one waits for RunStarted, then is served.
+    state = fold([refused, ("2600-0", run_started(1))], state)
+    out = decide(CFG, state, now_ms=2700)
+    assert [type(m) for m in out] == [StartProfile, ProfilerReady, StartProfile]
+    assert out[-1].request_id == "fresh"  # type: ignore[union-attr]
+
+
+def test_run_started_with_profiling_off_refuses_requests_at_once() -> None:
+    config = {**run_started(1).config, "global_profiler": {"tool": None}}
+    log: list[Item] = [
+        RunStarted(run_id="r1", config=config, ts=1.0),
+        ProfileRequest(request_id="q", steps=[5]),
+    ]
+    out = decide(CFG, fold(log))
+    refused = [m for m in out if isinstance(m, ProfileRequestRefused)]
+    assert len(refused) == 1 and "profiling is off for this run" in refused[0].reason
+    assert not [m for m in out if isinstance(m, StartProfile) and m.request_id]
+    # The service's own config off: refused at once, before the run has even started.
+    off = ProfilerConfig(tool=None)
+    (refused_now,) = decide(off, fold([ProfileRequest(request_id="q", steps=[5])]))
+    assert "profiling is off" in refused_now.reason  # type: ignore[union-attr]
