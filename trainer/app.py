@@ -209,6 +209,8 @@ class Trainer:
         self.events_last = "0"
         self.last_finished_id: str | None = None
         self.wait_s = 0.0
+        self.window_groups = 0  # prompts trained in this sync window, and how many were stale
+        self.window_stale = 0
         self.fenced: str | None = None
         self.lease_regained = False
         self.blobs: RedisBlobStore | DirBlobStore = RedisBlobStore(bus, self.keys)
@@ -436,7 +438,9 @@ class Trainer:
         return max(hb.timeout_s, 4 * slowest)
 
     async def _issue_tickets(self) -> None:
-        room = self.capacity - self.state.ledger.outstanding
+        """Issue what the sync window's staleness budget still allows (trainer.budget):
+        right after a sync (or at the start) the window's new tickets, else nothing."""
+        room = self.state.ledger.room(self.capacity)
         if room <= 0:
             return
         first = self.state.ledger.issued
@@ -866,10 +870,17 @@ class Trainer:
             t_update = time.monotonic()
             metrics = await self._off(self._update, [[s for _, s in g.ordered()] for g in groups])
             update_s = time.monotonic() - t_update
+            # verl's per-window view: the share of this sync window's prompts generated with
+            # weights older than the trainer's (at most staleness_threshold).
+            self.window_groups += len(groups)
+            self.window_stale += sum(
+                1 for g in groups if min(s.min_version for _, s in g.ordered()) < self.version)
+            metrics["staleness/window_stale_share"] = self.window_stale / self.window_groups
             # Close step+1 to commands before its weights (or our next control read) exist.
             await self.bus.set_barrier(self.keys.barrier, step + 1)
             if step % trigger == 0:
                 self.version += 1
+                self.window_groups = self.window_stale = 0
                 await self._publish_weights(step)
             if (tc.save_freq and step % tc.save_freq == 0) or step == tc.total_training_steps:
                 path = await self._off(self._save_checkpoint, step)

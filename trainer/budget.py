@@ -1,21 +1,25 @@
-"""The staleness budget: how many prompt tickets the trainer may have in flight.
+"""The staleness budget, with verl's fully-async meaning.
 
 verl's formula, in prompts (each ticket is one prompt with ``rollout.n`` responses)::
 
     budget = floor((1 + staleness_threshold) * trigger_parameter_sync_step
                    * require_batches * ppo_mini_batch_size)
 
-Tickets outstanding (issued, not yet trained or discarded) never exceed ``budget``. The trainer
-is the only issuer, so the bound is exact however many rollouter replicas claim tickets.
+is the most prompts a *sync window* (the steps between two weight syncs) may have generated
+for it. As in verl's rollouter, the count restarts at each weight sync from what is still
+queued or in flight (issued, not yet trained) and grows by one per ticket issued; it does not
+shrink when a ticket is trained. So after a sync at most ``budget - T * R * M`` tickets of
+the window can come from older weights: the stale share of a window is at most
+``staleness_threshold`` (0: every sample on-policy). The trainer is the only issuer, so the
+bound is exact however many rollouter replicas claim tickets. The window count itself is
+folded from events in :mod:`trainer.ledger`.
 """
 
 from __future__ import annotations
 
 import math
 
-import msgspec
-
-__all__ = ["TicketBudget", "max_staleness", "ticket_budget"]
+__all__ = ["max_staleness", "stale_share_bound", "ticket_budget"]
 
 
 def ticket_budget(
@@ -24,49 +28,38 @@ def ticket_budget(
     require_batches: int,
     ppo_mini_batch_size: int,
 ) -> int:
-    """Tickets (prompts) that may be in flight at once."""
+    """Tickets (prompts) one sync window may issue, counting those still out at its start."""
     per_sync = trigger_parameter_sync_step * require_batches * ppo_mini_batch_size
     # The epsilon keeps 1.5 * 16 = 24 from becoming 23.999999 -> 23.
     return max(per_sync, math.floor((1 + staleness_threshold) * per_sync + 1e-9))
 
 
+def stale_share_bound(
+    staleness_threshold: float,
+    trigger_parameter_sync_step: int,
+    require_batches: int,
+    ppo_mini_batch_size: int,
+) -> float:
+    """The largest share of a sync window's trained prompts that older weights generated:
+    the tickets carried over a sync, over the prompts one window trains."""
+    per_sync = trigger_parameter_sync_step * require_batches * ppo_mini_batch_size
+    budget = ticket_budget(staleness_threshold, trigger_parameter_sync_step, require_batches,
+                           ppo_mini_batch_size)
+    return (budget - per_sync) / per_sync
+
+
 def max_staleness(
-    staleness_threshold: float, trigger_parameter_sync_step: int, require_batches: int = 1,
+    staleness_threshold: float, trigger_parameter_sync_step: int = 1, require_batches: int = 1,
     ppo_mini_batch_size: int = 1,
 ) -> int:
     """The most weight versions a trained sample may lag behind the trainer's weights.
 
-    A ticket issued after step ``j`` (weights version ``j // T``) is, when tickets are trained in
-    issue order, trained by step ``j + ceil(budget / per_step)``, where the trainer holds version
-    ``(step - 1) // T``. Groups that arrive later than that are discarded, so this is exact.
+    Tickets are issued only at syncs, tagged with the new version. At most ``budget -
+    per_sync`` of them are still out at the next sync; trained first (in issue order), they
+    are one version old; a carry-over larger than one window (``staleness_threshold > 1``)
+    adds a version per window. Groups that arrive later than that are answered again.
     """
-    t = trigger_parameter_sync_step
-    per_step = require_batches * ppo_mini_batch_size
-    budget = ticket_budget(staleness_threshold, t, require_batches, ppo_mini_batch_size)
-    horizon = math.ceil(budget / per_step)
-    return max((j + horizon - 1) // t - j // t for j in range(t))
-
-
-class TicketBudget(msgspec.Struct):
-    """Counts issued and completed tickets; :meth:`room` says how many may be issued now."""
-
-    capacity: int
-    issued: int = 0
-    completed: int = 0
-
-    @property
-    def outstanding(self) -> int:
-        return self.issued - self.completed
-
-    def room(self) -> int:
-        return max(0, self.capacity - self.outstanding)
-
-    def take(self, count: int) -> None:
-        if count > self.room():
-            raise ValueError(f"issuing {count} tickets exceeds the budget ({self.room()} left)")
-        self.issued += count
-
-    def complete(self, count: int) -> None:
-        if count > self.outstanding:
-            raise ValueError(f"completing {count} tickets but only {self.outstanding} are out")
-        self.completed += count
+    per_sync = trigger_parameter_sync_step * require_batches * ppo_mini_batch_size
+    budget = ticket_budget(staleness_threshold, trigger_parameter_sync_step, require_batches,
+                           ppo_mini_batch_size)
+    return math.ceil((budget - per_sync) / per_sync)

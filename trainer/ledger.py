@@ -47,10 +47,15 @@ class OpenTicket(msgspec.Struct, frozen=True):
 
 
 class Ledger(msgspec.Struct, frozen=True):
-    """``issued``: tickets ever issued (ids ``t0 .. t{issued-1}``); ``open``: by index."""
+    """``issued``: tickets ever issued (ids ``t0 .. t{issued-1}``); ``open``: by index;
+    ``window``: tickets counted against the staleness budget of the current sync window
+    (trainer.budget): reset at each weight sync to the open ones, one more per new ticket;
+    ``version``: the weights version after the last finished step (a change is a sync)."""
 
     issued: int = 0
     open: dict[int, OpenTicket] = {}
+    window: int = 0
+    version: int = 0
 
     @property
     def outstanding(self) -> int:
@@ -60,12 +65,20 @@ class Ledger(msgspec.Struct, frozen=True):
     def closed(self) -> int:
         return self.issued - len(self.open)
 
+    def room(self, budget: int) -> int:
+        """New tickets the sync window's staleness budget allows now (trainer.budget)."""
+        return max(0, budget - max(self.window, len(self.open)))
 
-def _close(ledger: Ledger, indices: Iterable[int | None]) -> Ledger:
+
+def _close(ledger: Ledger, indices: Iterable[int | None], *, untrained: bool = False
+           ) -> Ledger:
     drop = {i for i in indices if i is not None and i in ledger.open}
     if not drop:
         return ledger
-    return Ledger(ledger.issued, {i: t for i, t in ledger.open.items() if i not in drop})
+    opened = {i: t for i, t in ledger.open.items() if i not in drop}
+    # A ticket given up without an answer generated no sample for the window.
+    window = max(0, ledger.window - len(drop)) if untrained else ledger.window
+    return msgspec.structs.replace(ledger, open=opened, window=window)
 
 
 def apply(ledger: Ledger, msg: Message) -> Ledger:
@@ -74,6 +87,7 @@ def apply(ledger: Ledger, msg: Message) -> Ledger:
         case TicketsIssued(ticket_ids=ids, n=n, param_version=version, attempt=attempt):
             opened = dict(ledger.open)
             issued = ledger.issued
+            new = 0
             for tid in ids:
                 index = ticket_index(tid)
                 if index is None:
@@ -86,13 +100,20 @@ def apply(ledger: Ledger, msg: Message) -> Ledger:
                     continue
                 if attempt == 0 and known:
                     continue  # a duplicate of the first issue
+                new += index not in opened
                 opened[index] = OpenTicket(index, n, attempt, version)
                 issued = max(issued, index + 1)
-            return Ledger(issued, opened)
-        case StepFinished(sample_ids=ids):
-            return _close(ledger, (ticket_of_sample(sid) for sid in ids))
+            # A reissue answers the same prompt again: not a new prompt for the window.
+            window = ledger.window + (new if attempt == 0 else 0)
+            return Ledger(issued, opened, window, ledger.version)
+        case StepFinished(sample_ids=ids, param_version=version):
+            ledger = _close(ledger, (ticket_of_sample(sid) for sid in ids))
+            if version != ledger.version:  # a weight sync: verl's count restarts
+                ledger = msgspec.structs.replace(ledger, version=version,
+                                                 window=len(ledger.open))
+            return ledger
         case TicketsClosed(ticket_ids=ids):
-            return _close(ledger, (ticket_index(tid) for tid in ids))
+            return _close(ledger, (ticket_index(tid) for tid in ids), untrained=True)
     return ledger
 
 

@@ -95,6 +95,7 @@ def grpo_update(
         "reward/max": float(rewards.max()),
         "staleness/mean": _mean(staleness),
         "staleness/max": float(max(staleness)),
+        "staleness/stale_share": _mean([float(x > 0) for x in staleness]),
         "actor/loss": _mean(stats["loss"]),
         "actor/pg_clipfrac": _mean(stats["clip"]),
         "actor/entropy": _mean(stats["ent"]),
