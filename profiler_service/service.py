@@ -78,6 +78,7 @@ from profiler_service.state import (
     decode_snapshot,
     encode_snapshot,
 )
+from profiling.hook import hook_env
 from runconfig.schema import Config
 
 __all__ = [
@@ -369,12 +370,9 @@ class ProfilerService:
             return None
         started = time.time()
         await asyncio.to_thread(_write_marker, marker, {"started": started})
-        env = {
-            **os.environ,
-            "RLBUS_RUN_ID": self.keys.run_id,
-            "RLBUS_PROFILE_DIR": str(self.profile_dir.resolve()),
-            "RLBUS_MANIFEST": str(self.manifest_path.resolve()),
-        }
+        # rlbus's own variables plus verl's VERL_PROFILE_* (profiling.hook).
+        env = {**os.environ, **hook_env(self.cfg, self.keys.run_id, self.profile_dir,
+                                        self.manifest_path)}
         log.info("running finish hook: %s", cmd)
         self._hook_running = True
         self._pulse_now.set()
