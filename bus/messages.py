@@ -179,6 +179,8 @@ class TrainerResumed(_Base, frozen=True):
     replayed_steps: int
     weights_match: bool | None = None
     ts: float = msgspec.field(default_factory=_now)
+    events_read: int = 0
+    """Log entries the resume folded (those after the checkpoint's snapshot position)."""
 
 
 class CheckpointSaved(_Base, frozen=True):

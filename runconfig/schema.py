@@ -64,6 +64,7 @@ class RunConfig(_Section, frozen=True):
     ray_address: str | None = None
     stop_grace_s: PosFloat = 10.0
     progress_interval_s: PosFloat = 10.0
+    retention: Literal["checkpoint", "all"] = "checkpoint"
 
 
 class ModelConfig(_Section, frozen=True):

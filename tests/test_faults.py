@@ -322,3 +322,33 @@ async def test_a_finished_run_continues_with_more_steps(
     assert [e.steps for e in events if isinstance(e, RunFinished)] == [3, 5]
     resumed = [e for e in events if isinstance(e, TrainerResumed)]
     assert resumed and resumed[0].step == 3 and resumed[0].weights_match is True
+
+
+async def test_trim_then_resume_rebuilds_the_same_model(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    """Retention trims samples and tickets below each durable checkpoint; a trainer killed
+    right after a trim resumes from the checkpoint's snapshot, reading only the log after
+    it, and rebuilds the same model (trimming never removed a sample it needed)."""
+    steps = 9
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 "trainer.save_freq=3")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, lambda m: isinstance(m, StepFinished) and m.step == 6,
+                   120, procs, ["trainer"])
+    procs.kill("trainer")
+    events_before = await bus.length(run_keys.events)
+    procs.spawn("trainer2", "trainer", *args)
+    assert procs.wait("trainer2", 180) == 0, procs.log("trainer2")
+    events = await events_of(bus, run_keys.events)
+    _assert_ledger(events, steps)
+    resumed = [e for e in events if isinstance(e, TrainerResumed)]
+    assert resumed and resumed[0].weights_match is True
+    assert resumed[0].checkpoint_step == 6
+    # Only the log after the step-6 snapshot was read.
+    assert 0 < resumed[0].events_read < events_before / 2, (resumed[0], events_before)
+    # Samples of steps before the last checkpoint (the final step) are gone.
+    produced = sum(len(e.sample_ids) for e in _finished(events))
+    assert await bus.length(run_keys.samples) < produced / 2
+    assert await bus.length(run_keys.prompts) < steps * 4

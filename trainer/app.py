@@ -118,6 +118,14 @@ class LogBehind(RuntimeError):
     second): the trainer must resume from the log as it is now."""
 
 
+class _Snapshot(msgspec.Struct, frozen=True):
+    """The trainer's folded state as of events ``position`` (saved beside a checkpoint)."""
+
+    state: TrainerState
+    position: str
+    last_finished_id: str | None = None
+
+
 class _Group(msgspec.Struct):
     """The responses of one attempt of one ticket gathered so far (entry ids for the ack)."""
 
@@ -208,6 +216,8 @@ class Trainer:
         self.control_last = "0"
         self.events_last = "0"
         self.last_finished_id: str | None = None
+        self.events_position: str | None = None
+        self.log_entries_read = 0
         self.wait_s = 0.0
         self.window_groups = 0  # prompts trained in this sync window, and how many were stale
         self.window_stale = 0
@@ -234,7 +244,7 @@ class Trainer:
     ) -> list[str]:
         """Every write of the trainer: fenced by the run's lease (see bus.liveness)."""
         try:
-            return await self.lease.write(items, ack, require)
+            ids = await self.lease.write(items, ack, require)
         except Fenced as exc:
             if exc.holder is None and await self.lease.acquire() is None:
                 # Our lease vanished (Redis restarted, maybe without its last writes): it is
@@ -242,6 +252,10 @@ class Trainer:
                 raise LogBehind(f"the lease {self.keys.trainer_lease} had vanished") from exc
             self.fenced = exc.holder or "nobody (the lease lapsed)"
             raise
+        for (stream, _), entry_id in zip(items, ids, strict=True):
+            if stream == self.keys.events:
+                self.events_position = entry_id  # the snapshot's position in the log
+        return ids
 
     async def _publish(self, *events: Event) -> list[str]:
         if not events:
@@ -253,10 +267,36 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
 
+    def _snapshots(self) -> list[tuple[TrainerState, str, str | None]]:
+        """The state snapshots saved with checkpoints, newest first:
+        ``(state, events position, id of its last StepFinished)``."""
+        folder = self.run_dir / "checkpoints"
+        out = []
+        for path in sorted(folder.glob("step-*.state"), reverse=True):
+            try:
+                snap = msgspec.msgpack.decode(path.read_bytes(), type=_Snapshot)
+            except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+                continue  # a torn or foreign file: an older snapshot, or the whole log
+            out.append((snap.state, snap.position, snap.last_finished_id))
+        return out
+
     async def _read_log(self) -> None:
-        state = TrainerState()
-        async for entry in self.bus.read_all(self.keys.events):
+        """Fold the events log into the trainer's state: from the newest checkpoint's
+        snapshot and its position when the log still holds that position (a resume then
+        reads only what happened since), else from the log's beginning."""
+        state, start, self.last_finished_id = TrainerState(), "0", None
+        for snap, position, last_finished in await asyncio.to_thread(self._snapshots):
+            if await self.bus.read_ids(self.keys.events, [position]):
+                state, start, self.last_finished_id = snap, position, last_finished
+                break
+        self.events_position = None if start == "0" else start
+        self.log_entries_read = 0
+        async for entry in self.bus.read_all(self.keys.events, start=start):
+            if entry.id == start:
+                continue
+            self.log_entries_read += 1
             state = apply(state, entry.msg)
+            self.events_position = entry.id
             if isinstance(entry.msg, StepFinished) and entry.msg.step == state.last_step:
                 self.last_finished_id = entry.id
         self.state = state
@@ -687,15 +727,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _save_checkpoint(self, step: int) -> Path:
+    def _save_checkpoint(self, step: int, state: bytes) -> Path:
+        """Model, optimizer, and the trainer's folded state with the events position it was
+        folded up to: a resume reads only the log after that position."""
         folder = self.run_dir / "checkpoints"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"step-{step:06d}.pt"
         tmp = path.with_suffix(".tmp")
         torch.save({"step": step, "version": self.version,
-                    "model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "tickets_issued": self.state.ledger.issued}, tmp)
+                    "model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict()},
+                   tmp)
+        with open(tmp, "rb+") as f:  # durable before the log says it exists (retention trims)
+            os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a crash leaves the old checkpoint or the new one
+        side = path.with_suffix(".state")
+        tmp = side.with_suffix(".state-tmp")
+        tmp.write_bytes(state)
+        os.replace(tmp, side)
         return path
 
     def _load_checkpoint(self, path: str) -> None:
@@ -755,6 +803,7 @@ class Trainer:
         await self._publish(TrainerResumed(
             step=st.last_step, param_version=self.version, checkpoint_step=ckpt_step,
             replayed_steps=len(replay), weights_match=match,
+            events_read=self.log_entries_read,
         ))
         if match is False:
             await self._publish(WarningRaised(
@@ -829,6 +878,17 @@ class Trainer:
                 with contextlib.suppress(Exception):
                     await self._publish(*(await self._off(self.agent.close)))
 
+    async def _trim(self, trained: Sequence[str]) -> None:
+        """Retention (run.retention=checkpoint): after the durable checkpoint of this step,
+        samples and tickets before it are needed by no resume; trim_safely never removes an
+        entry any group still has pending or undelivered (those later steps need)."""
+        if trained:
+            newest = max(trained, key=lambda i: tuple(int(p) for p in i.split("-")))
+            await self.bus.trim_safely(self.keys.samples, minid=newest)
+        latest = await self.bus.latest(self.keys.prompts)
+        if latest is not None:
+            await self.bus.trim_safely(self.keys.prompts, minid=latest.id)
+
     async def _check_log(self) -> None:
         """Raise LogBehind when our last StepFinished is no longer in the log (Redis came
         back without its last writes): one XRANGE of one id per step."""
@@ -883,9 +943,12 @@ class Trainer:
                 self.version += 1
                 self.window_groups = self.window_stale = 0
                 await self._publish_weights(step)
-            if (tc.save_freq and step % tc.save_freq == 0) or step == tc.total_training_steps:
-                path = await self._off(self._save_checkpoint, step)
-                await self._publish(CheckpointSaved(step=step, path=str(path),
+            saved = None
+            if (tc.save_freq > 0 and step % tc.save_freq == 0) or step == tc.total_training_steps:
+                snapshot = msgspec.msgpack.encode(_Snapshot(
+                    self.state, self.events_position or "0-0", self.last_finished_id))
+                saved = await self._off(self._save_checkpoint, step, snapshot)
+                await self._publish(CheckpointSaved(step=step, path=str(saved),
                                                     param_version=self.version))
             pairs = [pair for g in groups for pair in g.ordered()]
             await self._read_peers()
@@ -907,7 +970,9 @@ class Trainer:
                 raise LogBehind(f"StepFinished({step - 1}) is gone from the log ({exc})") from exc
             self.consumer.acked(entry_ids)
             self.state = apply(self.state, finished)
-            self.last_finished_id = ids[0]
+            self.last_finished_id = self.events_position = ids[0]
+            if saved is not None and cfg.run.retention == "checkpoint":
+                await self._trim(entry_ids)
             for g in groups:
                 self.taken.discard(g.index)
                 self.issued_at.pop(g.index, None)
