@@ -149,7 +149,7 @@ async def test_duplicated_samples_are_trained_once(
 ) -> None:
     steps = 5
     args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
-                 "trainer.save_freq=2")
+                 "trainer.save_freq=2", "run.retention=all")
     stop = asyncio.Event()
     copier = asyncio.create_task(_duplicate_samples(bus, run_keys, stop))
     procs.spawn("rollouter0", "rollouter", *args)
