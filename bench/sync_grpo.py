@@ -1,8 +1,9 @@
 """In-process synchronous GRPO on the digits task: the reference learning curve.
 
 generate with the current policy -> rewards -> group advantages -> PPO/Adam updates -> repeat.
-Uses only policy/, tasks/ and trainer/grpo.py, so if the distributed system learns slower
-than this, look at the system, not the math. The defaults are the tuned hyper-parameters:
+Uses policy/, tasks/ and the trainer's own update function (trainer.update.grpo_update), so
+if the distributed system learns slower than this, look at the system, not the math. The
+defaults are the tuned hyper-parameters:
 
     task      digits, 4 digits ("1234>" -> "4321"), reward tasks.digits.digits_reward
     policy    tiny: d_model 64, 2 layers, 4 heads, max_len 32, dropout 0, init seed = --seed
@@ -35,16 +36,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
+
+from bus.messages import Array, Sample
 from policy import build_policy
 from policy.tokenizer import CharTokenizer
+from runconfig import TrainerConfig
 from tasks.digits import DigitsPrompts, digits_reward
-from trainer.grpo import (
-    approx_kl,
-    build_batch,
-    group_advantages,
-    masked_mean,
-    ppo_clip_loss,
-)
+from trainer.update import grpo_update
 
 __all__ = ["main", "parse_args", "run"]
 
@@ -89,6 +88,9 @@ def run(a: argparse.Namespace) -> int | None:
         device="auto",
     )
     opt = torch.optim.Adam(policy.parameters(), lr=a.lr)
+    tc = TrainerConfig(ppo_mini_batch_size=max(1, a.prompts // a.updates), ppo_epochs=1,
+                       lr=a.lr, clip_ratio_low=a.clip_low, clip_ratio_high=a.clip_high,
+                       grad_clip=a.grad_clip, entropy_coeff=a.entropy_coef)
     reached: int | None = None
     reached_s = 0.0
     t0 = time.perf_counter()
@@ -102,33 +104,24 @@ def run(a: argparse.Namespace) -> int | None:
             [digits_reward(tok.decode(r), prompts[i // a.n].answer)
              for i, r in enumerate(gen.tokens)]
         ).view(a.prompts, a.n)
-        adv = group_advantages(rewards).view(-1)
-        batch = build_batch(list(zip(prompt_ids, gen.tokens, gen.logprobs, strict=True)),
-                            pad_id=tok.pad_id, device=policy.device)
+        groups = [
+            [Sample(sample_id=f"t{step}-{g}/{i}", ticket_id=f"t{step}-{g}", prompt_id="",
+                    index=i, n=a.n,
+                    prompt_tokens=Array.of(np.asarray(prompt_ids[g * a.n + i], dtype=np.int32)),
+                    response_tokens=Array.of(np.asarray(gen.tokens[g * a.n + i], dtype=np.int32)),
+                    logprobs=Array.of(np.asarray(gen.logprobs[g * a.n + i], dtype=np.float32)),
+                    reward=float(rewards[g, i]), min_version=step, max_version=step)
+             for i in range(a.n)]
+            for g in range(a.prompts)
+        ]
         t_train = time.perf_counter()
         gen_s += t_train - t_gen
-
-        # `updates` optimizer steps per batch, each on its own slice of whole groups (one
-        # PPO epoch). After the first, the policy has moved and the clip starts to matter.
+        # The trainer's own update function: the baseline runs the same algorithm.
         policy.train()
-        stats = []
-        for idx in torch.arange(a.prompts).chunk(a.updates):
-            rows = (idx[:, None] * a.n + torch.arange(a.n)).reshape(-1).to(policy.device)
-            logp, entropy = policy.logprobs_and_entropy(
-                batch.input_ids[rows], batch.attention_mask[rows], batch.response_len,
-                a.temperature,
-            )
-            mask, old = batch.response_mask[rows], batch.old_logprobs[rows]
-            loss, clipfrac = ppo_clip_loss(logp, old, adv.to(logp.device)[rows], mask,
-                                           a.clip_low, a.clip_high)
-            ent = masked_mean(entropy, mask)
-            opt.zero_grad(set_to_none=True)
-            (loss - a.entropy_coef * ent).backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), a.grad_clip)
-            opt.step()
-            stats.append((ent.item(), clipfrac.item(), approx_kl(logp, old, mask).item(),
-                          gnorm.item()))
-        ent_m, clip_m, kl_m, gnorm_m = (sum(x) / len(stats) for x in zip(*stats, strict=True))
+        metrics = grpo_update(policy, opt, groups, tc, temperature=a.temperature, version=step,
+                              device=policy.device)
+        ent_m, clip_m = metrics["actor/entropy"], metrics["actor/pg_clipfrac"]
+        kl_m, gnorm_m = metrics["actor/approx_kl"], metrics["actor/grad_norm"]
         train_s += time.perf_counter() - t_train
 
         r = rewards.mean().item()
