@@ -69,8 +69,9 @@ def test_compose_commands_run_as_local_processes(
         manifest = json.loads((out / "profiles" / run_id / "manifest.json").read_text())
         done = {(s["role"], s["rank"], s["first_step"]) for s in manifest["sessions"]
                 if s["status"] == "ok"}
-        assert {("trainer", 0, 1), ("rollouter", 0, 1), ("rollouter", 1, 1),
-                ("trainer", 0, 3)} <= done
+        # Step 1 on both roles; a replica that starts after step 1 is over has no step 1.
+        assert {("trainer", 0, 1), ("trainer", 0, 3)} <= done
+        assert any(role == "rollouter" and first == 1 for role, _, first in done)
         assert "trainer: step    3/3" in procs.log("trainer")  # its own progress lines
         assert list((out / run_id / "tensorboard").glob("events.out.tfevents.*"))
         # No password in any log, nor in the run's log (RunStarted keeps the placeholder).
