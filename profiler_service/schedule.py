@@ -15,8 +15,10 @@ what is still missing. That one rule buys three properties:
 Because the state is folded one entry at a time (``state = apply(state, entry)``), deciding
 after a new entry costs the same at step 10 as at step 100 000.
 
-Steps are 1-based. A trainer step K is the K-th update; a rollouter step K is the window in
-which it generates with weights version K-1. A :class:`~bus.messages.StartProfile` names the
+Steps are 1-based and one unit on every role, the trainer's update number, whatever
+``trigger_parameter_sync_step``: a trainer step K is the K-th update; a rollouter step K runs
+from the trainer's ``StepFinished(K-1)`` to its ``StepFinished(K)`` (:mod:`profiling.steps`), so
+no session outlives the run's last step. A :class:`~bus.messages.StartProfile` names the
 first *and* last step of its session, so all scheduled commands can go out at ``RunStarted``:
 the components arm them and start at the step boundary, which means the service can never be
 late for a step, step 1 included.

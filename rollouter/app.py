@@ -1,12 +1,13 @@
 """The rollouter process: claims prompt tickets, generates with the weights it holds, publishes
 samples tagged with the weight versions used, then acks the tickets.
 
-Start-up is ordered so that profiling commands for step 1 always precede step 1: the
-rollouter waits until weights version 0 are published (the trainer publishes them only after
-the profiler service said ProfilerReady, or the handshake timed out), reads the control stream,
-and only then begins its step 1 (= the window in which it generates with weights version 0).
+Profiling steps are the trainer's update numbers on every role (profiling.steps): rollouter
+step ``K`` begins when it reads ``StepFinished(K-1)`` and ends when it reads ``StepFinished(K)``,
+whatever weights it holds. Step 1 begins when it reads weights version 0, which the trainer
+publishes only after the profiler service said ProfilerReady (or the handshake timed out); the
+rollouter reads the control stream right before it begins any step, so the commands for a step
+always precede it.
 
-Rollouter step ``K`` is the window in which it generates with weights version ``K - 1``.
 New weights are loaded between batches, or between chunks of tokens when
 ``async_training.partial_rollout`` is on (then a sample's min and max versions differ).
 """
@@ -48,6 +49,7 @@ from bus.messages import (
 from policy import build_policy, resolve_device
 from policy.text import build_tokenizer
 from profiling import create_agent
+from profiling.steps import StepClock, follow, observe
 from runconfig import Config, load_or_exit
 from tasks.reward import load_reward_fn
 
@@ -104,6 +106,10 @@ class Rollouter:
         # for liveness, and torch.profiler records the thread it was started on.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouter-gen")
         self.agent: Any = None
+        # The trainer's step boundaries read from the log: this rollouter's profiling steps.
+        self.clock = StepClock()
+        self.steps_lock = asyncio.Lock()  # one move of the agent's steps at a time, in order
+        self.steps_task: asyncio.Task[None] | None = None  # _watch_steps, with an agent only
         self.attempts: dict[str, int] = {}
         self.retry: list[Any] = []
         self.busy_s = 0.0
@@ -132,13 +138,15 @@ class Rollouter:
 
     async def _poll_events(self, block_ms: int | None = None) -> bool:
         """Read new run events: weights (the newest in log order wins: after a resume from a
-        log that lost its tail, a lower version is the current one) and the run's end.
-        Returns whether it has read the whole log."""
+        log that lost its tail, a lower version is the current one), the trainer's step
+        boundaries (this rollouter's profiling steps follow them once it has read the whole
+        log) and the run's end. Returns whether it has read the whole log."""
         entries, self.events_last = await self.bus.read_after(
             self.keys.events, self.events_last, count=1000, block_ms=block_ms
         )
         total = self.cfg.trainer.total_training_steps
         for _, msg in entries:
+            self.clock = observe(self.clock, msg)
             match msg:
                 case WeightsPublished() if msg.ref.key not in self.bad_weights:
                     self.published.append(msg)
@@ -147,7 +155,62 @@ class Rollouter:
                 # A run extended with more steps than it finished with goes on.
                 case RunFinished() if msg.steps >= total:
                     self.finished = True
-        return len(entries) < 1000  # caught up with the log
+        caught_up = len(entries) < 1000
+        if caught_up:
+            await self._follow_steps()
+        return caught_up
+
+    async def _follow_steps(self) -> None:
+        """Bring the profiler agent to the trainer's current step (profiling.steps): end the
+        step it was in, begin each step since, in order. Commands are read first, so a step
+        never begins before the commands for it; the agent's calls run on the worker thread,
+        between generation batches (or partial-rollout chunks), in one hop."""
+        if self.agent is None:
+            self.clock, _ = follow(self.clock, self.cfg.trainer.total_training_steps)
+            return
+        if self.steps_task is None:
+            # From where this read ended: the clock holds everything before it.
+            self.steps_task = asyncio.create_task(self._watch_steps(self.events_last))
+        agent = self.agent
+        async with self.steps_lock:
+            self.clock, moves = follow(self.clock, self.cfg.trainer.total_training_steps)
+            if not moves:
+                return
+            if any(kind == "begin" for kind, _ in moves):
+                await self._apply_commands()
+
+            def run_moves() -> list[Event]:
+                events: list[Event] = []
+                for kind, step in moves:
+                    events += agent.step_begin(step) if kind == "begin" else agent.step_end(step)
+                return events
+
+            await self._publish(*(await self._off(run_moves)))
+
+    async def _watch_steps(self, cursor: str) -> None:
+        """Background, with a profiler agent: follow the trainer's step boundaries as they
+        are written (a blocking read of the events stream, its own cursor), so that the steps
+        of a rollouter that waits for tickets move at once, not after its ticket read; those
+        of a busy one move as soon as its current generation batch ends (the moves queue on
+        the worker thread behind it)."""
+        while True:
+            entries, cursor = await self.bus.read_after(
+                self.keys.events, cursor, count=1000, block_ms=1000
+            )
+            for _, msg in entries:
+                self.clock = observe(self.clock, msg)
+            if len(entries) < 1000:
+                await self._follow_steps()
+
+    async def _stop_watching_steps(self) -> None:
+        """End _watch_steps between two moves (a move cut short would lose its events)."""
+        task, self.steps_task = self.steps_task, None
+        if task is None:
+            return
+        async with self.steps_lock:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
     async def _apply_commands(self) -> None:
         if self.agent is None:
@@ -193,7 +256,7 @@ class Rollouter:
         return None
 
     async def _swap_weights(self) -> None:
-        """Load the newest published weights if they are not ours (a step boundary)."""
+        """Load the newest published weights if they are not ours."""
         newest = self.newest
         if newest is None or newest is self.loaded:
             return
@@ -227,14 +290,10 @@ class Rollouter:
             ))
             await self._swap_weights()
             return
-        old = self.version
+        # Profiling steps follow the trainer's StepFinished events, not weight versions
+        # (_follow_steps): with trigger_parameter_sync_step > 1 a version spans several steps.
         self.loaded = newest
         self.version = newest.version
-        if self.agent is not None and old != self.version:
-            if old >= 0:
-                await self._publish(*(await self._off(self.agent.step_end, old + 1)))
-            await self._apply_commands()
-            await self._publish(*(await self._off(self.agent.step_begin, self.version + 1)))
 
     async def _heartbeat(self) -> None:
         """Background: refresh this replica's liveness key (a TTL judged by Redis's clock)."""
@@ -349,6 +408,9 @@ class Rollouter:
                 tickets = [(i, t) for i, t in tickets if t.min_version <= newest.version]
                 if not tickets:
                     return
+        # These tickets were issued after the StepFinished that begins the step they belong
+        # to: read it now, so that their generation lands in that step (profiling.steps).
+        await self._poll_events()
         if self.finished:
             return
         try:
@@ -397,7 +459,7 @@ class Rollouter:
         await self.consumer.ensure_group()
         try:
             # Weights version 0 first: they come after ProfilerReady, so the control stream
-            # already holds every command for step 1 when we read it in _swap_weights.
+            # already holds every command for step 1 when _follow_steps reads it.
             while self.newest is None and not self.finished:
                 await self._poll_events(block_ms=500)
                 await self._check_trainer()
@@ -435,6 +497,7 @@ class Rollouter:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await hb
             if self.agent is not None:
+                await self._stop_watching_steps()
                 with contextlib.suppress(Exception):
                     await self._publish(*(await self._off(self.agent.close)))
             self.worker.shutdown(wait=False, cancel_futures=True)

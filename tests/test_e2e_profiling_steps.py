@@ -1,0 +1,113 @@
+"""One step unit on every role: with ``trigger_parameter_sync_step=4`` a session's trainer and
+rollouter windows cover the same stretch of the run (docs/profiling.md, *Step semantics*).
+
+The profiler service, a rollouter and the trainer run as real processes against a throwaway
+redis-server; steps 2-3 are one continuous session. Weights version 1 comes only after update
+4, so under the old unit (rollouter step K = weights version K-1) the rollouter's ``step:2``
+was updates 5-8 and its ``step:3`` began after the run had ended.
+
+Both traces carry absolute times (torch's ``baseTimeNanoseconds`` + ``ts``, microseconds, the
+host's wall clock) and so do the events (``ts``, ``time.time()`` when written), all on this
+machine, so they are compared on one clock. ``CLOCK_SLACK_S`` only absorbs the conversion of
+torch's clock to wall-clock time (a few ms measured); it is not a bound on speed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bus import Bus, RunKeys
+from bus.messages import ProfileStopped, RunFinished, StepFinished, StepStarted, WeightsPublished
+from tests.procs import FAST, Procs, events_of
+
+pytestmark = pytest.mark.e2e
+
+TOTAL = 5  # a sync after update 4 (weights v1), then one more update
+PROFILED = (2, 3)
+SESSION = "s2-3"
+WAIT_S = 240.0
+CLOCK_SLACK_S = 0.05
+STEP_RE = re.compile(r"^step:(\d+)$")
+
+
+def step_windows(path: Path) -> dict[int, tuple[float, float]]:
+    """``K -> (begin, end)`` of each ``step:K`` user annotation, in wall-clock seconds."""
+    with gzip.open(path, "rt") as fh:
+        trace: dict[str, Any] = json.load(fh)
+    base_us = float(trace.get("baseTimeNanoseconds", 0)) / 1e3
+    windows: dict[int, tuple[float, float]] = {}
+    for e in trace["traceEvents"]:
+        m = STEP_RE.match(str(e.get("name", "")))
+        if m and e.get("cat") == "user_annotation" and e.get("ph") == "X":
+            k = int(m.group(1))
+            assert k not in windows, f"{path}: step:{k} twice"
+            begin = (base_us + float(e["ts"])) / 1e6
+            windows[k] = (begin, begin + float(e["dur"]) / 1e6)
+    return windows
+
+
+@pytest.mark.asyncio
+async def test_t4_trainer_and_rollouter_step_windows_cover_the_same_stretch(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    args = [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={tmp_path}", *FAST,
+            f"trainer.total_training_steps={TOTAL}", "rollout.replicas=1",
+            "async_training.trigger_parameter_sync_step=4",
+            # Updates of a few hundred ms: a step is long next to a generation batch.
+            "trainer.ppo_epochs=10",
+            "global_profiler.tool=torch", "global_profiler.steps=[2,3]",
+            "global_profiler.profile_continuous_steps=true"]
+    procs = Procs(tmp_path / "logs")
+    try:
+        procs.spawn("profiler", "profiler_service", *args)
+        procs.spawn("rollouter", "rollouter", *args)
+        procs.spawn("trainer", "trainer", *args)
+        for name in ("trainer", "rollouter", "profiler"):
+            assert procs.wait(name, WAIT_S) == 0, procs.log(name)[-3000:]
+    finally:
+        procs.kill_all()
+
+    events = await events_of(bus, run_keys.events)
+    started = {e.step: e.ts for e in events if isinstance(e, StepStarted)}
+    finished = {e.step: e.ts for e in events if isinstance(e, StepFinished)}
+    assert sorted(finished) == list(range(1, TOTAL + 1))
+    # Weights: v0, then v1 after update 4 only (the run this test is about).
+    assert [(e.version, e.step) for e in events if isinstance(e, WeightsPublished)] == [
+        (0, 0), (1, 4)]
+    (run_end,) = [e.ts for e in events if isinstance(e, RunFinished)]
+    stops = {e.role: e for e in events
+             if isinstance(e, ProfileStopped) and e.session_id == SESSION}
+    assert set(stops) == {"trainer", "rollouter"}, stops
+    for stop in stops.values():
+        assert stop.status == "ok" and (stop.first_step, stop.last_step) == PROFILED, stop
+
+    folder = tmp_path / "profiles" / run_id
+    trainer = step_windows(folder / f"trainer0-{SESSION}.json.gz")
+    rollouter = step_windows(folder / f"rollouter0-{SESSION}.json.gz")
+    assert sorted(trainer) == sorted(rollouter) == list(PROFILED), (trainer, rollouter)
+
+    slack = CLOCK_SLACK_S
+    # How late each end of the rollouter's windows came (seen with pytest -s).
+    print({k: (round(rollouter[k][0] - finished[k - 1], 4), round(rollouter[k][1] - finished[k], 4),
+               round(trainer[k][1] - trainer[k][0], 4)) for k in PROFILED})
+    for k in PROFILED:
+        t_begin, t_end = trainer[k]
+        r_begin, r_end = rollouter[k]
+        # Trainer step K: its annotation holds StepStarted(K) .. StepFinished(K).
+        assert t_begin <= started[k] + slack and t_end >= finished[k] - slack, (k, trainer)
+        # Rollouter step K: from its reading of StepFinished(K-1) to its reading of
+        # StepFinished(K), never before either was written ...
+        assert r_begin >= finished[k - 1] - slack, (k, r_begin - finished[k - 1])
+        assert r_end >= finished[k] - slack, (k, r_end - finished[k])
+        # ... so the two roles' step:K overlap: the same stretch of the run.
+        overlap = min(t_end, r_end) - max(t_begin, r_begin)
+        assert overlap > 0, (k, trainer[k], rollouter[k], finished)
+    # One window after the other, all before the run ended.
+    assert rollouter[2][1] <= rollouter[3][0] + slack
+    assert rollouter[3][1] < run_end, (rollouter[3], run_end)
