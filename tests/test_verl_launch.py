@@ -181,7 +181,7 @@ def test_the_verl_launch_line_runs_with_rlbus_up(tmp_path: Path) -> None:
     for key, value in MAPPED.items():
         assert _get(tree, key) == value, key
     # save_freq=-1: no periodic checkpoint, only the last step's (the trained model).
-    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt"))
     assert len(checkpoints) == 1 and "3" in checkpoints[0], checkpoints
     shown = run_cli("inspect", "--run", run_dir.name, "--json", cwd=tmp_path, timeout_s=120)
     assert shown.returncode == 0, shown.stderr

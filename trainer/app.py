@@ -416,8 +416,17 @@ class Trainer:
 
     async def _wait_for_profiler(self) -> None:
         timeout = self.cfg.global_profiler.handshake_timeout_s
+        deadline = time.monotonic() + timeout
         try:
-            await asyncio.wait_for(self.profiler_ready.wait(), timeout)
+            # In slices: a trainer fenced out meanwhile (paused past its lease) stops at once.
+            while not self.profiler_ready.is_set():
+                self._check_fenced()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.profiler_ready.wait(),
+                                           min(left, self.cfg.heartbeat.interval_s))
         except TimeoutError:
             print(f"trainer: no ProfilerReady from the profiler service within {timeout} s; "
                   "going on without waiting", file=sys.stderr, flush=True)
