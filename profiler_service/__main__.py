@@ -37,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         force=True,
     )
+    # The bus's per-retry lines are for debugging; an unreachable Redis ends in one line.
+    logging.getLogger("bus").setLevel(logging.WARNING)
     # Imported after the config check: a bad config exits before the service is even loaded.
     from profiler_service.service import serve
 

@@ -499,7 +499,15 @@ def parse_config_args(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def load_or_exit(argv: list[str], prog: str) -> Config:
-    """Load the config from command-line arguments; on error print it and exit with code 2."""
+    """Load the config from command-line arguments; on error print it and exit with code 2.
+    ``-h``/``--help`` prints the usage and exits 0."""
+    if "-h" in argv or "--help" in argv:
+        print(f"usage: {prog} [--config FILE] [KEY=VALUE ...]\n\n"
+              "KEY=VALUE: a dotted config override (YAML value; Hydra's +KEY=, ++KEY=, ~KEY\n"
+              "and verl's spellings accepted). Every key, its default and meaning: runconfig/"
+              "defaults.yaml and docs/config.md;\n`rlbus config [--show KEY]` prints the "
+              "effective config.")
+        raise SystemExit(0)
     try:
         file, overrides = parse_config_args(argv)
         return load_config(

@@ -91,3 +91,11 @@ def test_password_from_the_environment_is_never_printed(
     monkeypatch.delenv("RLBUS_TEST_PW")
     assert main(["inspect", "--run", "x", url]) == 2
     assert "RLBUS_TEST_PW" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["trainer", "rollouter", "profiler_service", "metrics_logger"])
+def test_python_m_component_help(module: str) -> None:
+    res = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("usage:") and "docs/config.md" in res.stdout
