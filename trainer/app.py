@@ -29,7 +29,6 @@ import hashlib
 import math
 import os
 import secrets
-import socket
 import sys
 import time
 from collections import deque
@@ -83,8 +82,10 @@ from profiling import create_agent
 from runconfig import Config, config_to_dict, load_or_exit
 from tasks import build_prompt_source
 from trainer.budget import max_staleness, ticket_budget
+from trainer.lease import TrainerConflict, acquire, token
 from trainer.ledger import OpenTicket, ticket_id, ticket_index
-from trainer.state import StepRecord, TrainerState, apply
+from trainer.resume import Snapshot, load_checkpoint, read_log, replay_groups, write_checkpoint
+from trainer.state import TrainerState, apply
 from trainer.update import grpo_update
 from trainer.validate import check_sample
 
@@ -109,21 +110,9 @@ class PeerDead(RuntimeError):
     names what it was waiting for."""
 
 
-class TrainerConflict(RuntimeError):
-    """Another live trainer holds this run's lease; the message names it."""
-
-
 class LogBehind(RuntimeError):
     """The events log lost writes this trainer made (Redis restarted without its last
     second): the trainer must resume from the log as it is now."""
-
-
-class _Snapshot(msgspec.Struct, frozen=True):
-    """The trainer's folded state as of events ``position`` (saved beside a checkpoint)."""
-
-    state: TrainerState
-    position: str
-    last_finished_id: str | None = None
 
 
 class _Group(msgspec.Struct):
@@ -141,21 +130,6 @@ class _Group(msgspec.Struct):
 
     def ordered(self) -> list[tuple[str, Sample]]:
         return [pair for _, pair in sorted(self.samples.items())]
-
-
-def _pid_dead(pid: int) -> bool:
-    """Whether local process ``pid`` is gone (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
 
 
 def _vocab_size(policy: torch.nn.Module) -> int | None:
@@ -186,8 +160,7 @@ class Trainer:
              "max_digits": cfg.task.max_digits, "seed": cfg.task.seed}
         )
         self.epoch = secrets.token_hex(4)
-        self.lease = Lease(bus, self.keys.trainer_lease,
-                           f"{socket.gethostname()}:{os.getpid()}:{self.epoch}",
+        self.lease = Lease(bus, self.keys.trainer_lease, token(self.epoch),
                            cfg.heartbeat.timeout_s)
         self.version = 0
         self.state = TrainerState()
@@ -267,75 +240,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
 
-    def _snapshots(self) -> list[tuple[TrainerState, str, str | None]]:
-        """The state snapshots saved with checkpoints, newest first:
-        ``(state, events position, id of its last StepFinished)``."""
-        folder = self.run_dir / "checkpoints"
-        out = []
-        for path in sorted(folder.glob("step-*.state"), reverse=True):
-            try:
-                snap = msgspec.msgpack.decode(path.read_bytes(), type=_Snapshot)
-            except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-                continue  # a torn or foreign file: an older snapshot, or the whole log
-            out.append((snap.state, snap.position, snap.last_finished_id))
-        return out
-
     async def _read_log(self) -> None:
-        """Fold the events log into the trainer's state: from the newest checkpoint's
-        snapshot and its position when the log still holds that position (a resume then
-        reads only what happened since), else from the log's beginning."""
-        state, start, self.last_finished_id = TrainerState(), "0", None
-        for snap, position, last_finished in await asyncio.to_thread(self._snapshots):
-            if await self.bus.read_ids(self.keys.events, [position]):
-                state, start, self.last_finished_id = snap, position, last_finished
-                break
-        self.events_position = None if start == "0" else start
-        self.log_entries_read = 0
-        async for entry in self.bus.read_all(self.keys.events, start=start):
-            if entry.id == start:
-                continue
-            self.log_entries_read += 1
-            state = apply(state, entry.msg)
-            self.events_position = entry.id
-            if isinstance(entry.msg, StepFinished) and entry.msg.step == state.last_step:
-                self.last_finished_id = entry.id
-        self.state = state
+        read = await read_log(self.bus, self.keys, self.run_dir / "checkpoints")
+        self.state, self.events_position = read.state, read.position
+        self.last_finished_id, self.log_entries_read = read.last_finished_id, read.entries_read
 
     async def _acquire_lease(self) -> None:
-        """Become the run's only trainer, or raise :class:`TrainerConflict` naming the live one.
-
-        A holder on this host whose process is gone is replaced at once; any other holder is
-        watched for one lease period: if it renews, it is alive; if its lease runs out, it
-        was dead (a crash on another host) and we take over.
-        """
-        hb = self.cfg.heartbeat
-        deadline = time.monotonic() + hb.timeout_s + 2 * hb.interval_s
-        first: tuple[float, int] | None = None  # (when, ttl) of the first look at the holder
-        while True:
-            holder = await self.lease.acquire()
-            if holder is None:
-                return
-            host, _, rest = holder.partition(":")
-            pid_text = rest.partition(":")[0]
-            if host == socket.gethostname() and pid_text.isdigit() and _pid_dead(int(pid_text)):
-                if await self.lease.steal(holder):
-                    return
-                continue
-            ttl, now = await self.lease.remaining_ms(), time.monotonic()
-            if first is None:
-                first = (now, ttl)
-                print(f"trainer: lease {self.keys.trainer_lease} held by {holder}; checking "
-                      f"whether it is alive (it lapses in {ttl / 1000:.0f} s unless renewed)",
-                      file=sys.stderr, flush=True)
-            elif ttl > first[1] - (now - first[0]) * 1000 + 250:
-                # A TTL that does not run down is being renewed: its holder is alive.
-                raise TrainerConflict(
-                    f"another trainer is running run {self.run_id!r}: {holder} renews the lease "
-                    f"{self.keys.trainer_lease}; stop it first (one trainer per run)"
-                )
-            if now > deadline:
-                raise TrainerConflict(f"the lease of run {self.run_id!r} stays held by {holder}")
-            await asyncio.sleep(hb.interval_s)
+        await acquire(self.lease, self.run_id, self.cfg.heartbeat)
 
     def _build(self) -> None:
         tc = self.cfg.trainer
@@ -736,56 +647,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _save_checkpoint(self, step: int, state: bytes) -> Path:
-        """Model, optimizer, and the trainer's folded state with the events position it was
-        folded up to: a resume reads only the log after that position."""
-        folder = self.run_dir / "checkpoints"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"step-{step:06d}.pt"
-        tmp = path.with_suffix(".tmp")
-        torch.save({"step": step, "version": self.version,
-                    "model": self.policy.state_dict(), "optimizer": self.optimizer.state_dict()},
-                   tmp)
-        with open(tmp, "rb+") as f:  # durable before the log says it exists (retention trims)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: a crash leaves the old checkpoint or the new one
-        side = path.with_suffix(".state")
-        tmp = side.with_suffix(".state-tmp")
-        tmp.write_bytes(state)
-        os.replace(tmp, side)
-        return path
-
-    def _load_checkpoint(self, path: str) -> None:
-        ckpt = torch.load(path, map_location=self.device, weights_only=True)
-        self.policy.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-
-    async def _replay_groups(self, rec: StepRecord) -> list[list[Sample]]:
-        """The exact samples step ``rec`` trained, grouped by ticket in training order."""
-        if rec.entry_ids:
-            found = await self.bus.read_ids(self.keys.samples, list(rec.entry_ids))
-            by_id = {eid: found.get(eid) for eid in rec.entry_ids}
-            samples = [m for m in by_id.values() if isinstance(m, Sample)]
-            missing = [sid for sid, eid in zip(rec.sample_ids, rec.entry_ids, strict=False)
-                       if not isinstance(by_id.get(eid), Sample)]
-        else:  # a log written before entry ids were recorded: look the ids up
-            wanted = set(rec.sample_ids)
-            by_sid: dict[str, Sample] = {}
-            async for _, msg in self.bus.read_all(self.keys.samples):
-                if isinstance(msg, Sample) and msg.sample_id in wanted:
-                    by_sid.setdefault(msg.sample_id, msg)
-            samples = [by_sid[sid] for sid in rec.sample_ids if sid in by_sid]
-            missing = [sid for sid in rec.sample_ids if sid not in by_sid]
-        if missing:
-            raise RuntimeError(
-                f"cannot re-apply step {rec.step}: samples {missing[:3]} are no longer in "
-                f"{self.keys.samples}"
-            )
-        groups: dict[str, list[Sample]] = {}
-        for s in samples:
-            groups.setdefault(s.ticket_id, []).append(s)
-        return [sorted(g, key=lambda s: s.index) for g in groups.values()]
-
     async def _resume(self) -> None:
         """Rebuild the model the trainer had: checkpoint, then re-apply the steps after it."""
         st = self.state
@@ -793,11 +654,12 @@ class Trainer:
         if ckpt_path is not None:
             if not await asyncio.to_thread(os.path.exists, ckpt_path):
                 raise RuntimeError(f"checkpoint {ckpt_path} named in the log is missing")
-            await self._off(self._load_checkpoint, ckpt_path)
+            await self._off(load_checkpoint, ckpt_path, self.policy, self.optimizer,
+                            self.device)
         replay = st.steps_after_checkpoint()
         trigger = self.cfg.async_training.trigger_parameter_sync_step
         for rec in replay:
-            groups = await self._replay_groups(rec)
+            groups = await replay_groups(self.bus, self.keys, rec)
             # The version the trainer held while training that step.
             self.version = (rec.step - 1) // trigger
             await self._off(self._update, groups)
@@ -954,9 +816,10 @@ class Trainer:
                 await self._publish_weights(step)
             saved = None
             if (tc.save_freq > 0 and step % tc.save_freq == 0) or step == tc.total_training_steps:
-                snapshot = msgspec.msgpack.encode(_Snapshot(
+                snapshot = msgspec.msgpack.encode(Snapshot(
                     self.state, self.events_position or "0-0", self.last_finished_id))
-                saved = await self._off(self._save_checkpoint, step, snapshot)
+                saved = await self._off(write_checkpoint, self.run_dir / "checkpoints", step,
+                                        self.version, self.policy, self.optimizer, snapshot)
                 await self._publish(CheckpointSaved(step=step, path=str(saved),
                                                     param_version=self.version))
             pairs = [pair for g in groups for pair in g.ordered()]

@@ -1,0 +1,130 @@
+"""What a restarted trainer reads back: checkpoints with state snapshots, the log after them,
+and the exact samples of the steps to re-apply.
+
+A checkpoint is a snapshot; the streams are the log. Each checkpoint ``step-K.pt`` (model and
+optimizer) has a side file ``step-K.state``: the trainer's folded state and the events
+position it was folded up to. :func:`read_log` starts from the newest snapshot whose position
+the log still holds, so a resume reads only what happened since; with none, it folds the log
+from its beginning (``state = fold(events)`` either way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from bus import Bus, RunKeys
+from bus.messages import Sample, StepFinished
+from trainer.state import StepRecord, TrainerState, apply
+
+__all__ = ["LogRead", "Snapshot", "load_checkpoint", "read_log", "replay_groups",
+           "snapshots", "write_checkpoint"]
+
+
+class Snapshot(msgspec.Struct, frozen=True):
+    """The trainer's folded state as of events ``position`` (saved beside a checkpoint)."""
+
+    state: TrainerState
+    position: str
+    last_finished_id: str | None = None
+
+
+class LogRead(msgspec.Struct):
+    """The folded state, the id of the last entry folded, the id of the last StepFinished,
+    and how many entries this read folded."""
+
+    state: TrainerState
+    position: str | None
+    last_finished_id: str | None
+    entries_read: int
+
+
+def write_checkpoint(folder: Path, step: int, version: int, policy: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer, snapshot: bytes) -> Path:
+    """Write ``step-K.pt`` (fsynced, atomic) then its ``step-K.state``; blocking (run it on
+    the worker thread)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step-{step:06d}.pt"
+    tmp = path.with_suffix(".tmp")
+    torch.save({"step": step, "version": version, "model": policy.state_dict(),
+                "optimizer": optimizer.state_dict()}, tmp)
+    with open(tmp, "rb+") as f:  # durable before the log says it exists (retention trims)
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # atomic: a crash leaves the old checkpoint or the new one
+    side = path.with_suffix(".state")
+    tmp = side.with_suffix(".state-tmp")
+    tmp.write_bytes(snapshot)
+    os.replace(tmp, side)
+    return path
+
+
+def load_checkpoint(path: str, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    device: Any) -> None:
+    """Load model and optimizer from ``path``; blocking."""
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    policy.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+
+
+def snapshots(folder: Path) -> list[Snapshot]:
+    """The state snapshots saved with checkpoints under ``folder``, newest first (torn or
+    foreign files are skipped)."""
+    out = []
+    for path in sorted(folder.glob("step-*.state"), reverse=True):
+        try:
+            out.append(msgspec.msgpack.decode(path.read_bytes(), type=Snapshot))
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    return out
+
+
+async def read_log(bus: Bus, keys: RunKeys, folder: Path) -> LogRead:
+    """Fold the events log into the trainer's state, from the newest usable snapshot."""
+    state, start, last_finished = TrainerState(), "0", None
+    for snap in await asyncio.to_thread(snapshots, folder):
+        if await bus.read_ids(keys.events, [snap.position]):
+            state, start, last_finished = snap.state, snap.position, snap.last_finished_id
+            break
+    position = None if start == "0" else start
+    read = 0
+    async for entry in bus.read_all(keys.events, start=start):
+        if entry.id == start:
+            continue
+        read += 1
+        state = apply(state, entry.msg)
+        position = entry.id
+        if isinstance(entry.msg, StepFinished) and entry.msg.step == state.last_step:
+            last_finished = entry.id
+    return LogRead(state, position, last_finished, read)
+
+
+async def replay_groups(bus: Bus, keys: RunKeys, rec: StepRecord) -> list[list[Sample]]:
+    """The exact samples step ``rec`` trained, grouped by ticket in training order."""
+    if rec.entry_ids:
+        found = await bus.read_ids(keys.samples, list(rec.entry_ids))
+        by_id = {eid: found.get(eid) for eid in rec.entry_ids}
+        samples = [m for m in by_id.values() if isinstance(m, Sample)]
+        missing = [sid for sid, eid in zip(rec.sample_ids, rec.entry_ids, strict=False)
+                   if not isinstance(by_id.get(eid), Sample)]
+    else:  # a log written before entry ids were recorded: look the ids up
+        wanted = set(rec.sample_ids)
+        by_sid: dict[str, Sample] = {}
+        async for _, msg in bus.read_all(keys.samples):
+            if isinstance(msg, Sample) and msg.sample_id in wanted:
+                by_sid.setdefault(msg.sample_id, msg)
+        samples = [by_sid[sid] for sid in rec.sample_ids if sid in by_sid]
+        missing = [sid for sid in rec.sample_ids if sid not in by_sid]
+    if missing:
+        raise RuntimeError(
+            f"cannot re-apply step {rec.step}: samples {missing[:3]} are no longer in "
+            f"{keys.samples}"
+        )
+    groups: dict[str, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.ticket_id, []).append(s)
+    return [sorted(g, key=lambda s: s.index) for g in groups.values()]
