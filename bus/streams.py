@@ -33,6 +33,7 @@ Bus (all coroutines unless noted)
     ``read_ids(stream, ids) -> {id: msg}``        pipelined XRANGE id id (replay by entry id)
     ``length(stream) -> int``                                             XLEN
     ``groups(stream) -> list[GroupInfo]``                                 XINFO GROUPS
+    ``consumers(stream, group) -> list[str]``                             XINFO CONSUMERS
     ``trim_safely(stream, *, maxlen=None, minid=None) -> int``            XTRIM (Lua)
     ``destroy_group(stream, group) -> bool``                              XGROUP DESTROY
     ``delete(*keys) -> int``                                              DEL
@@ -50,6 +51,8 @@ dlq_stream=None, accept=None)
         first, then ``>``)
     ``ack(*ids_or_deliveries) -> int``                     XACK
     ``reclaim(min_idle_ms=None, count=100) -> list[Delivery]``   XAUTOCLAIM + XPENDING
+    ``reclaim_from(owners, count=100) -> list[Delivery]``   XPENDING per owner + XCLAIM (members
+        known to be gone)
     ``dead_letter(delivery, reason)``                      XADD to the DLQ + XACK, atomically
 
 Decisions (the contract other packages rely on):
@@ -136,7 +139,7 @@ _NO_RETRY: tuple[type[BaseException], ...] = (AuthenticationError, Authorization
 
 # Commands whose replies we parse ourselves: redis-py's parsers drop nil entries' ids and
 # build a dict per entry, which is both lossy and slow on the hot path.
-_RAW_COMMANDS = ("XREADGROUP", "XREAD", "XRANGE", "XREVRANGE", "XAUTOCLAIM", "XPENDING")
+_RAW_COMMANDS = ("XREADGROUP", "XREAD", "XRANGE", "XREVRANGE", "XAUTOCLAIM", "XPENDING", "XCLAIM")
 
 _MAX_ID = b"+"
 _ENTRY_ID = re.compile(r"^\d+(-\d+)?$")
@@ -742,6 +745,24 @@ class Bus:
             for g in raw
         ]
 
+    async def consumers(self, stream: str, group: str) -> list[str]:
+        """Names of the members of ``group`` ([] when the stream or group is missing).
+        Wraps XINFO CONSUMERS."""
+        try:
+            raw = await self._call(
+                "XINFO", lambda: self._redis.execute_command("XINFO", "CONSUMERS", stream, group)
+            )
+        except ResponseError as exc:
+            if "no such key" in str(exc).lower() or str(exc).startswith("NOGROUP"):
+                return []
+            raise
+        names = []
+        for row in raw:
+            fields = dict(zip(row[::2], row[1::2], strict=False)) if isinstance(row, list) else row
+            name = fields.get(b"name", fields.get("name"))
+            names.append(_text(name))
+        return names
+
     async def trim_safely(
         self, stream: str, *, maxlen: int | None = None, minid: str | None = None
     ) -> int:
@@ -1143,6 +1164,48 @@ class Consumer:
             out += got
             if cursor == b"0-0":
                 return out
+
+    async def reclaim_from(self, owners: Iterable[str], count: int = 100) -> list[Delivery]:
+        """Take over every entry pending on the members ``owners`` (members known to be gone,
+        e.g. whose liveness key lapsed), however recently they were delivered: a slow but
+        live member keeps its work. Wraps XPENDING (per owner) and XCLAIM.
+
+        Entries trimmed while pending and entries over ``max_deliveries`` are dead-lettered.
+        """
+        out: list[Delivery] = []
+        redis_ = self.bus._redis
+        for owner in owners:
+            if owner == self.name:
+                continue
+            while True:
+                rows = await self._call(
+                    "XPENDING",
+                    lambda o=owner: redis_.execute_command(
+                        "XPENDING", self.stream, self.group, "-", "+", count, o
+                    ),
+                )
+                ids = [row[0] for row in rows or []]
+                if not ids:
+                    break
+                claimed = await self._call(
+                    "XCLAIM",
+                    lambda ids=ids: redis_.execute_command(
+                        "XCLAIM", self.stream, self.group, self.name, 0, *ids
+                    ),
+                )
+                got = {e[0]: e[1] for e in claimed or [] if e is not None}
+                # An id XCLAIM did not return was deleted (trimmed) while pending.
+                entries = [(i.decode(), got.get(i)) for i in ids]
+                counts = await self._delivery_counts([i for i, f in entries if f is not None])
+                for i, f in entries:
+                    if f is None:
+                        counts.setdefault(i, 1)
+                batch = await self._redelivered(entries, counts)
+                self.stats.reclaimed += len(batch)
+                out += batch
+                if len(ids) < count:
+                    break
+        return out
 
     async def _find_deleted(self, start: bytes, next_cursor: bytes, live: set[str]) -> list[str]:
         """Ids in our PEL within [start, next_cursor) whose entries no longer exist.

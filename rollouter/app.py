@@ -32,7 +32,7 @@ import torch
 
 from bus import BlobError, BlobNotFound, Bus, Consumer, RunKeys, read_commands, run_with_bus
 from bus.blobs import open_store
-from bus.liveness import pulse
+from bus.liveness import peers, pulse
 from bus.messages import (
     Array,
     ComponentFailed,
@@ -442,6 +442,17 @@ class Rollouter:
         await self.bus.publish_many(self.keys.samples, batch, atomic=True)
         await self.consumer.ack(*(entry_id for entry_id, _ in done))
 
+    async def _reclaim_from_dead_replicas(self) -> list[Any]:
+        """Tickets pending on replicas whose liveness key has lapsed (by Redis's clock): a
+        slow replica generating for minutes keeps its tickets; a dead one's come back."""
+        members = await self.bus.consumers(self.keys.prompts, GROUP)
+        if not members:
+            return []
+        alive = {f"rollouter-{hb.rank}"
+                 for hb in await peers(self.bus, self.keys.alive_pattern("rollouter"))}
+        dead = [m for m in members if m not in alive and m != self.consumer.name]
+        return await self.consumer.reclaim_from(dead) if dead else []
+
     async def _drop_unservable(
         self, deliveries: list[Any], tickets: list[tuple[str, PromptTicket]], newest: int
     ) -> None:
@@ -478,11 +489,9 @@ class Rollouter:
                     )
                 if not deliveries:
                     await self._check_trainer()
-                    if time.monotonic() - last_reclaim > self.cfg.heartbeat.timeout_s / 2:
-                        # Tickets held by a dead replica come back after the heartbeat timeout.
+                    if time.monotonic() - last_reclaim > self.cfg.heartbeat.interval_s:
                         last_reclaim = time.monotonic()
-                        idle_ms = int(self.cfg.heartbeat.timeout_s * 1000)
-                        deliveries = await self.consumer.reclaim(min_idle_ms=idle_ms)
+                        deliveries = await self._reclaim_from_dead_replicas()
                     if not deliveries:
                         continue
                 await self._serve(deliveries)

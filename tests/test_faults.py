@@ -352,3 +352,20 @@ async def test_trim_then_resume_rebuilds_the_same_model(
     produced = sum(len(e.sample_ids) for e in _finished(events))
     assert await bus.length(run_keys.samples) < produced / 2
     assert await bus.length(run_keys.prompts) < steps * 4
+
+
+async def test_a_slow_rollouter_keeps_its_tickets(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    """Ticket leases far shorter than a generation: tickets a live rollouter holds or still
+    has queued are not reissued (a slow peer is not a dead one), and the run finishes."""
+    steps = 3
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 "heartbeat.ticket_lease_s=0.05", "model.d_model=384", "model.n_layers=6",
+                 "rollout.n=16")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    assert procs.wait("trainer", 180) == 0, procs.log("trainer")
+    events = await events_of(bus, run_keys.events)
+    _assert_ledger(events, steps)
+    assert not [e for e in events if isinstance(e, TicketsIssued) and e.attempt > 0]

@@ -650,3 +650,30 @@ async def test_wrong_password_is_not_retried(
         async with asyncio.timeout(5):
             await bus.ping()
     assert "wrong" not in str(info.value)
+
+
+@pytest.mark.asyncio
+async def test_reclaim_from_takes_only_the_named_members_entries(bus: Bus, run_id: str) -> None:
+    """A slow but live member keeps its work; a gone member's entries move at once, however
+    recently delivered; one trimmed while pending is dead-lettered with the reason."""
+    from bus.messages import RunFinished
+
+    stream = f"rlbus:{{{run_id}}}:reclaim"
+    dead = Consumer(bus, stream, "g", "dead")
+    slow = Consumer(bus, stream, "g", "slow")
+    taker = Consumer(bus, stream, "g", "taker")
+    await dead.ensure_group()
+    for i in range(6):
+        await bus.publish(stream, RunFinished(run_id="x", steps=i))
+    got_dead = await dead.read(count=3, block_ms=10)
+    got_slow = await slow.read(count=3, block_ms=10)
+    assert sorted(await bus.consumers(stream, "g")) == ["dead", "slow"]
+    await bus.command("XDEL", stream, got_dead[0].id)
+    moved = await taker.reclaim_from(["dead", "taker"])
+    assert [d.msg.steps for d in moved] == [1, 2]
+    letters = [m async for _, m in bus.read_all(default_dlq(stream))]
+    assert len(letters) == 1 and letters[0].reason == TRIMMED_REASON
+    pending = await bus.command("XPENDING", stream, "g", "-", "+", 10)
+    owners = {row[0].decode(): row[1].decode() for row in pending}
+    assert all(owners[d.id] == "slow" for d in got_slow)
+    assert await bus.consumers("nope", "g") == []

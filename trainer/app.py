@@ -168,6 +168,7 @@ class Trainer:
         self.ready: list[_Group] = []
         self.taken: set[int] = set()  # tickets whose winning group waits in `ready`
         self.issued_at: dict[int, float] = {}  # ticket -> monotonic time of its latest attempt
+        self.ticket_entry: dict[int, str] = {}  # ticket -> prompts entry of its latest attempt
         self.answer_s: deque[float] = deque(maxlen=64)  # issue -> complete group, recent
         self.consumer = Consumer(bus, self.keys.samples, GROUP, CONSUMER, dlq_stream=self.keys.dlq)
         self.rollouters: list[Heartbeat] = []
@@ -413,7 +414,10 @@ class Trainer:
             ))
         event = TicketsIssued(ticket_ids=[t.ticket_id for t in tickets], n=self.cfg.rollout.n,
                               param_version=self.version)
-        await self._write([*((self.keys.prompts, t) for t in tickets), (self.keys.events, event)])
+        ids = await self._write([*((self.keys.prompts, t) for t in tickets),
+                                 (self.keys.events, event)])
+        for index, entry_id in zip(range(first, first + room), ids, strict=False):
+            self.ticket_entry[index] = entry_id
         self.state = apply(self.state, event)
         now = time.monotonic()
         for index in range(first, first + room):
@@ -439,7 +443,9 @@ class Trainer:
                 )))
             event = TicketsIssued(ticket_ids=[ticket_id(t.index) for t in tickets], n=tickets[0].n,
                                   param_version=self.version, attempt=attempt, reason=reason)
-            await self._write([*items, (self.keys.events, event)])
+            ids = await self._write([*items, (self.keys.events, event)])
+            for t, entry_id in zip(tickets, ids, strict=False):
+                self.ticket_entry[t.index] = entry_id
             self.state = apply(self.state, event)
             for t in tickets:
                 self.issued_at[t.index] = now
@@ -474,6 +480,7 @@ class Trainer:
             index = ticket_index(tid)
             if index is not None:
                 self.issued_at.pop(index, None)
+                self.ticket_entry.pop(index, None)
                 self._drop_partial(index)
 
     async def _reissue_lost_samples(self) -> None:
@@ -491,7 +498,35 @@ class Trainer:
         expired = [i for i in self.state.ledger.open
                    if i not in self.taken and now - self.issued_at.get(i, now) > lease]
         if expired:
+            expired = await self._not_held(expired)
+        if expired:
             await self._reissue(expired, f"unanswered for {lease:.0f} s (ticket lease)")
+
+    async def _not_held(self, indices: list[int]) -> list[int]:
+        """Of these tickets, those no live rollouter holds or still has queued: a slow
+        replica generating for minutes keeps its tickets. Tickets issued before this trainer
+        started (entry unknown) are judged by time alone."""
+        known = {i: self.ticket_entry[i] for i in indices if i in self.ticket_entry}
+        if not known:
+            return indices
+        live = {f"rollouter-{hb.rank}" for hb in self.rollouters}
+        rows = await self.bus.command("XPENDING", self.keys.prompts, ROLLOUTER_GROUP,
+                                      "-", "+", 10 * self.capacity + 100)
+        held = {row[0].decode() for row in rows or [] if row[1].decode() in live}
+        groups = {g.name: g for g in await self.bus.groups(self.keys.prompts)}
+        floor = groups[ROLLOUTER_GROUP].last_delivered_id if ROLLOUTER_GROUP in groups else "0-0"
+        present = await self.bus.read_ids(self.keys.prompts, list(known.values()))
+
+        def key(entry_id: str) -> tuple[int, int]:
+            ms, _, seq = entry_id.partition("-")
+            return int(ms), int(seq or 0)
+
+        queued = {e for e in present if key(e) > key(floor)}
+        keep = {i for i, e in known.items() if e in held or e in queued}
+        now = time.monotonic()
+        for i in keep:
+            self.issued_at[i] = now  # held: its lease starts again
+        return [i for i in indices if i not in keep]
 
     # ------------------------------------------------------------------ samples
 
@@ -848,6 +883,7 @@ class Trainer:
             for g in groups:
                 self.taken.discard(g.index)
                 self.issued_at.pop(g.index, None)
+                self.ticket_entry.pop(g.index, None)
             self.last_progress = time.monotonic()
             if self.agent is not None:
                 await self._publish(*(await self._off(self.agent.step_end, step)))
