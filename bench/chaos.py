@@ -32,6 +32,7 @@ events, between StepFinished, and without a liveness key), the wall time, and, a
 outside issue 7's checks, profile sessions the manifest lost; exit code 1 if a check failed.
 
     .venv/bin/python bench/chaos.py [--kills 20] [--seed 0] [--steps N] [--out DIR] [--keep]
+        [--redis-kill random|checkpoint] [--long-update-s 50]
 
 About 4 minutes on the 2-core development machine while other jobs shared it (220-255 s
 measured, the 40 s+ update included). Logs of every component (each restart appended to the
@@ -110,6 +111,8 @@ LONG_UPDATE_MIN_S = 40.0
 PHASE1_DEADLINE_S = 480.0
 PHASE2_DEADLINE_S = 300.0
 EXIT_GRACE_S = 60.0  # after RunFinished, components must have exited within this
+SAVE_FREQ = 5  # trainer.save_freq: a resume re-applies at most 4 steps
+CRASH_LOOP = 5  # unplanned non-zero exits in a row, no step in between: the phase is lost
 PROFILED_STEPS = (1, 12)
 ROLES = ("trainer", "rollouter0", "rollouter1", "profiler")
 # Kinds of injected entries that must never be trained nor vanish silently.
@@ -150,6 +153,8 @@ class Part:
     restart_at: float | None = None
     log_offset: int = 0
     phase: int = 1
+    streak: int = 0  # unplanned non-zero exits in a row with no step finished in between
+    streak_progress: int = -1
 
     @property
     def running(self) -> bool:
@@ -211,6 +216,7 @@ class Watch:
     run_finished: set[int] = field(default_factory=set)
     profiler_finished: bool = False
     step_started: dict[int, float] = field(default_factory=dict)  # step -> monotonic
+    started_step: int = 0  # the latest StepStarted read (in log order)
     step_finished: dict[int, float] = field(default_factory=dict)
     failures: list[tuple[float, ComponentFailed]] = field(default_factory=list)
     update_s: dict[int, float] = field(default_factory=dict)  # step -> trainer/update_s
@@ -285,7 +291,7 @@ class Chaos:
             f"trainer.total_training_steps={total}", f"trainer.ppo_epochs={epochs}",
             "trainer.ppo_mini_batch_size=4", "async_training.require_batches=1",
             "rollout.n=4", "rollout.prompts_per_batch=4", "rollout.replicas=2",
-            "trainer.save_freq=5", "trainer.logger=[console]",
+            f"trainer.save_freq={SAVE_FREQ}", "trainer.logger=[console]",
             f"heartbeat.interval_s={INTERVAL_S}", f"heartbeat.timeout_s={TIMEOUT_S}",
             "heartbeat.stall_warn_s=20", "heartbeat.stall_timeout_s=240",
             "global_profiler.tool=torch", f"global_profiler.steps=[{steps}]",
@@ -386,6 +392,10 @@ class Chaos:
                 part.exits.append((now - T0, rc, planned, why))
                 if not planned:
                     _say(f"{part.name} exited {rc} (not killed by the bench): {why}")
+                    if self.watch.progress == part.streak_progress:
+                        part.streak += 1
+                    else:
+                        part.streak, part.streak_progress = 1, self.watch.progress
                 finished = self.phase_total in self.watch.run_finished
                 if part.name == "profiler":
                     finished = finished and self.watch.profiler_finished
@@ -415,6 +425,7 @@ class Chaos:
                         w.step_finished.setdefault(step, now)
                     case StepStarted(step=step):
                         w.step_started.setdefault(step, now)
+                        w.started_step = step
                     case RunFinished(steps=steps):
                         w.run_finished.add(steps)
                     case ProfilerFinished():
@@ -660,6 +671,12 @@ class Chaos:
                 target = self.watch.progress + 2
                 await _until(lambda t=target: self.watch.progress >= t
                              or self.stop_chaos.is_set())
+                if self.args.redis_kill == "checkpoint":
+                    # Inside the update of a step that ends with a checkpoint.
+                    await _until(lambda: self.stop_chaos.is_set() or (
+                        self.watch.started_step % SAVE_FREQ == 0
+                        and self.watch.last_step == self.watch.started_step - 1))
+                    await asyncio.sleep(self.rng.uniform(0.02, 0.08))
                 if self.stop_chaos.is_set():
                     return
                 await self.kill_redis()
@@ -699,11 +716,20 @@ class Chaos:
                 self.problems.append(f"phase {self.phase}: {', '.join(running)} still running "
                                      f"{EXIT_GRACE_S:.0f} s after RunFinished({total})")
                 return False
+            looping = [p for p in self.parts.values() if p.streak >= CRASH_LOOP]
+            if looping:
+                p = looping[0]
+                self.problems.append(
+                    f"phase {self.phase}: crash loop: {p.name} exited non-zero {p.streak} times "
+                    f"in a row without a step finishing (last step {self.watch.last_step}); "
+                    f"last exit: {p.exits[-1][3]}")
+                return False
             if now - t0 > deadline_s:
+                last = self.parts["trainer"].last_lines(4) or next(
+                    (e[3] for e in reversed(self.parts["trainer"].exits) if e[3]), "")
                 self.problems.append(
                     f"phase {self.phase}: no RunFinished({total}) within {deadline_s:.0f} s "
-                    f"(last step {self.watch.last_step}); trainer log: "
-                    f"{self.parts['trainer'].last_lines(4)}")
+                    f"(last step {self.watch.last_step}); trainer: {last}")
                 return False
 
     async def phase1(self, steps: int) -> bool:
@@ -760,7 +786,8 @@ class Chaos:
         killer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await killer
-        seen: dict[str, Any] = {"ok": ok, "failures": self.watch.failures[failures_before:]}
+        seen: dict[str, Any] = {"ok": ok, "ran": True,
+                                "failures": self.watch.failures[failures_before:]}
         unplanned = [(p.name, e) for p in self.parts.values() for e in p.exits
                      if e[0] >= t_start - T0 and e[1] != 0 and not e[2]]
         seen["unplanned"] = unplanned
@@ -960,7 +987,9 @@ class Chaos:
 
         # The long update.
         long_s = finished[total].metrics.get("trainer/update_s", 0.0) if total in finished else 0.0
-        if long_s <= LONG_UPDATE_MIN_S:
+        if "ran" not in phase2:
+            fails.append("the long-update phase did not run (phase 1 failed)")
+        elif long_s <= LONG_UPDATE_MIN_S:
             fails.append(f"the long update took {long_s:.1f} s, not > {LONG_UPDATE_MIN_S:.0f} s "
                          "(raise --long-update-s)")
         if phase2["failures"]:
@@ -1170,6 +1199,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: calibrated to ~0.35 s an update)")
     parser.add_argument("--long-epochs", type=int, default=0,
                         help="ppo_epochs of the long update (default: calibrated)")
+    parser.add_argument("--redis-kill", choices=("random", "checkpoint"), default="random",
+                        help="when Redis is killed: after a random step (default), or inside "
+                        "the update of a step that ends with a checkpoint")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: a "
                         "temporary one, removed when every check passed unless --keep)")
     parser.add_argument("--keep", action="store_true")
