@@ -313,6 +313,10 @@ def apply(state: ServiceState, msg: Fact, entry_id: str | None = None) -> Servic
                 session = _replace(session, stops=(*session.stops, fact))
                 return _replace(state, sessions=state.sessions.set(sid, session),
                                 stop_reports=state.stop_reports + 1)
+            if (before.stopped.status or "ok") == "ok" and (msg.status or "ok") != "ok":
+                # A restarted component reports the sessions it finds in the past as missed;
+                # the trace an earlier incarnation wrote stands.
+                return state
             fact = _replace(before, stopped=msg)
             stops = tuple(fact if f is before else f for f in session.stops)
             session = _replace(session, stops=stops)

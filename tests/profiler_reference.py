@@ -374,6 +374,8 @@ def reference_manifest(
             entry = entries.setdefault(
                 key, {"id": msg.session_id, "role": msg.role, "rank": msg.rank, "request_id": ""}
             )
+            if entry.get("status") == "ok" and (msg.status or "ok") != "ok":
+                continue  # a restarted component's "missed" never hides a written trace
             entry.update(
                 first_step=msg.first_step,
                 last_step=msg.last_step,

@@ -216,9 +216,16 @@ class Trainer:
         ack: tuple[str, str, Sequence[str]] | None = None,
         require: tuple[str, str] | None = None,
     ) -> list[str]:
-        """Every write of the trainer: fenced by the run's lease (see bus.liveness)."""
+        """Every write of the trainer: fenced by the run's lease (see bus.liveness), and only
+        while our last StepFinished is still in the log: a trainer that has not yet noticed
+        that Redis lost its tail writes nothing into the log that replaced it."""
+        if require is None and self.last_finished_id is not None:
+            require = (self.keys.events, self.last_finished_id)
         try:
             ids = await self.lease.write(items, ack, require)
+        except EntryGone as exc:
+            raise LogBehind(f"StepFinished({self.state.last_step}) is gone from the log "
+                            f"({exc})") from exc
         except Fenced as exc:
             if exc.holder is None and await self.lease.acquire() is None:
                 # Our lease vanished (Redis restarted, maybe without its last writes): it is
@@ -869,12 +876,8 @@ class Trainer:
             # ... and only if the previous StepFinished is still in the log.
             require = (None if self.last_finished_id is None
                        else (self.keys.events, self.last_finished_id))
-            try:
-                ids = await self._write([(self.keys.events, finished)],
-                                        ack=(self.keys.samples, GROUP, entry_ids),
-                                        require=require)
-            except EntryGone as exc:
-                raise LogBehind(f"StepFinished({step - 1}) is gone from the log ({exc})") from exc
+            ids = await self._write([(self.keys.events, finished)],
+                                    ack=(self.keys.samples, GROUP, entry_ids), require=require)
             self.consumer.acked(entry_ids)
             self.state = apply(self.state, finished)
             self.last_finished_id = self.events_position = ids[0]

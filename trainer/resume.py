@@ -87,7 +87,10 @@ async def read_log(bus: Bus, keys: RunKeys, folder: Path) -> LogRead:
     """Fold the events log into the trainer's state, from the newest usable snapshot."""
     state, start, last_finished = TrainerState(), "0", None
     for snap in await asyncio.to_thread(snapshots, folder):
-        if await bus.read_ids(keys.events, [snap.position]):
+        # Both its position and its last StepFinished must still be in the log (a log that
+        # lost its tail may hold neither, or later entries at new ids).
+        wanted = [snap.position] + ([snap.last_finished_id] if snap.last_finished_id else [])
+        if len(await bus.read_ids(keys.events, wanted)) == len(set(wanted)):
             state, start, last_finished = snap.state, snap.position, snap.last_finished_id
             break
     position = None if start == "0" else start
