@@ -9,8 +9,8 @@ entries in every stream:
   (EVAL), StepStarted, the step barrier, weights (``RedisBlobStore`` put + WeightsPublished,
   blobs of all but the newest ``KEEP_WEIGHTS`` publications deleted), StepFinished with the
   real sample ids, entry ids and the trainer's metric keys together with the acks of those
-  samples (``require`` = the previous StepFinished), TicketsIssued + PromptTickets within
-  the staleness budget (the folded ledger's ``room``), the per-step log check and control
+  samples, TicketsIssued + PromptTickets within the staleness budget (the folded ledger's
+  ``room``), every write requiring the last StepFinished, the per-step log check and control
   read; every ``trainer.save_freq`` steps a snapshot file written exactly as the trainer
   writes it (``trainer.resume.Snapshot(state, position, last_finished_id)`` into
   ``RUN/checkpoints/step-K.state``), CheckpointSaved, then ``trim_safely`` of samples (below
@@ -73,8 +73,8 @@ It prints a table, the 100k/1k ratios (the aim: each at most 1.5, and Redis memo
 few checkpoint windows of samples), and where memory goes: bytes per step in the events
 stream vs one checkpoint window of samples, the events' bytes by message type, and, tried on
 the Redis of the last point after its measurements, what archiving the events before the
-newest checkpoint's snapshot position to a file (and trimming them) leaves in used_memory and
-what a resume then costs (``--no-archive`` skips it). Exit 0.
+newest checkpoint's snapshot (before its last StepFinished) to a file and trimming them leaves
+in used_memory, and what a resume then costs (``--no-archive`` skips it). Exit 0.
 
     .venv/bin/python bench/long_run.py [--points 1000 10000 100000] [--sample-bytes 4096]
                                        [--no-real-trainer] [--keep]
@@ -304,7 +304,10 @@ class Driver:
     async def _write(self, items: Sequence[tuple[str, Message]],
                      ack: tuple[str, str, Sequence[str]] | None = None,
                      require: tuple[str, str] | None = None) -> list[str]:
-        """A fenced write (Trainer._write + _publish): the events fold into the state."""
+        """A fenced write (Trainer._write + _publish): only while the last StepFinished is
+        in the log; the events fold into the state."""
+        if require is None and self.last_finished_id is not None:
+            require = (self.keys.events, self.last_finished_id)
         ids = await self.lease.write(items, ack, require)
         for (stream, msg), entry_id in zip(items, ids, strict=True):
             if stream == self.keys.events:
@@ -683,8 +686,8 @@ class Driver:
         """trainer.resume.read_log as it could be (a proposal, not the trainer's code):
         snapshot files newest first (names from os.scandir, sorted as strings: a glob of
         Path objects costs ~10 us a file), stopping at the first one that decodes and whose
-        position the log holds, instead of decoding every snapshot file before looking at
-        any."""
+        position and last StepFinished the log holds, instead of decoding every snapshot
+        file before looking at any."""
         t0 = time.perf_counter()
         state, start = TrainerState(), "0"
         for name in await asyncio.to_thread(_snapshot_names, self.ckpt_dir):
@@ -693,7 +696,9 @@ class Driver:
                 snap = msgspec.msgpack.decode(data, type=Snapshot)
             except (OSError, msgspec.DecodeError, msgspec.ValidationError):
                 continue
-            if await self.bus.read_ids(self.keys.events, [snap.position]):
+            wanted = [snap.position] + ([snap.last_finished_id] if snap.last_finished_id
+                                        else [])
+            if len(await self.bus.read_ids(self.keys.events, wanted)) == len(set(wanted)):
                 state, start = snap.state, snap.position
                 break
         count = 0
@@ -865,10 +870,12 @@ class Driver:
     async def archive_experiment(self) -> Archive:
         """A proposal tried on this Redis at the last point, after its measurements (the
         run then goes on with the trimmed log): the events before the newest checkpoint's
-        snapshot position go to a file under the run folder (msgpack ``[id, raw]`` pairs)
-        and out of Redis (XTRIM MINID keeps the position entry, which a resume looks up)."""
+        snapshot go to a file under the run folder (msgpack ``[id, raw]`` pairs) and out of
+        Redis. XTRIM MINID at the snapshot's last StepFinished, which comes before its
+        position: a resume uses a snapshot only if the log holds both."""
         newest = max(self.ckpt_dir.glob("step-*.state"))
         snap = msgspec.msgpack.decode(newest.read_bytes(), type=Snapshot)
+        cut = snap.last_finished_id or snap.position
         info = await self.bus.command("INFO", "memory")
         used_before = int(info["used_memory"])
         path = self.run_dir / "events-archive.msgpack"
@@ -878,7 +885,7 @@ class Driver:
         with path.open("wb") as f:
             while True:
                 page = await self.bus.command("XRANGE", self.keys.events, cursor,
-                                              f"({snap.position}", "COUNT", 10_000)
+                                              f"({cut}", "COUNT", 10_000)
                 if not page:
                     break
                 data = msgspec.msgpack.encode([[i, fields[1]] for i, fields in page])
@@ -886,7 +893,7 @@ class Driver:
                 size += len(data)
                 cursor = "(" + page[-1][0].decode()
         write_s = time.perf_counter() - t0
-        removed = int(await self.bus.command("XTRIM", self.keys.events, "MINID", snap.position))
+        removed = int(await self.bus.command("XTRIM", self.keys.events, "MINID", cut))
         info = await self.bus.command("INFO", "memory")
         gc.collect()
         elapsed, _, state = await self._read_log()
@@ -1079,9 +1086,10 @@ def report(points: list[Point], sample_size: int, elapsed: float, steps: int,
     if archive is not None:
         print(f"archiving (a proposal, tried on this Redis at step {archive.step} after its "
               f"measurements): the {archive.removed} events entries before the snapshot "
-              f"position of checkpoint {archive.step} written to a file under the run folder "
-              f"({_mb(archive.file_bytes)} MB, {archive.write_s:.1f} s) and trimmed (XTRIM "
-              f"MINID keeps the position entry): used_memory {_mb(archive.used_before)} -> "
+              f"of checkpoint {archive.step} (before its last StepFinished) written to a "
+              f"file under the run folder ({_mb(archive.file_bytes)} MB, "
+              f"{archive.write_s:.1f} s) and trimmed (XTRIM MINID): used_memory "
+              f"{_mb(archive.used_before)} -> "
               f"{_mb(archive.used_after)} MB ({archive.events_left} events entries left), "
               f"vs {_mb(first.used_memory)} MB at {first.step} steps after its trim, with "
               f"{first.streams['events'][0]} events entries in Redis; the real "
