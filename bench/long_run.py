@@ -715,7 +715,7 @@ class Driver:
         for _ in range(reps):
             gc.collect()  # no collector debt of the previous rep in this one
             t0 = time.perf_counter()
-            snaps = snapshots(self.ckpt_dir)
+            snaps = list(snapshots(self.ckpt_dir))
             times.append(time.perf_counter() - t0)
         point.snapshot_files, point.snapshots_s = len(snaps), min(times)
         times = []

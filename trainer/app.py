@@ -252,6 +252,8 @@ class Trainer:
         read = await read_log(self.bus, self.keys, self.run_dir / "checkpoints")
         self.state, self.events_position = read.state, read.position
         self.last_finished_id, self.log_entries_read = read.last_finished_id, read.entries_read
+        # The follower needs only what comes next (failures, ProfilerReady), not the past.
+        self.events_last = read.position or "0"
 
     async def _acquire_lease(self) -> None:
         await acquire(self.lease, self.run_id, self.cfg.heartbeat)
@@ -505,6 +507,7 @@ class Trainer:
         expired = [i for i in self.state.ledger.open
                    if i not in self.taken and now - self.issued_at.get(i, now) > lease]
         if expired:
+            await self._read_peers()  # who is alive now, not at the last peer check
             expired = await self._not_held(expired)
         if expired:
             await self._reissue(expired, f"unanswered for {lease:.0f} s (ticket lease)")
@@ -517,11 +520,13 @@ class Trainer:
         if not known:
             return indices
         live = {f"rollouter-{hb.rank}" for hb in self.rollouters}
+        # The delivery floor first, the pending list second: a ticket delivered in between
+        # is then pending, never missed by both.
+        groups = {g.name: g for g in await self.bus.groups(self.keys.prompts)}
+        floor = groups[ROLLOUTER_GROUP].last_delivered_id if ROLLOUTER_GROUP in groups else "0-0"
         rows = await self.bus.command("XPENDING", self.keys.prompts, ROLLOUTER_GROUP,
                                       "-", "+", 10 * self.capacity + 100)
         held = {row[0].decode() for row in rows or [] if row[1].decode() in live}
-        groups = {g.name: g for g in await self.bus.groups(self.keys.prompts)}
-        floor = groups[ROLLOUTER_GROUP].last_delivered_id if ROLLOUTER_GROUP in groups else "0-0"
         present = await self.bus.read_ids(self.keys.prompts, list(known.values()))
 
         def key(entry_id: str) -> tuple[int, int]:
@@ -881,8 +886,6 @@ class Trainer:
             self.consumer.acked(entry_ids)
             self.state = apply(self.state, finished)
             self.last_finished_id = self.events_position = ids[0]
-            if saved is not None and cfg.run.retention == "checkpoint":
-                await self._trim(entry_ids)
             for g in groups:
                 self.taken.discard(g.index)
                 self.issued_at.pop(g.index, None)
@@ -892,6 +895,8 @@ class Trainer:
                 await self._publish(*(await self._off(self.agent.step_end, step)))
             if step < tc.total_training_steps:
                 await self._issue_tickets()
+            if saved is not None and cfg.run.retention == "checkpoint":
+                await self._trim(entry_ids)  # after the step: off its critical path
         if self.agent is not None:
             await self._publish(*(await self._off(self.agent.close)))
             self.agent = None

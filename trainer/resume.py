@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,22 +72,22 @@ def load_checkpoint(path: str, policy: torch.nn.Module, optimizer: torch.optim.O
     optimizer.load_state_dict(ckpt["optimizer"])
 
 
-def snapshots(folder: Path) -> list[Snapshot]:
-    """The state snapshots saved with checkpoints under ``folder``, newest first (torn or
-    foreign files are skipped)."""
-    out = []
+def snapshots(folder: Path) -> Iterator[Snapshot]:
+    """The state snapshots saved with checkpoints under ``folder``, newest first, decoded one
+    at a time (a resume stops at the first the log confirms; torn or foreign files are
+    skipped)."""
     for path in sorted(folder.glob("step-*.state"), reverse=True):
         try:
-            out.append(msgspec.msgpack.decode(path.read_bytes(), type=Snapshot))
+            yield msgspec.msgpack.decode(path.read_bytes(), type=Snapshot)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             continue
-    return out
 
 
 async def read_log(bus: Bus, keys: RunKeys, folder: Path) -> LogRead:
     """Fold the events log into the trainer's state, from the newest usable snapshot."""
     state, start, last_finished = TrainerState(), "0", None
-    for snap in await asyncio.to_thread(snapshots, folder):
+    found = snapshots(folder)
+    while (snap := await asyncio.to_thread(next, found, None)) is not None:
         # Both its position and its last StepFinished must still be in the log (a log that
         # lost its tail may hold neither, or later entries at new ids).
         wanted = [snap.position] + ([snap.last_finished_id] if snap.last_finished_id else [])
