@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # torch is pinned so pip takes the CPU wheel on this machine instead of a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv demo shim test lint bench clean
+.PHONY: venv demo shim test lint bench bench-long clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,12 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# The long ones: faults under chaos, and a synthetic run of 100 000 steps (minutes each).
+bench-long: $(STAMP)
+	$(PY) bench/chaos.py
+	$(PY) bench/long_run.py
+	$(PY) bench/profiler_fold.py
 
 bench: $(STAMP)
 	$(PY) bench/bus_throughput.py

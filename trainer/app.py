@@ -513,28 +513,21 @@ class Trainer:
             await self._reissue(expired, f"unanswered for {lease:.0f} s (ticket lease)")
 
     async def _not_held(self, indices: list[int]) -> list[int]:
-        """Of these tickets, those no live rollouter holds or still has queued: a slow
-        replica generating for minutes keeps its tickets. Tickets issued before this trainer
-        started (entry unknown) are judged by time alone."""
+        """Of these tickets, those that are lost: gone from the prompts stream (a lost log
+        tail, a trim) or pending on a replica whose liveness key lapsed. A ticket queued, held
+        by a live rollouter (however slow), or already acked (answered: its samples are on the
+        way) keeps its lease. Tickets issued before this trainer started (entry unknown) are
+        judged by time alone."""
         known = {i: self.ticket_entry[i] for i in indices if i in self.ticket_entry}
         if not known:
             return indices
         live = {f"rollouter-{hb.rank}" for hb in self.rollouters}
-        # The delivery floor first, the pending list second: a ticket delivered in between
-        # is then pending, never missed by both.
-        groups = {g.name: g for g in await self.bus.groups(self.keys.prompts)}
-        floor = groups[ROLLOUTER_GROUP].last_delivered_id if ROLLOUTER_GROUP in groups else "0-0"
+        present = await self.bus.read_ids(self.keys.prompts, list(known.values()))
         rows = await self.bus.command("XPENDING", self.keys.prompts, ROLLOUTER_GROUP,
                                       "-", "+", 10 * self.capacity + 100)
-        held = {row[0].decode() for row in rows or [] if row[1].decode() in live}
-        present = await self.bus.read_ids(self.keys.prompts, list(known.values()))
-
-        def key(entry_id: str) -> tuple[int, int]:
-            ms, _, seq = entry_id.partition("-")
-            return int(ms), int(seq or 0)
-
-        queued = {e for e in present if key(e) > key(floor)}
-        keep = {i for i, e in known.items() if e in held or e in queued}
+        owner = {row[0].decode(): row[1].decode() for row in rows or []}
+        keep = {i for i, e in known.items()
+                if e in present and (e not in owner or owner[e] in live)}
         now = time.monotonic()
         for i in keep:
             self.issued_at[i] = now  # held: its lease starts again
