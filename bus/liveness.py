@@ -45,22 +45,10 @@ async def pulse(bus: Bus, key: str, heartbeat: Heartbeat, ttl_s: float) -> None:
 async def peers(bus: Bus, pattern: str) -> list[Heartbeat]:
     """The latest heartbeats of every live component whose key matches ``pattern``
     (undecodable values are skipped). Wraps SCAN MATCH, then MGET."""
-    redis_ = bus._redis
-
-    async def scan() -> list[bytes]:
-        keys: list[bytes] = []
-        cursor: Any = 0
-        while True:
-            cursor, batch = await redis_.execute_command(
-                "SCAN", cursor, "MATCH", pattern, "COUNT", 1000
-            )
-            keys.extend(batch)
-            if int(cursor) == 0:
-                return sorted(set(keys))
-
-    keys = await bus._call("SCAN", scan)
+    keys = await bus.scan(pattern)
     if not keys:
         return []
+    redis_ = bus._redis
     values = await bus._call("MGET", lambda: redis_.execute_command("MGET", *keys))
     found = []
     for raw in values:

@@ -34,6 +34,7 @@ Bus (all coroutines unless noted)
     ``length(stream) -> int``                                             XLEN
     ``groups(stream) -> list[GroupInfo]``                                 XINFO GROUPS
     ``consumers(stream, group) -> list[str]``                             XINFO CONSUMERS
+    ``scan(pattern) -> list[str]``                                        SCAN MATCH
     ``trim_safely(stream, *, maxlen=None, minid=None) -> int``            XTRIM (Lua)
     ``destroy_group(stream, group) -> bool``                              XGROUP DESTROY
     ``delete(*keys) -> int``                                              DEL
@@ -117,6 +118,7 @@ __all__ = [
     "Entry",
     "GroupInfo",
     "default_dlq",
+    "entry_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -229,7 +231,8 @@ def _raw_of(fields: list[bytes] | None) -> bytes:
     return msgspec.msgpack.encode(list(fields))
 
 
-def _id_key(entry_id: str | bytes) -> tuple[int, int]:
+def entry_key(entry_id: str | bytes) -> tuple[int, int]:
+    """An entry id as ``(ms, seq)``, so ids compare in stream order."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     ms, _, seq = text.partition("-")
     return int(ms), int(seq or 0)
@@ -763,6 +766,22 @@ class Bus:
             names.append(_text(name))
         return names
 
+    async def scan(self, pattern: str) -> list[str]:
+        """Every key matching ``pattern``, sorted. Wraps SCAN MATCH (cursor loop)."""
+
+        async def go() -> set[bytes]:
+            keys: set[bytes] = set()
+            cursor: Any = 0
+            while True:
+                cursor, batch = await self._redis.execute_command(
+                    "SCAN", cursor, "MATCH", pattern, "COUNT", 1000
+                )
+                keys.update(batch)
+                if int(cursor) == 0:
+                    return keys
+
+        return sorted(_text(k) for k in await self._call("SCAN", go))
+
     async def trim_safely(
         self, stream: str, *, maxlen: int | None = None, minid: str | None = None
     ) -> int:
@@ -1158,7 +1177,7 @@ class Consumer:
             counts = await self._delivery_counts([i for i, _ in live])
             for g in gone:
                 counts.setdefault(g, 1)  # Redis 7 already forgot its counter
-            entries.sort(key=lambda e: _id_key(e[0]))
+            entries.sort(key=lambda e: entry_key(e[0]))
             got = await self._redelivered(entries, counts)
             self.stats.reclaimed += len(got)
             out += got

@@ -77,6 +77,7 @@ from bus.messages import (
     WeightsPublished,
     decode,
 )
+from bus.streams import entry_key
 from policy import build_policy, resolve_device
 from profiling import create_agent
 from runconfig import Config, config_to_dict, load_or_exit
@@ -196,7 +197,6 @@ class Trainer:
         self.window_groups = 0  # prompts trained in this sync window, and how many were stale
         self.window_stale = 0
         self.fenced: str | None = None
-        self.lease_regained = False
         self.blobs: RedisBlobStore | DirBlobStore = RedisBlobStore(bus, self.keys)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-work")
         self.vocab_size: int | None = None
@@ -325,11 +325,11 @@ class Trainer:
         while True:
             if not await self.lease.renew():
                 holder = await self.lease.holder()
-                if holder is None and await self.lease.acquire() is None:
-                    # The key vanished (Redis restarted): ours again, but the log may have
-                    # lost its tail too; the main loop checks before it goes on.
-                    self.lease_regained = True
-                elif holder is not None and holder != self.lease.token:
+                if holder is None:
+                    # The key vanished (Redis restarted): ours again. The log may have lost
+                    # its tail too: every write checks our last StepFinished (_write).
+                    await self.lease.acquire()
+                elif holder != self.lease.token:
                     self.fenced = holder
             await pulse(self.bus, self.keys.alive("trainer", 0), self._heartbeat(),
                         hb.timeout_s)
@@ -383,20 +383,10 @@ class Trainer:
         """On resume: delete weight blobs in Redis that no kept publication names (written
         by an earlier incarnation that died before publishing or deleting them)."""
         keep = {ref.key for _, ref in self.state.weights[-KEEP_WEIGHTS:]}
-        pattern = self.keys.blob("weights-*")
-        cursor: Any = 0
-        stale: set[str] = set()
-        while True:
-            cursor, batch = await self.bus.command("SCAN", cursor, "MATCH", pattern,
-                                                   "COUNT", 1000)
-            for raw in batch:
-                key = raw.decode() if isinstance(raw, bytes) else str(raw)
-                if key.rsplit(":", 1)[0] not in keep:
-                    stale.add(key)
-            if int(cursor) == 0:
-                break
+        stale = [key for key in await self.bus.scan(self.keys.blob("weights-*"))
+                 if key.rsplit(":", 1)[0] not in keep]
         if stale:
-            await self.bus.delete(*sorted(stale))
+            await self.bus.delete(*stale)
 
     # ------------------------------------------------------------------ tickets
 
@@ -794,25 +784,11 @@ class Trainer:
         samples and tickets before it are needed by no resume; trim_safely never removes an
         entry any group still has pending or undelivered (those later steps need)."""
         if trained:
-            newest = max(trained, key=lambda i: tuple(int(p) for p in i.split("-")))
+            newest = max(trained, key=entry_key)
             await self.bus.trim_safely(self.keys.samples, minid=newest)
         latest = await self.bus.latest(self.keys.prompts)
         if latest is not None:
             await self.bus.trim_safely(self.keys.prompts, minid=latest.id)
-
-    async def _check_log(self) -> None:
-        """Raise LogBehind when our last StepFinished is no longer in the log (Redis came
-        back without its last writes): one XRANGE of one id per step."""
-        regained, self.lease_regained = self.lease_regained, False
-        if self.last_finished_id is None and not regained:
-            return
-        if self.last_finished_id is not None:
-            found = await self.bus.read_ids(self.keys.events, [self.last_finished_id])
-            if not found:
-                raise LogBehind(
-                    f"StepFinished({self.state.last_step}) at {self.last_finished_id} is no "
-                    f"longer in {self.keys.events}: Redis lost the log's tail"
-                )
 
     async def _loop(self, resumed: bool) -> int:
         cfg, tc = self.cfg, self.cfg.trainer
@@ -830,7 +806,6 @@ class Trainer:
         await self._issue_tickets()
         trigger = cfg.async_training.trigger_parameter_sync_step
         for step in range(first, tc.total_training_steps + 1):
-            await self._check_log()
             self._check_fenced()
             await self._apply_commands()
             # The step's clock starts where its profiled `step:K` annotation does.
