@@ -397,6 +397,14 @@ class Trainer:
         slowest = max(self.answer_s, default=0.0)
         return max(hb.timeout_s, 4 * slowest)
 
+    def _ticket(self, index: int, n: int, attempt: int = 0) -> PromptTicket:
+        """Ticket ``index`` (its prompt from the task), for the current weights."""
+        prompt = self.prompts.get(index)
+        return PromptTicket(
+            ticket_id=ticket_id(index), prompt_id=prompt.prompt_id, prompt=prompt.prompt,
+            answer=prompt.answer, n=n, min_version=self.version, attempt=attempt,
+        )
+
     async def _issue_tickets(self) -> None:
         """Issue what the sync window's staleness budget still allows (trainer.budget):
         right after a sync (or at the start) the window's new tickets, else nothing."""
@@ -404,13 +412,7 @@ class Trainer:
         if room <= 0:
             return
         first = self.state.ledger.issued
-        tickets = []
-        for index in range(first, first + room):
-            prompt = self.prompts.get(index)
-            tickets.append(PromptTicket(
-                ticket_id=ticket_id(index), prompt_id=prompt.prompt_id, prompt=prompt.prompt,
-                answer=prompt.answer, n=self.cfg.rollout.n, min_version=self.version,
-            ))
+        tickets = [self._ticket(index, self.cfg.rollout.n) for index in range(first, first + room)]
         event = TicketsIssued(ticket_ids=[t.ticket_id for t in tickets], n=self.cfg.rollout.n,
                               param_version=self.version)
         ids = await self._write([*((self.keys.prompts, t) for t in tickets),
@@ -432,14 +434,9 @@ class Trainer:
                 by_attempt.setdefault(ticket.attempt + 1, []).append(ticket)
         now = time.monotonic()
         for attempt, tickets in by_attempt.items():
-            items: list[tuple[str, Message]] = []
-            for t in tickets:
-                prompt = self.prompts.get(t.index)
-                items.append((self.keys.prompts, PromptTicket(
-                    ticket_id=ticket_id(t.index), prompt_id=prompt.prompt_id,
-                    prompt=prompt.prompt, answer=prompt.answer, n=t.n,
-                    min_version=self.version, attempt=attempt,
-                )))
+            items: list[tuple[str, Message]] = [
+                (self.keys.prompts, self._ticket(t.index, t.n, attempt)) for t in tickets
+            ]
             event = TicketsIssued(ticket_ids=[ticket_id(t.index) for t in tickets], n=tickets[0].n,
                                   param_version=self.version, attempt=attempt, reason=reason)
             ids = await self._write([*items, (self.keys.events, event)])
