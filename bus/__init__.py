@@ -100,6 +100,7 @@ from bus.streams import (
     Entry,
     GroupInfo,
     default_dlq,
+    entry_key,
 )
 
 __all__ = [
@@ -172,6 +173,7 @@ __all__ = [
     "default_dlq",
     "encode",
     "ensure_port_free",
+    "entry_key",
     "find_redis_server",
     "free_port",
     "open_store",

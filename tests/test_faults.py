@@ -69,7 +69,7 @@ async def test_update_longer_than_the_heartbeat_timeout_is_not_death(
     steps = 3
     args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "heartbeat.interval_s=0.2", "heartbeat.timeout_s=1.5",
-                 "model.d_model=256", "model.n_layers=6", "trainer.ppo_epochs=8",
+                 "model.d_model=256", "model.n_layers=6", "trainer.ppo_epochs=20",
                  "trainer.ppo_mini_batch_size=8", "rollout.prompts_per_batch=8")
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
