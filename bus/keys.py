@@ -70,6 +70,18 @@ class RunKeys(msgspec.Struct, frozen=True):
         it holds the token of the one trainer allowed to write this run."""
         return f"{self.prefix}:trainer-lease"
 
+    @property
+    def events_readers(self) -> tuple[tuple[str, str], ...]:
+        """``(position key, liveness key)`` of every reader whose stored events position the
+        trainer's events trim keeps (:meth:`bus.Bus.trim_log`): the profiler service's
+        snapshot position, honoured while its liveness key exists."""
+        return ((self.position("profiler"), self.alive("profiler", 0)),)
+
+    def position(self, reader: str) -> str:
+        """Where ``reader`` stands in the events log (a string key holding an entry id, see
+        :meth:`bus.Bus.set_position`): the entry its snapshot was folded up to."""
+        return f"{self.prefix}:position:{reader}"
+
     def alive(self, role: str, rank: int) -> str:
         """Liveness key of one component (SET PX, refreshed every heartbeat interval); its
         value is the component's latest :class:`~bus.messages.Heartbeat`."""

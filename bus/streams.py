@@ -31,6 +31,13 @@ Bus (all coroutines unless noted)
     -> (list[Entry], cursor)``   one XREAD, for poll loops that keep their own cursor
     ``latest(stream) -> Entry | None``                                    XREVRANGE COUNT 1
     ``read_ids(stream, ids) -> {id: msg}``        pipelined XRANGE id id (replay by entry id)
+    ``read_page(stream, after="0", end="+", *, count=500) -> (first id, raw entries)``
+        XRANGE - + COUNT 1 and XRANGE (after end in one MULTI/EXEC (bus.history)
+    ``decode_entry(stream, id, fields, on_bad=None) -> Entry | None`` (plain function)
+    ``trim_log(stream, minid, *, readers=(), fence=None) -> int``   XTRIM MINID (Lua), never
+        past a live reader's stored position; fenced by a lease token when given
+    ``set_position(key, entry_id)``                                       SET
+    ``reader_floor(readers) -> str | None``   lowest live reader position  GET + EXISTS
     ``length(stream) -> int``                                             XLEN
     ``groups(stream) -> list[GroupInfo]``                                 XINFO GROUPS
     ``consumers(stream, group) -> list[str]``                             XINFO CONSUMERS
@@ -102,7 +109,15 @@ from redis.exceptions import AuthenticationError, AuthorizationError, ResponseEr
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from bus.errors import BusAuthError, BusError, BusUnavailable, GroupGone, StreamGone, redact_url
+from bus.errors import (
+    BusAuthError,
+    BusError,
+    BusUnavailable,
+    Fenced,
+    GroupGone,
+    StreamGone,
+    redact_url,
+)
 from bus.keys import RunKeys
 from bus.messages import FIELD, DeadLetter, DecodeError, Message, decode, encode
 from bus.retry import RetryPolicy, retry_async
@@ -287,6 +302,35 @@ return redis.call('XTRIM', key, 'MINID', floor)
 """
 
 
+# Trim of a log below a safe point. KEYS[1] stream; KEYS[2] fencing lease key (or the stream
+# when unfenced); KEYS[3..] pairs (reader position key, reader liveness key). ARGV[1] minid;
+# ARGV[2] fencing token ('' = unfenced). The cut never passes the position of a reader whose
+# liveness key exists. Returns the number trimmed, or -1 when the fence refused it.
+_TRIM_LOG_LUA = """
+if ARGV[2] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[2] then return -1 end
+local key = KEYS[1]
+if redis.call('EXISTS', key) == 0 then return 0 end
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  if ms == nil then ms = string.match(id, '^(%d+)$'); seq = '0' end
+  return tonumber(ms), tonumber(seq)
+end
+local function less(a, b)
+  local am, as = parse(a)
+  local bm, bs = parse(b)
+  if am ~= bm then return am < bm end
+  return as < bs
+end
+local cut = ARGV[1]
+for i = 3, #KEYS - 1, 2 do
+  if redis.call('EXISTS', KEYS[i + 1]) == 1 then
+    local pos = redis.call('GET', KEYS[i])
+    if pos and parse(pos) ~= nil and less(pos, cut) then cut = pos end
+  end
+end
+return redis.call('XTRIM', key, 'MINID', cut)
+"""
+
 # Monotonic step barrier. KEYS[1] the barrier key; ARGV[1] the step. Never lowers it.
 _SET_BARRIER_LUA = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
@@ -331,6 +375,7 @@ class Bus:
         for name in _RAW_COMMANDS:
             client.set_response_callback(name, _raw)
         self._trim_script = client.register_script(_TRIM_LUA)
+        self._trim_log_script = client.register_script(_TRIM_LOG_LUA)
         self._set_barrier_script = client.register_script(_SET_BARRIER_LUA)
         self._guarded_script = client.register_script(_PUBLISH_GUARDED_LUA)
         self.on_retry: Callable[[str, int, BaseException], None] | None = None
@@ -722,6 +767,99 @@ class Bus:
                 if entry is not None:
                     found[entry.id] = entry.msg
         return found
+
+    async def read_page(
+        self, stream: str, after: str = "0", end: str = "+", *, count: int = 500
+    ) -> tuple[str | None, list[tuple[str, list[bytes]]]]:
+        """``(id of the stream's first entry, up to count raw entries after `after`)``, both
+        as of one instant: wraps ``XRANGE stream - + COUNT 1`` and ``XRANGE stream (after end
+        COUNT count`` in one MULTI/EXEC. ``after="0"`` starts at the beginning; ``end`` may
+        be exclusive (``"(ID"``). Entries keep their raw fields (for archiving, or to tell
+        what was trimmed between two reads: entries before the first one are gone)."""
+        start = "-" if after in ("0", "0-0", "-") else f"({after}"
+        redis_ = self._redis
+
+        async def go() -> list[Any]:
+            pipe = redis_.pipeline(transaction=True)
+            pipe.execute_command("XRANGE", stream, "-", "+", "COUNT", 1)
+            pipe.execute_command("XRANGE", stream, start, end, "COUNT", count)
+            return await pipe.execute()
+
+        head, page = await self._call("XRANGE", go)
+        first = head[0][0].decode() if head else None
+        return first, [(entry_id.decode(), list(fields or [])) for entry_id, fields in page]
+
+    def decode_entry(
+        self, stream: str, entry_id: str, fields: list[bytes],
+        on_bad: Callable[[BadEntry], None] | None = None,
+    ) -> Entry | None:
+        """A raw entry (from :meth:`read_page` or the archive) decoded as :meth:`read_all`
+        decodes it: None for a bad one (logged, passed to ``on_bad``). Plain function."""
+        return self._decode_log_entry(stream, entry_id.encode(), fields, on_bad)
+
+    async def trim_log(
+        self,
+        stream: str,
+        minid: str,
+        *,
+        readers: Sequence[tuple[str, str]] = (),
+        fence: tuple[str, str] | None = None,
+    ) -> int:
+        """Remove the entries before ``minid`` from a log (a stream without groups), but
+        never one at or after the position held in a reader's key while that reader's
+        liveness key exists (``readers``: ``(position key, liveness key)`` pairs, see
+        :meth:`set_position`). With ``fence=(lease key, token)`` nothing is trimmed unless
+        the lease holds that token (:class:`~bus.errors.Fenced`). Returns how many entries
+        were removed.
+
+        Wraps one Lua script (GET, EXISTS, XTRIM MINID), so the check and the trim are
+        atomic: a reader that stored its position before reading never loses what follows it.
+        """
+        if not _ENTRY_ID.match(minid):
+            raise ValueError(f"minid must be an entry id like '1700000000000-0', got {minid!r}")
+        keys = [stream, fence[0] if fence else stream]
+        for position_key, alive_key in readers:
+            keys += [position_key, alive_key]
+        token = fence[1] if fence else ""
+        removed = int(await self._call(
+            "XTRIM", lambda: self._trim_log_script(keys=keys, args=[minid, token])
+        ))
+        if removed < 0 and fence is not None:
+            holder = await self._call(
+                "GET", lambda: self._redis.execute_command("GET", fence[0]))
+            raise Fenced(fence[0], fence[1], None if holder is None else _text(holder))
+        return removed
+
+    async def set_position(self, key: str, entry_id: str) -> None:
+        """Store a reader's position in a log (an entry id it needs kept, see
+        :meth:`trim_log`). Wraps SET."""
+        if not _ENTRY_ID.match(entry_id):
+            raise ValueError(f"not an entry id: {entry_id!r}")
+        await self._call("SET", lambda: self._redis.execute_command("SET", key, entry_id))
+
+    async def reader_floor(self, readers: Sequence[tuple[str, str]]) -> str | None:
+        """The lowest position among ``readers`` (``(position key, liveness key)``) whose
+        liveness key exists; None when none holds one. Wraps GET and EXISTS (pipelined)."""
+        if not readers:
+            return None
+        redis_ = self._redis
+
+        async def go() -> list[Any]:
+            pipe = redis_.pipeline(transaction=True)
+            for position_key, alive_key in readers:
+                pipe.execute_command("GET", position_key)
+                pipe.execute_command("EXISTS", alive_key)
+            return await pipe.execute()
+
+        replies = await self._call("GET", go)
+        floor: str | None = None
+        for position, alive in zip(replies[::2], replies[1::2], strict=True):
+            if position is None or not int(alive):
+                continue
+            text = _text(position)
+            if _ENTRY_ID.match(text) and (floor is None or entry_key(text) < entry_key(floor)):
+                floor = text
+        return floor
 
     async def length(self, stream: str) -> int:
         """Number of entries. Wraps XLEN."""

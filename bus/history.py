@@ -1,0 +1,128 @@
+"""A run's events log as one sequence: the archive on disk, then the stream in Redis.
+
+With ``run.retention=checkpoint`` the trainer moves the oldest events from the stream to the
+archive (:mod:`bus.archive`) after each durable checkpoint: :func:`archive_below` appends
+them (fsynced) and only then trims them (XTRIM MINID). Every reader that reads from the
+beginning, or from a position that may have been trimmed since, uses :func:`read_history`,
+which yields archived entries, then the stream's, each exactly once and in order.
+
+Functions (coroutines unless noted)
+    ``events_folder(output_dir, run_id) -> Path``   the archive's folder (plain function)
+    ``read_history(bus, stream, folder, start="0", *, count=500, on_bad=None,
+    on_gap=None)``  async iterator of :class:`~bus.streams.Entry` after ``start``
+    ``archive_below(bus, stream, folder, below, *, readers=(), fence=None) -> Archived``
+
+How the two halves join: each read of the stream asks, in the same MULTI/EXEC, for the
+stream's first entry (:meth:`bus.Bus.read_page`). Whatever lies between the reader's cursor
+and that first entry is not in Redis any more, so it is read from the archive (archived
+before it was trimmed, so it is there). A trim between two reads is noticed the same way.
+When the archive holds nothing there (another machine's disk, or it was deleted) and the
+cursor itself is gone, ``on_gap(cursor, first)`` says which range was skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from itertools import islice
+from pathlib import Path
+from typing import NamedTuple
+
+from bus.archive import ArchivedEntry, append, read_archive, truncate_from
+from bus.streams import BadEntry, Bus, Entry, entry_key
+
+__all__ = ["Archived", "archive_below", "events_folder", "read_history"]
+
+_FROM_START = ("0", "0-0", "-")
+
+
+def events_folder(output_dir: str | Path, run_id: str) -> Path:
+    """Where run ``run_id``'s archived events live: ``output_dir/RUN/events``."""
+    return Path(output_dir) / run_id / "events"
+
+
+class Archived(NamedTuple):
+    """What one :func:`archive_below` did: entries appended to the archive, entries trimmed
+    from the stream, and the id everything before which is now only in the archive (None
+    when nothing was trimmed)."""
+
+    archived: int
+    trimmed: int
+    cut: str | None
+
+
+def _take(it: Iterator[ArchivedEntry], n: int) -> list[ArchivedEntry]:
+    return list(islice(it, n))
+
+
+async def read_history(
+    bus: Bus,
+    stream: str,
+    folder: Path | None,
+    start: str = "0",
+    *,
+    count: int = 500,
+    on_bad: Callable[[BadEntry], None] | None = None,
+    on_gap: Callable[[str, str], None] | None = None,
+) -> AsyncIterator[Entry]:
+    """Every entry after ``start`` (``"0"``: from the beginning), archive then stream, in
+    order and each once. ``folder``: the archive (None: the stream only). Bad entries are
+    skipped as :meth:`bus.Bus.read_all` skips them. File reads run on a worker thread."""
+    cursor = start
+    while True:
+        first, page = await bus.read_page(stream, cursor, count=count)
+        from_start = cursor in _FROM_START
+        if first is not None and (from_start or entry_key(first) > entry_key(cursor)):
+            # Entries between the cursor and the stream's first one were trimmed: archived.
+            found = False
+            if folder is not None:
+                it = read_archive(folder, after=None if from_start else cursor, before=first)
+                while chunk := await asyncio.to_thread(_take, it, count):
+                    found = True
+                    for archived in chunk:
+                        entry = bus.decode_entry(stream, archived.id, archived.fields, on_bad)
+                        if entry is not None:
+                            yield entry
+                    cursor = chunk[-1].id
+            if not found and not from_start and on_gap is not None:
+                on_gap(cursor, first)
+        for entry_id, fields in page:
+            entry = bus.decode_entry(stream, entry_id, fields, on_bad)
+            if entry is not None:
+                yield entry
+        if page:
+            cursor = page[-1][0]
+        if len(page) < count:
+            return
+
+
+async def archive_below(
+    bus: Bus,
+    stream: str,
+    folder: Path,
+    below: str,
+    *,
+    readers: Sequence[tuple[str, str]] = (),
+    fence: tuple[str, str] | None = None,
+    count: int = 1000,
+) -> Archived:
+    """Move the entries before ``below`` (never past a live reader's stored position, see
+    :meth:`bus.Bus.trim_log`) from ``stream`` to the archive in ``folder``: append them
+    (fsynced, on a worker thread), then trim them (XTRIM MINID). A crash in between leaves
+    them in both; the next call rewrites them from the stream, never twice."""
+    floor = await bus.reader_floor(readers)
+    cut = below if floor is None or entry_key(below) <= entry_key(floor) else floor
+    first, page = await bus.read_page(stream, "0", f"({cut}", count=count)
+    if first is None or entry_key(first) >= entry_key(cut):
+        return Archived(0, 0, None)
+    # The stream is the truth for everything it still holds: archived copies of those
+    # (a crash before the last trim, a Redis that lost its tail) are rewritten from it.
+    await asyncio.to_thread(truncate_from, folder, first)
+    archived = 0
+    while page:
+        archived += await asyncio.to_thread(append, folder, page)
+        if len(page) < count:
+            break
+        _, page = await bus.read_page(stream, page[-1][0], f"({cut}", count=count)
+    trimmed = await bus.trim_log(stream, cut, readers=readers, fence=fence)
+    return Archived(archived, trimmed, cut if trimmed else None)
