@@ -1,22 +1,30 @@
-"""Async vs sync on the same long-tail workload, side by side in one run.
+"""Async vs sync on two workloads, with 1 and 2 rollouter replicas, side by side in one run.
 
-Both runs use `rlbus up` (embedded Redis; trainer and rollouter as separate processes, one
-torch thread each on this 2-core machine) with identical model, task and batch settings; only
-the async knobs differ:
+Every run uses `rlbus up` (embedded Redis; trainer and rollouters as separate processes, one
+torch thread each on this 2-core machine) with identical model, task and batch settings per
+workload; only the async knobs and the replica count differ:
 
-- sync:  staleness_threshold=0, trigger_parameter_sync_step=1 (on-policy, the baseline);
-- async: staleness_threshold=S (default 1.0), partial_rollout off.
+- sync:  staleness_threshold=0, trigger_parameter_sync_step=1, one rollouter (on-policy);
+- async: staleness_threshold=S (default 1.0), partial_rollout off, 1 and 2 rollouters.
 
-Long tail: max_new_tokens is large and the untrained policy stops at EOS at random, so
-response lengths range from 1 to max_new_tokens (batches wait for their longest response).
+Workloads:
 
-From the sync run's events: T_gen = mean generation time per step (the time the rollouter
-spends generating one step's samples: sum of Sample.gen_time_s per batch) and T_train = mean
-update time (metric trainer/update_s). The ideal speedup of overlapping them is
-(T_gen + T_train) / max(T_gen, T_train); the measured speedup is the ratio of mean step times
-(steady state: the first steps are excluded). Prints both and measured / ideal.
+- train-heavy: long-tailed responses (max_new_tokens 48, the untrained policy stops at EOS
+  at random), a larger model and two PPO epochs: T_train > T_gen;
+- gen-heavy: long answers (12-16 digit reversal: 13-17 tokens every response) decoded one
+  prompt at a time (prompts_per_batch 1, as a rollout engine's small decode batches), one
+  epoch: T_gen >= 2 T_train, as in LLM RL.
+
+From the sync run: T_gen = the rollouter's busy time per step (step time x (1 - its idle
+ratio)) and T_train = the trainer's update time per step (trainer/update_s). The trainer
+trains each mini-batch as soon as its groups are complete, so even the sync run overlaps a
+little; the monolith's step is T_gen + T_train. The ideal speedup of overlapping them with R
+rollouters is (T_gen + T_train) / max(T_gen / R, T_train); the measured speedup is
+(T_gen + T_train) / the async run's mean step time (steady state: the first steps are
+excluded). Prints both and measured / ideal, plus the bound the CPU count allows.
 
     .venv/bin/python bench/async_speedup.py [--steps 30] [--staleness 1.0]
+        [--workloads train-heavy gen-heavy] [--replicas 1 2]
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,18 +44,32 @@ __all__ = ["main"]
 COMMON = [
     "trainer.ppo_mini_batch_size=8",
     "rollout.n=8",
-    "rollout.max_new_tokens=48",
-    "rollout.prompts_per_batch=2",
-    "model.max_len=128",
-    "model.d_model=128",
-    "model.n_layers=3",
     "trainer.save_freq=0",
-    "trainer.ppo_epochs=2",
-    "task.min_digits=3",
-    "task.max_digits=8",
+    "trainer.logger=[console]",
     # An entropy-keeping temperature so lengths stay long-tailed while it learns.
     "rollout.temperature=1.0",
 ]
+
+WORKLOADS: dict[str, list[str]] = {
+    "train-heavy": [
+        "rollout.max_new_tokens=48",
+        "rollout.prompts_per_batch=2",
+        "model.max_len=128",
+        "model.d_model=128",
+        "model.n_layers=3",
+        "trainer.ppo_epochs=2",
+        "task.min_digits=3",
+        "task.max_digits=8",
+    ],
+    "gen-heavy": [
+        "task.min_digits=12",
+        "task.max_digits=16",
+        "rollout.max_new_tokens=17",
+        "model.max_len=40",
+        "rollout.prompts_per_batch=1",
+        "trainer.ppo_epochs=1",
+    ],
+}
 
 
 def _run(out: Path, run_id: str, steps: int, extra: list[str]) -> list[dict]:
@@ -71,6 +94,9 @@ def _step_stats(events: list[dict], skip: int) -> dict[str, float]:
         "step_s": step_s,
         "train_s": statistics.mean(e["metrics"]["trainer/update_s"] for e in steps),
         "idle": statistics.mean(e["metrics"]["trainer/idle_ratio"] for e in steps),
+        # NaN where no rollouter pulse had been read yet.
+        "rollouter_idle": statistics.mean(
+            v for e in steps if (v := e["metrics"]["rollouter/idle_ratio"]) == v),
         "reward": steps[-1]["metrics"]["reward/mean"],
         "staleness": statistics.mean(e["metrics"]["staleness/mean"] for e in steps),
     }
@@ -100,42 +126,55 @@ def _contention() -> float:
     return pair / solo
 
 
+def _workload(name: str, out: Path, a: argparse.Namespace, cores: int, c: float) -> None:
+    extra = WORKLOADS[name]
+    sync = _step_stats(_run(out / f"{name}-sync", f"{name}-sync", a.steps, [
+        *extra, "async_training.staleness_threshold=0",
+        "async_training.trigger_parameter_sync_step=1",
+    ]), a.skip)
+    t_train = sync["train_s"]
+    t_gen = sync["step_s"] * (1.0 - sync["rollouter_idle"])
+    serial = t_gen + t_train
+    print(f"[{name}] sync : step {sync['step_s']:.3f} s  (T_gen {t_gen:.3f} s, T_train "
+          f"{t_train:.3f} s, T_gen/T_train {t_gen / t_train:.2f}, trainer idle "
+          f"{sync['idle']:.2f})", flush=True)
+    for replicas in a.replicas:
+        x = _step_stats(_run(out / f"{name}-async{replicas}", f"{name}-async{replicas}",
+                             a.steps, [*extra, f"async_training.staleness_threshold={a.staleness}",
+                                       "async_training.trigger_parameter_sync_step=1",
+                                       f"rollout.replicas={replicas}"]), a.skip)
+        speedup = serial / x["step_s"]
+        bound = serial / max(t_gen / replicas, t_train)
+        # Overlap runs generation and training at the same time; on CPUs that slow each
+        # other down by c, and with more processes than cores, the overlapped step cannot be
+        # shorter than c * max(...) nor than the total work spread over the cores.
+        machine = serial / max(c * max(t_gen / replicas, t_train), serial / cores)
+        print(f"[{name}] async, {replicas} rollouter(s): step {x['step_s']:.3f} s (T_train "
+              f"{x['train_s']:.3f} s, trainer idle {x['idle']:.2f}, rollouter idle "
+              f"{x['rollouter_idle']:.2f}, staleness {x['staleness']:.2f})", flush=True)
+        print(f"[{name}]   speedup over the monolith's step (T_gen + T_train) {speedup:.2f}x; "
+              f"over rlbus sync {sync['step_s'] / x['step_s']:.2f}x", flush=True)
+        print(f"[{name}]   ideal overlap bound {bound:.2f}x = (T_gen + T_train) / "
+              f"max(T_gen / {replicas}, T_train); fraction of it {speedup / bound:.0%}")
+        print(f"[{name}]   bound on this machine {machine:.2f}x (contention {c:.2f}, {cores} "
+              f"cores); fraction of it {speedup / machine:.0%}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the means")
     p.add_argument("--staleness", type=float, default=1.0)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     a = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
-        out = Path(tmp)
-        sync = _run(out / "sync", "sync", a.steps, [
-            "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1",
-        ])
-        asyn = _run(out / "async", "async", a.steps, [
-            f"async_training.staleness_threshold={a.staleness}",
-            "async_training.trigger_parameter_sync_step=1",
-        ])
-    s, x = _step_stats(sync, a.skip), _step_stats(asyn, a.skip)
     c = _contention()
-    # T_gen per step in the sync run: the rollouter's busy time is step time minus the time
-    # the trainer was not waiting (update + publish), measured from the trainer's side.
-    t_train = s["train_s"]
-    t_gen = s["step_s"] * s["idle"]
-    bound = (t_gen + t_train) / max(t_gen, t_train)
-    speedup = s["step_s"] / x["step_s"]
-    print(f"sync : step {s['step_s']:.3f} s  (T_gen {t_gen:.3f} s, T_train {t_train:.3f} s, "
-          f"trainer idle {s['idle']:.2f}, staleness {s['staleness']:.2f})")
-    print(f"async: step {x['step_s']:.3f} s  (T_train {x['train_s']:.3f} s, "
-          f"trainer idle {x['idle']:.2f}, "
-          f"staleness {x['staleness']:.2f})")
-    print(f"speedup async/sync      {speedup:.2f}x")
-    print(f"ideal overlap bound     {bound:.2f}x  = (T_gen + T_train) / max(T_gen, T_train)")
-    print(f"fraction of the bound   {speedup / bound:.0%}")
-    # Overlap runs generation and training at the same time; on CPUs that slow each other
-    # down by c, the overlapped step cannot be shorter than c * max(T_gen, T_train).
-    print(f"CPU contention factor   {c:.2f}  (two 1-thread torch processes side by side)")
-    print(f"bound on this machine   {(t_gen + t_train) / (c * max(t_gen, t_train)):.2f}x"
-          f"  = (T_gen + T_train) / (c * max(T_gen, T_train))")
+    cores = os.cpu_count() or 1
+    print(f"CPU contention factor {c:.2f} (two 1-thread torch processes side by side), "
+          f"{cores} cores", flush=True)
+    with tempfile.TemporaryDirectory(prefix="rlbus-bench-") as tmp:
+        for name in a.workloads:
+            _workload(name, Path(tmp), a, cores, c)
     return 0
 
 

@@ -11,7 +11,10 @@ hyper-parameters (the defaults of runconfig/defaults.yaml, passed to bench/sync_
   that it reached the target.
 
 Wall time from launch for both, so start-up (imports, Redis, processes) counts against
-rlbus. Prints both times, the steps each needed and the ratio rlbus / in-process.
+rlbus. Prints both times, the steps each needed and the ratio rlbus / in-process, and the
+start-up ratio: launch to rlbus's first StepFinished (its progress line) against launch to
+the in-process loop's first step. Each run is stopped completely (its whole process tree
+gone) before the next one starts, so no run slows the next.
 
     .venv/bin/python bench/time_to_reward.py [--target 0.9] [--seeds 0 1]
 """
@@ -19,6 +22,7 @@ rlbus. Prints both times, the steps each needed and the ratio rlbus / in-process
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import statistics
 import subprocess
@@ -28,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 __all__ = ["main"]
@@ -35,34 +40,60 @@ __all__ = ["main"]
 ROOT = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(r"^step\s+(\d+)/\d+\s+reward\s+([0-9.]+)")
 REACHED = re.compile(r"reached [0-9.]+ at step (\d+)")
+# Step 1's line: rlbus up's progress line, or the in-process loop's report of step 1.
+FIRST_STEP = re.compile(r"^step\s+1(/\d+)?\s+reward")
 
 
 def _defaults() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "runconfig" / "defaults.yaml").read_text())
 
 
-def _watch(cmd: list[str], found: Any, timeout_s: float) -> tuple[float | None, int | None]:
-    """Run ``cmd``; seconds from launch until ``found(line)`` returns a step, and that step."""
+def _watch(
+    cmd: list[str], found: Any, timeout_s: float
+) -> tuple[float | None, int | None, float | None]:
+    """Run ``cmd``; seconds from launch until ``found(line)`` returns a step, that step, and
+    seconds from launch to its first step line."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT)
     assert proc.stdout is not None
+    first: float | None = None
     try:
         for line in proc.stdout:
+            if first is None and FIRST_STEP.match(line.strip()):
+                first = time.perf_counter() - t0
             step = found(line)
             if step is not None:
-                return time.perf_counter() - t0, step
+                return time.perf_counter() - t0, step, first
             if time.perf_counter() - t0 > timeout_s:
                 break
-        return None, None
+        return None, None, first
     finally:
-        proc.kill()
-        proc.communicate(timeout=60)
+        _stop_tree(proc)
+
+
+def _stop_tree(proc: subprocess.Popen[str]) -> None:
+    """Stop ``proc`` and every process it started (rlbus up's components run in sessions
+    of their own): SIGTERM, then SIGKILL after a grace period; returns when all are gone."""
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=15)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=15)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=15)
 
 
 def _rlbus(
     seed: int, target: float, out: Path, extra: list[str]
-) -> tuple[float | None, int | None]:
+) -> tuple[float | None, int | None, float | None]:
     def found(line: str) -> int | None:
         m = STEP_LINE.match(line.strip())
         return int(m.group(1)) if m and float(m.group(2)) >= target else None
@@ -74,7 +105,9 @@ def _rlbus(
     return _watch(cmd, found, 600)
 
 
-def _in_process(seed: int, target: float, threads: int) -> tuple[float | None, int | None]:
+def _in_process(
+    seed: int, target: float, threads: int
+) -> tuple[float | None, int | None, float | None]:
     d = _defaults()
     t, r, m, k = d["trainer"], d["rollout"], d["model"], d["task"]
     ac = d["async_training"]
@@ -105,19 +138,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra overrides for the rlbus run only (e.g. async knobs)")
     a = p.parse_args(argv)
-    ours, theirs = [], []
+    ours, theirs, starts = [], [], []
     with tempfile.TemporaryDirectory(prefix="rlbus-ttr-") as tmp:
         for seed in a.seeds:
             # The baseline gets its better thread count (small matmuls often run slower on
             # two threads than on one).
             runs = [_in_process(seed, a.target, threads) for threads in (1, 2)]
-            t_in, s_in = min(runs, key=lambda r: float("inf") if r[0] is None else r[0])
-            t_up, s_up = _rlbus(seed, a.target, Path(tmp) / f"s{seed}", a.set)
-            print(f"seed {seed}: rlbus up {_fmt(t_up)} (step {s_up})   "
-                  f"in-process sync {_fmt(t_in)} (step {s_in})")
+            t_in, s_in, first_in = min(runs, key=lambda r: float("inf") if r[0] is None else r[0])
+            t_up, s_up, first_up = _rlbus(seed, a.target, Path(tmp) / f"s{seed}", a.set)
+            print(f"seed {seed}: rlbus up {_fmt(t_up)} (step {s_up}, first step at "
+                  f"{_fmt(first_up)})   in-process sync {_fmt(t_in)} (step {s_in}, first step "
+                  f"at {_fmt(first_in)})", flush=True)
             if t_in is not None and t_up is not None:
                 ours.append(t_up)
                 theirs.append(t_in)
+            if first_in is not None and first_up is not None:
+                starts.append(first_up / first_in)
+    if starts:
+        print(f"start-up: launch to first step, rlbus / in-process {statistics.mean(starts):.2f}"
+              f" (per seed: {', '.join(f'{x:.2f}' for x in starts)})")
     if not ours:
         print("no seed reached the target in both setups")
         return 1
