@@ -97,6 +97,7 @@ class TrainerConfig(_Section, frozen=True):
     grad_clip: PosFloat = 1.0
     entropy_coeff: NonNegFloat = 0.01
     tis_cap: PosFloat | None = 2.0
+    kl_guard: PosFloat | None = 0.02
     device: str = "auto"
     threads: PosInt = 1
     seed: int = 0

@@ -166,3 +166,77 @@ def test_build_batch_layout() -> None:
 def test_build_batch_length_mismatch() -> None:
     with pytest.raises(ValueError, match="sample 0"):
         build_batch([([1], [2, 3], [-1.0])])
+
+
+class _TablePolicy(torch.nn.Module):
+    """A policy whose per-position logits are free parameters (independent of the prompt):
+    enough for guarded_step, which needs only logprobs_and_entropy."""
+
+    pad_id = 0
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits.clone())
+
+    def logprobs_and_entropy(self, input_ids, attention_mask, response_len, temperature=1.0):
+        from policy import logprobs_from_logits
+
+        targets = input_ids[:, -response_len:]
+        logits = self.logits[:response_len].expand(len(targets), -1, -1)
+        return logprobs_from_logits(logits, targets, temperature)
+
+
+def _sharp_case(max_kl: float | None) -> tuple[float, float, bool]:
+    """The late-training blow-up: a near-deterministic policy (p(correct) ~ 0.999), a group
+    where one sample took a rare token and was the only right one (advantage +2.6), the
+    other groups all-equal (advantage 0). One clipped-gradient Adam step, then one step on a
+    mini-batch with zero gradient (Adam's momentum only). Returns both steps' KL and whether
+    the guard had to shrink the second one."""
+    from trainer.update import guarded_step
+
+    torch.manual_seed(0)
+    V, R = 6, 3
+    base = torch.full((R, V), -4.0)
+    base[:, 1] = 4.0  # token 1 everywhere: entropy ~0.03
+    pol = _TablePolicy(base)
+    opt = torch.optim.Adam(pol.parameters(), lr=10.0)  # logits are the parameters: a big lr
+    # A long quiet stretch: tiny gradients leave Adam's second moment small.
+    for _ in range(50):
+        opt.zero_grad()
+        (pol.logits.sum() * 1e-4).backward()
+        opt.step()
+    rare = [1, 3, 1]  # the sample that took token 3 at position 1 and won
+    samples = [([5, 2], rare, [-0.1, -8.0, -0.1])] + [([5, 2], [1, 1, 1], [-0.01] * 3)] * 7
+    batch = build_batch(samples, pad_id=0)
+    adv = group_advantages([[1.0] + [0.0] * 7]).reshape(-1)
+    logp, _ = pol.logprobs_and_entropy(batch.input_ids, batch.attention_mask, R)
+    loss, _ = ppo_clip_loss(logp, logp.detach(), adv, batch.response_mask, 0.2, 0.28)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(pol.parameters(), 1.0)
+    kl1, shrunk = guarded_step(pol, opt, batch, logp, max_kl, temperature=1.0)
+    assert shrunk == (max_kl is not None)
+    with torch.no_grad():
+        after1, _ = pol.logprobs_and_entropy(batch.input_ids, batch.attention_mask, R)
+    assert math.isclose(float(approx_kl(after1, logp, batch.response_mask)), kl1, rel_tol=1e-5) \
+        or max_kl is None
+    # The next mini-batch teaches nothing (all-equal rewards): its step is momentum only.
+    opt.zero_grad()
+    (pol.logits.sum() * 0.0).backward()
+    _, shrunk2 = guarded_step(pol, opt, batch, after1, max_kl, temperature=1.0)
+    with torch.no_grad():
+        after2, _ = pol.logprobs_and_entropy(batch.input_ids, batch.attention_mask, R)
+    return (float(approx_kl(after1, logp, batch.response_mask)),
+            float(approx_kl(after2, after1, batch.response_mask)), shrunk2)
+
+
+def test_kl_guard_bounds_a_late_blow_up_step_and_its_momentum() -> None:
+    kl1, kl2, _ = _sharp_case(None)
+    assert kl1 > 0.5  # unguarded: one step moves the sharp policy a lot ...
+    assert kl2 > 0.1  # ... and Adam's momentum keeps going on a zero-gradient mini-batch
+    g1, g2, shrunk2 = _sharp_case(0.02)
+    assert g1 <= 0.02
+    assert g2 <= 0.02
+    # The first moment was pulled back with the step, so the momentum-only step is small
+    # by itself (the guard had nothing left to shrink).
+    assert not shrunk2
