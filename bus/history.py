@@ -10,7 +10,9 @@ Functions (coroutines unless noted)
     ``events_folder(output_dir, run_id) -> Path``   the archive's folder (plain function)
     ``read_history(bus, stream, folder, start="0", *, count=500, on_bad=None,
     on_gap=None)``  async iterator of :class:`~bus.streams.Entry` after ``start``
-    ``archive_below(bus, stream, folder, below, *, readers=(), fence=None) -> Archived``
+    ``archive_below(bus, stream, folder, below, *, readers=(), fence=None,
+    location_key=None) -> Archived``
+    ``find_archive(bus, keys, configured) -> Path | None``  the archive a reader can open
 
 How the two halves join: each read of the stream asks, in the same MULTI/EXEC, for the
 stream's first entry (:meth:`bus.Bus.read_page`). Whatever lies between the reader's cursor
@@ -29,9 +31,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from bus.archive import ArchivedEntry, append, read_archive, truncate_from
+from bus.keys import RunKeys
 from bus.streams import BadEntry, Bus, Entry, entry_key
 
-__all__ = ["Archived", "archive_below", "events_folder", "read_history"]
+__all__ = ["Archived", "archive_below", "events_folder", "find_archive", "read_history"]
 
 _FROM_START = ("0", "0-0", "-")
 
@@ -49,6 +52,19 @@ class Archived(NamedTuple):
     archived: int
     trimmed: int
     cut: str | None
+
+
+async def find_archive(bus: Bus, keys: RunKeys, configured: Path | None) -> Path | None:
+    """The run's archive folder this process can read: ``configured`` (its own
+    ``run.output_dir``) when it exists, else the path the trainer recorded in
+    :attr:`~bus.keys.RunKeys.archive` when that exists here (same machine, another working
+    folder), else ``configured`` (reads then find nothing there: the stream only)."""
+    if configured is not None and await asyncio.to_thread(configured.is_dir):
+        return configured
+    recorded = await bus.get_text(keys.archive)
+    if recorded and await asyncio.to_thread(Path(recorded).is_dir):
+        return Path(recorded)
+    return configured
 
 
 def _take(it: Iterator[ArchivedEntry], n: int) -> list[ArchivedEntry]:
@@ -105,11 +121,14 @@ async def archive_below(
     readers: Sequence[tuple[str, str]] = (),
     fence: tuple[str, str] | None = None,
     count: int = 1000,
+    location_key: str | None = None,
 ) -> Archived:
     """Move the entries before ``below`` (never past a live reader's stored position, see
     :meth:`bus.Bus.trim_log`) from ``stream`` to the archive in ``folder``: append them
     (fsynced, on a worker thread), then trim them (XTRIM MINID). A crash in between leaves
-    them in both; the next call rewrites them from the stream, never twice."""
+    them in both; the next call rewrites them from the stream, never twice. With
+    ``location_key`` the folder's absolute path is stored there first (SET), for readers that
+    do not know it (:func:`find_archive`)."""
     floor = await bus.reader_floor(readers)
     cut = below if floor is None or entry_key(below) <= entry_key(floor) else floor
     first, page = await bus.read_page(stream, "0", f"({cut}", count=count)
@@ -117,6 +136,8 @@ async def archive_below(
         return Archived(0, 0, None)
     # The stream is the truth for everything it still holds: archived copies of those
     # (a crash before the last trim, a Redis that lost its tail) are rewritten from it.
+    if location_key is not None:
+        await bus.set_text(location_key, str(await asyncio.to_thread(folder.resolve)))
     await asyncio.to_thread(truncate_from, folder, first)
     archived = 0
     while page:

@@ -77,6 +77,12 @@ class RunKeys(msgspec.Struct, frozen=True):
         snapshot position, honoured while its liveness key exists."""
         return ((self.position("profiler"), self.alive("profiler", 0)),)
 
+    @property
+    def archive(self) -> str:
+        """Where the trainer archives the events it trims (a string key holding the absolute
+        path of the archive folder on the trainer's machine, see :mod:`bus.history`)."""
+        return f"{self.prefix}:archive"
+
     def position(self, reader: str) -> str:
         """Where ``reader`` stands in the events log (a string key holding an entry id, see
         :meth:`bus.Bus.set_position`): the entry its snapshot was folded up to."""

@@ -38,6 +38,7 @@ Bus (all coroutines unless noted)
         past a live reader's stored position; fenced by a lease token when given
     ``set_position(key, entry_id)``                                       SET
     ``reader_floor(readers) -> str | None``   lowest live reader position  GET + EXISTS
+    ``set_text(key, value)``, ``get_text(key) -> str | None``              SET, GET
     ``length(stream) -> int``                                             XLEN
     ``groups(stream) -> list[GroupInfo]``                                 XINFO GROUPS
     ``consumers(stream, group) -> list[str]``                             XINFO CONSUMERS
@@ -836,6 +837,15 @@ class Bus:
         if not _ENTRY_ID.match(entry_id):
             raise ValueError(f"not an entry id: {entry_id!r}")
         await self._call("SET", lambda: self._redis.execute_command("SET", key, entry_id))
+
+    async def set_text(self, key: str, value: str) -> None:
+        """Store a small text value (a path, a note). Wraps SET."""
+        await self._call("SET", lambda: self._redis.execute_command("SET", key, value))
+
+    async def get_text(self, key: str) -> str | None:
+        """The text at ``key`` (None when missing). Wraps GET."""
+        raw = await self._call("GET", lambda: self._redis.execute_command("GET", key))
+        return None if raw is None else _text(raw)
 
     async def reader_floor(self, readers: Sequence[tuple[str, str]]) -> str | None:
         """The lowest position among ``readers`` (``(position key, liveness key)``) whose
