@@ -91,6 +91,7 @@ class TrainerConfig(_Section, frozen=True):
     ppo_mini_batch_size: PosInt = 8
     ppo_epochs: PosInt = 1
     save_freq: NonNegInt = 100
+    max_actor_ckpt_to_keep: PosInt | None = None
     lr: PosFloat = 1e-3
     clip_ratio_low: NonNegFloat = 0.2
     clip_ratio_high: NonNegFloat = 0.28

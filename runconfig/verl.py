@@ -275,7 +275,6 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("trainer.del_local_ckpt_after_load", _CKPT),
     _ignored("trainer.resume_mode", _CKPT),
     _ignored("trainer.resume_from_path", _CKPT),
-    _ignored("trainer.max_actor_ckpt_to_keep", _CKPT),
     _ignored("trainer.max_critic_ckpt_to_keep", _CKPT),
     _ignored("trainer.esi_redundant_time", _CKPT),
     _ignored("trainer.balance_batch", _INFRA),

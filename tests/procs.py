@@ -8,6 +8,7 @@ the first event matching ``pred`` (synchronising on events, never on sleeps).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from bus import Bus, Message
+from bus import Bus, Message, RunKeys
+from bus.history import find_archive, read_history
 
 __all__ = ["FAST", "Procs", "events_of", "run_cli", "wait_exit", "wait_for"]
 
@@ -84,7 +86,15 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
 
 
 async def events_of(bus: Bus, stream: str) -> list[Message]:
-    return [msg async for _, msg in bus.read_all(stream)]
+    """Every entry of ``stream``; for a run's events stream, the events that retention
+    archived (found through the path the trainer recorded, bus.history) and then the
+    stream's."""
+    m = re.fullmatch(r"rlbus:\{(.+)\}:events", stream)
+    if m is None:
+        return [msg async for _, msg in bus.read_all(stream)]
+    keys = RunKeys(m[1])
+    archive = await find_archive(bus, keys, None)
+    return [msg async for _, msg in read_history(bus, stream, archive)]
 
 
 async def wait_for(

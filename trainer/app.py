@@ -86,6 +86,7 @@ from trainer.budget import max_staleness, ticket_budget
 from trainer.lease import TrainerConflict, acquire, token
 from trainer.ledger import OpenTicket, ticket_id, ticket_index
 from trainer.resume import Snapshot, load_checkpoint, read_log, replay_groups, write_checkpoint
+from trainer.retention import retain
 from trainer.state import TrainerState, apply
 from trainer.update import grpo_update
 from trainer.validate import check_sample
@@ -779,13 +780,24 @@ class Trainer:
     async def _trim(self, trained: Sequence[str]) -> None:
         """Retention (run.retention=checkpoint): after the durable checkpoint of this step,
         samples and tickets before it are needed by no resume; trim_safely never removes an
-        entry any group still has pending or undelivered (those later steps need)."""
+        entry any group still has pending or undelivered (those later steps need). Events
+        before the safe point are archived to disk, then trimmed, and checkpoints beyond
+        trainer.max_actor_ckpt_to_keep deleted (trainer.retention; file work on threads)."""
         if trained:
             newest = max(trained, key=entry_key)
             await self.bus.trim_safely(self.keys.samples, minid=newest)
         latest = await self.bus.latest(self.keys.prompts)
         if latest is not None:
             await self.bus.trim_safely(self.keys.prompts, minid=latest.id)
+        try:
+            await retain(self.bus, self.keys, self.run_dir, keep_weights=KEEP_WEIGHTS,
+                         keep_checkpoints=self.cfg.trainer.max_actor_ckpt_to_keep,
+                         last_step=self.state.last_step, current=self.state.checkpoint()[1],
+                         fence=(self.keys.trainer_lease, self.lease.token))
+        except OSError as exc:  # the archive could not be written: nothing was trimmed
+            await self._publish(WarningRaised(
+                source="trainer", code="events_not_archived",
+                message=f"events stream not trimmed: the archive failed: {exc}"))
 
     async def _loop(self, resumed: bool) -> int:
         cfg, tc = self.cfg, self.cfg.trainer

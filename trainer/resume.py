@@ -20,6 +20,7 @@ import msgspec
 import torch
 
 from bus import Bus, RunKeys
+from bus.history import read_history
 from bus.messages import Sample, StepFinished
 from trainer.state import StepRecord, TrainerState, apply
 
@@ -84,7 +85,10 @@ def snapshots(folder: Path) -> Iterator[Snapshot]:
 
 
 async def read_log(bus: Bus, keys: RunKeys, folder: Path) -> LogRead:
-    """Fold the events log into the trainer's state, from the newest usable snapshot."""
+    """Fold the events log into the trainer's state, from the newest usable snapshot.
+
+    Without one, the whole log is folded: the archived events (``folder/../events``, what
+    retention trimmed from the stream) and then the stream (bus.history)."""
     state, start, last_finished = TrainerState(), "0", None
     found = snapshots(folder)
     while (snap := await asyncio.to_thread(next, found, None)) is not None:
@@ -96,9 +100,7 @@ async def read_log(bus: Bus, keys: RunKeys, folder: Path) -> LogRead:
             break
     position = None if start == "0" else start
     read = 0
-    async for entry in bus.read_all(keys.events, start=start):
-        if entry.id == start:
-            continue
+    async for entry in read_history(bus, keys.events, folder.parent / "events", start):
         read += 1
         state = apply(state, entry.msg)
         position = entry.id

@@ -1,0 +1,176 @@
+"""Retention of the events log and of checkpoint files (``run.retention=checkpoint``).
+
+After the durable checkpoint of step ``k`` the trainer (``Trainer._trim``) calls
+:func:`retain`, off the step's critical path.
+
+The events safe point is the lowest of
+
+- the newest snapshot the log confirms (``step-K.state``, as a resume would choose it): its
+  position and the StepFinished it names, since a resume checks both and folds only what
+  follows (the snapshot file is fsynced first);
+- the oldest of the newest ``keep_weights`` WeightsPublished in the stream: a starting
+  rollouter takes the newest publication it reads (and falls back to older loadable ones);
+- the stored position of every live reader with a snapshot of its own (the profiler
+  service, :attr:`bus.RunKeys.events_readers`), re-checked atomically by the trim.
+
+Everything before it is appended to the archive (``OUTPUT_DIR/RUN/events``) and only then
+trimmed (:func:`bus.history.archive_below`). Nothing a starting component needs lies before
+it: a rollouter's step clock and weights, the trainer's resume and the barrier key are all
+at or after it; readers of the whole log read the archive first (:func:`bus.history.read_history`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+from bus import Bus, RunKeys
+from bus.history import Archived, archive_below, events_folder
+from bus.messages import WeightsPublished
+from bus.streams import entry_key
+from trainer.resume import Snapshot
+
+__all__ = ["Retained", "checkpoints_to_drop", "events_safe_point", "newest_snapshot",
+           "retain"]
+
+_CKPT = re.compile(r"^step-(\d+)\.pt$")
+
+
+def _snapshot_files(folder: Path) -> Iterator[tuple[Path, Snapshot]]:
+    """``(path, snapshot)`` of each ``step-K.state`` under ``folder``, newest first (torn or
+    foreign files skipped)."""
+    for path in sorted(folder.glob("step-*.state"), reverse=True):
+        try:
+            yield path, msgspec.msgpack.decode(path.read_bytes(), type=Snapshot)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            continue
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def newest_snapshot(bus: Bus, keys: RunKeys, folder: Path) -> tuple[Path, Snapshot] | None:
+    """The snapshot a resume would use now (the newest whose position and last StepFinished
+    the log holds), made durable (file and folder fsynced); None when there is none."""
+    found = _snapshot_files(folder)
+    while (item := await asyncio.to_thread(next, found, None)) is not None:
+        path, snap = item
+        wanted = [snap.position] + ([snap.last_finished_id] if snap.last_finished_id else [])
+        if len(await bus.read_ids(keys.events, wanted)) == len(set(wanted)):
+            await asyncio.to_thread(_fsync, path)
+            await asyncio.to_thread(_fsync, folder)
+            return path, snap
+    return None
+
+
+async def events_safe_point(
+    bus: Bus, keys: RunKeys, snapshot: Snapshot, keep_weights: int
+) -> str:
+    """The id before which no reader needs the events stream (see the module docstring;
+    live readers' stored positions are applied by the trim itself)."""
+    candidates = [snapshot.position]
+    if snapshot.last_finished_id:
+        candidates.append(snapshot.last_finished_id)
+    # The stream holds a few checkpoint windows: reading it for the publications is cheap.
+    published: list[str] = []
+    async for entry in bus.read_all(keys.events):
+        if isinstance(entry.msg, WeightsPublished):
+            published.append(entry.id)
+    if published:
+        candidates.append(published[-keep_weights:][0])
+    return min(candidates, key=entry_key)
+
+
+def checkpoints_to_drop(
+    steps: list[int], keep: int, last_step: int, needed: set[int]
+) -> list[int]:
+    """Checkpoint steps to delete: all but the newest ``keep`` of the finished steps
+    (``<= last_step``), never one in ``needed`` (what a resume may load) and never a file
+    of a step not finished yet (a crashed incarnation's; the step will write it again)."""
+    finished = sorted(s for s in steps if s <= last_step)
+    kept = set(finished[-keep:]) if keep > 0 else set()
+    return [s for s in finished if s not in kept and s not in needed]
+
+
+def _step_of(path: str | None) -> int | None:
+    if path is None:
+        return None
+    m = _CKPT.match(Path(path).name)
+    return int(m[1]) if m else None
+
+
+def _drop(folder: Path, keep: int, last_step: int, needed: set[int]) -> list[int]:
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    steps = [int(m[1]) for n in names if (m := _CKPT.match(n))]
+    dropped = checkpoints_to_drop(steps, keep, last_step, needed)
+    for step in dropped:
+        for suffix in (".state", ".pt"):  # the snapshot first: it names the checkpoint
+            path = folder / f"step-{step:06d}{suffix}"
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+    if dropped:
+        _fsync(folder)
+    return dropped
+
+
+def _needed(current: str | None, found: tuple[Path, Snapshot] | None) -> set[int]:
+    """Checkpoint steps a resume may load: the trainer's current one, the newest confirmed
+    snapshot's own (``step-K.state`` beside ``step-K.pt``) and the one that snapshot's state
+    names (loaded when the log lost the entries after the snapshot)."""
+    needed = {s for s in (_step_of(current),) if s is not None}
+    if found is not None:
+        path, snap = found
+        if snap.state.checkpoint_at is not None:
+            needed.add(snap.state.checkpoint_at[0])
+        m = re.match(r"^step-(\d+)\.state$", path.name)
+        if m:
+            needed.add(int(m[1]))
+    return needed
+
+
+class Retained(msgspec.Struct, frozen=True):
+    """What one :func:`retain` did."""
+
+    events: Archived
+    dropped_checkpoints: tuple[int, ...] = ()
+
+
+async def retain(
+    bus: Bus, keys: RunKeys, run_dir: Path, *, keep_weights: int,
+    keep_checkpoints: int | None, last_step: int, current: str | None,
+    fence: tuple[str, str] | None = None,
+) -> Retained:
+    """After a durable checkpoint: archive then trim the events before the safe point, and
+    (``keep_checkpoints``, verl's ``trainer.max_actor_ckpt_to_keep``; None keeps all)
+    delete the checkpoints and ``.state`` snapshots older than the newest that many, never
+    one a resume may load (``current``: the trainer's state's checkpoint path). Without a
+    snapshot the log confirms, nothing is trimmed or deleted. File work runs on worker
+    threads."""
+    folder = run_dir / "checkpoints"
+    found = await newest_snapshot(bus, keys, folder)
+    if found is None:
+        return Retained(Archived(0, 0, None))
+    below = await events_safe_point(bus, keys, found[1], keep_weights)
+    events = await archive_below(bus, keys.events, events_folder(run_dir.parent, keys.run_id),
+                                 below, readers=keys.events_readers, fence=fence,
+                                 location_key=keys.archive)
+    dropped: list[int] = []
+    if keep_checkpoints is not None:
+        dropped = await asyncio.to_thread(_drop, folder, keep_checkpoints, last_step,
+                                          _needed(current, found))
+    return Retained(events, tuple(dropped))
