@@ -3,7 +3,10 @@
 Position: after each batch is flushed to every sink, the id of the last entry read and the
 last step written are stored (atomically) in ``RUN/logger-position.json``; a restarted logger
 reads the log only after that id and skips steps it already wrote. A crash between a flush
-and the store can repeat that one batch; nothing is lost. Exit code 0 when the run finished
+and the store can repeat that one batch; nothing is lost. When retention trimmed the entries
+after that id from the stream, they are read from the run's events archive
+(``RUN/events``, bus.history) on the same filesystem; without one, a line says which range
+was skipped. Exit code 0 when the run finished
 (or on SIGTERM), 1 when Redis failed, 2 for a bad config.
 """
 
@@ -20,7 +23,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from bus import Bus, RunFinished, RunKeys, StepFinished, run_with_bus
+from bus import Bus, Entry, RunFinished, RunKeys, StepFinished, run_with_bus
+from bus.history import events_folder, find_archive, read_history
 from runconfig import Config, load_or_exit
 
 __all__ = [
@@ -169,34 +173,66 @@ class MetricsLogger:
         tmp.write_bytes(msgspec.json.encode(self.position))
         os.replace(tmp, self.path)
 
-    async def run(self) -> int:
+    def _take(self, entries: Sequence[Entry], cursor: str, new_cursor: str) -> bool:
+        """Write the StepFinished metrics of ``entries`` (read after ``cursor``, up to
+        ``new_cursor``), flush, store the position; whether RunFinished was among them."""
+        finished = False
+        wrote = False
+        for _, msg in entries:
+            if isinstance(msg, StepFinished) and msg.step > self.position.step:
+                for sink in self.sinks:
+                    sink.write(msg.step, _scalars(msg), msg.ts)
+                self.position.step = msg.step
+                self.written += 1
+                wrote = True
+            elif isinstance(msg, RunFinished):
+                finished = True
+        if new_cursor != cursor:
+            if wrote:
+                for sink in self.sinks:
+                    sink.flush()
+            self.position.entry_id = new_cursor
+            self._store()
+        return finished
+
+    def _gap(self, after: str, first: str) -> None:
+        print(f"{PROG}: events after {after} up to {first} were trimmed from the stream "
+              f"(run.retention=checkpoint) and their archive is not at "
+              f"{events_folder(self.cfg.run.output_dir, self.cfg.run.id or '')}; "
+              "skipped the metrics of those steps", file=sys.stderr, flush=True)
+
+    async def _catch_up(self) -> bool:
+        """Read from the stored position to the end of the log, the archive first when
+        retention trimmed what follows that position (bus.history). Whether the run
+        finished."""
+        archive = await find_archive(self.bus, RunKeys(self.cfg.run.id or ""),
+                                     events_folder(self.cfg.run.output_dir, self.cfg.run.id or ""))
         cursor = self.position.entry_id
+        batch: list[Entry] = []
+        finished = False
+        async for entry in read_history(self.bus, self.stream, archive, cursor, count=500,
+                                        on_gap=self._gap):
+            batch.append(entry)
+            if len(batch) >= 500:
+                finished |= self._take(batch, cursor, batch[-1].id)
+                cursor, batch = batch[-1].id, []
+        if batch:
+            finished |= self._take(batch, cursor, batch[-1].id)
+        return finished
+
+    async def run(self) -> int:
         try:
-            while True:
+            finished = await self._catch_up()
+            cursor = self.position.entry_id
+            while not finished:
                 entries, new_cursor = await self.bus.read_after(
                     self.stream, cursor, count=500, block_ms=1000
                 )
-                finished = False
-                wrote = False
-                for _, msg in entries:
-                    if isinstance(msg, StepFinished) and msg.step > self.position.step:
-                        for sink in self.sinks:
-                            sink.write(msg.step, _scalars(msg), msg.ts)
-                        self.position.step = msg.step
-                        self.written += 1
-                        wrote = True
-                    elif isinstance(msg, RunFinished):
-                        finished = True
-                if new_cursor != cursor:
-                    if wrote:
-                        for sink in self.sinks:
-                            sink.flush()
-                    cursor = self.position.entry_id = new_cursor
-                    self._store()
-                if finished:
-                    print(f"{PROG}: run {self.cfg.run.id} finished; {self.written} step(s) "
-                          f"written this time, last step {self.position.step}", flush=True)
-                    return 0
+                finished = self._take(entries, cursor, new_cursor)
+                cursor = new_cursor
+            print(f"{PROG}: run {self.cfg.run.id} finished; {self.written} step(s) "
+                  f"written this time, last step {self.position.step}", flush=True)
+            return 0
         finally:
             for sink in self.sinks:
                 with contextlib.suppress(Exception):

@@ -9,7 +9,10 @@ Life of the service (``python -m profiler_service`` / ``rlbus profiler``):
    the snapshot it keeps next to the manifest when there is one (the folded state and the
    id of the last events entry in it), so a restart reads only the log after that position;
    a snapshot the log does not confirm (its position is not in the stream: a lost tail,
-   another run with the same id) is ignored and the whole log is folded.
+   another run with the same id) is ignored and the whole log is folded: the events archive
+   (``run.output_dir/RUN/events``, what retention trimmed) and then the stream. The
+   snapshot's position is stored in ``RunKeys.position("profiler")``: the trainer's events
+   trim never passes it while this service is alive.
 2. Follow the events stream, folding each new entry (the entries themselves are not kept).
    After a batch that changed the state, read the run's step barrier (and, when a runtime
    request is waiting, Redis's clock), call :func:`~profiler_service.schedule.decide` on the
@@ -63,6 +66,7 @@ from bus import (
     WarningRaised,
     pulse,
 )
+from bus.history import events_folder, find_archive, read_history
 from profiler_service.manifest import build_manifest, manifest_file, profile_dir, write_manifest
 from profiler_service.schedule import (
     PROFILER_SOURCE,
@@ -181,7 +185,7 @@ class ProfilerService:
             self.events_position = snapshot.events_position
             self.control_position = snapshot.control_position
             self._events_exist = True
-            start = f"({snapshot.events_position}"
+            start = snapshot.events_position
         changed = 0
         # The control stream holds commands only (a few per session): read it whole; its
         # commands are matched by id, so folding one again changes nothing.
@@ -190,7 +194,11 @@ class ProfilerService:
             before = self.state
             self._fold(entry.msg)
             changed += self.state is not before
-        async for entry in self.bus.read_all(self.keys.events, start, count=READ_COUNT):
+        # The archive first when retention trimmed the stream (bus.history), then the stream.
+        archive = await find_archive(self.bus, self.keys,
+                                     events_folder(self.cfg.run.output_dir, self.keys.run_id))
+        async for entry in read_history(self.bus, self.keys.events, archive, start,
+                                        count=READ_COUNT, on_gap=_log_gap):
             self.events_position = entry.id
             self._events_exist = True
             before = self.state
@@ -215,6 +223,10 @@ class ProfilerService:
             log.info("ignoring %s (not a snapshot of this run); reading the whole log",
                      self.snapshot_path)
             return None
+        # Ask the trainer's events trim to keep what follows the snapshot (honoured while
+        # our liveness key exists) before checking that it is still there.
+        await self.bus.set_position(self.keys.position(PROFILER_SOURCE),
+                                    snapshot.events_position)
         # A snapshot says what the log held up to its positions. If the log lacks them (a
         # Redis that lost its tail, or a new run reusing the id) the log wins.
         checks = [(self.keys.events, snapshot.events_position)]
@@ -327,6 +339,9 @@ class ProfilerService:
         )
         await asyncio.to_thread(_write_snapshot_file, self.snapshot_path, snapshot)
         self._snapshot_of = (snapshot.state, snapshot.events_position)
+        # The trainer's events trim keeps what follows it while we are alive.
+        await self.bus.set_position(self.keys.position(PROFILER_SOURCE),
+                                    snapshot.events_position)
 
     async def _keep_files(self, now: float) -> None:
         """Write the manifest when its inputs changed and the snapshot when due."""
@@ -621,6 +636,11 @@ def _write_snapshot_file(path: Path, snapshot: Snapshot) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def _log_gap(after: str, first: str) -> None:
+    log.warning("events after %s up to %s were trimmed from the stream and are not in the "
+                "archive here; folding without them", after, first)
 
 
 def _read_bytes(path: Path) -> bytes | None:

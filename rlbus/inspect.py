@@ -1,8 +1,11 @@
 """``rlbus inspect``: a run's events log as a timeline, JSON lines, a metrics plot or a trace.
 
-The timeline shows wall-clock times (and seconds since the run's first event); heartbeats are
-hidden unless asked for. ``--plot`` and ``--trace`` write only their file. Nothing is created
-as a side effect: no folder for a mistyped ``run.output_dir`` or plot path.
+Under ``run.retention=checkpoint`` the oldest events live in the run's archive
+(``run.output_dir/RUN/events``) rather than in Redis: inspect reads the archive, then the
+stream, as one log (bus.history). The timeline shows wall-clock times (and seconds since the
+run's first event); heartbeats are hidden unless asked for. ``--plot`` and ``--trace`` write
+only their file. Nothing is created as a side effect: no folder for a mistyped
+``run.output_dir`` or plot path.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import msgspec
 
 from bus import Bus, RunKeys
+from bus.history import events_folder, find_archive, read_history
 from bus.messages import Heartbeat, Message, ProfileStopped, Sample, StepFinished
 from runconfig import Config
 
@@ -56,13 +60,23 @@ def summary_line(entry_id: str, msg: Message, t0: float | None = None) -> str:
     return f"{stamp} {rel}  {name:<18} {text}"[:220]
 
 
-async def _read(url: str, run_id: str, with_samples: bool) -> tuple[
+def _gap(after: str, first: str) -> None:
+    print(f"rlbus inspect: events after {after} up to {first} were trimmed "
+          "(run.retention=checkpoint) and are not in the archive here; not shown",
+          file=sys.stderr)
+
+
+async def _read(url: str, run_id: str, with_samples: bool, archive: Path | None = None) -> tuple[
     list[tuple[str, Message]], list[Sample]
 ]:
+    """The run's events (the archive of what retention trimmed, then the stream) and, when
+    asked, the samples still in the stream."""
     bus = Bus.from_url(url)
     keys = RunKeys(run_id)
     try:
-        events = [(entry_id, msg) async for entry_id, msg in bus.read_all(keys.events)]
+        folder = await find_archive(bus, keys, archive)
+        events = [(entry_id, msg) async for entry_id, msg
+                  in read_history(bus, keys.events, folder, on_gap=_gap)]
         samples: list[Sample] = []
         if with_samples and events:
             samples = [m async for _, m in bus.read_all(keys.samples) if isinstance(m, Sample)]
@@ -124,7 +138,9 @@ def inspect_run(
     run_id = cfg.run.id or ""
     try:
         with redis_for_reading(cfg) as url:
-            events, samples = asyncio.run(_read(url, run_id, with_samples=trace is not None))
+            events, samples = asyncio.run(_read(
+                url, run_id, with_samples=trace is not None,
+                archive=events_folder(cfg.run.output_dir, run_id)))
     except RunDataMissing as exc:
         print(f"rlbus inspect: error: {exc}", file=sys.stderr)
         return 1

@@ -14,7 +14,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from bus import Bus, BusError, ProfileRequestRefused, RunKeys, StartProfile
+from bus import RUNS_STREAM, Bus, BusError, ProfileRequestRefused, RunKeys, RunStarted, StartProfile
 from profiler_service.request import (
     EXIT_ACCEPTED,
     EXIT_NO_ANSWER,
@@ -22,9 +22,9 @@ from profiler_service.request import (
     new_request_id,
     request_profile,
 )
-from rlbus.launcher import run_status
+from rlbus.launcher import RunStatus, run_status
 
-__all__ = ["WITHDRAWN_PREFIX", "profile_live_run", "refusal_for"]
+__all__ = ["WITHDRAWN_PREFIX", "live_run_status", "profile_live_run", "refusal_for"]
 
 PROG = "rlbus profile"
 
@@ -51,6 +51,25 @@ def refusal_for(run_id: str, started: bool, finished_steps: int | None,
     return None
 
 
+async def live_run_status(url: str, run_id: str) -> RunStatus:
+    """What the run's log says about it (rlbus.launcher.run_status). Under
+    ``run.retention=checkpoint`` a long run's RunStarted may have been archived and trimmed
+    from its events stream: then the run's entry in the discovery stream (``rlbus:runs``,
+    written with the first RunStarted, config included) says that it started."""
+    status = await run_status(url, run_id)
+    if status.started:
+        return status
+    bus = Bus.from_url(url, client_name="rlbus-profile")
+    try:
+        if await bus.length(RunKeys(run_id).events):
+            async for _, msg in bus.read_all(RUNS_STREAM):
+                if isinstance(msg, RunStarted) and msg.run_id == run_id:
+                    status.started, status.config = True, msg.config
+    finally:
+        await bus.close()
+    return status
+
+
 async def _withdraw(
     bus: Bus, run_id: str, request_id: str, timeout_s: float
 ) -> StartProfile | None:
@@ -67,7 +86,7 @@ async def _withdraw(
 
 
 async def _go(url: str, run_id: str, spec: str, roles: Sequence[str], timeout_s: float) -> int:
-    status = await run_status(url, run_id)
+    status = await live_run_status(url, run_id)
     reason = refusal_for(run_id, status.started, status.finished_steps, status.config)
     if reason is not None:
         _error(reason)

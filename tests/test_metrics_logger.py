@@ -7,12 +7,14 @@ import asyncio
 import io
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from bus import Bus, RunFinished, RunKeys, RunStarted, StepFinished
+from bus.history import archive_below, events_folder
 from bus.progress import ProgressSpec, follow_progress, step_line
 from metrics_logger import MetricsLogger, logger_warnings, position_file, tensorboard_dir
-from metrics_logger.app import TensorBoardSink
+from metrics_logger.app import Position, TensorBoardSink
 from runconfig import load_config
 
 
@@ -69,3 +71,33 @@ async def test_progress_follower_prints_each_new_step_only(
     await bus.publish_many(events, [_step(2), _step(3), RunFinished(run_id=run_id, steps=3)])
     await asyncio.wait_for(task, 30)
     assert out.getvalue().splitlines() == [f"trainer: {step_line(_step(k), 5)}" for k in (2, 3)]
+
+
+@pytest.mark.asyncio
+async def test_a_trimmed_position_is_read_from_the_archive_or_named_as_skipped(
+    bus: Bus, run_id: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = load_config(None, [f"run.id={run_id}", f"run.output_dir={tmp_path}"])
+    events = RunKeys(run_id).events
+    await bus.publish_many(events, [RunStarted(run_id=run_id, config={}), _step(1), _step(2),
+                                    RunFinished(run_id=run_id, steps=2)])
+    first = MetricsLogger(cfg, bus, [TensorBoardSink(tensorboard_dir(cfg))])
+    assert await first.run() == 0 and first.written == 2
+    # While no logger runs, the run goes on and retention trims past the stored position.
+    ids = await bus.publish_many(events, [RunStarted(run_id=run_id, config={}, resumed=True),
+                                          *(_step(k) for k in range(3, 9)),
+                                          RunFinished(run_id=run_id, steps=8)])
+    done = await archive_below(bus, events, events_folder(tmp_path, run_id), ids[4])
+    assert done.trimmed >= 5  # the stored position is gone from the stream
+    second = MetricsLogger(cfg, bus, [TensorBoardSink(tensorboard_dir(cfg))])
+    assert await second.run() == 0 and second.written == 6
+    assert _points(tensorboard_dir(cfg)) == list(range(1, 9))
+    # A logger without the archive (another machine) says which range it skipped.
+    other = load_config(None, [f"run.id={run_id}", f"run.output_dir={tmp_path / 'other'}"])
+    position_file(other).parent.mkdir(parents=True)
+    position_file(other).write_bytes(msgspec.json.encode(Position(entry_id=ids[0], step=2)))
+    third = MetricsLogger(other, bus, [])
+    assert await third.run() == 0
+    err = capsys.readouterr().err
+    assert f"events after {ids[0]} up to {ids[4]} were trimmed" in err
+    assert third.position.step == 8

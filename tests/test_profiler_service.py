@@ -39,6 +39,7 @@ from bus import (
     WarningRaised,
     peers,
 )
+from bus.history import archive_below, events_folder, read_history
 from profiler_service.request import request_profile, run_profile_request
 from profiler_service.service import SNAPSHOT_NAME, ProfilerService
 from profiler_service.state import ServiceState
@@ -507,6 +508,50 @@ async def test_restart_reads_only_the_log_after_its_snapshot_unless_the_log_lost
     assert len(of(events, ProfilerReady)) == 1 and not of(events, ProfileRequestRefused)
     third.send_signal(signal.SIGTERM)
     assert await wait_exit(third) == 0
+
+
+@pytest.mark.asyncio
+async def test_restart_without_a_snapshot_folds_the_archive_and_the_stream(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch
+) -> None:
+    """Retention trimmed the log's beginning (RunStarted, the commands' answers) to the
+    archive: a service restarted without its snapshot folds archive + stream, so it
+    publishes nothing twice; a live service's snapshot position is stored for the trim."""
+    config = write_config(tmp_path, redis_url, run_id)
+    snapshot_path = tmp_path / "profiles" / run_id / SNAPSHOT_NAME
+    proc = launch(config)
+    await bus.publish(run_keys.events, run_started(config, run_id))
+    await assert_step1_then_ready(bus, run_keys, proc)
+    for k in (1, 2, 3):
+        await bus.publish(run_keys.events, StepStarted(step=k, param_version=k - 1))
+    deadline = time.monotonic() + WAIT_S
+    while (await wait_alive(bus, run_keys, proc)).metrics["last_started_step"] < 3:
+        assert time.monotonic() < deadline, service_log(proc)
+        await asyncio.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert await wait_exit(proc) == 0
+    last = await bus.latest(run_keys.events)
+    assert last is not None
+    stored = await bus.command("GET", run_keys.position("profiler"))
+    assert stored is not None and stored.decode() == last.id  # its snapshot's position
+    snapshot_path.unlink()
+    # Everything but the newest entry is archived and trimmed (the service is not alive).
+    archive = events_folder(tmp_path / "outputs", run_id)
+    done = await archive_below(bus, run_keys.events, archive, last.id,
+                               readers=run_keys.events_readers)
+    assert done.trimmed > 3 and await bus.length(run_keys.events) == 1
+    again = launch(config)
+    await wait_alive(bus, run_keys, again)
+    assert "after the snapshot" not in service_log(again)
+    await bus.publish(run_keys.events, ProfileRequest(request_id="q", steps=[6]))
+    await wait_for(bus, run_keys.control,
+                   lambda m: any(c.request_id == "q" for c in of(m, StartProfile)), again)
+    control = [e.msg for e in await entries(bus, run_keys.control)]
+    assert [c.session_id for c in of(control, StartProfile)] == ["s1-1", "rq-s6-6"]
+    history = [e.msg async for e in read_history(bus, run_keys.events, archive)]
+    assert len(of(history, ProfilerReady)) == 1
+    again.send_signal(signal.SIGTERM)
+    assert await wait_exit(again) == 0
 
 
 # --------------------------------------------------------------------------- the step barrier
