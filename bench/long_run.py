@@ -14,8 +14,10 @@ entries in every stream:
   read; every ``trainer.save_freq`` steps a snapshot file written exactly as the trainer
   writes it (``trainer.resume.Snapshot(state, position, last_finished_id)`` into
   ``RUN/checkpoints/step-K.state``), CheckpointSaved, then ``trim_safely`` of samples (below
-  the newest entry the step trained) and prompts (below the newest ticket), as
-  ``run.retention=checkpoint`` does;
+  the newest entry the step trained) and prompts (below the newest ticket), and the events
+  archived to ``RUN/events`` and trimmed below the safe point by the trainer's own
+  ``trainer.retention.retain``, as ``run.retention=checkpoint`` does (``--keep-events``: the
+  events stream kept whole, as before events retention);
 * rollouter: its ``rollouter`` group reads the tickets and acks them after publishing
   ``rollout.n`` Samples per ticket (~``--sample-bytes`` each: int32 prompt and response token
   ids, float32 log-probs) in one MULTI/EXEC;
@@ -69,15 +71,19 @@ At each point K (``--points``, default 1000 10000 100000; each a checkpoint step
 Best-of figures, because the machine this runs on may be shared: other processes make single
 timings bimodal (2-3x), and the best is what the code itself costs.
 
+Under events retention, "the whole log" (the old way's fold, the lazy read's fallback) is
+the archive and then the stream (``bus.history.read_history``), as the trainer reads it.
+
 It prints a table, the 100k/1k ratios (the aim: each at most 1.5, and Redis memory within a
 few checkpoint windows of samples), and where memory goes: bytes per step in the events
 stream vs one checkpoint window of samples, the events' bytes by message type, and, tried on
 the Redis of the last point after its measurements, what archiving the events before the
 newest checkpoint's snapshot (before its last StepFinished) to a file and trimming them leaves
-in used_memory, and what a resume then costs (``--no-archive`` skips it). Exit 0.
+in used_memory, and what a resume then costs (only with ``--keep-events``; ``--no-archive``
+skips it). Exit 0.
 
     .venv/bin/python bench/long_run.py [--points 1000 10000 100000] [--sample-bytes 4096]
-                                       [--no-real-trainer] [--keep]
+                                       [--no-real-trainer] [--keep] [--keep-events]
 """
 
 from __future__ import annotations
@@ -132,6 +138,7 @@ from bus import (
     read_commands,
 )
 from bus.blobs import RedisBlobStore
+from bus.history import events_folder, read_history
 from bus.keys import RUNS_STREAM
 from profiler_service.schedule import decide
 from profiler_service.state import Fact, ServiceState
@@ -143,6 +150,7 @@ from trainer.budget import ticket_budget
 from trainer.lease import token
 from trainer.ledger import ticket_id
 from trainer.resume import Snapshot, read_log, snapshots, write_checkpoint
+from trainer.retention import retain
 from trainer.state import TrainerState
 from trainer.state import apply as trainer_apply
 
@@ -208,6 +216,7 @@ class Point:
     samples_pre_trim: tuple[int, int] = (0, 0)  # (XLEN, MEMORY USAGE) just before the trim
     streams: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (XLEN, bytes)
     blob_bytes: int = 0
+    archive_bytes: int = 0
     keys: int = 0
     snapshot_files: int = 0
     snapshots_s: float = float("nan")
@@ -298,6 +307,8 @@ class Driver:
         ]
         self.measured: dict[int, Point] = {}
         self.last_snapshot = b""
+        self.events_retention = True  # Trainer._trim archives and trims the events stream
+        self.archive = events_folder(run_dir.parent, RUN_ID)
 
     # ------------------------------------------------------------------ trainer side
 
@@ -410,6 +421,11 @@ class Driver:
         latest = await self.bus.latest(self.keys.prompts)
         if latest is not None:
             await self.bus.trim_safely(self.keys.prompts, minid=latest.id)
+        if self.events_retention:
+            await retain(self.bus, self.keys, self.run_dir, keep_weights=KEEP_WEIGHTS,
+                         keep_checkpoints=self.cfg.trainer.max_actor_ckpt_to_keep,
+                         last_step=self.state.last_step, current=self.state.checkpoint()[1],
+                         fence=(self.keys.trainer_lease, self.lease.token))
 
     # ------------------------------------------------------------------ rollouter side
 
@@ -660,6 +676,7 @@ class Driver:
             if int(cursor) == 0:
                 break
         point.blob_bytes = blob_bytes
+        point.archive_bytes = sum(f.stat().st_size for f in self.archive.glob("archive-*"))
         point.keys = int(await self.bus.command("DBSIZE"))
         newest = await self.bus.command("XREVRANGE", self.keys.events, "+", "-", "COUNT",
                                         COMPOSITION_ENTRIES)
@@ -702,9 +719,7 @@ class Driver:
                 state, start = snap.state, snap.position
                 break
         count = 0
-        async for entry in self.bus.read_all(self.keys.events, start=start):
-            if entry.id == start:
-                continue
+        async for entry in read_history(self.bus, self.keys.events, self.archive, start):
             state = trainer_apply(state, entry.msg)
             count += 1
         return time.perf_counter() - t0, count, state
@@ -754,7 +769,7 @@ class Driver:
             gc.collect()
             t0 = time.perf_counter()
             state, count = TrainerState(), 0
-            async for entry in self.bus.read_all(self.keys.events, start="0"):
+            async for entry in read_history(self.bus, self.keys.events, self.archive):
                 state = trainer_apply(state, entry.msg)
                 count += 1
             elapsed = time.perf_counter() - t0
@@ -990,6 +1005,7 @@ def report(points: list[Point], sample_size: int, elapsed: float, steps: int,
                                      f"{p.streams['prompts'][1] / 1e3:.1f}" for p in points]),
         ("  control + dlq + runs: KB", [f"{_small(p) / 1e3:.1f}" for p in points]),
         ("  weight blobs: KB", [f"{p.blob_bytes / 1e3:.1f}" for p in points]),
+        ("events archive on disk, MB", [_mb(p.archive_bytes) for p in points]),
         ("  keys (DBSIZE)", [str(p.keys) for p in points]),
         ("profiler: us/new event, apply (median)",
          [f"{p.apply_us:.2f} ({p.apply_med_us:.2f})" for p in points]),
@@ -1057,10 +1073,12 @@ def report(points: list[Point], sample_size: int, elapsed: float, steps: int,
     entries_per_step = (last.streams["events"][0] - first.streams["events"][0]) / steps_between
     window = last.used_memory_pre_trim - last.used_memory  # what the trim at the point freed
     print()
+    kept = "archived and trimmed" if last.archive_bytes else "never trimmed"
+    every = f"every {window / grow:.0f} steps" if grow > 0 else "never: it does not grow"
     print(f"used_memory grows {grow:.0f} B per step ({entries_per_step:.2f} events entries per "
-          f"step, never trimmed); one checkpoint window of samples ({SAVE_FREQ} steps, "
+          f"step in Redis, {kept}); one checkpoint window of samples ({SAVE_FREQ} steps, "
           f"{last.samples_pre_trim[0]} entries) is {_mb(window)} MB (what a trim frees), so "
-          f"the events stream adds a window's worth every {window / grow:.0f} steps")
+          f"the events stream adds a window's worth {every}")
     print(f"used_memory at {last.step} steps: {_mb(last.used_memory_pre_trim)} MB just before "
           f"a trim = {last.used_memory_pre_trim / window:.1f} checkpoint windows of samples "
           f"(aim: a few); at {first.step}: {_mb(first.used_memory_pre_trim)} MB = "
@@ -1073,9 +1091,10 @@ def report(points: list[Point], sample_size: int, elapsed: float, steps: int,
             print(f"  {name:<18} {count / steps_seen:6.2f} per step x {size / count:5.0f} B "
                   f"= {size / steps_seen:5.0f} B per step")
         payload = sum(size for _, size in last.composition.values()) / steps_seen
+        overhead = ((grow - payload) / entries_per_step if entries_per_step > 0
+                    else float("nan"))
         print(f"  {'all':<18} {payload:5.0f} B of messages per step; used_memory grows "
-              f"{grow:.0f} B per step ({(grow - payload) / entries_per_step:.0f} B of stream "
-              f"overhead per entry)")
+              f"{grow:.0f} B per step ({overhead:.0f} B of stream overhead per entry)")
     sf = last.step_finished
     if sf is not None:
         whole = len(encode(sf))
@@ -1131,6 +1150,7 @@ async def run(args: argparse.Namespace) -> int:
             cfg = load_config(None, overrides)
             driver = Driver(bus, cfg, top / "outputs" / RUN_ID, args.sample_bytes, points)
             driver.window_size = args.window
+            driver.events_retention = not args.keep_events
             sample_size = len(msgspec.msgpack.encode(driver._samples(PromptTicket(
                 ticket_id="t0", prompt_id="p", prompt="", answer="", n=1, min_version=0), 0)[0]))
             print(f"redis-server {'.'.join(map(str, server.version))} at {server.url}; "
@@ -1152,7 +1172,7 @@ async def run(args: argparse.Namespace) -> int:
                         t0 = time.perf_counter()
                         await driver.measure(k, args, overrides)
                         paused += time.perf_counter() - t0
-                        if k == last_step and not args.no_archive:
+                        if k == last_step and args.keep_events and not args.no_archive:
                             archive = await driver.archive_experiment()
                         p = driver.measured[k]
                         print(f"step {k}: {(k / (time.perf_counter() - t_start - paused)):.0f} "
@@ -1205,6 +1225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-archive", action="store_true",
                         help="skip the archiving experiment at the end")
     parser.add_argument("--keep", action="store_true", help="keep the run folder")
+    parser.add_argument("--keep-events", action="store_true",
+                        help="keep the events stream whole (no events retention, as before)")
     return asyncio.run(run(parser.parse_args(argv)))
 
 
