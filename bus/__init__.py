@@ -4,104 +4,112 @@ Everything public is re-exported here: message schemas (:mod:`bus.messages`), st
 (:mod:`bus.keys`), streams and consumer groups (:mod:`bus.streams`), blob stores
 (:mod:`bus.blobs`), the embedded redis-server (:mod:`bus.server`), retry policy
 (:mod:`bus.retry`) and errors (:mod:`bus.errors`). See each module's docstring for the API.
+
+Names load on first use (PEP 562 ``__getattr__``): a command that needs only the config
+and the embedded server (``rlbus up`` before it starts the components) does not pay for
+redis and numpy.
 """
 
 from __future__ import annotations
 
-from bus.blobs import (
-    DEFAULT_CHUNK_SIZE,
-    BlobStore,
-    DirBlobStore,
-    RedisBlobStore,
-    open_store,
-)
-from bus.component import read_commands, run_with_bus
-from bus.errors import (
-    BlobCorrupt,
-    BlobError,
-    BlobNotFound,
-    BusAuthError,
-    BusError,
-    BusUnavailable,
-    EntryGone,
-    Fenced,
-    GoneError,
-    GroupGone,
-    PortInUse,
-    RedisBinaryNotFound,
-    RedisStartError,
-    StreamGone,
-    redact_url,
-)
-from bus.keys import (
-    RUNS_STREAM,
-    RunKeys,
-    validate_run_id,
-)
-from bus.liveness import Lease, peers, pulse
-from bus.messages import (
-    FIELD,
-    SCHEMA_VERSION,
-    Array,
-    BlobRef,
-    CheckpointSaved,
-    Command,
-    ComponentFailed,
-    DeadLetter,
-    DecodeError,
-    Event,
-    Heartbeat,
-    Message,
-    ProfileRequest,
-    ProfileRequestRefused,
-    ProfilerFinished,
-    ProfilerReady,
-    ProfileStarted,
-    ProfileStopped,
-    PromptTicket,
-    RolloutFailed,
-    RunFinished,
-    RunStarted,
-    Sample,
-    StartProfile,
-    StepFinished,
-    StepStarted,
-    StopProfile,
-    TicketsClosed,
-    TicketsIssued,
-    TrainerResumed,
-    WarningRaised,
-    WeightsPublished,
-    decode,
-    encode,
-)
-from bus.retry import (
-    RetryPolicy,
-    retry_async,
-)
-from bus.server import (
-    BINARY_ENV,
-    EmbeddedRedis,
-    ensure_port_free,
-    find_redis_server,
-    free_port,
-    pdeathsig_hook,
-    redis_server_version,
-    serve_forever,
-)
-from bus.streams import (
-    EXCEEDED_REASON,
-    TRIMMED_REASON,
-    BadEntry,
-    Bus,
-    Consumer,
-    ConsumerStats,
-    Delivery,
-    Entry,
-    GroupInfo,
-    default_dlq,
-    entry_key,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bus.blobs import (
+        DEFAULT_CHUNK_SIZE,
+        BlobStore,
+        DirBlobStore,
+        RedisBlobStore,
+        open_store,
+    )
+    from bus.component import read_commands, run_with_bus
+    from bus.errors import (
+        BlobCorrupt,
+        BlobError,
+        BlobNotFound,
+        BusAuthError,
+        BusError,
+        BusUnavailable,
+        EntryGone,
+        Fenced,
+        GoneError,
+        GroupGone,
+        PortInUse,
+        RedisBinaryNotFound,
+        RedisStartError,
+        StreamGone,
+        redact_url,
+    )
+    from bus.keys import (
+        RUNS_STREAM,
+        RunKeys,
+        validate_run_id,
+    )
+    from bus.liveness import Lease, peers, pulse
+    from bus.messages import (
+        FIELD,
+        SCHEMA_VERSION,
+        Array,
+        BlobRef,
+        CheckpointSaved,
+        Command,
+        ComponentFailed,
+        DeadLetter,
+        DecodeError,
+        Event,
+        Heartbeat,
+        Message,
+        ProfileRequest,
+        ProfileRequestRefused,
+        ProfilerFinished,
+        ProfilerReady,
+        ProfileStarted,
+        ProfileStopped,
+        PromptTicket,
+        RolloutFailed,
+        RunFinished,
+        RunStarted,
+        Sample,
+        StartProfile,
+        StepFinished,
+        StepStarted,
+        StopProfile,
+        TicketsClosed,
+        TicketsIssued,
+        TrainerResumed,
+        WarningRaised,
+        WeightsPublished,
+        decode,
+        encode,
+    )
+    from bus.retry import (
+        RetryPolicy,
+        retry_async,
+    )
+    from bus.server import (
+        BINARY_ENV,
+        EmbeddedRedis,
+        ensure_port_free,
+        find_redis_server,
+        free_port,
+        pdeathsig_hook,
+        redis_server_version,
+        serve_forever,
+    )
+    from bus.streams import (
+        EXCEEDED_REASON,
+        TRIMMED_REASON,
+        BadEntry,
+        Bus,
+        Consumer,
+        ConsumerStats,
+        Delivery,
+        Entry,
+        GroupInfo,
+        default_dlq,
+        entry_key,
+    )
 
 __all__ = [
     "BINARY_ENV",
@@ -188,3 +196,18 @@ __all__ = [
     "serve_forever",
     "validate_run_id",
 ]
+
+# Submodules searched for a public name, the cheap ones first.
+_MODULES = ("errors", "keys", "retry", "server", "component", "messages", "streams", "blobs",
+            "liveness")
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        for sub in _MODULES:
+            module = importlib.import_module(f"bus.{sub}")
+            if name in module.__all__:
+                value = getattr(module, name)
+                globals()[name] = value  # found once, then a plain attribute
+                return value
+    raise AttributeError(f"module 'bus' has no attribute {name!r}")

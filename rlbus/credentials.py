@@ -6,7 +6,6 @@ sees the expanded URL. Nothing here prints a password (see :func:`bus.redact_url
 
 from __future__ import annotations
 
-from bus.component import expand_env
 from bus.errors import redact_url
 from runconfig import Config, ConfigError
 
@@ -15,6 +14,8 @@ __all__ = ["expand_or_fail", "expanded_url"]
 
 def expand_or_fail(url: str) -> str:
     """``url`` with ``${VAR}`` expanded; an unset variable is a ConfigError on redis.url."""
+    from bus.component import expand_env  # the bus client: only once there is a URL to use
+
     try:
         return expand_env(url)
     except KeyError as exc:

@@ -29,28 +29,21 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import psutil
 import yaml
 
-from bus import Bus, EmbeddedRedis, RetryPolicy, RunKeys, pdeathsig_hook
-from bus.messages import (
-    CheckpointSaved,
-    ComponentFailed,
-    Heartbeat,
-    ProfilerFinished,
-    ProfileStopped,
-    RunFinished,
-    RunStarted,
-    StepFinished,
-    WarningRaised,
-    WeightsPublished,
-)
-from bus.progress import step_line
+# Only what `rlbus up` needs before its components start; the bus client, the message
+# schemas (numpy) and redis load after that (the components import torch meanwhile).
+from bus.keys import RunKeys
+from bus.server import EmbeddedRedis, pdeathsig_hook
 from rlbus.credentials import expanded_url
 from runconfig import Config, config_to_dict, resolve_run_id
+
+if TYPE_CHECKING:
+    from bus.messages import StepFinished
 
 __all__ = [
     "Child",
@@ -136,6 +129,9 @@ class RunStatus(msgspec.Struct):
 
 async def run_status(url: str, run_id: str) -> RunStatus:
     """Fold run ``run_id``'s events log into a :class:`RunStatus` (one XRANGE pass)."""
+    from bus import Bus
+    from bus.messages import RunFinished, RunStarted, StepFinished
+
     status = RunStatus()
     bus = Bus.from_url(url, client_name="rlbus-status")
     try:
@@ -157,6 +153,8 @@ async def run_status(url: str, run_id: str) -> RunStatus:
 async def _ping(url: str, quick: bool = True) -> None:
     # quick: a wrong URL is one line within a couple of seconds (interactive commands);
     # else the bus's usual retry bound, for components that may start just before Redis.
+    from bus import Bus, RetryPolicy
+
     retry = RetryPolicy(attempts=3, base_s=0.2, max_s=1.0) if quick else None
     bus = Bus.from_url(url, retry=retry)
     try:
@@ -180,16 +178,26 @@ class Child(msgspec.Struct):
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    nice: int = 0  # > 0: off the critical path (its CPU goes to the others first)
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
+        death = pdeathsig_hook()
+        nice = self.nice
+
+        def preexec() -> None:
+            if death is not None:
+                death()
+            if nice:
+                os.nice(nice)
+
         try:
             # A new session: Ctrl-C reaches the launcher only, which stops the children.
             # PDEATHSIG: a launcher killed with SIGKILL still takes its children down.
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, preexec_fn=pdeathsig_hook(),
+                start_new_session=True, preexec_fn=preexec,
             )
         finally:
             log.close()
@@ -305,7 +313,9 @@ def _children(cfg: Config, config_path: Path, logs: Path) -> list[Child]:
     if cfg.global_profiler.tool is not None:
         children.append(Child("profiler", [*py, "profiler", *base], logs / "profiler.log"))
     if _wants_logger(cfg):
-        children.append(Child("logger", [*py, "logger", *base], logs / "logger.log"))
+        # The logger only reads the log: at start-up, while everyone imports, the trainer
+        # and rollouters get the CPU first.
+        children.append(Child("logger", [*py, "logger", *base], logs / "logger.log", nice=10))
     for rank in range(cfg.rollout.replicas):
         children.append(
             Child(
@@ -381,6 +391,8 @@ class _Progress:
 
     def step(self, ev: StepFinished) -> None:
         if self.bar is None:
+            from bus.progress import step_line
+
             print(step_line(ev, self.total), flush=True)
             return
         m = ev.metrics
@@ -404,6 +416,19 @@ class _Progress:
 async def _watch(cfg: Config, url: str, children: list[Any], since: str, sup: Supervisor,
                  progress: _Progress, summary: _Summary) -> int:
     """Show progress until the run finishes, a child fails or a signal arrives."""
+    from bus import Bus
+    from bus.messages import (
+        CheckpointSaved,
+        ComponentFailed,
+        Heartbeat,
+        ProfilerFinished,
+        ProfileStopped,
+        RunFinished,
+        StepFinished,
+        WarningRaised,
+        WeightsPublished,
+    )
+
     keys = RunKeys(cfg.run.id or "")
     finished_at: float | None = None
     started = time.monotonic()
@@ -500,8 +525,11 @@ def run_up(cfg: Config, argv: Sequence[str] = ()) -> int:
             url = server.url
             server_file(cfg).write_text(json.dumps({"url": url, "pid": server.pid}))
             print(f"embedded Redis at {url} (data in {out / 'redis'})", flush=True)
-        status = asyncio.run(run_status(url, run_id))
         total = cfg.trainer.total_training_steps
+        # A new run (embedded Redis, no run folder yet) has no log to consult: its
+        # components start at once, and the checks below run while they import torch.
+        fresh = server is not None and not run_dir.exists()
+        status = RunStatus() if fresh else asyncio.run(run_status(url, run_id))
         if status.finished_steps is not None:
             if status.finished_steps >= total:
                 print(f"run {run_id} already finished after {status.finished_steps} steps: "
@@ -511,10 +539,6 @@ def run_up(cfg: Config, argv: Sequence[str] = ()) -> int:
                 return 0
             print(f"run {run_id} finished after {status.finished_steps} steps: continuing it "
                   f"to {total} (trainer.total_training_steps)", flush=True)
-        from metrics_logger import logger_warnings
-
-        for warning in logger_warnings(cfg):
-            _say(f"warning: {warning}")
         run_dir.mkdir(parents=True, exist_ok=True)
         tree = config_to_dict(cfg)
         if cfg.redis.url is None:
@@ -530,7 +554,8 @@ def run_up(cfg: Config, argv: Sequence[str] = ()) -> int:
             children = ray_children(children, trainer_gpus=gpus)
             print(f"Ray launcher: {len(children)} tasks", flush=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        since = asyncio.run(_latest_id(url, RunKeys(run_id).events))
+        # A new run's stream is empty: its progress is read from the start.
+        since = "0" if fresh else asyncio.run(_latest_id(url, RunKeys(run_id).events))
         if status.started:
             print(f"resuming run {run_id} after step {status.last_step}", flush=True)
         if not sup.signals:
@@ -542,6 +567,10 @@ def run_up(cfg: Config, argv: Sequence[str] = ()) -> int:
                 for c in children
             )
             print(f"run {run_id}: {pids}; logs in {run_dir / 'logs'}", flush=True)
+            from metrics_logger import logger_warnings
+
+            for warning in logger_warnings(cfg):
+                _say(f"warning: {warning}")
             progress = _Progress(total, status.last_step)
             try:
                 rc = asyncio.run(_watch(cfg, url, children, since, sup, progress, summary))
@@ -570,6 +599,8 @@ def run_up(cfg: Config, argv: Sequence[str] = ()) -> int:
 
 
 async def _latest_id(url: str, stream: str) -> str:
+    from bus import Bus
+
     bus = Bus.from_url(url)
     try:
         latest = await bus.latest(stream)

@@ -88,7 +88,7 @@ from trainer.ledger import OpenTicket, ticket_id, ticket_index
 from trainer.resume import Snapshot, load_checkpoint, read_log, replay_groups, write_checkpoint
 from trainer.retention import retain
 from trainer.state import TrainerState, apply
-from trainer.update import grpo_update
+from trainer.update import GrpoStep, grpo_update
 from trainer.validate import check_sample
 
 __all__ = ["LogBehind", "PeerDead", "Trainer", "TrainerConflict", "main"]
@@ -132,6 +132,46 @@ class _Group(msgspec.Struct):
 
     def ordered(self) -> list[tuple[str, Sample]]:
         return [pair for _, pair in sorted(self.samples.items())]
+
+
+class _StepWork:
+    """One step's training on the worker thread: the groups it took, in mini-batch order,
+    and the queued calls (futures) of its GrpoStep, with their compute time."""
+
+    def __init__(self, worker: ThreadPoolExecutor, step: GrpoStep) -> None:
+        self.worker, self.step = worker, step
+        self.taken: list[_Group] = []
+        self.futures: list[asyncio.Future[Any]] = []
+        self.busy_s = 0.0
+
+    def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_s += time.perf_counter() - t
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        loop = asyncio.get_running_loop()
+        self.futures.append(
+            loop.run_in_executor(self.worker, functools.partial(self._timed, fn, *args)))
+
+    @property
+    def running(self) -> bool:
+        return any(not f.done() for f in self.futures)
+
+    def raise_failures(self) -> None:
+        """A failed mini-batch fails the step now, not at its end."""
+        for f in self.futures:
+            if f.done():
+                f.result()
+
+    async def wait(self) -> list[Any]:
+        return await asyncio.gather(*self.futures)
+
+    async def settle(self) -> None:
+        """Never leave the worker's futures unawaited (their errors would be lost)."""
+        await asyncio.gather(*self.futures, return_exceptions=True)
 
 
 def _vocab_size(policy: torch.nn.Module) -> int | None:
@@ -195,6 +235,8 @@ class Trainer:
         self.events_position: str | None = None
         self.log_entries_read = 0
         self.wait_s = 0.0
+        self.update_s = 0.0
+        self.upcoming: _StepWork | None = None  # the next step, started early (_loop)
         self.window_groups = 0  # prompts trained in this sync window, and how many were stale
         self.window_stale = 0
         self.fenced: str | None = None
@@ -358,8 +400,14 @@ class Trainer:
                         "(global_profiler.handshake_timeout_s); step-1 commands may be missed",
             ))
 
-    async def _publish_weights(self, step: int) -> None:
-        blob = await self._off(self.policy.state_bytes)
+    def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queue ``fn`` on the worker now (in call order), without waiting for it."""
+        return asyncio.get_running_loop().run_in_executor(self.worker, functools.partial(fn, *args))
+
+    async def _publish_weights(self, step: int,
+                               serialised: asyncio.Future[bytes] | None = None) -> None:
+        blob = await (serialised if serialised is not None
+                      else self._off(self.policy.state_bytes))
         if len(blob) > REDIS_BLOB_LIMIT and not isinstance(self.blobs, DirBlobStore):
             self.blobs = DirBlobStore(self.run_dir / "blobs")
         # The epoch in the name: a zombie trainer can never overwrite the live one's blob.
@@ -368,17 +416,20 @@ class Trainer:
         await self._drop_old_weights()
 
     async def _drop_old_weights(self) -> None:
-        """Delete weight blobs older than the newest KEEP_WEIGHTS publications (any
-        incarnation's: the log names them), so Redis does not grow by a model per sync."""
+        """Delete the blob of the publication that just fell out of the newest KEEP_WEIGHTS,
+        so Redis does not grow by a model per sync. Older ones went the same way at earlier
+        syncs (or, an earlier incarnation's, in _sweep_weight_blobs on resume): one delete
+        per sync, not one per remembered publication."""
         refs = [ref for _, ref in self.state.weights]
-        keep = {ref.key for ref in refs[-KEEP_WEIGHTS:]}
-        for ref in refs[:-KEEP_WEIGHTS]:
-            if ref.key in keep:
-                continue
-            store = open_store(ref.store, bus=self.bus, run_keys=self.keys,
-                               root=self.run_dir / "blobs")
-            with contextlib.suppress(Exception):  # already gone is fine
-                await store.delete(ref)
+        if len(refs) <= KEEP_WEIGHTS:
+            return
+        ref = refs[-KEEP_WEIGHTS - 1]
+        if ref.key in {r.key for r in refs[-KEEP_WEIGHTS:]}:
+            return
+        store = open_store(ref.store, bus=self.bus, run_keys=self.keys,
+                           root=self.run_dir / "blobs")
+        with contextlib.suppress(Exception):  # already gone is fine
+            await store.delete(ref)
 
     async def _sweep_weight_blobs(self) -> None:
         """On resume: delete weight blobs in Redis that no kept publication names (written
@@ -644,30 +695,85 @@ class Trainer:
             await self._publish(WarningRaised(source="trainer", code="trainer_stalled",
                                               message=message))
 
-    async def _gather(self) -> list[_Group]:
+    def _possibly_stale(self, group: _Group) -> bool:
+        return any(s.min_version < self.version for _, s in group.samples.values())
+
+    def _may_stream(self, missing: int) -> bool:
+        """Whether the step may run optimizer steps before all its groups are here: only
+        when none of its ``missing`` groups can be stale (a stale mini-batch's proximal
+        log-probs need the weights the step started from; trainer.update). Open tickets of an
+        older version, or reissued ones (an earlier attempt may still answer), may be."""
+        if any(self._possibly_stale(g) for g in self.ready[:missing]):
+            return False
+        if missing <= len(self.ready):
+            return True
+        return not any(t.version < self.version or t.attempt > 0
+                       for i, t in self.state.ledger.open.items() if i not in self.taken)
+
+    def _begin_step(self) -> _StepWork:
+        """A step's training, started: the mini-batches already complete go to the worker
+        (behind whatever it has queued, e.g. the previous step's weights serialisation)."""
+        work = _StepWork(self.worker, GrpoStep(
+            self.policy, self.optimizer, self.cfg.trainer,
+            temperature=self.cfg.rollout.temperature, version=self.version, device=self.device))
+        self._feed(work)
+        return work
+
+    def _feed(self, work: _StepWork) -> None:
+        """Hand each complete mini-batch of ready groups to the step; let its first-epoch
+        optimizer step run now when no stale group can still join it (_may_stream)."""
+        mb = self.cfg.trainer.ppo_mini_batch_size
+        while len(work.taken) < self.need and len(self.ready) >= mb:
+            chunk = self.ready[:mb]
+            del self.ready[:mb]
+            work.taken.extend(chunk)
+            work.submit(work.step.add, [[s for _, s in g.ordered()] for g in chunk])
+            if self._may_stream(self.need - len(work.taken)):
+                work.submit(work.step.train)
+
+    async def _train_step(self, work: _StepWork | None = None
+                          ) -> tuple[list[_Group], dict[str, float]]:
+        """Gather the step's groups and train on them as they come: each complete
+        mini-batch goes to the worker at once, and its first-epoch optimizer step runs while
+        later groups are still being generated (when _may_stream). The same computation as
+        training on the whole batch at the end (trainer.update.grpo_update), which is what
+        a resume replays."""
+        work = work or self._begin_step()
         t0 = time.monotonic()
         self.last_progress = max(self.last_progress, t0)
-        while len(self.ready) < self.need:
-            self._check_fenced()
-            if self.dead_tickets:
-                await self._close_dead_tickets()
-                await self._issue_tickets()
-            if self.lost_samples:
-                await self._reissue_lost_samples()
-            deliveries = await self.consumer.read(count=256, block_ms=500)
-            if deliveries:
-                self.failures_since_sample = 0
-            for d in deliveries:
-                await self._take(d)
-            if not deliveries:
-                # Only when the stream has nothing for us: answers that arrived during a long
-                # update are read before any lease is judged expired.
-                await self._check_peers()
-                await self._expire_leases()
-                await self._check_stall()
-        self.wait_s = time.monotonic() - t0
-        batch, self.ready = self.ready[: self.need], self.ready[self.need :]
-        return batch
+        self.wait_s = 0.0
+        try:
+            while True:
+                self._feed(work)
+                if len(work.taken) >= self.need:
+                    break
+                self._check_fenced()
+                if self.dead_tickets:
+                    await self._close_dead_tickets()
+                    await self._issue_tickets()
+                if self.lost_samples:
+                    await self._reissue_lost_samples()
+                work.raise_failures()
+                t_read = time.monotonic()
+                deliveries = await self.consumer.read(count=256, block_ms=500)
+                if not work.running:  # nothing to compute: the trainer waits for samples
+                    self.wait_s += time.monotonic() - t_read
+                if deliveries:
+                    self.failures_since_sample = 0
+                for d in deliveries:
+                    await self._take(d)
+                if not deliveries:
+                    # Only when the stream has nothing for us: answers that arrived during a
+                    # long update are read before any lease is judged expired.
+                    await self._check_peers()
+                    await self._expire_leases()
+                    await self._check_stall()
+            work.submit(work.step.finish)
+            metrics: dict[str, float] = (await work.wait())[-1]
+        finally:
+            await work.settle()
+        self.update_s = work.busy_s
+        return work.taken, metrics
 
     def _check_fenced(self) -> None:
         if self.fenced is not None:
@@ -768,6 +874,8 @@ class Trainer:
                   file=sys.stderr, flush=True)
             return 1
         finally:
+            if self.upcoming is not None:
+                await self.upcoming.settle()
             for t in tasks:
                 t.cancel()
             for t in tasks:
@@ -822,10 +930,8 @@ class Trainer:
             if self.agent is not None:
                 await self._publish(*(await self._off(self.agent.step_begin, step)))
             await self._publish(StepStarted(step=step, param_version=self.version))
-            groups = await self._gather()
-            t_update = time.monotonic()
-            metrics = await self._off(self._update, [[s for _, s in g.ordered()] for g in groups])
-            update_s = time.monotonic() - t_update
+            work, self.upcoming = self.upcoming, None
+            groups, metrics = await self._train_step(work)
             # verl's per-window view: the share of this sync window's prompts generated with
             # weights older than the trainer's (at most staleness_threshold).
             self.window_groups += len(groups)
@@ -834,12 +940,23 @@ class Trainer:
             metrics["staleness/window_stale_share"] = self.window_stale / self.window_groups
             # Close step+1 to commands before its weights (or our next control read) exist.
             await self.bus.set_barrier(self.keys.barrier, step + 1)
+            save = ((tc.save_freq > 0 and step % tc.save_freq == 0)
+                    or step == tc.total_training_steps)
+            serialised = None
             if step % trigger == 0:
                 self.version += 1
                 self.window_groups = self.window_stale = 0
-                await self._publish_weights(step)
+                serialised = self._submit(self.policy.state_bytes)
+            if self.agent is None and not save:
+                # Off the critical path: the next step's ready mini-batches train (queued
+                # behind the weights' serialisation) while this step's weights, StepFinished
+                # and tickets go out. Profiled runs keep the boundary serial (the agent's
+                # step_end/step_begin bracket each step's work), and so do checkpoint steps.
+                self.upcoming = self._begin_step()
+            if serialised is not None:
+                await self._publish_weights(step, serialised)
             saved = None
-            if (tc.save_freq > 0 and step % tc.save_freq == 0) or step == tc.total_training_steps:
+            if save:
                 snapshot = msgspec.msgpack.encode(Snapshot(
                     self.state, self.events_position or "0-0", self.last_finished_id))
                 saved = await self._off(write_checkpoint, self.run_dir / "checkpoints", step,
@@ -847,9 +964,10 @@ class Trainer:
                 await self._publish(CheckpointSaved(step=step, path=str(saved),
                                                     param_version=self.version))
             pairs = [pair for g in groups for pair in g.ordered()]
-            await self._read_peers()
+            if time.monotonic() - self.peers_read_at >= self.cfg.heartbeat.interval_s:
+                await self._read_peers()  # for rollouter/idle_ratio: as fresh as their pulses
             duration = time.monotonic() - t0
-            metrics.update(self._run_metrics(duration, update_s, len(pairs)))
+            metrics.update(self._run_metrics(duration, self.update_s, len(pairs)))
             entry_ids = [eid for eid, _ in pairs]
             finished = StepFinished(step=step, sample_ids=[s.sample_id for _, s in pairs],
                                     metrics=metrics, duration_s=duration,

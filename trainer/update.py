@@ -1,12 +1,18 @@
 """One GRPO training step as a function of (policy, optimizer, groups, config): no I/O.
 
-The trainer process calls it on its worker thread; the in-process baseline in bench/ calls
-the same function, so both run the same algorithm.
+The trainer hands mini-batches to a :class:`GrpoStep` as their groups arrive and lets it
+train the first epoch of each while later groups are still being generated;
+:func:`grpo_update` is the batch use (every mini-batch added, then finished): what a
+resume replays and what the in-process baseline in bench/ calls, so all run the same
+algorithm. Both orders compute the same thing, provided every *stale* mini-batch (samples
+older than the trainer's weights) is added before the step's first optimizer step: its
+proximal log-probs are taken with the weights the step started from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -21,7 +27,12 @@ from trainer.grpo import (
     ppo_clip_loss,
 )
 
-__all__ = ["grpo_update", "guarded_step"]
+__all__ = ["GrpoStep", "LateStaleMiniBatch", "grpo_update", "guarded_step"]
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
 
 _GUARD_TRIES = 6  # shrinks per optimizer step before the guard gives up (each >= halves it)
 
@@ -81,6 +92,143 @@ def guarded_step(
     return kl, shrunk
 
 
+class LateStaleMiniBatch(RuntimeError):
+    """A stale mini-batch was added after the step's first optimizer step."""
+
+
+class _MiniBatch(NamedTuple):
+    batch: Batch
+    old: torch.Tensor  # log-probs the PPO ratio is taken against
+    adv: torch.Tensor
+    stale: bool
+
+
+class GrpoStep:
+    """One training step: group-normalised advantages, PPO-clip against the rollout
+    log-probs, decoupled PPO with truncated importance weights (``tc.tis_cap``) for
+    mini-batches holding samples older than ``version``, entropy bonus, grad clipping, one
+    optimizer step per mini-batch and epoch, each bounded by the KL guard (``tc.kl_guard``,
+    see :func:`guarded_step`).
+
+    :meth:`add` prepares a mini-batch, :meth:`train` runs the first epoch of those not yet
+    trained, :meth:`finish` runs what is left (the first epoch of the rest, then epochs 2..)
+    and returns the step's metrics. Epoch order is the order of :meth:`add`."""
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        tc: TrainerConfig,
+        *,
+        temperature: float,
+        version: int,
+        device: torch.device | str,
+    ) -> None:
+        self.policy, self.optimizer, self.tc = policy, optimizer, tc
+        self.temperature, self.version, self.device = temperature, version, device
+        self.groups: list[Sequence[Sample]] = []
+        self.minibatches: list[_MiniBatch] = []
+        self.trained = 0  # mini-batches whose first epoch is done
+        self.stats: dict[str, list[float]] = {
+            k: [] for k in ("loss", "clip", "ent", "gn", "kl", "ukl", "guard")
+        }
+
+    def add(self, groups: Sequence[Sequence[Sample]]) -> None:
+        """Prepare one mini-batch: ``groups``, each the ``n`` responses of one prompt."""
+        if not groups:
+            return
+        flat = [s for group in groups for s in group]
+        stale = any(s.min_version < self.version for s in flat)
+        use_tis = self.tc.tis_cap is not None and stale
+        if use_tis and self.trained:
+            raise LateStaleMiniBatch(
+                f"a mini-batch with samples older than v{self.version} came after "
+                f"{self.trained} optimizer step(s): its proximal log-probs need the weights "
+                "the step started from")
+        rewards = torch.tensor([[s.reward for s in group] for group in groups])
+        batch = build_batch(
+            # copies: Array.numpy() views read-only message bytes
+            [(s.prompt_tokens.numpy().copy(), s.response_tokens.numpy().copy(),
+              s.logprobs.numpy().copy()) for s in flat],
+            pad_id=self.policy.pad_id,  # type: ignore[arg-type]
+            device=self.device,
+        )
+        old = batch.old_logprobs
+        if use_tis:
+            # Decoupled PPO for stale samples: the ratio is taken against the current
+            # (proximal) weights and the rollout policy enters only through a truncated
+            # importance weight, so a very stale sample cannot dominate the step.
+            with torch.no_grad():
+                old, _ = self.policy.logprobs_and_entropy(  # type: ignore[operator]
+                    batch.input_ids, batch.attention_mask, batch.response_len,
+                    temperature=self.temperature,
+                )
+        adv = group_advantages(rewards).reshape(-1).to(self.device)
+        self.groups.extend(groups)
+        self.minibatches.append(_MiniBatch(batch, old, adv, stale))
+
+    def _optimize(self, mb: _MiniBatch) -> None:
+        tc = self.tc
+        logp, entropy = self.policy.logprobs_and_entropy(  # type: ignore[operator]
+            mb.batch.input_ids, mb.batch.attention_mask, mb.batch.response_len,
+            temperature=self.temperature,
+        )
+        use_tis = tc.tis_cap is not None and mb.stale
+        loss, clipfrac = ppo_clip_loss(
+            logp, mb.old, mb.adv, mb.batch.response_mask, tc.clip_ratio_low, tc.clip_ratio_high,
+            logp_behaviour=mb.batch.old_logprobs if use_tis else None,
+            tis_cap=tc.tis_cap if use_tis else None,
+        )
+        ent = masked_mean(entropy, mb.batch.response_mask)
+        if tc.entropy_coeff:
+            loss = loss - tc.entropy_coeff * ent
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), tc.grad_clip)
+        update_kl, shrunk = guarded_step(self.policy, self.optimizer, mb.batch, logp,
+                                         tc.kl_guard, temperature=self.temperature)
+        self.stats["ukl"].append(update_kl)
+        self.stats["guard"].append(float(shrunk))
+        self.stats["loss"].append(loss.item())
+        self.stats["clip"].append(clipfrac.item())
+        self.stats["ent"].append(ent.item())
+        self.stats["gn"].append(float(grad_norm))
+        self.stats["kl"].append(float(approx_kl(logp, mb.old, mb.batch.response_mask)))
+
+    def train(self) -> None:
+        """First epoch of every mini-batch added and not yet trained."""
+        while self.trained < len(self.minibatches):
+            self._optimize(self.minibatches[self.trained])
+            self.trained += 1
+
+    def finish(self) -> dict[str, float]:
+        """Train what is left and return the step's metrics."""
+        self.train()
+        for _ in range(1, self.tc.ppo_epochs):
+            for mb in self.minibatches:
+                self._optimize(mb)
+        flat_all = [s for group in self.groups for s in group]
+        rewards = [s.reward for s in flat_all]
+        staleness = [self.version - s.min_version for s in flat_all]
+        lengths = [len(s.response_tokens) for s in flat_all]
+        st, tc = self.stats, self.tc
+        return {
+            "reward/mean": _mean(rewards),
+            "reward/max": float(max(rewards)) if rewards else 0.0,
+            "staleness/mean": _mean(staleness),
+            "staleness/max": float(max(staleness)) if staleness else 0.0,
+            "staleness/stale_share": _mean([float(x > 0) for x in staleness]),
+            "actor/loss": _mean(st["loss"]),
+            "actor/pg_clipfrac": _mean(st["clip"]),
+            "actor/entropy": _mean(st["ent"]),
+            "actor/grad_norm": _mean(st["gn"]),
+            "actor/approx_kl": _mean(st["kl"]),
+            **({"actor/update_kl_max": max(st["ukl"], default=0.0),
+                "actor/kl_guard_frac": _mean(st["guard"])} if tc.kl_guard is not None else {}),
+            "response/length_mean": _mean(lengths),
+        }
+
+
 def grpo_update(
     policy: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -91,83 +239,12 @@ def grpo_update(
     version: int,
     device: torch.device | str,
 ) -> dict[str, float]:
-    """Train on ``groups`` (each the ``n`` responses of one prompt, in index order):
-    group-normalised advantages, PPO-clip against the rollout log-probs, decoupled PPO with
-    truncated importance weights (``tc.tis_cap``) for mini-batches holding samples older
-    than ``version``, entropy bonus, grad clipping, one optimizer step per mini-batch and
-    epoch, each bounded by the KL guard (``tc.kl_guard``, see :func:`guarded_step`).
-    Returns the step's metrics."""
+    """Train on ``groups`` (each the ``n`` responses of one prompt, in index order) as one
+    :class:`GrpoStep`, every mini-batch added before the first optimizer step. Returns the
+    step's metrics."""
+    step = GrpoStep(policy, optimizer, tc, temperature=temperature, version=version,
+                    device=device)
     mb = tc.ppo_mini_batch_size
-    rewards = torch.tensor([[s.reward for s in group] for group in groups])
-    adv = group_advantages(rewards)
-    stats: dict[str, list[float]] = {
-        k: [] for k in ("loss", "clip", "ent", "gn", "kl", "ukl", "guard")
-    }
-    pad_id = policy.pad_id  # type: ignore[attr-defined]
-    minibatches = []
     for start in range(0, len(groups), mb):
-        flat = [s for group in groups[start : start + mb] for s in group]
-        batch = build_batch(
-            # copies: Array.numpy() views read-only message bytes
-            [(s.prompt_tokens.numpy().copy(), s.response_tokens.numpy().copy(),
-              s.logprobs.numpy().copy()) for s in flat],
-            pad_id=pad_id, device=device,
-        )
-        old = batch.old_logprobs
-        stale = any(s.min_version < version for s in flat)
-        if tc.tis_cap is not None and stale:
-            # Decoupled PPO for stale samples: the ratio is taken against the current
-            # (proximal) weights and the rollout policy enters only through a truncated
-            # importance weight, so a very stale sample cannot dominate the step.
-            with torch.no_grad():
-                old, _ = policy.logprobs_and_entropy(  # type: ignore[operator]
-                    batch.input_ids, batch.attention_mask, batch.response_len,
-                    temperature=temperature,
-                )
-        a = adv[start : start + mb].reshape(-1).to(device)
-        minibatches.append((batch, old, a, stale))
-    for _ in range(tc.ppo_epochs):
-        for batch, old, a, stale in minibatches:
-            logp, entropy = policy.logprobs_and_entropy(  # type: ignore[operator]
-                batch.input_ids, batch.attention_mask, batch.response_len,
-                temperature=temperature,
-            )
-            use_tis = tc.tis_cap is not None and stale
-            loss, clipfrac = ppo_clip_loss(
-                logp, old, a, batch.response_mask, tc.clip_ratio_low, tc.clip_ratio_high,
-                logp_behaviour=batch.old_logprobs if use_tis else None,
-                tis_cap=tc.tis_cap if use_tis else None,
-            )
-            ent = masked_mean(entropy, batch.response_mask)
-            if tc.entropy_coeff:
-                loss = loss - tc.entropy_coeff * ent
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), tc.grad_clip)
-            update_kl, shrunk = guarded_step(policy, optimizer, batch, logp, tc.kl_guard,
-                                             temperature=temperature)
-            stats["ukl"].append(update_kl)
-            stats["guard"].append(float(shrunk))
-            stats["loss"].append(loss.item())
-            stats["clip"].append(clipfrac.item())
-            stats["ent"].append(ent.item())
-            stats["gn"].append(float(grad_norm))
-            stats["kl"].append(float(approx_kl(logp, old, batch.response_mask)))
-    flat_all = [s for group in groups for s in group]
-    staleness = [version - s.min_version for s in flat_all]
-    lengths = [len(s.response_tokens) for s in flat_all]
-    return {
-        "reward/mean": float(rewards.mean()),
-        "reward/max": float(rewards.max()),
-        "staleness/mean": _mean(staleness),
-        "staleness/max": float(max(staleness)),
-        "staleness/stale_share": _mean([float(x > 0) for x in staleness]),
-        "actor/loss": _mean(stats["loss"]),
-        "actor/pg_clipfrac": _mean(stats["clip"]),
-        "actor/entropy": _mean(stats["ent"]),
-        "actor/grad_norm": _mean(stats["gn"]),
-        "actor/approx_kl": _mean(stats["kl"]),
-        **({"actor/update_kl_max": max(stats["ukl"], default=0.0),
-            "actor/kl_guard_frac": _mean(stats["guard"])} if tc.kl_guard is not None else {}),
-        "response/length_mean": _mean(lengths),
-    }
+        step.add(groups[start : start + mb])
+    return step.finish()
