@@ -46,7 +46,7 @@ if TYPE_CHECKING:
         RunKeys,
         validate_run_id,
     )
-    from bus.liveness import Lease, peers, pulse
+    from bus.liveness import Lease, peers, pulse, pulse_forever
     from bus.messages import (
         FIELD,
         SCHEMA_VERSION,
@@ -188,6 +188,7 @@ __all__ = [
     "pdeathsig_hook",
     "peers",
     "pulse",
+    "pulse_forever",
     "read_commands",
     "redact_url",
     "redis_server_version",

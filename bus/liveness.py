@@ -12,6 +12,8 @@ that first checks the token, so a second trainer, or a paused zombie of the firs
 lease lapsed, cannot write a single entry.
 
     ``pulse(bus, key, heartbeat, ttl_s)``                 SET PX
+    ``pulse_forever(bus, key, heartbeat, interval_s, ttl_s, before=, wake=)``
+        every component's liveness task: one pulse per interval (or at once on ``wake``)
     ``peers(bus, pattern) -> list[Heartbeat]``            SCAN MATCH + MGET
     ``Lease(bus, key, token, ttl_s)``
         ``acquire() -> str | None``        SET NX PX; None, or the holder's token when taken
@@ -25,14 +27,16 @@ lease lapsed, cannot write a single entry.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from bus.errors import EntryGone, Fenced
 from bus.messages import FIELD, DecodeError, Heartbeat, Message, decode, encode
 from bus.streams import Bus
 
-__all__ = ["Lease", "peers", "pulse"]
+__all__ = ["Lease", "peers", "pulse", "pulse_forever"]
 
 
 async def pulse(bus: Bus, key: str, heartbeat: Heartbeat, ttl_s: float) -> None:
@@ -40,6 +44,36 @@ async def pulse(bus: Bus, key: str, heartbeat: Heartbeat, ttl_s: float) -> None:
     ttl_ms = max(1, int(ttl_s * 1000))
     data = encode(heartbeat)
     await bus._call("SET", lambda: bus._redis.execute_command("SET", key, data, "PX", ttl_ms))
+
+
+async def pulse_forever(
+    bus: Bus,
+    key: str,
+    heartbeat: Callable[[], Heartbeat],
+    interval_s: float,
+    ttl_s: float,
+    *,
+    before: Callable[[], Awaitable[None]] | None = None,
+    wake: asyncio.Event | None = None,
+) -> None:
+    """The liveness task of every component, until cancelled: :func:`pulse` with
+    ``heartbeat()`` every ``interval_s``, or at once when ``wake`` is set. ``before`` runs
+    first at each beat (the trainer renews its lease there). Run it as its own task: heavy
+    work elsewhere (on worker threads) never delays it, so a long step is not silence."""
+    while True:
+        if before is not None:
+            await before()
+        if wake is not None:
+            wake.clear()
+        await pulse(bus, key, heartbeat(), ttl_s)
+        if wake is None:
+            await asyncio.sleep(interval_s)
+            continue
+        # asyncio.timeout, not wait_for: on 3.11 a wait_for whose event fires as the task is
+        # cancelled swallows the cancellation, and this loop would never end.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(interval_s):
+                await wake.wait()
 
 
 async def peers(bus: Bus, pattern: str) -> list[Heartbeat]:

@@ -23,9 +23,9 @@ Life of the service (``python -m profiler_service`` / ``rlbus profiler``):
    timeout is refused, never served. Keep ``manifest.json`` up to date (at most every
    :data:`MANIFEST_EVERY_S`, written on a worker thread).
    From start to exit, say "alive" every ``heartbeat.interval_s`` on the liveness key
-   ``RunKeys.alive("profiler", 0)`` (a TTL key, :func:`bus.pulse`; never in the log), from a
-   task that nothing on the loop blocks: file writes run on threads, the hook is an asyncio
-   subprocess.
+   ``RunKeys.alive("profiler", 0)`` (a TTL key, :func:`bus.liveness.pulse_forever`; never
+   in the log), from a task that nothing on the loop blocks: file writes run on threads,
+   the hook is an asyncio subprocess.
 3. After RunFinished, wait up to ``global_profiler.handshake_timeout_s`` for the sessions
    still expected to stop; then publish a WarningRaised naming the missing ones (so the log
    says why), which lets ``decide`` finish.
@@ -64,7 +64,7 @@ from bus import (
     StartProfile,
     StopProfile,
     WarningRaised,
-    pulse,
+    pulse_forever,
 )
 from bus.history import events_folder, find_archive, read_history
 from profiler_service.manifest import build_manifest, manifest_file, profile_dir, write_manifest
@@ -277,31 +277,23 @@ class ProfilerService:
             return "finishing"
         return "following"
 
-    async def _pulse_forever(self) -> None:
-        """Refresh the liveness key every ``heartbeat.interval_s`` (at once when
-        :attr:`_pulse_now` is set); cancelled at exit."""
-        key = self.keys.alive(PROFILER_SOURCE, 0)
-        while True:
-            state = self.state
-            heartbeat = Heartbeat(
-                role=PROFILER_SOURCE,
-                rank=0,
-                pid=os.getpid(),
-                state=self._activity(),
-                metrics={
-                    "sessions": float(state.sent),
-                    "pending_requests": float(len(state.pending)),
-                    "last_started_step": float(state.last_started_step),
-                },
-            )
-            self._pulse_now.clear()
-            self._pulsed_activity = heartbeat.state
-            await pulse(self.bus, key, heartbeat, self.cfg.heartbeat.timeout_s)
-            # asyncio.timeout, not wait_for: on 3.11 a wait_for whose event fires as the
-            # task is cancelled swallows the cancellation, and this loop would never end.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.cfg.heartbeat.interval_s):
-                    await self._pulse_now.wait()
+    def _heartbeat(self) -> Heartbeat:
+        """The service's pulse (bus.liveness.pulse_forever; at once when :attr:`_pulse_now`
+        is set): what it is doing and its counts."""
+        state = self.state
+        heartbeat = Heartbeat(
+            role=PROFILER_SOURCE,
+            rank=0,
+            pid=os.getpid(),
+            state=self._activity(),
+            metrics={
+                "sessions": float(state.sent),
+                "pending_requests": float(len(state.pending)),
+                "last_started_step": float(state.last_started_step),
+            },
+        )
+        self._pulsed_activity = heartbeat.state
+        return heartbeat
 
     # ------------------------------------------------------------------ files
 
@@ -533,7 +525,10 @@ class ProfilerService:
         if self.cfg.global_profiler.tool is None:
             log.info("global_profiler.tool is null: profiling is off; refusing runtime requests")
         self._pulse_now = asyncio.Event()
-        pulser = asyncio.create_task(self._pulse_forever(), name="profiler-pulse")
+        pulser = asyncio.create_task(pulse_forever(
+            self.bus, self.keys.alive(PROFILER_SOURCE, 0), self._heartbeat,
+            self.cfg.heartbeat.interval_s, self.cfg.heartbeat.timeout_s, wake=self._pulse_now,
+        ), name="profiler-pulse")
         follower: asyncio.Task[None] | None = None
         try:
             await self._catch_up()

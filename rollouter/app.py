@@ -32,7 +32,7 @@ import torch
 
 from bus import BlobError, BlobNotFound, Bus, Consumer, RunKeys, read_commands, run_with_bus
 from bus.blobs import open_store
-from bus.liveness import peers, pulse
+from bus.liveness import peers, pulse_forever
 from bus.messages import (
     Array,
     ComponentFailed,
@@ -295,20 +295,17 @@ class Rollouter:
         self.loaded = newest
         self.version = newest.version
 
-    async def _heartbeat(self) -> None:
-        """Background: refresh this replica's liveness key (a TTL judged by Redis's clock)."""
-        key = self.keys.alive("rollouter", self.rank)
-        while True:
-            now = time.monotonic()
-            window = max(1e-6, now - self.window_start)
-            idle = max(0.0, 1.0 - self.busy_s / window)
-            self.busy_s, self.window_start = 0.0, now
-            await pulse(self.bus, key, Heartbeat(
-                role="rollouter", rank=self.rank, pid=os.getpid(),
-                state=f"weights v{self.version}",
-                metrics={"rollouter/idle_ratio": idle, "rollouter/version": float(self.version)},
-            ), self.cfg.heartbeat.timeout_s)
-            await asyncio.sleep(self.cfg.heartbeat.interval_s)
+    def _heartbeat(self) -> Heartbeat:
+        """This replica's pulse (bus.liveness.pulse_forever): its weights and the share of
+        the time since the last pulse it did not generate."""
+        now = time.monotonic()
+        window = max(1e-6, now - self.window_start)
+        idle = max(0.0, 1.0 - self.busy_s / window)
+        self.busy_s, self.window_start = 0.0, now
+        return Heartbeat(
+            role="rollouter", rank=self.rank, pid=os.getpid(), state=f"weights v{self.version}",
+            metrics={"rollouter/idle_ratio": idle, "rollouter/version": float(self.version)},
+        )
 
     # ------------------------------------------------------------------ generation
 
@@ -465,7 +462,10 @@ class Rollouter:
 
     async def run(self) -> int:
         # Alive from the first moment: building a large model must not look like death.
-        hb = asyncio.create_task(self._heartbeat())
+        beat = self.cfg.heartbeat
+        hb = asyncio.create_task(pulse_forever(
+            self.bus, self.keys.alive("rollouter", self.rank), self._heartbeat,
+            beat.interval_s, beat.timeout_s))
         await self._off(self._build)
         await self.consumer.ensure_group()
         try:

@@ -53,7 +53,7 @@ from bus import (
 )
 from bus.blobs import DirBlobStore, RedisBlobStore, open_store
 from bus.keys import RUNS_STREAM
-from bus.liveness import peers, pulse
+from bus.liveness import peers, pulse_forever
 from bus.messages import (
     CheckpointSaved,
     ComponentFailed,
@@ -361,22 +361,17 @@ class Trainer:
                          state=f"step {self.state.last_step}",
                          metrics={"trainer/version": float(self.version)})
 
-    async def _pulse(self) -> None:
-        """Background: renew the lease and the liveness key every heartbeat interval; never
-        blocked by a step (heavy work is on the worker thread)."""
-        hb = self.cfg.heartbeat
-        while True:
-            if not await self.lease.renew():
-                holder = await self.lease.holder()
-                if holder is None:
-                    # The key vanished (Redis restarted): ours again. The log may have lost
-                    # its tail too: every write checks our last StepFinished (_write).
-                    await self.lease.acquire()
-                elif holder != self.lease.token:
-                    self.fenced = holder
-            await pulse(self.bus, self.keys.alive("trainer", 0), self._heartbeat(),
-                        hb.timeout_s)
-            await asyncio.sleep(hb.interval_s)
+    async def _renew_lease(self) -> None:
+        """At every pulse (bus.liveness.pulse_forever, never blocked by a step): renew the
+        lease; take it back if Redis lost it; note a holder that is not us (fenced)."""
+        if not await self.lease.renew():
+            holder = await self.lease.holder()
+            if holder is None:
+                # The key vanished (Redis restarted): ours again. The log may have lost
+                # its tail too: every write checks our last StepFinished (_write).
+                await self.lease.acquire()
+            elif holder != self.lease.token:
+                self.fenced = holder
 
     async def _wait_for_profiler(self) -> None:
         timeout = self.cfg.global_profiler.handshake_timeout_s
@@ -832,7 +827,10 @@ class Trainer:
             return 1
         # From here on the lease and liveness key stay fresh, whatever the start-up costs
         # (a large model can take minutes to build or load).
-        pulse_task = asyncio.create_task(self._pulse())
+        hb = self.cfg.heartbeat
+        pulse_task = asyncio.create_task(pulse_forever(
+            self.bus, self.keys.alive("trainer", 0), self._heartbeat, hb.interval_s,
+            hb.timeout_s, before=self._renew_lease))
         try:
             return await self._run()
         finally:
