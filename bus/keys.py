@@ -93,6 +93,12 @@ class RunKeys(msgspec.Struct, frozen=True):
         value is the component's latest :class:`~bus.messages.Heartbeat`."""
         return f"{self.prefix}:alive:{role}:{rank}"
 
+    @staticmethod
+    def rollouter_consumer(rank: int) -> str:
+        """Consumer name of rollouter replica ``rank`` in the prompts stream's group: what
+        the trainer and the other replicas match against live replicas' heartbeats."""
+        return f"rollouter-{rank}"
+
     def alive_pattern(self, role: str = "*") -> str:
         """SCAN MATCH pattern of the liveness keys of ``role`` (every role by default)."""
         return f"{self.prefix}:alive:{role}:*"

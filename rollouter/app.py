@@ -87,7 +87,8 @@ class Rollouter:
         self.run_id = cfg.run.id or ""
         self.keys = RunKeys(self.run_id)
         self.consumer = Consumer(
-            bus, self.keys.prompts, GROUP, f"rollouter-{self.rank}", dlq_stream=self.keys.dlq
+            bus, self.keys.prompts, GROUP, RunKeys.rollouter_consumer(self.rank),
+            dlq_stream=self.keys.dlq,
         )
         self.device = resolve_device(cfg.rollout.device)
         self.tokenizer = build_tokenizer(cfg.model)
@@ -445,7 +446,7 @@ class Rollouter:
         members = await self.bus.consumers(self.keys.prompts, GROUP)
         if not members:
             return []
-        alive = {f"rollouter-{hb.rank}"
+        alive = {RunKeys.rollouter_consumer(hb.rank)
                  for hb in await peers(self.bus, self.keys.alive_pattern("rollouter"))}
         dead = [m for m in members if m not in alive and m != self.consumer.name]
         return await self.consumer.reclaim_from(dead) if dead else []

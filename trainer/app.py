@@ -555,7 +555,7 @@ class Trainer:
         known = {i: self.ticket_entry[i] for i in indices if i in self.ticket_entry}
         if not known:
             return indices
-        live = {f"rollouter-{hb.rank}" for hb in self.rollouters}
+        live = {RunKeys.rollouter_consumer(hb.rank) for hb in self.rollouters}
         present = await self.bus.read_ids(self.keys.prompts, list(known.values()))
         rows = await self.bus.command("XPENDING", self.keys.prompts, ROLLOUTER_GROUP,
                                       "-", "+", 10 * self.capacity + 100)
