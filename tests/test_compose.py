@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from bus import Bus, RunKeys, RunStarted
+from bus.history import find_archive, read_history
 from tests.compose_redis import ROOT, USERS, AclRedis, acl_env, interpolate, password
 from tests.procs import Procs
 
@@ -89,7 +90,9 @@ def test_compose_commands_run_as_local_processes(
 async def _run_started(url: str, run_id: str) -> RunStarted:
     bus = Bus.from_url(url)
     try:
-        async for _, msg in bus.read_all(RunKeys(run_id).events):
+        keys = RunKeys(run_id)
+        # Retention archived the log's beginning: read the archive, then the stream.
+        async for _, msg in read_history(bus, keys.events, await find_archive(bus, keys, None)):
             if isinstance(msg, RunStarted):
                 return msg
         raise AssertionError("no RunStarted")
