@@ -7,7 +7,7 @@ rollout log-probs are computed exactly as `logprobs_and_entropy` recomputes them
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -144,4 +144,7 @@ class HFPolicy(nn.Module):
         return to_bytes(self.model.state_dict())
 
     def load_bytes(self, blob: bytes) -> None:
-        self.model.load_state_dict(from_bytes(blob))
+        self.load_state(from_bytes(blob))
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state)

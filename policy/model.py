@@ -4,7 +4,7 @@ embeddings, KV-cached sampling)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -210,4 +210,7 @@ class TinyGPT(nn.Module):
         return to_bytes(self.state_dict())
 
     def load_bytes(self, blob: bytes) -> None:
-        self.load_state_dict(from_bytes(blob))
+        self.load_state(from_bytes(blob))
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.load_state_dict(state)

@@ -48,6 +48,7 @@ from bus.messages import (
 )
 from policy import build_policy, resolve_device
 from policy.text import build_tokenizer
+from policy.weights import from_bytes
 from profiling import create_agent
 from profiling.steps import StepClock, follow, observe
 from runconfig import Config, load_or_exit
@@ -98,6 +99,8 @@ class Rollouter:
         # Recent publications in log order; the newest loadable one is current.
         self.published: deque[WeightsPublished] = deque(maxlen=8)
         self.bad_weights: set[str] = set()  # blob keys that failed to load
+        # The newest publication being fetched and decoded (double buffer), if any.
+        self.staging: tuple[WeightsPublished, asyncio.Task[dict[str, torch.Tensor]]] | None = None
         self.finished = False
         self.events_last = "0"
         self.control_last = "0"
@@ -256,45 +259,66 @@ class Rollouter:
                 return msg
         return None
 
-    async def _swap_weights(self) -> None:
-        """Load the newest published weights if they are not ours."""
+    def _stage(self) -> None:
+        """Start fetching and decoding the newest publication in the background (a double
+        buffer): generation with the loaded weights goes on meanwhile, and the swap only
+        copies the decoded tensors in (_swap_weights)."""
         newest = self.newest
         if newest is None or newest is self.loaded:
             return
-        store = open_store(newest.ref.store, bus=self.bus, run_keys=self.keys,
+        if self.staging is not None and self.staging[0] is newest:
+            return
+        self.staging = (newest, asyncio.create_task(self._fetch(newest)))
+
+    async def _fetch(self, msg: WeightsPublished) -> dict[str, torch.Tensor]:
+        store = open_store(msg.ref.store, bus=self.bus, run_keys=self.keys,
                            root=Path(self.cfg.run.output_dir) / self.run_id / "blobs")
+        blob = await store.get(msg.ref)
+        # Decoded on a thread of its own: the generation worker is busy meanwhile.
+        return await asyncio.to_thread(from_bytes, blob)
+
+    async def _swap_weights(self, wait: bool = True) -> None:
+        """Load the newest published weights if they are not ours; ``wait=False``: only if
+        they are already fetched and decoded (else they keep staging, and the caller goes on
+        with the weights it has, which its tickets allow)."""
+        self._stage()
+        if self.staging is None:
+            return
+        newest, task = self.staging
+        if not wait and not task.done():
+            return
+        self.staging = None
         try:
-            blob = await store.get(newest.ref)
+            state = await task
         except BlobNotFound:
             # Superseded and deleted while we were busy: a newer version is already published.
             self.bad_weights.add(newest.ref.key)
             await self._poll_events()
             return
-        except BlobError as exc:
-            # Corrupt, or a WeightsPublished that no trainer wrote: fall back to the newest
-            # loadable publication before it.
-            self.bad_weights.add(newest.ref.key)
-            await self._publish(WarningRaised(
-                source=f"rollouter{self.rank}", code="weights_unloadable",
-                message=f"weights v{newest.version} ({newest.ref.key}) ignored: {exc}",
-            ))
-            await self._swap_weights()
+        except Exception as exc:
+            # Corrupt, a WeightsPublished that no trainer wrote, or not a state dict: fall
+            # back to the newest loadable publication before it.
+            await self._unloadable(newest, exc)
+            await self._swap_weights(wait)
             return
         try:
-            await self._off(self.policy.load_bytes, blob)
-        except Exception as exc:  # a blob that is not a state dict of our model
-            self.bad_weights.add(newest.ref.key)
-            await self._publish(WarningRaised(
-                source=f"rollouter{self.rank}", code="weights_unloadable",
-                message=f"weights v{newest.version} ({newest.ref.key}) ignored: "
-                        f"{type(exc).__name__}: {exc}",
-            ))
-            await self._swap_weights()
+            await self._off(self.policy.load_state, state)
+        except Exception as exc:  # a state dict of some other model
+            await self._unloadable(newest, exc)
+            await self._swap_weights(wait)
             return
         # Profiling steps follow the trainer's StepFinished events, not weight versions
         # (_follow_steps): with trigger_parameter_sync_step > 1 a version spans several steps.
         self.loaded = newest
         self.version = newest.version
+
+    async def _unloadable(self, msg: WeightsPublished, exc: Exception) -> None:
+        self.bad_weights.add(msg.ref.key)
+        why = str(exc) if isinstance(exc, BlobError) else f"{type(exc).__name__}: {exc}"
+        await self._publish(WarningRaised(
+            source=f"rollouter{self.rank}", code="weights_unloadable",
+            message=f"weights v{msg.version} ({msg.ref.key}) ignored: {why}",
+        ))
 
     def _heartbeat(self) -> Heartbeat:
         """This replica's pulse (bus.liveness.pulse_forever): its weights and the share of
@@ -345,7 +369,7 @@ class Rollouter:
                 left = rc.max_new_tokens - min(len(s.tokens) for s in seqs if not s.finished)
                 await self._off(self._generate, seqs, min(rc.partial_chunk_tokens, left))
                 await self._poll_events()
-                await self._swap_weights()
+                await self._swap_weights(wait=False)
         else:
             await self._off(self._generate, seqs, rc.max_new_tokens)
         gen_s = time.monotonic() - t0
@@ -393,7 +417,11 @@ class Rollouter:
             need = max(t.min_version for _, t in tickets)
             if self.version >= need:
                 break
-            # The ticket demands newer weights than ours (on-policy or bounded staleness).
+            # The ticket demands newer weights than ours (on-policy or bounded staleness):
+            # the newest we know of first (maybe staging), then what the log has since.
+            await self._swap_weights()
+            if self.version >= need:
+                break
             caught_up = await self._poll_events(block_ms=500)
             await self._swap_weights()
             await self._check_trainer()
@@ -479,7 +507,7 @@ class Rollouter:
             last_reclaim = time.monotonic()
             while not self.finished:
                 await self._poll_events()
-                await self._swap_weights()
+                await self._swap_weights(wait=False)
                 if self.finished:
                     break
                 if self.retry:
@@ -503,9 +531,10 @@ class Rollouter:
             await self._publish(ComponentFailed(role="rollouter", rank=self.rank, error=str(exc)))
             return 1
         finally:
-            hb.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await hb
+            for task in (hb, *((self.staging[1],) if self.staging else ())):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
             if self.agent is not None:
                 await self._stop_watching_steps()
                 with contextlib.suppress(Exception):

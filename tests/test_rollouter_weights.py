@@ -1,0 +1,70 @@
+"""The rollouter's weights double buffer: fetch and decode off the generation thread, swap in
+between batches; an unloadable publication is skipped with a warning, never loaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bus import Bus, RedisBlobStore, RunKeys
+from bus.messages import WarningRaised, WeightsPublished
+from rollouter.app import Rollouter
+from runconfig import load_config
+from tests.procs import events_of
+
+pytestmark = pytest.mark.asyncio
+
+
+def _rollouter(redis_url: str, run_id: str, out: Path, bus: Bus) -> Rollouter:
+    cfg = load_config(overrides=[f"redis.url={redis_url}", f"run.id={run_id}",
+                                 f"run.output_dir={out}"])
+    r = Rollouter(cfg, bus)
+    r._build()
+    return r
+
+
+async def _publish(bus: Bus, keys: RunKeys, version: int, blob: bytes) -> None:
+    ref = await RedisBlobStore(bus, keys).put(f"weights-v{version}-test", blob)
+    await bus.publish(keys.events, WeightsPublished(version=version, ref=ref, step=version))
+
+
+async def test_staged_weights_swap_in_only_when_ready_or_needed(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    r = _rollouter(redis_url, run_id, tmp_path, bus)
+    trained = _rollouter(redis_url, run_id, tmp_path, bus).policy
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.5)
+    await _publish(bus, run_keys, 0, r.policy.state_bytes())
+    await r._poll_events()
+    await r._swap_weights()
+    assert r.version == 0
+    await _publish(bus, run_keys, 1, trained.state_bytes())
+    await r._poll_events()
+    r._stage()
+    assert r.staging is not None and r.staging[0].version == 1
+    await r.staging[1]  # fetched and decoded while "generation" would go on
+    await r._swap_weights(wait=False)
+    assert r.version == 1 and r.staging is None
+    assert r.policy.state_bytes() == trained.state_bytes()
+    r.worker.shutdown()
+
+
+async def test_an_unloadable_publication_is_skipped_with_a_warning(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    r = _rollouter(redis_url, run_id, tmp_path, bus)
+    good = r.policy.state_bytes()
+    await _publish(bus, run_keys, 0, good)
+    await _publish(bus, run_keys, 1, b"not a state dict")  # intact blob, wrong content
+    await r._poll_events()
+    await r._swap_weights()
+    assert r.version == 0, "fell back to the newest loadable publication"
+    assert r.policy.state_bytes() == good
+    warnings = [e for e in await events_of(bus, run_keys.events)
+                if isinstance(e, WarningRaised) and e.code == "weights_unloadable"]
+    assert len(warnings) == 1 and "v1" in warnings[0].message
+    r.worker.shutdown()
