@@ -128,7 +128,11 @@ class RunStatus(msgspec.Struct):
 
 
 async def run_status(url: str, run_id: str) -> RunStatus:
-    """Fold run ``run_id``'s events log into a :class:`RunStatus` (one XRANGE pass)."""
+    """Fold run ``run_id``'s events stream into a :class:`RunStatus` (one XRANGE pass).
+
+    The stream only: under ``run.retention=checkpoint`` it holds a few checkpoint windows
+    (older events are archived), and a resume must not read the whole past. A run whose
+    RunStarted was archived still has entries: it has started."""
     from bus import Bus
     from bus.messages import RunFinished, RunStarted, StepFinished
 
@@ -145,6 +149,8 @@ async def run_status(url: str, run_id: str) -> RunStatus:
                     status.last_step = max(status.last_step, msg.step)
                 case RunFinished():
                     status.finished_steps = msg.steps
+        if not status.started:
+            status.started = await bus.length(RunKeys(run_id).events) > 0
     finally:
         await bus.close()
     return status
