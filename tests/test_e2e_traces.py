@@ -88,6 +88,7 @@ async def test_a_sessions_traces_load_in_hta_one_rank_per_file(
             # of the same step: they agree within a few percent (step 1 included, since the
             # profiler was warmed up before it).
             want = finished[k].duration_s
-            # A few percent, with a 10 ms floor for the StepFinished write the annotation
-            # spans on short steps.
-            assert abs(steps[f"step:{k}"] - want) <= max(0.05 * want, 0.010), (k, steps, want)
+            # A few percent, with a 30 ms floor for the StepFinished write (a fenced Lua
+            # call) that the annotation spans and the duration cannot: on two loaded cores
+            # it alone measured 13 ms. A misplaced annotation is off by a whole step.
+            assert abs(steps[f"step:{k}"] - want) <= max(0.05 * want, 0.030), (k, steps, want)
