@@ -4,6 +4,7 @@ run lives in one Redis Cluster slot and MULTI/EXEC across its streams is allowed
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import msgspec
 
@@ -70,12 +71,15 @@ class RunKeys(msgspec.Struct, frozen=True):
         it holds the token of the one trainer allowed to write this run."""
         return f"{self.prefix}:trainer-lease"
 
-    @property
-    def events_readers(self) -> tuple[tuple[str, str], ...]:
+    def events_readers(self, rollouter_ranks: Iterable[int] = ()) -> tuple[tuple[str, str], ...]:
         """``(position key, liveness key)`` of every reader whose stored events position the
-        trainer's events trim keeps (:meth:`bus.Bus.trim_log`): the profiler service's
-        snapshot position, honoured while its liveness key exists."""
-        return ((self.position("profiler"), self.alive("profiler", 0)),)
+        trainer's events trim keeps (:meth:`bus.Bus.trim_log`), each honoured while its
+        liveness key exists: the profiler service's snapshot position, then each rollouter
+        replica's read position (stored at every pulse: a replica a step behind still reads
+        the StepFinished events its profiling steps follow)."""
+        return ((self.position("profiler"), self.alive("profiler", 0)),
+                *((self.position(f"rollouter{r}"), self.alive("rollouter", r))
+                  for r in rollouter_ranks))
 
     @property
     def archive(self) -> str:

@@ -54,17 +54,17 @@ def refusal_for(run_id: str, started: bool, finished_steps: int | None,
 async def live_run_status(url: str, run_id: str) -> RunStatus:
     """What the run's log says about it (rlbus.launcher.run_status). Under
     ``run.retention=checkpoint`` a long run's RunStarted may have been archived and trimmed
-    from its events stream: then the run's entry in the discovery stream (``rlbus:runs``,
-    written with the first RunStarted, config included) says that it started."""
+    from its events stream (run_status still sees that it started): then the run's entry in
+    the discovery stream (``rlbus:runs``, written with the first RunStarted) gives its
+    config."""
     status = await run_status(url, run_id)
-    if status.started:
+    if status.config is not None or not status.started:
         return status
     bus = Bus.from_url(url, client_name="rlbus-profile")
     try:
-        if await bus.length(RunKeys(run_id).events):
-            async for _, msg in bus.read_all(RUNS_STREAM):
-                if isinstance(msg, RunStarted) and msg.run_id == run_id:
-                    status.started, status.config = True, msg.config
+        async for _, msg in bus.read_all(RUNS_STREAM):
+            if isinstance(msg, RunStarted) and msg.run_id == run_id:
+                status.config = msg.config
     finally:
         await bus.close()
     return status

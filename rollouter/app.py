@@ -320,6 +320,13 @@ class Rollouter:
             message=f"weights v{msg.version} ({msg.ref.key}) ignored: {why}",
         ))
 
+    async def _store_position(self) -> None:
+        """At every pulse: where this replica is in the events log, so that the trainer's
+        events trim (retention) never removes what it has yet to read while it is alive."""
+        if self.events_last != "0":
+            await self.bus.set_position(self.keys.position(f"rollouter{self.rank}"),
+                                        self.events_last)
+
     def _heartbeat(self) -> Heartbeat:
         """This replica's pulse (bus.liveness.pulse_forever): its weights and the share of
         the time since the last pulse it did not generate."""
@@ -494,7 +501,7 @@ class Rollouter:
         beat = self.cfg.heartbeat
         hb = asyncio.create_task(pulse_forever(
             self.bus, self.keys.alive("rollouter", self.rank), self._heartbeat,
-            beat.interval_s, beat.timeout_s))
+            beat.interval_s, beat.timeout_s, before=self._store_position))
         await self._off(self._build)
         await self.consumer.ensure_group()
         try:

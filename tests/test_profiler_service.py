@@ -538,7 +538,7 @@ async def test_restart_without_a_snapshot_folds_the_archive_and_the_stream(
     # Everything but the newest entry is archived and trimmed (the service is not alive).
     archive = events_folder(tmp_path / "outputs", run_id)
     done = await archive_below(bus, run_keys.events, archive, last.id,
-                               readers=run_keys.events_readers)
+                               readers=run_keys.events_readers())
     assert done.trimmed > 3 and await bus.length(run_keys.events) == 1
     again = launch(config)
     await wait_alive(bus, run_keys, again)

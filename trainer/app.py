@@ -899,7 +899,8 @@ class Trainer:
             await retain(self.bus, self.keys, self.run_dir, keep_weights=KEEP_WEIGHTS,
                          keep_checkpoints=self.cfg.trainer.max_actor_ckpt_to_keep,
                          last_step=self.state.last_step, current=self.state.checkpoint()[1],
-                         fence=(self.keys.trainer_lease, self.lease.token))
+                         fence=(self.keys.trainer_lease, self.lease.token),
+                         rollouter_ranks=[hb.rank for hb in self.rollouters])
         except OSError as exc:  # the archive could not be written: nothing was trimmed
             await self._publish(WarningRaised(
                 source="trainer", code="events_not_archived",

@@ -10,8 +10,9 @@ The events safe point is the lowest of
   follows (the snapshot file is fsynced first);
 - the oldest of the newest ``keep_weights`` WeightsPublished in the stream: a starting
   rollouter takes the newest publication it reads (and falls back to older loadable ones);
-- the stored position of every live reader with a snapshot of its own (the profiler
-  service, :attr:`bus.RunKeys.events_readers`), re-checked atomically by the trim.
+- the stored position of every live reader (the profiler service's snapshot, each live
+  rollouter's read position: :meth:`bus.RunKeys.events_readers`), re-checked atomically by
+  the trim.
 
 Everything before it is appended to the archive (``OUTPUT_DIR/RUN/events``) and only then
 trimmed (:func:`bus.history.archive_below`). Nothing a starting component needs lies before
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -153,7 +154,7 @@ class Retained(msgspec.Struct, frozen=True):
 async def retain(
     bus: Bus, keys: RunKeys, run_dir: Path, *, keep_weights: int,
     keep_checkpoints: int | None, last_step: int, current: str | None,
-    fence: tuple[str, str] | None = None,
+    fence: tuple[str, str] | None = None, rollouter_ranks: Sequence[int] = (),
 ) -> Retained:
     """After a durable checkpoint: archive then trim the events before the safe point, and
     (``keep_checkpoints``, verl's ``trainer.max_actor_ckpt_to_keep``; None keeps all)
@@ -167,7 +168,7 @@ async def retain(
         return Retained(Archived(0, 0, None))
     below = await events_safe_point(bus, keys, found[1], keep_weights)
     events = await archive_below(bus, keys.events, events_folder(run_dir.parent, keys.run_id),
-                                 below, readers=keys.events_readers, fence=fence,
+                                 below, readers=keys.events_readers(rollouter_ranks), fence=fence,
                                  location_key=keys.archive)
     dropped: list[int] = []
     if keep_checkpoints is not None:
