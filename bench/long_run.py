@@ -41,8 +41,7 @@ reads tickets], then [one fenced script: WeightsPublished, StepFinished + acks, 
 tickets + TicketsIssued, the next StepStarted; rollouter publishes its answers; old blobs
 DEL]. The entries and their order in every stream are the trainer's; only fewer EVALs carry
 them (checkpoint steps keep the trainer's separate writes: the snapshot's position is the
-WeightsPublished entry). Old weight blobs go with one DEL (the trainer sends one DEL per
-stale publication its state remembers, up to 5 per step).
+WeightsPublished entry). Old weight blobs go with one DEL per sync, as the trainer's.
 
 At each point K (``--points``, default 1000 10000 100000; each a checkpoint step) it measures:
 
