@@ -99,6 +99,7 @@ class TrainerConfig(_Section, frozen=True):
     entropy_coeff: NonNegFloat = 0.01
     tis_cap: PosFloat | None = 2.0
     kl_guard: PosFloat | None = None
+    zero_adv: Literal["skip", "keep", "no_entropy", "drop"] = "skip"
     device: str = "auto"
     threads: PosInt = 1
     seed: int = 0

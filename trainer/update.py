@@ -30,10 +30,6 @@ from trainer.grpo import (
 __all__ = ["GrpoStep", "LateStaleMiniBatch", "grpo_update", "guarded_step"]
 
 
-def _mean(xs: Sequence[float]) -> float:
-    return float(sum(xs) / len(xs)) if xs else 0.0
-
-
 _GUARD_TRIES = 6  # shrinks per optimizer step before the guard gives up (each >= halves it)
 
 
@@ -101,6 +97,7 @@ class _MiniBatch(NamedTuple):
     old: torch.Tensor  # log-probs the PPO ratio is taken against
     adv: torch.Tensor
     stale: bool
+    live: torch.Tensor  # [B] bool: the sample's group has unequal rewards (non-zero advantages)
 
 
 class GrpoStep:
@@ -130,7 +127,7 @@ class GrpoStep:
         self.minibatches: list[_MiniBatch] = []
         self.trained = 0  # mini-batches whose first epoch is done
         self.stats: dict[str, list[float]] = {
-            k: [] for k in ("loss", "clip", "ent", "gn", "kl", "ukl", "guard")
+            k: [] for k in ("loss", "clip", "ent", "gn", "kl", "ukl", "guard", "zero")
         }
 
     def add(self, groups: Sequence[Sequence[Sample]]) -> None:
@@ -163,36 +160,65 @@ class GrpoStep:
                     batch.input_ids, batch.attention_mask, batch.response_len,
                     temperature=self.temperature,
                 )
-        adv = group_advantages(rewards).reshape(-1).to(self.device)
+        adv_g = group_advantages(rewards)
+        live = (adv_g != 0).any(dim=1, keepdim=True).expand_as(adv_g).reshape(-1)
+        adv = adv_g.reshape(-1).to(self.device)
         self.groups.extend(groups)
-        self.minibatches.append(_MiniBatch(batch, old, adv, stale))
+        self.minibatches.append(_MiniBatch(batch, old, adv, stale, live.to(self.device)))
 
     def _optimize(self, mb: _MiniBatch) -> None:
         tc = self.tc
+        mode = tc.zero_adv
+        dead = not bool(mb.live.any())  # every group of equal rewards: advantages all 0
+        self.stats["zero"].append(float(dead))
+        if dead and mode in ("skip", "drop"):
+            # No policy-gradient signal: no optimizer step at all (Adam's moments and step
+            # count stay as they are; a zero-gradient Adam step would still move the
+            # parameters by its momentum, and the entropy bonus alone is scaled by Adam to a
+            # full-size step).
+            with torch.no_grad():
+                logp, entropy = self.policy.logprobs_and_entropy(  # type: ignore[operator]
+                    mb.batch.input_ids, mb.batch.attention_mask, mb.batch.response_len,
+                    temperature=self.temperature,
+                )
+            self._record(mb, logp, entropy, loss=0.0, clipfrac=0.0, grad_norm=0.0,
+                         update_kl=0.0, shrunk=False)
+            return
         logp, entropy = self.policy.logprobs_and_entropy(  # type: ignore[operator]
             mb.batch.input_ids, mb.batch.attention_mask, mb.batch.response_len,
             temperature=self.temperature,
         )
+        mask = mb.batch.response_mask
+        if mode == "drop" and not bool(mb.live.all()):
+            # DAPO-style: groups of equal rewards leave the token mean (their policy-gradient
+            # term is 0; they would only dilute the others' and add entropy pressure).
+            mask = mask * mb.live[:, None].to(mask.dtype)
         use_tis = tc.tis_cap is not None and mb.stale
         loss, clipfrac = ppo_clip_loss(
-            logp, mb.old, mb.adv, mb.batch.response_mask, tc.clip_ratio_low, tc.clip_ratio_high,
+            logp, mb.old, mb.adv, mask, tc.clip_ratio_low, tc.clip_ratio_high,
             logp_behaviour=mb.batch.old_logprobs if use_tis else None,
             tis_cap=tc.tis_cap if use_tis else None,
         )
-        ent = masked_mean(entropy, mb.batch.response_mask)
-        if tc.entropy_coeff:
-            loss = loss - tc.entropy_coeff * ent
+        if tc.entropy_coeff and not (dead and mode == "no_entropy"):
+            loss = loss - tc.entropy_coeff * masked_mean(entropy, mask)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), tc.grad_clip)
         update_kl, shrunk = guarded_step(self.policy, self.optimizer, mb.batch, logp,
                                          tc.kl_guard, temperature=self.temperature)
+        self._record(mb, logp, entropy, loss=loss.item(), clipfrac=clipfrac.item(),
+                     grad_norm=float(grad_norm), update_kl=update_kl, shrunk=shrunk)
+
+    def _record(self, mb: _MiniBatch, logp: torch.Tensor, entropy: torch.Tensor, *,
+                loss: float, clipfrac: float, grad_norm: float, update_kl: float,
+                shrunk: bool) -> None:
+        """One optimizer step's stats; entropy and KL over the whole mini-batch."""
         self.stats["ukl"].append(update_kl)
         self.stats["guard"].append(float(shrunk))
-        self.stats["loss"].append(loss.item())
-        self.stats["clip"].append(clipfrac.item())
-        self.stats["ent"].append(ent.item())
-        self.stats["gn"].append(float(grad_norm))
+        self.stats["loss"].append(loss)
+        self.stats["clip"].append(clipfrac)
+        self.stats["ent"].append(masked_mean(entropy.detach(), mb.batch.response_mask).item())
+        self.stats["gn"].append(grad_norm)
         self.stats["kl"].append(float(approx_kl(logp, mb.old, mb.batch.response_mask)))
 
     def train(self) -> None:
@@ -225,6 +251,7 @@ class GrpoStep:
             "actor/approx_kl": _mean(st["kl"]),
             **({"actor/update_kl_max": max(st["ukl"], default=0.0),
                 "actor/kl_guard_frac": _mean(st["guard"])} if tc.kl_guard is not None else {}),
+            **({"actor/zero_adv_frac": _mean(st["zero"])} if tc.zero_adv != "keep" else {}),
             "response/length_mean": _mean(lengths),
         }
 
