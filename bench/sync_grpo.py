@@ -82,9 +82,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(one version stale), placed first as the async trainer receives them: "
                    "rlbus's default pipeline (staleness_threshold 0.5) in one process, "
                    "deterministically")
+    p.add_argument("--gen-prompts", type=int, default=0,
+                   help="prompts per generation batch, as rollout.prompts_per_batch (a rollout "
+                   "engine's decode batch); 0: the whole step's prompts at once")
     p.add_argument("--quiet", action="store_true", help="print every 10th step only")
     p.add_argument("--show", type=int, default=0, help="print this many samples per report")
     return p.parse_args(argv)
+
+
+def _generate(policy: torch.nn.Module, prompt_ids: list[list[int]], max_new: int,
+              a: argparse.Namespace, seed: int) -> Generation:
+    """Generate for ``prompt_ids`` in batches of ``--gen-prompts`` prompts (all at once: 0)."""
+    size = a.gen_prompts * a.n or len(prompt_ids)
+    parts = [policy.generate(prompt_ids[i : i + size], max_new, a.temperature,  # type: ignore[operator]
+                             seed=seed + 7919 * (i // size))
+             for i in range(0, len(prompt_ids), size)]
+    if len(parts) == 1:
+        return parts[0]
+    return Generation([t for g in parts for t in g.tokens], [x for g in parts for x in g.logprobs],
+                      [f for g in parts for f in g.finished])
 
 
 def run(a: argparse.Namespace) -> int | None:
@@ -115,10 +131,9 @@ def run(a: argparse.Namespace) -> int | None:
         prompt_ids = [tok.encode(p.prompt, bos=True) for p in prompts for _ in range(a.n)]
         gen_seed = a.seed * 1_000_003 + step
         k = n_stale * a.n if behind is not None and step > 1 else 0
-        gen = policy.generate(prompt_ids[k:], max_new, a.temperature, seed=gen_seed)
+        gen = _generate(policy, prompt_ids[k:], max_new, a, seed=gen_seed)
         if k:
-            old_gen = behind.generate(prompt_ids[:k], max_new, a.temperature,
-                                      seed=gen_seed + 500_009)
+            old_gen = _generate(behind, prompt_ids[:k], max_new, a, seed=gen_seed + 500_009)
             gen = Generation(old_gen.tokens + gen.tokens, old_gen.logprobs + gen.logprobs,
                              old_gen.finished + gen.finished)
         rewards = torch.tensor(

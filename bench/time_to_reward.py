@@ -10,13 +10,18 @@ hyper-parameters (the defaults of runconfig/defaults.yaml, passed to bench/sync_
   1 and with 2 torch threads, the faster counting; timed from launching it until it prints
   that it reached the target.
 
+``--workload gen-heavy`` makes generation the larger part on both sides: one prompt's
+responses per decode batch (rlbus ``rollout.prompts_per_batch=1``, the in-process loop
+``--gen-prompts 1``).
+
 Wall time from launch for both, so start-up (imports, Redis, processes) counts against
 rlbus. Prints both times, the steps each needed and the ratio rlbus / in-process, and the
 start-up ratio: launch to rlbus's first StepFinished (its progress line) against launch to
 the in-process loop's first step. Each run is stopped completely (its whole process tree
 gone) before the next one starts, so no run slows the next.
 
-    .venv/bin/python bench/time_to_reward.py [--target 0.9] [--seeds 0 1]
+    .venv/bin/python bench/time_to_reward.py [--target 0.9] [--seeds 0 1 2]
+        [--workload default|gen-heavy]
 """
 
 from __future__ import annotations
@@ -42,6 +47,15 @@ STEP_LINE = re.compile(r"^step\s+(\d+)/\d+\s+reward\s+([0-9.]+)")
 REACHED = re.compile(r"reached [0-9.]+ at step (\d+)")
 # Step 1's line: rlbus up's progress line, or the in-process loop's report of step 1.
 FIRST_STEP = re.compile(r"^step\s+1(/\d+)?\s+reward")
+
+
+# name: (extra rlbus overrides, extra in-process arguments). gen-heavy: both sides decode one
+# prompt's responses per batch (a rollout engine's small decode batches), so generation takes
+# about twice the update time in the in-process loop (measured: 17.0 s vs 7.8 s, seed 0).
+WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
+    "default": ([], []),
+    "gen-heavy": (["rollout.prompts_per_batch=1"], ["--gen-prompts", "1"]),
+}
 
 
 def _defaults() -> dict[str, Any]:
@@ -106,7 +120,7 @@ def _rlbus(
 
 
 def _in_process(
-    seed: int, target: float, threads: int
+    seed: int, target: float, threads: int, extra: list[str]
 ) -> tuple[float | None, int | None, float | None]:
     d = _defaults()
     t, r, m, k = d["trainer"], d["rollout"], d["model"], d["task"]
@@ -128,7 +142,7 @@ def _in_process(
            "--clip-low", str(t["clip_ratio_low"]), "--clip-high", str(t["clip_ratio_high"]),
            "--grad-clip", str(t["grad_clip"]), "--entropy-coef", str(t["entropy_coeff"]),
            "--kl-guard", str(t["kl_guard"] or 0),
-           "--quiet"]
+           "--quiet", *extra]
     return _watch(cmd, found, 600)
 
 
@@ -136,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--workload", choices=list(WORKLOADS), default="default")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra overrides for the rlbus run only (e.g. async knobs)")
     a = p.parse_args(argv)
@@ -144,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         for seed in a.seeds:
             # The baseline gets its better thread count (small matmuls often run slower on
             # two threads than on one).
-            runs = [_in_process(seed, a.target, threads) for threads in (1, 2)]
+            ours_extra, theirs_extra = WORKLOADS[a.workload]
+            runs = [_in_process(seed, a.target, threads, theirs_extra) for threads in (1, 2)]
             t_in, s_in, first_in = min(runs, key=lambda r: float("inf") if r[0] is None else r[0])
-            t_up, s_up, first_up = _rlbus(seed, a.target, Path(tmp) / f"s{seed}", a.set)
+            t_up, s_up, first_up = _rlbus(seed, a.target, Path(tmp) / f"s{seed}",
+                                          [*ours_extra, *a.set])
             print(f"seed {seed}: rlbus up {_fmt(t_up)} (step {s_up}, first step at "
                   f"{_fmt(first_up)})   in-process sync {_fmt(t_in)} (step {s_in}, first step "
                   f"at {_fmt(first_in)})", flush=True)
