@@ -141,7 +141,7 @@ def _in_process(
            "--max-new-tokens", str(r["max_new_tokens"]),
            "--clip-low", str(t["clip_ratio_low"]), "--clip-high", str(t["clip_ratio_high"]),
            "--grad-clip", str(t["grad_clip"]), "--entropy-coef", str(t["entropy_coeff"]),
-           "--kl-guard", str(t["kl_guard"] or 0),
+           "--kl-guard", str(t["kl_guard"] or 0), "--zero-adv", str(t["zero_adv"]),
            "--quiet", *extra]
     return _watch(cmd, found, 600)
 
