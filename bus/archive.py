@@ -51,6 +51,7 @@ __all__ = [
     "SEGMENT_BYTES",
     "ArchivedEntry",
     "append",
+    "fsync_path",
     "last_archived",
     "read_archive",
     "segments",
@@ -191,8 +192,9 @@ def _locked(folder: Path) -> Iterator[None]:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder: so that a new or renamed entry in it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -206,7 +208,7 @@ def _new_segment(folder: Path, after: Path | None) -> Path:
         fh.write(MAGIC)
         fh.flush()
         os.fsync(fh.fileno())
-    _fsync_dir(folder)
+    fsync_path(folder)
     return path
 
 
@@ -331,5 +333,5 @@ def truncate_from(folder: Path, entry_id: str) -> int:
             break
         _TAILS.pop(folder, None)
         if removed:
-            _fsync_dir(folder)
+            fsync_path(folder)
     return removed

@@ -254,11 +254,9 @@ def entry_key(entry_id: str | bytes) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-# Atomic safe trim. KEYS[1] stream; ARGV[1] "maxlen" | "minid"; ARGV[2] value.
-# The cut never passes any group's oldest pending entry nor its first undelivered entry.
-_TRIM_LUA = """
-local key = KEYS[1]
-if redis.call('EXISTS', key) == 0 then return 0 end
+# Entry-id order in Lua, for the scripts below: parse("ms-seq") -> ms, seq (and the ms text);
+# less(a, b) compares two ids.
+_LUA_ID_ORDER = """
 local function parse(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
   if ms == nil then ms = string.match(id, '^(%d+)$'); seq = '0' end
@@ -270,6 +268,14 @@ local function less(a, b)
   if am ~= bm then return am < bm end
   return as < bs
 end
+"""
+
+
+# Atomic safe trim. KEYS[1] stream; ARGV[1] "maxlen" | "minid"; ARGV[2] value.
+# The cut never passes any group's oldest pending entry nor its first undelivered entry.
+_TRIM_LUA = _LUA_ID_ORDER + """
+local key = KEYS[1]
+if redis.call('EXISTS', key) == 0 then return 0 end
 local floor = nil
 for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
   local info = {}
@@ -307,21 +313,10 @@ return redis.call('XTRIM', key, 'MINID', floor)
 # when unfenced); KEYS[3..] pairs (reader position key, reader liveness key). ARGV[1] minid;
 # ARGV[2] fencing token ('' = unfenced). The cut never passes the position of a reader whose
 # liveness key exists. Returns the number trimmed, or -1 when the fence refused it.
-_TRIM_LOG_LUA = """
+_TRIM_LOG_LUA = _LUA_ID_ORDER + """
 if ARGV[2] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[2] then return -1 end
 local key = KEYS[1]
 if redis.call('EXISTS', key) == 0 then return 0 end
-local function parse(id)
-  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-  if ms == nil then ms = string.match(id, '^(%d+)$'); seq = '0' end
-  return tonumber(ms), tonumber(seq)
-end
-local function less(a, b)
-  local am, as = parse(a)
-  local bm, bs = parse(b)
-  if am ~= bm then return am < bm end
-  return as < bs
-end
 local cut = ARGV[1]
 for i = 3, #KEYS - 1, 2 do
   if redis.call('EXISTS', KEYS[i + 1]) == 1 then

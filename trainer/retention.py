@@ -31,6 +31,7 @@ from pathlib import Path
 import msgspec
 
 from bus import Bus, RunKeys
+from bus.archive import fsync_path
 from bus.history import Archived, archive_below, events_folder
 from bus.messages import WeightsPublished
 from bus.streams import entry_key
@@ -52,14 +53,6 @@ def _snapshot_files(folder: Path) -> Iterator[tuple[Path, Snapshot]]:
             continue
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 async def newest_snapshot(bus: Bus, keys: RunKeys, folder: Path) -> tuple[Path, Snapshot] | None:
     """The snapshot a resume would use now (the newest whose position and last StepFinished
     the log holds), made durable (file and folder fsynced); None when there is none."""
@@ -68,8 +61,8 @@ async def newest_snapshot(bus: Bus, keys: RunKeys, folder: Path) -> tuple[Path, 
         path, snap = item
         wanted = [snap.position] + ([snap.last_finished_id] if snap.last_finished_id else [])
         if len(await bus.read_ids(keys.events, wanted)) == len(set(wanted)):
-            await asyncio.to_thread(_fsync, path)
-            await asyncio.to_thread(_fsync, folder)
+            await asyncio.to_thread(fsync_path, path)
+            await asyncio.to_thread(fsync_path, folder)
             return path, snap
     return None
 
@@ -125,7 +118,7 @@ def _drop(folder: Path, keep: int, last_step: int, needed: set[int]) -> list[int
             except FileNotFoundError:
                 pass
     if dropped:
-        _fsync(folder)
+        fsync_path(folder)
     return dropped
 
 
