@@ -94,7 +94,9 @@ class LateStaleMiniBatch(RuntimeError):
 
 class _MiniBatch(NamedTuple):
     batch: Batch
-    old: torch.Tensor  # log-probs the PPO ratio is taken against
+    # Log-probs the PPO ratio is taken against. None: the proximal log-probs of the step's
+    # first mini-batch, taken from its own first forward (no optimizer step has run yet).
+    old: torch.Tensor | None
     adv: torch.Tensor
     stale: bool
     live: torch.Tensor  # [B] bool: the sample's group has unequal rewards (non-zero advantages)
@@ -150,8 +152,10 @@ class GrpoStep:
             pad_id=self.policy.pad_id,  # type: ignore[arg-type]
             device=self.device,
         )
-        old = batch.old_logprobs
-        if use_tis:
+        old: torch.Tensor | None = batch.old_logprobs
+        if use_tis and not self.minibatches:
+            old = None  # the first mini-batch: its training forward gives them, for free
+        elif use_tis:
             # Decoupled PPO for stale samples: the ratio is taken against the current
             # (proximal) weights and the rollout policy enters only through a truncated
             # importance weight, so a very stale sample cannot dominate the step.
@@ -166,8 +170,8 @@ class GrpoStep:
         self.groups.extend(groups)
         self.minibatches.append(_MiniBatch(batch, old, adv, stale, live.to(self.device)))
 
-    def _optimize(self, mb: _MiniBatch) -> None:
-        tc = self.tc
+    def _optimize(self, i: int) -> None:
+        mb, tc = self.minibatches[i], self.tc
         mode = tc.zero_adv
         dead = not bool(mb.live.any())  # every group of equal rewards: advantages all 0
         self.stats["zero"].append(float(dead))
@@ -181,6 +185,7 @@ class GrpoStep:
                     mb.batch.input_ids, mb.batch.attention_mask, mb.batch.response_len,
                     temperature=self.temperature,
                 )
+            mb = self._proximal(i, logp)
             self._record(mb, logp, entropy, loss=0.0, clipfrac=0.0, grad_norm=0.0,
                          update_kl=0.0, shrunk=False)
             return
@@ -188,6 +193,7 @@ class GrpoStep:
             mb.batch.input_ids, mb.batch.attention_mask, mb.batch.response_len,
             temperature=self.temperature,
         )
+        mb = self._proximal(i, logp)
         mask = mb.batch.response_mask
         if mode == "drop" and not bool(mb.live.all()):
             # DAPO-style: groups of equal rewards leave the token mean (their policy-gradient
@@ -209,6 +215,14 @@ class GrpoStep:
         self._record(mb, logp, entropy, loss=loss.item(), clipfrac=clipfrac.item(),
                      grad_norm=float(grad_norm), update_kl=update_kl, shrunk=shrunk)
 
+    def _proximal(self, i: int, logp: torch.Tensor) -> _MiniBatch:
+        """Mini-batch ``i`` with its proximal log-probs: if deferred (the step's first
+        mini-batch), this forward's, before any optimizer step of the step."""
+        mb = self.minibatches[i]
+        if mb.old is None:
+            mb = self.minibatches[i] = mb._replace(old=logp.detach())
+        return mb
+
     def _record(self, mb: _MiniBatch, logp: torch.Tensor, entropy: torch.Tensor, *,
                 loss: float, clipfrac: float, grad_norm: float, update_kl: float,
                 shrunk: bool) -> None:
@@ -224,15 +238,15 @@ class GrpoStep:
     def train(self) -> None:
         """First epoch of every mini-batch added and not yet trained."""
         while self.trained < len(self.minibatches):
-            self._optimize(self.minibatches[self.trained])
+            self._optimize(self.trained)
             self.trained += 1
 
     def finish(self) -> dict[str, float]:
         """Train what is left and return the step's metrics."""
         self.train()
         for _ in range(1, self.tc.ppo_epochs):
-            for mb in self.minibatches:
-                self._optimize(mb)
+            for i in range(len(self.minibatches)):
+                self._optimize(i)
         flat_all = [s for group in self.groups for s in group]
         rewards = [s.reward for s in flat_all]
         staleness = [self.version - s.min_version for s in flat_all]
