@@ -51,18 +51,26 @@ async def read_commands(bus: Bus, control: str, cursor: str) -> tuple[list[Comma
     return [msg for _, msg in entries if isinstance(msg, StartProfile | StopProfile)], cursor
 
 
-async def _serve(url: str, name: str, body: Callable[[Bus], Awaitable[int]]) -> int:
+async def _serve(url: str, name: str, body: Callable[[Bus], Awaitable[int]],
+                 stop: asyncio.Event | None, client_name: str | None) -> int:
     try:
-        bus = Bus.from_url(expand_env(url))
+        bus = Bus.from_url(expand_env(url), client_name=client_name)
     except KeyError as exc:
         print(f"{name}: error: invalid config key 'redis.url': environment variable "
               f"{exc.args[0]} (named in {redact_url(url)}) is not set", file=sys.stderr)
         return 2
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
+
+    def on_signal() -> None:
+        if stop is not None and not stop.is_set():
+            stop.set()  # the body winds down and returns its own exit code
+        elif task is not None:
+            # Cancelling the task runs every `finally` (traces written, ProfileStopped sent).
+            task.cancel()
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        # Cancelling the task runs every `finally` (traces written, ProfileStopped sent).
-        loop.add_signal_handler(sig, lambda: task.cancel() if task else None)
+        loop.add_signal_handler(sig, on_signal)
     try:
         return await body(bus)
     except asyncio.CancelledError:
@@ -73,12 +81,23 @@ async def _serve(url: str, name: str, body: Callable[[Bus], Awaitable[int]]) -> 
         print(bus_error_line(name, exc), file=sys.stderr, flush=True)
         return 1
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(bus.close(), CLOSE_TIMEOUT_S)
 
 
-def run_with_bus(url: str, name: str, body: Callable[[Bus], Awaitable[int]]) -> int:
-    """Run ``body(bus)`` in a fresh event loop; SIGTERM/SIGINT/SIGHUP end it with exit code
-    143. ``${VAR}`` in ``url`` comes from the environment; an unreachable Redis is one line on
-    stderr and exit code 1."""
-    return asyncio.run(_serve(url, name, body))
+def run_with_bus(
+    url: str,
+    name: str,
+    body: Callable[[Bus], Awaitable[int]],
+    *,
+    stop: asyncio.Event | None = None,
+    client_name: str | None = None,
+) -> int:
+    """Run ``body(bus)`` in a fresh event loop: the lifecycle every component process shares.
+    SIGTERM/SIGINT/SIGHUP end it with exit code 143; with ``stop``, the first signal sets
+    that event instead (the body stops cleanly and returns its own code) and a second one
+    ends it. ``${VAR}`` in ``url`` comes from the environment; an unreachable Redis is one
+    line on stderr and exit code 1."""
+    return asyncio.run(_serve(url, name, body, stop, client_name))

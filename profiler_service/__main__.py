@@ -1,8 +1,8 @@
 """``python -m profiler_service [--config FILE] [KEY=VALUE ...]``: the standalone profiler service.
 
 The whole config is validated first (exit code 2 naming the key); the service also needs
-``redis.url`` and ``run.id``. Exit code 0 when the run finished (or on SIGTERM), 1 when Redis
-failed.
+``redis.url`` and ``run.id``. Exit code 0 when the run finished (or on a first SIGTERM or
+SIGINT: a clean stop), 1 when Redis failed, 143 at a second signal.
 """
 
 from __future__ import annotations
@@ -40,9 +40,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The bus's per-retry lines are for debugging; an unreachable Redis ends in one line.
     logging.getLogger("bus").setLevel(logging.WARNING)
     # Imported after the config check: a bad config exits before the service is even loaded.
+    from bus import run_with_bus
     from profiler_service.service import serve
 
-    return asyncio.run(serve(cfg))
+    # A first SIGTERM/SIGINT stops the service cleanly (its manifest written, exit code 0).
+    stop = asyncio.Event()
+    return run_with_bus(cfg.redis.url, PROG, lambda bus: serve(cfg, bus, stop), stop=stop,
+                        client_name=f"rlbus-profiler-{cfg.run.id}")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -683,27 +682,12 @@ def _write_marker(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-async def serve(cfg: Config) -> int:
-    """Run the service for ``cfg`` (``redis.url`` and ``run.id`` set); the exit code.
-
-    SIGTERM and SIGINT stop it cleanly (exit code 0).
-    """
-    if cfg.redis.url is None or cfg.run.id is None:
-        raise ValueError("serve needs redis.url and run.id")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    handled: list[signal.Signals] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-            handled.append(sig)
-    bus = Bus.from_url(cfg.redis.url, client_name=f"rlbus-profiler-{cfg.run.id}")
+async def serve(cfg: Config, bus: Bus, stop: asyncio.Event) -> int:
+    """Run the service for ``cfg`` on ``bus`` until the run finished or ``stop`` is set
+    (exit code 0); 1 when Redis failed. The process around it (signals: the first sets
+    ``stop``, a second ends it) is :func:`bus.component.run_with_bus`."""
     try:
         return await ProfilerService(cfg, bus).run(stop)
     except BusError as exc:
         log.error("%s", exc)
         return 1
-    finally:
-        for sig in handled:
-            loop.remove_signal_handler(sig)
-        await bus.close()
