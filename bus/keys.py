@@ -78,8 +78,12 @@ class RunKeys(msgspec.Struct, frozen=True):
         replica's read position (stored at every pulse: a replica a step behind still reads
         the StepFinished events its profiling steps follow)."""
         return ((self.position("profiler"), self.alive("profiler", 0)),
-                *((self.position(f"rollouter{r}"), self.alive("rollouter", r))
+                *((self.rollouter_position(r), self.alive("rollouter", r))
                   for r in rollouter_ranks))
+
+    def rollouter_position(self, rank: int) -> str:
+        """Where rollouter replica ``rank`` stands in the events log (:meth:`position`)."""
+        return self.position(f"rollouter{rank}")
 
     @property
     def archive(self) -> str:

@@ -324,8 +324,7 @@ class Rollouter:
         """At every pulse: where this replica is in the events log, so that the trainer's
         events trim (retention) never removes what it has yet to read while it is alive."""
         if self.events_last != "0":
-            await self.bus.set_position(self.keys.position(f"rollouter{self.rank}"),
-                                        self.events_last)
+            await self.bus.set_position(self.keys.rollouter_position(self.rank), self.events_last)
 
     def _heartbeat(self) -> Heartbeat:
         """This replica's pulse (bus.liveness.pulse_forever): its weights and the share of

@@ -251,8 +251,7 @@ class Trainer:
         """Run blocking work (update, serialisation, checkpoint I/O, profiler calls) on the
         one worker thread: the loop stays free for the lease and liveness, and
         torch.profiler sees every profiled call on the thread it was started on."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.worker, functools.partial(fn, *args, **kwargs))
+        return await self._submit(functools.partial(fn, *args, **kwargs))
 
     async def _write(
         self, items: Sequence[tuple[str, Message]],
