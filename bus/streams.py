@@ -1231,6 +1231,29 @@ class Consumer:
         self.stats.acked += int(n)
         return int(n)
 
+    async def publish_and_ack(
+        self, stream: str, msgs: Sequence[Message], *ids: str | Delivery
+    ) -> list[str]:
+        """Append ``msgs`` to ``stream`` and acknowledge ``ids`` of this consumer's stream
+        in one MULTI/EXEC (XADD ... XACK): the answers land and the work they answer is
+        done together, in one round trip. Returns the new entry ids."""
+        keys = [i.id if isinstance(i, Delivery) else i for i in ids]
+        commands = [self.bus._xadd_args(stream, encode(m), None) for m in msgs]
+
+        async def go() -> list[Any]:
+            pipe = self.bus._redis.pipeline(transaction=True)
+            for args in commands:
+                pipe.execute_command(*args)
+            if keys:
+                pipe.execute_command("XACK", self.stream, self.group, *keys)
+            return await pipe.execute()
+
+        replies = await self._call("XADD+XACK", go)
+        self._inflight.difference_update(keys)
+        if keys:
+            self.stats.acked += int(replies[-1])
+        return [r.decode() for r in replies[: len(commands)]]
+
     def acked(self, ids: Iterable[str]) -> None:
         """Record that ``ids`` were acked by another call than :meth:`ack` (e.g. inside a
         fenced script together with the event that justifies the ack)."""

@@ -116,6 +116,12 @@ class Rollouter:
         self.steps_task: asyncio.Task[None] | None = None  # _watch_steps, with an agent only
         self.attempts: dict[str, int] = {}
         self.retry: list[Any] = []
+        # A pipeline around the worker: the next tickets are read, and the last batch's
+        # samples published (and its tickets acked), while a batch generates; at most one
+        # of each in flight.
+        self.prefetch: asyncio.Task[list[Any]] | None = None
+        self.events_lock = asyncio.Lock()  # one reader of the events stream at a time
+        self.delivering: asyncio.Future[list[str]] | None = None
         self.busy_s = 0.0
         self.window_start = time.monotonic()
         self.generator = torch.Generator(device=self.device)
@@ -145,9 +151,10 @@ class Rollouter:
         log that lost its tail, a lower version is the current one), the trainer's step
         boundaries (this rollouter's profiling steps follow them once it has read the whole
         log) and the run's end. Returns whether it has read the whole log."""
-        entries, self.events_last = await self.bus.read_after(
-            self.keys.events, self.events_last, count=1000, block_ms=block_ms
-        )
+        async with self.events_lock:  # a read ahead (_read_ahead) may be reading too
+            entries, self.events_last = await self.bus.read_after(
+                self.keys.events, self.events_last, count=1000, block_ms=block_ms
+            )
         total = self.cfg.trainer.total_training_steps
         for _, msg in entries:
             self.clock = observe(self.clock, msg)
@@ -406,7 +413,9 @@ class Rollouter:
             ))
         return samples, failed
 
-    async def _serve(self, deliveries: list[Any]) -> None:
+    async def _serve(self, deliveries: list[Any], polled: bool = False) -> None:
+        """Generate for ``deliveries``' tickets and publish the answers; ``polled``: the
+        events stream was read after these tickets were (by :meth:`_read_ahead`)."""
         tickets = []
         for d in deliveries:
             if isinstance(d.msg, PromptTicket) and 1 <= d.msg.n <= MAX_N:
@@ -442,9 +451,12 @@ class Rollouter:
                     return
         # These tickets were issued after the StepFinished that begins the step they belong
         # to: read it now, so that their generation lands in that step (profiling.steps).
-        await self._poll_events()
+        if not polled:
+            await self._poll_events()
         if self.finished:
             return
+        await self._swap_weights(wait=False)
+        self._prefetch()
         try:
             samples, failed = await self._rollout([t for _, t in tickets])
         except Exception as exc:  # a failed rollout is an event, never "end of data"
@@ -469,10 +481,45 @@ class Rollouter:
         done = [(entry_id, t) for entry_id, t in tickets if t.ticket_id in samples]
         if not done:
             return
-        # All responses of these tickets land together, then the tickets are acked.
+        # All responses of these tickets land together with the acks of their tickets, in
+        # the background: the next batch generates meanwhile.
         batch = [sample for _, t in done for sample in samples[t.ticket_id]]
-        await self.bus.publish_many(self.keys.samples, batch, atomic=True)
-        await self.consumer.ack(*(entry_id for entry_id, _ in done))
+        await self._delivered()
+        publish = self.consumer.publish_and_ack(self.keys.samples, batch,
+                                                *(entry_id for entry_id, _ in done))
+        self.delivering = asyncio.ensure_future(publish)
+
+    async def _delivered(self) -> None:
+        """Wait for the batch being published (if any); its failure is raised here."""
+        task, self.delivering = self.delivering, None
+        if task is not None:
+            await task
+
+    def _prefetch(self) -> None:
+        """Start reading the next tickets while this batch generates (:meth:`_read_ahead`)."""
+        if self.prefetch is None and not self.retry and not self.finished:
+            self.prefetch = asyncio.create_task(self._read_ahead())
+
+    async def _read_ahead(self) -> list[Any]:
+        """The next tickets (a blocking XREADGROUP, at most 200 ms), then the events after
+        them: the StepFinished that begins their step precedes them in the log."""
+        deliveries = await self.consumer.read(count=self.cfg.rollout.prompts_per_batch,
+                                              block_ms=200)
+        if deliveries:
+            await self._poll_events()
+        return deliveries
+
+    async def _next_deliveries(self) -> tuple[list[Any], bool]:
+        """Tickets to serve next (retries first, then the read ahead, else a new read) and
+        whether the events were read after them."""
+        if self.retry:
+            deliveries, self.retry = self.retry, []
+            return deliveries, False
+        task, self.prefetch = self.prefetch, None
+        if task is not None:
+            return await task, True
+        return await self.consumer.read(count=self.cfg.rollout.prompts_per_batch,
+                                        block_ms=200), False
 
     async def _reclaim_from_dead_replicas(self) -> list[Any]:
         """Tickets pending on replicas whose liveness key has lapsed (by Redis's clock): a
@@ -512,24 +559,21 @@ class Rollouter:
             await self._swap_weights()
             last_reclaim = time.monotonic()
             while not self.finished:
-                await self._poll_events()
-                await self._swap_weights(wait=False)
-                if self.finished:
-                    break
-                if self.retry:
-                    deliveries, self.retry = self.retry, []
-                else:
-                    deliveries = await self.consumer.read(
-                        count=self.cfg.rollout.prompts_per_batch, block_ms=200
-                    )
+                deliveries, polled = await self._next_deliveries()
                 if not deliveries:
+                    # Nothing to do: the run's end, new weights and the trainer's health.
+                    await self._poll_events()
+                    await self._swap_weights(wait=False)
+                    if self.finished:
+                        break
                     await self._check_trainer()
                     if time.monotonic() - last_reclaim > self.cfg.heartbeat.interval_s:
                         last_reclaim = time.monotonic()
-                        deliveries = await self._reclaim_from_dead_replicas()
+                        deliveries, polled = await self._reclaim_from_dead_replicas(), False
                     if not deliveries:
                         continue
-                await self._serve(deliveries)
+                await self._serve(deliveries, polled)
+            await self._delivered()
             print(f"rollouter{self.rank}: run {self.run_id} finished", flush=True)
             return 0
         except TrainerGone as exc:
@@ -537,7 +581,10 @@ class Rollouter:
             await self._publish(ComponentFailed(role="rollouter", rank=self.rank, error=str(exc)))
             return 1
         finally:
-            for task in (hb, *((self.staging[1],) if self.staging else ())):
+            pipeline = (self.prefetch, self.delivering)
+            self.prefetch = self.delivering = None
+            for task in (hb, *((self.staging[1],) if self.staging else ()),
+                         *(t for t in pipeline if t is not None)):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task

@@ -213,6 +213,30 @@ async def test_two_members_get_disjoint_entries(bus: Bus, run_keys: RunKeys) -> 
 
 
 @pytest.mark.asyncio
+async def test_publish_and_ack_lands_answers_and_acks_together(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    # The rollouter's pipeline: answers of one batch published (and its work acked) while
+    # the next read is blocked on the same consumer.
+    c = Consumer(bus, run_keys.prompts, "rollouter", "r0")
+    await c.ensure_group()
+    await bus.publish_many(run_keys.prompts, steps(4))
+    first = await c.read(count=2, block_ms=100)
+    ahead = asyncio.ensure_future(c.read(count=2, block_ms=2000))
+    ids = await c.publish_and_ack(run_keys.samples, steps(3, start=100), *first)
+    assert len(ids) == 3
+    assert [e.msg.step async for e in bus.read_all(run_keys.samples)] == [100, 101, 102]
+    second = await ahead
+    assert [d.msg.step for d in second] == [2, 3]
+    assert await pending_count(bus, run_keys.prompts, "rollouter") == 2  # only the second
+    assert c.inflight == 2 and c.stats.acked == 2
+    assert await c.publish_and_ack(run_keys.samples, [], *second) == []
+    assert await pending_count(bus, run_keys.prompts, "rollouter") == 0
+    # Nothing to ack: a plain atomic publication.
+    assert len(await c.publish_and_ack(run_keys.samples, steps(1))) == 1
+
+
+@pytest.mark.asyncio
 async def test_own_pending_entries_come_first(bus: Bus, run_keys: RunKeys) -> None:
     stream = run_keys.prompts
     c1 = Consumer(bus, stream, "rollouter", "r0")
