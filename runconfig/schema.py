@@ -65,6 +65,7 @@ class RunConfig(_Section, frozen=True):
     stop_grace_s: PosFloat = 10.0
     progress_interval_s: PosFloat = 10.0
     retention: Literal["checkpoint", "all"] = "checkpoint"
+    cpu_affinity: Literal["auto", "none"] = "auto"
 
 
 class ModelConfig(_Section, frozen=True):

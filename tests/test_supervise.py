@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rlbus.launcher import cpu_plan
 from tests.procs import FAST
 
 # Long enough that the run is still going when the signal arrives; no profiler, no logger:
@@ -89,6 +90,42 @@ def _gone(pids: dict[str, int]) -> None:
     assert not alive, f"children still running: {alive}"
 
 
+def _pinned_apart(pids: dict[str, int]) -> None:
+    """run.cpu_affinity=auto (the default): trainer and rollouter, every thread of each, on
+    CPUs of their own (on a machine with at least 2)."""
+    mine = os.sched_getaffinity(0)
+    if len(mine) < 2:
+        return
+    sets = {}
+    for name in ("trainer", "rollouter0"):
+        tids = [t.id for t in psutil.Process(pids[name]).threads()]
+        assert len(tids) > 1  # the event loop, the torch worker, ...
+        sets[name] = {frozenset(os.sched_getaffinity(t)) for t in tids}
+        assert len(sets[name]) == 1, (name, sets[name])
+    trainer, rollouter = sets["trainer"].pop(), sets["rollouter0"].pop()
+    assert len(trainer) == 1 and len(rollouter) == 1 and not trainer & rollouter
+    assert trainer | rollouter <= mine
+
+
+@pytest.mark.parametrize(
+    ("available", "demands", "expected"),
+    [
+        ([0, 1], [("trainer", 1), ("rollouter0", 1)], {"trainer": {0}, "rollouter0": {1}}),
+        # The second replica does not fit: it and everything after it run anywhere.
+        ([0, 1], [("trainer", 1), ("rollouter0", 1), ("rollouter1", 1)],
+         {"trainer": {0}, "rollouter0": {1}}),
+        ([2, 5, 7, 9], [("trainer", 2), ("rollouter0", 3), ("rollouter1", 1)],
+         {"trainer": {2, 5}}),
+        ([3, 1, 2, 0], [("trainer", 0), ("rollouter0", 2)], {"trainer": {0}, "rollouter0": {1, 2}}),
+        ([0], [("trainer", 1), ("rollouter0", 1)], {}),  # one CPU: nothing to gain
+    ],
+)
+def test_cpu_plan(available: list[int], demands: list[tuple[str, int]],
+                  expected: dict[str, set[int]]) -> None:
+    plan = cpu_plan(available, demands)
+    assert {k: set(v) for k, v in plan.items()} == expected
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
                          ids=["SIGINT", "SIGTERM", "SIGHUP"])
@@ -98,6 +135,7 @@ def test_signal_stops_every_child_and_prints_resume(tmp_path: Path, sig: int) ->
         pids = up.pids()
         assert set(pids) == {"rollouter0", "trainer"}, pids
         up.wait_line(lambda s: s.startswith("step ") and "/100000" in s)
+        _pinned_apart(pids)
         up.proc.send_signal(sig)
         rc, out = up.finish()
         assert rc == 128 + sig, out
