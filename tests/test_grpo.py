@@ -163,6 +163,41 @@ def test_build_batch_layout() -> None:
     assert b.old_logprobs.dtype == torch.float32 and b.input_ids.dtype == torch.long
 
 
+def _reference_batch(samples: list[tuple[list[int], list[int], list[float]]], pad_id: int
+                     ) -> tuple[list[list[int]], list[list[int]], list[list[float]],
+                                list[list[float]]]:
+    """The layout written row by row: left-padded prompts, right-padded responses."""
+    P = max((len(p) for p, _, _ in samples), default=0)
+    R = max((len(r) for _, r, _ in samples), default=0)
+    ids, attn, rmask, old = [], [], [], []
+    for p, r, lp in samples:
+        ids.append([pad_id] * (P - len(p)) + p + r + [pad_id] * (R - len(r)))
+        attn.append([0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r)))
+        rmask.append([1.0] * len(r) + [0.0] * (R - len(r)))
+        old.append([float(np.float32(x)) for x in lp] + [0.0] * (R - len(r)))
+    return ids, attn, rmask, old
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 7), st.integers(0, 6), st.integers(0, 10**6)),
+                min_size=1, max_size=9),
+       st.integers(0, 3))
+def test_build_batch_matches_the_row_by_row_layout(
+    shapes: list[tuple[int, int, int]], pad_id: int
+) -> None:
+    samples = []
+    for p_len, r_len, seed in shapes:
+        rng = np.random.default_rng(seed)
+        samples.append((rng.integers(4, 20, p_len).tolist(), rng.integers(4, 20, r_len).tolist(),
+                        (-rng.random(r_len)).tolist()))
+    b = build_batch(samples, pad_id=pad_id)
+    ids, attn, rmask, old = _reference_batch(samples, pad_id)
+    assert b.input_ids.tolist() == ids and b.attention_mask.tolist() == attn
+    assert b.response_mask.tolist() == rmask and b.old_logprobs.tolist() == old
+    assert (b.prompt_width, b.response_len) == (max(s[0] for s in shapes),
+                                                max(s[1] for s in shapes))
+
+
 def test_build_batch_length_mismatch() -> None:
     with pytest.raises(ValueError, match="sample 0"):
         build_batch([([1], [2, 3], [-1.0])])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,10 +46,10 @@ class Batch:
         })
 
 
-def _as_1d(x: IntSeq | FloatSeq, dtype: torch.dtype) -> torch.Tensor:
+def _as_1d(x: IntSeq | FloatSeq, dtype: np.dtype[Any]) -> np.ndarray:
     if isinstance(x, torch.Tensor):
-        return x.detach().cpu().to(dtype).reshape(-1)
-    return torch.as_tensor(np.asarray(x), dtype=dtype).reshape(-1)
+        x = x.detach().cpu().numpy()
+    return np.asarray(x).astype(dtype, copy=False).reshape(-1)
 
 
 def build_batch(
@@ -56,28 +57,46 @@ def build_batch(
     pad_id: int = 0,
     device: torch.device | str = "cpu",
 ) -> Batch:
-    """Batch from (prompt_ids, response_ids, rollout_logprobs) triples, in order."""
-    prompts = [_as_1d(p, torch.long) for p, _, _ in samples]
-    responses = [_as_1d(r, torch.long) for _, r, _ in samples]
-    logps = [_as_1d(lp, torch.float32) for _, _, lp in samples]
-    for i, (r, lp) in enumerate(zip(responses, logps, strict=True)):
-        if len(r) != len(lp):
-            raise ValueError(f"sample {i}: {len(r)} response tokens but {len(lp)} log-probs")
+    """Batch from (prompt_ids, response_ids, rollout_logprobs) triples, in order.
+
+    One scatter per tensor, not a Python loop over rows: on small models the loop was a
+    tenth of an update."""
+    prompts = [_as_1d(p, np.dtype(np.int64)) for p, _, _ in samples]
+    responses = [_as_1d(r, np.dtype(np.int64)) for _, r, _ in samples]
+    logps = [_as_1d(lp, np.dtype(np.float32)) for _, _, lp in samples]
+    p_len = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
+    r_len = np.fromiter(map(len, responses), dtype=np.int64, count=len(responses))
+    lp_len = np.fromiter(map(len, logps), dtype=np.int64, count=len(logps))
+    if (bad := np.flatnonzero(r_len != lp_len)).size:
+        i = int(bad[0])
+        raise ValueError(f"sample {i}: {r_len[i]} response tokens but {lp_len[i]} log-probs")
     B = len(samples)
-    P = max((len(p) for p in prompts), default=0)
-    R = max((len(r) for r in responses), default=0)
-    ids = torch.full((B, P + R), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, P + R), dtype=torch.long)
-    rmask = torch.zeros((B, R), dtype=torch.float32)
-    old = torch.zeros((B, R), dtype=torch.float32)
-    for i, (p, r, lp) in enumerate(zip(prompts, responses, logps, strict=True)):
-        ids[i, P - len(p) : P] = p
-        attn[i, P - len(p) : P] = 1
-        ids[i, P : P + len(r)] = r
-        attn[i, P : P + len(r)] = 1
-        rmask[i, : len(r)] = 1.0
-        old[i, : len(r)] = lp
-    return Batch(ids, attn, rmask, old, P, R).to(device)
+    P = int(p_len.max(initial=0))
+    R = int(r_len.max(initial=0))
+    ids = np.full((B, P + R), pad_id, dtype=np.int64)
+    attn = np.zeros((B, P + R), dtype=np.int64)
+    rmask = np.zeros((B, R), dtype=np.float32)
+    old = np.zeros((B, R), dtype=np.float32)
+    if B:
+        # Row i: its prompt ends at column P (left-padded), its response starts there.
+        p_rows, p_pos = _ragged(p_len)
+        p_cols = P - p_len[p_rows] + p_pos
+        ids[p_rows, p_cols] = np.concatenate(prompts)
+        attn[p_rows, p_cols] = 1
+        r_rows, r_pos = _ragged(r_len)
+        ids[r_rows, P + r_pos] = np.concatenate(responses)
+        attn[r_rows, P + r_pos] = 1
+        rmask[r_rows, r_pos] = 1.0
+        old[r_rows, r_pos] = np.concatenate(logps)
+    return Batch(torch.from_numpy(ids), torch.from_numpy(attn), torch.from_numpy(rmask),
+                 torch.from_numpy(old), P, R).to(device)
+
+
+def _ragged(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For rows of ``lengths`` laid end to end: each element's row and its index in it."""
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    starts = np.cumsum(lengths) - lengths
+    return rows, np.arange(int(lengths.sum())) - starts[rows]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -146,9 +146,9 @@ class GrpoStep:
                 "the step started from")
         rewards = torch.tensor([[s.reward for s in group] for group in groups])
         batch = build_batch(
-            # copies: Array.numpy() views read-only message bytes
-            [(s.prompt_tokens.numpy().copy(), s.response_tokens.numpy().copy(),
-              s.logprobs.numpy().copy()) for s in flat],
+            # Views on the message bytes: build_batch copies them into its tensors.
+            [(s.prompt_tokens.numpy(), s.response_tokens.numpy(), s.logprobs.numpy())
+             for s in flat],
             pad_id=self.policy.pad_id,  # type: ignore[arg-type]
             device=self.device,
         )
