@@ -371,10 +371,9 @@ class Rollouter:
     ) -> tuple[dict[str, list[Sample]], dict[str, str]]:
         """Generate every ticket's responses: (samples by ticket id, errors by ticket id)."""
         rc, ac = self.cfg.rollout, self.cfg.async_training
-        seqs = [
-            _Seq(t, i, self.tokenizer.encode(t.prompt, bos=True), [], [])
-            for t in tickets for i in range(t.n)
-        ]
+        # A ticket's n responses share its prompt: encoded (and packed, below) once.
+        prompts = {t.ticket_id: self.tokenizer.encode(t.prompt, bos=True) for t in tickets}
+        seqs = [_Seq(t, i, prompts[t.ticket_id], [], []) for t in tickets for i in range(t.n)]
         t0 = time.monotonic()
         if ac.partial_rollout:
             # Generate in chunks; between chunks, pick up new weights mid-sequence.
@@ -389,6 +388,7 @@ class Rollouter:
         self.busy_s += gen_s
         samples: dict[str, list[Sample]] = {}
         failed: dict[str, str] = {}
+        packed = {tid: Array.of(np.asarray(p, dtype=np.int32)) for tid, p in prompts.items()}
         for s in seqs:
             tid = s.ticket.ticket_id
             if tid in failed:
@@ -402,7 +402,7 @@ class Rollouter:
             samples.setdefault(tid, []).append(Sample(
                 sample_id=f"{tid}/{s.index}", ticket_id=tid,
                 prompt_id=s.ticket.prompt_id, index=s.index, n=s.ticket.n,
-                prompt_tokens=Array.of(np.asarray(s.prompt, dtype=np.int32)),
+                prompt_tokens=packed[tid],
                 response_tokens=Array.of(np.asarray(s.tokens, dtype=np.int32)),
                 logprobs=Array.of(np.asarray(s.logprobs, dtype=np.float32)),
                 reward=reward,
