@@ -11,9 +11,9 @@ Workloads:
 
 - train-heavy: long-tailed responses (max_new_tokens 48, the untrained policy stops at EOS
   at random), a larger model and two PPO epochs: T_train > T_gen;
-- gen-heavy: long answers (12-16 digit reversal: 13-17 tokens every response) decoded one
-  prompt at a time (prompts_per_batch 1, as a rollout engine's small decode batches), one
-  epoch: T_gen >= 2 T_train, as in LLM RL.
+- gen-heavy: long answers (20-24 digit reversal: 21-25 tokens every response) decoded one
+  prompt at a time (prompts_per_batch 1, as a rollout engine's small decode batches), two
+  mini-batches of 16 prompts, one epoch: T_gen >= 2 T_train, as in LLM RL.
 
 From the sync run: T_gen = the rollouter's busy time per step (step time x (1 - its idle
 ratio)) and T_train = the trainer's update time per step (trainer/update_s). The trainer
@@ -62,12 +62,16 @@ WORKLOADS: dict[str, list[str]] = {
         "task.max_digits=8",
     ],
     "gen-heavy": [
-        "task.min_digits=12",
-        "task.max_digits=16",
-        "rollout.max_new_tokens=17",
-        "model.max_len=40",
+        "task.min_digits=20",
+        "task.max_digits=24",
+        "rollout.max_new_tokens=25",
+        "model.max_len=56",
         "rollout.prompts_per_batch=1",
         "trainer.ppo_epochs=1",
+        # The step's 32 prompts in 2 mini-batches of 16: training is parallel over tokens
+        # and sequences, decoding is one token at a time.
+        "trainer.ppo_mini_batch_size=16",
+        "async_training.require_batches=2",
     ],
 }
 
