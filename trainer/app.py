@@ -237,6 +237,7 @@ class Trainer:
         self.wait_s = 0.0
         self.update_s = 0.0
         self.upcoming: _StepWork | None = None  # the next step, started early (_loop)
+        self.building_optimizer: asyncio.Future[None] | None = None  # _build_optimizer
         self.window_groups = 0  # prompts trained in this sync window, and how many were stale
         self.window_stale = 0
         self.fenced: str | None = None
@@ -306,12 +307,21 @@ class Trainer:
         torch.manual_seed(tc.seed)
         self.policy = build_policy(msgspec.to_builtins(self.cfg.model), self.device)
         self.policy.train()
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=tc.lr)
         self.vocab_size = _vocab_size(self.policy)
         # None when profiling is off: then no profiler object exists at all.
         self.agent = create_agent(
             self.cfg, "trainer", 0, str(self.device), after_step=self.state.last_step
         )
+
+    def _build_optimizer(self) -> None:
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.cfg.trainer.lr)
+
+    async def _optimizer_ready(self) -> None:
+        """Wait for the optimizer (built beside the first weights' publication: the first
+        torch optimizer of a process imports torch._dynamo, about a second)."""
+        task, self.building_optimizer = self.building_optimizer, None
+        if task is not None:
+            await task
 
     async def _apply_commands(self) -> None:
         """Read new control commands (one non-blocking XREAD) and hand them to the agent."""
@@ -778,6 +788,7 @@ class Trainer:
     async def _resume(self) -> None:
         """Rebuild the model the trainer had: checkpoint, then re-apply the steps after it."""
         st = self.state
+        await self._optimizer_ready()
         ckpt_step, ckpt_path = st.checkpoint()
         if ckpt_path is not None:
             if not await asyncio.to_thread(os.path.exists, ckpt_path):
@@ -847,6 +858,8 @@ class Trainer:
             print(f"trainer: run {self.run_id} already finished at step {self.state.last_step}")
             return 0
         await self._off(self._build)
+        # Its own thread: the worker serialises weights version 0 meanwhile.
+        self.building_optimizer = asyncio.ensure_future(asyncio.to_thread(self._build_optimizer))
         resumed = self.state.started
         await self.consumer.ensure_group()
         await Consumer(self.bus, self.keys.prompts, ROLLOUTER_GROUP, "trainer",
@@ -871,6 +884,9 @@ class Trainer:
                   file=sys.stderr, flush=True)
             return 1
         finally:
+            if self.building_optimizer is not None:
+                with contextlib.suppress(Exception):
+                    await self.building_optimizer
             if self.upcoming is not None:
                 await self.upcoming.settle()
             for t in tasks:
@@ -919,6 +935,7 @@ class Trainer:
         # tail); the newest publication in log order is what they load.
         await self._publish_weights(step=self.state.last_step)
         await self._issue_tickets()
+        await self._optimizer_ready()  # the rollouters generate step `first` meanwhile
         trigger = cfg.async_training.trigger_parameter_sync_step
         for step in range(first, tc.total_training_steps + 1):
             self._check_fenced()
