@@ -50,8 +50,10 @@ FIRST_STEP = re.compile(r"^step\s+1(/\d+)?\s+reward")
 
 
 # name: (extra rlbus overrides, extra in-process arguments). gen-heavy: both sides decode one
-# prompt's responses per batch (a rollout engine's small decode batches), so generation takes
-# about twice the update time in the in-process loop (measured: 17.0 s vs 7.8 s, seed 0).
+# prompt's responses per batch (a rollout engine's small decode batches), so generation is
+# the larger part of the in-process loop (seed 0, one thread: 7.2 s vs 5.2 s of update on
+# 2026-12-03; 17.0 s vs 7.8 s on a slower day). bench/async_speedup.py has a workload with
+# T_gen >= 2 T_train; this one must still learn the task to 0.9.
 WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
     "default": ([], []),
     "gen-heavy": (["rollout.prompts_per_batch=1"], ["--gen-prompts", "1"]),
