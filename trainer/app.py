@@ -950,8 +950,7 @@ class Trainer:
             # verl's per-window view: the share of this sync window's prompts generated with
             # weights older than the trainer's (at most staleness_threshold).
             self.window_groups += len(groups)
-            self.window_stale += sum(
-                1 for g in groups if min(s.min_version for _, s in g.ordered()) < self.version)
+            self.window_stale += sum(1 for g in groups if self._possibly_stale(g))
             metrics["staleness/window_stale_share"] = self.window_stale / self.window_groups
             # Close step+1 to commands before its weights (or our next control read) exist.
             await self.bus.set_barrier(self.keys.barrier, step + 1)
