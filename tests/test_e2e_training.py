@@ -36,6 +36,8 @@ REQUIRED_METRICS = (
     "actor/entropy",
     "actor/grad_norm",
     "trainer/idle_ratio",
+    "trainer/update_s",
+    "trainer/loop_cpu_s",
     "rollouter/idle_ratio",
     "samples/queue_depth",
     "throughput/samples_per_s",
@@ -118,6 +120,9 @@ async def test_two_rollouters_train_every_sample_once_within_staleness(
             assert math.isfinite(e.metrics[key]), (key, e.metrics[key])
         assert e.metrics["tickets/outstanding"] <= budget
         assert e.metrics["staleness/max"] <= bound
+        # Where the step's time went: the worker's update and the event loop's CPU.
+        assert e.metrics["trainer/update_s"] > 0
+        assert 0 < e.metrics["trainer/loop_cpu_s"] < 60
     # Both replicas generated.
     assert {samples[sid].rank for sid in trained} == {0, 1}
     # No more tickets were ever issued than the budget allows beyond what was trained.

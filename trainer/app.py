@@ -238,6 +238,7 @@ class Trainer:
         self.update_s = 0.0
         self.upcoming: _StepWork | None = None  # the next step, started early (_loop)
         self.building_optimizer: asyncio.Future[None] | None = None  # _build_optimizer
+        self.loop_cpu_at = 0.0  # the event loop thread's CPU time at the last StepFinished
         self.window_groups = 0  # prompts trained in this sync window, and how many were stale
         self.window_stale = 0
         self.fenced: str | None = None
@@ -857,6 +858,7 @@ class Trainer:
         if self.state.finished and self.state.last_step >= total:
             print(f"trainer: run {self.run_id} already finished at step {self.state.last_step}")
             return 0
+        self.loop_cpu_at = time.thread_time()
         await self._off(self._build)
         # Its own thread: the worker serialises weights version 0 meanwhile.
         self.building_optimizer = asyncio.ensure_future(asyncio.to_thread(self._build_optimizer))
@@ -1022,9 +1024,13 @@ class Trainer:
         idle = [hb.metrics["rollouter/idle_ratio"] for hb in self.rollouters
                 if "rollouter/idle_ratio" in hb.metrics]
         ledger = self.state.ledger
+        # Called on the event loop's thread: its CPU since the last step (reading, decoding
+        # and checking samples, publishing), which shares the core with the update.
+        loop_cpu, self.loop_cpu_at = time.thread_time() - self.loop_cpu_at, time.thread_time()
         return {
             "trainer/idle_ratio": min(1.0, self.wait_s / duration) if duration > 0 else 0.0,
             "trainer/update_s": update_s,
+            "trainer/loop_cpu_s": loop_cpu,
             "rollouter/idle_ratio": sum(idle) / len(idle) if idle else math.nan,
             "samples/queue_depth": float(
                 sum(len(g.samples) for g in self.ready)
