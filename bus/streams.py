@@ -1238,21 +1238,30 @@ class Consumer:
         in one MULTI/EXEC (XADD ... XACK): the answers land and the work they answer is
         done together, in one round trip. Returns the new entry ids."""
         keys = [i.id if isinstance(i, Delivery) else i for i in ids]
-        commands = [self.bus._xadd_args(stream, encode(m), None) for m in msgs]
+        added, acked = await self._add_and_ack("XADD+XACK", stream, [encode(m) for m in msgs],
+                                               keys)
+        self.stats.acked += acked
+        return added
+
+    async def _add_and_ack(
+        self, op: str, stream: str, payloads: Sequence[bytes], ids: Sequence[str]
+    ) -> tuple[list[str], int]:
+        """MULTI; XADD stream (one entry per payload); XACK this group's ``ids``; EXEC.
+        Returns the new entry ids and how many of ``ids`` were pending."""
+        commands = [self.bus._xadd_args(stream, data, None) for data in payloads]
 
         async def go() -> list[Any]:
             pipe = self.bus._redis.pipeline(transaction=True)
             for args in commands:
                 pipe.execute_command(*args)
-            if keys:
-                pipe.execute_command("XACK", self.stream, self.group, *keys)
+            if ids:
+                pipe.execute_command("XACK", self.stream, self.group, *ids)
             return await pipe.execute()
 
-        replies = await self._call("XADD+XACK", go)
-        self._inflight.difference_update(keys)
-        if keys:
-            self.stats.acked += int(replies[-1])
-        return [r.decode() for r in replies[: len(commands)]]
+        replies = await self._call(op, go)
+        self._inflight.difference_update(ids)
+        return ([r.decode() for r in replies[: len(commands)]],
+                int(replies[-1]) if ids else 0)
 
     def acked(self, ids: Iterable[str]) -> None:
         """Record that ``ids`` were acked by another call than :meth:`ack` (e.g. inside a
@@ -1274,41 +1283,17 @@ class Consumer:
 
     async def _dead_letter_many(self, items: Sequence[tuple[str, str, bytes, int]]) -> None:
         """Wraps MULTI; XADD dlq (one DeadLetter per item); XACK stream group ids; EXEC."""
-        commands = [
-            (
-                "XADD",
-                self.dlq_stream,
-                "*",
-                FIELD,
-                encode(
-                    DeadLetter(
-                        source_stream=self.stream,
-                        entry_id=eid,
-                        reason=reason,
-                        raw=raw,
-                        deliveries=n,
-                        group=self.group,
-                        consumer=self.name,
-                    )
-                ),
-            )
+        letters = [
+            encode(DeadLetter(source_stream=self.stream, entry_id=eid, reason=reason, raw=raw,
+                              deliveries=n, group=self.group, consumer=self.name))
             for eid, reason, raw, n in items
         ]
-        ids = [eid for eid, _, _, _ in items]
         for eid, reason, _, _ in items:
             log.warning(
                 "dead-lettering %s of %s (group %s): %s", eid, self.stream, self.group, reason
             )
-
-        async def go() -> list[Any]:
-            pipe = self.bus._redis.pipeline(transaction=True)
-            for args in commands:
-                pipe.execute_command(*args)
-            pipe.execute_command("XACK", self.stream, self.group, *ids)
-            return await pipe.execute()
-
-        await self._call("DLQ", go)
-        self._inflight.difference_update(ids)
+        await self._add_and_ack("DLQ", self.dlq_stream, letters,
+                                [eid for eid, _, _, _ in items])
         self.stats.dead_lettered += len(items)
 
     # ------------------------------------------------------------------ reclaiming
