@@ -510,16 +510,13 @@ class Rollouter:
         return deliveries
 
     async def _next_deliveries(self) -> tuple[list[Any], bool]:
-        """Tickets to serve next (retries first, then the read ahead, else a new read) and
-        whether the events were read after them."""
+        """Tickets to serve next (retries first, then the read ahead, else a read now, each
+        followed by the events after it) and whether the events were read after them."""
         if self.retry:
             deliveries, self.retry = self.retry, []
             return deliveries, False
         task, self.prefetch = self.prefetch, None
-        if task is not None:
-            return await task, True
-        return await self.consumer.read(count=self.cfg.rollout.prompts_per_batch,
-                                        block_ms=200), False
+        return await (task if task is not None else self._read_ahead()), True
 
     async def _reclaim_from_dead_replicas(self) -> list[Any]:
         """Tickets pending on replicas whose liveness key has lapsed (by Redis's clock): a
