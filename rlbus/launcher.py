@@ -345,7 +345,7 @@ def _pin(cfg: Config, children: Sequence[Child]) -> None:
         return
     demands = [("trainer", cfg.trainer.threads)] + [
         (f"rollouter{rank}", cfg.rollout.threads) for rank in range(cfg.rollout.replicas)]
-    plan = cpu_plan(sorted(os.sched_getaffinity(0)), demands)
+    plan = cpu_plan(list(os.sched_getaffinity(0)), demands)
     for child in children:
         child.cpus = plan.get(child.name)
 

@@ -1026,7 +1026,8 @@ class Trainer:
         ledger = self.state.ledger
         # Called on the event loop's thread: its CPU since the last step (reading, decoding
         # and checking samples, publishing), which shares the core with the update.
-        loop_cpu, self.loop_cpu_at = time.thread_time() - self.loop_cpu_at, time.thread_time()
+        now = time.thread_time()
+        loop_cpu, self.loop_cpu_at = now - self.loop_cpu_at, now
         return {
             "trainer/idle_ratio": min(1.0, self.wait_s / duration) if duration > 0 else 0.0,
             "trainer/update_s": update_s,
