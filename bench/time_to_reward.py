@@ -17,7 +17,10 @@ responses per decode batch (rlbus ``rollout.prompts_per_batch=1``, the in-proces
 Wall time from launch for both, so start-up (imports, Redis, processes) counts against
 rlbus. Prints both times, the steps each needed and the ratio rlbus / in-process, and the
 start-up ratio: launch to rlbus's first StepFinished (its progress line) against launch to
-the in-process loop's first step. Each run is stopped completely (its whole process tree
+the in-process loop's first step. It also prints the floor of the ratio on this machine's CPUs:
+rlbus with no overhead, no extra steps and the in-process start-up, its steps as short as
+the in-process runs' own generation and update work allows (see ``floor_step_s``). An aim
+below the floor needs more CPUs (or a GPU), not a better pipeline. Each run is stopped completely (its whole process tree
 gone) before the next one starts, so no run slows the next.
 
     .venv/bin/python bench/time_to_reward.py [--target 0.9] [--seeds 0 1 2]
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 import statistics
 import subprocess
@@ -35,7 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import yaml
@@ -45,6 +49,8 @@ __all__ = ["main"]
 ROOT = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(r"^step\s+(\d+)/\d+\s+reward\s+([0-9.]+)")
 REACHED = re.compile(r"reached [0-9.]+ at step (\d+)")
+# The in-process loop's closing line splits its time: "generate 4.1 s, update 5.2 s".
+SPLIT = re.compile(r"generate ([0-9.]+) s, update ([0-9.]+) s")
 # Step 1's line: rlbus up's progress line, or the in-process loop's report of step 1.
 FIRST_STEP = re.compile(r"^step\s+1(/\d+)?\s+reward")
 
@@ -121,15 +127,27 @@ def _rlbus(
     return _watch(cmd, found, 600)
 
 
-def _in_process(
-    seed: int, target: float, threads: int, extra: list[str]
-) -> tuple[float | None, int | None, float | None]:
+class InProcess(NamedTuple):
+    """One in-process run: time to the target, its step, time to its first step, and the
+    seconds it spent generating and updating (None where it never reached the target)."""
+
+    time_s: float | None
+    step: int | None
+    first_s: float | None
+    gen_s: float | None
+    update_s: float | None
+
+
+def _in_process(seed: int, target: float, threads: int, extra: list[str]) -> InProcess:
     d = _defaults()
     t, r, m, k = d["trainer"], d["rollout"], d["model"], d["task"]
     ac = d["async_training"]
+    split: list[float] = []
 
     def found(line: str) -> int | None:
         m = REACHED.search(line)
+        if m and (s := SPLIT.search(line)):
+            split.extend(float(x) for x in s.groups())
         return int(m.group(1)) if m else None
 
     cmd = [sys.executable, str(ROOT / "bench" / "sync_grpo.py"), "--seed", str(seed),
@@ -145,7 +163,29 @@ def _in_process(
            "--grad-clip", str(t["grad_clip"]), "--entropy-coef", str(t["entropy_coeff"]),
            "--kl-guard", str(t["kl_guard"] or 0), "--zero-adv", str(t["zero_adv"]),
            "--quiet", *extra]
-    return _watch(cmd, found, 600)
+    time_s, step, first_s = _watch(cmd, found, 600)
+    gen_s, update_s = split or (None, None)
+    return InProcess(time_s, step, first_s, gen_s, update_s)
+
+
+def work_per_step(one: InProcess, two: InProcess) -> tuple[float, float, float] | None:
+    """Seconds per step of the in-process runs' own work: generation and update on one
+    thread (G1, T1), and the update on two threads (T2); None if a run missed the target."""
+    if (one.step is None or one.gen_s is None or one.update_s is None or two.step is None
+            or two.update_s is None):
+        return None
+    return one.gen_s / one.step, one.update_s / one.step, two.update_s / two.step
+
+
+def floor_step_s(g1: float, t1: float, t2: float, cpus: int, replicas: int) -> float:
+    """The shortest step any rlbus layout could take on ``cpus`` CPUs.
+
+    rlbus runs the same generation and update code as the in-process loop, so it does at
+    least that work per step. A trainer on one thread beside ``replicas`` one-thread
+    rollouters needs max(T1, G1/replicas, (G1 + T1)/cpus); a trainer on two threads keeps
+    both busy for T2, so max(T2, (2 T2 + G1)/cpus). The floor is the smaller of the two:
+    no overhead, no waiting, no extra steps."""
+    return min(max(t1, g1 / replicas, (g1 + t1) / cpus), max(t2, (2 * t2 + g1) / cpus))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,24 +196,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra overrides for the rlbus run only (e.g. async knobs)")
     a = p.parse_args(argv)
-    ours, theirs, starts = [], [], []
+    cpus = len(os.sched_getaffinity(0))
+    replicas = next((int(kv.split("=", 1)[1]) for kv in a.set
+                     if kv.startswith("rollout.replicas=")), _defaults()["rollout"]["replicas"])
+    ours, theirs, starts, floors = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="rlbus-ttr-") as tmp:
         for seed in a.seeds:
             # The baseline gets its better thread count (small matmuls often run slower on
             # two threads than on one).
             ours_extra, theirs_extra = WORKLOADS[a.workload]
-            runs = [_in_process(seed, a.target, threads, theirs_extra) for threads in (1, 2)]
-            t_in, s_in, first_in = min(runs, key=lambda r: float("inf") if r[0] is None else r[0])
+            one, two = (_in_process(seed, a.target, threads, theirs_extra) for threads in (1, 2))
+            best = min((one, two), key=lambda r: float("inf") if r.time_s is None else r.time_s)
             t_up, s_up, first_up = _rlbus(seed, a.target, Path(tmp) / f"s{seed}",
                                           [*ours_extra, *a.set])
             print(f"seed {seed}: rlbus up {_fmt(t_up)} (step {s_up}, first step at "
-                  f"{_fmt(first_up)})   in-process sync {_fmt(t_in)} (step {s_in}, first step "
-                  f"at {_fmt(first_in)})", flush=True)
-            if t_in is not None and t_up is not None:
+                  f"{_fmt(first_up)})   in-process sync {_fmt(best.time_s)} (step {best.step}, "
+                  f"first step at {_fmt(best.first_s)}, {1 + (best is two)} thread(s))",
+                  flush=True)
+            if best.time_s is not None and t_up is not None:
                 ours.append(t_up)
-                theirs.append(t_in)
-            if first_in is not None and first_up is not None:
-                starts.append(first_up / first_in)
+                theirs.append(best.time_s)
+                work = work_per_step(one, two)
+                if work is not None and best.first_s is not None and best.step is not None:
+                    floor = floor_step_s(*work, cpus, replicas)
+                    # Start-up as fast as the in-process loop's, every later step at the floor.
+                    floors.append(best.first_s + (best.step - 1) * floor)
+                    g1, t1, t2 = (1e3 * x for x in work)
+                    print(f"    work per step: generate {g1:.0f} ms, update {t1:.0f} ms on one "
+                          f"thread, {t2:.0f} ms on two; floor step on {cpus} CPUs "
+                          f"{1e3 * floor:.0f} ms", flush=True)
+            if first_up is not None and best.first_s is not None:
+                starts.append(first_up / best.first_s)
     if starts:
         print(f"start-up: launch to first step, rlbus / in-process {statistics.mean(starts):.2f}"
               f" (per seed: {', '.join(f'{x:.2f}' for x in starts)})")
@@ -183,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     ratio = statistics.mean(ours) / statistics.mean(theirs)
     print(f"mean time to reward >= {a.target}: rlbus {statistics.mean(ours):.1f} s, "
           f"in-process {statistics.mean(theirs):.1f} s, ratio rlbus/in-process {ratio:.2f}")
+    if len(floors) == len(ours):
+        floor_ratio = statistics.mean(floors) / statistics.mean(theirs)
+        print(f"floor of that ratio on {cpus} CPUs: {floor_ratio:.2f} (rlbus with no "
+              "overhead, no extra steps and the in-process loop's start-up)")
     return 0
 
 
