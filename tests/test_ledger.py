@@ -22,7 +22,7 @@ from trainer.ledger import Ledger, OpenTicket, apply, fold, ticket_id
 from trainer.state import TrainerState
 from trainer.state import apply as state_apply
 from trainer.state import fold as state_fold
-from trainer.validate import check_sample
+from trainer.validate import check_sample, values_in_range
 
 
 def _issued(first: int, count: int, version: int, attempt: int = 0) -> TicketsIssued:
@@ -167,6 +167,63 @@ def test_check_sample(change: dict, reason: str | None) -> None:
         assert got is None
     else:
         assert got is not None and reason in got, got
+
+
+# One sample's arrays: (prompt, response, log-probs), each as it may arrive in a stream.
+_ARRAYS = {
+    "ok": (Array.of(np.asarray([1, 2], np.int32)), Array.of(np.asarray([3, 4], np.int32)),
+           Array.of(np.asarray([-0.1, -0.2], np.float32))),
+    "token out of vocabulary": (Array.of(np.asarray([1, 100], np.int32)),
+                                Array.of(np.asarray([3, 4], np.int32)),
+                                Array.of(np.asarray([-0.1, -0.2], np.float32))),
+    "negative token": (Array.of(np.asarray([1, 2], np.int32)),
+                       Array.of(np.asarray([-3, 4], np.int32)),
+                       Array.of(np.asarray([-0.1, -0.2], np.float32))),
+    "nan log-prob": (Array.of(np.asarray([1, 2], np.int32)), Array.of(np.asarray([3, 4], np.int32)),
+                     Array.of(np.asarray([np.nan, -0.2], np.float32))),
+    "positive log-prob": (Array.of(np.asarray([1, 2], np.int32)),
+                          Array.of(np.asarray([3, 4], np.int32)),
+                          Array.of(np.asarray([-0.1, 0.5], np.float32))),
+    "int64 tokens": (Array.of(np.asarray([1, 2], np.int64)), Array.of(np.asarray([3, 4], np.int64)),
+                     Array.of(np.asarray([-0.1, -0.2], np.float32))),
+    "float64 log-probs": (Array.of(np.asarray([1, 2], np.int32)),
+                          Array.of(np.asarray([3, 4], np.int32)),
+                          Array.of(np.asarray([-0.1, -0.2], np.float64))),
+    # 7 bytes of int32: concatenated, it would shift every later sample's token ids.
+    "ragged buffer": (Array(dtype="<i4", data=bytes([1, 0, 0, 0, 2, 0, 0])),
+                      Array.of(np.asarray([3, 4], np.int32)),
+                      Array.of(np.asarray([-0.1, -0.2], np.float32))),
+    "float tokens": (Array.of(np.asarray([1, 2], np.float32)),
+                     Array.of(np.asarray([3, 4], np.int32)),
+                     Array.of(np.asarray([-0.1, -0.2], np.float32))),
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(sorted(_ARRAYS)), min_size=1, max_size=12))
+def test_batch_value_check_changes_no_verdict(kinds: list[str]) -> None:
+    """The trainer checks a read's values together (values_in_range) and each sample's own
+    only when that fails: every sample gets the verdict, and the reason, it gets alone."""
+    batch = [_sample(prompt_tokens=p, response_tokens=r, logprobs=lp)
+             for p, r, lp in (_ARRAYS[k] for k in kinds)]
+    checked = values_in_range(batch, vocab_size=100)
+    # Shown together only when all values are in range and each kind has one dtype.
+    assert checked == (len(set(kinds)) == 1
+                       and kinds[0] in ("ok", "int64 tokens", "float64 log-probs"))
+    for s in batch:
+        alone = check_sample(s, TICKET, version=3, max_new_tokens=5, vocab_size=100)
+        assert check_sample(s, TICKET, version=3, max_new_tokens=5, vocab_size=100,
+                            values_checked=checked) == alone
+
+
+def test_batch_value_check_needs_one_dtype_per_kind() -> None:
+    ok, wide = _sample(), _sample(**dict(zip(("prompt_tokens", "response_tokens", "logprobs"),
+                                             _ARRAYS["int64 tokens"], strict=True)))
+    assert values_in_range([ok, ok], vocab_size=100)
+    assert values_in_range([wide, wide], vocab_size=100)
+    assert not values_in_range([ok, wide], vocab_size=100)  # then each sample on its own
+    assert values_in_range([], vocab_size=100)
+    assert values_in_range([ok], vocab_size=None)
 
 
 # --------------------------------------------------------------------------- staleness grid

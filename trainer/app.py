@@ -89,7 +89,7 @@ from trainer.resume import Snapshot, load_checkpoint, read_log, replay_groups, w
 from trainer.retention import retain
 from trainer.state import TrainerState, apply
 from trainer.update import GrpoStep, grpo_update
-from trainer.validate import check_sample
+from trainer.validate import check_sample, values_in_range
 
 __all__ = ["LogBehind", "PeerDead", "Trainer", "TrainerConflict", "main"]
 
@@ -587,7 +587,15 @@ class Trainer:
         self.refused += 1
         await self.consumer.dead_letter(delivery, reason)
 
-    async def _take(self, delivery: Delivery) -> None:
+    async def _take_all(self, deliveries: Sequence[Delivery]) -> None:
+        """Take a read's deliveries in order; their token ids and log-probs are checked
+        together first (values_in_range), each sample's on its own only if that fails."""
+        checked = values_in_range([d.msg for d in deliveries if isinstance(d.msg, Sample)],
+                                  self.vocab_size)
+        for d in deliveries:
+            await self._take(d, values_checked=checked)
+
+    async def _take(self, delivery: Delivery, values_checked: bool = False) -> None:
         entry_id, msg = delivery.id, delivery.msg
         if not isinstance(msg, Sample):
             await self._refuse(delivery, f"expected a Sample, got {type(msg).__name__}")
@@ -604,7 +612,8 @@ class Trainer:
             return
         problem = check_sample(msg, ticket, version=self.version,
                                max_new_tokens=self.cfg.rollout.max_new_tokens,
-                               max_len=self.max_len, vocab_size=self.vocab_size)
+                               max_len=self.max_len, vocab_size=self.vocab_size,
+                               values_checked=values_checked)
         if problem is not None:
             await self._refuse(delivery, f"invalid answer of {msg.ticket_id}: {problem}")
             self._drop_partial(index)
@@ -765,8 +774,7 @@ class Trainer:
                     self.wait_s += time.monotonic() - t_read
                 if deliveries:
                     self.failures_since_sample = 0
-                for d in deliveries:
-                    await self._take(d)
+                await self._take_all(deliveries)
                 if not deliveries:
                     # Only when the stream has nothing for us: answers that arrived during a
                     # long update are read before any lease is judged expired.

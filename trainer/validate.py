@@ -8,11 +8,14 @@ ticket.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+
+import numpy as np
 
 from bus.messages import Sample
 from trainer.ledger import OpenTicket
 
-__all__ = ["check_sample"]
+__all__ = ["check_sample", "values_in_range"]
 
 _INT_KINDS = "iu"
 
@@ -25,9 +28,11 @@ def check_sample(
     max_new_tokens: int,
     max_len: int | None = None,
     vocab_size: int | None = None,
+    values_checked: bool = False,
 ) -> str | None:
     """Why ``s`` cannot be trained as an answer of ``ticket`` while the trainer holds weights
-    ``version``; None when it can."""
+    ``version``; None when it can. ``values_checked``: :func:`values_in_range` has shown
+    for a batch holding ``s`` that its token ids and log-probs are in range."""
     if s.attempt > ticket.attempt:
         return f"attempt {s.attempt} of {s.ticket_id} was never issued (latest {ticket.attempt})"
     if s.n != ticket.n:
@@ -54,13 +59,12 @@ def check_sample(
         return f"{len(prompt) + len(response)} tokens, more than the model's max_len={max_len}"
     if len(logprobs) != len(response):
         return f"{len(logprobs)} log-probs for {len(response)} response tokens"
-    if vocab_size is not None:
+    if vocab_size is not None and not values_checked:
         lo = min(int(prompt.min()), int(response.min()))
         hi = max(int(prompt.max()), int(response.max()))
         if lo < 0 or hi >= vocab_size:
             return f"token ids span {lo}..{hi}, outside the vocabulary 0..{vocab_size - 1}"
-    # Two reductions: a NaN makes both NaN, an infinity shows at either end.
-    if not (math.isfinite(logprobs.min()) and logprobs.max() <= 1e-4):
+    if not (values_checked or _logprobs_ok(logprobs)):
         return "log-probs must be finite and <= 0"
     if not math.isfinite(s.reward):
         return f"reward {s.reward} is not finite"
@@ -71,3 +75,41 @@ def check_sample(
         return (f"weights versions {s.min_version}..{s.max_version} outside "
                 f"{low}..{version} (trainer holds {version})")
     return None
+
+
+def _logprobs_ok(logprobs: np.ndarray) -> bool:
+    # Two reductions: a NaN makes both NaN, an infinity shows at either end.
+    return bool(math.isfinite(logprobs.min()) and logprobs.max() <= 1e-4)
+
+
+def values_in_range(samples: Sequence[Sample], vocab_size: int | None) -> bool:
+    """Whether every token id of ``samples`` lies in 0..vocab_size - 1 and every log-prob is
+    finite and <= 0, shown over the whole batch at once: one concatenation and a few
+    reductions per kind instead of six reductions per sample (a read of 256 samples costs
+    ~0.3 ms instead of ~2.5 ms of the trainer's event loop).
+
+    False when it cannot be shown this way: a value out of range, token ids or log-probs of
+    more than one dtype (or of the wrong kind), a buffer that is not a whole number of
+    items (concatenated, it would shift the items of the samples after it). Then
+    :func:`check_sample` checks each sample's values on its own and names the culprit."""
+    if not samples:
+        return True
+    tok_dtype = np.dtype(samples[0].prompt_tokens.dtype)
+    lp_dtype = np.dtype(samples[0].logprobs.dtype)
+    if tok_dtype.kind not in _INT_KINDS or lp_dtype.kind != "f":
+        return False
+    tok_size, lp_size = tok_dtype.itemsize, lp_dtype.itemsize
+    tok_str, lp_str = samples[0].prompt_tokens.dtype, samples[0].logprobs.dtype
+    for s in samples:
+        p, r, lp = s.prompt_tokens, s.response_tokens, s.logprobs
+        if (p.dtype != tok_str or r.dtype != tok_str or lp.dtype != lp_str
+                or len(p.data) % tok_size or len(r.data) % tok_size or len(lp.data) % lp_size):
+            return False
+    tokens = np.frombuffer(b"".join(x for s in samples
+                                    for x in (s.prompt_tokens.data, s.response_tokens.data)),
+                           dtype=tok_dtype)
+    logprobs = np.frombuffer(b"".join(s.logprobs.data for s in samples), dtype=lp_dtype)
+    if vocab_size is not None and tokens.size and (int(tokens.min()) < 0
+                                                   or int(tokens.max()) >= vocab_size):
+        return False
+    return not logprobs.size or _logprobs_ok(logprobs)
