@@ -23,7 +23,7 @@ if TYPE_CHECKING:
         RedisBlobStore,
         open_store,
     )
-    from bus.component import read_commands, run_with_bus
+    from bus.component import read_commands, run_with_bus, settle_heap
     from bus.errors import (
         BlobCorrupt,
         BlobError,
@@ -195,6 +195,7 @@ __all__ = [
     "retry_async",
     "run_with_bus",
     "serve_forever",
+    "settle_heap",
     "validate_run_id",
 ]
 

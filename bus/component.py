@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ from bus.errors import BusAuthError, BusUnavailable, redact_url
 from bus.messages import Command, StartProfile, StopProfile
 from bus.streams import Bus
 
-__all__ = ["bus_error_line", "expand_env", "read_commands", "run_with_bus"]
+__all__ = ["bus_error_line", "expand_env", "read_commands", "run_with_bus", "settle_heap"]
 
 CLOSE_TIMEOUT_S = 5.0
 
@@ -42,6 +43,17 @@ def bus_error_line(name: str, exc: BusUnavailable | BusAuthError) -> str:
                 "environment variable it names)")
     return (f"{name}: error: cannot reach Redis at {exc.url} ({exc.op} failed after "
             f"{exc.attempts} attempt(s)); is the server running there? check redis.url")
+
+
+def settle_heap() -> None:
+    """A component's start-up is over: if the garbage collector is off (``rlbus trainer``
+    and ``rlbus rollouter`` start with it off), freeze what is alive now (gc.freeze: the
+    imports and the model stay out of every later collection) and turn it back on. With the
+    collector on (a component run in-process, e.g. under tests) this does nothing."""
+    if gc.isenabled():
+        return
+    gc.freeze()
+    gc.enable()
 
 
 async def read_commands(bus: Bus, control: str, cursor: str) -> tuple[list[Command], str]:

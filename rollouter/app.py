@@ -30,7 +30,16 @@ import msgspec
 import numpy as np
 import torch
 
-from bus import BlobError, BlobNotFound, Bus, Consumer, RunKeys, read_commands, run_with_bus
+from bus import (
+    BlobError,
+    BlobNotFound,
+    Bus,
+    Consumer,
+    RunKeys,
+    read_commands,
+    run_with_bus,
+    settle_heap,
+)
 from bus.blobs import open_store
 from bus.liveness import peers, pulse_forever
 from bus.messages import (
@@ -546,6 +555,7 @@ class Rollouter:
             self.bus, self.keys.alive("rollouter", self.rank), self._heartbeat,
             beat.interval_s, beat.timeout_s, before=self._store_position))
         await self._off(self._build)
+        settle_heap()
         await self.consumer.ensure_group()
         try:
             # Weights version 0 first: they come after ProfilerReady, so the control stream

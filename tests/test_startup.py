@@ -22,3 +22,32 @@ def test_the_launcher_loads_no_redis_client_numpy_or_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "", f"loaded before the components start: {out.stdout}"
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    return out.stdout.strip()
+
+
+def test_trainer_and_rollouter_start_with_the_collector_off() -> None:
+    """Their start-up objects (torch, the model) live as long as the process: no collector
+    passes over them until the component is built (settle_heap turns it back on)."""
+    code = (
+        "import gc, sys, rlbus.cli, {mod}\n"
+        "{mod}.main = lambda argv: print(gc.isenabled()) or 0\n"
+        "rlbus.cli._component({name!r}, [])\n"
+    )
+    for name, mod in (("trainer", "trainer.app"), ("rollouter", "rollouter.app")):
+        assert _run(code.format(name=name, mod=mod)) == "False", name
+    assert _run(code.format(name="logger", mod="metrics_logger.app")) == "True"
+
+
+def test_settle_heap_freezes_start_up_objects_and_turns_the_collector_on() -> None:
+    code = (
+        "import gc\nfrom bus import settle_heap\n{before}\nsettle_heap()\n"
+        "print(gc.isenabled(), gc.get_freeze_count() > 0)\n"
+    )
+    assert _run(code.format(before="gc.disable()")) == "True True"
+    # Started otherwise (in-process, the collector on): left exactly as it is.
+    assert _run(code.format(before="")) == "True False"

@@ -50,6 +50,7 @@ from bus import (
     RunKeys,
     read_commands,
     run_with_bus,
+    settle_heap,
 )
 from bus.blobs import DirBlobStore, RedisBlobStore, open_store
 from bus.keys import RUNS_STREAM
@@ -323,6 +324,7 @@ class Trainer:
         task, self.building_optimizer = self.building_optimizer, None
         if task is not None:
             await task
+            settle_heap()
 
     async def _apply_commands(self) -> None:
         """Read new control commands (one non-blocking XREAD) and hand them to the agent."""
