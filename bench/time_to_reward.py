@@ -20,8 +20,9 @@ start-up ratio: launch to rlbus's first StepFinished (its progress line) against
 the in-process loop's first step. It also prints the floor of the ratio on this machine's CPUs:
 rlbus with no overhead, no extra steps and the in-process start-up, its steps as short as
 the in-process runs' own generation and update work allows (see ``floor_step_s``). An aim
-below the floor needs more CPUs (or a GPU), not a better pipeline. Each run is stopped completely (its whole process tree
-gone) before the next one starts, so no run slows the next.
+below the floor needs more CPUs (or a GPU), not a better pipeline. Each run is stopped
+completely (its whole process tree gone) before the next one starts, so no run slows the
+next.
 
     .venv/bin/python bench/time_to_reward.py [--target 0.9] [--seeds 0 1 2]
         [--workload default|gen-heavy]
