@@ -21,6 +21,7 @@ import ctypes
 import importlib.util
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -433,11 +434,18 @@ def serve_forever(
     stop, 1 if the server died by itself (its log tail goes to stderr). Main thread only.
     """
     stream = out if out is not None else sys.stdout
-    stop = threading.Event()
+    received: list[int] = []
 
     def _handler(signum: int, frame: object) -> None:
-        stop.set()
+        # Only a list append: a handler that takes a lock (threading.Event.set) deadlocks
+        # when the signal lands while the main thread holds that lock inside Event.wait.
+        received.append(signum)
 
+    # The wakeup fd wakes the select below as soon as a signal arrives.
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    previous_fd = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
     previous = {s: signal.signal(s, _handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with EmbeddedRedis(
@@ -445,8 +453,11 @@ def serve_forever(
         ) as server:
             print(redact_url(server.url), file=stream, flush=True)
             # Wake twice a second to notice a server that died on its own.
-            while not stop.wait(0.5):
-                if not server.running:
+            while not received:
+                if select.select([wake_r], [], [], 0.5)[0]:
+                    with contextlib.suppress(OSError):
+                        wake_r.recv(64)
+                if not received and not server.running:
                     print(
                         f"redis-server exited unexpectedly; log tail:\n{server.log_tail()}",
                         file=sys.stderr,
@@ -455,6 +466,9 @@ def serve_forever(
                     return 1
         return 0
     finally:
+        signal.set_wakeup_fd(previous_fd)
+        wake_r.close()
+        wake_w.close()
         for sig, old in previous.items():
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(sig, old)
