@@ -193,6 +193,8 @@ _ARRAYS = {
     "ragged buffer": (Array(dtype="<i4", data=bytes([1, 0, 0, 0, 2, 0, 0])),
                       Array.of(np.asarray([3, 4], np.int32)),
                       Array.of(np.asarray([-0.1, -0.2], np.float32))),
+    "unknown dtype": (Array(dtype="zzz", data=bytes(8)), Array.of(np.asarray([3, 4], np.int32)),
+                      Array.of(np.asarray([-0.1, -0.2], np.float32))),
     "float tokens": (Array.of(np.asarray([1, 2], np.float32)),
                      Array.of(np.asarray([3, 4], np.int32)),
                      Array.of(np.asarray([-0.1, -0.2], np.float32))),

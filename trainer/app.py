@@ -320,7 +320,8 @@ class Trainer:
 
     async def _optimizer_ready(self) -> None:
         """Wait for the optimizer (built beside the first weights' publication: the first
-        torch optimizer of a process imports torch._dynamo, about a second)."""
+        torch optimizer of a process imports torch._dynamo, about a second). That ends the
+        trainer's start-up: the garbage collector comes back on (settle_heap)."""
         task, self.building_optimizer = self.building_optimizer, None
         if task is not None:
             await task
