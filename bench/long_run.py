@@ -5,19 +5,20 @@ No model. One process and one :class:`bus.Bus` play every part of a run against 
 redis-server, with the real message types, the real Redis commands and the real order of
 entries in every stream:
 
-* trainer (``trainer.app.Trainer._loop``): fenced writes through :class:`bus.Lease`
-  (EVAL), StepStarted, the step barrier, weights (``RedisBlobStore`` put + WeightsPublished,
-  blobs of all but the newest ``KEEP_WEIGHTS`` publications deleted), StepFinished with the
-  real sample ids, entry ids and the trainer's metric keys together with the acks of those
-  samples, TicketsIssued + PromptTickets within the staleness budget (the folded ledger's
-  ``room``), every write requiring the last StepFinished, the per-step log check and control
-  read; every ``trainer.save_freq`` steps a snapshot file written exactly as the trainer
-  writes it (``trainer.resume.Snapshot(state, position, last_finished_id)`` into
-  ``RUN/checkpoints/step-K.state``), CheckpointSaved, then ``trim_safely`` of samples (below
-  the newest entry the step trained) and prompts (below the newest ticket), and the events
-  archived to ``RUN/events`` and trimmed below the safe point by the trainer's own
-  ``trainer.retention.retain``, as ``run.retention=checkpoint`` does (``--keep-events``: the
-  events stream kept whole, as before events retention);
+* trainer (``trainer.app.Trainer._step``), through the trainer's own parts: every write by
+  its fenced writer (``trainer.writer.Writer``: the lease's EVAL, each write requiring the
+  last StepFinished, the state folded from what it writes), tickets by its dispatch
+  (``trainer.dispatch.Dispatch.issue``: TicketsIssued + PromptTickets within the folded
+  ledger's budget); StepStarted, the step barrier, weights (``RedisBlobStore`` put +
+  WeightsPublished, blobs of all but the newest ``KEEP_WEIGHTS`` publications deleted),
+  StepFinished with the real sample ids, entry ids and the trainer's metric keys together
+  with the acks of those samples (``Writer.finish_step``), the per-step log check and control
+  read; every ``trainer.save_freq`` steps the snapshot file the writer makes
+  (``Writer.snapshot`` into ``RUN/checkpoints/step-K.state``), CheckpointSaved, then the
+  trainer's own ``trainer.retention.trim_after_checkpoint`` (samples below the newest entry
+  the step trained, prompts below the newest ticket, the events archived to ``RUN/events``
+  and trimmed below the safe point), as ``run.retention=checkpoint`` does
+  (``--keep-events``: the events stream kept whole, as before events retention);
 * rollouter: its ``rollouter`` group reads the tickets and acks them after publishing
   ``rollout.n`` Samples per ticket (~``--sample-bytes`` each: int32 prompt and response token
   ids, float32 log-probs) in one MULTI/EXEC;
@@ -37,11 +38,10 @@ stream per step. ``staleness_threshold=1`` (a budget of 4 tickets) lets the roll
 the next step's tickets while the trainer trains this one, as in an async run, so a step is
 two waves of concurrent round trips (``asyncio.gather``): [trainer reads its samples, puts
 the weights blob, checks its log, reads control, raises the barrier; rollouter acks and
-reads tickets], then [one fenced script: WeightsPublished, StepFinished + acks, the next
-tickets + TicketsIssued, the next StepStarted; rollouter publishes its answers; old blobs
-DEL]. The entries and their order in every stream are the trainer's; only fewer EVALs carry
-them (checkpoint steps keep the trainer's separate writes: the snapshot's position is the
-WeightsPublished entry). Old weight blobs go with one DEL per sync, as the trainer's.
+reads tickets], then [the trainer's writes in its order: WeightsPublished, (a checkpoint
+step: the snapshot, CheckpointSaved), StepFinished + acks, the next tickets +
+TicketsIssued, the next StepStarted, beside the rollouter publishing its answers and the old
+blobs' DEL]. Old weight blobs go with one DEL per sync, as the trainer's.
 
 At each point K (``--points``, default 1000 10000 100000; each a checkpoint step) it measures:
 
@@ -128,13 +128,12 @@ from bus import (
     StartProfile,
     StepFinished,
     StepStarted,
-    TicketsIssued,
+    StopProfile,
     TrainerResumed,
     WeightsPublished,
     decode,
     encode,
     pulse,
-    read_commands,
 )
 from bus.blobs import RedisBlobStore
 from bus.history import events_folder, read_history
@@ -144,14 +143,15 @@ from profiler_service.state import Fact, ServiceState
 from profiler_service.state import apply as service_apply
 from runconfig import Config, config_to_dict, load_config
 from tasks import build_prompt_source
-from trainer.app import CONSUMER, GROUP, KEEP_WEIGHTS, ROLLOUTER_GROUP
-from trainer.budget import ticket_budget
+from trainer.app import CONSUMER, GROUP
+from trainer.dispatch import ROLLOUTER_GROUP, Dispatch
 from trainer.lease import token
-from trainer.ledger import ticket_id
 from trainer.resume import Snapshot, read_log, snapshots, write_checkpoint
-from trainer.retention import retain
+from trainer.retention import trim_after_checkpoint
 from trainer.state import TrainerState
 from trainer.state import apply as trainer_apply
+from trainer.weights import KEEP_WEIGHTS
+from trainer.writer import Writer
 
 __all__ = ["main"]
 
@@ -190,6 +190,12 @@ def run_overrides(url: str, output_dir: Path, total_steps: int) -> list[str]:
         f"rollout.prompts_per_batch={PROMPTS_PER_STEP}", "trainer.device=cpu",
         "global_profiler.tool=torch", "global_profiler.steps=[1]",
     ]
+
+
+async def read_commands(bus: Bus, control: str, cursor: str) -> tuple[list[Any], str]:
+    """New profiling commands after ``cursor`` (what runtime.Component.read_commands reads)."""
+    entries, cursor = await bus.read_after(control, cursor, count=1000)
+    return [msg for _, msg in entries if isinstance(msg, StartProfile | StopProfile)], cursor
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -269,14 +275,11 @@ class Driver:
                                             "min_digits": tc.min_digits,
                                             "max_digits": tc.max_digits, "seed": tc.seed})
         ac = cfg.async_training
-        self.capacity = ticket_budget(ac.staleness_threshold, ac.trigger_parameter_sync_step,
-                                      ac.require_batches, cfg.trainer.ppo_mini_batch_size)
         self.need = ac.require_batches * cfg.trainer.ppo_mini_batch_size * cfg.rollout.n
-        # trainer
-        self.state = TrainerState()
+        # trainer: its own writer and ticket dispatch
+        self.writer = Writer(bus, self.keys, self.lease)
+        self.dispatch = Dispatch(cfg, bus, self.keys, self.writer, self.prompts)
         self.version = 0
-        self.events_position: str | None = None
-        self.last_finished_id: str | None = None
         self.started_step = 0
         self.control_last = "0"
         self.events_last = "0"
@@ -311,19 +314,15 @@ class Driver:
 
     # ------------------------------------------------------------------ trainer side
 
-    async def _write(self, items: Sequence[tuple[str, Message]],
-                     ack: tuple[str, str, Sequence[str]] | None = None,
-                     require: tuple[str, str] | None = None) -> list[str]:
-        """A fenced write (Trainer._write + _publish): only while the last StepFinished is
-        in the log; the events fold into the state."""
-        if require is None and self.last_finished_id is not None:
-            require = (self.keys.events, self.last_finished_id)
-        ids = await self.lease.write(items, ack, require)
-        for (stream, msg), entry_id in zip(items, ids, strict=True):
-            if stream == self.keys.events:
-                self.events_position = entry_id
-                self.state = trainer_apply(self.state, msg)
-        return ids
+    @property
+    def state(self) -> TrainerState:
+        """The trainer's state, as its writer folded it."""
+        return self.writer.state
+
+    async def _publish(self, items: Sequence[tuple[str, Message]]) -> None:
+        """Events through the trainer's writer (one fenced script, folded)."""
+        if items:
+            await self.writer.publish(*(msg for _, msg in items))  # type: ignore[arg-type]
 
     def _profile_events(self, role: str, step: int, *, begin: bool) -> list[Message]:
         """ProfileStarted (begin) / ProfileStopped (end) of ``role``'s sessions at ``step``."""
@@ -356,26 +355,9 @@ class Driver:
                 self.sessions[role].append(cmd)
 
     async def _check_log(self) -> None:
-        if self.last_finished_id is not None:
-            found = await self.bus.read_ids(self.keys.events, [self.last_finished_id])
-            if not found:
-                raise RuntimeError(f"StepFinished at {self.last_finished_id} left the log")
-
-    def _ticket_items(self, state: TrainerState) -> list[tuple[str, Message]]:
-        """Trainer._issue_tickets: what the sync window's budget allows after ``state``."""
-        room = state.ledger.room(self.capacity)
-        if room <= 0:
-            return []
-        first = state.ledger.issued
-        tickets = []
-        for index in range(first, first + room):
-            prompt = self.prompts.get(index)
-            tickets.append(PromptTicket(
-                ticket_id=ticket_id(index), prompt_id=prompt.prompt_id, prompt=prompt.prompt,
-                answer=prompt.answer, n=self.cfg.rollout.n, min_version=self.version))
-        event = TicketsIssued(ticket_ids=[t.ticket_id for t in tickets], n=self.cfg.rollout.n,
-                              param_version=self.version)
-        return [*((self.keys.prompts, t) for t in tickets), (self.keys.events, event)]
+        last = self.writer.last_finished_id
+        if last is not None and not await self.bus.read_ids(self.keys.events, [last]):
+            raise RuntimeError(f"StepFinished at {last} left the log")
 
     def _old_blob_keys(self, state: TrainerState) -> list[str]:
         """Trainer._drop_old_weights: blobs of all but the newest KEEP_WEIGHTS publications
@@ -401,8 +383,7 @@ class Driver:
         """The .state file trainer.resume.write_checkpoint writes beside the .pt (the .pt
         itself only at the points, for the real trainer)."""
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        data = msgspec.msgpack.encode(Snapshot(
-            self.state, self.events_position or "0-0", self.last_finished_id))
+        data = self.writer.snapshot()
         self.last_snapshot = data
         side = self.ckpt_dir / f"step-{step:06d}.state"
         tmp = side.with_suffix(".state-tmp")
@@ -413,18 +394,22 @@ class Driver:
         return self.ckpt_dir / f"step-{step:06d}.pt"
 
     async def _trim(self, trained: Sequence[str]) -> None:
-        """Trainer._trim."""
-        if trained:
+        """Trainer._trim: the trainer's own retention (without events retention, only the
+        samples and prompts streams, as before it)."""
+        if not self.events_retention:
             newest = max(trained, key=lambda i: tuple(int(p) for p in i.split("-")))
             await self.bus.trim_safely(self.keys.samples, minid=newest)
-        latest = await self.bus.latest(self.keys.prompts)
-        if latest is not None:
-            await self.bus.trim_safely(self.keys.prompts, minid=latest.id)
-        if self.events_retention:
-            await retain(self.bus, self.keys, self.run_dir, keep_weights=KEEP_WEIGHTS,
-                         keep_checkpoints=self.cfg.trainer.max_actor_ckpt_to_keep,
-                         last_step=self.state.last_step, current=self.state.checkpoint()[1],
-                         fence=(self.keys.trainer_lease, self.lease.token))
+            latest = await self.bus.latest(self.keys.prompts)
+            if latest is not None:
+                await self.bus.trim_safely(self.keys.prompts, minid=latest.id)
+            return
+        warning = await trim_after_checkpoint(
+            self.bus, self.keys, self.run_dir, trained, keep_weights=KEEP_WEIGHTS,
+            keep_checkpoints=self.cfg.trainer.max_actor_ckpt_to_keep,
+            last_step=self.state.last_step, current=self.state.checkpoint()[1],
+            fence=(self.keys.trainer_lease, self.lease.token), rollouter_ranks=[0])
+        if warning is not None:
+            raise RuntimeError(warning.message)
 
     # ------------------------------------------------------------------ rollouter side
 
@@ -549,15 +534,15 @@ class Driver:
         await self.trainer_in.ensure_group()
         await self.rollouter_in.ensure_group()
         cfg_tree = config_to_dict(self.cfg)
-        await self._write([(keys.events, RunStarted(run_id=RUN_ID, config=cfg_tree))])
+        await self._publish([(keys.events, RunStarted(run_id=RUN_ID, config=cfg_tree))])
         await self.bus.publish(RUNS_STREAM, RunStarted(run_id=RUN_ID, config=cfg_tree))
         await self.second(0)  # the profiler sends the step-1 session and ProfilerReady
         await self._read_control()
         await self._rollouter_follow()
         await self.bus.set_barrier(keys.barrier, 1)
         ref = await self._put_weights(0)
-        await self._write([(keys.events, WeightsPublished(version=0, ref=ref, step=0))])
-        await self._write(self._ticket_items(self.state))
+        await self._publish([(keys.events, WeightsPublished(version=0, ref=ref, step=0))])
+        await self.dispatch.issue(self.version)
         started = self._profile_events("rollouter", 1, begin=True)
         if started:
             await self.bus.publish_many(keys.events, started)
@@ -583,7 +568,7 @@ class Driver:
         if self.r_unacked:
             work.append(self.rollouter_in.ack(*self.r_unacked))
         if self.started_step < k:
-            work.append(self._write(self._begin_items(k)))
+            work.append(self._publish(self._begin_items(k)))
             self.started_step = k
         got, tickets, ref, *_ = await asyncio.gather(*work)
         while len(got) < self.need:
@@ -598,9 +583,6 @@ class Driver:
         finished = StepFinished(
             step=k, sample_ids=[s.sample_id for _, s in pairs], metrics=self._metrics(k),
             duration_s=time.monotonic() - t0, param_version=version, entry_ids=entry_ids)
-        require = (None if self.last_finished_id is None
-                   else (keys.events, self.last_finished_id))
-        ack = (keys.samples, GROUP, entry_ids)
         # The rollouter's answers to the next step's tickets (held back at a point, so that
         # the real trainer started there finds nothing to gather).
         answers = self._answers(tickets)
@@ -611,36 +593,34 @@ class Driver:
         elif answers:
             rollout.append(self.bus.publish_many(keys.samples, answers, atomic=True))
         begin = [] if k in self.points else self._begin_items(k + 1)
+        await asyncio.gather(self._trainer_writes(k, weights, finished), *rollout)
+        await self._drop(self._old_blob_keys(self.state))
         if k % SAVE_FREQ == 0:
-            # As the trainer does: the snapshot's position is the WeightsPublished entry.
-            await asyncio.gather(self._write([(keys.events, weights)]), *rollout)
-            await self._drop(self._old_blob_keys(self.state))
-            self._save_snapshot(k)
-            await self._write([(keys.events, CheckpointSaved(
-                step=k, path=str(self.ckpt_path(k)), param_version=version))])
-            ids = await self._write([(keys.events, finished)], ack=ack, require=require)
-            self.last_finished_id = ids[0]
             if k in self.points:
                 await self._measure_memory(k, pre_trim=True)
             await self._trim(entry_ids)
-            await self._write([*self._ticket_items(self.state), *begin])
-        else:
-            after = trainer_apply(trainer_apply(self.state, weights), finished)
-            items = [(keys.events, weights), (keys.events, finished),
-                     *self._ticket_items(after), *begin]
-            ids, *_ = await asyncio.gather(
-                self._write(items, ack=ack, require=require),
-                self._drop(self._old_blob_keys(after)), *rollout)
-            self.last_finished_id = ids[1]
+        await self.dispatch.issue(version)
+        await self._publish(begin)
         self.trainer_in.acked(entry_ids)
         if begin:
             self.started_step = k + 1
         stopped = self._profile_events("trainer", k, begin=False)
         if stopped:
-            await self._write([(keys.events, m) for m in stopped])
+            await self._publish([(keys.events, m) for m in stopped])
         stopped = self._profile_events("rollouter", k, begin=False)
         if stopped:
             await self.bus.publish_many(keys.events, stopped)
+
+    async def _trainer_writes(self, k: int, weights: WeightsPublished,
+                              finished: StepFinished) -> None:
+        """The step's writes in the trainer's order: the weights, the checkpoint when due
+        (the snapshot's position is the WeightsPublished entry), StepFinished + its acks."""
+        await self.writer.publish(weights)
+        if k % SAVE_FREQ == 0:
+            self._save_snapshot(k)
+            await self.writer.publish(CheckpointSaved(step=k, path=str(self.ckpt_path(k)),
+                                                      param_version=weights.version))
+        await self.writer.finish_step(finished, GROUP)
 
     async def release_rollout(self) -> None:
         """Publish the answers held back at a point."""
@@ -868,12 +848,14 @@ class Driver:
             tail = log_path.read_text(errors="replace").splitlines()[-15:]
             note = f"no StepStarted({k + 1}) (rc {proc.returncode}): " + " | ".join(tail)
         # Go on from the log as a resumed trainer: fold what the real one wrote.
-        start = self.events_position or "0"
+        start = self.writer.position or "0"
         async for entry in self.bus.read_all(self.keys.events, start=start):
             if entry.id == start:
                 continue
-            self.state = trainer_apply(self.state, entry.msg)
-            self.events_position = entry.id
+            self.writer.fold(entry.msg)  # type: ignore[arg-type]
+            self.writer.position = entry.id
+            if isinstance(entry.msg, StepFinished):
+                self.writer.last_finished_id = entry.id
             if isinstance(entry.msg, StepStarted) and entry.msg.step == k + 1:
                 self.started_step = k + 1
         holder = await self.lease.acquire()

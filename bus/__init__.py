@@ -23,7 +23,6 @@ if TYPE_CHECKING:
         RedisBlobStore,
         open_store,
     )
-    from bus.component import read_commands, run_with_bus, settle_heap
     from bus.errors import (
         BlobCorrupt,
         BlobError,
@@ -110,6 +109,7 @@ if TYPE_CHECKING:
         default_dlq,
         entry_key,
     )
+    from bus.urls import bus_error_line, expand_env
 
 __all__ = [
     "BINARY_ENV",
@@ -177,11 +177,13 @@ __all__ = [
     "TrainerResumed",
     "WarningRaised",
     "WeightsPublished",
+    "bus_error_line",
     "decode",
     "default_dlq",
     "encode",
     "ensure_port_free",
     "entry_key",
+    "expand_env",
     "find_redis_server",
     "free_port",
     "open_store",
@@ -189,18 +191,15 @@ __all__ = [
     "peers",
     "pulse",
     "pulse_forever",
-    "read_commands",
     "redact_url",
     "redis_server_version",
     "retry_async",
-    "run_with_bus",
     "serve_forever",
-    "settle_heap",
     "validate_run_id",
 ]
 
 # Submodules searched for a public name, the cheap ones first.
-_MODULES = ("errors", "keys", "retry", "server", "component", "messages", "streams", "blobs",
+_MODULES = ("errors", "keys", "retry", "server", "urls", "messages", "streams", "blobs",
             "liveness")
 
 

@@ -74,10 +74,12 @@ class RunKeys(msgspec.Struct, frozen=True):
     def events_readers(self, rollouter_ranks: Iterable[int] = ()) -> tuple[tuple[str, str], ...]:
         """``(position key, liveness key)`` of every reader whose stored events position the
         trainer's events trim keeps (:meth:`bus.Bus.trim_log`), each honoured while its
-        liveness key exists: the profiler service's snapshot position, then each rollouter
-        replica's read position (stored at every pulse: a replica a step behind still reads
-        the StepFinished events its profiling steps follow)."""
+        liveness key exists: the profiler service's snapshot position, the metrics logger's
+        written position, then each rollouter replica's read position (stored at every
+        pulse: a replica a step behind still reads the StepFinished events its profiling
+        steps follow)."""
         return ((self.position("profiler"), self.alive("profiler", 0)),
+                (self.position("logger"), self.alive("logger", 0)),
                 *((self.rollouter_position(r), self.alive("rollouter", r))
                   for r in rollouter_ranks))
 

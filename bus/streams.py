@@ -975,6 +975,11 @@ class Bus:
         """Run one raw Redis command under the retry policy (tools, tests; bytes replies)."""
         return await self._call(str(args[0]).upper(), lambda: self._redis.execute_command(*args))
 
+    async def pending_owners(self, stream: str, group: str, count: int) -> dict[str, str]:
+        """Entry id -> consumer of up to ``count`` pending entries. Wraps XPENDING."""
+        rows = await self.command("XPENDING", stream, group, "-", "+", count)
+        return {row[0].decode(): row[1].decode() for row in rows or []}
+
     def consumer(self, stream: str, group: str, name: str, **kwargs: Any) -> Consumer:
         """A :class:`Consumer` of ``stream`` as member ``name`` of ``group``."""
         return Consumer(self, stream, group, name, **kwargs)

@@ -23,9 +23,12 @@ from typing import Any, Protocol
 
 import msgspec
 
-from bus import Bus, Entry, RunFinished, RunKeys, StepFinished, run_with_bus
-from bus.history import events_folder, find_archive, read_history
-from runconfig import Config, load_or_exit
+from bus import Bus, Entry, Heartbeat, RunFinished, StepFinished
+from bus.files import atomic_write
+from bus.history import events_folder, find_archive
+from runconfig import Config
+from runtime import Component, Follower
+from runtime import main as run_main
 
 __all__ = [
     "LOGGER_NAMES_WRITTEN",
@@ -149,17 +152,21 @@ def _scalars(ev: StepFinished) -> dict[str, float]:
     return out
 
 
-class MetricsLogger:
+class MetricsLogger(Component):
     """Follows run ``cfg.run.id`` on ``bus`` and writes to ``sinks``."""
 
-    def __init__(self, cfg: Config, bus: Bus, sinks: list[Sink]) -> None:
-        self.cfg = cfg
-        self.bus = bus
-        self.sinks = sinks
-        self.stream = RunKeys(cfg.run.id or "").events
+    role = "logger"
+    cancel_on_stop = False  # a stop ends the batch in hand: flushed, position stored, exit 0
+
+    def __init__(self, cfg: Config, bus: Bus, sinks: list[Sink] | None = None) -> None:
+        super().__init__(cfg, bus)
+        self.sinks = _open_sinks(cfg) if sinks is None else sinks
         self.path = position_file(cfg)
         self.position = self._load()
         self.written = 0
+        self.finished = False
+        self.follower = Follower(bus, self.keys.events, self.position.entry_id, count=500,
+                                 fold=self._take)
 
     def _load(self) -> Position:
         try:
@@ -167,16 +174,18 @@ class MetricsLogger:
         except (OSError, msgspec.DecodeError):
             return Position()
 
-    def _store(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(msgspec.json.encode(self.position))
-        os.replace(tmp, self.path)
+    def kept_position(self) -> str | None:
+        """Retention keeps the events after what this logger has written, while it lives."""
+        return self.position.entry_id
 
-    def _take(self, entries: Sequence[Entry], cursor: str, new_cursor: str) -> bool:
-        """Write the StepFinished metrics of ``entries`` (read after ``cursor``, up to
-        ``new_cursor``), flush, store the position; whether RunFinished was among them."""
-        finished = False
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(role=self.role, rank=0, pid=os.getpid(),
+                         state=f"written up to step {self.position.step}",
+                         metrics={"logger/steps_written": float(self.written)})
+
+    def _take(self, entries: Sequence[Entry]) -> None:
+        """Write the StepFinished metrics of ``entries`` (the follower's next batch), flush,
+        store the position (atomically, with what was written); note RunFinished."""
         wrote = False
         for _, msg in entries:
             if isinstance(msg, StepFinished) and msg.step > self.position.step:
@@ -186,76 +195,53 @@ class MetricsLogger:
                 self.written += 1
                 wrote = True
             elif isinstance(msg, RunFinished):
-                finished = True
-        if new_cursor != cursor:
-            if wrote:
-                for sink in self.sinks:
-                    sink.flush()
-            self.position.entry_id = new_cursor
-            self._store()
-        return finished
+                self.finished = True
+        if wrote:
+            for sink in self.sinks:
+                sink.flush()
+        self.position.entry_id = self.follower.position
+        atomic_write(self.path, msgspec.json.encode(self.position))
 
     def _gap(self, after: str, first: str) -> None:
         print(f"{PROG}: events after {after} up to {first} were trimmed from the stream "
               f"(run.retention=checkpoint) and their archive is not at "
-              f"{events_folder(self.cfg.run.output_dir, self.cfg.run.id or '')}; "
+              f"{events_folder(self.cfg.run.output_dir, self.run_id)}; "
               "skipped the metrics of those steps", file=sys.stderr, flush=True)
 
-    async def _catch_up(self) -> bool:
-        """Read from the stored position to the end of the log, the archive first when
-        retention trimmed what follows that position (bus.history). Whether the run
-        finished."""
-        archive = await find_archive(self.bus, RunKeys(self.cfg.run.id or ""),
-                                     events_folder(self.cfg.run.output_dir, self.cfg.run.id or ""))
-        cursor = self.position.entry_id
-        batch: list[Entry] = []
-        finished = False
-        async for entry in read_history(self.bus, self.stream, archive, cursor, count=500,
-                                        on_gap=self._gap):
-            batch.append(entry)
-            if len(batch) >= 500:
-                finished |= self._take(batch, cursor, batch[-1].id)
-                cursor, batch = batch[-1].id, []
-        if batch:
-            finished |= self._take(batch, cursor, batch[-1].id)
-        return finished
+    async def serve(self) -> int:
+        """From the stored position to the end of the log (the archive first when retention
+        trimmed what follows it, bus.history), then new entries until RunFinished."""
+        self.follower.archive = await find_archive(
+            self.bus, self.keys, events_folder(self.cfg.run.output_dir, self.run_id))
+        await self.follower.catch_up(on_gap=self._gap)
+        while not self.finished and not self.stopping.is_set():
+            await self.follower.poll(block_ms=1000)
+        print(f"{PROG}: run {self.run_id} {'finished' if self.finished else 'stopped'}; "
+              f"{self.written} step(s) written this time, last step {self.position.step}",
+              flush=True)
+        return 0
 
-    async def run(self) -> int:
-        try:
-            finished = await self._catch_up()
-            cursor = self.position.entry_id
-            while not finished:
-                entries, new_cursor = await self.bus.read_after(
-                    self.stream, cursor, count=500, block_ms=1000
-                )
-                finished = self._take(entries, cursor, new_cursor)
-                cursor = new_cursor
-            print(f"{PROG}: run {self.cfg.run.id} finished; {self.written} step(s) "
-                  f"written this time, last step {self.position.step}", flush=True)
-            return 0
-        finally:
-            for sink in self.sinks:
-                with contextlib.suppress(Exception):
-                    sink.close()
+    async def teardown(self) -> None:
+        for sink in self.sinks:
+            with contextlib.suppress(Exception):
+                sink.close()
+
+
+def _precheck(cfg: Config, prog: str) -> int | None:
+    """Before Redis: say what ``trainer.logger`` asks for that will not be written; exit 0
+    when there is nothing to write."""
+    for warning in logger_warnings(cfg):
+        print(f"{prog}: warning: {warning}", file=sys.stderr, flush=True)
+    if not any(name in LOGGER_NAMES_WRITTEN and importlib.util.find_spec(name) is not None
+               for name in logger_names(cfg)):
+        print(f"{prog}: nothing to write for trainer.logger={logger_names(cfg)}; exiting",
+              flush=True)
+        return 0
+    print(f"{prog}: run {cfg.run.id}: writing {', '.join(logger_names(cfg))} (TensorBoard: "
+          f"{tensorboard_dir(cfg)})", flush=True)
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m metrics_logger`` / ``rlbus logger``; returns the exit code."""
-    cfg = load_or_exit(list(sys.argv[1:] if argv is None else argv), PROG)
-    for key, value in (("redis.url", cfg.redis.url), ("run.id", cfg.run.id)):
-        if not value:
-            print(f"{PROG}: error: invalid config key '{key}': required for the logger "
-                  "(rlbus up sets it for you)", file=sys.stderr)
-            return 2
-    for warning in logger_warnings(cfg):
-        print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
-    sinks = _open_sinks(cfg)
-    if not sinks:
-        print(f"{PROG}: nothing to write for trainer.logger={logger_names(cfg)}; exiting",
-              flush=True)
-        return 0
-    where = ", ".join(type(s).__name__ for s in sinks)
-    print(f"{PROG}: run {cfg.run.id}: writing {where} (TensorBoard: "
-          f"{tensorboard_dir(cfg)})", flush=True)
-    return run_with_bus(cfg.redis.url or "", PROG,
-                        lambda bus: MetricsLogger(cfg, bus, sinks).run())
+    return run_main(PROG, lambda: MetricsLogger, argv, precheck=_precheck)

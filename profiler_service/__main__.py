@@ -7,46 +7,23 @@ SIGINT: a clean stop), 1 when Redis failed, 143 at a second signal.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import sys
 from collections.abc import Sequence
 
-from runconfig import load_or_exit
+from runtime import main as run_main
 
-__all__ = ["PROG", "main"]
-
-PROG = "rlbus profiler"
+__all__ = ["main"]
 
 
-def _missing(key: str, why: str) -> int:
-    print(f"{PROG}: error: invalid config key '{key}': {why}", file=sys.stderr, flush=True)
-    return 2
+def _service() -> type:
+    # Imported after the config check: a bad config exits before the service is even loaded.
+    from profiler_service.service import ProfilerService
+
+    return ProfilerService
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit code."""
-    cfg = load_or_exit(list(sys.argv[1:] if argv is None else argv), PROG)
-    if cfg.redis.url is None:
-        return _missing("redis.url", "the profiler service needs a Redis URL (redis://HOST:PORT)")
-    if cfg.run.id is None:
-        return _missing("run.id", "the profiler service needs the id of the run to follow")
-    logging.basicConfig(
-        level=logging.INFO,
-        format="profiler: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
-    # The bus's per-retry lines are for debugging; an unreachable Redis ends in one line.
-    logging.getLogger("bus").setLevel(logging.WARNING)
-    # Imported after the config check: a bad config exits before the service is even loaded.
-    from bus import run_with_bus
-    from profiler_service.service import serve
-
-    # A first SIGTERM/SIGINT stops the service cleanly (its manifest written, exit code 0).
-    stop = asyncio.Event()
-    return run_with_bus(cfg.redis.url, PROG, lambda bus: serve(cfg, bus, stop), stop=stop,
-                        client_name=f"rlbus-profiler-{cfg.run.id}")
+    """Entry point (``rlbus profiler`` too); returns the exit code."""
+    return run_main("profiler", _service, argv)
 
 
 if __name__ == "__main__":

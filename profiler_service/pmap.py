@@ -75,40 +75,42 @@ def _assoc(
     ``key`` already maps to this very ``value``."""
     i = (h >> shift) & _MASK
     slot = node[i]
-    added = True
-    new: Any
+    result: tuple[Any, bool] | None
     if slot is None:
-        new = _Leaf(h, key, value)
+        result = _Leaf(h, key, value), True
     elif type(slot) is tuple:
         result = _assoc(slot, shift + _SHIFT, h, key, value)
-        if result is None:
-            return None
-        new, added = result
     elif type(slot) is _Leaf:
-        if slot.h == h and (slot.key is key or slot.key == key):
-            if slot.value is value:
-                return None
-            new, added = _Leaf(h, key, value), False
-        elif slot.h == h:
-            new = _Collision(h, ((slot.key, slot.value), (key, value)))
-        else:
-            new = _join(slot, _Leaf(h, key, value), shift + _SHIFT)
+        result = _assoc_leaf(slot, shift, h, key, value)
     else:
-        collision = cast(_Collision, slot)
-        if collision.h != h:
-            new = _join(collision, _Leaf(h, key, value), shift + _SHIFT)
-        else:
-            pairs = collision.pairs
-            for j, (k, v) in enumerate(pairs):
-                if k is key or k == key:
-                    if v is value:
-                        return None
-                    new = _Collision(h, (*pairs[:j], (key, value), *pairs[j + 1 :]))
-                    added = False
-                    break
-            else:
-                new = _Collision(h, (*pairs, (key, value)))
+        result = _assoc_collision(cast(_Collision, slot), shift, h, key, value)
+    if result is None:
+        return None
+    new, added = result
     return (*node[:i], new, *node[i + 1 :]), added
+
+
+def _assoc_leaf(slot: _Leaf, shift: int, h: int, key: Any, value: Any) -> tuple[Any, bool] | None:
+    """What replaces leaf ``slot`` once ``key -> value`` is in (see :func:`_assoc`)."""
+    if slot.h != h:
+        return _join(slot, _Leaf(h, key, value), shift + _SHIFT), True
+    if slot.key is key or slot.key == key:
+        return None if slot.value is value else (_Leaf(h, key, value), False)
+    return _Collision(h, ((slot.key, slot.value), (key, value))), True
+
+
+def _assoc_collision(collision: _Collision, shift: int, h: int, key: Any, value: Any,
+                     ) -> tuple[Any, bool] | None:
+    """What replaces ``collision`` once ``key -> value`` is in (see :func:`_assoc`)."""
+    if collision.h != h:
+        return _join(collision, _Leaf(h, key, value), shift + _SHIFT), True
+    pairs = collision.pairs
+    for j, (k, v) in enumerate(pairs):
+        if k is key or k == key:
+            if v is value:
+                return None
+            return _Collision(h, (*pairs[:j], (key, value), *pairs[j + 1 :])), False
+    return _Collision(h, (*pairs, (key, value))), True
 
 
 def _walk(node: tuple[Any, ...]) -> Iterator[tuple[Any, Any]]:

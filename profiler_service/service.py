@@ -22,10 +22,10 @@ Life of the service (``python -m profiler_service`` / ``rlbus profiler``):
    trainer let its first step begin; then decide again); a request older than its own
    timeout is refused, never served. Keep ``manifest.json`` up to date (at most every
    :data:`MANIFEST_EVERY_S`, written on a worker thread).
-   From start to exit, say "alive" every ``heartbeat.interval_s`` on the liveness key
-   ``RunKeys.alive("profiler", 0)`` (a TTL key, :func:`bus.liveness.pulse_forever`; never
-   in the log), from a task that nothing on the loop blocks: file writes run on threads,
-   the hook is an asyncio subprocess.
+   The service runs on the component runtime (:class:`runtime.Component`): from start to
+   exit it says "alive" on ``RunKeys.alive("profiler", 0)`` from a task that nothing on the
+   loop blocks (file writes run on threads, the hook is an asyncio subprocess), and it reads
+   the log through one :class:`runtime.Follower`.
 3. After RunFinished, wait up to ``global_profiler.handshake_timeout_s`` for the sessions
    still expected to stop; then publish a WarningRaised naming the missing ones (so the log
    says why), which lets ``decide`` finish.
@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,6 @@ import msgspec
 
 from bus import (
     Bus,
-    BusError,
     Command,
     Entry,
     Event,
@@ -59,13 +59,12 @@ from bus import (
     ProfileRequestRefused,
     ProfilerFinished,
     ProfilerReady,
-    RunKeys,
     StartProfile,
     StopProfile,
     WarningRaised,
-    pulse_forever,
 )
-from bus.history import events_folder, find_archive, read_history
+from bus.files import atomic_write
+from bus.history import events_folder, find_archive
 from profiler_service.manifest import build_manifest, manifest_file, profile_dir, write_manifest
 from profiler_service.schedule import (
     PROFILER_SOURCE,
@@ -83,6 +82,7 @@ from profiler_service.state import (
 )
 from profiling.hook import hook_env
 from runconfig.schema import Config
+from runtime import Component, Follower
 
 __all__ = [
     "HOOK_INTERRUPTED_CODE",
@@ -90,7 +90,6 @@ __all__ = [
     "HOOK_TIMEOUT_S",
     "SNAPSHOT_NAME",
     "ProfilerService",
-    "serve",
 ]
 
 log = logging.getLogger("profiler_service")
@@ -123,9 +122,6 @@ WAIT_SLICE_S = 0.5
 WAITING_LOG_EVERY_S = 30.0
 """How often a service waiting for a run that has not started says so."""
 
-ALIVE_DELETE_TIMEOUT_S = 2.0
-"""Bound on removing the liveness key at exit (Redis may be what failed)."""
-
 READ_COUNT = 500
 
 GUARD_ATTEMPTS = 5
@@ -134,22 +130,25 @@ StartProfile (each one re-reads the barrier first, so a second refusal needs the
 cross another step boundary in between)."""
 
 
-class ProfilerService:
-    """One service instance for run ``cfg.run.id`` on ``bus``; :meth:`run` does the work."""
+class ProfilerService(Component):
+    """One service instance for run ``cfg.run.id`` on ``bus``; :meth:`run` does the work.
+    A stop signal ends it cleanly: files written, exit 0."""
+
+    role = PROFILER_SOURCE
+    cancel_on_stop = False
 
     def __init__(self, cfg: Config, bus: Bus) -> None:
         if cfg.run.id is None:
             raise ValueError("the profiler service needs run.id")
-        self.cfg = cfg
-        self.bus = bus
-        self.keys = RunKeys(cfg.run.id)
+        super().__init__(cfg, bus)
         self.profile_dir = profile_dir(cfg)
         self.manifest_path = manifest_file(cfg)
         self.snapshot_path = self.profile_dir / SNAPSHOT_NAME
         self.state = ServiceState()
         """Everything seen on both streams (our own output included), folded."""
-        self.events_position = "0"
-        """Tracking position: id of the last events entry folded into :attr:`state`."""
+        self.follower = Follower(bus, self.keys.events, fold=self._fold_entries,
+                                 count=READ_COUNT)
+        """Reads the events log; its position is the id of the last entry folded."""
         self.control_position = ""
         """Id of the last control entry known (read, or published by us)."""
         self._own_event_ids: set[str] = set()
@@ -158,8 +157,8 @@ class ProfilerService:
         self._dirty = True  # the state changed since the last decision
         self._caught_up = False  # read the log and made a first decision
         self._hook_running = False
-        self._pulse_now = asyncio.Event()
         self._pulsed_activity = ""
+        self._relevant = 0  # entries that changed the state, for the catch-up's log line
         self._manifest_inputs: tuple[Any, ...] | None = None
         self._manifest_due = 0.0
         self._snapshot_of: tuple[ServiceState, str] | None = None
@@ -167,48 +166,55 @@ class ProfilerService:
 
     # ------------------------------------------------------------------ folding
 
+    @property
+    def events_position(self) -> str:
+        """Tracking position: id of the last events entry folded into :attr:`state`."""
+        return self.follower.position
+
     def _fold(self, msg: Fact, entry_id: str | None = None) -> None:
         """Fold one entry into the state (``entry_id``: its events stream id, if any)."""
         state = apply(self.state, msg, entry_id)
         if state is not self.state:
             self.state = state
             self._dirty = True
+            self._relevant += 1
+
+    def _fold_entries(self, entries: Sequence[Entry]) -> None:
+        """The follower's fold: every events entry once, in order; our own publications were
+        folded when we published them."""
+        self._events_exist = True
+        for entry in entries:
+            if entry.id in self._own_event_ids:
+                self._own_event_ids.discard(entry.id)
+                continue
+            self._fold(entry.msg, entry.id)
 
     async def _catch_up(self) -> None:
         """Fold both streams (the events one from the snapshot's position, if any): the state
         a restarted service resumes."""
         snapshot = await self._load_snapshot()
-        start = "0"
+        self.follower.position = "0"
         if snapshot is not None:
             self.state = snapshot.state
-            self.events_position = snapshot.events_position
+            self.follower.position = snapshot.events_position
             self.control_position = snapshot.control_position
             self._events_exist = True
-            start = snapshot.events_position
-        changed = 0
+        self._relevant = 0
         # The control stream holds commands only (a few per session): read it whole; its
         # commands are matched by id, so folding one again changes nothing.
         async for entry in self.bus.read_all(self.keys.control, count=READ_COUNT):
             self.control_position = entry.id
-            before = self.state
             self._fold(entry.msg)
-            changed += self.state is not before
         # The archive first when retention trimmed the stream (bus.history), then the stream.
-        archive = await find_archive(self.bus, self.keys,
-                                     events_folder(self.cfg.run.output_dir, self.keys.run_id))
-        async for entry in read_history(self.bus, self.keys.events, archive, start,
-                                        count=READ_COUNT, on_gap=_log_gap):
-            self.events_position = entry.id
-            self._events_exist = True
-            before = self.state
-            self._fold(entry.msg, entry.id)
-            changed += self.state is not before
+        self.follower.archive = await find_archive(
+            self.bus, self.keys, events_folder(self.cfg.run.output_dir, self.keys.run_id))
+        await self.follower.catch_up(on_gap=_log_gap)
         # A stream that holds only garbage still exists; read_all skipped those entries.
         if not self._events_exist and await self.bus.exists(self.keys.events):
             self._events_exist = True
         where = f" after the snapshot at {snapshot.events_position}" if snapshot else ""
-        log.info("run %s: read %d relevant entries from the log%s", self.keys.run_id, changed,
-                 where)
+        log.info("run %s: read %d relevant entries from the log%s", self.keys.run_id,
+                 self._relevant, where)
 
     async def _load_snapshot(self) -> Snapshot | None:
         """The snapshot next to the manifest, if the log confirms it."""
@@ -237,15 +243,6 @@ class ProfilerService:
                             "reading the whole log", self.snapshot_path, position, stream)
                 return None
         return snapshot
-
-    async def _follow(self, queue: asyncio.Queue[Entry], stop: asyncio.Event) -> None:
-        """Background: new events entries into ``queue`` (XREAD BLOCK, bounded waits)."""
-        block_ms = int(WAIT_SLICE_S * 1000)
-        async for entry in self.bus.tail(
-            self.keys.events, self.events_position, block_ms=block_ms, count=READ_COUNT,
-            stop=stop,
-        ):
-            await queue.put(entry)
 
     # ------------------------------------------------------------------ publishing
 
@@ -276,9 +273,9 @@ class ProfilerService:
             return "finishing"
         return "following"
 
-    def _heartbeat(self) -> Heartbeat:
-        """The service's pulse (bus.liveness.pulse_forever; at once when :attr:`_pulse_now`
-        is set): what it is doing and its counts."""
+    def heartbeat(self) -> Heartbeat:
+        """The service's pulse (at once when :meth:`pulse_now` was called): what it is
+        doing and its counts."""
         state = self.state
         heartbeat = Heartbeat(
             role=PROFILER_SOURCE,
@@ -381,7 +378,7 @@ class ProfilerService:
                                         self.manifest_path)}
         log.info("running finish hook: %s", cmd)
         self._hook_running = True
-        self._pulse_now.set()
+        self.pulse_now()
         try:
             # The command comes from this process's own config file, never from a message.
             # An asyncio subprocess: the loop (and the liveness pulse) goes on while it runs.
@@ -519,85 +516,47 @@ class ProfilerService:
             return False
         return state.profiler_finished or self.cfg.global_profiler.tool is None
 
-    async def run(self, stop: asyncio.Event) -> int:
-        """Serve until the run finished (0), ``stop`` is set (0) or Redis fails (1)."""
+    async def serve(self) -> int:
+        """Serve until the run finished (0) or a stop signal (0); Redis failing ends it (1,
+        one line: runtime.main)."""
         if self.cfg.global_profiler.tool is None:
             log.info("global_profiler.tool is null: profiling is off; refusing runtime requests")
-        self._pulse_now = asyncio.Event()
-        pulser = asyncio.create_task(pulse_forever(
-            self.bus, self.keys.alive(PROFILER_SOURCE, 0), self._heartbeat,
-            self.cfg.heartbeat.interval_s, self.cfg.heartbeat.timeout_s, wake=self._pulse_now,
-        ), name="profiler-pulse")
-        follower: asyncio.Task[None] | None = None
-        try:
-            await self._catch_up()
-            queue: asyncio.Queue[Entry] = asyncio.Queue()
-            follower = asyncio.create_task(self._follow(queue, stop), name="follow-events")
-            helpers = (follower, pulser)
-            last_waiting_log = time.monotonic()
-            while not stop.is_set():
-                await self._step()
-                if not self._caught_up:
-                    self._caught_up = True
-                    self._pulse_now.set()  # say at once that the log is read and decided on
-                if self._done():
-                    log.info("run %s finished; profiler service done", self.keys.run_id)
-                    return 0
-                now = time.monotonic()
-                await self._check_give_up(now)
-                await self._keep_files(now)
-                if self._activity() != self._pulsed_activity:
-                    self._pulse_now.set()  # say what changed now, not an interval later
-                for task in helpers:
-                    if task.done():
-                        task.result()  # re-raise what ended it (BusUnavailable, ...)
-                        return 0  # the follower ends without error only when stop is set
-                if not self._events_exist and now - last_waiting_log >= WAITING_LOG_EVERY_S:
-                    last_waiting_log = now
-                    log.info("waiting for run %s to start (no events at %s yet)",
-                             self.keys.run_id, self.bus.url)
-                await self._drain(queue)
-            log.info("stopped by signal")
-            return 0
-        finally:
-            stop.set()
-            for task in (follower, pulser):
-                if task is None:
-                    continue
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, BusError):
-                    await task
-            await self._at_exit()
+        await self._catch_up()
+        last_waiting_log = time.monotonic()
+        while not self.stopping.is_set():
+            await self._step()
+            if not self._caught_up:
+                self._caught_up = True
+                self.pulse_now()  # say at once that the log is read and decided on
+            if self._done():
+                log.info("run %s finished; profiler service done", self.keys.run_id)
+                return 0
+            now = time.monotonic()
+            await self._check_give_up(now)
+            await self._keep_files(now)
+            if self._activity() != self._pulsed_activity:
+                self.pulse_now()  # say what changed now, not an interval later
+            if not self._events_exist and now - last_waiting_log >= WAITING_LOG_EVERY_S:
+                last_waiting_log = now
+                log.info("waiting for run %s to start (no events at %s yet)",
+                         self.keys.run_id, self.bus.url)
+            await self._drain()
+        log.info("stopped by signal")
+        return 0
 
-    async def _at_exit(self) -> None:
-        """Flush the files (their last changes may have been coalesced) and take the liveness
-        key down: a clean exit is not a silent death."""
+    async def teardown(self) -> None:
+        """Flush the files (their last changes may have been coalesced)."""
         with contextlib.suppress(OSError):
             if self._caught_up:
                 await self._write_manifest(final=self.state.profiler_finished)
                 await self._write_snapshot()
-        with contextlib.suppress(BusError, TimeoutError):
-            await asyncio.wait_for(
-                self.bus.delete(self.keys.alive(PROFILER_SOURCE, 0)), ALIVE_DELETE_TIMEOUT_S
-            )
 
-    async def _drain(self, queue: asyncio.Queue[Entry]) -> None:
-        """Wait (bounded) for new entries, then fold every one already queued."""
+    async def _drain(self) -> None:
+        """Wait (bounded) for new entries, folding what arrives (the follower's fold)."""
         timeout = WAIT_SLICE_S
         if self._give_up_at is not None:
             timeout = max(0.0, min(timeout, self._give_up_at - time.monotonic()))
-        got: list[Entry] = []
-        with contextlib.suppress(TimeoutError):
-            got.append(await asyncio.wait_for(queue.get(), timeout))
-        while not queue.empty():
-            got.append(queue.get_nowait())
-        for entry in got:
-            self._events_exist = True
-            self.events_position = entry.id
-            if entry.id in self._own_event_ids:
-                self._own_event_ids.discard(entry.id)  # ours: already folded
-                continue
-            self._fold(entry.msg, entry.id)
+        await self.follower.poll(block_ms=int(timeout * 1000) or None)
 
 
 def _manifest_inputs(state: ServiceState) -> tuple[Any, ...]:
@@ -622,14 +581,7 @@ def _write_manifest_file(path: Path, run_id: str, state: ServiceState, final: bo
 
 def _write_snapshot_file(path: Path, snapshot: Snapshot) -> None:
     """Encode and write ``snapshot`` atomically (worker thread)."""
-    data = encode_snapshot(snapshot)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, encode_snapshot(snapshot))
 
 
 def _log_gap(after: str, first: str) -> None:
@@ -673,21 +625,4 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
 
 
 def _write_marker(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(data, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-async def serve(cfg: Config, bus: Bus, stop: asyncio.Event) -> int:
-    """Run the service for ``cfg`` on ``bus`` until the run finished or ``stop`` is set
-    (exit code 0); 1 when Redis failed. The process around it (signals: the first sets
-    ``stop``, a second ends it) is :func:`bus.component.run_with_bus`."""
-    try:
-        return await ProfilerService(cfg, bus).run(stop)
-    except BusError as exc:
-        log.error("%s", exc)
-        return 1
+    atomic_write(path, json.dumps(data).encode())

@@ -526,34 +526,7 @@ class ProfilerAgent:
         self._active = None
         last = max(sess.last_done, self._in_step or 0, sess.started_step)
         duration = time.monotonic() - sess.t0
-        try:
-            if self._cuda:
-                # Queued kernels belong to the profiled steps; let them land in the window.
-                torch.cuda.synchronize(self._cuda_device)
-        except Exception as exc:
-            errors.append(f"synchronize: {_err(exc)}")
-        if sess.range_open:
-            sess.range_open = False
-            try:
-                torch.cuda.cudart().cudaProfilerStop()
-            except Exception as exc:
-                errors.append(f"cudaProfilerStop: {_err(exc)}")
-        stopped = False
-        if sess.prof is not None:
-            try:
-                sess.prof.stop()
-                stopped = True
-            except Exception as exc:
-                errors.append(f"stop: {_err(exc)}")
-        if sess.memory_history:
-            try:
-                self._write_memory_snapshot(sess.cmd.session_id)
-            except Exception as exc:
-                errors.append(f"memory snapshot: {_err(exc)}")
-            try:
-                torch.cuda.memory._record_memory_history(enabled=None)
-            except Exception as exc:
-                errors.append(f"memory history off: {_err(exc)}")
+        stopped = self._stop_recording(sess, errors)
         path, size = "", 0
         top: list[str] = []
         events: list[AgentEvent] = []
@@ -586,6 +559,41 @@ class ProfilerAgent:
             )
         )
         return events
+
+    def _stop_recording(self, sess: _Session, errors: list[str]) -> bool:
+        """Stop every recorder the session started (kernels landed first, the CUDA profiler
+        range, torch.profiler, the allocator history with its snapshot); each failure is
+        appended to ``errors``. Whether torch.profiler stopped (so its trace can be
+        written)."""
+        try:
+            if self._cuda:
+                # Queued kernels belong to the profiled steps; let them land in the window.
+                torch.cuda.synchronize(self._cuda_device)
+        except Exception as exc:
+            errors.append(f"synchronize: {_err(exc)}")
+        if sess.range_open:
+            sess.range_open = False
+            try:
+                torch.cuda.cudart().cudaProfilerStop()
+            except Exception as exc:
+                errors.append(f"cudaProfilerStop: {_err(exc)}")
+        stopped = False
+        if sess.prof is not None:
+            try:
+                sess.prof.stop()
+                stopped = True
+            except Exception as exc:
+                errors.append(f"stop: {_err(exc)}")
+        if sess.memory_history:
+            try:
+                self._write_memory_snapshot(sess.cmd.session_id)
+            except Exception as exc:
+                errors.append(f"memory snapshot: {_err(exc)}")
+            try:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            except Exception as exc:
+                errors.append(f"memory history off: {_err(exc)}")
+        return stopped
 
     # ------------------------------------------------------------------ files
 
@@ -709,6 +717,14 @@ def _top_ops(trace: dict[str, Any], n: int = TOP_OPS) -> list[str]:
     event tree, ~20x slower (seconds for a 100-step session).
     """
     events = [e for e in trace.get("traceEvents", ()) if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    cost = _kernel_cost(events, kernels) if kernels else _self_cpu_cost(events)
+    ranked = sorted(cost.items(), key=lambda kv: kv[1], reverse=True)
+    return [name[:200] for name, _ in ranked[:n]]
+
+
+def _kernel_cost(events: list[dict[str, Any]], kernels: list[dict[str, Any]]) -> dict[str, float]:
+    """Kernel time by the op that launched each kernel (matched by External id)."""
     op_by_ext: dict[Any, str] = {}
     for e in events:
         if e.get("cat") == "cpu_op":
@@ -716,36 +732,43 @@ def _top_ops(trace: dict[str, Any], n: int = TOP_OPS) -> list[str]:
             if ext is not None:
                 op_by_ext[ext] = e["name"]
     cost: dict[str, float] = {}
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    if kernels:
-        for e in kernels:
-            ext = (e.get("args") or {}).get("External id")
-            name = op_by_ext.get(ext, e["name"])
-            cost[name] = cost.get(name, 0.0) + float(e["dur"])
-    else:
-        # Self time = duration minus that of directly nested events on the same thread.
-        by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
-        for e in events:
-            if e.get("cat") in _CPU_CATS:
-                by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-        for rows in by_thread.values():
-            rows.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
-            stack: list[tuple[float, dict[str, Any]]] = []  # (end, event)
-            selfs: dict[int, float] = {}
-            for e in rows:
-                ts, dur = float(e["ts"]), float(e["dur"])
-                while stack and stack[-1][0] <= ts:
-                    stack.pop()
-                if stack:
-                    parent = stack[-1][1]
-                    selfs[id(parent)] = selfs.get(id(parent), float(parent["dur"])) - dur
-                selfs.setdefault(id(e), dur)
-                stack.append((ts + dur, e))
-            for e in rows:
-                if e.get("cat") == "cpu_op":
-                    cost[e["name"]] = cost.get(e["name"], 0.0) + selfs[id(e)]
-    ranked = sorted(cost.items(), key=lambda kv: kv[1], reverse=True)
-    return [name[:200] for name, _ in ranked[:n]]
+    for e in kernels:
+        name = op_by_ext.get((e.get("args") or {}).get("External id"), e["name"])
+        cost[name] = cost.get(name, 0.0) + float(e["dur"])
+    return cost
+
+
+def _self_cpu_cost(events: list[dict[str, Any]]) -> dict[str, float]:
+    """Self CPU time by op: duration minus that of directly nested events on the same
+    thread."""
+    by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("cat") in _CPU_CATS:
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    cost: dict[str, float] = {}
+    for rows in by_thread.values():
+        selfs = _self_times(rows)
+        for e in rows:
+            if e.get("cat") == "cpu_op":
+                cost[e["name"]] = cost.get(e["name"], 0.0) + selfs[id(e)]
+    return cost
+
+
+def _self_times(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """Self time of each event of one thread (by ``id``), from a walk in start order."""
+    rows.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+    stack: list[tuple[float, dict[str, Any]]] = []  # (end, event)
+    selfs: dict[int, float] = {}
+    for e in rows:
+        ts, dur = float(e["ts"]), float(e["dur"])
+        while stack and stack[-1][0] <= ts:
+            stack.pop()
+        if stack:
+            parent = stack[-1][1]
+            selfs[id(parent)] = selfs.get(id(parent), float(parent["dur"])) - dur
+        selfs.setdefault(id(e), dur)
+        stack.append((ts + dur, e))
+    return selfs
 
 
 def _nsys_attached() -> bool:

@@ -9,7 +9,6 @@ reached is one line naming its URL (exit code 1), never a traceback.
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -110,48 +109,18 @@ def _split(prog: str, argv: Sequence[str], extra: list[tuple[str, dict[str, Any]
 
 
 def _component(name: str, argv: list[str]) -> int:
-    file, overrides = parse_config_args(argv)
-    cfg = load_config(file, overrides)
-    if name in ("trainer", "rollouter"):
-        # Start-up builds ~300 000 objects that live as long as the process (torch, the
-        # model, the trainer's optimizer): the collector's full passes over them free
-        # nothing and cost the trainer ~0.35 s before its first step. The component turns
-        # the collector back on once built, with those objects frozen (gc.freeze).
-        gc.disable()
-    # Imported here so `rlbus redis` or `rlbus inspect` do not pay for torch.
+    """One component process: the same code path as ``python -m ROLE`` (runtime.main).
+    Each package's ``main`` imports its component (and torch) only once the config is
+    valid."""
     if name == "trainer":
-        from trainer.app import main as component_main
+        from trainer import main as component_main
     elif name == "rollouter":
-        from rollouter.app import main as component_main
+        from rollouter import main as component_main
     elif name == "logger":
-        from metrics_logger.app import main as component_main
+        from metrics_logger import main as component_main
     else:
         from profiler_service.__main__ import main as component_main
-    from rlbus.credentials import expanded_url
-
-    url = expanded_url(cfg)
-    if name in ("profiler", "logger") and url is not None and url != cfg.redis.url:
-        # In-process argv only (never a child's command line): these connect with the URL
-        # as given, so hand them the expanded one.
-        argv = [*argv, f"redis.url={url}"]
-    if url is not None:
-        # One line if Redis cannot be reached, whatever the component logs while retrying.
-        from rlbus.launcher import ping
-
-        ping(url, quick=False)
-    progress = None
-    if url is not None and cfg.run.id is not None:
-        from bus.progress import ProgressSpec, ProgressThread
-
-        role = f"rollouter{cfg.rollout.rank}" if name == "rollouter" else name
-        spec = ProgressSpec(cfg.run.id, cfg.trainer.total_training_steps, role,
-                            cfg.run.progress_interval_s)
-        progress = ProgressThread(url, spec).start()
-    try:
-        return int(component_main(argv) or 0)
-    finally:
-        if progress is not None:
-            progress.stop()
+    return int(component_main(argv) or 0)
 
 
 def _redis(argv: list[str]) -> int:
@@ -281,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _ArgError as exc:
         return _fail(prog, str(exc))
     except (BusUnavailable, BusAuthError) as exc:
-        from bus.component import bus_error_line
+        from bus.urls import bus_error_line
 
         print(bus_error_line(prog, exc), file=sys.stderr)
         return 1

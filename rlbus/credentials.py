@@ -14,7 +14,7 @@ __all__ = ["expand_or_fail", "expanded_url"]
 
 def expand_or_fail(url: str) -> str:
     """``url`` with ``${VAR}`` expanded; an unset variable is a ConfigError on redis.url."""
-    from bus.component import expand_env  # the bus client: only once there is a URL to use
+    from bus.urls import expand_env  # the bus client: only once there is a URL to use
 
     try:
         return expand_env(url)

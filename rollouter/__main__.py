@@ -1,5 +1,5 @@
 """``python -m rollouter [--config FILE] [KEY=VALUE ...]``."""
 
-from rollouter.app import main
+from rollouter import main
 
 raise SystemExit(main())

@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
-import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +32,13 @@ from bus import (
     BlobNotFound,
     Bus,
     Consumer,
+    Entry,
     RunKeys,
-    read_commands,
-    run_with_bus,
-    settle_heap,
 )
 from bus.blobs import open_store
-from bus.liveness import peers, pulse_forever
+from bus.liveness import peers
 from bus.messages import (
     Array,
-    ComponentFailed,
-    Event,
     Heartbeat,
     PromptTicket,
     RolloutFailed,
@@ -59,18 +52,20 @@ from policy import build_policy, resolve_device
 from policy.text import build_tokenizer
 from policy.weights import from_bytes
 from profiling import create_agent
+from profiling.driver import StepProfiler
 from profiling.steps import StepClock, follow, observe
-from runconfig import Config, load_or_exit
+from runconfig import Config
+from runtime import Component, Failure, Follower, settle_heap
 from tasks.reward import load_reward_fn
 
-__all__ = ["Rollouter", "TrainerGone", "main"]
+__all__ = ["Rollouter", "TrainerGone"]
 
 GROUP = "rollouter"
 MAX_ATTEMPTS = 3  # tries of one ticket before it goes to the dead-letter stream
 MAX_N = 4096  # responses one ticket may ask for; more is not a ticket we wrote
 
 
-class TrainerGone(RuntimeError):
+class TrainerGone(Failure):
     """The trainer never appeared or went silent; the message says which and for how long."""
 
 
@@ -87,15 +82,13 @@ class _Seq(msgspec.Struct):
     max_version: int = -1
 
 
-class Rollouter:
+class Rollouter(Component):
     """One rollouter replica (``rollout.rank``); :meth:`run` returns the exit code."""
 
+    role = "rollouter"
+
     def __init__(self, cfg: Config, bus: Bus) -> None:
-        self.cfg = cfg
-        self.bus = bus
-        self.rank = cfg.rollout.rank
-        self.run_id = cfg.run.id or ""
-        self.keys = RunKeys(self.run_id)
+        super().__init__(cfg, bus, rank=cfg.rollout.rank)
         self.consumer = Consumer(
             bus, self.keys.prompts, GROUP, RunKeys.rollouter_consumer(self.rank),
             dlq_stream=self.keys.dlq,
@@ -111,14 +104,10 @@ class Rollouter:
         # The newest publication being fetched and decoded (double buffer), if any.
         self.staging: tuple[WeightsPublished, asyncio.Task[dict[str, torch.Tensor]]] | None = None
         self.finished = False
-        self.events_last = "0"
-        self.control_last = "0"
+        # One reader of the events log for the ticket loop and the step watcher alike.
+        self.follower = Follower(bus, self.keys.events, fold=self._fold, count=1000)
         self.trainer_absent_since: float | None = time.monotonic()
         self.trainer_seen = False
-        # Generation and every profiler call run on this one thread: the loop stays free
-        # for liveness, and torch.profiler records the thread it was started on.
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouter-gen")
-        self.agent: Any = None
         # The trainer's step boundaries read from the log: this rollouter's profiling steps.
         self.clock = StepClock()
         self.steps_lock = asyncio.Lock()  # one move of the agent's steps at a time, in order
@@ -129,7 +118,6 @@ class Rollouter:
         # samples published (and its tickets acked), while a batch generates; at most one
         # of each in flight.
         self.prefetch: asyncio.Task[list[Any]] | None = None
-        self.events_lock = asyncio.Lock()  # one reader of the events stream at a time
         self.delivering: asyncio.Future[list[str]] | None = None
         self.busy_s = 0.0
         self.window_start = time.monotonic()
@@ -139,31 +127,22 @@ class Rollouter:
     # ------------------------------------------------------------------ set-up
 
     def _build(self) -> None:
+        """On the worker thread (generation and every profiler call run there: the loop
+        stays free for liveness, and torch.profiler records the thread it was started on)."""
         torch.set_num_threads(self.cfg.rollout.threads)
         self.policy = build_policy(msgspec.to_builtins(self.cfg.model), self.device)
         self.policy.eval()
         # None when profiling is off: then no profiler object exists at all.
-        self.agent = create_agent(self.cfg, "rollouter", self.rank, str(self.device))
+        agent = create_agent(self.cfg, "rollouter", self.rank, str(self.device))
+        if agent is not None:
+            self.profiler = StepProfiler(agent, self.off)
 
-    async def _off(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run blocking torch work (generation, weight loading, profiler calls) on the
-        worker thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.worker, functools.partial(fn, *args))
+    # ------------------------------------------------------------------ the log
 
-    async def _publish(self, *events: Event) -> None:
-        if events:
-            await self.bus.publish_many(self.keys.events, list(events))
-
-    async def _poll_events(self, block_ms: int | None = None) -> bool:
-        """Read new run events: weights (the newest in log order wins: after a resume from a
-        log that lost its tail, a lower version is the current one), the trainer's step
-        boundaries (this rollouter's profiling steps follow them once it has read the whole
-        log) and the run's end. Returns whether it has read the whole log."""
-        async with self.events_lock:  # a read ahead (_read_ahead) may be reading too
-            entries, self.events_last = await self.bus.read_after(
-                self.keys.events, self.events_last, count=1000, block_ms=block_ms
-            )
+    def _fold(self, entries: Sequence[Entry]) -> None:
+        """The follower's fold (every events entry once, in log order): weights (the newest
+        in log order wins: after a resume from a log that lost its tail, a lower version is
+        the current one), the trainer's step boundaries and the run's end."""
         total = self.cfg.trainer.total_training_steps
         for _, msg in entries:
             self.clock = observe(self.clock, msg)
@@ -175,7 +154,13 @@ class Rollouter:
                 # A run extended with more steps than it finished with goes on.
                 case RunFinished() if msg.steps >= total:
                     self.finished = True
-        caught_up = len(entries) < 1000
+
+    async def _poll_events(self, block_ms: int | None = None) -> bool:
+        """Read new run events (a read that starts now: it sees everything written before
+        this call). Once it has read the whole log, this rollouter's profiling steps follow
+        the trainer's. Returns whether it has read the whole log."""
+        await self.follower.poll(block_ms=block_ms)
+        caught_up = self.follower.caught_up
         if caught_up:
             await self._follow_steps()
         return caught_up
@@ -185,42 +170,27 @@ class Rollouter:
         step it was in, begin each step since, in order. Commands are read first, so a step
         never begins before the commands for it; the agent's calls run on the worker thread,
         between generation batches (or partial-rollout chunks), in one hop."""
-        if self.agent is None:
+        if self.profiler is None:
             self.clock, _ = follow(self.clock, self.cfg.trainer.total_training_steps)
             return
         if self.steps_task is None:
-            # From where this read ended: the clock holds everything before it.
-            self.steps_task = asyncio.create_task(self._watch_steps(self.events_last))
-        agent = self.agent
+            self.steps_task = asyncio.create_task(self._watch_steps())
         async with self.steps_lock:
             self.clock, moves = follow(self.clock, self.cfg.trainer.total_training_steps)
             if not moves:
                 return
             if any(kind == "begin" for kind, _ in moves):
-                await self._apply_commands()
+                await self.apply_commands()
+            await self.publish(*(await self.profiler.moves(moves)))
 
-            def run_moves() -> list[Event]:
-                events: list[Event] = []
-                for kind, step in moves:
-                    events += agent.step_begin(step) if kind == "begin" else agent.step_end(step)
-                return events
-
-            await self._publish(*(await self._off(run_moves)))
-
-    async def _watch_steps(self, cursor: str) -> None:
+    async def _watch_steps(self) -> None:
         """Background, with a profiler agent: follow the trainer's step boundaries as they
-        are written (a blocking read of the events stream, its own cursor), so that the steps
-        of a rollouter that waits for tickets move at once, not after its ticket read; those
-        of a busy one move as soon as its current generation batch ends (the moves queue on
-        the worker thread behind it)."""
+        are written (a blocking read of the events log), so that the steps of a rollouter
+        that waits for tickets move at once, not after its ticket read; those of a busy one
+        move as soon as its current generation batch ends (the moves queue on the worker
+        thread behind it)."""
         while True:
-            entries, cursor = await self.bus.read_after(
-                self.keys.events, cursor, count=1000, block_ms=1000
-            )
-            for _, msg in entries:
-                self.clock = observe(self.clock, msg)
-            if len(entries) < 1000:
-                await self._follow_steps()
+            await self._poll_events(block_ms=1000)
 
     async def _stop_watching_steps(self) -> None:
         """End _watch_steps between two moves (a move cut short would lose its events)."""
@@ -231,15 +201,6 @@ class Rollouter:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
-
-    async def _apply_commands(self) -> None:
-        if self.agent is None:
-            return
-        commands, self.control_last = await read_commands(
-            self.bus, self.keys.control, self.control_last
-        )
-        for cmd in commands:
-            await self._publish(*self.agent.on_command(cmd))
 
     async def _check_trainer(self) -> None:
         """Raise TrainerGone when the trainer's lease key has been absent for the heartbeat
@@ -266,6 +227,8 @@ class Rollouter:
             f"trainer is gone: its lease {self.keys.trainer_lease} lapsed and stayed absent "
             f"for {waited:.0f} s (heartbeat.timeout_s={timeout})"
         )
+
+    # ------------------------------------------------------------------ weights
 
     @property
     def newest(self) -> WeightsPublished | None:
@@ -318,7 +281,7 @@ class Rollouter:
             await self._swap_weights(wait)
             return
         try:
-            await self._off(self.policy.load_state, state)
+            await self.off(self.policy.load_state, state)
         except Exception as exc:  # a state dict of some other model
             await self._unloadable(newest, exc)
             await self._swap_weights(wait)
@@ -331,20 +294,21 @@ class Rollouter:
     async def _unloadable(self, msg: WeightsPublished, exc: Exception) -> None:
         self.bad_weights.add(msg.ref.key)
         why = str(exc) if isinstance(exc, BlobError) else f"{type(exc).__name__}: {exc}"
-        await self._publish(WarningRaised(
+        await self.publish(WarningRaised(
             source=f"rollouter{self.rank}", code="weights_unloadable",
             message=f"weights v{msg.version} ({msg.ref.key}) ignored: {why}",
         ))
 
-    async def _store_position(self) -> None:
-        """At every pulse: where this replica is in the events log, so that the trainer's
-        events trim (retention) never removes what it has yet to read while it is alive."""
-        if self.events_last != "0":
-            await self.bus.set_position(self.keys.rollouter_position(self.rank), self.events_last)
+    # ------------------------------------------------------------------ liveness
 
-    def _heartbeat(self) -> Heartbeat:
-        """This replica's pulse (bus.liveness.pulse_forever): its weights and the share of
-        the time since the last pulse it did not generate."""
+    def kept_position(self) -> str | None:
+        """Where this replica is in the events log, stored at every pulse, so that the
+        trainer's events trim (retention) never removes what it has yet to read."""
+        return self.follower.position
+
+    def heartbeat(self) -> Heartbeat:
+        """This replica's pulse: its weights and the share of the time since the last pulse
+        it did not generate."""
         now = time.monotonic()
         window = max(1e-6, now - self.window_start)
         idle = max(0.0, 1.0 - self.busy_s / window)
@@ -375,24 +339,28 @@ class Rollouter:
                 s.min_version = self.version
             s.max_version = self.version
 
+    async def _generate_all(self, seqs: list[_Seq]) -> None:
+        """Every sequence to its end; with ``partial_rollout``, in chunks between which new
+        weights are picked up mid-sequence."""
+        rc = self.cfg.rollout
+        if not self.cfg.async_training.partial_rollout:
+            await self.off(self._generate, seqs, rc.max_new_tokens)
+            return
+        while any(not s.finished for s in seqs):
+            left = rc.max_new_tokens - min(len(s.tokens) for s in seqs if not s.finished)
+            await self.off(self._generate, seqs, min(rc.partial_chunk_tokens, left))
+            await self._poll_events()
+            await self._swap_weights(wait=False)
+
     async def _rollout(
         self, tickets: Sequence[PromptTicket]
     ) -> tuple[dict[str, list[Sample]], dict[str, str]]:
         """Generate every ticket's responses: (samples by ticket id, errors by ticket id)."""
-        rc, ac = self.cfg.rollout, self.cfg.async_training
         # A ticket's n responses share its prompt: encoded (and packed, below) once.
         prompts = {t.ticket_id: self.tokenizer.encode(t.prompt, bos=True) for t in tickets}
         seqs = [_Seq(t, i, prompts[t.ticket_id], [], []) for t in tickets for i in range(t.n)]
         t0 = time.monotonic()
-        if ac.partial_rollout:
-            # Generate in chunks; between chunks, pick up new weights mid-sequence.
-            while any(not s.finished for s in seqs):
-                left = rc.max_new_tokens - min(len(s.tokens) for s in seqs if not s.finished)
-                await self._off(self._generate, seqs, min(rc.partial_chunk_tokens, left))
-                await self._poll_events()
-                await self._swap_weights(wait=False)
-        else:
-            await self._off(self._generate, seqs, rc.max_new_tokens)
+        await self._generate_all(seqs)
         gen_s = time.monotonic() - t0
         self.busy_s += gen_s
         samples: dict[str, list[Sample]] = {}
@@ -408,23 +376,28 @@ class Rollouter:
                 failed[tid] = f"reward function failed: {type(exc).__name__}: {exc}"
                 samples.pop(tid, None)
                 continue
-            samples.setdefault(tid, []).append(Sample(
-                sample_id=f"{tid}/{s.index}", ticket_id=tid,
-                prompt_id=s.ticket.prompt_id, index=s.index, n=s.ticket.n,
-                prompt_tokens=packed[tid],
-                response_tokens=Array.of(np.asarray(s.tokens, dtype=np.int32)),
-                logprobs=Array.of(np.asarray(s.logprobs, dtype=np.float32)),
-                reward=reward,
-                min_version=s.min_version, max_version=s.max_version, rank=self.rank,
-                gen_time_s=gen_s, attempt=s.ticket.attempt,
-                finish_reason="eos" if s.tokens and s.tokens[-1] == self.tokenizer.eos_id
-                else "length",
-            ))
+            samples.setdefault(tid, []).append(self._sample(s, packed[tid], reward, gen_s))
         return samples, failed
 
-    async def _serve(self, deliveries: list[Any], polled: bool = False) -> None:
-        """Generate for ``deliveries``' tickets and publish the answers; ``polled``: the
-        events stream was read after these tickets were (by :meth:`_read_ahead`)."""
+    def _sample(self, s: _Seq, prompt: Array, reward: float, gen_s: float) -> Sample:
+        tid = s.ticket.ticket_id
+        return Sample(
+            sample_id=f"{tid}/{s.index}", ticket_id=tid,
+            prompt_id=s.ticket.prompt_id, index=s.index, n=s.ticket.n,
+            prompt_tokens=prompt,
+            response_tokens=Array.of(np.asarray(s.tokens, dtype=np.int32)),
+            logprobs=Array.of(np.asarray(s.logprobs, dtype=np.float32)),
+            reward=reward,
+            min_version=s.min_version, max_version=s.max_version, rank=self.rank,
+            gen_time_s=gen_s, attempt=s.ticket.attempt,
+            finish_reason="eos" if s.tokens and s.tokens[-1] == self.tokenizer.eos_id
+            else "length",
+        )
+
+    # ------------------------------------------------------------------ serving tickets
+
+    async def _accept(self, deliveries: list[Any]) -> list[tuple[str, PromptTicket]]:
+        """The tickets among ``deliveries``; anything else is dead-lettered with a reason."""
         tickets = []
         for d in deliveries:
             if isinstance(d.msg, PromptTicket) and 1 <= d.msg.n <= MAX_N:
@@ -435,14 +408,19 @@ class Rollouter:
             else:
                 await self.consumer.dead_letter(d, f"expected a PromptTicket, got "
                                                    f"{type(d.msg).__name__}")
-        if not tickets:
-            return
-        while not self.finished:
+        return tickets
+
+    async def _weights_for(
+        self, deliveries: list[Any], tickets: list[tuple[str, PromptTicket]]
+    ) -> list[tuple[str, PromptTicket]]:
+        """Wait until this replica holds weights as new as its tickets ask for (on-policy or
+        bounded staleness): the newest it knows of first (maybe staging), then what the log
+        has since. Returns the tickets it can serve (a ticket asking for weights no
+        publication in the log provides is dead-lettered)."""
+        while not self.finished and tickets:
             need = max(t.min_version for _, t in tickets)
             if self.version >= need:
                 break
-            # The ticket demands newer weights than ours (on-policy or bounded staleness):
-            # the newest we know of first (maybe staging), then what the log has since.
             await self._swap_weights()
             if self.version >= need:
                 break
@@ -456,8 +434,14 @@ class Rollouter:
                 # weights was issued in a stretch of log that Redis lost (or was forged).
                 await self._drop_unservable(deliveries, tickets, newest.version)
                 tickets = [(i, t) for i, t in tickets if t.min_version <= newest.version]
-                if not tickets:
-                    return
+        return tickets
+
+    async def _serve(self, deliveries: list[Any], polled: bool = False) -> None:
+        """Generate for ``deliveries``' tickets and publish the answers; ``polled``: the
+        events stream was read after these tickets were (by :meth:`_read_ahead`)."""
+        tickets = await self._weights_for(deliveries, await self._accept(deliveries))
+        if not tickets:
+            return
         # These tickets were issued after the StepFinished that begins the step they belong
         # to: read it now, so that their generation lands in that step (profiling.steps).
         if not polled:
@@ -471,10 +455,16 @@ class Rollouter:
         except Exception as exc:  # a failed rollout is an event, never "end of data"
             error = f"generation failed: {type(exc).__name__}: {exc}"
             samples, failed = {}, {t.ticket_id: error for _, t in tickets}
-        # A failed ticket is retried here, then dead-lettered after MAX_ATTEMPTS (counting the
-        # deliveries before ours); the trainer then frees its budget slot.
+        await self._retry_or_give_up(deliveries, failed)
+        await self._deliver([(entry_id, t) for entry_id, t in tickets if t.ticket_id in samples],
+                            samples)
+
+    async def _retry_or_give_up(self, deliveries: list[Any], failed: dict[str, str]) -> None:
+        """A failed ticket is an event; it is retried here, then dead-lettered after
+        MAX_ATTEMPTS (counting the deliveries before ours); the trainer then frees its
+        budget slot."""
         for ticket_id, error in failed.items():
-            await self._publish(RolloutFailed(ticket_id=ticket_id, rank=self.rank, error=error))
+            await self.publish(RolloutFailed(ticket_id=ticket_id, rank=self.rank, error=error))
         for d in deliveries:
             tid = getattr(d.msg, "ticket_id", None)
             if tid not in failed:
@@ -487,11 +477,13 @@ class Rollouter:
                 )
             else:
                 self.retry.append(d)
-        done = [(entry_id, t) for entry_id, t in tickets if t.ticket_id in samples]
+
+    async def _deliver(self, done: list[tuple[str, PromptTicket]],
+                       samples: dict[str, list[Sample]]) -> None:
+        """All responses of these tickets land together with the acks of their tickets, in
+        the background: the next batch generates meanwhile."""
         if not done:
             return
-        # All responses of these tickets land together with the acks of their tickets, in
-        # the background: the next batch generates meanwhile.
         batch = [sample for _, t in done for sample in samples[t.ticket_id]]
         await self._delivered()
         publish = self.consumer.publish_and_ack(self.keys.samples, batch,
@@ -548,13 +540,12 @@ class Rollouter:
                     d, f"ticket asks for weights v{d.msg.min_version} but the newest in the "
                        f"log is v{newest}: issued in a stretch of log Redis lost")
 
-    async def run(self) -> int:
-        # Alive from the first moment: building a large model must not look like death.
-        beat = self.cfg.heartbeat
-        hb = asyncio.create_task(pulse_forever(
-            self.bus, self.keys.alive("rollouter", self.rank), self._heartbeat,
-            beat.interval_s, beat.timeout_s, before=self._store_position))
-        await self._off(self._build)
+    # ------------------------------------------------------------------ the run
+
+    async def serve(self) -> int:
+        # Alive from the first moment (the runtime's pulse): building a large model must not
+        # look like death.
+        await self.off(self._build)
         settle_heap()
         await self.consumer.ensure_group()
         try:
@@ -564,52 +555,40 @@ class Rollouter:
                 await self._poll_events(block_ms=500)
                 await self._check_trainer()
             await self._swap_weights()
-            last_reclaim = time.monotonic()
-            while not self.finished:
-                deliveries, polled = await self._next_deliveries()
-                if not deliveries:
-                    # Nothing to do: the run's end, new weights and the trainer's health.
-                    await self._poll_events()
-                    await self._swap_weights(wait=False)
-                    if self.finished:
-                        break
-                    await self._check_trainer()
-                    if time.monotonic() - last_reclaim > self.cfg.heartbeat.interval_s:
-                        last_reclaim = time.monotonic()
-                        deliveries, polled = await self._reclaim_from_dead_replicas(), False
-                    if not deliveries:
-                        continue
-                await self._serve(deliveries, polled)
+            await self._serve_until_finished()
             await self._delivered()
-            print(f"rollouter{self.rank}: run {self.run_id} finished", flush=True)
+            self.say(f"run {self.run_id} finished")
             return 0
-        except TrainerGone as exc:
-            print(f"rollouter{self.rank}: {exc}", file=sys.stderr, flush=True)
-            await self._publish(ComponentFailed(role="rollouter", rank=self.rank, error=str(exc)))
-            return 1
         finally:
-            pipeline = (self.prefetch, self.delivering)
-            self.prefetch = self.delivering = None
-            for task in (hb, *((self.staging[1],) if self.staging else ()),
-                         *(t for t in pipeline if t is not None)):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-            if self.agent is not None:
-                await self._stop_watching_steps()
-                with contextlib.suppress(Exception):
-                    await self._publish(*(await self._off(self.agent.close)))
-            self.worker.shutdown(wait=False, cancel_futures=True)
+            await self._stop_pipeline()
 
+    async def _serve_until_finished(self) -> None:
+        last_reclaim = time.monotonic()
+        while not self.finished:
+            deliveries, polled = await self._next_deliveries()
+            if not deliveries:
+                # Nothing to do: the run's end, new weights and the trainer's health.
+                await self._poll_events()
+                await self._swap_weights(wait=False)
+                if self.finished:
+                    break
+                await self._check_trainer()
+                if time.monotonic() - last_reclaim > self.cfg.heartbeat.interval_s:
+                    last_reclaim = time.monotonic()
+                    deliveries, polled = await self._reclaim_from_dead_replicas(), False
+                if not deliveries:
+                    continue
+            await self._serve(deliveries, polled)
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rollouter [--config FILE] [KEY=VALUE ...]``."""
-    cfg = load_or_exit(list(sys.argv[1:] if argv is None else argv), "rollouter")
-    for key, value in (("redis.url", cfg.redis.url), ("run.id", cfg.run.id)):
-        if not value:
-            print(f"rollouter: error: invalid config key '{key}': required for a component "
-                  "(rlbus up sets it for you)", file=sys.stderr)
-            return 2
-    return run_with_bus(
-        cfg.redis.url or "", f"rollouter{cfg.rollout.rank}", lambda bus: Rollouter(cfg, bus).run()
-    )
+    async def _stop_pipeline(self) -> None:
+        """The read ahead, the publication in flight and the staged weights, then the step
+        watcher between two moves (the runtime closes the agent after this)."""
+        pipeline = (self.prefetch, self.delivering)
+        self.prefetch = self.delivering = None
+        for task in (*((self.staging[1],) if self.staging else ()),
+                     *(t for t in pipeline if t is not None)):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self._stop_watching_steps()
+

@@ -32,20 +32,25 @@ def _run(code: str) -> str:
 
 def test_trainer_and_rollouter_start_with_the_collector_off() -> None:
     """Their start-up objects (torch, the model) live as long as the process: no collector
-    passes over them until the component is built (settle_heap turns it back on)."""
+    passes over them until the component is built (settle_heap turns it back on). The
+    runtime's last step before the event loop stands in for it here: the component class is
+    loaded (torch imported) by then, and `rlbus ROLE` and `python -m ROLE` share the path."""
     code = (
-        "import gc, sys, rlbus.cli, {mod}\n"
-        "{mod}.main = lambda argv: print(gc.isenabled()) or 0\n"
-        "rlbus.cli._component({name!r}, [])\n"
+        "import gc, sys, rlbus.cli, runtime.process\n"
+        "async def serve(cfg, url, prog, factory):\n"
+        "    print(gc.isenabled(), 'torch' in sys.modules)\n"
+        "    return 0\n"
+        "runtime.process._serve = serve\n"
+        "rlbus.cli._component({name!r}, ['redis.url=redis://127.0.0.1:1/0', 'run.id=r'])\n"
     )
-    for name, mod in (("trainer", "trainer.app"), ("rollouter", "rollouter.app")):
-        assert _run(code.format(name=name, mod=mod)) == "False", name
-    assert _run(code.format(name="logger", mod="metrics_logger.app")) == "True"
+    for name in ("trainer", "rollouter"):
+        assert _run(code.format(name=name)) == "False True", name
+    assert _run(code.format(name="logger")).endswith("True False")
 
 
 def test_settle_heap_freezes_start_up_objects_and_turns_the_collector_on() -> None:
     code = (
-        "import gc\nfrom bus import settle_heap\n{before}\nsettle_heap()\n"
+        "import gc\nfrom runtime import settle_heap\n{before}\nsettle_heap()\n"
         "print(gc.isenabled(), gc.get_freeze_count() > 0)\n"
     )
     assert _run(code.format(before="gc.disable()")) == "True True"

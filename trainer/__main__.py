@@ -1,5 +1,5 @@
 """``python -m trainer [--config FILE] [KEY=VALUE ...]``."""
 
-from trainer.app import main
+from trainer import main
 
 raise SystemExit(main())

@@ -15,12 +15,16 @@ from pathlib import Path
 
 from bus import Lease
 from runconfig import HeartbeatConfig
+from runtime import Failure
 
 __all__ = ["TrainerConflict", "acquire", "pid_dead", "token"]
 
 
-class TrainerConflict(RuntimeError):
-    """Another live trainer holds this run's lease; the message names it."""
+class TrainerConflict(Failure):
+    """Another live trainer holds this run's lease; the message names it (nothing is
+    written about it: the log is the other trainer's)."""
+
+    publish = False
 
 
 def token(epoch: str) -> str:

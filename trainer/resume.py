@@ -11,21 +11,27 @@ from its beginning (``state = fold(events)`` either way).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
 from bus import Bus, RunKeys
 from bus.history import read_history
-from bus.messages import Sample, StepFinished
+from bus.messages import Sample, StepFinished, TrainerResumed
 from trainer.state import StepRecord, TrainerState, apply
 
-__all__ = ["LogRead", "Snapshot", "load_checkpoint", "read_log", "replay_groups",
+if TYPE_CHECKING:
+    from trainer.learner import Learner
+
+__all__ = ["LogRead", "Snapshot", "load_checkpoint", "read_log", "rebuild", "replay_groups",
            "snapshots", "write_checkpoint"]
+
+RunOff = Callable[..., Awaitable[Any]]
 
 
 class Snapshot(msgspec.Struct, frozen=True):
@@ -134,3 +140,34 @@ async def replay_groups(bus: Bus, keys: RunKeys, rec: StepRecord) -> list[list[S
     for s in samples:
         groups.setdefault(s.ticket_id, []).append(s)
     return [sorted(g, key=lambda s: s.index) for g in groups.values()]
+
+
+async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner,
+                  off: RunOff, trigger: int, events_read: int) -> TrainerResumed:
+    """Rebuild the model the trainer had: load the newest checkpoint of a finished step,
+    re-apply the finished steps after it from the entries their StepFinished recorded, and
+    check the result against the weights the trainer had published (``weights_match``).
+    ``off`` runs blocking work on the trainer's worker thread."""
+    await learner.optimizer_ready()
+    ckpt_step, ckpt_path = state.checkpoint()
+    if ckpt_path is not None:
+        if not await asyncio.to_thread(os.path.exists, ckpt_path):
+            raise RuntimeError(f"checkpoint {ckpt_path} named in the log is missing")
+        await off(load_checkpoint, ckpt_path, learner.policy, learner.optimizer,
+                  learner.device)
+    replay = state.steps_after_checkpoint()
+    for rec in replay:
+        groups = await replay_groups(bus, keys, rec)
+        learner.version = (rec.step - 1) // trigger  # the version it held for that step
+        await off(learner.update, groups)
+    # Derived from finished steps, not from the newest WeightsPublished: weights published
+    # by a step that never finished are superseded when that step is trained again.
+    learner.version = state.last_step // trigger
+    published = state.weights_of(learner.version)
+    match = None
+    if published is not None:
+        blob = await off(learner.state_bytes)
+        match = hashlib.sha256(blob).hexdigest() == published.sha256
+    return TrainerResumed(step=state.last_step, param_version=learner.version,
+                          checkpoint_step=ckpt_step, replayed_steps=len(replay),
+                          weights_match=match, events_read=events_read)

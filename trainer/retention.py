@@ -1,7 +1,9 @@
 """Retention of the events log and of checkpoint files (``run.retention=checkpoint``).
 
-After the durable checkpoint of step ``k`` the trainer (``Trainer._trim``) calls
-:func:`retain`, off the step's critical path.
+After the durable checkpoint of step ``k`` the trainer calls :func:`trim_after_checkpoint`,
+off the step's critical path: the samples and tickets before it are needed by no resume
+(``trim_safely`` never removes an entry any group still has pending or undelivered: those
+later steps need), and :func:`retain` archives and trims the events.
 
 The events safe point is the lowest of
 
@@ -33,12 +35,12 @@ import msgspec
 from bus import Bus, RunKeys
 from bus.archive import fsync_path
 from bus.history import Archived, archive_below, events_folder
-from bus.messages import WeightsPublished
+from bus.messages import WarningRaised, WeightsPublished
 from bus.streams import entry_key
 from trainer.resume import Snapshot
 
 __all__ = ["Retained", "checkpoints_to_drop", "events_safe_point", "newest_snapshot",
-           "retain"]
+           "retain", "trim_after_checkpoint"]
 
 _CKPT = re.compile(r"^step-(\d+)\.pt$")
 
@@ -168,3 +170,27 @@ async def retain(
         dropped = await asyncio.to_thread(_drop, folder, keep_checkpoints, last_step,
                                           _needed(current, found))
     return Retained(events, tuple(dropped))
+
+
+async def trim_after_checkpoint(
+    bus: Bus, keys: RunKeys, run_dir: Path, trained: Sequence[str], *, keep_weights: int,
+    keep_checkpoints: int | None, last_step: int, current: str | None,
+    fence: tuple[str, str], rollouter_ranks: Sequence[int],
+) -> WarningRaised | None:
+    """Retention (``run.retention=checkpoint``) after the durable checkpoint of the step that
+    trained the samples ``trained``: samples before the newest of them, tickets before the
+    newest ticket, and the events before the safe point (:func:`retain`). Returns the
+    warning to publish when the archive could not be written (then nothing was trimmed)."""
+    if trained:
+        await bus.trim_safely(keys.samples, minid=max(trained, key=entry_key))
+    latest = await bus.latest(keys.prompts)
+    if latest is not None:
+        await bus.trim_safely(keys.prompts, minid=latest.id)
+    try:
+        await retain(bus, keys, run_dir, keep_weights=keep_weights,
+                     keep_checkpoints=keep_checkpoints, last_step=last_step, current=current,
+                     fence=fence, rollouter_ranks=rollouter_ranks)
+    except OSError as exc:
+        return WarningRaised(source="trainer", code="events_not_archived",
+                             message=f"events stream not trimmed: the archive failed: {exc}")
+    return None

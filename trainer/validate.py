@@ -33,6 +33,23 @@ def check_sample(
     """Why ``s`` cannot be trained as an answer of ``ticket`` while the trainer holds weights
     ``version``; None when it can. ``values_checked``: :func:`values_in_range` has shown
     for a batch holding ``s`` that its token ids and log-probs are in range."""
+    problem = _identity_problem(s, ticket)
+    if problem is not None:
+        return problem
+    try:
+        prompt = s.prompt_tokens.numpy()
+        response = s.response_tokens.numpy()
+        logprobs = s.logprobs.numpy()
+    except (TypeError, ValueError) as exc:
+        return f"undecodable token arrays: {exc}"
+    return (_shape_problem(prompt, response, logprobs, max_new_tokens, max_len)
+            or (None if values_checked else _value_problem(prompt, response, logprobs,
+                                                            vocab_size))
+            or _version_problem(s, ticket, version))
+
+
+def _identity_problem(s: Sample, ticket: OpenTicket) -> str | None:
+    """The sample is not one of the ticket's responses (attempt, n, index, id)."""
     if s.attempt > ticket.attempt:
         return f"attempt {s.attempt} of {s.ticket_id} was never issued (latest {ticket.attempt})"
     if s.n != ticket.n:
@@ -41,12 +58,12 @@ def check_sample(
         return f"index {s.index} outside 0..{ticket.n - 1}"
     if s.sample_id != f"{s.ticket_id}/{s.index}":
         return f"sample id {s.sample_id!r} does not match ticket {s.ticket_id} index {s.index}"
-    try:
-        prompt = s.prompt_tokens.numpy()
-        response = s.response_tokens.numpy()
-        logprobs = s.logprobs.numpy()
-    except (TypeError, ValueError) as exc:
-        return f"undecodable token arrays: {exc}"
+    return None
+
+
+def _shape_problem(prompt: np.ndarray, response: np.ndarray, logprobs: np.ndarray,
+                   max_new_tokens: int, max_len: int | None) -> str | None:
+    """Kinds and lengths of the arrays."""
     if prompt.dtype.kind not in _INT_KINDS or response.dtype.kind not in _INT_KINDS:
         return f"token ids must be integers, got {prompt.dtype} / {response.dtype}"
     if logprobs.dtype.kind != "f":
@@ -59,13 +76,24 @@ def check_sample(
         return f"{len(prompt) + len(response)} tokens, more than the model's max_len={max_len}"
     if len(logprobs) != len(response):
         return f"{len(logprobs)} log-probs for {len(response)} response tokens"
-    if vocab_size is not None and not values_checked:
+    return None
+
+
+def _value_problem(prompt: np.ndarray, response: np.ndarray, logprobs: np.ndarray,
+                   vocab_size: int | None) -> str | None:
+    """Token ids inside the vocabulary, log-probs finite and <= 0."""
+    if vocab_size is not None:
         lo = min(int(prompt.min()), int(response.min()))
         hi = max(int(prompt.max()), int(response.max()))
         if lo < 0 or hi >= vocab_size:
             return f"token ids span {lo}..{hi}, outside the vocabulary 0..{vocab_size - 1}"
-    if not (values_checked or _logprobs_ok(logprobs)):
+    if not _logprobs_ok(logprobs):
         return "log-probs must be finite and <= 0"
+    return None
+
+
+def _version_problem(s: Sample, ticket: OpenTicket, version: int) -> str | None:
+    """A finite reward, and weights versions between the ticket's and the trainer's."""
     if not math.isfinite(s.reward):
         return f"reward {s.reward} is not finite"
     # An older attempt's answer may still win; its own issue version is not kept, so only

@@ -1,0 +1,36 @@
+"""Redis URLs: ``${VAR}`` placeholders filled from the environment, and the one line that
+says a server cannot be reached or refused the credentials."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from bus.errors import BusAuthError, BusUnavailable
+
+__all__ = ["bus_error_line", "expand_env"]
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_env(url: str) -> str:
+    """``url`` with every ``${VAR}`` replaced from the environment, so a password can live in
+    the environment while configs, logs and the run's RunStarted event keep the placeholder.
+    An unset variable raises :class:`KeyError` naming it."""
+
+    def sub(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in os.environ:
+            raise KeyError(name)
+        return os.environ[name]
+
+    return _ENV_REF.sub(sub, url)
+
+
+def bus_error_line(name: str, exc: BusUnavailable | BusAuthError) -> str:
+    """One line for an unreachable Redis or refused credentials: what failed, what to try."""
+    if isinstance(exc, BusAuthError):
+        return (f"{name}: error: {exc} (check the user and password in redis.url, or the "
+                "environment variable it names)")
+    return (f"{name}: error: cannot reach Redis at {exc.url} ({exc.op} failed after "
+            f"{exc.attempts} attempt(s)); is the server running there? check redis.url")

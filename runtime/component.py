@@ -1,0 +1,245 @@
+"""One lifecycle for every component process, in the spirit of arq's ``Worker``.
+
+A :class:`Component` (the trainer, a rollouter, the profiler service, the metrics logger) is
+the one object that owns its process's life on the bus:
+
+1. :meth:`~Component.setup`, before anything says "alive" (the trainer takes its lease here);
+2. the pulse: a task refreshing the liveness key ``RunKeys.alive(role, rank)`` every
+   ``heartbeat.interval_s`` with :meth:`~Component.heartbeat`, after :meth:`~Component.on_pulse`
+   (lease renewal) and, for a component that follows the events log, after storing the
+   position it needs kept (:meth:`~Component.kept_position`): the trainer's events trim never
+   passes it while the key lives. Heavy work runs on the worker thread (:meth:`off`), so a
+   step of any length never delays a pulse;
+3. :meth:`~Component.serve`, the component's own work, which returns the exit code;
+4. the stop: a first SIGTERM/SIGINT/SIGHUP sets :attr:`~Component.stopping`. A component
+   whose work is its run's (``cancel_on_stop``: trainer, rollouters) is cancelled at once,
+   its ``finally`` blocks being its graceful part (exit 143); a follower (profiler service,
+   logger) finishes what it is doing and returns its own code, cancelled after half of
+   ``run.stop_grace_s`` if it does not. A second signal cancels at once;
+5. teardown, whatever happened: background tasks cancelled, the profiler agent closed (its
+   trace written, ProfileStopped published), :meth:`~Component.teardown`, the worker thread
+   shut down, the liveness key taken down (a clean exit is not a silent death).
+
+A :class:`Failure` raised from setup or serve is the component's named error: one line on
+stderr, a ``ComponentFailed`` event (unless the failure says the log must not be written),
+exit code 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import gc
+import os
+import sys
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar, TypeVar
+
+from bus import Bus, RunKeys
+from bus.liveness import pulse_forever
+from bus.messages import Command, ComponentFailed, Event, Heartbeat, StartProfile, StopProfile
+from runconfig import Config
+
+__all__ = ["Component", "Failure", "Restart", "settle_heap"]
+
+T = TypeVar("T")
+
+ALIVE_DELETE_TIMEOUT_S = 2.0
+"""Bound on removing the liveness key at exit (Redis may be what failed)."""
+
+
+class Failure(RuntimeError):
+    """A component's named failure: the message says what it waited for or what broke.
+    ``publish``: whether a ``ComponentFailed`` event may be written about it."""
+
+    code = 1
+    publish = True
+
+
+class Restart(RuntimeError):
+    """The component must start over in this process, as a new instance (the trainer found
+    the log behind what it wrote): :func:`runtime.process.main` builds a fresh one, at most
+    ``max_restarts`` times in a row."""
+
+
+def settle_heap() -> None:
+    """A component's start-up is over: if the garbage collector is off (the trainer and the
+    rollouters start with it off, see :func:`runtime.process.main`), freeze what is alive now
+    (gc.freeze: the imports and the model stay out of every later collection) and turn it
+    back on. With the collector on (a component run in-process, e.g. under tests) this does
+    nothing."""
+    if gc.isenabled():
+        return
+    gc.freeze()
+    gc.enable()
+
+
+class Component:
+    """Base of every component; subclasses set :attr:`role` and implement :meth:`serve`."""
+
+    role: ClassVar[str]
+    cancel_on_stop: ClassVar[bool] = True
+    """True: a stop signal cancels :meth:`serve` (exit 143). False: :meth:`serve` watches
+    :attr:`stopping` and returns its own exit code."""
+    max_restarts: ClassVar[int] = 0
+    """How many times in a row a :class:`Restart` may start the component over."""
+    restart_says: ClassVar[str] = "starting over"
+    """What a restart is, in the line that announces it."""
+
+    def __init__(self, cfg: Config, bus: Bus, rank: int = 0) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.rank = rank
+        self.run_id = cfg.run.id or ""
+        self.keys = RunKeys(self.run_id)
+        self.stopping = asyncio.Event()
+        """Set by the first stop signal."""
+        self.profiler: Any = None
+        """The component's :class:`profiling.StepProfiler`, when profiling is on."""
+        self._control_last = "0"
+        self._pulse_now = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._worker: ThreadPoolExecutor | None = None
+
+    @property
+    def name(self) -> str:
+        """How this process names itself in lines and events (``rollouter1``, ``trainer``)."""
+        return f"{self.role}{self.rank}" if self.role == "rollouter" else self.role
+
+    # ------------------------------------------------------------------ hooks
+
+    async def setup(self) -> None:
+        """Before the pulse starts (e.g. the trainer's lease); raise :class:`Failure` to exit."""
+
+    async def serve(self) -> int:
+        """The component's work; returns the exit code."""
+        raise NotImplementedError
+
+    def heartbeat(self) -> Heartbeat:
+        """The value of the next pulse: who this is, what it does, its gauges."""
+        return Heartbeat(role=self.role, rank=self.rank, pid=os.getpid(), state="running")
+
+    async def on_pulse(self) -> None:
+        """At every pulse, before the liveness key is refreshed."""
+
+    def kept_position(self) -> str | None:
+        """The events position this component needs kept in the stream (stored at every
+        pulse, honoured by the trainer's trim while the liveness key lives); None: none."""
+        return None
+
+    async def teardown(self) -> None:
+        """At exit, after the profiler agent closed, whatever ended :meth:`serve`."""
+
+    # ------------------------------------------------------------------ services
+
+    def say(self, text: str, *, error: bool = False) -> None:
+        """One line on stdout (stderr for ``error``), named after this component."""
+        print(f"{self.name}: {text}", file=sys.stderr if error else sys.stdout, flush=True)
+
+    def pulse_now(self) -> None:
+        """Refresh the liveness key now, not an interval later (a state worth telling)."""
+        self._pulse_now.set()
+
+    def spawn(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        """A background task of this component, cancelled (and awaited) at exit."""
+        task = asyncio.create_task(coro, name=f"{self.name}-{name}")
+        self._tasks.append(task)
+        return task
+
+    @property
+    def worker(self) -> ThreadPoolExecutor:
+        """The component's one worker thread: heavy work (updates, generation, serialisation,
+        checkpoint I/O) and every torch.profiler call run there, in call order."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-work")
+        return self._worker
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queue ``fn(*args)`` on the worker now, in call order, without waiting for it."""
+        return asyncio.get_running_loop().run_in_executor(self.worker,
+                                                          functools.partial(fn, *args))
+
+    async def off(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run blocking work on the worker thread: the loop stays free for the pulse."""
+        return await self.submit(functools.partial(fn, *args, **kwargs))
+
+    async def publish(self, *events: Event) -> None:
+        """Append events to the run's events stream (one round trip)."""
+        if events:
+            await self.bus.publish_many(self.keys.events, list(events))
+
+    async def read_commands(self) -> list[Command]:
+        """New profiling commands on the run's control stream (one non-blocking XREAD)."""
+        entries, self._control_last = await self.bus.read_after(
+            self.keys.control, self._control_last, count=1000)
+        return [msg for _, msg in entries if isinstance(msg, StartProfile | StopProfile)]
+
+    async def apply_commands(self) -> None:
+        """Hand the new profiling commands to the profiler agent (with profiling on)."""
+        if self.profiler is not None:
+            await self.publish(*self.profiler.on_commands(await self.read_commands()))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _pulse_step(self) -> None:
+        await self.on_pulse()
+        position = self.kept_position()
+        if position is not None and position != "0":
+            await self.bus.set_position(self.keys.position(self.position_name), position)
+
+    @property
+    def position_name(self) -> str:
+        """The reader name of this component's stored events position."""
+        return self.name
+
+    async def run(self) -> int:
+        """The whole life of the component; returns the exit code."""
+        try:
+            await self.setup()
+        except Failure as exc:
+            self.say(str(exc), error=True)
+            return exc.code
+        hb = self.cfg.heartbeat
+        self.spawn(pulse_forever(self.bus, self.keys.alive(self.role, self.rank), self.heartbeat,
+                                 hb.interval_s, hb.timeout_s, before=self._pulse_step,
+                                 wake=self._pulse_now), "pulse")
+        try:
+            return await self.serve()
+        except Failure as exc:
+            self.say(str(exc), error=True)
+            if exc.publish:
+                with contextlib.suppress(Exception):
+                    await self.publish(ComponentFailed(role=self.role, rank=self.rank,
+                                                       error=str(exc)))
+            return exc.code
+        finally:
+            await self._wind_down()
+
+    async def _wind_down(self) -> None:
+        """Background tasks first (the pulse last: closing the agent can take a while), the
+        agent, the component's teardown, the worker, the liveness key."""
+        pulse, *others = self._tasks
+        for task in reversed(others):
+            await _cancelled(task)
+        if self.profiler is not None:
+            with contextlib.suppress(Exception):
+                await self.publish(*(await self.profiler.close()))
+            self.profiler = None
+        await _cancelled(pulse)
+        try:
+            await self.teardown()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=False, cancel_futures=True)
+            # Redis may be what failed, or the user may lack DEL: the key lapses by itself.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.bus.delete(self.keys.alive(self.role, self.rank)),
+                                       ALIVE_DELETE_TIMEOUT_S)
+
+
+async def _cancelled(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

@@ -1,0 +1,167 @@
+"""The entry point every component process shares: ``rlbus ROLE`` and ``python -m ROLE`` are
+this one code path.
+
+:func:`main` validates the whole config (exit 2 naming the key), checks the keys a component
+needs (``redis.url``, ``run.id``), turns the garbage collector off for a component whose
+start-up builds a large heap (it is turned back on, frozen, by :func:`runtime.settle_heap`),
+sets up logging, reaches Redis (an unreachable server is one line and exit 1, never a
+traceback), starts the progress lines (:mod:`bus.progress`) and runs the component on a fresh
+event loop with the stop signals wired to it (:class:`runtime.Component`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from runconfig import Config, load_or_exit
+
+if TYPE_CHECKING:
+    from bus import Bus
+    from runtime.component import Component
+
+__all__ = ["CLOSE_TIMEOUT_S", "main"]
+
+CLOSE_TIMEOUT_S = 5.0
+"""Bound on closing the Redis client at exit."""
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+def _required(cfg: Config, prog: str) -> int | None:
+    for key, value in (("redis.url", cfg.redis.url), ("run.id", cfg.run.id)):
+        if not value:
+            print(f"{prog}: error: invalid config key '{key}': required for a component "
+                  "(rlbus up sets it for you)", file=sys.stderr, flush=True)
+            return 2
+    return None
+
+
+def _logging(prog: str, package: str) -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"{prog}: %(message)s", stream=sys.stderr,
+                        force=True)
+    logging.getLogger(package).setLevel(logging.INFO)
+
+
+def main(
+    role: str,
+    load: Callable[[], Callable[..., Component]],
+    argv: Sequence[str] | None = None,
+    *,
+    heavy: bool = False,
+    precheck: Callable[[Config, str], int | None] | None = None,
+) -> int:
+    """Run one component process; returns its exit code.
+
+    ``load()`` imports and returns the component class (``cls(cfg, bus)``), only after the
+    config is valid and, for a ``heavy`` component, the collector is off. ``precheck(cfg,
+    prog)`` may end the process before Redis is contacted (an exit code) or let it go on
+    (None)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    prog = role
+    cfg = load_or_exit(args, prog)
+    if role == "rollouter":
+        prog = f"rollouter{cfg.rollout.rank}"
+    code = _required(cfg, prog)
+    if code is None and precheck is not None:
+        code = precheck(cfg, prog)
+    if code is not None:
+        return code
+    if heavy:
+        # Start-up builds ~300 000 objects that live as long as the process (torch, the model,
+        # the trainer's optimizer): the collector's full passes over them free nothing and
+        # cost ~0.35 s before the first step. settle_heap turns it back on once built.
+        gc.disable()
+    from bus.urls import expand_env
+
+    try:
+        url = expand_env(cfg.redis.url or "")
+    except KeyError as exc:
+        from bus.errors import redact_url
+
+        print(f"{prog}: error: invalid config key 'redis.url': environment variable "
+              f"{exc.args[0]} (named in {redact_url(cfg.redis.url or '')}) is not set",
+              file=sys.stderr)
+        return 2
+    component = load()
+    _logging(prog, component.__module__.split(".")[0])
+    return asyncio.run(_serve(cfg, url, prog, component))
+
+
+async def _serve(cfg: Config, url: str, prog: str, factory: Callable[..., Component]) -> int:
+    from bus import Bus, BusAuthError, BusUnavailable
+    from bus.progress import ProgressSpec, ProgressThread
+    from bus.urls import bus_error_line
+
+    bus = Bus.from_url(url, client_name=f"rlbus-{prog}-{cfg.run.id}")
+    progress: ProgressThread | None = None
+    try:
+        # One line if Redis cannot be reached, before the component builds anything.
+        await bus.ping()
+        progress = ProgressThread(url, ProgressSpec(
+            cfg.run.id or "", cfg.trainer.total_training_steps, prog,
+            cfg.run.progress_interval_s)).start()
+        return await _run_restarting(cfg, bus, prog, factory)
+    except (BusUnavailable, BusAuthError) as exc:
+        print(bus_error_line(prog, exc), file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if progress is not None:
+            progress.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(bus.close(), CLOSE_TIMEOUT_S)
+
+
+async def _run_restarting(cfg: Config, bus: Bus, prog: str,
+                          factory: Callable[..., Component]) -> int:
+    """A fresh component after each :class:`runtime.Restart`, a bounded number of times."""
+    from runtime.component import Restart
+
+    restarts = 0
+    while True:
+        component = factory(cfg, bus)
+        try:
+            return await _run_until_stopped(component, prog, cfg.run.stop_grace_s / 2)
+        except Restart as exc:
+            if restarts >= component.max_restarts:
+                print(f"{prog}: {exc}; started over {restarts} time(s) already: giving up",
+                      file=sys.stderr, flush=True)
+                return 1
+            restarts += 1
+            print(f"{prog}: {exc}; {component.restart_says} ({restarts}/{component.max_restarts})",
+                  file=sys.stderr, flush=True)
+
+
+async def _run_until_stopped(component: Component, prog: str, drain_s: float) -> int:
+    """``component.run()`` with the stop signals wired to it: the first sets its
+    ``stopping`` event (and cancels it when it stops at once, or after ``drain_s``), a second
+    cancels it. Cancelled by a signal: exit code 143."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    forced: list[asyncio.TimerHandle] = []
+
+    def on_signal() -> None:
+        if component.stopping.is_set() or component.cancel_on_stop:
+            task.cancel()  # every `finally` runs: traces written, ProfileStopped sent
+        else:
+            forced.append(loop.call_later(drain_s, task.cancel))
+        component.stopping.set()
+
+    for sig in _SIGNALS:
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        return await component.run()
+    except asyncio.CancelledError:
+        print(f"{prog}: stopped by signal", file=sys.stderr, flush=True)
+        return 143
+    finally:
+        for handle in forced:
+            handle.cancel()
+        for sig in _SIGNALS:
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,179 @@
+"""The component runtime (runtime/): one lifecycle for every process, one log follower.
+
+Against a real Redis: a component is alive (its liveness key holds its heartbeat) from its
+set-up to its exit and not after; its kept events position is stored at each pulse; a named
+failure is one ComponentFailed event and exit code 1; a failed set-up never says "alive"; a
+restart builds a fresh component, a bounded number of times. The follower folds every entry
+of the log once and in order, however many reads overlap, passes over garbage, and reads
+the archive where the stream was trimmed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from bus import Bus, Entry, RunKeys, entry_key
+from bus.history import archive_below
+from bus.messages import ComponentFailed, Heartbeat, StepStarted, decode
+from runconfig import Config, load_config
+from runtime import Component, Failure, Follower, Restart
+from runtime.process import _run_restarting
+from tests.procs import events_of
+
+pytestmark = pytest.mark.asyncio
+
+
+def _cfg(redis_url: str, run_id: str, tmp_path: Path) -> Config:
+    return load_config(overrides=[f"redis.url={redis_url}", f"run.id={run_id}",
+                                  f"run.output_dir={tmp_path}", "heartbeat.interval_s=0.05"])
+
+
+class Probe(Component):
+    """A component that serves until told to, records its hooks, keeps a position."""
+
+    role = "probe"
+
+    def __init__(self, cfg: Config, bus: Bus, fail: str | None = None) -> None:
+        super().__init__(cfg, bus)
+        self.fail = fail
+        self.go = asyncio.Event()
+        self.serving = asyncio.Event()
+        self.pulses = 0
+        self.pulsed_twice = asyncio.Event()
+        self.torn_down = False
+
+    async def on_pulse(self) -> None:
+        self.pulses += 1
+        if self.pulses >= 2:
+            self.pulsed_twice.set()
+
+    def kept_position(self) -> str | None:
+        return "5-0"
+
+    async def serve(self) -> int:
+        self.serving.set()
+        await self.go.wait()
+        if self.fail:
+            raise Failure(self.fail)
+        return 7
+
+    async def teardown(self) -> None:
+        self.torn_down = True
+
+
+async def test_alive_from_start_to_exit_with_its_position_kept(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    probe = Probe(_cfg(redis_url, run_id, tmp_path), bus)
+    task = asyncio.create_task(probe.run())
+    await probe.serving.wait()
+    async with asyncio.timeout(30):  # the second pulse came after the position was stored
+        await probe.pulsed_twice.wait()
+    raw = await bus.command("GET", run_keys.alive("probe", 0))
+    beat = decode(raw)
+    assert isinstance(beat, Heartbeat) and beat.role == "probe" and beat.state == "running"
+    assert await bus.get_text(run_keys.position("probe")) == "5-0"
+    probe.go.set()
+    assert await task == 7
+    assert probe.torn_down
+    assert not await bus.exists(run_keys.alive("probe", 0)), "a clean exit is not a silent death"
+
+
+async def test_a_named_failure_is_one_event_and_exit_code_1(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    probe = Probe(_cfg(redis_url, run_id, tmp_path), bus, fail="the peer is gone")
+    probe.go.set()
+    assert await probe.run() == 1
+    failed = [e for e in await events_of(bus, run_keys.events) if isinstance(e, ComponentFailed)]
+    assert [(f.role, f.error) for f in failed] == [("probe", "the peer is gone")]
+    assert probe.torn_down
+
+
+async def test_a_failed_set_up_never_says_alive(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    class Refused(Probe):
+        async def setup(self) -> None:
+            raise Failure("someone else holds it")
+
+    probe = Refused(_cfg(redis_url, run_id, tmp_path), bus)
+    assert await probe.run() == 1
+    assert probe.pulses == 0 and not probe.serving.is_set()
+    assert not await bus.exists(run_keys.alive("probe", 0))
+
+
+async def test_a_restart_builds_a_fresh_component_a_bounded_number_of_times(
+    redis_url: str, bus: Bus, run_id: str, tmp_path: Path
+) -> None:
+    built: list[Component] = []
+
+    class Restarting(Probe):
+        max_restarts = 2
+
+        async def serve(self) -> int:
+            if len(built) < 3:
+                raise Restart("the log lost its tail")
+            return 0
+
+    def factory(cfg: Config, bus: Bus) -> Component:
+        built.append(Restarting(cfg, bus))
+        return built[-1]
+
+    cfg = _cfg(redis_url, run_id, tmp_path)
+    assert await _run_restarting(cfg, bus, "probe", factory) == 0
+    assert len(built) == 3 and len({id(c) for c in built}) == 3
+
+    class Endless(Restarting):  # one more restart than allowed
+        async def serve(self) -> int:
+            raise Restart("again")
+
+    assert await _run_restarting(cfg, bus, "probe", lambda c, b: Endless(c, b)) == 1
+
+
+async def test_overlapping_reads_fold_each_entry_once_in_order(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    folded: list[str] = []
+
+    def fold(entries: Sequence[Entry]) -> None:
+        folded.extend(e.id for e in entries)
+
+    follower = Follower(bus, run_keys.events, fold=fold, count=7)
+    written: list[str] = []
+
+    async def writer() -> None:
+        for k in range(60):
+            written.append(await bus.publish(run_keys.events, StepStarted(step=k + 1,
+                                                                        param_version=0)))
+            if k % 9 == 0:
+                await bus.publish_raw(run_keys.events, {"garbage": b"x"})
+
+    async def reader(block_ms: int | None) -> None:
+        while len(folded) < 60:
+            await follower.poll(block_ms=block_ms)
+
+    async with asyncio.timeout(60):
+        await asyncio.gather(writer(), reader(200), reader(None), reader(50))
+    assert folded == written
+    assert entry_key(follower.position) >= entry_key(written[-1])  # past the last garbage
+
+
+async def test_history_reads_the_archive_where_the_stream_was_trimmed(
+    bus: Bus, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    ids = [await bus.publish(run_keys.events, StepStarted(step=k + 1, param_version=0))
+           for k in range(30)]
+    folder = tmp_path / "events"
+    done = await archive_below(bus, run_keys.events, folder, ids[20])
+    assert done.trimmed == 20
+    folded: list[str] = []
+    follower = Follower(bus, run_keys.events, ids[4], archive=folder, count=8,
+                        fold=lambda entries: folded.extend(e.id for e in entries))
+    assert await follower.catch_up() == 25
+    assert folded == ids[5:] and follower.position == ids[-1] and follower.caught_up
+    assert await follower.poll() == []

@@ -1,0 +1,200 @@
+"""Ticket dispatch: prompt tickets issued within the staleness budget, their leases, reissues.
+
+The trainer is the only issuer, so the budget (trainer.budget) is exact with any number of
+rollouters. Tickets are written with the TicketsIssued event that records them, in one fenced
+script (trainer.writer), and the ledger (trainer.ledger) is folded from those events.
+
+Every open ticket has a lease: unanswered for ``heartbeat.ticket_lease_s`` (auto: at least
+the heartbeat timeout, 4x the slowest answer seen) it is reissued as a new attempt with the
+current weights, but only when it is lost: gone from the prompts stream (a lost log tail, a
+trim) or pending on a rollouter whose liveness key lapsed. A ticket still queued, held by a
+live rollouter however slow, or already answered keeps its lease: a slow peer is not a dead
+one. The first complete answer of any attempt wins.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Container, Sequence
+
+from bus import Bus, RunKeys
+from bus.messages import (
+    Heartbeat,
+    Message,
+    PromptTicket,
+    Sample,
+    TicketsClosed,
+    TicketsIssued,
+    WarningRaised,
+)
+from runconfig import Config
+from tasks import PromptSource
+from trainer.budget import ticket_budget
+from trainer.ledger import OpenTicket, ticket_id, ticket_index
+from trainer.writer import Writer
+
+__all__ = ["ROLLOUTER_GROUP", "Dispatch"]
+
+ROLLOUTER_GROUP = "rollouter"
+"""The prompts stream's consumer group (every rollouter replica is a member)."""
+
+
+class Dispatch:
+    """Issues, leases and reissues the run's prompt tickets through ``writer``."""
+
+    def __init__(self, cfg: Config, bus: Bus, keys: RunKeys, writer: Writer,
+                 prompts: PromptSource) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.keys = keys
+        self.writer = writer
+        self.prompts = prompts
+        ac = cfg.async_training
+        self.capacity = ticket_budget(ac.staleness_threshold, ac.trigger_parameter_sync_step,
+                                      ac.require_batches, cfg.trainer.ppo_mini_batch_size)
+        self.issued_at: dict[int, float] = {}  # ticket -> monotonic time of its latest attempt
+        self.ticket_entry: dict[int, str] = {}  # ticket -> prompts entry of its latest attempt
+        self.answer_s: deque[float] = deque(maxlen=64)  # issue -> complete group, recent
+        self.reissued = 0
+
+    def lease_s(self) -> float:
+        """How long an open ticket may stay unanswered before it is judged."""
+        hb = self.cfg.heartbeat
+        if hb.ticket_lease_s is not None:
+            return hb.ticket_lease_s
+        return max(hb.timeout_s, 4 * max(self.answer_s, default=0.0))
+
+    def answered(self, index: int, at: float) -> None:
+        """Ticket ``index`` got a complete answer at ``at`` (monotonic): its answer time
+        counts towards the automatic lease."""
+        self.answer_s.append(at - self.issued_at.get(index, at))
+
+    def trained(self, indices: Sequence[int]) -> None:
+        """These tickets were trained: no lease to watch any more."""
+        for index in indices:
+            self.issued_at.pop(index, None)
+            self.ticket_entry.pop(index, None)
+
+    def restart_leases(self) -> None:
+        """On resume: open tickets are still out (pending, unread, or lost with a Redis
+        tail); their leases start now."""
+        self.issued_at = dict.fromkeys(self.writer.state.ledger.open, time.monotonic())
+
+    def _ticket(self, index: int, n: int, version: int, attempt: int = 0) -> PromptTicket:
+        """Ticket ``index`` (its prompt from the task), for weights ``version``."""
+        prompt = self.prompts.get(index)
+        return PromptTicket(
+            ticket_id=ticket_id(index), prompt_id=prompt.prompt_id, prompt=prompt.prompt,
+            answer=prompt.answer, n=n, min_version=version, attempt=attempt,
+        )
+
+    async def _write(self, tickets: Sequence[PromptTicket], event: TicketsIssued) -> None:
+        """The tickets and the event that records them, in one fenced script."""
+        items: list[tuple[str, Message]] = [(self.keys.prompts, t) for t in tickets]
+        ids = await self.writer.write([*items, (self.keys.events, event)])
+        self.writer.fold(event)
+        now = time.monotonic()
+        for t, entry_id in zip(tickets, ids, strict=False):
+            index = ticket_index(t.ticket_id)
+            assert index is not None
+            self.ticket_entry[index] = entry_id
+            self.issued_at[index] = now
+
+    async def issue(self, version: int) -> None:
+        """Issue what the sync window's staleness budget still allows (trainer.budget):
+        right after a sync (or at the start) the window's new tickets, else nothing."""
+        room = self.writer.state.ledger.room(self.capacity)
+        if room <= 0:
+            return
+        first, n = self.writer.state.ledger.issued, self.cfg.rollout.n
+        tickets = [self._ticket(index, n, version) for index in range(first, first + room)]
+        await self._write(tickets, TicketsIssued(ticket_ids=[t.ticket_id for t in tickets],
+                                                 n=n, param_version=version))
+
+    async def reissue(self, indices: Sequence[int], reason: str, version: int,
+                      taken: Container[int]) -> None:
+        """Issue a new attempt of open tickets not ``taken``, tagged with weights
+        ``version``: the first complete answer of any attempt wins (partial groups of older
+        attempts may still complete first: they stay)."""
+        by_attempt: dict[int, list[OpenTicket]] = {}
+        for index in sorted(set(indices)):
+            ticket = self.writer.state.ledger.open.get(index)
+            if ticket is not None and index not in taken:
+                by_attempt.setdefault(ticket.attempt + 1, []).append(ticket)
+        for attempt, opened in by_attempt.items():
+            tickets = [self._ticket(t.index, t.n, version, attempt) for t in opened]
+            await self._write(tickets, TicketsIssued(
+                ticket_ids=[t.ticket_id for t in tickets], n=opened[0].n,
+                param_version=version, attempt=attempt, reason=reason))
+            self.reissued += len(tickets)
+
+    async def close_dead(self, dead: Sequence[PromptTicket], taken: Container[int]) -> list[int]:
+        """Tickets the rollouters dead-lettered (their rollouts kept failing): give them up
+        and free their budget slots, unless a newer attempt is out. Returns the closed."""
+        close = []
+        for t in dead:
+            index = ticket_index(t.ticket_id)
+            ticket = self.writer.state.ledger.open.get(index) if index is not None else None
+            if ticket is None or ticket.attempt != t.attempt or index in taken:
+                continue
+            close.append(t.ticket_id)
+        if not close:
+            return []
+        await self.writer.publish(TicketsClosed(
+            ticket_ids=close,
+            reason=f"dead-lettered in {self.keys.dlq} after failed rollouts",
+        ))
+        await self.writer.publish(WarningRaised(
+            source="trainer", code="tickets_dead_lettered",
+            message=f"{len(close)} prompt ticket(s) failed too often and went to "
+                    f"{self.keys.dlq} ({', '.join(close[:5])}); issuing new ones in their place",
+        ))
+        indices = [i for tid in close if (i := ticket_index(tid)) is not None]
+        self.trained(indices)
+        return indices
+
+    async def reissue_lost(self, lost: Sequence[Sample], version: int,
+                           taken: Container[int]) -> None:
+        """Answers dead-lettered from the trainer's group: their tickets are answered again."""
+        ledger = self.writer.state.ledger
+        indices = {i for s in lost if (i := ticket_index(s.ticket_id)) is not None}
+        indices = {i for i in indices if i in ledger.open and i not in taken}
+        if indices:
+            await self.reissue(sorted(indices), "an answer was dead-lettered", version, taken)
+
+    def expired(self, taken: Container[int]) -> list[int]:
+        """Open tickets not ``taken`` unanswered for longer than the ticket lease."""
+        lease, now = self.lease_s(), time.monotonic()
+        return [i for i in self.writer.state.ledger.open
+                if i not in taken and now - self.issued_at.get(i, now) > lease]
+
+    async def reissue_expired(self, expired: list[int], live: Sequence[Heartbeat],
+                              version: int, taken: Container[int]) -> None:
+        """Reissue those of the ``expired`` tickets that are lost (lost with a crashed Redis
+        tail, held by a dead rollouter, answered with copies we refused); ``live``: the
+        rollouters alive now."""
+        lost = await self._lost(expired, live)
+        if lost:
+            await self.reissue(lost, f"unanswered for {self.lease_s():.0f} s (ticket lease)",
+                               version, taken)
+
+    async def _lost(self, indices: list[int], live: Sequence[Heartbeat]) -> list[int]:
+        """Of these tickets, those that are lost: gone from the prompts stream (a lost log
+        tail, a trim) or pending on a replica whose liveness key lapsed. A ticket queued, held
+        by a live rollouter (however slow), or already acked (answered: its samples are on the
+        way) keeps its lease. Tickets issued before this trainer started (entry unknown) are
+        judged by time alone."""
+        known = {i: self.ticket_entry[i] for i in indices if i in self.ticket_entry}
+        if not known:
+            return indices
+        alive = {RunKeys.rollouter_consumer(hb.rank) for hb in live}
+        present = await self.bus.read_ids(self.keys.prompts, list(known.values()))
+        owner = await self.bus.pending_owners(self.keys.prompts, ROLLOUTER_GROUP,
+                                              10 * self.capacity + 100)
+        keep = {i for i, e in known.items()
+                if e in present and (e not in owner or owner[e] in alive)}
+        now = time.monotonic()
+        for i in keep:
+            self.issued_at[i] = now  # held: its lease starts again
+        return [i for i in indices if i not in keep]

@@ -1,0 +1,124 @@
+"""The trainer's fenced writer: the only way the trainer writes to the bus.
+
+Every write is one Lua script that checks the run's fencing lease (:class:`bus.Lease`), so a
+second trainer, or a paused zombie of this one, writes nothing; and it is accepted only while
+this trainer's last StepFinished is still in the log, so a trainer that has not yet noticed
+that Redis lost its tail (AOF ``everysec``) writes nothing into the log that replaced it
+(:class:`LogBehind`: start over from the log as it is).
+
+The writer also holds what the trainer knows of the log: ``state = fold(events)``
+(:mod:`trainer.state`), folded from the log at start (from the newest snapshot the log
+confirms, :func:`trainer.resume.read_log`) and then from every event it writes, with the
+position of the last one (what a checkpoint's snapshot records).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from bus import Bus, EntryGone, Fenced, Lease, RunKeys
+from bus.messages import Event, Message, StepFinished
+from runtime import Restart
+from trainer.resume import Snapshot, read_log
+from trainer.state import TrainerState, apply
+
+__all__ = ["LogBehind", "Writer"]
+
+
+class LogBehind(Restart):
+    """The events log lost writes this trainer made (Redis restarted without its last
+    second): the trainer must resume from the log as it is now."""
+
+
+class Writer:
+    """Writes of one trainer incarnation, fenced by ``lease``; its folded view of the log."""
+
+    def __init__(self, bus: Bus, keys: RunKeys, lease: Lease) -> None:
+        self.bus = bus
+        self.keys = keys
+        self.lease = lease
+        self.state = TrainerState()
+        self.position: str | None = None
+        """Id of the last events entry in :attr:`state` (read or written)."""
+        self.last_finished_id: str | None = None
+        """Id of this trainer's last StepFinished: every write requires it to be there."""
+        self.entries_read = 0
+        self.fenced: str | None = None
+        """The holder that took the lease from us (set by a write or a pulse)."""
+
+    async def read_log(self, checkpoints: Path) -> None:
+        """Fold the log (from the newest snapshot the log confirms) into :attr:`state`."""
+        read = await read_log(self.bus, self.keys, checkpoints)
+        self.state, self.position = read.state, read.position
+        self.last_finished_id, self.entries_read = read.last_finished_id, read.entries_read
+
+    async def write(
+        self, items: Sequence[tuple[str, Message]],
+        ack: tuple[str, str, Sequence[str]] | None = None,
+    ) -> list[str]:
+        """Append ``(stream, msg)`` items (and XACK ``ack``) in one fenced script, only while
+        our last StepFinished is still in the log (see the module docstring)."""
+        require = None if self.last_finished_id is None else (self.keys.events,
+                                                             self.last_finished_id)
+        try:
+            ids = await self.lease.write(items, ack, require)
+        except EntryGone as exc:
+            raise LogBehind(f"StepFinished({self.state.last_step}) is gone from the log "
+                            f"({exc})") from exc
+        except Fenced as exc:
+            if exc.holder is None and await self.lease.acquire() is None:
+                # Our lease vanished (Redis restarted, maybe without its last writes): it is
+                # ours again, but the state must come from the log as it is now.
+                raise LogBehind(f"the lease {self.keys.trainer_lease} had vanished") from exc
+            self.fenced = exc.holder or "nobody (the lease lapsed)"
+            raise
+        for (stream, _), entry_id in zip(items, ids, strict=True):
+            if stream == self.keys.events:
+                self.position = entry_id  # the snapshot's position in the log
+        return ids
+
+    def fold(self, *events: Event) -> None:
+        """Fold events this trainer wrote into :attr:`state`."""
+        for event in events:
+            self.state = apply(self.state, event)
+
+    async def publish(self, *events: Event) -> list[str]:
+        """Write events to the run's log and fold them into :attr:`state`."""
+        if not events:
+            return []
+        ids = await self.write([(self.keys.events, e) for e in events])
+        self.fold(*events)
+        return ids
+
+    async def finish_step(self, finished: StepFinished, group: str) -> None:
+        """StepFinished with the acks of the samples it trained, in the same fenced script:
+        an ack never lands without the event that justifies it."""
+        ids = await self.write([(self.keys.events, finished)],
+                               ack=(self.keys.samples, group, finished.entry_ids))
+        self.state = apply(self.state, finished)
+        self.last_finished_id = self.position = ids[0]
+
+    async def renew(self) -> None:
+        """At every pulse (never blocked by a step): renew the lease; take it back if Redis
+        lost it; note a holder that is not us (fenced)."""
+        if not await self.lease.renew():
+            holder = await self.lease.holder()
+            if holder is None:
+                # The key vanished (Redis restarted): ours again. The log may have lost
+                # its tail too: every write checks our last StepFinished (write).
+                await self.lease.acquire()
+            elif holder != self.lease.token:
+                self.fenced = holder
+
+    def check_fenced(self) -> None:
+        """Raise :class:`bus.Fenced` once another trainer holds the lease."""
+        if self.fenced is not None:
+            raise Fenced(self.keys.trainer_lease, self.lease.token, self.fenced)
+
+    def snapshot(self) -> bytes:
+        """The state and its position, for the checkpoint's side file."""
+        return msgspec.msgpack.encode(Snapshot(self.state, self.position or "0-0",
+                                               self.last_finished_id))
