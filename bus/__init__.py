@@ -1,9 +1,11 @@
 """rlbus message bus: the only package that knows Redis.
 
 Everything public is re-exported here: message schemas (:mod:`bus.messages`), stream keys
-(:mod:`bus.keys`), streams and consumer groups (:mod:`bus.streams`), blob stores
-(:mod:`bus.blobs`), the embedded redis-server (:mod:`bus.server`), retry policy
-(:mod:`bus.retry`) and errors (:mod:`bus.errors`). See each module's docstring for the API.
+(:mod:`bus.keys`), streams and consumer groups (:mod:`bus.streams`, composed of
+:mod:`bus.client`, :mod:`bus.publish`, :mod:`bus.logs`, :mod:`bus.groups`, :mod:`bus.trim`,
+:mod:`bus.barrier`, :mod:`bus.keyspace`), blob stores (:mod:`bus.blobs`), the embedded
+redis-server (:mod:`bus.server`), retry policy (:mod:`bus.retry`), atomic file writes
+(:mod:`bus.files`) and errors (:mod:`bus.errors`). See each module's docstring for the API.
 
 Names load on first use (PEP 562 ``__getattr__``): a command that needs only the config
 and the embedded server (``rlbus up`` before it starts the components) does not pay for
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
         StreamGone,
         redact_url,
     )
+    from bus.files import atomic_file, atomic_write, fsync_path
     from bus.keys import (
         RUNS_STREAM,
         RunKeys,
@@ -177,6 +180,8 @@ __all__ = [
     "TrainerResumed",
     "WarningRaised",
     "WeightsPublished",
+    "atomic_file",
+    "atomic_write",
     "bus_error_line",
     "decode",
     "default_dlq",
@@ -186,6 +191,7 @@ __all__ = [
     "expand_env",
     "find_redis_server",
     "free_port",
+    "fsync_path",
     "open_store",
     "pdeathsig_hook",
     "peers",
@@ -199,8 +205,9 @@ __all__ = [
 ]
 
 # Submodules searched for a public name, the cheap ones first.
-_MODULES = ("errors", "keys", "retry", "server", "urls", "messages", "streams", "blobs",
-            "liveness")
+_MODULES = ("errors", "keys", "retry", "files", "server", "urls", "messages", "entries",
+            "client", "publish", "logs", "groups", "trim", "barrier", "keyspace", "streams",
+            "blobs", "liveness")
 
 
 def __getattr__(name: str) -> Any:

@@ -46,12 +46,14 @@ from typing import BinaryIO, NamedTuple
 
 import msgspec
 
+from bus.files import atomic_write, fsync_path
+
 __all__ = [
     "MAGIC",
     "SEGMENT_BYTES",
     "ArchivedEntry",
     "append",
-    "fsync_path",
+    "fsync_path",  # moved to bus.files; still importable from here
     "last_archived",
     "read_archive",
     "segments",
@@ -192,23 +194,10 @@ def _locked(folder: Path) -> Iterator[None]:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder (a folder: so that a new or renamed entry in it is durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _new_segment(folder: Path, after: Path | None) -> Path:
     number = int(_NAME.match(after.name)[1]) + 1 if after is not None else 1  # type: ignore[index]
     path = folder / f"archive-{number:06d}.rlev"
-    with open(path, "wb") as fh:
-        fh.write(MAGIC)
-        fh.flush()
-        os.fsync(fh.fileno())
-    fsync_path(folder)
+    atomic_write(path, MAGIC)
     return path
 
 
@@ -248,6 +237,25 @@ def _remember(folder: Path, path: Path, end: int, newest: str | None) -> None:
     _TAILS[folder] = (path, st.st_size, st.st_mtime_ns, end, newest)
 
 
+def _open_at(path: Path, end: int) -> tuple[BinaryIO, int]:
+    """A segment opened to write at ``end`` (the end of its last whole record, a torn record
+    after it cut off), and where writing starts."""
+    fh = open(path, "r+b")
+    if end < len(MAGIC):  # a segment torn before its magic was written
+        fh.seek(0)
+        fh.write(MAGIC)
+        end = len(MAGIC)
+    fh.truncate(end)  # cut a torn record off
+    fh.seek(end)
+    return fh, end
+
+
+def _close_synced(fh: BinaryIO) -> None:
+    fh.flush()
+    os.fsync(fh.fileno())
+    fh.close()
+
+
 def append(folder: Path, entries: Sequence[tuple[str, Sequence[bytes]]]) -> int:
     """Append ``entries`` (``(id, raw fields)`` in log order) and fsync; returns how many
     were written. Entries at or before the newest archived one are skipped (so appending a
@@ -269,20 +277,12 @@ def append(folder: Path, entries: Sequence[tuple[str, Sequence[bytes]]]) -> int:
                     continue  # out of order in the input: never write an older id
                 if path is None or end >= SEGMENT_BYTES:
                     if fh is not None:
-                        fh.flush()
-                        os.fsync(fh.fileno())
-                        fh.close()
+                        _close_synced(fh)
                         fh = None
                     path = _new_segment(folder, path)
                     end = len(MAGIC)
                 if fh is None:
-                    fh = open(path, "r+b")
-                    if end < len(MAGIC):  # a segment torn before its magic was written
-                        fh.seek(0)
-                        fh.write(MAGIC)
-                        end = len(MAGIC)
-                    fh.truncate(end)  # cut a torn record off
-                    fh.seek(end)
+                    fh, end = _open_at(path, end)
                 payload = _ENCODE.encode((entry_id, [bytes(f) for f in fields]))
                 record = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
                 fh.write(record)
@@ -291,9 +291,7 @@ def append(folder: Path, entries: Sequence[tuple[str, Sequence[bytes]]]) -> int:
                 written += 1
         finally:
             if fh is not None:
-                fh.flush()
-                os.fsync(fh.fileno())
-                fh.close()
+                _close_synced(fh)
         if path is not None:
             _remember(folder, path, end, newest_id)
         return written

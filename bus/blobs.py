@@ -17,14 +17,13 @@ All methods are coroutines; file I/O runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import os
-import tempfile
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol
+from typing import Protocol
 
 from bus.errors import BlobCorrupt, BlobError, BlobNotFound
+from bus.files import atomic_write
 from bus.keys import RunKeys
 from bus.messages import BlobRef
 from bus.streams import Bus
@@ -81,16 +80,10 @@ class RedisBlobStore:
             ]
 
         sha, parts = await asyncio.to_thread(prepare)
-        redis_ = self.bus._redis
-
-        async def go() -> Any:
-            # One transaction: a reader never sees half of a new blob and half of an old one.
-            pipe = redis_.pipeline(transaction=True)
-            for i, part in enumerate(parts):
-                pipe.execute_command("SET", f"{key}:{i}", part)
-            return await pipe.execute()
-
-        await self.bus._call("SET", go)
+        # One transaction: a reader never sees half of a new blob and half of an old one.
+        await self.bus.pipeline(
+            [("SET", f"{key}:{i}", part) for i, part in enumerate(parts)], atomic=True
+        )
         return BlobRef(store=self.store, key=key, size=size, sha256=sha, chunks=chunks)
 
     async def get(self, ref: BlobRef) -> bytes:
@@ -99,10 +92,7 @@ class RedisBlobStore:
         if ref.store != self.store:
             raise BlobError(f"reference to a {ref.store!r} blob given to the redis store")
         keys = [f"{ref.key}:{i}" for i in range(max(ref.chunks, 1))]
-        redis_ = self.bus._redis
-        parts: list[bytes | None] = await self.bus._call(
-            "MGET", lambda: redis_.execute_command("MGET", *keys)
-        )
+        parts: list[bytes | None] = await self.bus.command("MGET", *keys)
         missing = [k for k, p in zip(keys, parts, strict=True) if p is None]
         if len(missing) == len(keys):
             raise BlobNotFound(f"blob {ref.key!r} does not exist (deleted, or another Redis?)")
@@ -135,19 +125,11 @@ class DirBlobStore:
             raise BlobError(f"blob key {key!r} escapes the store root {self.root}")
         return path
 
-    def _write(self, path: Path, data: memoryview) -> None:
+    @staticmethod
+    def _write(path: Path, data: memoryview) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        # 0600 as before: a blob (weights) is for the run's user only.
+        atomic_write(path, data, mode=0o600)
 
     async def put(self, name: str, data: bytes | bytearray | memoryview) -> BlobRef:
         """Write blob ``name`` (a relative path) atomically; returns its reference."""

@@ -25,6 +25,7 @@ cursor itself is gone, ``on_gap(cursor, first)`` says which range was skipped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
@@ -71,6 +72,34 @@ def _take(it: Iterator[ArchivedEntry], n: int) -> list[ArchivedEntry]:
     return list(islice(it, n))
 
 
+async def _read_trimmed(
+    bus: Bus,
+    stream: str,
+    folder: Path | None,
+    cursor: str,
+    first: str,
+    *,
+    count: int,
+    on_bad: Callable[[BadEntry], None] | None,
+    on_gap: Callable[[str, str], None] | None,
+) -> AsyncIterator[Entry]:
+    """The entries after ``cursor`` and before ``first`` (the stream's first entry), which
+    were trimmed from the stream: from the archive in ``folder``. When it holds none of them
+    and the cursor was not the start, ``on_gap(cursor, first)`` says what was skipped."""
+    from_start = cursor in _FROM_START
+    found = False
+    if folder is not None:
+        it = read_archive(folder, after=None if from_start else cursor, before=first)
+        while chunk := await asyncio.to_thread(_take, it, count):
+            found = True
+            for archived in chunk:
+                entry = bus.decode_entry(stream, archived.id, archived.fields, on_bad)
+                if entry is not None:
+                    yield entry
+    if not found and not from_start and on_gap is not None:
+        on_gap(cursor, first)
+
+
 async def read_history(
     bus: Bus,
     stream: str,
@@ -87,21 +116,13 @@ async def read_history(
     cursor = start
     while True:
         first, page = await bus.read_page(stream, cursor, count=count)
-        from_start = cursor in _FROM_START
-        if first is not None and (from_start or entry_key(first) > entry_key(cursor)):
+        if first is not None and (cursor in _FROM_START or entry_key(first) > entry_key(cursor)):
             # Entries between the cursor and the stream's first one were trimmed: archived.
-            found = False
-            if folder is not None:
-                it = read_archive(folder, after=None if from_start else cursor, before=first)
-                while chunk := await asyncio.to_thread(_take, it, count):
-                    found = True
-                    for archived in chunk:
-                        entry = bus.decode_entry(stream, archived.id, archived.fields, on_bad)
-                        if entry is not None:
-                            yield entry
-                    cursor = chunk[-1].id
-            if not found and not from_start and on_gap is not None:
-                on_gap(cursor, first)
+            trimmed = _read_trimmed(bus, stream, folder, cursor, first, count=count,
+                                    on_bad=on_bad, on_gap=on_gap)
+            async with contextlib.aclosing(trimmed):  # closed here even if our reader stops
+                async for entry in trimmed:
+                    yield entry
         for entry_id, fields in page:
             entry = bus.decode_entry(stream, entry_id, fields, on_bad)
             if entry is not None:

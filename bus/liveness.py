@@ -43,7 +43,7 @@ async def pulse(bus: Bus, key: str, heartbeat: Heartbeat, ttl_s: float) -> None:
     """Say "alive" for ``ttl_s`` seconds, with ``heartbeat`` as the value. Wraps SET PX."""
     ttl_ms = max(1, int(ttl_s * 1000))
     data = encode(heartbeat)
-    await bus._call("SET", lambda: bus._redis.execute_command("SET", key, data, "PX", ttl_ms))
+    await bus.command("SET", key, data, "PX", ttl_ms)
 
 
 async def pulse_forever(
@@ -82,8 +82,7 @@ async def peers(bus: Bus, pattern: str) -> list[Heartbeat]:
     keys = await bus.scan(pattern)
     if not keys:
         return []
-    redis_ = bus._redis
-    values = await bus._call("MGET", lambda: redis_.execute_command("MGET", *keys))
+    values = await bus.command("MGET", *keys)
     found = []
     for raw in values:
         if raw is None:  # expired between SCAN and MGET
@@ -146,57 +145,42 @@ class Lease:
         self.key = key
         self.token = token
         self.ttl_ms = max(1, int(ttl_s * 1000))
-        redis_ = bus._redis
-        self._steal = redis_.register_script(_STEAL_LUA)
-        self._renew = redis_.register_script(_RENEW_LUA)
-        self._write = redis_.register_script(_WRITE_LUA)
 
     async def acquire(self) -> str | None:
         """Take the lease if free: None on success, else the current holder's token.
-        Wraps SET NX PX (then GET)."""
-        redis_ = self.bus._redis
-
-        async def go() -> Any:
-            ok = await redis_.execute_command(
-                "SET", self.key, self.token, "NX", "PX", self.ttl_ms
-            )
-            if ok:
-                return None
-            holder = await redis_.execute_command("GET", self.key)
-            return b"" if holder is None else holder
-
-        holder = await self.bus._call("SET", go)
-        if holder is None:
+        Wraps SET NX PX and GET (pipelined: the GET tells who holds it when SET NX fails)."""
+        ok, holder = await self.bus.pipeline(
+            [("SET", self.key, self.token, "NX", "PX", self.ttl_ms), ("GET", self.key)]
+        )
+        if ok:
             return None
-        if holder == b"":  # expired between SET NX and GET: try once more
+        if holder is None:  # expired between SET NX and GET: try once more
             return await self.acquire()
         return holder.decode(errors="replace")
 
     async def steal(self, holder: str) -> bool:
         """Replace ``holder``'s token by ours (only if it still holds it). Wraps EVAL."""
         args = [holder, self.token, self.ttl_ms]
-        return bool(await self.bus._call("EVAL", lambda: self._steal(keys=[self.key], args=args)))
+        return bool(await self.bus.run_script(_STEAL_LUA, [self.key], args))
 
     async def renew(self) -> bool:
         """Extend our lease; False if we no longer hold it. Wraps EVAL (GET + PEXPIRE)."""
         args = [self.token, self.ttl_ms]
-        return bool(await self.bus._call("EVAL", lambda: self._renew(keys=[self.key], args=args)))
+        return bool(await self.bus.run_script(_RENEW_LUA, [self.key], args))
 
     async def release(self) -> None:
         """Give the lease up if we hold it. Wraps EVAL (GET + DEL)."""
         args = [self.token, 0]
-        await self.bus._call("EVAL", lambda: self._renew(keys=[self.key], args=args))
+        await self.bus.run_script(_RENEW_LUA, [self.key], args)
 
     async def holder(self) -> str | None:
         """The token holding the lease now (None: free). Wraps GET."""
-        raw = await self.bus._call("GET", lambda: self.bus._redis.execute_command("GET", self.key))
+        raw = await self.bus.command("GET", self.key)
         return None if raw is None else raw.decode(errors="replace")
 
     async def remaining_ms(self) -> int:
         """Milliseconds the lease has left (-2: free). Wraps PTTL."""
-        return int(await self.bus._call(
-            "PTTL", lambda: self.bus._redis.execute_command("PTTL", self.key)
-        ))
+        return int(await self.bus.command("PTTL", self.key))
 
     async def write(
         self,
@@ -222,7 +206,7 @@ class Lease:
             args += list(ack[2])
         if require is not None:
             keys.append(require[0])
-        reply = await self.bus._call("EVAL", lambda: self._write(keys=keys, args=args))
+        reply = await self.bus.run_script(_WRITE_LUA, keys, args)
         if reply is None:
             holder = await self.holder()
             raise Fenced(self.key, self.token, holder)

@@ -17,10 +17,10 @@ ProfileStopped for a session or process nobody expected still gets its entry (at
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from bus.files import atomic_write
 from bus.keys import validate_run_id
 from bus.messages import ProfileStopped
 from profiler_service.schedule import MANIFEST_NAME, expected_targets
@@ -147,10 +147,5 @@ def write_manifest(path: Path, manifest: dict[str, Any]) -> bool:
     except (OSError, UnicodeDecodeError):
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, text.encode())
     return True

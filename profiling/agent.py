@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.profiler
 
+from bus.files import atomic_file
 from bus.messages import ProfileStarted, ProfileStopped, StartProfile, StopProfile, WarningRaised
 from profiling.nsys import nsys_command
 from profiling.paths import (
@@ -645,19 +646,11 @@ class ProfilerAgent:
         """
         final = trace_path(self.run_dir, self.role, self.rank, session_id, ".pickle")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.run_dir, prefix=".tmp-", suffix=".pickle")
-        os.close(fd)
-        try:
-            snapshot = torch.cuda.memory._snapshot(self._cuda_device)
-            if "stack_depth" not in _history_params():
-                _cut_frames(snapshot, self.tools.torch_memory.stack_depth)
-            with open(tmp, "wb") as out:
-                pickle.dump(snapshot, out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, final)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        snapshot = torch.cuda.memory._snapshot(self._cuda_device)
+        if "stack_depth" not in _history_params():
+            _cut_frames(snapshot, self.tools.torch_memory.stack_depth)
+        with atomic_file(final) as out:
+            pickle.dump(snapshot, out)
 
     # ------------------------------------------------------------------ events
 

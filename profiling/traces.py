@@ -26,6 +26,8 @@ import re
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from bus.files import atomic_file
+
 __all__ = ["finish_trace", "link_session_view"]
 
 _HEAD = 1 << 16  # torch's header keys come before "traceEvents", well inside this
@@ -93,31 +95,24 @@ def finish_trace(
         + b'"rlbus": ' + json.dumps(metadata).encode() + b",\n"
     )
     size = os.path.getsize(raw)
-    tmp = final.with_name(f".tmp-{final.name}")
-    try:
-        with open(raw, "rb") as src, open(tmp, "wb") as out:
-            edits = _edits(src, size, header, str(final.resolve()))
-            with gzip.GzipFile(
-                filename="", mode="wb", fileobj=out, compresslevel=gzip_level, mtime=0
-            ) as dst:
-                src.seek(0)
-                pos = 0
-                for offset, length, replacement in [*edits, (size, 0, b"")]:
-                    left = offset - pos
-                    while left > 0:
-                        chunk = src.read(min(_CHUNK, left))
-                        if not chunk:
-                            raise ValueError("the exported trace changed while being copied")
-                        dst.write(chunk)
-                        left -= len(chunk)
-                    dst.write(replacement)
-                    src.seek(length, os.SEEK_CUR)
-                    pos = offset + length
-            out.flush()
-            os.fsync(out.fileno())  # the rename must not publish a file still in cache
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with open(raw, "rb") as src, atomic_file(final) as out:
+        edits = _edits(src, size, header, str(final.resolve()))
+        with gzip.GzipFile(
+            filename="", mode="wb", fileobj=out, compresslevel=gzip_level, mtime=0
+        ) as dst:
+            src.seek(0)
+            pos = 0
+            for offset, length, replacement in [*edits, (size, 0, b"")]:
+                left = offset - pos
+                while left > 0:
+                    chunk = src.read(min(_CHUNK, left))
+                    if not chunk:
+                        raise ValueError("the exported trace changed while being copied")
+                    dst.write(chunk)
+                    left -= len(chunk)
+                dst.write(replacement)
+                src.seek(length, os.SEEK_CUR)
+                pos = offset + length
     return final.stat().st_size
 
 

@@ -701,3 +701,49 @@ async def test_reclaim_from_takes_only_the_named_members_entries(bus: Bus, run_i
     owners = {row[0].decode(): row[1].decode() for row in pending}
     assert all(owners[d.id] == "slow" for d in got_slow)
     assert await bus.consumers("nope", "g") == []
+
+
+@pytest.mark.asyncio
+async def test_pending_owners_names_the_member_holding_each_entry(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    stream = run_keys.prompts
+    a = Consumer(bus, stream, "g", "a")
+    b = Consumer(bus, stream, "g", "b")
+    await a.ensure_group()
+    assert await bus.pending_owners(stream, "g", 10) == {}
+    await bus.publish_many(stream, steps(5))
+    got_a = await a.read(count=2, block_ms=10)
+    got_b = await b.read(count=3, block_ms=10)
+    assert (len(got_a), len(got_b)) == (2, 3)
+    owners = await bus.pending_owners(stream, "g", 10)
+    assert owners == {**{d.id: "a" for d in got_a}, **{d.id: "b" for d in got_b}}
+    # count bounds the reply to the oldest pending entries; an acked entry is not pending.
+    assert await bus.pending_owners(stream, "g", 3) == {
+        d.id: owner for d, owner in [(got_a[0], "a"), (got_a[1], "a"), (got_b[0], "b")]
+    }
+    await b.ack(got_b[0])
+    assert got_b[0].id not in await bus.pending_owners(stream, "g", 10)
+    with pytest.raises(GroupGone):
+        await bus.pending_owners(stream, "nope", 10)
+    with pytest.raises(StreamGone):
+        await bus.pending_owners(f"{stream}:missing", "g", 10)
+
+
+@pytest.mark.asyncio
+async def test_groups_lists_each_group_with_its_counts(bus: Bus, run_keys: RunKeys) -> None:
+    stream = run_keys.samples
+    assert await bus.groups(stream) == []  # no stream yet
+    busy = Consumer(bus, stream, "busy", "m")
+    idle = Consumer(bus, stream, "idle", "m")
+    await busy.ensure_group()
+    await idle.ensure_group()
+    ids = await bus.publish_many(stream, steps(3))
+    await busy.read(count=2, block_ms=10)
+    infos = {g.name: g for g in await bus.groups(stream)}
+    assert set(infos) == {"busy", "idle"}
+    assert (infos["busy"].consumers, infos["busy"].pending) == (1, 2)
+    assert infos["busy"].last_delivered_id == ids[1]
+    assert (infos["idle"].consumers, infos["idle"].pending) == (0, 0)
+    assert infos["idle"].last_delivered_id == "0-0"
+    assert await bus.consumers(stream, "busy") == ["m"]

@@ -1,0 +1,252 @@
+"""The bus client core: one connection pool, the retry/deadline policy, error mapping.
+
+:class:`BusClient` holds one ``redis.asyncio.Redis`` client (bytes in, bytes out, RESP2).
+The command groups (:mod:`bus.publish`, :mod:`bus.logs`, :mod:`bus.groups`, :mod:`bus.trim`,
+:mod:`bus.barrier`, :mod:`bus.keyspace`) are mixins on top of it, composed into
+:class:`bus.streams.Bus`; they and the other bus modules (liveness, blobs) talk to Redis
+only through its public surface: :meth:`~BusClient.command` (one command),
+:meth:`~BusClient.pipeline` (several in one round trip, optionally MULTI/EXEC) and
+:meth:`~BusClient.run_script` (a Lua script, registered once per client).
+
+Decisions:
+
+- **Connection loss** → every call is retried with bounded exponential backoff + jitter
+  (:class:`~bus.retry.RetryPolicy`, ~9 s in total by default), then
+  :class:`~bus.errors.BusUnavailable` naming the redacted URL. A retried XADD may land twice
+  (the reply, not the write, was lost): delivery is at-least-once and handlers are idempotent.
+  Refused credentials are :class:`~bus.errors.BusAuthError`, never retried.
+- **No wait is unbounded**: every call (one command or one pipeline) has a deadline of
+  ``op_timeout_s`` plus its ``block_ms``; a missed deadline counts as a connection failure
+  (retried, then :class:`~bus.errors.BusUnavailable`). ``block_ms=0``/``None`` means *do not
+  block* (unlike Redis, where 0 means forever). One deadline per round trip, not per reply,
+  keeps pipelines cheap.
+- **Stream replies stay raw**: redis-py's parsers for the stream commands drop nil entries'
+  ids and build a dict per entry (lossy, and slow on the hot path); the bus parses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import AuthenticationError, AuthorizationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from bus.errors import BusAuthError, BusUnavailable, redact_url
+from bus.retry import RetryPolicy, retry_async
+
+__all__ = ["BusClient", "block_args"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+RetryHook = Callable[[int, BaseException], None]
+"""Called ``(attempt, error)`` before each retry wait of one call."""
+
+_RETRY_ON: tuple[type[BaseException], ...] = (
+    RedisConnectionError,  # includes BusyLoadingError while a restarted server replays its AOF
+    RedisTimeoutError,
+    TimeoutError,
+    OSError,
+)
+_NO_RETRY: tuple[type[BaseException], ...] = (AuthenticationError, AuthorizationError)
+
+_RAW_COMMANDS = ("XREADGROUP", "XREAD", "XRANGE", "XREVRANGE", "XAUTOCLAIM", "XPENDING", "XCLAIM")
+
+
+def _raw(response: Any, **options: Any) -> Any:
+    return response
+
+
+def block_args(block_ms: int | None) -> list[Any]:
+    """``["BLOCK", ms]`` for a blocking read, ``[]`` for ``None``/``0`` (do not block)."""
+    if not block_ms or block_ms <= 0:
+        return []
+    return ["BLOCK", int(block_ms)]
+
+
+class BusClient:
+    """The client core every command group builds on. Build it with :meth:`from_url`."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        url: str,
+        *,
+        retry: RetryPolicy | None = None,
+        op_timeout_s: float = 30.0,
+    ) -> None:
+        if op_timeout_s <= 0:
+            raise ValueError(f"op_timeout_s must be > 0, got {op_timeout_s}")
+        self._redis = client
+        self.url = redact_url(url)
+        """The URL with any password replaced by ``***``."""
+        self.retry = retry or RetryPolicy()
+        self.op_timeout_s = op_timeout_s
+        """Deadline of one call (plus its block time), in seconds."""
+        for name in _RAW_COMMANDS:
+            client.set_response_callback(name, _raw)
+        self._scripts: dict[str, AsyncScript] = {}
+        self.on_retry: Callable[[str, int, BaseException], None] | None = None
+        """Optional hook ``(op, attempt, error)`` run before each retry wait (metrics, tests)."""
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        retry: RetryPolicy | None = None,
+        op_timeout_s: float = 30.0,
+        connect_timeout_s: float = 5.0,
+        client_name: str | None = None,
+    ) -> Self:
+        """A bus on ``url`` (``redis://``, ``rediss://``, ``unix://``; user/password allowed).
+
+        Connects lazily: the first command opens the connection (and is retried).
+        """
+        client = aioredis.Redis.from_url(
+            url,
+            decode_responses=False,
+            protocol=2,  # the reply shapes the bus parses are RESP2's
+            # No per-reply socket timeout: _call puts one deadline on the whole round trip
+            # (a per-reply timer costs ~10 us for each of a pipeline's 64 replies).
+            socket_timeout=None,
+            socket_connect_timeout=connect_timeout_s,
+            # Our own RetryPolicy is the only retry layer; redis-py's would multiply it.
+            retry=Retry(NoBackoff(), 0),
+            client_name=client_name,
+        )
+        return cls(client, url, retry=retry, op_timeout_s=op_timeout_s)
+
+    # ------------------------------------------------------------------ the one retry layer
+
+    async def _call(
+        self,
+        op: str,
+        fn: Callable[[], Awaitable[T]],
+        on_retry: RetryHook | None = None,
+        block_ms: int | None = None,
+    ) -> T:
+        """Run ``fn`` under the retry policy, each try within ``op_timeout_s`` (+ the block
+        time); map connection/auth failures to bus errors."""
+        deadline_s = self.op_timeout_s + (block_ms or 0) / 1000
+
+        async def attempt() -> T:
+            # A cancelled redis-py read closes its connection, so no stale reply is left.
+            async with asyncio.timeout(deadline_s):
+                return await fn()
+
+        def retrying(attempt: int, exc: BaseException) -> None:
+            log.info("%s on %s failed (%s); retry %d", op, self.url, exc, attempt + 1)
+            if on_retry is not None:
+                on_retry(attempt, exc)
+            if self.on_retry is not None:
+                self.on_retry(op, attempt, exc)
+
+        try:
+            return await retry_async(
+                self.retry, attempt, retry_on=_RETRY_ON, no_retry=_NO_RETRY, on_retry=retrying
+            )
+        except (AuthenticationError, AuthorizationError) as exc:
+            raise BusAuthError(f"Redis at {self.url} refused the credentials: {exc}") from exc
+        except _RETRY_ON as exc:
+            raise BusUnavailable(self.url, op, self.retry.attempts, exc) from exc
+
+    # ------------------------------------------------------------------ public surface
+
+    async def command(
+        self, *args: Any, block_ms: int | None = None, on_retry: RetryHook | None = None
+    ) -> Any:
+        """Run one raw Redis command (``args[0]`` names it) under the retry policy; bytes
+        replies, raw ones for the stream commands. ``block_ms``: how long the command itself
+        may block (added to the deadline); ``on_retry`` runs before each retry wait."""
+        redis_ = self._redis
+        return await self._call(
+            str(args[0]).upper(),
+            lambda: redis_.execute_command(*args),
+            on_retry=on_retry,
+            block_ms=block_ms,
+        )
+
+    async def pipeline(
+        self, commands: Sequence[Sequence[Any]], *, atomic: bool = False, op: str | None = None
+    ) -> list[Any]:
+        """Run ``commands`` in one round trip, as one call of the retry policy; their replies
+        in order. ``atomic=True`` wraps them in MULTI/EXEC (all or nothing, no other client's
+        command in between). ``op`` names the call in logs and errors (default: the first
+        command's name)."""
+        if not commands:
+            return []
+        redis_ = self._redis
+
+        async def go() -> list[Any]:
+            pipe = redis_.pipeline(transaction=atomic)
+            for args in commands:
+                pipe.execute_command(*args)
+            return await pipe.execute()
+
+        return await self._call(op or str(commands[0][0]).upper(), go)
+
+    async def run_script(
+        self, lua: str, keys: Sequence[Any], args: Sequence[Any], *, op: str = "EVAL"
+    ) -> Any:
+        """Run the Lua script ``lua`` with ``keys`` and ``args`` under the retry policy.
+        Wraps EVALSHA (EVAL when the server does not have the script yet). A script is
+        registered with the client once, the first time it runs."""
+        script = self._scripts.get(lua)
+        if script is None:
+            script = self._scripts[lua] = self._redis.register_script(lua)
+        keys_, args_ = list(keys), list(args)
+        return await self._call(op, lambda: script(keys=keys_, args=args_))
+
+    # ------------------------------------------------------------------ server
+
+    async def ping(self) -> None:
+        """Wraps PING (raises :class:`BusUnavailable` if Redis stays unreachable)."""
+        await self.command("PING")
+
+    async def server_time(self) -> float:
+        """The Redis server's clock, in seconds since the epoch. Wraps TIME.
+
+        Entry ids of ``XADD *`` are this clock in milliseconds, so an entry's age is
+        ``server_time()`` minus its id's ms part: one clock, whatever the hosts' clocks say.
+        """
+        seconds, micros = await self.command("TIME")
+        return int(seconds) + int(micros) / 1_000_000
+
+    async def server_version(self) -> tuple[int, int, int]:
+        """The server's version, from INFO server."""
+        info = await self.command("INFO", "server")
+        parts = [int(p) for p in str(info["redis_version"]).split(".")[:3]]
+        while len(parts) < 3:
+            parts.append(0)
+        return parts[0], parts[1], parts[2]
+
+    # ------------------------------------------------------------------ lifetime
+
+    async def close(self) -> None:
+        """Close the client and its connections."""
+        await self._redis.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

@@ -1,0 +1,538 @@
+"""Consumer groups: work shared among a group's members, each entry acked once it is done.
+
+A :class:`Consumer` is one member of one group on one stream; :class:`GroupCommands` holds
+the group-level calls of :class:`~bus.streams.Bus` (list groups and members, who holds
+which pending entry, destroy a group).
+
+Decisions (the contract other packages rely on):
+
+- **Bad entries in a group** (undecodable bytes, unknown type, newer schema version, a type
+  not in ``accept``, delivered more than ``max_deliveries`` times) are written to the DLQ
+  stream as a :class:`~bus.messages.DeadLetter` (source stream, entry id, reason, raw bytes,
+  deliveries, group, consumer) and XACKed in the same MULTI/EXEC. They are never returned.
+- **Entries trimmed away while pending** are dead-lettered too, with reason
+  :data:`TRIMMED_REASON` and empty ``raw`` (so nothing vanishes silently), and removed from
+  the PEL. Both shapes are handled: Redis 7 XAUTOCLAIM's third reply element, Redis 6.2
+  XAUTOCLAIM's nil placeholders, and XREADGROUP's nil fields when re-reading own pending.
+- **Deleted stream or group** → :class:`~bus.errors.StreamGone` / :class:`~bus.errors.GroupGone`
+  (from the NOGROUP error), never a silent re-create, hang or retry.
+- **A lost read reply** (the read was retried, see :mod:`bus.client`) may have delivered
+  entries to us: the consumer re-reads its own pending entries first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeVar
+
+from redis.exceptions import ResponseError
+
+from bus.client import BusClient, block_args
+from bus.entries import entry_key, raw_of, split_fields, to_text
+from bus.errors import BusError, BusUnavailable, GroupGone, StreamGone
+from bus.keys import RunKeys
+from bus.messages import FIELD, DeadLetter, DecodeError, Message, decode, encode
+from bus.publish import xadd_args
+
+__all__ = [
+    "EXCEEDED_REASON",
+    "TRIMMED_REASON",
+    "Consumer",
+    "ConsumerStats",
+    "Delivery",
+    "GroupCommands",
+    "GroupInfo",
+    "default_dlq",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TRIMMED_REASON = "trimmed while pending"
+"""DeadLetter reason for a pending entry whose data was trimmed/deleted from the stream."""
+
+EXCEEDED_REASON = "exceeded max deliveries"
+"""DeadLetter reason for an entry delivered more than ``max_deliveries`` times."""
+
+
+class Delivery(NamedTuple):
+    """One entry handed to a group member; ``deliveries`` counts this delivery too."""
+
+    id: str
+    msg: Message
+    deliveries: int
+    stream: str
+
+
+class GroupInfo(NamedTuple):
+    """One consumer group of a stream (XINFO GROUPS)."""
+
+    name: str
+    consumers: int
+    pending: int
+    last_delivered_id: str
+
+
+@dataclass(slots=True)
+class ConsumerStats:
+    """Counters of one :class:`Consumer` (since it was created)."""
+
+    delivered: int = 0
+    acked: int = 0
+    reclaimed: int = 0
+    dead_lettered: int = 0
+    trimmed: int = 0
+
+
+def default_dlq(stream: str) -> str:
+    """The DLQ of ``stream``: the run's ``dlq`` key for ``rlbus:{RUN}:...`` streams (same hash
+    slot, so dead-lettering is one transaction), else ``stream + ":dlq"``."""
+    if stream.startswith("rlbus:{") and "}" in stream:
+        run_id = stream[len("rlbus:{") : stream.index("}")]
+        try:
+            return RunKeys(run_id).dlq
+        except ValueError:
+            pass
+    return f"{stream}:dlq"
+
+
+async def in_group(bus: BusClient, stream: str, group: str, reply: Awaitable[T]) -> T:
+    """``await reply`` (a call on ``group`` of ``stream``), with Redis' NOGROUP error turned
+    into :class:`~bus.errors.StreamGone` or :class:`~bus.errors.GroupGone` (EXISTS tells
+    which)."""
+    try:
+        return await reply
+    except ResponseError as exc:
+        if not str(exc).startswith("NOGROUP"):
+            raise
+        gone: BusError = (GroupGone(stream, group) if await bus.command("EXISTS", stream)
+                          else StreamGone(stream, group))
+        raise gone from exc
+
+
+def _fields(row: list[Any]) -> dict[bytes, Any]:
+    """One XINFO reply row (a flat ``name, value, ...`` list) as a dict."""
+    return dict(zip(row[::2], row[1::2], strict=False))
+
+
+class GroupCommands(BusClient):
+    """Group-level calls: XINFO GROUPS / CONSUMERS, XPENDING owners, XGROUP DESTROY."""
+
+    async def groups(self, stream: str) -> list[GroupInfo]:
+        """The consumer groups of ``stream`` ([] when the stream does not exist).
+        Wraps XINFO GROUPS."""
+        try:
+            raw = await self.command("XINFO", "GROUPS", stream)
+        except ResponseError as exc:
+            if "no such key" in str(exc).lower():
+                return []
+            raise
+        return [
+            GroupInfo(
+                name=to_text(g[b"name"]),
+                consumers=int(g[b"consumers"]),
+                pending=int(g[b"pending"]),
+                last_delivered_id=to_text(g[b"last-delivered-id"]),
+            )
+            for g in map(_fields, raw)
+        ]
+
+    async def consumers(self, stream: str, group: str) -> list[str]:
+        """Names of the members of ``group`` ([] when the stream or group is missing).
+        Wraps XINFO CONSUMERS."""
+        try:
+            raw = await self.command("XINFO", "CONSUMERS", stream, group)
+        except ResponseError as exc:
+            if "no such key" in str(exc).lower() or str(exc).startswith("NOGROUP"):
+                return []
+            raise
+        return [to_text(_fields(row)[b"name"]) for row in raw]
+
+    async def pending_owners(self, stream: str, group: str, count: int) -> dict[str, str]:
+        """Who holds each of the (up to ``count``) oldest entries pending in ``group``:
+        ``{entry id: consumer name}``. Wraps XPENDING stream group - + count. A missing
+        stream or group raises :class:`~bus.errors.StreamGone` /
+        :class:`~bus.errors.GroupGone`."""
+        rows = await in_group(
+            self, stream, group, self.command("XPENDING", stream, group, "-", "+", count)
+        )
+        return {row[0].decode(): row[1].decode() for row in rows or []}
+
+    async def destroy_group(self, stream: str, group: str) -> bool:
+        """Delete a consumer group; True if it existed. Wraps XGROUP DESTROY."""
+        try:
+            n = await self.command("XGROUP", "DESTROY", stream, group)
+        except ResponseError as exc:
+            if "requires the key to exist" in str(exc):
+                return False
+            raise
+        return bool(n)
+
+    def consumer(self, stream: str, group: str, name: str, **kwargs: Any) -> Consumer:
+        """A :class:`Consumer` of ``stream`` as member ``name`` of ``group``."""
+        return Consumer(self, stream, group, name, **kwargs)
+
+
+class Consumer:
+    """One member ``name`` of consumer group ``group`` on ``stream``.
+
+    Handlers XACK (:meth:`ack`) only after a message's effect is durable. Entries that cannot
+    be handled go to ``dlq_stream`` (default :func:`default_dlq`). ``accept`` optionally
+    restricts the message types this stream may carry; others are dead-lettered.
+    ``min_idle_ms`` is the default idleness after which :meth:`reclaim` takes an entry over
+    from another (presumably dead) member.
+    """
+
+    def __init__(
+        self,
+        bus: BusClient,
+        stream: str,
+        group: str,
+        name: str,
+        *,
+        max_deliveries: int = 5,
+        min_idle_ms: int = 60_000,
+        dlq_stream: str | None = None,
+        accept: tuple[type, ...] | None = None,
+    ) -> None:
+        if max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
+        self.bus = bus
+        self.stream = stream
+        self.group = group
+        self.name = name
+        self.max_deliveries = max_deliveries
+        self.min_idle_ms = min_idle_ms
+        self.dlq_stream = dlq_stream or default_dlq(stream)
+        self.accept = accept
+        self.stats = ConsumerStats()
+        # Start by re-reading our own pending entries (a restarted member picks up its work).
+        self._backlog = True
+        self._cursor: bytes = b"0-0"
+        # Ids handed out by this object and not acked yet: a backlog re-read skips them so an
+        # entry is not handed out twice by the same process.
+        self._inflight: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"Consumer({self.stream!r}, group={self.group!r}, name={self.name!r})"
+
+    @property
+    def inflight(self) -> int:
+        """Entries handed out by this consumer and not acked yet."""
+        return len(self._inflight)
+
+    async def _run(self, reply: Awaitable[T]) -> T:
+        """``await reply``, a call on our group (NOGROUP → StreamGone / GroupGone)."""
+        return await in_group(self.bus, self.stream, self.group, reply)
+
+    def _lost_reply(self, attempt: int, exc: BaseException) -> None:
+        # A read whose reply was lost may have delivered entries to us: find them in our PEL.
+        self._backlog = True
+        self._cursor = b"0-0"
+
+    async def ensure_group(self, start_id: str = "0") -> bool:
+        """Create the group (and the stream) if missing; True if it was created.
+        Wraps XGROUP CREATE ... MKSTREAM (BUSYGROUP means it exists: fine)."""
+        try:
+            await self.bus.command(
+                "XGROUP", "CREATE", self.stream, self.group, start_id, "MKSTREAM"
+            )
+        except ResponseError as exc:
+            if str(exc).startswith("BUSYGROUP"):
+                return False
+            raise
+        return True
+
+    # ------------------------------------------------------------------ reading
+
+    async def read(self, count: int = 64, block_ms: int | None = 1000) -> list[Delivery]:
+        """Up to ``count`` deliveries: own pending entries first (id ``0``), then new ones
+        (``>``, waiting at most ``block_ms``). Wraps XREADGROUP.
+
+        Returns [] when nothing arrived in time. Bad entries are dead-lettered, not returned.
+        """
+        if self._backlog:
+            out = await self._read_backlog(count)
+            if out:
+                return out
+        return await self._read_new(count, block_ms)
+
+    async def _xreadgroup(self, count: int, block_ms: int | None, start: bytes | str) -> Any:
+        block = block_args(block_ms)
+        return await self._run(self.bus.command(
+            "XREADGROUP", "GROUP", self.group, self.name, "COUNT", count, *block,
+            "STREAMS", self.stream, start,
+            block_ms=block[1] if block else None,
+            on_retry=self._lost_reply,
+        ))
+
+    async def _read_new(self, count: int, block_ms: int | None) -> list[Delivery]:
+        try:
+            reply = await self._xreadgroup(count, block_ms, ">")
+        except BusUnavailable:
+            self._lost_reply(0, BusError())
+            raise
+        if not reply:
+            return []
+        stream = self.stream
+        accept = self.accept
+        inflight = self._inflight
+        out: list[Delivery] = []
+        bad: list[tuple[str, str, bytes, int]] = []
+        for entry_id, fields in reply[0][1]:
+            eid = entry_id.decode()
+            # Inlined split_fields fast path: this loop is the consumer's hot path.
+            if fields is not None and len(fields) == 2 and fields[0] == FIELD:
+                raw = fields[1]
+            else:
+                raw = split_fields(fields)
+            try:
+                msg = decode(raw)
+            except DecodeError as exc:
+                bad.append((eid, exc.reason, raw_of(fields), 1))
+                continue
+            if accept is not None and not isinstance(msg, accept):
+                bad.append((eid, _unexpected(msg, stream), raw_of(fields), 1))
+                continue
+            inflight.add(eid)
+            out.append(Delivery(eid, msg, 1, stream))
+        if bad:
+            await self._dead_letter_many(bad)
+        self.stats.delivered += len(out)
+        return out
+
+    async def _read_backlog(self, count: int) -> list[Delivery]:
+        while True:
+            reply = await self._xreadgroup(count, None, self._cursor)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                self._backlog = False
+                self._cursor = b"0-0"
+                return []
+            self._cursor = entries[-1][0]
+            fresh = [(i.decode(), f) for i, f in entries if i.decode() not in self._inflight]
+            if not fresh:
+                continue
+            counts = await self._delivery_counts([i for i, _ in fresh])
+            out = await self._redelivered(fresh, counts)
+            if out:
+                return out
+
+    async def _delivery_counts(self, ids: Sequence[str]) -> dict[str, int]:
+        """Delivery counters of our pending ``ids``. Wraps XPENDING (one range per entry,
+        pipelined: our PEL may interleave other entries in the same id range)."""
+        rows = await self._run(
+            self.bus.pipeline([("XPENDING", self.stream, self.group, i, i, 1) for i in ids])
+        )
+        counts: dict[str, int] = {}
+        for row in rows:
+            if row:
+                entry_id, _consumer, _idle, delivered = row[0]
+                counts[entry_id.decode()] = int(delivered)
+        return counts
+
+    async def _redelivered(
+        self, entries: Sequence[tuple[str, list[bytes] | None]], counts: Mapping[str, int]
+    ) -> list[Delivery]:
+        """Deliveries for re-delivered (backlog or reclaimed) entries; bad ones go to the DLQ:
+        nil fields (trimmed), over ``max_deliveries``, undecodable or unexpected type."""
+        out: list[Delivery] = []
+        bad: list[tuple[str, str, bytes, int]] = []
+        trimmed = 0
+        for eid, fields in entries:
+            # An id missing from XPENDING was acked meanwhile by someone else: skip it.
+            n = counts.get(eid)
+            if n is None:
+                continue
+            if fields is None:
+                bad.append((eid, TRIMMED_REASON, b"", n))
+                trimmed += 1
+                continue
+            if n > self.max_deliveries:
+                bad.append(
+                    (eid, f"{EXCEEDED_REASON} ({n} > {self.max_deliveries})", raw_of(fields), n)
+                )
+                continue
+            try:
+                msg = decode(split_fields(fields))
+            except DecodeError as exc:
+                bad.append((eid, exc.reason, raw_of(fields), n))
+                continue
+            if self.accept is not None and not isinstance(msg, self.accept):
+                bad.append((eid, _unexpected(msg, self.stream), raw_of(fields), n))
+                continue
+            self._inflight.add(eid)
+            out.append(Delivery(eid, msg, n, self.stream))
+        if bad:
+            await self._dead_letter_many(bad)
+        self.stats.trimmed += trimmed
+        self.stats.delivered += len(out)
+        return out
+
+    # ------------------------------------------------------------------ acking
+
+    async def ack(self, *ids: str | Delivery) -> int:
+        """Acknowledge entries (by id or Delivery); returns how many were pending.
+        Wraps XACK."""
+        if not ids:
+            return 0
+        keys = [i.id if isinstance(i, Delivery) else i for i in ids]
+        n = await self._run(self.bus.command("XACK", self.stream, self.group, *keys))
+        self._inflight.difference_update(keys)
+        self.stats.acked += int(n)
+        return int(n)
+
+    async def publish_and_ack(
+        self, stream: str, msgs: Sequence[Message], *ids: str | Delivery
+    ) -> list[str]:
+        """Append ``msgs`` to ``stream`` and acknowledge ``ids`` of this consumer's stream
+        in one MULTI/EXEC (XADD ... XACK): the answers land and the work they answer is
+        done together, in one round trip. Returns the new entry ids."""
+        keys = [i.id if isinstance(i, Delivery) else i for i in ids]
+        added, acked = await self._add_and_ack("XADD+XACK", stream, [encode(m) for m in msgs],
+                                               keys)
+        self.stats.acked += acked
+        return added
+
+    async def _add_and_ack(
+        self, op: str, stream: str, payloads: Sequence[bytes], ids: Sequence[str]
+    ) -> tuple[list[str], int]:
+        """MULTI; XADD stream (one entry per payload); XACK this group's ``ids``; EXEC.
+        Returns the new entry ids and how many of ``ids`` were pending."""
+        commands: list[Sequence[Any]] = [xadd_args(stream, data) for data in payloads]
+        if ids:
+            commands.append(("XACK", self.stream, self.group, *ids))
+        replies = await self._run(self.bus.pipeline(commands, atomic=True, op=op))
+        self._inflight.difference_update(ids)
+        return ([r.decode() for r in replies[: len(payloads)]],
+                int(replies[-1]) if ids else 0)
+
+    def acked(self, ids: Iterable[str]) -> None:
+        """Record that ``ids`` were acked by another call than :meth:`ack` (e.g. inside a
+        fenced script together with the event that justifies the ack)."""
+        keys = list(ids)
+        self._inflight.difference_update(keys)
+        self.stats.acked += len(keys)
+
+    async def dead_letter(self, entry: str | Delivery, reason: str, raw: bytes = b"") -> None:
+        """Give up on an entry: write a DeadLetter with ``reason`` and XACK it, atomically
+        (XADD to the DLQ + XACK in MULTI/EXEC). For handlers that find a message invalid.
+        ``raw`` defaults to the re-encoded message of a Delivery."""
+        if isinstance(entry, Delivery):
+            eid, n = entry.id, entry.deliveries
+            raw = raw or encode(entry.msg)
+        else:
+            eid, n = entry, 1
+        await self._dead_letter_many([(eid, reason, raw, n)])
+
+    async def _dead_letter_many(self, items: Sequence[tuple[str, str, bytes, int]]) -> None:
+        """Wraps MULTI; XADD dlq (one DeadLetter per item); XACK stream group ids; EXEC."""
+        letters = [
+            encode(DeadLetter(source_stream=self.stream, entry_id=eid, reason=reason, raw=raw,
+                              deliveries=n, group=self.group, consumer=self.name))
+            for eid, reason, raw, n in items
+        ]
+        for eid, reason, _, _ in items:
+            log.warning(
+                "dead-lettering %s of %s (group %s): %s", eid, self.stream, self.group, reason
+            )
+        await self._add_and_ack("DLQ", self.dlq_stream, letters,
+                                [eid for eid, _, _, _ in items])
+        self.stats.dead_lettered += len(items)
+
+    # ------------------------------------------------------------------ reclaiming
+
+    async def reclaim(self, min_idle_ms: int | None = None, count: int = 100) -> list[Delivery]:
+        """Take over entries pending (on any member) for at least ``min_idle_ms`` (default
+        ``self.min_idle_ms``), walking the whole PEL. Wraps XAUTOCLAIM (cursor loop) and
+        XPENDING (delivery counters).
+
+        Entries trimmed while pending and entries over ``max_deliveries`` are dead-lettered.
+        """
+        idle = self.min_idle_ms if min_idle_ms is None else min_idle_ms
+        cursor: bytes = b"0-0"
+        out: list[Delivery] = []
+        while True:
+            start = cursor
+            reply = await self._run(self.bus.command(
+                "XAUTOCLAIM", self.stream, self.group, self.name, idle, start, "COUNT", count
+            ))
+            cursor = reply[0]
+            claimed = reply[1] or []
+            # Redis >= 7: ids of deleted entries come third (already dropped from the PEL).
+            gone = [i.decode() for i in (reply[2] if len(reply) > 2 else [])]
+            live = [(e[0].decode(), e[1]) for e in claimed if e is not None and e[1] is not None]
+            if len(live) < len(claimed):
+                # Redis 6.2: a deleted entry is a nil in the reply and stays pending (now ours).
+                gone += await self._find_deleted(start, cursor, {i for i, _ in live})
+            entries: list[tuple[str, list[bytes] | None]] = [*live, *((g, None) for g in gone)]
+            counts = await self._delivery_counts([i for i, _ in live])
+            for g in gone:
+                counts.setdefault(g, 1)  # Redis 7 already forgot its counter
+            entries.sort(key=lambda e: entry_key(e[0]))
+            got = await self._redelivered(entries, counts)
+            self.stats.reclaimed += len(got)
+            out += got
+            if cursor == b"0-0":
+                return out
+
+    async def reclaim_from(self, owners: Iterable[str], count: int = 100) -> list[Delivery]:
+        """Take over every entry pending on the members ``owners`` (members known to be gone,
+        e.g. whose liveness key lapsed), however recently they were delivered: a slow but
+        live member keeps its work. Wraps XPENDING (per owner) and XCLAIM.
+
+        Entries trimmed while pending and entries over ``max_deliveries`` are dead-lettered.
+        """
+        out: list[Delivery] = []
+        for owner in owners:
+            if owner == self.name:
+                continue
+            while True:
+                rows = await self._run(self.bus.command(
+                    "XPENDING", self.stream, self.group, "-", "+", count, owner
+                ))
+                ids = [row[0] for row in rows or []]
+                if not ids:
+                    break
+                claimed = await self._run(self.bus.command(
+                    "XCLAIM", self.stream, self.group, self.name, 0, *ids
+                ))
+                got = {e[0]: e[1] for e in claimed or [] if e is not None}
+                # An id XCLAIM did not return was deleted (trimmed) while pending.
+                entries = [(i.decode(), got.get(i)) for i in ids]
+                counts = await self._delivery_counts([i for i, f in entries if f is not None])
+                for i, f in entries:
+                    if f is None:
+                        counts.setdefault(i, 1)
+                batch = await self._redelivered(entries, counts)
+                self.stats.reclaimed += len(batch)
+                out += batch
+                if len(ids) < count:
+                    break
+        return out
+
+    async def _find_deleted(self, start: bytes, next_cursor: bytes, live: set[str]) -> list[str]:
+        """Ids in our PEL within [start, next_cursor) whose entries no longer exist.
+        Wraps XPENDING (range, this consumer) and XRANGE id id (existence)."""
+        end: bytes = b"+" if next_cursor == b"0-0" else b"(" + next_cursor
+        lo: bytes = start
+        candidates: list[str] = []
+        while True:
+            rows = await self._run(self.bus.command(
+                "XPENDING", self.stream, self.group, lo, end, 1000, self.name
+            ))
+            candidates += [r[0].decode() for r in rows if r[0].decode() not in live]
+            if len(rows) < 1000:
+                break
+            lo = b"(" + rows[-1][0]
+        found = await self._run(
+            self.bus.pipeline([("XRANGE", self.stream, c, c) for c in candidates])
+        )
+        return [c for c, rows in zip(candidates, found, strict=True) if not rows]
+
+
+def _unexpected(msg: Message, stream: str) -> str:
+    return f"unexpected message type {type(msg).__name__} on {stream}"
