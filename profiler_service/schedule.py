@@ -86,7 +86,8 @@ MANIFEST_NAME = "manifest.json"
 """File name of the manifest inside ``save_path/RUN``."""
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
-_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Used with fullmatch: a `^...$` pattern with match() also accepts a final "\n".
+_SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 # --------------------------------------------------------------------------- labels
 
@@ -103,7 +104,7 @@ def safe_label(text: str, max_len: int = MAX_LABEL_LEN) -> str:
 
 def is_safe_label(text: str, max_len: int = MAX_LABEL_LEN) -> bool:
     """Whether ``text`` is already a safe label no longer than ``max_len``."""
-    return 0 < len(text) <= max_len and bool(_SAFE.match(text))
+    return 0 < len(text) <= max_len and _SAFE.fullmatch(text) is not None
 
 
 def session_id_for(first_step: int, last_step: int, request_id: str = "") -> str:

@@ -4,8 +4,10 @@ time (no Redis, no I/O).
 * folding from any split point (a prefix, then the rest one entry at a time) gives the same
   state as folding the whole log, and ``apply`` never changes the state it is given;
 * decisions and the manifest computed from the incremental state are those of the whole
-  log, and those the service computed before it folded incrementally (the oracle in
-  ``tests/profiler_reference.py`` recomputes everything from the whole log on every call);
+  log, and those of an independent oracle (``tests/profiler_reference.py`` restates the
+  documented rules and recomputes everything from the whole log on every call, sharing no
+  logic with ``profiler_service``), the Redis clock, request expiry, the step barrier and
+  runs started with profiling off included;
 * a snapshot of the state, decoded and folded on, is the state of the whole log;
 * the persistent map behaves like a dict, hash collisions included;
 * a runtime request is refused, never served, once it is older than its own timeout (judged
@@ -61,17 +63,21 @@ Fact = Event | Command
 Item = Fact | tuple[str, Fact]
 
 SESSION_IDS = ["s1-1", "s2-3", "rq1-s4-4", "odd"]
-REQUEST_IDS = ["q1", "q2", "q3", "bad/id"]
+# "q4\n" looks safe to a regular expression anchored with `$` (it matches before a final
+# newline); the documented rule refuses it.
+REQUEST_IDS = ["q1", "q2", "q3", "bad/id", "q4\n"]
 ROLE_NAMES = ["trainer", "rollouter"]
 
 
-def run_started(replicas: int, ts: float = 100.0, resumed: bool = False) -> RunStarted:
-    return RunStarted(
-        run_id="r1",
-        config={"trainer": {"total_training_steps": TOTAL}, "rollout": {"replicas": replicas}},
-        ts=ts,
-        resumed=resumed,
-    )
+def run_started(
+    replicas: int, ts: float = 100.0, resumed: bool = False, profiling: bool = True
+) -> RunStarted:
+    config: dict[str, Any] = {
+        "trainer": {"total_training_steps": TOTAL}, "rollout": {"replicas": replicas},
+    }
+    if not profiling:  # the run's own components hold no profiler
+        config["global_profiler"] = {"tool": None}
+    return RunStarted(run_id="r1", config=config, ts=ts, resumed=resumed)
 
 
 def cfg_of(steps: Sequence[int], continuous: bool, roles: Sequence[str]) -> ProfilerConfig:
@@ -154,6 +160,7 @@ profile_started = st.builds(
 )
 rare: st.SearchStrategy[Fact] = st.one_of(
     st.integers(1, 2).map(lambda r: run_started(r, ts=200.0, resumed=True)),
+    st.just(run_started(1, ts=300.0, resumed=True, profiling=False)),
     st.just(ProfilerReady(session_ids=[], ts=1.0)),
     steps_.map(lambda s: RunFinished(run_id="r1", steps=s, ts=9.0)),
     st.just(WarningRaised(source=PROFILER_SOURCE, code=SESSIONS_MISSING_CODE, message="m",
@@ -269,17 +276,26 @@ def test_incremental_decisions_equal_decisions_from_the_full_fold(
                                                              now_ms)
 
 
-@settings(max_examples=300, deadline=None)
-@given(cfg=configs, log=logs(), barrier=st.integers(0, 4), final=st.booleans())
-def test_same_decisions_and_manifest_as_recomputing_from_the_whole_log(
-    cfg: ProfilerConfig, log: list[Item], barrier: int, final: bool
+def _clock(log: Sequence[Item], after_ms: int | None) -> int | None:
+    """A Redis clock ``after_ms`` past the log's last events entry (None: no clock)."""
+    if after_ms is None:
+        return None
+    last = max((int(x[0].split("-")[0]) for x in log if isinstance(x, tuple)), default=1_000_000)
+    return last + after_ms
+
+
+@settings(max_examples=400, deadline=None)
+@given(cfg=configs, log=logs(), barrier=st.integers(0, 4), final=st.booleans(),
+       clock=st.one_of(st.none(), st.integers(0, 5000)))
+def test_same_decisions_and_manifest_as_the_independent_oracle(
+    cfg: ProfilerConfig, log: list[Item], barrier: int, final: bool, clock: int | None
 ) -> None:
-    """The behaviour before the incremental state: same output on any log (with no clock,
-    requests are not judged by age, as before)."""
+    """The service's decisions and manifest on any log, barrier and Redis clock are those
+    the oracle derives from the documented rules."""
     state = fold(log)
-    msgs = msgs_of(log)
-    assert decide(cfg, state, barrier) == reference_decide(cfg, msgs, barrier)
-    assert build_manifest("r1", state, final=final) == reference_manifest("r1", msgs, final)
+    now_ms = _clock(log, clock)
+    assert decide(cfg, state, barrier, now_ms) == reference_decide(cfg, log, barrier, now_ms)
+    assert build_manifest("r1", state, final=final) == reference_manifest("r1", log, final)
 
 
 _S11 = StartProfile(session_id="s1-1", roles=ROLE_NAMES, tool="torch", first_step=1,
@@ -321,13 +337,13 @@ def test_tricky_logs_same_as_recomputing_from_the_whole_log(
 
 
 @settings(max_examples=100, deadline=None)
-@given(cfg=configs, log=logs(max_size=60), cut=st.integers(0, 60))
+@given(cfg=configs, log=logs(max_size=60), cut=st.integers(0, 60), barrier=st.integers(0, 4))
 def test_a_whole_run_served_incrementally_equals_the_reference_service(
-    cfg: ProfilerConfig, log: list[Item], cut: int
+    cfg: ProfilerConfig, log: list[Item], cut: int, barrier: int
 ) -> None:
     """Play both services on the same inputs (each publishes what it decides after every
-    entry); one folds incrementally and restarts from a snapshot at ``cut``, the other
-    recomputes from the whole log. Their logs come out identical."""
+    entry); one folds incrementally and restarts from a snapshot at ``cut``, the other is
+    the oracle, recomputing from the whole log. Their logs come out identical."""
     inputs = msgs_of(log)
     ours: list[Fact] = []
     theirs: list[Fact] = []
@@ -340,11 +356,11 @@ def test_a_whole_run_served_incrementally_equals_the_reference_service(
             state = decoded.state
         ours.append(msg)
         state = apply(state, msg)
-        for out in decide(cfg, state):
+        for out in decide(cfg, state, barrier):
             ours.append(out)
             state = apply(state, out)
         theirs.append(msg)
-        theirs += reference_decide(cfg, theirs)
+        theirs += reference_decide(cfg, theirs, barrier)
     assert ours == theirs
     assert state == fold(ours)
 
