@@ -80,12 +80,15 @@ def run_started(
     return RunStarted(run_id="r1", config=config, ts=ts, resumed=resumed)
 
 
-def cfg_of(steps: Sequence[int], continuous: bool, roles: Sequence[str]) -> ProfilerConfig:
+def cfg_of(
+    steps: Sequence[int], continuous: bool, roles: Sequence[str], ranks: Sequence[int] = ()
+) -> ProfilerConfig:
     return ProfilerConfig(
         tool="torch",
         steps=list(steps),
         profile_continuous_steps=continuous,
         roles=list(roles),  # type: ignore[arg-type]
+        ranks=list(ranks),
     )
 
 
@@ -219,7 +222,66 @@ configs = st.builds(
     st.lists(steps_, max_size=6, unique=True),
     st.booleans(),
     roles_,
+    st.sampled_from([[], [], [0], [1], [0, 1]]),
 )
+
+
+# Runtime requests on a live run, drawn near every boundary a rule has: the last started
+# step, the barrier, the run's last step, the id's length limit, a request's age limit.
+LONG_IDS = ["x" * 40, "y" * 41]
+# Mostly sound roles and ids, so that most requests reach the rules about their steps.
+request_roles = st.sampled_from([["trainer", "rollouter"], ["trainer"], ["rollouter"],
+                                 ["rollouter", "trainer"], ["trainer", "rollouter"],
+                                 ["trainer"], ["rollouter"], [], ["x"], ["trainer", "x"]])
+request_ids = st.sampled_from(["q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", *LONG_IDS,
+                               "bad/id"])
+
+
+@st.composite
+def request_runs(draw: st.DrawFn) -> tuple[list[Item], int, int | None]:
+    """``(log, barrier, now_ms)``: a started run, its steps so far, a few sessions already
+    sent, then pending requests with distinct ids (nothing answers them yet)."""
+    ms = 1_000_000
+    items: list[Item] = [(f"{ms}-0", run_started(draw(st.integers(1, 2)),
+                                                profiling=draw(st.integers(0, 19)) > 0))]
+    started = draw(st.integers(0, 10))
+    for k in range(1, started + 1):
+        ms += 10
+        items.append((f"{ms}-0", StepStarted(step=k, param_version=k - 1, ts=1.0)))
+    for i in range(draw(st.integers(0, 3))):
+        first = draw(st.integers(1, TOTAL))
+        items.append(StartProfile(
+            session_id=f"s{i}", roles=draw(roles_), tool="torch", first_step=first,
+            last_step=first + draw(st.integers(0, 3)), ranks=draw(st.sampled_from([[], [1]])),
+            ts=1.0))
+    if draw(st.integers(0, 19)) == 0:
+        items.append((f"{ms}-1", RunFinished(run_id="r1", steps=started, ts=9.0)))
+    barrier = started + draw(st.sampled_from([0, 0, 1, 2, 5]))
+    near = [0, 1, started, started + 1, started + 2, barrier, barrier + 1, TOTAL, TOTAL + 1]
+    timeouts = [0.05, 1.0, 30.0]
+    ids = draw(st.lists(request_ids, min_size=1, max_size=4, unique=True))
+    for rid in ids:
+        ms += draw(st.integers(0, 50))
+        if draw(st.booleans()):
+            first = draw(st.sampled_from(near))
+            steps = sorted(set(range(first, first + draw(st.sampled_from([0, 1, 1, 2, 3])))) | set(
+                draw(st.lists(st.sampled_from(near), max_size=1))))
+            req = ProfileRequest(request_id=rid, steps=steps, roles=draw(request_roles),
+                                 timeout_s=draw(st.sampled_from(timeouts)), ts=2.0)
+        else:
+            req = ProfileRequest(request_id=rid, next_steps=draw(st.integers(-1, 3)),
+                                 roles=draw(request_roles),
+                                 timeout_s=draw(st.sampled_from(timeouts)), ts=2.0)
+        items.append((f"{ms}-0", req))
+    # The clock: none, or right at one request's age limit (-1, 0 or +1 ms), or far past.
+    now_ms: int | None = None
+    if draw(st.integers(0, 2)) == 0:
+        arrival = draw(st.sampled_from([i for i in items if isinstance(i, tuple)
+                                        and isinstance(i[1], ProfileRequest)]))
+        limit = int(arrival[0].split("-")[0]) + int(arrival[1].timeout_s * 1000)
+        now_ms = limit + draw(st.sampled_from([-1, 0, 1, 10**6]))
+    return items, barrier, now_ms
+
 
 
 # --------------------------------------------------------------------------- fold = repeated apply
@@ -296,6 +358,18 @@ def test_same_decisions_and_manifest_as_the_independent_oracle(
     now_ms = _clock(log, clock)
     assert decide(cfg, state, barrier, now_ms) == reference_decide(cfg, log, barrier, now_ms)
     assert build_manifest("r1", state, final=final) == reference_manifest("r1", log, final)
+
+
+@settings(max_examples=400, deadline=None)
+@given(cfg=configs, run=request_runs())
+def test_requests_on_a_live_run_judged_as_the_oracle_judges_them(
+    cfg: ProfilerConfig, run: tuple[list[Item], int, int | None]
+) -> None:
+    """Every refusal rule and the accepted sessions, at their boundaries: the same answers,
+    reasons included, as the oracle; requests answered in one decision block each other."""
+    log, barrier, now_ms = run
+    got = decide(cfg, fold(log), barrier, now_ms)
+    assert got == reference_decide(cfg, log, barrier, now_ms)
 
 
 _S11 = StartProfile(session_id="s1-1", roles=ROLE_NAMES, tool="torch", first_step=1,
