@@ -245,15 +245,19 @@ def request_runs(draw: st.DrawFn) -> tuple[list[Item], int, int | None]:
     items: list[Item] = [(f"{ms}-0", run_started(draw(st.integers(1, 2)),
                                                 profiling=draw(st.integers(0, 19)) > 0))]
     started = draw(st.integers(0, 10))
+    steps: list[Item] = []
     for k in range(1, started + 1):
         ms += 10
-        items.append((f"{ms}-0", StepStarted(step=k, param_version=k - 1, ts=1.0)))
+        steps.append((f"{ms}-0", StepStarted(step=k, param_version=k - 1, ts=1.0)))
+    # Sessions sent at any point of the run so far: later steps close some of them.
     for i in range(draw(st.integers(0, 3))):
-        first = draw(st.integers(1, TOTAL))
-        items.append(StartProfile(
+        first = draw(st.one_of(st.integers(1, TOTAL), st.integers(max(1, started - 3),
+                                                                  started + 2)))
+        steps.insert(draw(st.integers(0, len(steps))), StartProfile(
             session_id=f"s{i}", roles=draw(roles_), tool="torch", first_step=first,
             last_step=first + draw(st.integers(0, 3)), ranks=draw(st.sampled_from([[], [1]])),
             ts=1.0))
+    items += steps
     if draw(st.integers(0, 19)) == 0:
         items.append((f"{ms}-1", RunFinished(run_id="r1", steps=started, ts=9.0)))
     barrier = started + draw(st.sampled_from([0, 0, 1, 2, 5]))
@@ -392,6 +396,15 @@ TRICKY: list[list[Fact]] = [
                                   first_step=4, last_step=4, request_id="q1", ts=1.0),
      ProfileRequest(request_id="q1", steps=[4]), ProfileRequest(request_id="q2", steps=[4]),
      ProfileRequest(request_id="q2", steps=[9]), run_started(1, ts=5.0, resumed=True)],
+    # A StepStarted closes the sessions that end at it (s1-2), not the one that ends at the
+    # next step (s3-3): a request for step 3 still overlaps that one.
+    [run_started(1),
+     StartProfile(session_id="s1-2", roles=["trainer"], tool="torch", first_step=1,
+                  last_step=2, ts=1.0),
+     StartProfile(session_id="s3-3", roles=["trainer"], tool="torch", first_step=3,
+                  last_step=3, ts=1.0),
+     StepStarted(step=1, param_version=0), StepStarted(step=2, param_version=1),
+     ProfileRequest(request_id="q3", steps=[3], roles=["trainer"])],
     # Two stops of one process: the last one wins, in the first one's place.
     [run_started(1), _S11, _STOP, msgspec_replace(_STOP, status="error: x"),
      RunFinished(run_id="r1", steps=1)],
