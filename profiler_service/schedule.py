@@ -37,6 +37,7 @@ from bus.messages import (
     ProfileRequestRefused,
     ProfilerFinished,
     ProfilerReady,
+    RunStarted,
     StartProfile,
 )
 from profiler_service.state import (
@@ -86,7 +87,8 @@ MANIFEST_NAME = "manifest.json"
 """File name of the manifest inside ``save_path/RUN``."""
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
-_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Used with fullmatch: a `^...$` pattern with match() also accepts a final "\n".
+_SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 # --------------------------------------------------------------------------- labels
 
@@ -103,7 +105,7 @@ def safe_label(text: str, max_len: int = MAX_LABEL_LEN) -> str:
 
 def is_safe_label(text: str, max_len: int = MAX_LABEL_LEN) -> bool:
     """Whether ``text`` is already a safe label no longer than ``max_len``."""
-    return 0 < len(text) <= max_len and bool(_SAFE.match(text))
+    return 0 < len(text) <= max_len and _SAFE.fullmatch(text) is not None
 
 
 def session_id_for(first_step: int, last_step: int, request_id: str = "") -> str:
@@ -300,92 +302,109 @@ def _answer_request(
     barrier: int = 0,
 ) -> StartProfile | ProfileRequestRefused:
     """Validate one runtime request against the log, the sessions scheduled so far and the
-    step barrier (steps ``<= barrier`` have begun or are beginning: closed to commands)."""
-    if cfg.tool is None:
-        return _refuse(
-            req, "profiling is off: global_profiler.tool is null in the profiler service config"
-        )
-    if state.run_profiling_off:
-        return _refuse(
-            req,
-            "profiling is off for this run: it was started with global_profiler.tool null, "
-            "so its trainer and rollouters hold no profiler and no trace could be written",
-        )
-    if not is_safe_label(req.request_id, MAX_REQUEST_ID_LEN):
-        return _refuse(
-            req,
-            f"request id must be 1-{MAX_REQUEST_ID_LEN} letters, digits, '_', '.' or '-'",
-        )
-    if state.run_finished is not None:
-        return _refuse(req, f"the run has finished (after step {state.run_finished.steps})")
-    unknown = [r for r in req.roles if r not in ROLES]
-    if unknown or not req.roles:
-        return _refuse(req, f"roles must be a non-empty subset of {list(ROLES)}, got {req.roles}")
-    roles = _profiled_roles(req.roles, state.replicas, cfg.ranks)
-    if not roles:
-        return _refuse(
-            req, f"no rank of roles {req.roles} is selected by global_profiler.ranks={cfg.ranks}"
-        )
-    started = state.last_started_step
+    step barrier (steps ``<= barrier`` have begun or are beginning: closed to commands).
+    The checks run in a fixed order; the first that fails is the refusal's reason."""
+    reason = _unservable_reason(cfg, state, req) or _shape_reason(req)
+    if reason is not None:
+        return _refuse(req, reason)
     # The barrier is ahead of StepStarted while the trainer crosses a step boundary: the
     # step it names has begun for the components even though its StepStarted is not out.
-    last = max(started, barrier)
-    if req.steps and req.next_steps:
-        return _refuse(req, "give either steps or next_steps, not both")
-    if req.next_steps < 0:
-        return _refuse(req, f"next_steps must be >= 1, got {req.next_steps}")
-    # Bound the size before building any list: a message could ask for 10**12 steps.
-    if req.next_steps > MAX_REQUEST_STEPS or len(req.steps) > MAX_REQUEST_STEPS:
-        return _refuse(req, f"a request may cover at most {MAX_REQUEST_STEPS} steps")
-    if req.next_steps:
-        steps = list(range(last + 1, last + 1 + req.next_steps))
-    else:
-        steps = sorted(set(req.steps))
-    if not steps:
-        return _refuse(req, "the request names no step")
-    if steps[0] < 1:
-        return _refuse(req, f"steps are 1-based, got {steps[0]}")
-    if steps[-1] - steps[0] + 1 != len(steps):
-        return _refuse(req, f"steps {steps} are not consecutive; one request is one session")
-    first, final = steps[0], steps[-1]
-    if first <= started:
-        return _refuse(
-            req,
-            f"step {first} is not in the future: trainer step {started} has already started, "
-            f"so the earliest step a request can profile is {last + 1}",
-        )
-    if first <= last:
-        return _refuse(
-            req,
-            f"step {first} is not in the future: trainer step {last} has already begun "
-            f"(the trainer closed commands for steps up to {last}), so the earliest step a "
-            f"request can profile is {last + 1}",
-        )
-    total = state.total_steps
-    if total is not None and final > total:
-        return _refuse(
-            req, f"step {final} is past the run's last step (trainer.total_training_steps={total})"
-        )
+    begun = max(state.last_started_step, barrier)
+    steps = _requested_steps(req, begun)
+    reason = _steps_reason(steps) or _timing_reason(steps, state, begun)
+    if reason is not None:
+        return _refuse(req, reason)
+    assert cfg.tool is not None  # _unservable_reason refused a service with profiling off
     candidate = StartProfile(
-        session_id=session_id_for(first, final, req.request_id),
-        roles=roles,
+        session_id=session_id_for(steps[0], steps[-1], req.request_id),
+        roles=_profiled_roles(req.roles, state.replicas, cfg.ranks),
         tool=cfg.tool,
-        first_step=first,
-        last_step=final,
+        first_step=steps[0],
+        last_step=steps[-1],
         ranks=list(cfg.ranks),
         contents=list(cfg.contents),
         request_id=req.request_id,
         ts=req.ts,
     )
+    reason = _overlap_reason(candidate, scheduled)
+    return candidate if reason is None else _refuse(req, reason)
+
+
+def _unservable_reason(cfg: ProfilerConfig, state: ServiceState, req: ProfileRequest) -> str | None:
+    """Why no session can serve this request whatever its steps: profiling off, a bad id,
+    a finished run, roles that are unknown or have no rank to profile."""
+    if cfg.tool is None:
+        return "profiling is off: global_profiler.tool is null in the profiler service config"
+    if state.run_profiling_off:
+        return ("profiling is off for this run: it was started with global_profiler.tool null, "
+                "so its trainer and rollouters hold no profiler and no trace could be written")
+    if not is_safe_label(req.request_id, MAX_REQUEST_ID_LEN):
+        return f"request id must be 1-{MAX_REQUEST_ID_LEN} letters, digits, '_', '.' or '-'"
+    if state.run_finished is not None:
+        return f"the run has finished (after step {state.run_finished.steps})"
+    if not req.roles or any(r not in ROLES for r in req.roles):
+        return f"roles must be a non-empty subset of {list(ROLES)}, got {req.roles}"
+    if not _profiled_roles(req.roles, state.replicas, cfg.ranks):
+        return f"no rank of roles {req.roles} is selected by global_profiler.ranks={cfg.ranks}"
+    return None
+
+
+def _shape_reason(req: ProfileRequest) -> str | None:
+    """Why the request's step fields cannot be read: both forms, a negative count, too many
+    steps (bounded before any list is built: a message could ask for 10**12 steps)."""
+    if req.steps and req.next_steps:
+        return "give either steps or next_steps, not both"
+    if req.next_steps < 0:
+        return f"next_steps must be >= 1, got {req.next_steps}"
+    if req.next_steps > MAX_REQUEST_STEPS or len(req.steps) > MAX_REQUEST_STEPS:
+        return f"a request may cover at most {MAX_REQUEST_STEPS} steps"
+    return None
+
+
+def _requested_steps(req: ProfileRequest, begun: int) -> list[int]:
+    """The steps asked for, ascending: ``next:N`` counts from the last step that has begun."""
+    if req.next_steps:
+        return list(range(begun + 1, begun + 1 + req.next_steps))
+    return sorted(set(req.steps))
+
+
+def _steps_reason(steps: Sequence[int]) -> str | None:
+    """Why ``steps`` are not one session: none, not 1-based, not consecutive."""
+    if not steps:
+        return "the request names no step"
+    if steps[0] < 1:
+        return f"steps are 1-based, got {steps[0]}"
+    if steps[-1] - steps[0] + 1 != len(steps):
+        return f"steps {list(steps)} are not consecutive; one request is one session"
+    return None
+
+
+def _timing_reason(steps: Sequence[int], state: ServiceState, begun: int) -> str | None:
+    """Why ``steps`` are not in the run's future: their first has started (StepStarted) or
+    begun (the barrier), or their last is past the run's last step."""
+    first, final, started = steps[0], steps[-1], state.last_started_step
+    if first <= started:
+        return (f"step {first} is not in the future: trainer step {started} has already "
+                f"started, so the earliest step a request can profile is {begun + 1}")
+    if first <= begun:
+        return (f"step {first} is not in the future: trainer step {begun} has already begun "
+                f"(the trainer closed commands for steps up to {begun}), so the earliest step "
+                f"a request can profile is {begun + 1}")
+    total = state.total_steps
+    if total is not None and final > total:
+        return f"step {final} is past the run's last step (trainer.total_training_steps={total})"
+    return None
+
+
+def _overlap_reason(candidate: StartProfile, scheduled: Sequence[StartProfile]) -> str | None:
+    """The first scheduled session sharing a role and a step with ``candidate``, named."""
     for other in scheduled:
         if sessions_overlap(candidate, other):
             shared = [r for r in candidate.roles if r in other.roles]
-            return _refuse(
-                req,
-                f"steps {first}-{final} overlap session {other.session_id} "
-                f"(steps {other.first_step}-{other.last_step}) on {', '.join(shared)}",
-            )
-    return candidate
+            return (f"steps {candidate.first_step}-{candidate.last_step} overlap session "
+                    f"{other.session_id} (steps {other.first_step}-{other.last_step}) on "
+                    f"{', '.join(shared)}")
+    return None
 
 
 def decide(
@@ -427,45 +446,80 @@ def decide(
     whatever the length of the log; every session sent is listed only when a configured one
     is still unsent (at RunStarted) or once the run has finished.
     """
-    out: list[Command | Event] = []
     if cfg.tool is None:
-        for pending in state.pending:
-            out.append(_answer_request(cfg, state, pending.request, []))
-        return out
+        return [_answer_request(cfg, state, p.request, []) for p in state.pending]
     started = state.run_started
     if started is None:
         # Nothing can be scheduled yet, but a request nobody waits for is refused at once.
-        for pending in state.pending:
-            reason = expired_reason(pending, now_ms)
-            if reason is not None:
-                out.append(_refuse(pending.request, reason))
-        return out
+        return _refuse_expired(state.pending, now_ms)
+    scheduled = _Scheduled(state)
+    out: list[Command | Event] = []
+    out += _send_plan(cfg, state, started, scheduled)
+    out += _answer_pending(cfg, state, scheduled, barrier, now_ms)
+    out += _finish(state, scheduled)
+    return out
 
-    sent: list[StartProfile] | None = None  # the sessions already sent, listed when needed
-    new: list[StartProfile] = []
 
-    def scheduled() -> list[StartProfile]:
-        nonlocal sent
-        if sent is None:
-            sent = state.sent_sessions()
-        return [*sent, *new]
+class _Scheduled:
+    """The sessions of the run: those already sent (listed from the state only when asked,
+    O(sessions)) and those decided in this call (:attr:`new`), in the order sent."""
 
+    def __init__(self, state: ServiceState) -> None:
+        self.state = state
+        self.new: list[StartProfile] = []
+        self._sent: list[StartProfile] | None = None
+
+    def all(self) -> list[StartProfile]:
+        if self._sent is None:
+            self._sent = self.state.sent_sessions()
+        return [*self._sent, *self.new]
+
+
+def _refuse_expired(
+    pending: Iterable[PendingRequest], now_ms: int | None
+) -> list[Command | Event]:
+    """A refusal for each request its client no longer waits for (see expired_reason)."""
+    out: list[Command | Event] = []
+    for p in pending:
+        reason = expired_reason(p, now_ms)
+        if reason is not None:
+            out.append(_refuse(p.request, reason))
+    return out
+
+
+def _send_plan(
+    cfg: ProfilerConfig, state: ServiceState, started: RunStarted, scheduled: _Scheduled
+) -> list[Command | Event]:
+    """At the latest RunStarted: every configured session not sent yet, then ProfilerReady
+    naming the planned sessions (neither once the run finished: nobody is left to arm them).
+    A session overlapping one already armed (a restart with a changed config) is left out."""
+    out: list[Command | Event] = []
     planned_ids: list[str] = []
     for session in _plan(cfg, state.replicas, state.total_steps, started.ts):
         if state.is_sent(session.session_id):
             planned_ids.append(session.session_id)
-            continue
-        if state.run_finished is not None:
-            continue  # a service that starts after the run ended: nobody is left to arm it
-        # A restart with a changed config must not add sessions over ones already armed.
-        if any(sessions_overlap(session, other) for other in scheduled()):
-            continue
-        out.append(session)
-        new.append(session)
-        planned_ids.append(session.session_id)
+        elif state.run_finished is None and not any(
+            sessions_overlap(session, other) for other in scheduled.all()
+        ):
+            out.append(session)
+            scheduled.new.append(session)
+            planned_ids.append(session.session_id)
     if not state.ready_since_run_started and state.run_finished is None:
         out.append(ProfilerReady(session_ids=planned_ids, ts=started.ts))
+    return out
 
+
+def _answer_pending(
+    cfg: ProfilerConfig,
+    state: ServiceState,
+    scheduled: _Scheduled,
+    barrier: int,
+    now_ms: int | None,
+) -> list[Command | Event]:
+    """An answer to each request not answered yet, in log order: refused when expired,
+    else judged against the sessions it could overlap (each accepted one counts for the
+    next)."""
+    out: list[Command | Event] = []
     for pending in state.pending:
         reason = expired_reason(pending, now_ms)
         if reason is not None:
@@ -473,18 +527,21 @@ def decide(
             continue
         # A request is for steps after the last started one, so only sessions that end
         # after it can overlap it: the open ones (in the order sent), not the whole run's.
-        candidates = [*state.open_sessions, *new]
+        candidates = [*state.open_sessions, *scheduled.new]
         answer = _answer_request(cfg, state, pending.request, candidates, barrier)
         out.append(answer)
         if isinstance(answer, StartProfile):
-            new.append(answer)
-
-    finished = state.run_finished
-    if finished is not None and not state.profiler_finished:
-        if state.gave_up_waiting or not outstanding_targets(state, scheduled()):
-            out.append(
-                ProfilerFinished(
-                    manifest_path=MANIFEST_NAME, sessions=state.sent + len(new), ts=finished.ts
-                )
-            )
+            scheduled.new.append(answer)
     return out
+
+
+def _finish(state: ServiceState, scheduled: _Scheduled) -> list[Command | Event]:
+    """ProfilerFinished, once per log, after RunFinished when no session that could have
+    run still waits for a stop (or the service gave up waiting)."""
+    finished = state.run_finished
+    if finished is None or state.profiler_finished:
+        return []
+    if not state.gave_up_waiting and outstanding_targets(state, scheduled.all()):
+        return []
+    sessions = state.sent + len(scheduled.new)
+    return [ProfilerFinished(manifest_path=MANIFEST_NAME, sessions=sessions, ts=finished.ts)]

@@ -24,7 +24,7 @@ control stream may be merged in anywhere (the service reads it first).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -238,90 +238,127 @@ def apply(state: ServiceState, msg: Fact, entry_id: str | None = None) -> Servic
     change nothing return ``state`` itself. O(1) whatever the log before it: at most one
     path of a persistent map and one small record are replaced.
     """
-    match msg:
-        case RunStarted():
-            return _replace(
-                state,
-                run_started=msg,
-                ready_since_run_started=False,
-                run_finished=None,
-                gave_up_waiting=False,
-            )
-        case ProfilerReady():
-            ready = state.run_started is not None
-            if ready == state.ready_since_run_started:
-                return state
-            return _replace(state, ready_since_run_started=ready)
-        case RunFinished():
-            if state.run_started is None:
-                return state
-            return _replace(state, run_finished=msg, gave_up_waiting=False)
-        case WarningRaised(source=source, code=code):
-            if (
-                source == PROFILER_SOURCE
-                and code == SESSIONS_MISSING_CODE
-                and state.run_finished is not None
-                and not state.gave_up_waiting
-            ):
-                return _replace(state, gave_up_waiting=True)
-            return state
-        case ProfilerFinished():
-            if state.profiler_finished:
-                return state
-            return _replace(state, profiler_finished=True)
-        case StepStarted(step=step):
-            if step <= state.last_started_step:
-                return state
-            if state.open_sessions and step >= state.open_until:
-                # Sessions end at this step: each leaves the open list once, so this filter
-                # costs O(1) per session over the run, not per step.
-                still = tuple(s for s in state.open_sessions if s.last_step > step)
-                return _replace(state, last_started_step=step, open_sessions=still,
-                                open_until=_lowest_last_step(still))
-            return _replace(state, last_started_step=step)
-        case StartProfile(session_id=sid, request_id=request_id):
-            session = _session(state, sid)
-            if session.cmd is None:
-                session = _replace(session, cmd=msg, seq=state.sent)
-                state = _replace(state, sessions=state.sessions.set(sid, session),
-                                 sent=state.sent + 1)
-                if msg.last_step > state.last_started_step:
-                    opened = (*state.open_sessions, msg)
-                    state = _replace(state, open_sessions=opened,
-                                     open_until=_lowest_last_step(opened))
-            return _answer(state, request_id) if request_id else state
-        case ProfileRequestRefused(request_id=request_id):
-            return _answer(state, request_id)
-        case ProfileRequest(request_id=request_id):
-            if request_id in state.answered or any(
-                p.request.request_id == request_id for p in state.pending
-            ):
-                return state  # answered already, or a duplicate of one waiting
-            pending = PendingRequest(msg, entry_ms(entry_id))
-            return _replace(state, pending=(*state.pending, pending))
-        case ProfileStarted(session_id=sid, role=role, rank=rank):
-            session = _session(state, sid)
-            if (role, rank) in session.started:
-                return state
-            session = _replace(session, started=(*session.started, (role, rank)))
-            return _replace(state, sessions=state.sessions.set(sid, session))
-        case ProfileStopped(session_id=sid, role=role, rank=rank):
-            session = _session(state, sid)
-            before = session.stop_of(role, rank)
-            if before is None:
-                fact = StopFact(role, rank, state.stop_reports, msg)
-                session = _replace(session, stops=(*session.stops, fact))
-                return _replace(state, sessions=state.sessions.set(sid, session),
-                                stop_reports=state.stop_reports + 1)
-            if (before.stopped.status or "ok") == "ok" and (msg.status or "ok") != "ok":
-                # A restarted component reports the sessions it finds in the past as missed;
-                # the trace an earlier incarnation wrote stands.
-                return state
-            fact = _replace(before, stopped=msg)
-            stops = tuple(fact if f is before else f for f in session.stops)
-            session = _replace(session, stops=stops)
-            return _replace(state, sessions=state.sessions.set(sid, session))
-    return state
+    fold_one = _APPLY.get(type(msg))
+    return state if fold_one is None else fold_one(state, msg, entry_id)
+
+
+def _run_started(state: ServiceState, msg: RunStarted, _: str | None) -> ServiceState:
+    """A (re)started run: nothing after the previous RunStarted holds for it any more."""
+    return _replace(state, run_started=msg, ready_since_run_started=False, run_finished=None,
+                    gave_up_waiting=False)
+
+
+def _profiler_ready(state: ServiceState, msg: ProfilerReady, _: str | None) -> ServiceState:
+    ready = state.run_started is not None
+    if ready == state.ready_since_run_started:
+        return state
+    return _replace(state, ready_since_run_started=ready)
+
+
+def _run_finished(state: ServiceState, msg: RunFinished, _: str | None) -> ServiceState:
+    if state.run_started is None:
+        return state
+    return _replace(state, run_finished=msg, gave_up_waiting=False)
+
+
+def _warning(state: ServiceState, msg: WarningRaised, _: str | None) -> ServiceState:
+    """Only the service's own give-up, after RunFinished, is a fact for it."""
+    gave_up = (msg.source == PROFILER_SOURCE and msg.code == SESSIONS_MISSING_CODE
+               and state.run_finished is not None)
+    if not gave_up or state.gave_up_waiting:
+        return state
+    return _replace(state, gave_up_waiting=True)
+
+
+def _profiler_finished(state: ServiceState, msg: ProfilerFinished, _: str | None) -> ServiceState:
+    if state.profiler_finished:
+        return state
+    return _replace(state, profiler_finished=True)
+
+
+def _step_started(state: ServiceState, msg: StepStarted, _: str | None) -> ServiceState:
+    step = msg.step
+    if step <= state.last_started_step:
+        return state
+    if state.open_sessions and step >= state.open_until:
+        # Sessions end at this step: each leaves the open list once, so this filter costs
+        # O(1) per session over the run, not per step.
+        still = tuple(s for s in state.open_sessions if s.last_step > step)
+        return _replace(state, last_started_step=step, open_sessions=still,
+                        open_until=_lowest_last_step(still))
+    return _replace(state, last_started_step=step)
+
+
+def _start_profile(state: ServiceState, msg: StartProfile, _: str | None) -> ServiceState:
+    """The first command of a session id is the session (a repeat is a retried XADD); one
+    that carries a request id answers that request."""
+    session = _session(state, msg.session_id)
+    if session.cmd is None:
+        session = _replace(session, cmd=msg, seq=state.sent)
+        state = _replace(state, sessions=state.sessions.set(msg.session_id, session),
+                         sent=state.sent + 1)
+        if msg.last_step > state.last_started_step:
+            opened = (*state.open_sessions, msg)
+            state = _replace(state, open_sessions=opened, open_until=_lowest_last_step(opened))
+    return _answer(state, msg.request_id) if msg.request_id else state
+
+
+def _refused(state: ServiceState, msg: ProfileRequestRefused, _: str | None) -> ServiceState:
+    return _answer(state, msg.request_id)
+
+
+def _request(state: ServiceState, msg: ProfileRequest, entry_id: str | None) -> ServiceState:
+    if msg.request_id in state.answered or any(
+        p.request.request_id == msg.request_id for p in state.pending
+    ):
+        return state  # answered already, or a duplicate of one waiting
+    pending = PendingRequest(msg, entry_ms(entry_id))
+    return _replace(state, pending=(*state.pending, pending))
+
+
+def _profile_started(state: ServiceState, msg: ProfileStarted, _: str | None) -> ServiceState:
+    session = _session(state, msg.session_id)
+    target = (msg.role, msg.rank)
+    if target in session.started:
+        return state
+    session = _replace(session, started=(*session.started, target))
+    return _replace(state, sessions=state.sessions.set(msg.session_id, session))
+
+
+def _profile_stopped(state: ServiceState, msg: ProfileStopped, _: str | None) -> ServiceState:
+    """A process's first stop of a session is recorded in report order; a later one
+    replaces it, except that a failed stop never replaces an ``ok`` one."""
+    session = _session(state, msg.session_id)
+    before = session.stop_of(msg.role, msg.rank)
+    if before is None:
+        fact = StopFact(msg.role, msg.rank, state.stop_reports, msg)
+        session = _replace(session, stops=(*session.stops, fact))
+        return _replace(state, sessions=state.sessions.set(msg.session_id, session),
+                        stop_reports=state.stop_reports + 1)
+    if (before.stopped.status or "ok") == "ok" and (msg.status or "ok") != "ok":
+        # A restarted component reports the sessions it finds in the past as missed; the
+        # trace an earlier incarnation wrote stands.
+        return state
+    fact = _replace(before, stopped=msg)
+    session = _replace(session, stops=tuple(fact if f is before else f for f in session.stops))
+    return _replace(state, sessions=state.sessions.set(msg.session_id, session))
+
+
+# How each kind of entry changes the state; any other kind (samples' announcements,
+# metrics, heartbeats, ...) leaves it as it is.
+_APPLY: dict[type, Callable[[ServiceState, Any, str | None], ServiceState]] = {
+    RunStarted: _run_started,
+    ProfilerReady: _profiler_ready,
+    RunFinished: _run_finished,
+    WarningRaised: _warning,
+    ProfilerFinished: _profiler_finished,
+    StepStarted: _step_started,
+    StartProfile: _start_profile,
+    ProfileRequestRefused: _refused,
+    ProfileRequest: _request,
+    ProfileStarted: _profile_started,
+    ProfileStopped: _profile_stopped,
+}
 
 
 def fold(

@@ -11,14 +11,13 @@ ms); open the file at ui.perfetto.dev or chrome://tracing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bus.messages import (
     CheckpointSaved,
     ComponentFailed,
-    Heartbeat,
     Message,
     ProfileRequest,
     ProfileRequestRefused,
@@ -114,91 +113,155 @@ def build_trace(
     t0 = min(stamps) if stamps else 0.0
     b = _Builder(t0)
     b.track(RUN_PID, f"run {run_id}", 0, "run")
-    step_start: dict[int, float] = {}
-    profile_start: dict[tuple[str, str, int], float] = {}
+    log = _Log(b, profile_dir)
     for msg in events:
-        match msg:
-            case Heartbeat():
-                continue
-            case RunStarted():
-                b.instant(RUN_PID, 0, "RunStarted" + (" (resumed)" if msg.resumed else ""),
-                          msg.ts, scope="g")
-            case RunFinished():
-                b.instant(RUN_PID, 0, f"RunFinished after {msg.steps} steps ({msg.status})",
-                          msg.ts, scope="g")
-            case StepStarted():
-                step_start[msg.step] = msg.ts
-            case StepFinished():
-                b.track(TRAINER_PID, "trainer", STEPS_TID, "steps")
-                start = step_start.pop(msg.step, msg.ts - msg.duration_s)
-                metrics = {k: _clean(v) for k, v in msg.metrics.items()}
-                b.span(TRAINER_PID, STEPS_TID, f"step {msg.step}", start, msg.ts,
-                       {"step": msg.step, "param_version": msg.param_version,
-                        "samples": len(msg.sample_ids), **metrics}, cat="step")
-                reward = _clean(msg.metrics.get("reward/mean", float("nan")))
-                if reward is not None:
-                    b.counter(TRAINER_PID, "reward/mean", msg.ts, {"reward/mean": reward})
-                b.counter(TRAINER_PID, "staleness/mean", msg.ts,
-                          {"staleness/mean": msg.metrics.get("staleness/mean", 0.0)})
-            case WeightsPublished():
-                b.track(TRAINER_PID, "trainer", WEIGHTS_TID, "weights and checkpoints")
-                b.instant(TRAINER_PID, WEIGHTS_TID, f"weights v{msg.version} published", msg.ts,
-                          {"version": msg.version, "step": msg.step, "bytes": msg.ref.size,
-                           "store": msg.ref.store})
-            case CheckpointSaved():
-                b.track(TRAINER_PID, "trainer", WEIGHTS_TID, "weights and checkpoints")
-                b.instant(TRAINER_PID, WEIGHTS_TID, f"checkpoint step {msg.step}", msg.ts,
-                          {"path": msg.path, "param_version": msg.param_version})
-            case TrainerResumed():
-                b.track(TRAINER_PID, "trainer", WEIGHTS_TID, "weights and checkpoints")
-                b.instant(TRAINER_PID, WEIGHTS_TID, f"resumed after step {msg.step}", msg.ts,
-                          {"checkpoint_step": msg.checkpoint_step,
-                           "replayed_steps": msg.replayed_steps,
-                           "weights_match": msg.weights_match})
-            case ProfileStarted():
-                profile_start[(msg.session_id, msg.role, msg.rank)] = msg.ts
-            case ProfileStopped():
-                pid, name = _role_pid(msg.role, msg.rank)
-                b.track(pid, name, PROFILE_TID, "profiling")
-                start = profile_start.pop((msg.session_id, msg.role, msg.rank),
-                                          msg.ts - msg.duration_s)
-                path = str(profile_dir / msg.path) if profile_dir and msg.path else msg.path
-                b.span(pid, PROFILE_TID,
-                       f"profile steps {msg.first_step}-{msg.last_step} ({msg.status})",
-                       start, msg.ts,
-                       {"session": msg.session_id, "tool": msg.tool, "status": msg.status,
-                        "trace": path, "bytes": msg.bytes, "top_ops": msg.top_ops},
-                       cat="profile")
-            case ProfilerReady() | ProfilerFinished() | ProfileRequest() | ProfileRequestRefused():
-                b.track(PROFILER_PID, "profiler service", PROFILE_TID, "decisions")
-                args: dict[str, Any] = {}
-                if isinstance(msg, ProfileRequestRefused):
-                    args = {"request": msg.request_id, "reason": msg.reason}
-                elif isinstance(msg, ProfileRequest):
-                    args = {"request": msg.request_id, "steps": msg.steps,
-                            "next_steps": msg.next_steps, "roles": msg.roles}
-                elif isinstance(msg, ProfilerFinished):
-                    args = {"manifest": msg.manifest_path, "sessions": msg.sessions}
-                b.instant(PROFILER_PID, PROFILE_TID, type(msg).__name__, msg.ts, args)
-            case WarningRaised():
-                b.instant(RUN_PID, 0, f"warning {msg.code}", msg.ts,
-                          {"source": msg.source, "message": msg.message}, scope="g")
-            case ComponentFailed():
-                b.instant(RUN_PID, 0, f"{msg.role}{msg.rank} failed", msg.ts,
-                          {"error": msg.error}, scope="g")
-            case RolloutFailed():
-                pid, name = _role_pid("rollouter", msg.rank)
-                b.track(pid, name, FAILURES_TID, "failures")
-                b.instant(pid, FAILURES_TID, "rollout failed", msg.ts,
-                          {"ticket": msg.ticket_id, "error": msg.error})
-            case _:
-                pass
+        draw = _DRAW.get(type(msg))
+        if draw is not None:
+            draw(log, msg)
     _generation_windows(b, samples)
     return {
         "traceEvents": b.metadata() + b.events,
         "displayTimeUnit": "ms",
         "otherData": {"run_id": run_id, "source": "rlbus inspect --trace", "t0_unix_s": t0},
     }
+
+
+class _Log:
+    """What drawing one event needs: the builder, where traces live, and the starts of the
+    spans still open (a step or profile session ends at a later event)."""
+
+    def __init__(self, b: _Builder, profile_dir: Path | None) -> None:
+        self.b = b
+        self.profile_dir = profile_dir
+        self.step_start: dict[int, float] = {}
+        self.profile_start: dict[tuple[str, str, int], float] = {}
+
+
+def _run_started(log: _Log, msg: RunStarted) -> None:
+    log.b.instant(RUN_PID, 0, "RunStarted" + (" (resumed)" if msg.resumed else ""), msg.ts,
+                  scope="g")
+
+
+def _run_finished(log: _Log, msg: RunFinished) -> None:
+    log.b.instant(RUN_PID, 0, f"RunFinished after {msg.steps} steps ({msg.status})", msg.ts,
+                  scope="g")
+
+
+def _step_started(log: _Log, msg: StepStarted) -> None:
+    log.step_start[msg.step] = msg.ts
+
+
+def _step_finished(log: _Log, msg: StepFinished) -> None:
+    """The step as a span (from its StepStarted, else its duration back from the end), and
+    the reward and staleness counters."""
+    b = log.b
+    b.track(TRAINER_PID, "trainer", STEPS_TID, "steps")
+    start = log.step_start.pop(msg.step, msg.ts - msg.duration_s)
+    metrics = {k: _clean(v) for k, v in msg.metrics.items()}
+    b.span(TRAINER_PID, STEPS_TID, f"step {msg.step}", start, msg.ts,
+           {"step": msg.step, "param_version": msg.param_version,
+            "samples": len(msg.sample_ids), **metrics}, cat="step")
+    reward = _clean(msg.metrics.get("reward/mean", float("nan")))
+    if reward is not None:
+        b.counter(TRAINER_PID, "reward/mean", msg.ts, {"reward/mean": reward})
+    b.counter(TRAINER_PID, "staleness/mean", msg.ts,
+              {"staleness/mean": msg.metrics.get("staleness/mean", 0.0)})
+
+
+def _trainer_instant(log: _Log, name: str, ts: float, args: dict[str, Any]) -> None:
+    log.b.track(TRAINER_PID, "trainer", WEIGHTS_TID, "weights and checkpoints")
+    log.b.instant(TRAINER_PID, WEIGHTS_TID, name, ts, args)
+
+
+def _weights_published(log: _Log, msg: WeightsPublished) -> None:
+    _trainer_instant(log, f"weights v{msg.version} published", msg.ts,
+                     {"version": msg.version, "step": msg.step, "bytes": msg.ref.size,
+                      "store": msg.ref.store})
+
+
+def _checkpoint_saved(log: _Log, msg: CheckpointSaved) -> None:
+    _trainer_instant(log, f"checkpoint step {msg.step}", msg.ts,
+                     {"path": msg.path, "param_version": msg.param_version})
+
+
+def _trainer_resumed(log: _Log, msg: TrainerResumed) -> None:
+    _trainer_instant(log, f"resumed after step {msg.step}", msg.ts,
+                     {"checkpoint_step": msg.checkpoint_step,
+                      "replayed_steps": msg.replayed_steps, "weights_match": msg.weights_match})
+
+
+def _profile_started(log: _Log, msg: ProfileStarted) -> None:
+    log.profile_start[(msg.session_id, msg.role, msg.rank)] = msg.ts
+
+
+def _profile_stopped(log: _Log, msg: ProfileStopped) -> None:
+    """The session as a span on its process (from its ProfileStarted, else its duration back
+    from the end), with the full path of its torch trace."""
+    pid, name = _role_pid(msg.role, msg.rank)
+    log.b.track(pid, name, PROFILE_TID, "profiling")
+    start = log.profile_start.pop((msg.session_id, msg.role, msg.rank), msg.ts - msg.duration_s)
+    path = str(log.profile_dir / msg.path) if log.profile_dir and msg.path else msg.path
+    log.b.span(pid, PROFILE_TID, f"profile steps {msg.first_step}-{msg.last_step} ({msg.status})",
+               start, msg.ts,
+               {"session": msg.session_id, "tool": msg.tool, "status": msg.status,
+                "trace": path, "bytes": msg.bytes, "top_ops": msg.top_ops}, cat="profile")
+
+
+def _decision_args(msg: Message) -> dict[str, Any]:
+    if isinstance(msg, ProfileRequestRefused):
+        return {"request": msg.request_id, "reason": msg.reason}
+    if isinstance(msg, ProfileRequest):
+        return {"request": msg.request_id, "steps": msg.steps, "next_steps": msg.next_steps,
+                "roles": msg.roles}
+    if isinstance(msg, ProfilerFinished):
+        return {"manifest": msg.manifest_path, "sessions": msg.sessions}
+    return {}
+
+
+def _decision(
+    log: _Log, msg: ProfilerReady | ProfilerFinished | ProfileRequest | ProfileRequestRefused
+) -> None:
+    """What the profiler service was asked and answered, on its own track."""
+    log.b.track(PROFILER_PID, "profiler service", PROFILE_TID, "decisions")
+    log.b.instant(PROFILER_PID, PROFILE_TID, type(msg).__name__, msg.ts, _decision_args(msg))
+
+
+def _warning(log: _Log, msg: WarningRaised) -> None:
+    log.b.instant(RUN_PID, 0, f"warning {msg.code}", msg.ts,
+                  {"source": msg.source, "message": msg.message}, scope="g")
+
+
+def _component_failed(log: _Log, msg: ComponentFailed) -> None:
+    log.b.instant(RUN_PID, 0, f"{msg.role}{msg.rank} failed", msg.ts, {"error": msg.error},
+                  scope="g")
+
+
+def _rollout_failed(log: _Log, msg: RolloutFailed) -> None:
+    pid, name = _role_pid("rollouter", msg.rank)
+    log.b.track(pid, name, FAILURES_TID, "failures")
+    log.b.instant(pid, FAILURES_TID, "rollout failed", msg.ts,
+                  {"ticket": msg.ticket_id, "error": msg.error})
+
+
+# How each kind of event is drawn; any other kind (heartbeats, tickets, ...) is not.
+_DRAW: dict[type, Callable[[_Log, Any], None]] = {
+    RunStarted: _run_started,
+    RunFinished: _run_finished,
+    StepStarted: _step_started,
+    StepFinished: _step_finished,
+    WeightsPublished: _weights_published,
+    CheckpointSaved: _checkpoint_saved,
+    TrainerResumed: _trainer_resumed,
+    ProfileStarted: _profile_started,
+    ProfileStopped: _profile_stopped,
+    ProfilerReady: _decision,
+    ProfilerFinished: _decision,
+    ProfileRequest: _decision,
+    ProfileRequestRefused: _decision,
+    WarningRaised: _warning,
+    ComponentFailed: _component_failed,
+    RolloutFailed: _rollout_failed,
+}
 
 
 def _generation_windows(b: _Builder, samples: Iterable[Sample]) -> None:

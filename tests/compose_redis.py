@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import redis
 
 from bus import free_port
+from tests.waits import Watched, wait_until_blocking
 
 __all__ = ["ROOT", "USERS", "AclRedis", "acl_env", "interpolate", "password"]
 
@@ -59,22 +59,25 @@ class AclRedis:
         dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **acl_env(run_id), "RLBUS_ACL_OUT": str(dir / "users.acl")}
         with (dir / "redis.log").open("wb") as log:
-            self.proc = subprocess.Popen(
+            self.proc: subprocess.Popen[bytes] = subprocess.Popen(
                 ["sh", str(ROOT / "deploy" / "redis" / "start-redis.sh"), binary,
                  "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(dir)],
                 env=env, stdout=log, stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + 30
+        server = Watched("redis-server (start-redis.sh)", self.proc, dir / "redis.log")
         client = redis.Redis(port=self.port, socket_timeout=5)
+
+        def answers() -> bool | None:
+            # The default user may PING, as the compose healthcheck does.
+            try:
+                return client.ping() or None
+            except redis.ConnectionError:
+                if server.poll() is not None:
+                    raise AssertionError(f"redis-server exited\n{server.describe()}") from None
+                return None
+
         try:
-            while True:  # the default user may PING, as the compose healthcheck does
-                try:
-                    client.ping()
-                    return
-                except redis.ConnectionError:
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError((dir / "redis.log").read_text()) from None
-                    time.sleep(0.05)
+            wait_until_blocking(answers, f"redis-server to answer PING on port {self.port}", 30)
         finally:
             client.close()
 

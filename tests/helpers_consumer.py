@@ -12,21 +12,26 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 
 from bus import Bus, Consumer
+from tests.waits import wait_until
 
 
 async def main(url: str, stream: str, group: str, name: str, count: int, ack_first: int) -> int:
     bus = Bus.from_url(url)
     consumer = Consumer(bus, stream, group, name)
     got: list[str] = []
-    deadline = time.monotonic() + 30
-    while len(got) < count:
-        if time.monotonic() > deadline:
-            return 3
+
+    async def held_all() -> bool | None:
         deliveries = await consumer.read(count=count - len(got), block_ms=500)
-        got += [d.id for d in deliveries]
+        got.extend(d.id for d in deliveries)
+        return True if len(got) >= count else None
+
+    try:
+        await wait_until(held_all, f"{count} deliveries of {stream} to {group}/{name}", 30)
+    except AssertionError as exc:
+        print(exc, file=sys.stderr, flush=True)
+        return 3
     await consumer.ack(*got[:ack_first])
     print(json.dumps({"acked": got[:ack_first], "held": got[ack_first:]}), flush=True)
     # Hold the unacked entries until SIGKILL: the parent decides when we "crash".

@@ -1,8 +1,9 @@
-"""Helpers for integration tests: run components as real processes and wait on run events.
+"""Helpers for integration tests: run components as real processes and read a run's log.
 
-``spawn(module, *args, log=path)`` starts ``python -m module args...`` in its own session;
-``Procs`` tracks them and kills leftovers; ``wait_for(bus, stream, pred, timeout_s)`` waits for
-the first event matching ``pred`` (synchronising on events, never on sleeps).
+``Procs(log_dir).spawn(name, module, *args)`` starts ``python -m module args...`` in its own
+session with its output in ``log_dir/name.log``, as a :class:`tests.waits.Watched`;
+``Procs.kill_all`` kills leftovers. The waits (on events, logs, exits) are in
+:mod:`tests.waits`.
 """
 
 from __future__ import annotations
@@ -12,14 +13,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from bus import Bus, Message, RunKeys
 from bus.history import find_archive, read_history
+from tests.waits import Watched, wait_exit_blocking
 
-__all__ = ["FAST", "Procs", "events_of", "run_cli", "wait_exit", "wait_for"]
+__all__ = ["FAST", "Procs", "events_of", "run_cli"]
 
 # Small, fast runs: a few steps of the default task with short timeouts.
 FAST = (
@@ -34,55 +34,50 @@ FAST = (
 
 
 class Procs:
-    """Component processes of one test; ``kill_all`` is idempotent."""
+    """Component processes of one test, by name; ``kill_all`` is idempotent."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, Watched] = {}
 
-    def spawn(self, name: str, module: str, *args: str) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, module: str, *args: str) -> Watched:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = (self.log_dir / f"{name}.log").open("ab")
+        path = self.log_dir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
-        log.close()
-        self.procs[name] = proc
-        return proc
+        with path.open("ab") as log:  # the child keeps its own copy of the fd
+            popen = subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+        self.procs[name] = Watched(name, popen, path)
+        return self.procs[name]
+
+    def watch(self, *names: str) -> list[Watched]:
+        """The named processes, for a wait to watch."""
+        return [self.procs[name] for name in names]
 
     def log(self, name: str) -> str:
-        path = self.log_dir / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+        return self.procs[name].log() if name in self.procs else ""
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal ``name``'s whole process group and wait for it to exit."""
         proc = self.procs[name]
         if proc.poll() is None:
             os.killpg(proc.pid, sig)
-            proc.wait(timeout=30)
+            wait_exit_blocking(proc, 30)
 
     def wait(self, name: str, timeout_s: float) -> int:
-        try:
-            return self.procs[name].wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"{name} did not exit within {timeout_s} s; its log:\n{self.log(name)[-3000:]}"
-            ) from None
+        """``name``'s exit code (fails with its log if it runs past ``timeout_s``)."""
+        return wait_exit_blocking(self.procs[name], timeout_s)
 
     def kill_all(self) -> None:
-        for name, proc in self.procs.items():
+        for proc in self.procs.values():
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     continue
-                proc.wait(timeout=30)
-            del name
-
-
-def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
-    return proc.wait(timeout=timeout_s)
+                wait_exit_blocking(proc, 30)
 
 
 async def events_of(bus: Bus, stream: str) -> list[Message]:
@@ -95,34 +90,6 @@ async def events_of(bus: Bus, stream: str) -> list[Message]:
     keys = RunKeys(m[1])
     archive = await find_archive(bus, keys, None)
     return [msg async for _, msg in read_history(bus, stream, archive)]
-
-
-async def wait_for(
-    bus: Bus,
-    stream: str,
-    pred: Callable[[Message], bool],
-    timeout_s: float,
-    procs: Procs | None = None,
-    watch: Iterable[str] = (),
-) -> Message:
-    """The first entry of ``stream`` (from its beginning) matching ``pred``.
-
-    Fails with the logs of ``watch`` processes when one of them died or the time ran out.
-    """
-    deadline = time.monotonic() + timeout_s
-    cursor = "0"
-    while time.monotonic() < deadline:
-        entries, cursor = await bus.read_after(stream, cursor, count=1000, block_ms=200)
-        for _, msg in entries:
-            if pred(msg):
-                return msg
-        if procs is not None:
-            for name in watch:
-                rc = procs.procs[name].poll()
-                if rc is not None and rc != 0:
-                    raise AssertionError(f"{name} exited {rc}:\n{procs.log(name)[-3000:]}")
-    logs = "\n".join(f"--- {n}\n{procs.log(n)[-2000:]}" for n in watch) if procs else ""
-    raise AssertionError(f"no matching event on {stream} within {timeout_s} s\n{logs}")
 
 
 def run_cli(*args: str, timeout_s: float = 120, cwd: Path | None = None) -> (

@@ -1,16 +1,33 @@
-"""The profiler service's decisions and manifest as they were before the state was folded
-incrementally: everything recomputed from the whole log on every call (O(log) each).
+"""An independent oracle for the profiler service's decisions and manifest (tests only).
 
-Kept only as a test oracle: ``tests/test_profiler_state.py`` checks that the incremental
-state gives the same decisions and the same manifest on random logs. Not used by the code.
+``tests/test_profiler_state.py`` checks on random logs that
+:func:`profiler_service.schedule.decide` (on the folded state) and
+:func:`profiler_service.manifest.build_manifest` give what this module gives. For that to
+catch a bug, nothing here may share logic with ``profiler_service``: this module imports
+only its *constants* (limits, names, codes) and the message types, and restates every rule
+from docs/profiling.md ("The protocol", "Session ids", "Runtime requests", "The step
+barrier", "Outputs") and the docstrings, in another form:
+
+* no incremental state: every question ("has the latest RunStarted a ProfilerReady after
+  it?", "which requests have no answer?") is answered by scanning the whole log with plain
+  loops, lists and sets, on every call;
+* its own helpers for labels, ranks, step runs, overlaps and trace paths (string sets
+  instead of regular expressions, list scans instead of the service's open-session index);
+* a runtime request is judged by an ordered table of rules, the first that applies giving
+  the refusal's reason; the reasons' texts are the service's documented messages.
+
+Log items are messages or ``(events entry id, message)`` pairs, as
+:func:`profiler_service.state.fold` takes them; the id of a ProfileRequest is its arrival
+time (Redis ms) for the expiry rule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import itertools
+import string
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import PurePosixPath
 from typing import Any
-
-import msgspec
 
 from bus.messages import (
     Command,
@@ -27,369 +44,506 @@ from bus.messages import (
     StepStarted,
     WarningRaised,
 )
-from profiler_service.manifest import _relative_trace_path
 from profiler_service.schedule import (
     MANIFEST_NAME,
+    MAX_LABEL_LEN,
     MAX_REQUEST_ID_LEN,
     MAX_REQUEST_STEPS,
     PROFILER_SOURCE,
     ROLES,
     SESSIONS_MISSING_CODE,
-    _profiled_roles,
-    expected_targets,
-    is_safe_label,
-    plan_sessions,
-    session_id_for,
-    sessions_overlap,
 )
 from runconfig.schema import ProfilerConfig
 
 __all__ = ["reference_decide", "reference_manifest"]
 
+Fact = Event | Command
+Item = Fact | tuple[str, Fact]
 
-class RunView(msgspec.Struct, kw_only=True):
-    """What the log says so far, as far as the profiler service is concerned."""
+_ALNUM = frozenset(string.ascii_letters + string.digits)
+_LABEL_CHARS = _ALNUM | frozenset("_.-")
 
-    run_started: RunStarted | None = None
-    """The latest RunStarted (a resumed run publishes it again)."""
-    ready_since_run_started: bool = False
-    """A ProfilerReady follows the latest RunStarted."""
-    run_finished: RunFinished | None = None
-    """A RunFinished that follows the latest RunStarted."""
-    gave_up_waiting: bool = False
-    """A SESSIONS_MISSING_CODE warning follows that RunFinished."""
-    profiler_finished: bool = False
-    last_started_step: int = 0
-    """Highest trainer StepStarted seen (0 before step 1)."""
-    sent: dict[str, StartProfile] = msgspec.field(default_factory=dict)
-    """StartProfile commands already in the control stream, by session id (first wins)."""
-    answers: dict[str, StartProfile | ProfileRequestRefused] = msgspec.field(
-        default_factory=dict
-    )
-    """Answers already published, by request id (first wins)."""
-    requests: list[ProfileRequest] = msgspec.field(default_factory=list)
-    """Runtime requests in log order, first occurrence of each request id only."""
-    stopped: set[tuple[str, str, int]] = msgspec.field(default_factory=set)
-    """``(session_id, role, rank)`` of every ProfileStopped."""
+
+# --------------------------------------------------------------------------- the log, scanned
+
+
+def _entries(log: Sequence[Item]) -> list[tuple[str | None, Fact]]:
+    """Every item as ``(events entry id or None, message)``, in log order."""
+    return [item if isinstance(item, tuple) else (None, item) for item in log]
+
+
+def _msgs(log: Sequence[Item]) -> list[Fact]:
+    return [msg for _, msg in _entries(log)]
+
+
+def _last_index(msgs: Sequence[Fact], kind: type, after: int = -1) -> int | None:
+    """Index of the last message of ``kind`` after position ``after``, or None."""
+    found = None
+    for i, msg in enumerate(msgs):
+        if i > after and isinstance(msg, kind):
+            found = i
+    return found
+
+
+class _Facts:
+    """What the whole log says, each fact recomputed by a scan (docs/profiling.md)."""
+
+    def __init__(self, log: Sequence[Item]) -> None:
+        self.entries = _entries(log)
+        msgs = [msg for _, msg in self.entries]
+        start = _last_index(msgs, RunStarted)
+        self.run_started: RunStarted | None = None if start is None else msgs[start]  # type: ignore[assignment]
+        # One ProfilerReady per RunStarted: only one *after the latest* counts.
+        self.ready = start is not None and _last_index(msgs, ProfilerReady, start) is not None
+        # A RunFinished counts when it follows the latest RunStarted (a resumed run starts
+        # again); the latest such one is the run's end.
+        end = None if start is None else _last_index(msgs, RunFinished, start)
+        self.run_finished: RunFinished | None = None if end is None else msgs[end]  # type: ignore[assignment]
+        # The give-up warning counts only after that RunFinished.
+        self.gave_up = end is not None and any(
+            isinstance(m, WarningRaised) and m.source == PROFILER_SOURCE
+            and m.code == SESSIONS_MISSING_CODE
+            for m in msgs[end + 1:]
+        )
+        self.profiler_finished = any(isinstance(m, ProfilerFinished) for m in msgs)
+        self.last_started = max((m.step for m in msgs if isinstance(m, StepStarted)), default=0)
+        self.sent = self._first_commands(msgs)
+        self.stopped = {(m.session_id, m.role, m.rank) for m in msgs
+                        if isinstance(m, ProfileStopped)}
+
+    @staticmethod
+    def _first_commands(msgs: Sequence[Fact]) -> list[StartProfile]:
+        """The first StartProfile of each session id, in log order (a repeat is a retry)."""
+        seen: set[str] = set()
+        out: list[StartProfile] = []
+        for m in msgs:
+            if isinstance(m, StartProfile) and m.session_id not in seen:
+                seen.add(m.session_id)
+                out.append(m)
+        return out
+
+    def answered(self) -> set[str]:
+        """Request ids with an answer anywhere in the log (a StartProfile or a refusal)."""
+        ids = {m.request_id for _, m in self.entries if isinstance(m, ProfileRequestRefused)}
+        ids |= {m.request_id for _, m in self.entries
+                if isinstance(m, StartProfile) and m.request_id}
+        return ids
+
+    def unanswered(self) -> list[tuple[ProfileRequest, int | None]]:
+        """Requests without an answer, first copy of each id, in log order, with the Redis
+        ms of their arrival (None without an entry id)."""
+        answered = self.answered()
+        seen: set[str] = set()
+        out: list[tuple[ProfileRequest, int | None]] = []
+        for entry_id, m in self.entries:
+            if not isinstance(m, ProfileRequest) or m.request_id in seen:
+                continue
+            seen.add(m.request_id)
+            if m.request_id not in answered:
+                out.append((m, _arrival_ms(entry_id)))
+        return out
+
+    def config_count(self, section: str, key: str) -> int | None:
+        """A positive int of the run's config (the latest RunStarted), else None."""
+        config = self.run_started.config if self.run_started is not None else None
+        node = config.get(section) if isinstance(config, dict) else None
+        value = node.get(key) if isinstance(node, dict) else None
+        if type(value) is int and value > 0:
+            return value
+        return None
 
     @property
-    def total_steps(self) -> int | None:
-        """``trainer.total_training_steps`` of the run's config, when it says."""
-        return _config_int(self.run_started, "trainer", "total_training_steps")
+    def total(self) -> int | None:
+        return self.config_count("trainer", "total_training_steps")
 
     @property
     def replicas(self) -> int:
-        """``rollout.replicas`` of the run's config (1 when it does not say)."""
-        return _config_int(self.run_started, "rollout", "replicas") or 1
+        return self.config_count("rollout", "replicas") or 1
+
+    @property
+    def run_profiling_off(self) -> bool:
+        """The run's own config says ``global_profiler.tool: null``."""
+        config = self.run_started.config if self.run_started is not None else None
+        node = config.get("global_profiler") if isinstance(config, dict) else None
+        return isinstance(node, dict) and "tool" in node and node["tool"] is None
 
 
-def _config_int(run_started: RunStarted | None, section: str, key: str) -> int | None:
-    if run_started is None:
+def _arrival_ms(entry_id: str | None) -> int | None:
+    if not entry_id:
         return None
-    node: Any = run_started.config.get(section) if isinstance(run_started.config, dict) else None
-    value = node.get(key) if isinstance(node, dict) else None
-    # bool is an int subclass; a config that says `true` here is not a count.
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    return None
+    ms = entry_id.split("-")[0]
+    return int(ms) if ms.isdigit() else None
 
 
-def fold_log(seen: Sequence[Event | Command]) -> RunView:
-    """Fold the events and control entries seen so far into a :class:`RunView`.
-
-    Only the relative order of *events* matters (RunStarted vs ProfilerReady/RunFinished);
-    commands are matched by id wherever they appear, so the caller may merge the two streams
-    in any order.
-    """
-    view = RunView()
-    seen_request_ids: set[str] = set()
-    for msg in seen:
-        match msg:
-            case RunStarted():
-                view.run_started = msg
-                view.ready_since_run_started = False
-                view.run_finished = None
-                view.gave_up_waiting = False
-            case ProfilerReady():
-                view.ready_since_run_started = view.run_started is not None
-            case RunFinished():
-                if view.run_started is not None:
-                    view.run_finished = msg
-                    view.gave_up_waiting = False
-            case WarningRaised(source=source, code=code):
-                if (
-                    source == PROFILER_SOURCE
-                    and code == SESSIONS_MISSING_CODE
-                    and view.run_finished is not None
-                ):
-                    view.gave_up_waiting = True
-            case ProfilerFinished():
-                view.profiler_finished = True
-            case StepStarted():
-                view.last_started_step = max(view.last_started_step, msg.step)
-            case StartProfile():
-                view.sent.setdefault(msg.session_id, msg)
-                if msg.request_id:
-                    view.answers.setdefault(msg.request_id, msg)
-            case ProfileRequestRefused():
-                view.answers.setdefault(msg.request_id, msg)
-            case ProfileRequest():
-                if msg.request_id not in seen_request_ids:
-                    seen_request_ids.add(msg.request_id)
-                    view.requests.append(msg)
-            case ProfileStopped():
-                view.stopped.add((msg.session_id, msg.role, msg.rank))
-            case _:
-                pass
-    return view
+# --------------------------------------------------------------------------- helpers
 
 
-def outstanding_targets(
-    view: RunView, scheduled: Iterable[StartProfile] | None = None
-) -> list[tuple[str, str, int]]:
-    """``(session_id, role, rank)`` still expected to stop, for a finished run.
-
-    A session whose first step is past the run's last step never started and is not waited
-    for. Before RunFinished everything unstopped is outstanding.
-    """
-    sessions = list(view.sent.values()) if scheduled is None else list(scheduled)
-    last_step = view.run_finished.steps if view.run_finished is not None else None
-    missing: list[tuple[str, str, int]] = []
-    for session in sessions:
-        if last_step is not None and session.first_step > last_step:
-            continue
-        for role, rank in expected_targets(session.roles, view.replicas, session.ranks):
-            if (session.session_id, role, rank) not in view.stopped:
-                missing.append((session.session_id, role, rank))
-    return missing
+def _is_label(text: str, max_len: int) -> bool:
+    """1..max_len characters of [A-Za-z0-9_.-], the first a letter or digit."""
+    return (0 < len(text) <= max_len and text[0] in _ALNUM
+            and all(c in _LABEL_CHARS for c in text))
 
 
-def _refuse(req: ProfileRequest, reason: str) -> ProfileRequestRefused:
-    return ProfileRequestRefused(request_id=req.request_id, reason=reason, ts=req.ts)
+def _label(text: str) -> str:
+    """``text`` with every other character as ``_``, cut to the label length, no leading
+    ``.``/``-`` (never empty)."""
+    out = "".join(c if c in _LABEL_CHARS else "_" for c in text)[:MAX_LABEL_LEN]
+    while out and out[0] in ".-":
+        out = out[1:]
+    return out if out else "_"
 
 
-def _answer_request(
-    cfg: ProfilerConfig,
-    view: RunView,
-    req: ProfileRequest,
-    scheduled: list[StartProfile],
-    barrier: int = 0,
-) -> StartProfile | ProfileRequestRefused:
-    """Validate one runtime request against the log, the sessions scheduled so far and the
-    step barrier (steps ``<= barrier`` have begun or are beginning: closed to commands)."""
-    if cfg.tool is None:
-        return _refuse(
-            req, "profiling is off: global_profiler.tool is null in the profiler service config"
-        )
-    if not is_safe_label(req.request_id, MAX_REQUEST_ID_LEN):
-        return _refuse(
-            req,
-            f"request id must be 1-{MAX_REQUEST_ID_LEN} letters, digits, '_', '.' or '-'",
-        )
-    if view.run_finished is not None:
-        return _refuse(req, f"the run has finished (after step {view.run_finished.steps})")
-    unknown = [r for r in req.roles if r not in ROLES]
-    if unknown or not req.roles:
-        return _refuse(req, f"roles must be a non-empty subset of {list(ROLES)}, got {req.roles}")
-    roles = _profiled_roles(req.roles, view.replicas, cfg.ranks)
-    if not roles:
-        return _refuse(
-            req, f"no rank of roles {req.roles} is selected by global_profiler.ranks={cfg.ranks}"
-        )
-    started = view.last_started_step
-    # The barrier is ahead of StepStarted while the trainer crosses a step boundary: the
-    # step it names has begun for the components even though its StepStarted is not out.
-    last = max(started, barrier)
-    if req.steps and req.next_steps:
-        return _refuse(req, "give either steps or next_steps, not both")
-    if req.next_steps < 0:
-        return _refuse(req, f"next_steps must be >= 1, got {req.next_steps}")
-    # Bound the size before building any list: a message could ask for 10**12 steps.
-    if req.next_steps > MAX_REQUEST_STEPS or len(req.steps) > MAX_REQUEST_STEPS:
-        return _refuse(req, f"a request may cover at most {MAX_REQUEST_STEPS} steps")
-    if req.next_steps:
-        steps = list(range(last + 1, last + 1 + req.next_steps))
+def _session_id(first: int, last: int, request_id: str = "") -> str:
+    if request_id:
+        return _label("r" + request_id + "-s" + str(first) + "-" + str(last))
+    return "s" + str(first) + "-" + str(last)
+
+
+def _ranks_of(role: str, replicas: int, ranks: Sequence[int]) -> list[int]:
+    """The trainer is rank 0, rollouters ``0..replicas-1``; ``ranks`` (non-empty) selects."""
+    if role == "trainer":
+        every = [0]
+    elif role == "rollouter":
+        every = list(range(replicas if replicas > 1 else 1))
     else:
-        steps = sorted(set(req.steps))
-    if not steps:
-        return _refuse(req, "the request names no step")
-    if steps[0] < 1:
-        return _refuse(req, f"steps are 1-based, got {steps[0]}")
-    if steps[-1] - steps[0] + 1 != len(steps):
-        return _refuse(req, f"steps {steps} are not consecutive; one request is one session")
-    first, final = steps[0], steps[-1]
-    if first <= started:
-        return _refuse(
-            req,
-            f"step {first} is not in the future: trainer step {started} has already started, "
-            f"so the earliest step a request can profile is {last + 1}",
-        )
-    if first <= last:
-        return _refuse(
-            req,
-            f"step {first} is not in the future: trainer step {last} has already begun "
-            f"(the trainer closed commands for steps up to {last}), so the earliest step a "
-            f"request can profile is {last + 1}",
-        )
-    total = view.total_steps
-    if total is not None and final > total:
-        return _refuse(
-            req, f"step {final} is past the run's last step (trainer.total_training_steps={total})"
-        )
-    candidate = StartProfile(
-        session_id=session_id_for(first, final, req.request_id),
-        roles=roles,
-        tool=cfg.tool,
-        first_step=first,
-        last_step=final,
-        ranks=list(cfg.ranks),
-        contents=list(cfg.contents),
-        request_id=req.request_id,
-        ts=req.ts,
-    )
-    for other in scheduled:
-        if sessions_overlap(candidate, other):
-            shared = [r for r in candidate.roles if r in other.roles]
-            return _refuse(
-                req,
-                f"steps {first}-{final} overlap session {other.session_id} "
-                f"(steps {other.first_step}-{other.last_step}) on {', '.join(shared)}",
-            )
-    return candidate
+        every = []
+    return [r for r in every if len(ranks) == 0 or r in ranks]
 
 
-def reference_decide(
-    cfg: ProfilerConfig, seen: Sequence[Event | Command], barrier: int = 0
-) -> list[Command | Event]:
-    """What the service must publish now, given everything seen so far (in log order) and
-    the run's step ``barrier`` (the value of ``RunKeys.barrier``: the trainer raises it to
-    ``k`` before it lets any role begin step ``k``; 0 when unknown).
-
-    Returned in publishing order: commands go to the control stream, events to the events
-    stream, one after the other, so a reader that sees ProfilerReady already finds every
-    command before it.
-
-    * Latest RunStarted: every scheduled StartProfile not yet sent, then ProfilerReady (one
-      per RunStarted, so a resumed trainer that waits for it gets one too). Neither once the
-      run has finished: nobody is left to arm them.
-    * Each ProfileRequest not yet answered: a StartProfile with its ``request_id``, or a
-      ProfileRequestRefused with the reason. Answered only once the run has started (a
-      request read before RunStarted waits for it), except that ``tool`` null refuses at once.
-      A request's steps must come after both the last StepStarted and ``barrier``
-      (``next:N`` counts from the higher of the two). The service publishes these
-      StartProfile commands guarded by the barrier (:meth:`bus.Bus.publish_guarded`) and,
-      when the guard refuses one, decides again with the barrier it reads then.
-    * RunFinished, when every session that could have run has a ProfileStopped for every
-      expected ``(role, rank)`` (or the service gave up waiting, see
-      :data:`SESSIONS_MISSING_CODE`): ProfilerFinished, once per log. Its ``manifest_path``
-      is :data:`MANIFEST_NAME` (relative) and ``hook_rc`` None: the service fills both in.
-
-    ``tool`` null: no command at all, only refusals.
-    """
-    view = fold_log(seen)
-    out: list[Command | Event] = []
-    if cfg.tool is None:
-        for req in view.requests:
-            if req.request_id not in view.answers:
-                out.append(_answer_request(cfg, view, req, []))
-        return out
-    started = view.run_started
-    if started is None:
-        return out
-
-    scheduled: list[StartProfile] = list(view.sent.values())
-    planned_ids: list[str] = []
-    for session in plan_sessions(cfg, view.replicas, view.total_steps, ts=started.ts):
-        if session.session_id in view.sent:
-            planned_ids.append(session.session_id)
-            continue
-        if view.run_finished is not None:
-            continue  # a service that starts after the run ended: nobody is left to arm it
-        # A restart with a changed config must not add sessions over ones already armed.
-        if any(sessions_overlap(session, other) for other in scheduled):
-            continue
-        out.append(session)
-        scheduled.append(session)
-        planned_ids.append(session.session_id)
-    if not view.ready_since_run_started and view.run_finished is None:
-        out.append(ProfilerReady(session_ids=planned_ids, ts=started.ts))
-
-    for req in view.requests:
-        if req.request_id in view.answers:
-            continue
-        answer = _answer_request(cfg, view, req, scheduled, barrier)
-        out.append(answer)
-        if isinstance(answer, StartProfile):
-            scheduled.append(answer)
-
-    finished = view.run_finished
-    if finished is not None and not view.profiler_finished:
-        if view.gave_up_waiting or not outstanding_targets(view, scheduled):
-            out.append(
-                ProfilerFinished(
-                    manifest_path=MANIFEST_NAME, sessions=len(scheduled), ts=finished.ts
-                )
-            )
+def _targets(roles: Sequence[str], replicas: int, ranks: Sequence[int]) -> list[tuple[str, int]]:
+    out = []
+    for role in roles:
+        for rank in _ranks_of(role, replicas, ranks):
+            out.append((role, rank))
     return out
 
 
-def reference_manifest(
-    run_id: str, seen: Sequence[Event | Command], final: bool = False
-) -> dict[str, Any]:
-    """The manifest implied by the log ``seen`` (events and control, any merge order).
+def _roles_with_ranks(roles: Sequence[str], replicas: int, ranks: Sequence[int]) -> list[str]:
+    out: list[str] = []
+    for role in roles:
+        if role in ROLES and role not in out and _ranks_of(role, replicas, ranks):
+            out.append(role)
+    return out
 
-    ``final`` (or a ProfilerFinished, or the service's give-up warning, in the log) turns
-    sessions still ``scheduled``/``running`` into ``missing`` (or ``not_reached``).
-    """
-    view = fold_log(seen)
-    final = final or view.profiler_finished or view.gave_up_waiting
-    last_step = view.run_finished.steps if view.run_finished is not None else None
+
+def _spans(steps: Sequence[int], continuous: bool) -> list[tuple[int, int]]:
+    """Sessions' step ranges: runs of consecutive steps (continuous) or one per step."""
+    spans: list[tuple[int, int]] = []
+    for step in sorted(set(steps)):
+        if continuous and spans and spans[-1][1] == step - 1:
+            spans[-1] = (spans[-1][0], step)
+        else:
+            spans.append((step, step))
+    return spans
+
+
+def _shared_roles(a: StartProfile, b: StartProfile) -> list[str]:
+    return [r for r in a.roles if r in b.roles]
+
+
+def _steps_meet(a: StartProfile, b: StartProfile) -> bool:
+    """The two inclusive step ranges intersect: the later start is not after the earlier
+    end."""
+    return max(a.first_step, b.first_step) <= min(a.last_step, b.last_step)
+
+
+def _clash(a: StartProfile, b: StartProfile) -> bool:
+    return bool(_shared_roles(a, b)) and _steps_meet(a, b)
+
+
+def _refusal(req: ProfileRequest, reason: str) -> ProfileRequestRefused:
+    return ProfileRequestRefused(request_id=req.request_id, reason=reason, ts=req.ts)
+
+
+# --------------------------------------------------------------------------- the schedule
+
+
+def _planned(cfg: ProfilerConfig, facts: _Facts) -> list[StartProfile]:
+    """``global_profiler.steps`` as sessions: steps in 1..total, every configured role that
+    has a rank, stamped with the latest RunStarted's time."""
+    assert facts.run_started is not None and cfg.tool is not None
+    roles = _roles_with_ranks(cfg.roles, facts.replicas, cfg.ranks)
+    if not roles:
+        return []
+    total = facts.total
+    steps = [s for s in cfg.steps if s >= 1 and (total is None or s <= total)]
+    return [
+        StartProfile(session_id=_session_id(first, last), roles=list(roles), tool=cfg.tool,
+                     first_step=first, last_step=last, ranks=list(cfg.ranks),
+                     contents=list(cfg.contents), ts=facts.run_started.ts)
+        for first, last in _spans(steps, cfg.profile_continuous_steps)
+    ]
+
+
+# --------------------------------------------------------------------------- requests
+
+# The rules a runtime request must pass, in the order the service applies them. Each gets
+# (cfg, facts, request, barrier) and returns the refusal's reason, or None. Steps are
+# computed by _requested_steps once the shape of the request is known to be sound.
+Rule = Callable[[ProfilerConfig, _Facts, ProfileRequest, int], str | None]
+
+
+def _rule_tool_off(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest, b: int) -> str | None:
+    if cfg.tool is None:
+        return "profiling is off: global_profiler.tool is null in the profiler service config"
+    return None
+
+
+def _rule_run_off(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest, b: int) -> str | None:
+    if facts.run_profiling_off:
+        return ("profiling is off for this run: it was started with global_profiler.tool null, "
+                "so its trainer and rollouters hold no profiler and no trace could be written")
+    return None
+
+
+def _rule_id(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest, b: int) -> str | None:
+    if _is_label(req.request_id, MAX_REQUEST_ID_LEN):
+        return None
+    return f"request id must be 1-{MAX_REQUEST_ID_LEN} letters, digits, '_', '.' or '-'"
+
+
+def _rule_finished(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest, b: int) -> str | None:
+    if facts.run_finished is None:
+        return None
+    return f"the run has finished (after step {facts.run_finished.steps})"
+
+
+def _rule_roles(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest, b: int) -> str | None:
+    if req.roles and all(r in ROLES for r in req.roles):
+        return None
+    return f"roles must be a non-empty subset of {list(ROLES)}, got {req.roles}"
+
+
+def _rule_ranks(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest, b: int) -> str | None:
+    if _roles_with_ranks(req.roles, facts.replicas, cfg.ranks):
+        return None
+    return f"no rank of roles {req.roles} is selected by global_profiler.ranks={cfg.ranks}"
+
+
+def _rule_one_form(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest, b: int) -> str | None:
+    if len(req.steps) > 0 and req.next_steps != 0:
+        return "give either steps or next_steps, not both"
+    return None
+
+
+def _rule_next_sign(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest, b: int) -> str | None:
+    return f"next_steps must be >= 1, got {req.next_steps}" if req.next_steps < 0 else None
+
+
+def _rule_size(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest, b: int) -> str | None:
+    if max(req.next_steps, len(req.steps)) > MAX_REQUEST_STEPS:
+        return f"a request may cover at most {MAX_REQUEST_STEPS} steps"
+    return None
+
+
+def _requested_steps(facts: _Facts, req: ProfileRequest, barrier: int) -> list[int]:
+    """``next:N`` counts from the later of the last StepStarted and the barrier."""
+    if req.next_steps > 0:
+        begun = max(facts.last_started, barrier)
+        return [begun + i for i in range(1, req.next_steps + 1)]
+    return sorted(set(req.steps))
+
+
+def _rule_steps(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest, b: int) -> str | None:
+    steps = _requested_steps(facts, req, b)
+    if not steps:
+        return "the request names no step"
+    if steps[0] < 1:
+        return f"steps are 1-based, got {steps[0]}"
+    if any(later != earlier + 1 for earlier, later in itertools.pairwise(steps)):
+        return f"steps {steps} are not consecutive; one request is one session"
+    return None
+
+
+def _rule_future(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest, b: int) -> str | None:
+    first = _requested_steps(facts, req, b)[0]
+    started = facts.last_started
+    begun = max(started, b)
+    if first <= started:
+        return (f"step {first} is not in the future: trainer step {started} has already "
+                f"started, so the earliest step a request can profile is {begun + 1}")
+    if first <= b:
+        return (f"step {first} is not in the future: trainer step {begun} has already begun "
+                f"(the trainer closed commands for steps up to {begun}), so the earliest step "
+                f"a request can profile is {begun + 1}")
+    return None
+
+
+def _rule_within_run(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest, b: int) -> str | None:
+    last = _requested_steps(facts, req, b)[-1]
+    total = facts.total
+    if total is not None and last > total:
+        return f"step {last} is past the run's last step (trainer.total_training_steps={total})"
+    return None
+
+
+RULES: tuple[Rule, ...] = (
+    _rule_tool_off, _rule_run_off, _rule_id, _rule_finished, _rule_roles, _rule_ranks,
+    _rule_one_form, _rule_next_sign, _rule_size, _rule_steps, _rule_future, _rule_within_run,
+)
+
+
+def _reasons(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest,
+             barrier: int) -> Iterator[str]:
+    for rule in RULES:
+        reason = rule(cfg, facts, req, barrier)
+        if reason is not None:
+            yield reason
+
+
+def _judge(cfg: ProfilerConfig, facts: _Facts, req: ProfileRequest, barrier: int,
+           taken: Sequence[StartProfile]) -> StartProfile | ProfileRequestRefused:
+    """The answer to one request: the first rule it breaks, else a session, unless that
+    session shares a role and a step with one of ``taken`` (the first such one is named)."""
+    for reason in _reasons(cfg, facts, req, barrier):
+        return _refusal(req, reason)
+    assert cfg.tool is not None
+    steps = _requested_steps(facts, req, barrier)
+    first, last = steps[0], steps[-1]
+    session = StartProfile(
+        session_id=_session_id(first, last, req.request_id),
+        roles=_roles_with_ranks(req.roles, facts.replicas, cfg.ranks), tool=cfg.tool,
+        first_step=first, last_step=last, ranks=list(cfg.ranks), contents=list(cfg.contents),
+        request_id=req.request_id, ts=req.ts,
+    )
+    for other in taken:
+        if _clash(session, other):
+            return _refusal(req, (
+                f"steps {first}-{last} overlap session {other.session_id} "
+                f"(steps {other.first_step}-{other.last_step}) on "
+                f"{', '.join(_shared_roles(session, other))}"))
+    return session
+
+
+def _expired(req: ProfileRequest, arrived_ms: int | None, now_ms: int | None) -> str | None:
+    """The expiry reason, by the Redis clock: older than its own timeout when answered."""
+    if now_ms is None or arrived_ms is None:
+        return None
+    age_ms = now_ms - arrived_ms
+    if age_ms * 1.0 <= req.timeout_s * 1000.0:
+        return None
+    return (f"expired: the request arrived {age_ms / 1000:.1f} s before the profiler service "
+            f"could answer it, past its timeout of {req.timeout_s:g} s; nobody is waiting for "
+            "the answer any more, so no session is scheduled for it")
+
+
+# --------------------------------------------------------------------------- decide
+
+
+def _finished_answer(facts: _Facts, sessions: Sequence[StartProfile]) -> ProfilerFinished | None:
+    """ProfilerFinished once the run ended and every session that could run (first step
+    within the run) stopped on every expected process, or the service gave up waiting."""
+    end = facts.run_finished
+    if end is None or facts.profiler_finished:
+        return None
+    waiting = [
+        (s.session_id, role, rank)
+        for s in sessions if s.first_step <= end.steps
+        for role, rank in _targets(s.roles, facts.replicas, s.ranks)
+        if (s.session_id, role, rank) not in facts.stopped
+    ]
+    if waiting and not facts.gave_up:
+        return None
+    return ProfilerFinished(manifest_path=MANIFEST_NAME, sessions=len(sessions), ts=end.ts)
+
+
+def reference_decide(
+    cfg: ProfilerConfig, log: Sequence[Item], barrier: int = 0, now_ms: int | None = None
+) -> list[Command | Event]:
+    """What the service must publish after reading ``log`` (docs/profiling.md, "The
+    protocol"), given the step ``barrier`` and the Redis clock ``now_ms`` (None: requests
+    are not judged by age)."""
+    facts = _Facts(log)
+    pending = facts.unanswered()
+    if cfg.tool is None:  # profiling off in the service: refusals only, at once
+        return [_judge(cfg, facts, req, barrier, []) for req, _ in pending]
+    if facts.run_started is None:  # only a request nobody waits for is answered early
+        out: list[Command | Event] = []
+        for req, arrived in pending:
+            reason = _expired(req, arrived, now_ms)
+            if reason is not None:
+                out.append(_refusal(req, reason))
+        return out
+    out = []
+    sessions = list(facts.sent)
+    sent_ids = {s.session_id for s in sessions}
+    ready_ids: list[str] = []
+    for planned in _planned(cfg, facts):
+        if planned.session_id in sent_ids:
+            ready_ids.append(planned.session_id)
+        elif facts.run_finished is None and not any(_clash(planned, s) for s in sessions):
+            out.append(planned)
+            sessions.append(planned)
+            ready_ids.append(planned.session_id)
+    if not facts.ready and facts.run_finished is None:
+        out.append(ProfilerReady(session_ids=ready_ids, ts=facts.run_started.ts))
+    for req, arrived in pending:
+        reason = _expired(req, arrived, now_ms)
+        answer = _refusal(req, reason) if reason else _judge(cfg, facts, req, barrier, sessions)
+        out.append(answer)
+        if isinstance(answer, StartProfile):
+            sessions.append(answer)
+    finished = _finished_answer(facts, sessions)
+    if finished is not None:
+        out.append(finished)
+    return out
+
+
+# --------------------------------------------------------------------------- the manifest
+
+
+def _trace_path(raw: str) -> str:
+    """A reported trace path as the manifest keeps it: relative POSIX inside the folder,
+    else "" (absolute, or climbing out with '..')."""
+    if raw == "":
+        return ""
+    path = PurePosixPath(raw.replace("\\", "/"))
+    if raw.replace("\\", "/").startswith("/") or ".." in path.parts:
+        return ""
+    return str(path)
+
+
+def _stop_fields(stop: ProfileStopped) -> dict[str, Any]:
+    return {"first_step": stop.first_step, "last_step": stop.last_step, "tool": stop.tool,
+            "path": _trace_path(stop.path), "bytes": stop.bytes,
+            "status": stop.status if stop.status else "ok", "duration_s": stop.duration_s}
+
+
+def reference_manifest(run_id: str, log: Sequence[Item], final: bool = False) -> dict[str, Any]:
+    """The manifest the log implies (docs/profiling.md, "Outputs"): one entry per sent
+    session and expected process, in the order sent, then any other process that reported
+    a stop, in the order of its first report. ``final`` (or ProfilerFinished, or the
+    give-up warning in the log) turns what never stopped into ``missing``, or
+    ``not_reached`` when the run ended before the session's first step."""
+    facts = _Facts(log)
+    msgs = _msgs(log)
     entries: dict[tuple[str, str, int], dict[str, Any]] = {}
-
-    for msg in seen:
-        if isinstance(msg, StartProfile) and view.sent.get(msg.session_id) is msg:
-            for role, rank in expected_targets(msg.roles, view.replicas, msg.ranks):
-                entries.setdefault(
-                    (msg.session_id, role, rank),
-                    {
-                        "id": msg.session_id,
-                        "role": role,
-                        "rank": rank,
-                        "first_step": msg.first_step,
-                        "last_step": msg.last_step,
-                        "tool": msg.tool,
-                        "path": "",
-                        "bytes": 0,
-                        "status": "scheduled",
-                        "request_id": msg.request_id,
-                    },
-                )
-    for msg in seen:
-        if isinstance(msg, ProfileStarted):
-            entry = entries.get((msg.session_id, msg.role, msg.rank))
-            if entry is not None and entry["status"] == "scheduled":
-                entry["status"] = "running"
-        elif isinstance(msg, ProfileStopped):
-            key = (msg.session_id, msg.role, msg.rank)
-            entry = entries.setdefault(
-                key, {"id": msg.session_id, "role": msg.role, "rank": msg.rank, "request_id": ""}
-            )
-            if entry.get("status") == "ok" and (msg.status or "ok") != "ok":
-                continue  # a restarted component's "missed" never hides a written trace
-            entry.update(
-                first_step=msg.first_step,
-                last_step=msg.last_step,
-                tool=msg.tool,
-                path=_relative_trace_path(msg.path),
-                bytes=msg.bytes,
-                status=msg.status or "ok",
-                duration_s=msg.duration_s,
-            )
-    if final:
+    for cmd in facts.sent:
+        for role, rank in _targets(cmd.roles, facts.replicas, cmd.ranks):
+            entries.setdefault((cmd.session_id, role, rank), {
+                "id": cmd.session_id, "role": role, "rank": rank,
+                "first_step": cmd.first_step, "last_step": cmd.last_step, "tool": cmd.tool,
+                "path": "", "bytes": 0, "status": "scheduled", "request_id": cmd.request_id,
+            })
+    started = {(m.session_id, m.role, m.rank) for m in msgs if isinstance(m, ProfileStarted)}
+    for key, entry in entries.items():
+        if key in started:
+            entry["status"] = "running"
+    for m in msgs:
+        if not isinstance(m, ProfileStopped):
+            continue
+        key = (m.session_id, m.role, m.rank)
+        entry = entries.setdefault(key, {"id": m.session_id, "role": m.role, "rank": m.rank,
+                                         "request_id": ""})
+        # The last report wins, except that a "missed" never hides a trace already written.
+        if entry.get("status") == "ok" and (m.status or "ok") != "ok":
+            continue
+        entry.update(_stop_fields(m))
+    if final or facts.profiler_finished or facts.gave_up:
+        end = facts.run_finished.steps if facts.run_finished is not None else None
         for entry in entries.values():
-            if entry["status"] in ("scheduled", "running"):
-                never_started = last_step is not None and entry["first_step"] > last_step
-                entry["status"] = "not_reached" if never_started else "missing"
+            if entry["status"] not in ("scheduled", "running"):
+                continue
+            entry["status"] = ("not_reached" if end is not None and entry["first_step"] > end
+                               else "missing")
     return {"run_id": run_id, "sessions": list(entries.values())}
-
-

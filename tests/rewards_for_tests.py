@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from tasks.digits import digits_reward
+
+SLOW_REWARD_S = 0.07
+"""How late :func:`slow_digits` answers: a ticket of ``rollout.n=16`` takes 16 x 0.07 s =
+1.12 s to answer, however fast the machine."""
 
 
 def fail_on_nines(response: str, answer: str) -> float:
@@ -14,3 +20,10 @@ def fail_on_nines(response: str, answer: str) -> float:
 
 def always_fail(response: str, answer: str) -> float:
     raise RuntimeError("verifier is down")
+
+
+def slow_digits(response: str, answer: str) -> float:
+    """The digits reward, :data:`SLOW_REWARD_S` late (a slow verifier): makes a rollouter
+    slow by a known amount, whatever the host's speed."""
+    time.sleep(SLOW_REWARD_S)
+    return digits_reward(response, answer)

@@ -6,9 +6,9 @@ outcomes only: each trace file parses as gzip Chrome-trace JSON and holds a ``st
 annotation for exactly the steps of its session, ``manifest.json`` lists every session with its
 status, and the events log holds ProfileStarted/ProfileStopped for every role.
 
-Waits are bounded and synchronised on stream entries (or the service's own "caught up" log
-line), never on sleeping; the one exception is the deliberate 2 s delay of the "service
-started after the trainer" case. Where a test must act on a live run at a known point (kill
+Waits are bounded and synchronised on stream entries, the components' liveness keys or the
+service's own "caught up" log line (tests/waits.py), never on sleeping. Where a test must
+act on a live run at a known point (kill
 the service mid-session, restart it, send runtime requests) it holds the only rollouter with
 SIGSTOP: the trainer then blocks gathering samples (well inside ``heartbeat.timeout_s``) until
 SIGCONT. Runs are kept short (few steps, small batches) because the machine has two cores.
@@ -25,7 +25,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from bus import Bus, RunKeys, peers
+from bus import RUNS_STREAM, Bus, RunKeys
 from bus.messages import (
     Heartbeat,
     ProfileRequest,
@@ -50,7 +49,8 @@ from bus.messages import (
     WeightsPublished,
 )
 from profiler_service.request import request_profile
-from tests.procs import FAST, Procs, events_of, run_cli, wait_for
+from tests.procs import FAST, Procs, events_of, run_cli
+from tests.waits import event, follow, wait_exit, wait_for, wait_heartbeat, wait_log
 
 pytestmark = pytest.mark.e2e
 
@@ -113,46 +113,21 @@ def trace_steps(path: Path) -> set[int]:
     return set(found)
 
 
-async def wait_log(procs: Procs, name: str, text: str, timeout_s: float = WAIT_S) -> None:
-    """Wait until ``name``'s log has ``text`` (fails early if the process died)."""
-    deadline = time.monotonic() + timeout_s
-    while text not in procs.log(name):
-        rc = procs.procs[name].poll()
-        assert rc is None, f"{name} exited {rc}:\n{procs.log(name)[-3000:]}"
-        assert time.monotonic() < deadline, f"no {text!r} in {name}'s log:\n{procs.log(name)}"
-        await asyncio.sleep(0.05)
-
-
-async def wait_alive(bus: Bus, keys: RunKeys, procs: Procs, name: str) -> Heartbeat:
-    """Wait until the profiler service ``name`` says on its liveness key that it has read the
-    log and decided on it (fails early if it died)."""
-    pid = procs.procs[name].pid
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        for beat in await peers(bus, keys.alive_pattern("profiler")):
-            if beat.pid == pid and beat.state != "catching up":
-                return beat
-        rc = procs.procs[name].poll()
-        assert rc is None, f"{name} exited {rc}:\n{procs.log(name)[-3000:]}"
-        assert time.monotonic() < deadline, f"no heartbeat from {name}:\n{procs.log(name)}"
-        await asyncio.sleep(0.05)
-
-
-async def wait_exit(procs: Procs, name: str, timeout_s: float = WAIT_S) -> int:
-    """``procs.wait`` without blocking the event loop."""
-    return await asyncio.to_thread(procs.wait, name, timeout_s)
+def decided(beat: Heartbeat) -> bool:
+    """The profiler service's liveness key says it has read the log and decided on it."""
+    return beat.state != "catching up"
 
 
 async def wait_all_exit_ok(procs: Procs, names: Iterable[str]) -> None:
     for name in names:
-        rc = await wait_exit(procs, name)
+        rc = await wait_exit(procs.procs[name], WAIT_S)
         assert rc == 0, f"{name} exited {rc}:\n{procs.log(name)[-3000:]}"
 
 
 async def start_service_first(procs: Procs, args: list[str], name: str = "profiler") -> None:
     """Start the service and wait until it has read the (still empty) log."""
-    procs.spawn(name, "profiler_service", *args)
-    await wait_log(procs, name, "relevant entries from the log")
+    proc = procs.spawn(name, "profiler_service", *args)
+    await wait_log(proc, "relevant entries from the log", WAIT_S)
 
 
 def stopped_of(events: list[Any], sid: str, role: str, rank: int = 0) -> list[ProfileStopped]:
@@ -233,9 +208,7 @@ async def check_profiles(
 async def finish(bus: Bus, keys: RunKeys, procs: Procs, names: Iterable[str] = COMPONENTS) -> None:
     """Wait for ProfilerFinished and for every process to exit 0."""
     names = tuple(names)
-    await wait_for(
-        bus, keys.events, lambda m: isinstance(m, ProfilerFinished), WAIT_S, procs, names
-    )
+    await wait_for(bus, keys.events, event(ProfilerFinished), WAIT_S, procs.watch(*names))
     await wait_all_exit_ok(procs, names)
 
 
@@ -269,20 +242,47 @@ async def test_step1_profiled_on_both_roles_service_started_first(
     ready_before_weights(await events_of(bus, run_keys.events))
 
 
+async def trainer_parked_for_profiler(bus: Bus, keys: RunKeys, procs: Procs) -> None:
+    """Return once the trainer is waiting for ProfilerReady (and has been for a pulse).
+
+    The trainer publishes its RunStarted to the run's events, then to RUNS_STREAM, and then
+    waits for ProfilerReady with nothing in between (trainer.app: ``_run`` -> ``_loop`` ->
+    ``_wait_for_profiler``). Its liveness key is refreshed by a task of the same event loop,
+    so a heartbeat made after Redis appended that RUNS_STREAM entry is made after the reply
+    to it was there to read; the heartbeat after that one comes a whole pulse later, when
+    the trainer has long been inside its wait. Pulses slow down with the trainer on a busy
+    machine, so this holds whatever the load (no sleep, no guess of how long is enough).
+    """
+    trainer = procs.procs["trainer"]
+    appended_ms: int | None = None
+    async for entry_id, msg in follow(bus, RUNS_STREAM, WAIT_S, f"RunStarted({keys.run_id}) "
+                                      f"on {RUNS_STREAM}", procs.watch("trainer", "rollouter")):
+        if isinstance(msg, RunStarted) and msg.run_id == keys.run_id:
+            appended_ms = int(entry_id.split("-")[0])
+            break
+    assert appended_ms is not None
+    pattern = keys.alive_pattern("trainer")
+    first = await wait_heartbeat(bus, pattern, trainer, WAIT_S,
+                                 until=lambda b: b.ts * 1000 > appended_ms,
+                                 what="a heartbeat made after its RunStarted")
+    await wait_heartbeat(bus, pattern, trainer, WAIT_S, until=lambda b: b.ts > first.ts,
+                         what="the heartbeat after that one")
+
+
 @pytest.mark.asyncio
 async def test_step1_profiled_on_both_roles_service_started_after_trainer(
     bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
 ) -> None:
+    """The trainer waits for a service that is not there yet: nothing is published until
+    the service, started later, sends its commands and ProfilerReady; step 1 is profiled."""
     out = tmp_path / "out"
     args = _args(redis_url, run_id, out, "trainer.total_training_steps=2",
                  "global_profiler.steps=[1]")
     procs.spawn("rollouter", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
-    await wait_for(bus, run_keys.events, lambda m: isinstance(m, RunStarted), WAIT_S, procs,
-                   ("trainer", "rollouter"))
-    await asyncio.sleep(2.0)  # deliberate: the trainer is waiting for a service not yet there
+    await trainer_parked_for_profiler(bus, run_keys, procs)
     events = await events_of(bus, run_keys.events)
-    assert not [e for e in events if isinstance(e, WeightsPublished | ProfilerReady)]
+    assert not [e for e in events if isinstance(e, WeightsPublished | ProfilerReady)], events
     procs.spawn("profiler", "profiler_service", *args)
     await finish(bus, run_keys, procs)
 
@@ -349,11 +349,8 @@ async def test_service_killed_mid_session_components_stop_by_themselves(
     await start_service_first(procs, args)
     procs.spawn("rollouter", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
-    await wait_for(
-        bus, run_keys.events,
-        lambda m: isinstance(m, ProfileStarted) and m.role == "trainer" and m.session_id == "s2-4",
-        WAIT_S, procs, COMPONENTS,
-    )
+    await wait_for(bus, run_keys.events, event(ProfileStarted, role="trainer", session_id="s2-4"),
+                   WAIT_S, procs.watch(*COMPONENTS))
     with paused(procs, "rollouter"):  # so that the kill lands inside the session, surely
         procs.kill("profiler", signal.SIGKILL)
         assert procs.procs["profiler"].returncode == -signal.SIGKILL
@@ -362,19 +359,16 @@ async def test_service_killed_mid_session_components_stop_by_themselves(
 
     # Without the service, both components end the session after step 4 by themselves.
     for role in ROLES:
-        await wait_for(
-            bus, run_keys.events,
-            lambda m, role=role: isinstance(m, ProfileStopped) and m.role == role
-            and m.session_id == "s2-4",
-            WAIT_S, procs, ("rollouter", "trainer"),
-        )
+        await wait_for(bus, run_keys.events, event(ProfileStopped, role=role, session_id="s2-4"),
+                       WAIT_S, procs.watch("rollouter", "trainer"))
     # A new service on the still-live run rebuilds its state from the log: nothing is sent
     # twice. The rollouter is held so that the run cannot finish under it.
     with paused(procs, "rollouter"):
         procs.spawn("profiler2", "profiler_service", *args)
         # Its liveness key stops saying "catching up" once it has read the log and made its
         # first decisions (heartbeats are TTL keys, not events in the log).
-        await wait_alive(bus, run_keys, procs, "profiler2")
+        await wait_heartbeat(bus, run_keys.alive_pattern("profiler"), procs.procs["profiler2"],
+                             WAIT_S, until=decided, what="its first decisions")
         events = await events_of(bus, run_keys.events)
         assert not [e for e in events if isinstance(e, RunFinished)], "the run ended too soon"
         control = await control_of(bus, run_keys)
@@ -413,8 +407,8 @@ async def test_runtime_request_on_live_run(
     await start_service_first(procs, args)
     procs.spawn("rollouter", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
-    await wait_for(bus, run_keys.events, lambda m: isinstance(m, StepStarted) and m.step == 2,
-                   WAIT_S, procs, COMPONENTS)
+    await wait_for(bus, run_keys.events, event(StepStarted, step=2), WAIT_S,
+                   procs.watch(*COMPONENTS))
 
     with paused(procs, "rollouter"):  # the run stays live while the two requests are answered
         # A step that has already started is refused: exit code 2 and a ProfileRequestRefused.
@@ -467,31 +461,24 @@ async def test_next_requests_at_step_boundaries_are_never_missed(
 
     granted: list[tuple[int, StartProfile]] = []  # (weights version it was fired at, answer)
     started: set[int] = set()
-    cursor = "0"
-    deadline = time.monotonic() + WAIT_S
-    finished = False
-    while not finished and len(granted) < 4:
-        assert time.monotonic() < deadline, "the run did not get through its steps in time"
-        entries, cursor = await bus.read_after(run_keys.events, cursor, count=1000, block_ms=200)
-        for _, msg in entries:
-            if isinstance(msg, StepStarted):
-                started.add(msg.step)
-            elif isinstance(msg, RunFinished):
-                finished = True
-            elif isinstance(msg, WeightsPublished) and 1 <= msg.version <= total - 3:
-                # One session at a time: the previous one's step has begun, so no overlap.
-                if granted and granted[-1][1].first_step not in started:
-                    continue
-                rid = f"edge{msg.version}"
-                rc = await request_profile(bus, run_id, "next:1", list(ROLES), 30.0, rid)
-                assert rc == 0, f"request at weights v{msg.version} answered {rc}"
-                control = await control_of(bus, run_keys)
-                (cmd,) = [m for m in control if isinstance(m, StartProfile)
-                          and m.request_id == rid]
-                granted.append((msg.version, cmd))
-        for name in COMPONENTS:
-            rc = procs.procs[name].poll()
-            assert rc is None or rc == 0, f"{name} exited {rc}:\n{procs.log(name)[-3000:]}"
+    async for _, msg in follow(bus, run_keys.events, WAIT_S, "the run's steps (or its end)",
+                               procs.watch(*COMPONENTS)):
+        if isinstance(msg, StepStarted):
+            started.add(msg.step)
+        elif isinstance(msg, RunFinished):
+            break
+        elif isinstance(msg, WeightsPublished) and 1 <= msg.version <= total - 3:
+            # One session at a time: the previous one's step has begun, so no overlap.
+            if granted and granted[-1][1].first_step not in started:
+                continue
+            rid = f"edge{msg.version}"
+            rc = await request_profile(bus, run_id, "next:1", list(ROLES), 30.0, rid)
+            assert rc == 0, f"request at weights v{msg.version} answered {rc}"
+            control = await control_of(bus, run_keys)
+            (cmd,) = [m for m in control if isinstance(m, StartProfile) and m.request_id == rid]
+            granted.append((msg.version, cmd))
+            if len(granted) == 4:
+                break
     assert len(granted) >= 2, granted
     for version, cmd in granted:
         # Weights v close step v+1 (barrier v+1 set before they are published).

@@ -25,7 +25,8 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
-from tests.procs import FAST, Procs, events_of, run_cli, wait_for
+from tests.procs import FAST, Procs, events_of, run_cli
+from tests.waits import event, wait_for
 from trainer.budget import max_staleness, ticket_budget
 
 REQUIRED_METRICS = (
@@ -97,7 +98,10 @@ async def test_two_rollouters_train_every_sample_once_within_staleness(
     events = await events_of(bus, run_keys.events)
     finished = _finished(events)
     assert [e.step for e in finished] == list(range(1, steps + 1))
-    assert isinstance(events[-1], RunFinished) or any(isinstance(e, RunFinished) for e in events)
+    # One RunFinished, for every step, after the last StepFinished.
+    (run_finished,) = [e for e in events if isinstance(e, RunFinished)]
+    assert run_finished.steps == steps
+    assert events.index(run_finished) > events.index(finished[-1])
 
     # Every trained sample id appears exactly once, and each step has full prompt groups.
     trained = [sid for e in finished for sid in e.sample_ids]
@@ -192,7 +196,7 @@ async def test_trainer_without_rollouter_fails_loudly(
     procs.spawn("trainer", "trainer", *args)
     assert procs.wait("trainer", 60) == 1
     assert "no rollouter" in procs.log("trainer")
-    failed = await wait_for(bus, run_keys.events, lambda m: isinstance(m, ComponentFailed), 5)
+    failed = await wait_for(bus, run_keys.events, event(ComponentFailed), 5)
     assert isinstance(failed, ComponentFailed) and "no rollouter" in failed.error
 
 
@@ -217,8 +221,7 @@ async def test_killed_rollouter_tickets_are_reclaimed(
     args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "rollout.replicas=2", "heartbeat.timeout_s=4")
     _start(procs, args, replicas=2)
-    await wait_for(bus, run_keys.events, lambda m: isinstance(m, StepStarted) and m.step == 2,
-                   120, procs, ["trainer"])
+    await wait_for(bus, run_keys.events, event(StepStarted, step=2), 120, procs.watch("trainer"))
     procs.kill("rollouter1", signal.SIGKILL)
     assert procs.wait("trainer", 180) == 0, procs.log("trainer")
     events = await events_of(bus, run_keys.events)
@@ -237,8 +240,7 @@ async def test_killed_trainer_resumes_with_the_same_model(
     args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "trainer.save_freq=3", "heartbeat.timeout_s=15")
     _start(procs, args)
-    await wait_for(bus, run_keys.events,
-                   lambda m: isinstance(m, StepFinished) and m.step == 5, 120, procs, ["trainer"])
+    await wait_for(bus, run_keys.events, event(StepFinished, step=5), 120, procs.watch("trainer"))
     procs.kill("trainer", signal.SIGKILL)
     procs.spawn("trainer2", "trainer", *args)
     assert procs.wait("trainer2", 180) == 0, procs.log("trainer2")

@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 
 from bus import Bus, RunKeys
+from bus.blobs import RedisBlobStore
 from bus.messages import (
     FIELD,
     Array,
     BlobRef,
     ComponentFailed,
     DeadLetter,
+    PromptTicket,
     RunFinished,
     RunStarted,
     Sample,
@@ -33,8 +35,10 @@ from bus.messages import (
     WeightsPublished,
 )
 from tests.aof import aof_path, cut_aof_before
-from tests.procs import FAST, Procs, events_of, wait_for
-from trainer.budget import ticket_budget
+from tests.procs import FAST, Procs, events_of
+from tests.rewards_for_tests import SLOW_REWARD_S
+from tests.waits import event, wait_for
+from trainer.budget import max_staleness, ticket_budget
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio]
 
@@ -91,8 +95,7 @@ async def test_lost_tickets_are_reissued_and_the_run_finishes(
     args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "heartbeat.ticket_lease_s=1.5")
     procs.spawn("trainer", "trainer", *args)
-    await wait_for(bus, run_keys.events, lambda m: isinstance(m, TicketsIssued), 60, procs,
-                   ["trainer"])
+    await wait_for(bus, run_keys.events, event(TicketsIssued), 60, procs.watch("trainer"))
     ids = [eid async for eid, _ in bus.read_all(run_keys.prompts)]
     assert ids
     await bus.command("XDEL", run_keys.prompts, *ids[:3])
@@ -113,8 +116,7 @@ async def test_a_run_that_cannot_progress_says_why_then_fails(
                  "heartbeat.ticket_lease_s=600", "heartbeat.stall_warn_s=1",
                  "heartbeat.stall_timeout_s=4")
     procs.spawn("trainer", "trainer", *args)
-    await wait_for(bus, run_keys.events, lambda m: isinstance(m, TicketsIssued), 60, procs,
-                   ["trainer"])
+    await wait_for(bus, run_keys.events, event(TicketsIssued), 60, procs.watch("trainer"))
     ids = [eid async for eid, _ in bus.read_all(run_keys.prompts)]
     await bus.command("XDEL", run_keys.prompts, *ids)
     procs.spawn("rollouter0", "rollouter", *args)
@@ -154,8 +156,7 @@ async def test_duplicated_samples_are_trained_once(
     copier = asyncio.create_task(_duplicate_samples(bus, run_keys, stop))
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
-    await wait_for(bus, run_keys.events, lambda m: isinstance(m, StepFinished) and m.step == 3,
-                   120, procs, ["trainer"])
+    await wait_for(bus, run_keys.events, event(StepFinished, step=3), 120, procs.watch("trainer"))
     procs.kill("trainer")
     procs.spawn("trainer2", "trainer", *args)
     assert procs.wait("trainer2", 180) == 0, procs.log("trainer2")
@@ -181,25 +182,42 @@ def _forged_sample(ticket: str, n: int) -> Sample:
     )
 
 
+async def _forge_weights(bus: Bus, keys: RunKeys) -> list[WeightsPublished]:
+    """Two WeightsPublished no trainer wrote, far ahead of any real version: one whose blob
+    does not match its reference (sha256), one whose blob is intact but holds no model."""
+    corrupt = BlobRef(store="redis", key=keys.blob("forged-corrupt"), size=1, sha256="0" * 64,
+                      chunks=1)
+    await bus.command("SET", f"{corrupt.key}:0", b"x")
+    garbage = await RedisBlobStore(bus, keys).put("forged-garbage", b"not a state dict")
+    forged = [WeightsPublished(version=FORGED_VERSION, ref=corrupt),
+              WeightsPublished(version=FORGED_VERSION + 1, ref=garbage)]
+    for msg in forged:
+        await bus.publish(keys.events, msg)
+    return forged
+
+
+FORGED_VERSION = 10**9
+
+
 async def test_malformed_entries_are_dead_lettered_and_change_nothing(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
 ) -> None:
     """A well-formed Sample that contradicts its ticket, garbage in the prompts and samples
-    streams, and a forged WeightsPublished: dead-lettered or ignored with a reason; the
-    budget never moves and the run finishes."""
-    steps = 4
-    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}")
+    streams, and forged WeightsPublished: dead-lettered or refused with a reason; the budget
+    never moves, no sample is generated with forged weights, and the run finishes with
+    every sample trained once."""
+    steps, threshold = 4, 0.5
+    # retention=all: the samples are read back below.
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 f"async_training.staleness_threshold={threshold}", "run.retention=all")
     procs.spawn("trainer", "trainer", *args)
-    await wait_for(bus, run_keys.events, lambda m: isinstance(m, TicketsIssued), 60, procs,
-                   ["trainer"])
+    await wait_for(bus, run_keys.events, event(TicketsIssued), 60, procs.watch("trainer"))
     await bus.publish(run_keys.samples, _forged_sample("t0", n=1))  # n=1 for a ticket of n=4
     await bus.publish(run_keys.samples, _forged_sample("t999999", n=4))  # never issued
     await bus.publish_raw(run_keys.samples, {FIELD: b"\x00garbage"})
     for _ in range(8):
         await bus.publish_raw(run_keys.prompts, {FIELD: b"\xffnot a ticket"})
-    await bus.publish(run_keys.events, WeightsPublished(
-        version=10**9, ref=BlobRef(store="redis", key=run_keys.blob("forged"), size=1,
-                                   sha256="0" * 64, chunks=1)))
+    forged = await _forge_weights(bus, run_keys)
     procs.spawn("rollouter0", "rollouter", *args)
     assert procs.wait("trainer", 180) == 0, procs.log("trainer")
     assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
@@ -208,10 +226,28 @@ async def test_malformed_entries_are_dead_lettered_and_change_nothing(
     letters = [m async for _, m in bus.read_all(run_keys.dlq)]
     reasons = " | ".join(m.reason for m in letters if isinstance(m, DeadLetter))
     assert "asked for n=4" in reasons and "never issued" in reasons
-    budget = ticket_budget(0.5, 1, 1, 4)
+    budget = ticket_budget(threshold, 1, 1, 4)
     assert all(e.metrics["tickets/outstanding"] <= budget for e in _finished(events))
-    # The forged version was never generated with (validation would have refused it).
-    assert all(e.metrics["staleness/max"] >= 0 for e in _finished(events))
+    # The rollouter refused each forged publication, naming it, and went on with real ones.
+    unloadable = [e for e in events if isinstance(e, WarningRaised)
+                  and e.code == "weights_unloadable"]
+    for msg in forged:
+        named = [w for w in unloadable
+                 if f"weights v{msg.version} ({msg.ref.key}) ignored" in w.message]
+        assert named and named[0].source == "rollouter0", (msg, unloadable)
+    assert "sha256" in " ".join(w.message for w in unloadable)
+    # No trained sample was generated with a forged version: each with weights the trainer
+    # had published before the step (step k trains on versions <= k-1), and none staler
+    # than the bound allows.
+    bound = max_staleness(threshold, 1, 1, 4)
+    samples = {m.sample_id: m async for _, m in bus.read_all(run_keys.samples)
+               if isinstance(m, Sample)}
+    for e in _finished(events):
+        assert e.metrics["staleness/max"] <= bound, e.metrics
+        for sid in e.sample_ids:
+            s = samples[sid]
+            assert 0 <= s.min_version <= s.max_version <= e.step - 1, (e.step, s)
+            assert e.step - 1 - s.min_version <= bound, (e.step, s)
 
 
 async def test_a_second_trainer_is_refused_and_a_zombie_is_fenced_out(
@@ -226,8 +262,7 @@ async def test_a_second_trainer_is_refused_and_a_zombie_is_fenced_out(
                  "global_profiler.handshake_timeout_s=60")
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
-    await wait_for(bus, run_keys.events, lambda m: isinstance(m, RunStarted), 60, procs,
-                   ["trainer"])
+    await wait_for(bus, run_keys.events, event(RunStarted), 60, procs.watch("trainer"))
     # A second trainer while the first is alive: refused, naming the holder.
     procs.spawn("second", "trainer", *args)
     assert procs.wait("second", 60) == 1, procs.log("second")
@@ -237,8 +272,7 @@ async def test_a_second_trainer_is_refused_and_a_zombie_is_fenced_out(
     zombie = procs.procs["trainer"]
     os.killpg(zombie.pid, signal.SIGSTOP)
     procs.spawn("third", "trainer", *args)
-    await wait_for(bus, run_keys.events, lambda m: isinstance(m, TrainerResumed), 60, procs,
-                   ["third"])
+    await wait_for(bus, run_keys.events, event(TrainerResumed), 60, procs.watch("third"))
     os.killpg(zombie.pid, signal.SIGCONT)
     assert procs.wait("third", 180) == 0, procs.log("third")
     assert procs.wait("trainer", 120) == 1, procs.log("trainer")
@@ -257,10 +291,8 @@ async def test_resumed_trainer_leaves_no_weight_blobs_behind(
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
     for k in (3, 6):
-        await wait_for(bus, run_keys.events,
-                       lambda m, k=k: isinstance(m, StepStarted) and m.step == k,
-                       120, procs, [n for n in procs.procs if n.startswith("trainer")][-1:])
         name = [n for n in procs.procs if n.startswith("trainer")][-1]
+        await wait_for(bus, run_keys.events, event(StepStarted, step=k), 120, procs.watch(name))
         procs.kill(name)
         procs.spawn(f"trainer{k}", "trainer", *args)
     assert procs.wait("trainer6", 180) == 0, procs.log("trainer6")
@@ -290,8 +322,7 @@ async def test_a_log_that_lost_its_tail(
                  "trainer.save_freq=3")
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
-    await wait_for(bus, keys.events, lambda m: isinstance(m, StepFinished) and m.step == 7,
-                   120, procs, ["trainer"])
+    await wait_for(bus, keys.events, event(StepFinished, step=7), 120, procs.watch("trainer"))
     server.kill()
     removed = cut_aof_before(aof_path(server.dir), _is_step_finished, which=-2)
     server.start()
@@ -335,8 +366,7 @@ async def test_trim_then_resume_rebuilds_the_same_model(
                  "trainer.save_freq=3")
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
-    await wait_for(bus, run_keys.events, lambda m: isinstance(m, StepFinished) and m.step == 6,
-                   120, procs, ["trainer"])
+    await wait_for(bus, run_keys.events, event(StepFinished, step=6), 120, procs.watch("trainer"))
     procs.kill("trainer")
     events_before = await bus.length(run_keys.events)
     procs.spawn("trainer2", "trainer", *args)
@@ -357,15 +387,42 @@ async def test_trim_then_resume_rebuilds_the_same_model(
 async def test_a_slow_rollouter_keeps_its_tickets(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
 ) -> None:
-    """Ticket leases far shorter than a generation: tickets a live rollouter holds or still
-    has queued are not reissued (a slow peer is not a dead one), and the run finishes."""
-    steps = 3
+    """Ticket leases far shorter than an answer: tickets a live rollouter holds or still has
+    queued are not reissued (a slow peer is not a dead one), and the run finishes.
+
+    The rollouter is slow by construction (a reward function that takes SLOW_REWARD_S per
+    response), and the test checks that it was: every ticket was answered more than a
+    second after it was issued, by Redis's own clock (entry ids), so its lease had expired
+    while the trainer, idle, checked leases (after each empty 0.5 s read of samples)."""
+    steps, lease_s = 3, 0.05
     args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
-                 "heartbeat.ticket_lease_s=0.05", "model.d_model=384", "model.n_layers=6",
-                 "rollout.n=16")
+                 f"heartbeat.ticket_lease_s={lease_s}", "rollout.n=16", "run.retention=all",
+                 "task.reward_fn=tests.rewards_for_tests:slow_digits")
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
     assert procs.wait("trainer", 180) == 0, procs.log("trainer")
     events = await events_of(bus, run_keys.events)
     _assert_ledger(events, steps)
     assert not [e for e in events if isinstance(e, TicketsIssued) and e.attempt > 0]
+    # The slowness happened: each trained ticket's first response came long after its lease.
+    issued = {(m.ticket_id, m.attempt): _entry_ms(eid)
+              async for eid, m in bus.read_all(run_keys.prompts) if isinstance(m, PromptTicket)}
+    answered: dict[tuple[str, int], int] = {}
+    async for eid, m in bus.read_all(run_keys.samples):
+        if isinstance(m, Sample):
+            answered.setdefault((m.ticket_id, m.attempt), _entry_ms(eid))
+    trained = {samples_ticket(sid) for e in _finished(events) for sid in e.sample_ids}
+    held_ms = {t: answered[(t, 0)] - issued[(t, 0)] for t in trained}
+    slow_ms = 16 * SLOW_REWARD_S * 1000  # one ticket's 16 responses, rewarded one by one
+    assert slow_ms > 20 * lease_s * 1000
+    assert min(held_ms.values()) >= slow_ms - 1, held_ms  # - 1: entry ids are whole ms
+
+
+def _entry_ms(entry_id: str) -> int:
+    """The Redis clock (ms) when a stream entry was appended: the first part of its id."""
+    return int(entry_id.split("-")[0])
+
+
+def samples_ticket(sample_id: str) -> str:
+    """``t12/3`` -> ``t12``: a sample id is its ticket id and its index."""
+    return sample_id.split("/")[0]

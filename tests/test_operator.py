@@ -24,7 +24,8 @@ from bus import (
 )
 from rlbus.profile import WITHDRAWN_PREFIX
 from runconfig import config_to_dict, load_config
-from tests.procs import FAST, Procs, events_of, run_cli, wait_for
+from tests.procs import FAST, Procs, events_of, run_cli
+from tests.waits import wait_for
 
 RUN = "op-run"
 STEPS = 3
@@ -202,7 +203,8 @@ async def test_timed_out_request_is_withdrawn_and_never_served_later(
         ok = run_cli("profile", "--run", run_id, "--steps", "7", *args[:1])
         assert ok.returncode == 0, ok.stdout + ok.stderr + procs.log("profiler")
         await wait_for(bus, keys.control, lambda m: isinstance(m, StartProfile)
-                       and bool(m.request_id), 30, procs, ["profiler"])
+                       and bool(m.request_id), 30, procs.watch("profiler"),
+                       what="a StartProfile answering a request")
         served = [m.request_id for m in await events_of(bus, keys.control)
                   if isinstance(m, StartProfile) and m.request_id]
         assert first.request_id not in served and len(served) == 1, served

@@ -2,8 +2,8 @@
 
 There is no trainer here: the test plays the trainer and the components by publishing their
 events with the bus API, and reads what the service publishes. Every wait is bounded and
-synchronised on stream entries or the service's own log lines, never on sleeping (except
-the one deliberate delay of the "service started after RunStarted" case).
+synchronised on stream entries, the service's liveness key or its own log lines
+(tests/waits.py), never on sleeping.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,11 +43,22 @@ from profiler_service.request import request_profile, run_profile_request
 from profiler_service.service import SNAPSHOT_NAME, ProfilerService
 from profiler_service.state import ServiceState
 from runconfig import config_to_dict, load_config
+from tests.waits import (
+    Watched,
+    event,
+    wait_exit,
+    wait_exit_blocking,
+    wait_for,
+    wait_heartbeat,
+    wait_log,
+    wait_stream,
+    wait_until,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 15.0
 
-Launch = Callable[..., subprocess.Popen[bytes]]
+Launch = Callable[..., Watched]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -76,87 +86,51 @@ def write_config(tmp_path: Path, redis_url: str, run_id: str, **profiler: Any) -
 
 @pytest.fixture
 def launch(tmp_path: Path) -> Iterator[Launch]:
-    """``launch(config_path, *overrides)`` starts ``python -m profiler_service``; every process
-    still running at teardown is killed."""
-    procs: list[subprocess.Popen[bytes]] = []
+    """``launch(config_path, *overrides)`` starts ``python -m profiler_service`` (its log in
+    ``tmp_path``); every process still running at teardown is killed."""
+    procs: list[Watched] = []
 
-    def start(config: Path, *overrides: str) -> subprocess.Popen[bytes]:
+    def start(config: Path, *overrides: str) -> Watched:
         log_path = tmp_path / f"service-{len(procs)}.log"
         with open(log_path, "wb") as log_file:  # the child keeps its own copy of the fd
-            proc = subprocess.Popen(
+            popen = subprocess.Popen(
                 [sys.executable, "-m", "profiler_service", "--config", str(config), *overrides],
                 cwd=REPO,
                 stdout=subprocess.DEVNULL,
                 stderr=log_file,
             )
-        proc.log_path = log_path  # type: ignore[attr-defined]
-        procs.append(proc)
-        return proc
+        procs.append(Watched(f"service-{len(procs)}", popen, log_path))
+        return procs[-1]
 
     yield start
     for proc in procs:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-def service_log(proc: subprocess.Popen[bytes]) -> str:
-    return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
-
-
-async def wait_log_line(proc: subprocess.Popen[bytes], text: str) -> None:
-    """Wait until the service's log has ``text`` (it has caught up with the log, say)."""
-    deadline = time.monotonic() + WAIT_S
-    while text not in service_log(proc):
-        assert proc.poll() is None, f"service exited early:\n{service_log(proc)}"
-        assert time.monotonic() < deadline, f"no {text!r} in the service log:\n{service_log(proc)}"
-        await asyncio.sleep(0.05)
+            proc.popen.kill()
+            wait_exit_blocking(proc, 10)
 
 
 async def entries(bus: Bus, stream: str) -> list[Entry]:
     return [e async for e in bus.read_all(stream)]
 
 
-async def wait_for(
-    bus: Bus,
-    stream: str,
-    done: Callable[[list[Any]], bool],
-    proc: subprocess.Popen[bytes] | None = None,
-) -> list[Entry]:
-    """Poll ``stream`` until ``done(messages)`` holds; return its entries."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        got = await entries(bus, stream)
-        if done([e.msg for e in got]):
-            return got
-        log = service_log(proc) if proc is not None else ""
-        assert time.monotonic() < deadline, f"timed out waiting on {stream}; service log:\n{log}"
-        await asyncio.sleep(0.05)
+def decided(beat: Heartbeat) -> bool:
+    """The service's liveness key says it has read the log and decided on it."""
+    return beat.state != "catching up"
 
 
-async def wait_alive(
-    bus: Bus, keys: RunKeys, proc: subprocess.Popen[bytes], state: str | None = None
+async def wait_decided(
+    bus: Bus, keys: RunKeys, proc: Watched, until: Callable[[Heartbeat], bool] = decided
 ) -> Heartbeat:
-    """Wait until the service's liveness key holds a heartbeat from ``proc`` saying it has
-    read the log and decided on it (and, with ``state``, that it is doing that)."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        for beat in await peers(bus, keys.alive_pattern("profiler")):
-            if beat.pid == proc.pid and beat.state != "catching up" and (
-                state is None or beat.state == state
-            ):
-                return beat
-        assert proc.poll() is None, f"service exited early:\n{service_log(proc)}"
-        assert time.monotonic() < deadline, f"no heartbeat from {proc.pid}:\n{service_log(proc)}"
-        await asyncio.sleep(0.05)
+    """The service's first heartbeat past its catch-up for which ``until`` holds."""
+    return await wait_heartbeat(bus, keys.alive_pattern("profiler"), proc, WAIT_S,
+                                until=lambda b: decided(b) and until(b),
+                                what="a heartbeat past its catch-up")
 
 
-async def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float = WAIT_S) -> int:
-    deadline = time.monotonic() + timeout_s
-    while proc.poll() is None:
-        assert time.monotonic() < deadline, f"service did not exit:\n{service_log(proc)}"
-        await asyncio.sleep(0.05)
-    return proc.returncode
+async def wait_ready(bus: Bus, keys: RunKeys, proc: Watched) -> list[Entry]:
+    """The events stream once the service's ProfilerReady is in it."""
+    return await wait_stream(bus, keys.events, lambda m: bool(of(m, ProfilerReady)), WAIT_S,
+                             "ProfilerReady", [proc])
 
 
 def of(msgs: Sequence[Any], kind: type) -> list[Any]:
@@ -172,9 +146,9 @@ def run_started(config: Path, run_id: str) -> RunStarted:
     return RunStarted(run_id=run_id, config=config_to_dict(load_config(config)))
 
 
-async def assert_step1_then_ready(bus: Bus, keys: RunKeys, proc: subprocess.Popen[bytes]) -> None:
+async def assert_step1_then_ready(bus: Bus, keys: RunKeys, proc: Watched) -> None:
     """Step-1 StartProfile for both roles in control, then ProfilerReady in events."""
-    events = await wait_for(bus, keys.events, lambda m: bool(of(m, ProfilerReady)), proc)
+    events = await wait_ready(bus, keys, proc)
     control = await entries(bus, keys.control)
     starts = [e for e in control if isinstance(e.msg, StartProfile)]
     assert [(e.msg.session_id, e.msg.first_step, e.msg.last_step) for e in starts] == [
@@ -210,7 +184,7 @@ async def test_started_before_run_started(
 ) -> None:
     config = write_config(tmp_path, redis_url, run_id)
     proc = launch(config)
-    await wait_log_line(proc, "relevant entries from the log")  # caught up with an empty log
+    await wait_log(proc, "read 0 relevant entries from the log", WAIT_S)  # an empty log
     assert not await bus.exists(run_keys.events)  # it did not create the trainer's stream
 
     # Garbage first: the service must skip it, not crash.
@@ -219,14 +193,14 @@ async def test_started_before_run_started(
     await bus.publish(run_keys.events, run_started(config, run_id))
     await assert_step1_then_ready(bus, run_keys, proc)
     # Alive by the liveness key (a TTL key), never by events in the durable log.
-    beat = await wait_alive(bus, run_keys, proc, "following")
+    beat = await wait_decided(bus, run_keys, proc, lambda b: b.state == "following")
     assert (beat.role, beat.rank) == ("profiler", 0)
     assert await bus.command("PTTL", run_keys.alive("profiler", 0)) > 0
 
     # Run ends without any ProfileStopped: after handshake_timeout_s the service gives up,
     # says so, marks the sessions missing and finishes.
     await bus.publish(run_keys.events, RunFinished(run_id=run_id, steps=10))
-    assert await wait_exit(proc) == 0
+    assert await wait_exit(proc, WAIT_S) == 0
     msgs = [e.msg for e in await entries(bus, run_keys.events)]
     (warning,) = [w for w in of(msgs, WarningRaised) if w.source == "profiler"]
     assert "trainer0:s1-1" in warning.message and "rollouter0:s1-1" in warning.message
@@ -261,8 +235,10 @@ async def test_started_after_run_started_requests_manifest_and_hook_once(
         finish_hook_cmd=f'echo "$RLBUS_RUN_ID $RLBUS_PROFILE_DIR" >> "{hook_out}"',
     )
     await bus.publish(run_keys.events, run_started(config, run_id))
-    await asyncio.sleep(2.0)  # deliberate: the service starts well after RunStarted
     proc = launch(config)
+    # Started after RunStarted was appended: its catch-up read of the log finds it (the one
+    # relevant entry) before it decides anything.
+    await wait_log(proc, "read 1 relevant entries from the log", WAIT_S)
     await assert_step1_then_ready(bus, run_keys, proc)
 
     # Live run: steps 1..3 have started; `next:1` is step 4, step 2 is in the past.
@@ -300,14 +276,15 @@ async def test_started_after_run_started_requests_manifest_and_hook_once(
         for role in ("trainer", "rollouter"):
             await bus.publish(run_keys.events, stopped(session, role))
     manifest_path = tmp_path / "profiles" / run_id / "manifest.json"
-    deadline = time.monotonic() + WAIT_S
-    while True:
+
+    def complete_manifest() -> list[dict[str, Any]] | None:
         text = manifest_path.read_text() if manifest_path.exists() else "{}"
         sessions = json.loads(text).get("sessions", [])
-        if len(sessions) == 4 and all(s["status"] == "ok" for s in sessions):
-            break
-        assert time.monotonic() < deadline, f"manifest not complete: {text}"
-        await asyncio.sleep(0.05)
+        done = len(sessions) == 4 and all(s["status"] == "ok" for s in sessions)
+        return sessions if done else None
+
+    sessions = await wait_until(complete_manifest, f"4 'ok' sessions in {manifest_path}",
+                                WAIT_S, [proc])
     assert {(s["id"], s["role"], s["path"], s["bytes"]) for s in sessions} == {
         (s.session_id, role, f"{role}0-{s.session_id}.json.gz", 123)
         for s in (planned, requested)
@@ -316,7 +293,7 @@ async def test_started_after_run_started_requests_manifest_and_hook_once(
 
     # Every session stopped and the run finished: ProfilerFinished at once, hook once.
     await bus.publish(run_keys.events, RunFinished(run_id=run_id, steps=10))
-    assert await wait_exit(proc) == 0
+    assert await wait_exit(proc, WAIT_S) == 0
     profile_dir = (tmp_path / "profiles" / run_id).resolve()
     assert hook_out.read_text().splitlines() == [f"{run_id} {profile_dir}"]
     msgs = [e.msg for e in await entries(bus, run_keys.events)]
@@ -327,7 +304,7 @@ async def test_started_after_run_started_requests_manifest_and_hook_once(
     # A service restarted after the end publishes nothing new and does not rerun the hook.
     n_control = len(await entries(bus, run_keys.control))
     again = launch(config)
-    assert await wait_exit(again) == 0
+    assert await wait_exit(again, WAIT_S) == 0
     assert hook_out.read_text().splitlines() == [f"{run_id} {profile_dir}"]
     assert len(await entries(bus, run_keys.control)) == n_control
     msgs = [e.msg for e in await entries(bus, run_keys.events)]
@@ -343,7 +320,7 @@ async def test_sigkill_and_restart_sends_no_duplicates(
     )
     proc = launch(config)
     await bus.publish(run_keys.events, run_started(config, run_id))
-    await wait_for(bus, run_keys.events, lambda m: bool(of(m, ProfilerReady)), proc)
+    await wait_ready(bus, run_keys, proc)
     await bus.publish(run_keys.events, StepStarted(step=1, param_version=0))
     assert await request_profile(bus, run_id, "3-4", ["rollouter"], WAIT_S) == 0
     before = [e.msg for e in await entries(bus, run_keys.control)]
@@ -351,11 +328,11 @@ async def test_sigkill_and_restart_sends_no_duplicates(
     assert len(of(before, StartProfile)) == 3
 
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
+    wait_exit_blocking(proc, 10)
     restarted = launch(config)
     # Its heartbeat stops saying "catching up" once it has read the whole log back and
     # decided on it.
-    await wait_alive(bus, run_keys, restarted)
+    await wait_decided(bus, run_keys, restarted)
     # ...and it still answers requests, without clashing with what the first one sent.
     assert await request_profile(bus, run_id, "4", ["trainer"], WAIT_S) == 0
     assert await request_profile(bus, run_id, "4", ["rollouter"], WAIT_S) == 2
@@ -367,8 +344,8 @@ async def test_sigkill_and_restart_sends_no_duplicates(
     assert len(of(events, ProfilerReady)) == 1
 
     restarted.send_signal(signal.SIGTERM)  # a clean stop mid-run
-    assert await wait_exit(restarted) == 0
-    assert "Traceback" not in service_log(restarted)
+    assert await wait_exit(restarted, WAIT_S) == 0
+    assert "Traceback" not in restarted.log()
 
 
 @pytest.mark.asyncio
@@ -382,16 +359,16 @@ async def test_finish_hook_is_never_run_twice_even_if_the_service_dies_in_it(
     )
     await bus.publish(run_keys.events, run_started(config, run_id))
     proc = launch(config)
-    await wait_for(bus, run_keys.events, lambda m: bool(of(m, ProfilerReady)), proc)
+    await wait_ready(bus, run_keys, proc)
     (session,) = of([e.msg for e in await entries(bus, run_keys.control)], StartProfile)
     for role in ("trainer", "rollouter"):
         await bus.publish(run_keys.events, stopped(session, role))
     await bus.publish(run_keys.events, RunFinished(run_id=run_id, steps=10))
-    assert await wait_exit(proc) == -signal.SIGKILL
+    assert await wait_exit(proc, WAIT_S) == -signal.SIGKILL
     assert not of([e.msg for e in await entries(bus, run_keys.events)], ProfilerFinished)
 
     again = launch(config)
-    assert await wait_exit(again) == 0
+    assert await wait_exit(again, WAIT_S) == 0
     assert hook_out.read_text().splitlines() == ["ran"]
     msgs = [e.msg for e in await entries(bus, run_keys.events)]
     (finished,) = of(msgs, ProfilerFinished)
@@ -421,10 +398,11 @@ async def until_redis_clock_passes(bus: Bus, entry_id: str, seconds: float) -> N
     """Wait until the Redis server's clock is more than ``seconds`` past ``entry_id``'s
     arrival (the clock the service judges ages by)."""
     arrived_ms = int(entry_id.partition("-")[0])
-    deadline = time.monotonic() + WAIT_S
-    while await bus.server_time() * 1000 <= arrived_ms + seconds * 1000:
-        assert time.monotonic() < deadline, "the Redis clock does not move"
-        await asyncio.sleep(0.01)
+
+    async def passed() -> bool | None:
+        return True if await bus.server_time() * 1000 > arrived_ms + seconds * 1000 else None
+
+    await wait_until(passed, f"the Redis clock to pass {seconds:g} s after {entry_id}", WAIT_S)
 
 
 @pytest.mark.asyncio
@@ -447,14 +425,14 @@ async def test_a_request_nobody_waits_for_any_more_is_refused_by_a_later_service
     await until_redis_clock_passes(bus, old.id, old.msg.timeout_s)
 
     proc = launch(config)
-    events = await wait_for(bus, run_keys.events, lambda m: bool(of(m, ProfileRequestRefused)),
-                            proc)
+    events = await wait_stream(bus, run_keys.events, lambda m: bool(of(m, ProfileRequestRefused)),
+                               WAIT_S, "a ProfileRequestRefused", [proc])
     (refused,) = of([e.msg for e in events], ProfileRequestRefused)
     assert refused.request_id == old.msg.request_id
     assert refused.reason.startswith("expired"), refused.reason
-    control = await wait_for(
+    control = await wait_stream(
         bus, run_keys.control, lambda m: any(c.request_id == "fresh" for c in of(m, StartProfile)),
-        proc,
+        WAIT_S, "the StartProfile answering 'fresh'", [proc],
     )
     served = [e.msg for e in control if isinstance(e.msg, StartProfile) and e.msg.request_id]
     assert [(c.request_id, c.first_step) for c in served] == [("fresh", 6)]
@@ -471,14 +449,12 @@ async def test_restart_reads_only_the_log_after_its_snapshot_unless_the_log_lost
     await assert_step1_then_ready(bus, run_keys, proc)
     await bus.publish(run_keys.events, StepStarted(step=1, param_version=0))
 
-    async def stop_after_step(proc: subprocess.Popen[bytes], step: int) -> None:
+    async def stop_after_step(proc: Watched, step: int) -> None:
         # The heartbeat says when the service has folded StepStarted(step), the last entry.
-        deadline = time.monotonic() + WAIT_S
-        while (await wait_alive(bus, run_keys, proc)).metrics["last_started_step"] < step:
-            assert time.monotonic() < deadline, service_log(proc)
-            await asyncio.sleep(0.05)
+        await wait_decided(bus, run_keys, proc,
+                           lambda b: b.metrics["last_started_step"] >= step)
         proc.send_signal(signal.SIGTERM)
-        assert await wait_exit(proc) == 0
+        assert await wait_exit(proc, WAIT_S) == 0
         assert snapshot_path.is_file()  # written at a clean exit
 
     await stop_after_step(proc, 1)
@@ -486,9 +462,8 @@ async def test_restart_reads_only_the_log_after_its_snapshot_unless_the_log_lost
     await bus.publish(run_keys.events, StepStarted(step=2, param_version=1))
     await bus.publish(run_keys.events, ProfileRequest(request_id="q", steps=[4]))
     again = launch(config)
-    await wait_log_line(again, "read 2 relevant entries from the log after the snapshot at")
-    await wait_for(bus, run_keys.control,
-                   lambda m: any(c.request_id == "q" for c in of(m, StartProfile)), again)
+    await wait_log(again, "read 2 relevant entries from the log after the snapshot at", WAIT_S)
+    await wait_for(bus, run_keys.control, event(StartProfile, request_id="q"), WAIT_S, [again])
     await bus.publish(run_keys.events, StepStarted(step=3, param_version=2))
     await stop_after_step(again, 3)
 
@@ -497,9 +472,9 @@ async def test_restart_reads_only_the_log_after_its_snapshot_unless_the_log_lost
     assert last is not None and isinstance(last.msg, StepStarted) and last.msg.step == 3
     await bus.command("XDEL", run_keys.events, last.id)
     third = launch(config)
-    await wait_log_line(third, "which the log does not hold; reading the whole log")
-    await wait_alive(bus, run_keys, third)
-    assert "after the snapshot" not in service_log(third)
+    await wait_log(third, "which the log does not hold; reading the whole log", WAIT_S)
+    await wait_decided(bus, run_keys, third)
+    assert "after the snapshot" not in third.log()
 
     # Whichever way it rebuilt its state, nothing was published twice.
     control = [e.msg for e in await entries(bus, run_keys.control)]
@@ -507,7 +482,7 @@ async def test_restart_reads_only_the_log_after_its_snapshot_unless_the_log_lost
     events = [e.msg for e in await entries(bus, run_keys.events)]
     assert len(of(events, ProfilerReady)) == 1 and not of(events, ProfileRequestRefused)
     third.send_signal(signal.SIGTERM)
-    assert await wait_exit(third) == 0
+    assert await wait_exit(third, WAIT_S) == 0
 
 
 @pytest.mark.asyncio
@@ -524,12 +499,9 @@ async def test_restart_without_a_snapshot_folds_the_archive_and_the_stream(
     await assert_step1_then_ready(bus, run_keys, proc)
     for k in (1, 2, 3):
         await bus.publish(run_keys.events, StepStarted(step=k, param_version=k - 1))
-    deadline = time.monotonic() + WAIT_S
-    while (await wait_alive(bus, run_keys, proc)).metrics["last_started_step"] < 3:
-        assert time.monotonic() < deadline, service_log(proc)
-        await asyncio.sleep(0.05)
+    await wait_decided(bus, run_keys, proc, lambda b: b.metrics["last_started_step"] >= 3)
     proc.send_signal(signal.SIGTERM)
-    assert await wait_exit(proc) == 0
+    assert await wait_exit(proc, WAIT_S) == 0
     last = await bus.latest(run_keys.events)
     assert last is not None
     stored = await bus.command("GET", run_keys.position("profiler"))
@@ -541,17 +513,16 @@ async def test_restart_without_a_snapshot_folds_the_archive_and_the_stream(
                                readers=run_keys.events_readers())
     assert done.trimmed > 3 and await bus.length(run_keys.events) == 1
     again = launch(config)
-    await wait_alive(bus, run_keys, again)
-    assert "after the snapshot" not in service_log(again)
+    await wait_decided(bus, run_keys, again)
+    assert "after the snapshot" not in again.log()
     await bus.publish(run_keys.events, ProfileRequest(request_id="q", steps=[6]))
-    await wait_for(bus, run_keys.control,
-                   lambda m: any(c.request_id == "q" for c in of(m, StartProfile)), again)
+    await wait_for(bus, run_keys.control, event(StartProfile, request_id="q"), WAIT_S, [again])
     control = [e.msg for e in await entries(bus, run_keys.control)]
     assert [c.session_id for c in of(control, StartProfile)] == ["s1-1", "rq-s6-6"]
     history = [e.msg async for e in read_history(bus, run_keys.events, archive)]
     assert len(of(history, ProfilerReady)) == 1
     again.send_signal(signal.SIGTERM)
-    assert await wait_exit(again) == 0
+    assert await wait_exit(again, WAIT_S) == 0
 
 
 # --------------------------------------------------------------------------- the step barrier
@@ -568,7 +539,7 @@ async def test_requests_at_a_step_boundary_skip_the_step_that_began(
     config = write_config(tmp_path, redis_url, run_id, steps=[])
     proc = launch(config)
     await bus.publish(run_keys.events, run_started(config, run_id))
-    await wait_for(bus, run_keys.events, lambda m: bool(of(m, ProfilerReady)), proc)
+    await wait_ready(bus, run_keys, proc)
     last = 3
     await bus.set_barrier(run_keys.barrier, 1)  # as the trainer does before weights v0
     for step in range(1, last + 1):
@@ -595,7 +566,7 @@ async def test_requests_at_a_step_boundary_skip_the_step_that_began(
         last + 2, last + 3
     ]
     proc.send_signal(signal.SIGTERM)
-    assert await wait_exit(proc) == 0
+    assert await wait_exit(proc, WAIT_S) == 0
 
 
 def service_for(config: Path, bus: Bus) -> ProfilerService:

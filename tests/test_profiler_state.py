@@ -4,8 +4,10 @@ time (no Redis, no I/O).
 * folding from any split point (a prefix, then the rest one entry at a time) gives the same
   state as folding the whole log, and ``apply`` never changes the state it is given;
 * decisions and the manifest computed from the incremental state are those of the whole
-  log, and those the service computed before it folded incrementally (the oracle in
-  ``tests/profiler_reference.py`` recomputes everything from the whole log on every call);
+  log, and those of an independent oracle (``tests/profiler_reference.py`` restates the
+  documented rules and recomputes everything from the whole log on every call, sharing no
+  logic with ``profiler_service``), the Redis clock, request expiry, the step barrier and
+  runs started with profiling off included;
 * a snapshot of the state, decoded and folded on, is the state of the whole log;
 * the persistent map behaves like a dict, hash collisions included;
 * a runtime request is refused, never served, once it is older than its own timeout (judged
@@ -61,25 +63,32 @@ Fact = Event | Command
 Item = Fact | tuple[str, Fact]
 
 SESSION_IDS = ["s1-1", "s2-3", "rq1-s4-4", "odd"]
-REQUEST_IDS = ["q1", "q2", "q3", "bad/id"]
+# "q4\n" looks safe to a regular expression anchored with `$` (it matches before a final
+# newline); the documented rule refuses it.
+REQUEST_IDS = ["q1", "q2", "q3", "bad/id", "q4\n"]
 ROLE_NAMES = ["trainer", "rollouter"]
 
 
-def run_started(replicas: int, ts: float = 100.0, resumed: bool = False) -> RunStarted:
-    return RunStarted(
-        run_id="r1",
-        config={"trainer": {"total_training_steps": TOTAL}, "rollout": {"replicas": replicas}},
-        ts=ts,
-        resumed=resumed,
-    )
+def run_started(
+    replicas: int, ts: float = 100.0, resumed: bool = False, profiling: bool = True
+) -> RunStarted:
+    config: dict[str, Any] = {
+        "trainer": {"total_training_steps": TOTAL}, "rollout": {"replicas": replicas},
+    }
+    if not profiling:  # the run's own components hold no profiler
+        config["global_profiler"] = {"tool": None}
+    return RunStarted(run_id="r1", config=config, ts=ts, resumed=resumed)
 
 
-def cfg_of(steps: Sequence[int], continuous: bool, roles: Sequence[str]) -> ProfilerConfig:
+def cfg_of(
+    steps: Sequence[int], continuous: bool, roles: Sequence[str], ranks: Sequence[int] = ()
+) -> ProfilerConfig:
     return ProfilerConfig(
         tool="torch",
         steps=list(steps),
         profile_continuous_steps=continuous,
         roles=list(roles),  # type: ignore[arg-type]
+        ranks=list(ranks),
     )
 
 
@@ -154,6 +163,7 @@ profile_started = st.builds(
 )
 rare: st.SearchStrategy[Fact] = st.one_of(
     st.integers(1, 2).map(lambda r: run_started(r, ts=200.0, resumed=True)),
+    st.just(run_started(1, ts=300.0, resumed=True, profiling=False)),
     st.just(ProfilerReady(session_ids=[], ts=1.0)),
     steps_.map(lambda s: RunFinished(run_id="r1", steps=s, ts=9.0)),
     st.just(WarningRaised(source=PROFILER_SOURCE, code=SESSIONS_MISSING_CODE, message="m",
@@ -212,7 +222,70 @@ configs = st.builds(
     st.lists(steps_, max_size=6, unique=True),
     st.booleans(),
     roles_,
+    st.sampled_from([[], [], [0], [1], [0, 1]]),
 )
+
+
+# Runtime requests on a live run, drawn near every boundary a rule has: the last started
+# step, the barrier, the run's last step, the id's length limit, a request's age limit.
+LONG_IDS = ["x" * 40, "y" * 41]
+# Mostly sound roles and ids, so that most requests reach the rules about their steps.
+request_roles = st.sampled_from([["trainer", "rollouter"], ["trainer"], ["rollouter"],
+                                 ["rollouter", "trainer"], ["trainer", "rollouter"],
+                                 ["trainer"], ["rollouter"], [], ["x"], ["trainer", "x"]])
+request_ids = st.sampled_from(["q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", *LONG_IDS,
+                               "bad/id"])
+
+
+@st.composite
+def request_runs(draw: st.DrawFn) -> tuple[list[Item], int, int | None]:
+    """``(log, barrier, now_ms)``: a started run, its steps so far, a few sessions already
+    sent, then pending requests with distinct ids (nothing answers them yet)."""
+    ms = 1_000_000
+    items: list[Item] = [(f"{ms}-0", run_started(draw(st.integers(1, 2)),
+                                                profiling=draw(st.integers(0, 19)) > 0))]
+    started = draw(st.integers(0, 10))
+    steps: list[Item] = []
+    for k in range(1, started + 1):
+        ms += 10
+        steps.append((f"{ms}-0", StepStarted(step=k, param_version=k - 1, ts=1.0)))
+    # Sessions sent at any point of the run so far: later steps close some of them.
+    for i in range(draw(st.integers(0, 3))):
+        first = draw(st.one_of(st.integers(1, TOTAL), st.integers(max(1, started - 3),
+                                                                  started + 2)))
+        steps.insert(draw(st.integers(0, len(steps))), StartProfile(
+            session_id=f"s{i}", roles=draw(roles_), tool="torch", first_step=first,
+            last_step=first + draw(st.integers(0, 3)), ranks=draw(st.sampled_from([[], [1]])),
+            ts=1.0))
+    items += steps
+    if draw(st.integers(0, 19)) == 0:
+        items.append((f"{ms}-1", RunFinished(run_id="r1", steps=started, ts=9.0)))
+    barrier = started + draw(st.sampled_from([0, 0, 1, 2, 5]))
+    near = [0, 1, started, started + 1, started + 2, barrier, barrier + 1, TOTAL, TOTAL + 1]
+    timeouts = [0.05, 1.0, 30.0]
+    ids = draw(st.lists(request_ids, min_size=1, max_size=4, unique=True))
+    for rid in ids:
+        ms += draw(st.integers(0, 50))
+        if draw(st.booleans()):
+            first = draw(st.sampled_from(near))
+            steps = sorted(set(range(first, first + draw(st.sampled_from([0, 1, 1, 2, 3])))) | set(
+                draw(st.lists(st.sampled_from(near), max_size=1))))
+            req = ProfileRequest(request_id=rid, steps=steps, roles=draw(request_roles),
+                                 timeout_s=draw(st.sampled_from(timeouts)), ts=2.0)
+        else:
+            req = ProfileRequest(request_id=rid, next_steps=draw(st.integers(-1, 3)),
+                                 roles=draw(request_roles),
+                                 timeout_s=draw(st.sampled_from(timeouts)), ts=2.0)
+        items.append((f"{ms}-0", req))
+    # The clock: none, or right at one request's age limit (-1, 0 or +1 ms), or far past.
+    now_ms: int | None = None
+    if draw(st.integers(0, 2)) == 0:
+        arrival = draw(st.sampled_from([i for i in items if isinstance(i, tuple)
+                                        and isinstance(i[1], ProfileRequest)]))
+        limit = int(arrival[0].split("-")[0]) + int(arrival[1].timeout_s * 1000)
+        now_ms = limit + draw(st.sampled_from([-1, 0, 1, 10**6]))
+    return items, barrier, now_ms
+
 
 
 # --------------------------------------------------------------------------- fold = repeated apply
@@ -269,17 +342,38 @@ def test_incremental_decisions_equal_decisions_from_the_full_fold(
                                                              now_ms)
 
 
-@settings(max_examples=300, deadline=None)
-@given(cfg=configs, log=logs(), barrier=st.integers(0, 4), final=st.booleans())
-def test_same_decisions_and_manifest_as_recomputing_from_the_whole_log(
-    cfg: ProfilerConfig, log: list[Item], barrier: int, final: bool
+def _clock(log: Sequence[Item], after_ms: int | None) -> int | None:
+    """A Redis clock ``after_ms`` past the log's last events entry (None: no clock)."""
+    if after_ms is None:
+        return None
+    last = max((int(x[0].split("-")[0]) for x in log if isinstance(x, tuple)), default=1_000_000)
+    return last + after_ms
+
+
+@settings(max_examples=400, deadline=None)
+@given(cfg=configs, log=logs(), barrier=st.integers(0, 4), final=st.booleans(),
+       clock=st.one_of(st.none(), st.integers(0, 5000)))
+def test_same_decisions_and_manifest_as_the_independent_oracle(
+    cfg: ProfilerConfig, log: list[Item], barrier: int, final: bool, clock: int | None
 ) -> None:
-    """The behaviour before the incremental state: same output on any log (with no clock,
-    requests are not judged by age, as before)."""
+    """The service's decisions and manifest on any log, barrier and Redis clock are those
+    the oracle derives from the documented rules."""
     state = fold(log)
-    msgs = msgs_of(log)
-    assert decide(cfg, state, barrier) == reference_decide(cfg, msgs, barrier)
-    assert build_manifest("r1", state, final=final) == reference_manifest("r1", msgs, final)
+    now_ms = _clock(log, clock)
+    assert decide(cfg, state, barrier, now_ms) == reference_decide(cfg, log, barrier, now_ms)
+    assert build_manifest("r1", state, final=final) == reference_manifest("r1", log, final)
+
+
+@settings(max_examples=400, deadline=None)
+@given(cfg=configs, run=request_runs())
+def test_requests_on_a_live_run_judged_as_the_oracle_judges_them(
+    cfg: ProfilerConfig, run: tuple[list[Item], int, int | None]
+) -> None:
+    """Every refusal rule and the accepted sessions, at their boundaries: the same answers,
+    reasons included, as the oracle; requests answered in one decision block each other."""
+    log, barrier, now_ms = run
+    got = decide(cfg, fold(log), barrier, now_ms)
+    assert got == reference_decide(cfg, log, barrier, now_ms)
 
 
 _S11 = StartProfile(session_id="s1-1", roles=ROLE_NAMES, tool="torch", first_step=1,
@@ -302,6 +396,15 @@ TRICKY: list[list[Fact]] = [
                                   first_step=4, last_step=4, request_id="q1", ts=1.0),
      ProfileRequest(request_id="q1", steps=[4]), ProfileRequest(request_id="q2", steps=[4]),
      ProfileRequest(request_id="q2", steps=[9]), run_started(1, ts=5.0, resumed=True)],
+    # A StepStarted closes the sessions that end at it (s1-2), not the one that ends at the
+    # next step (s3-3): a request for step 3 still overlaps that one.
+    [run_started(1),
+     StartProfile(session_id="s1-2", roles=["trainer"], tool="torch", first_step=1,
+                  last_step=2, ts=1.0),
+     StartProfile(session_id="s3-3", roles=["trainer"], tool="torch", first_step=3,
+                  last_step=3, ts=1.0),
+     StepStarted(step=1, param_version=0), StepStarted(step=2, param_version=1),
+     ProfileRequest(request_id="q3", steps=[3], roles=["trainer"])],
     # Two stops of one process: the last one wins, in the first one's place.
     [run_started(1), _S11, _STOP, msgspec_replace(_STOP, status="error: x"),
      RunFinished(run_id="r1", steps=1)],
@@ -321,13 +424,13 @@ def test_tricky_logs_same_as_recomputing_from_the_whole_log(
 
 
 @settings(max_examples=100, deadline=None)
-@given(cfg=configs, log=logs(max_size=60), cut=st.integers(0, 60))
+@given(cfg=configs, log=logs(max_size=60), cut=st.integers(0, 60), barrier=st.integers(0, 4))
 def test_a_whole_run_served_incrementally_equals_the_reference_service(
-    cfg: ProfilerConfig, log: list[Item], cut: int
+    cfg: ProfilerConfig, log: list[Item], cut: int, barrier: int
 ) -> None:
     """Play both services on the same inputs (each publishes what it decides after every
-    entry); one folds incrementally and restarts from a snapshot at ``cut``, the other
-    recomputes from the whole log. Their logs come out identical."""
+    entry); one folds incrementally and restarts from a snapshot at ``cut``, the other is
+    the oracle, recomputing from the whole log. Their logs come out identical."""
     inputs = msgs_of(log)
     ours: list[Fact] = []
     theirs: list[Fact] = []
@@ -340,11 +443,11 @@ def test_a_whole_run_served_incrementally_equals_the_reference_service(
             state = decoded.state
         ours.append(msg)
         state = apply(state, msg)
-        for out in decide(cfg, state):
+        for out in decide(cfg, state, barrier):
             ours.append(out)
             state = apply(state, out)
         theirs.append(msg)
-        theirs += reference_decide(cfg, theirs)
+        theirs += reference_decide(cfg, theirs, barrier)
     assert ours == theirs
     assert state == fold(ours)
 

@@ -15,7 +15,8 @@ from bus import Bus, RunKeys
 from bus.archive import read_archive
 from bus.history import events_folder, read_history
 from bus.messages import StepFinished, StepStarted, TrainerResumed
-from tests.procs import FAST, Procs, run_cli, wait_for
+from tests.procs import FAST, Procs, run_cli
+from tests.waits import event, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio]
 
@@ -54,9 +55,8 @@ async def test_events_stay_bounded_and_archive_plus_stream_hold_every_event(
         procs.spawn("trainer", "trainer", *args)
         # The trim after step 20's checkpoint ends before step 21 starts: kill the trainer
         # right after it.
-        await wait_for(bus, run_keys.events,
-                       lambda m: isinstance(m, StepStarted) and m.step == 21, 300, procs,
-                       ["trainer", "rollouter0"])
+        await wait_for(bus, run_keys.events, event(StepStarted, step=21), 300,
+                       procs.watch("trainer", "rollouter0"))
         procs.kill("trainer")
         assert list(read_archive(archive)), "nothing was archived after two checkpoints"
         procs.spawn("trainer2", "trainer", *args)

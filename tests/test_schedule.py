@@ -188,6 +188,9 @@ def test_safe_label() -> None:
     assert safe_label("") == "_"
     assert len(safe_label("x" * 500)) == 64
     assert not is_safe_label("a b") and not is_safe_label("") and not is_safe_label("x" * 65)
+    # The whole string: a final newline is not allowed (a `$`-anchored pattern let it by).
+    assert not is_safe_label("q1\n") and not is_safe_label("q1\nx")
+    assert is_safe_label("q1")
 
 
 # --------------------------------------------------------------------------- decide at RunStarted
