@@ -444,22 +444,23 @@ def stop_children(children: Sequence[Any], grace_s: float, sup: Supervisor | Non
     local = [c for c in started if hasattr(c, "send") and c.returncode() is None]
     if not local:
         return
+    # Counted before the line below: a signal sent on reading it is the second one.
+    seen = len(sup.signals) if sup is not None else 0
     leftovers = {p.pid: p for c in local for p in _descendants(c)}
     _say(f"stopping {', '.join(c.name for c in local)} (SIGTERM; SIGKILL after {grace_s:g} s"
          + (" or at a second signal)" if sup is not None else ")"))
     for c in local:
         c.send(signal.SIGTERM)
-    _wait_or_kill(local, grace_s, sup)
+    _wait_or_kill(local, grace_s, sup, seen)
     for c in local:
         leftovers.update({p.pid: p for p in _descendants(c)})
     _kill_leftovers(list(leftovers.values()))
     _say("stopped " + ", ".join(f"{c.name} (exit {c.returncode()})" for c in local))
 
 
-def _wait_or_kill(local: list[Child], grace_s: float, sup: Supervisor | None) -> None:
-    """Wait for ``local`` to exit; SIGKILL those still running after ``grace_s`` or at a
-    signal ``sup`` records from now on."""
-    seen = len(sup.signals) if sup is not None else 0
+def _wait_or_kill(local: list[Child], grace_s: float, sup: Supervisor | None, seen: int) -> None:
+    """Wait for ``local`` to exit; SIGKILL those still running after ``grace_s`` or once
+    ``sup`` holds more than ``seen`` signals."""
     deadline = time.monotonic() + grace_s
     while True:
         running = [c for c in local if c.returncode() is None]
