@@ -5,6 +5,7 @@ has started (and nothing else); a closed stdout stops the run like a signal."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -108,6 +109,14 @@ def _gone(pids: dict[str, int]) -> None:
     assert not alive, f"children still running: {alive}"
 
 
+def _reap(pids: dict[str, int]) -> None:
+    """After a failure: a child this test SIGSTOPped runs in its own session, out of reach of
+    up.kill(), and cannot act on its pending SIGTERM: kill it."""
+    for pid in pids.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _pinned_apart(pids: dict[str, int]) -> None:
     """run.cpu_affinity=auto (the default): trainer and rollouter, every thread of each, on
     CPUs of their own (on a machine with at least 2)."""
@@ -184,8 +193,9 @@ def test_signal_stops_every_child_and_prints_resume(tmp_path: Path, sig: int) ->
 @pytest.mark.e2e
 def test_second_ctrl_c_kills_a_child_that_does_not_stop(tmp_path: Path) -> None:
     up = _up(tmp_path, "run.stop_grace_s=600")
+    pids: dict[str, int] = {}
     try:
-        pids = up.pids()
+        pids.update(up.pids())
         up.wait_line(lambda s: s.startswith("step "))
         os.kill(pids["trainer"], signal.SIGSTOP)  # it cannot act on SIGTERM any more
         up.proc.send_signal(signal.SIGINT)
@@ -198,13 +208,15 @@ def test_second_ctrl_c_kills_a_child_that_does_not_stop(tmp_path: Path) -> None:
         _gone(pids)
     finally:
         up.kill()
+        _reap(pids)
 
 
 @pytest.mark.e2e
 def test_grace_expiry_escalates_to_sigkill(tmp_path: Path) -> None:
     up = _up(tmp_path, "run.stop_grace_s=1")
+    pids: dict[str, int] = {}
     try:
-        pids = up.pids()
+        pids.update(up.pids())
         up.wait_line(lambda s: s.startswith("step "))
         os.kill(pids["rollouter0"], signal.SIGSTOP)
         up.proc.send_signal(signal.SIGTERM)
@@ -215,6 +227,7 @@ def test_grace_expiry_escalates_to_sigkill(tmp_path: Path) -> None:
         _gone(pids)
     finally:
         up.kill()
+        _reap(pids)
 
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
