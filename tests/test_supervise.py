@@ -112,9 +112,11 @@ def _gone(pids: dict[str, int]) -> None:
 def _reap(pids: dict[str, int]) -> None:
     """After a failure: a child this test SIGSTOPped runs in its own session, out of reach of
     up.kill(), and cannot act on its pending SIGTERM: kill it."""
-    for pid in pids.values():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    for name, pid in pids.items():
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            if f"rlbus {name.rstrip('0123456789')}" in " ".join(proc.cmdline()):  # not a reused pid
+                proc.kill()
 
 
 def _pinned_apart(pids: dict[str, int]) -> None:
