@@ -1,24 +1,37 @@
-# Two commands on a fresh machine: `make demo` and `make test`. Both build .venv first.
+# Two commands on a fresh machine: `make demo` and `make test`. Both build .venv first and
+# install only what they run: `make demo` the runtime and the extra the demo uses (`logger`:
+# TensorBoard, for trainer.logger's default), `make test` everything else on top (the dev
+# tools, hf, ray, plot). Each step is skipped once done (a stamp file per set, redone when
+# pyproject.toml changes).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
 # torch is pinned so pip takes the CPU wheel on this machine instead of a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
+RUNTIME := $(VENV)/.installed-runtime
+FULL    := $(VENV)/.installed-full
 
 .PHONY: venv demo shim test lint bench bench-long clean
 
-venv: $(STAMP)
+venv: $(RUNTIME)
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(PY):
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+
+# What `rlbus up --config configs/demo.yaml` imports: the package, torch, TensorBoard.
+$(RUNTIME): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[logger]" "$(TORCH)"
+	touch $@
+
+# The tests and benchmarks: pytest, ruff, HTA (dev), transformers (hf), ray, matplotlib (plot).
+$(FULL): $(RUNTIME)
 	$(PY) -m pip install --quiet -e ".[dev,hf,ray,plot,logger]" "$(TORCH)"
-	touch $(STAMP)
+	touch $@
 
 # `rlbus` lives in .venv/bin: the demo says how to call it without activating the venv.
-demo: $(STAMP)
+demo: $(RUNTIME)
 	@$(VENV)/bin/rlbus up --config configs/demo.yaml; rc=$$?; echo; \
 	echo "rlbus is installed in $(CURDIR)/$(VENV)/bin: call it as $(VENV)/bin/rlbus ..., or"; \
 	echo "'. $(VENV)/bin/activate' first, or 'make shim' to link it into ~/.local/bin."; \
@@ -26,25 +39,25 @@ demo: $(STAMP)
 
 # A link on PATH works without activating the venv: the script's shebang names .venv's python.
 SHIM_DIR ?= $(HOME)/.local/bin
-shim: $(STAMP)
+shim: $(RUNTIME)
 	mkdir -p $(SHIM_DIR)
 	ln -sf $(CURDIR)/$(VENV)/bin/rlbus $(SHIM_DIR)/rlbus
 	@echo "linked $(SHIM_DIR)/rlbus -> $(CURDIR)/$(VENV)/bin/rlbus"
 	@case ":$$PATH:" in *":$(SHIM_DIR):"*) ;; *) echo "add $(SHIM_DIR) to PATH";; esac
 
-test: $(STAMP)
+test: $(FULL)
 	$(PY) -m pytest -q -p no:cacheprovider
 
-lint: $(STAMP)
+lint: $(FULL)
 	$(VENV)/bin/ruff check .
 
 # The long ones: faults under chaos, and a synthetic run of 100 000 steps (minutes each).
-bench-long: $(STAMP)
+bench-long: $(FULL)
 	$(PY) bench/chaos.py
 	$(PY) bench/long_run.py
 	$(PY) bench/profiler_fold.py
 
-bench: $(STAMP)
+bench: $(FULL)
 	$(PY) bench/bus_throughput.py
 	$(PY) bench/async_speedup.py
 	$(PY) bench/time_to_reward.py

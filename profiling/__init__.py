@@ -27,7 +27,7 @@ from profiling.paths import (
 from profiling.traces import finish_trace, link_session_view
 
 if TYPE_CHECKING:
-    from profiling.agent import TOOLS, AgentEvent, ProfilerAgent, create_agent
+    from profiling.agent import TOOLS, AgentEvent, ProfilerAgent, create_agent, prepare_main_thread
 
 __all__ = [
     "TOOLS",
@@ -38,6 +38,7 @@ __all__ = [
     "hook_env",
     "link_session_view",
     "nsys_command",
+    "prepare_main_thread",
     "profile_root",
     "safe_name",
     "session_view_path",
@@ -46,7 +47,8 @@ __all__ = [
     "trace_world_size",
 ]
 
-_AGENT_NAMES = frozenset({"TOOLS", "AgentEvent", "ProfilerAgent", "create_agent"})
+_AGENT_NAMES = frozenset(
+    {"TOOLS", "AgentEvent", "ProfilerAgent", "create_agent", "prepare_main_thread"})
 
 
 def __getattr__(name: str) -> Any:

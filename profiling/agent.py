@@ -68,7 +68,7 @@ from profiling.paths import (
 from profiling.traces import finish_trace, link_session_view
 from runconfig.schema import Config, GlobalToolConfig
 
-__all__ = ["TOOLS", "AgentEvent", "ProfilerAgent", "create_agent"]
+__all__ = ["TOOLS", "AgentEvent", "ProfilerAgent", "create_agent", "prepare_main_thread"]
 
 AgentEvent = ProfileStarted | ProfileStopped | WarningRaised
 """What the agent asks its component to publish."""
@@ -131,6 +131,33 @@ def create_agent(
     else:
         agent.warm_up()
     return agent
+
+
+def prepare_main_thread(cfg: Config, device: str) -> bool:
+    """Initialise Kineto (torch.profiler's engine) on the calling thread; True when done.
+
+    Call it from the thread that imported torch (a component's main thread) before the step
+    thread creates its agent. Kineto's first initialisation checks that it runs on the thread
+    where torch registered its Kineto client (at ``import torch``); the agent's warm-up runs
+    on the step thread, so without this every profiled component's log starts with
+    ``ERROR: External init callback must run in same thread as registerClient``. A prepare,
+    start and stop with nothing recorded: ~20 ms, and the agent's warm-up then finds Kineto
+    ready. Nothing when the tool is not torch.profiler's (null, nsys) or on a failure (the
+    message is then all that is lost)."""
+    if cfg.global_profiler.tool not in ("torch", "torch_memory"):
+        return False
+    try:
+        from torch.autograd import _disable_profiler
+        from torch.autograd.profiler import profile
+
+        cuda = device != "cpu" and torch.cuda.is_available()
+        prof = profile(use_device="cuda" if cuda else None)
+        prof._prepare_trace()
+        prof._start_trace()
+        _disable_profiler()
+    except Exception:
+        return False
+    return True
 
 
 class ProfilerAgent:

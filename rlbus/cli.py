@@ -212,11 +212,18 @@ def _config(argv: list[str]) -> int:
 
 
 def _up(argv: list[str]) -> int:
-    file, overrides = parse_config_args(argv)
-    cfg = load_config(file, overrides)
-    from rlbus.launcher import run_up
+    from rlbus.supervise import Supervisor
 
-    return run_up(cfg, argv)
+    # First: a signal from here on is recorded, and the launcher stops at its first check.
+    sup = Supervisor().install()
+    try:
+        file, overrides = parse_config_args(argv)
+        cfg = load_config(file, overrides)
+        from rlbus.launcher import run_up
+
+        return run_up(cfg, argv, sup)
+    finally:
+        sup.restore()
 
 
 _HANDLERS = {

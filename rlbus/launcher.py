@@ -1,23 +1,33 @@
 """``rlbus up``: the whole run on one machine, each component a separate process.
 
-Order: embedded Redis (unless ``redis.url`` is set, which is checked first: an unreachable
-server is one line and nothing is created on disk), then the profiler service (when
-``global_profiler.tool`` is set), the metrics logger (``trainer.logger`` has tensorboard or
-wandb), the rollouter replicas and the trainer. A run whose log already holds its RunFinished
-is not started again. Progress comes from the run's events stream, not from the children's
-output (that goes to ``RUN/logs/*.log``): a progress bar on a terminal, one line per step
-otherwise, then a summary.
+Order: with ``run.launcher=ray`` and ``run.ray_address`` set, the address is checked first
+(nothing listening within ``run.ray_connect_timeout_s`` is one line and nothing is created);
+``redis.url`` is checked next (an unreachable server is one line and nothing is created on
+disk), else the embedded Redis of ``run.output_dir`` starts (one per folder: a second
+``rlbus up`` on a folder whose server is live is refused with one line naming it). A run
+whose log already holds events is continued with the config its latest RunStarted recorded,
+the file and overrides given now applied on top (each change printed as ``key: old ->
+new``); a run whose log holds its RunFinished is not started again. Then the profiler
+service (when ``global_profiler.tool`` is set), the metrics logger (``trainer.logger`` has
+tensorboard or wandb), the rollouter replicas and the trainer. Progress comes from the run's
+events stream, not from the children's output (that goes to ``RUN/logs/*.log``): a progress
+bar on a terminal, one line per step otherwise, then a summary.
 
-Supervision: SIGINT, SIGTERM and SIGHUP are recorded, never raised, so stopping cannot be
-interrupted half-way. The first one sends SIGTERM to every child at once; a child still
-alive after ``run.stop_grace_s`` (or at a second signal) gets SIGKILL, and so do any
-processes it left behind. The exact command that resumes the run is printed.
+Supervision: SIGINT, SIGTERM and SIGHUP (unless it was ignored when ``rlbus up`` started, as
+under ``nohup``) are recorded, never raised, from the moment ``rlbus up`` has loaded its
+config; a closed stdout (``rlbus up | head``) counts as SIGPIPE. Each stage checks for one
+before it starts, so a signal at any moment stops what has started (children that never
+started are not waited for). The first one sends SIGTERM to every child at once; a child
+still alive after ``run.stop_grace_s`` (or at a second signal) gets SIGKILL, and so do any
+processes it left behind. The exit code is 128 + the signal, and the exact command that
+resumes the run is printed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import os
 import shlex
@@ -26,9 +36,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -37,57 +46,75 @@ import yaml
 
 # Only what `rlbus up` needs before its components start; the bus client, the message
 # schemas (numpy) and redis load after that (the components import torch meanwhile).
+from bus.errors import RedisBinaryNotFound, RedisStartError
 from bus.keys import RunKeys
-from bus.server import EmbeddedRedis, pdeathsig_hook
+from bus.server import (
+    EmbeddedRedis,
+    RedisDirInUse,
+    RedisStartCancelled,
+    dir_owner,
+    pdeathsig_hook,
+)
 from rlbus.credentials import expanded_url
-from runconfig import Config, config_to_dict, resolve_run_id
+from rlbus.ray_launcher import RayUnavailable
+from rlbus.supervise import Interrupted, Supervisor
+from runconfig import (
+    Config,
+    config_to_dict,
+    default_dict,
+    known_keys,
+    load_config,
+    parse_config_args,
+    resolve_run_id,
+)
 
 if TYPE_CHECKING:
-    from bus.messages import StepFinished
+    from bus.messages import Message, ProfileStopped, RunStarted, StepFinished
 
 __all__ = [
     "Child",
+    "Interrupted",
     "RunDataMissing",
     "RunStatus",
     "Supervisor",
+    "config_changes",
     "cpu_plan",
     "ping",
+    "recorded_config",
     "redis_for_reading",
     "resume_command",
     "run_status",
     "run_up",
-    "server_file",
     "stop_children",
 ]
 
 POLL_S = 0.2
 """How often the supervisor looks at its children and at signals while stopping them."""
 
-_SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM",
-                 signal.SIGHUP: "SIGHUP"}
+_HERE_AND_NOW = ("redis", "run.id", "run.output_dir", "run.launcher", "run.ray_address",
+                 "run.ray_connect_timeout_s")
+"""Keys a continued run takes from the command given now, never from its recorded config:
+where its data lives and how this command places the components (the recorded
+``redis.url`` may name an embedded server that is gone)."""
 
 
 class RunDataMissing(Exception):
     """No ``redis.url`` and no embedded Redis data where the config points."""
 
 
-def server_file(cfg: Config) -> Path:
-    """Where ``rlbus up`` records the URL of the embedded Redis it runs for ``output_dir``."""
-    return Path(cfg.run.output_dir) / "redis" / "server.json"
+class _Refused(Exception):
+    """``rlbus up`` will not run: one line says why (exit code 1)."""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
+def _data_dir(cfg: Config) -> Path:
+    return Path(cfg.run.output_dir) / "redis"
 
 
 @contextlib.contextmanager
 def redis_for_reading(cfg: Config) -> Iterator[str]:
     """A Redis URL holding ``cfg``'s runs: ``redis.url``, the live embedded server of
-    ``run.output_dir``, or a temporary server started on that directory's saved data.
+    ``run.output_dir`` (the one holding its lock), or a temporary server started on that
+    directory's saved data.
 
     Creates nothing: without ``redis.url`` and without saved data it raises
     :class:`RunDataMissing` (a typo in ``run.output_dir`` must not leave folders behind)."""
@@ -96,20 +123,24 @@ def redis_for_reading(cfg: Config) -> Iterator[str]:
         asyncio.run(_ping(url))
         yield url
         return
-    info_path = server_file(cfg)
-    if info_path.exists():
-        info = json.loads(info_path.read_text())
-        if _alive(int(info.get("pid", -1))):
-            yield str(info["url"])
-            return
-    data_dir = Path(cfg.run.output_dir) / "redis"
+    data_dir = _data_dir(cfg)
+    owner = dir_owner(data_dir)
+    if owner is not None and owner.url:
+        yield owner.url
+        return
     if not data_dir.is_dir():
         raise RunDataMissing(
             f"no redis.url given and no embedded Redis data in {data_dir}: pass the "
             "run.output_dir the run used, or redis.url=redis://HOST:PORT/0"
         )
     server = EmbeddedRedis(data_dir, port=cfg.redis.port, binary=cfg.redis.binary)
-    server.start()
+    try:
+        server.start()
+    except RedisDirInUse as exc:  # a server started meanwhile: read through it
+        if not exc.owner.url:
+            raise
+        yield exc.owner.url
+        return
     try:
         yield server.url
     finally:
@@ -126,35 +157,69 @@ class RunStatus(msgspec.Struct):
     last_step: int = 0
     finished_steps: int | None = None
     config: dict[str, Any] | None = None
+    traces: set[tuple[str, str, int]] = msgspec.field(default_factory=set)
+
+    def fold(self, msg: Message) -> None:
+        """Take one event of the log, in log order."""
+        from bus.messages import ProfileStopped, RunFinished, RunStarted, StepFinished
+
+        match msg:
+            case RunStarted():
+                self.started = True
+                self.finished_steps = None
+                self.config = msg.config
+            case StepFinished():
+                self.last_step = max(self.last_step, msg.step)
+            case RunFinished():
+                self.finished_steps = msg.steps
+            case ProfileStopped(status="ok"):
+                self.traces.add(_trace_key(msg))
 
 
-async def run_status(url: str, run_id: str) -> RunStatus:
+def _trace_key(msg: ProfileStopped) -> tuple[str, str, int]:
+    return msg.session_id, msg.role, msg.rank
+
+
+async def run_status(url: str, run_id: str, archive: Path | None = None) -> RunStatus:
     """Fold run ``run_id``'s events stream into a :class:`RunStatus` (one XRANGE pass).
 
     The stream only: under ``run.retention=checkpoint`` it holds a few checkpoint windows
     (older events are archived), and a resume must not read the whole past. A run whose
-    RunStarted was archived still has entries: it has started."""
+    RunStarted was archived still has entries: it has started, and its config is the one of
+    the newest RunStarted in ``archive`` (the run's events folder), when that is here."""
     from bus import Bus
-    from bus.messages import RunFinished, RunStarted, StepFinished
 
     status = RunStatus()
+    stream = RunKeys(run_id).events
     bus = Bus.from_url(url, client_name="rlbus-status")
     try:
-        async for _, msg in bus.read_all(RunKeys(run_id).events):
-            match msg:
-                case RunStarted():
-                    status.started = True
-                    status.finished_steps = None
-                    status.config = msg.config
-                case StepFinished():
-                    status.last_step = max(status.last_step, msg.step)
-                case RunFinished():
-                    status.finished_steps = msg.steps
+        async for _, msg in bus.read_all(stream):
+            status.fold(msg)
         if not status.started:
-            status.started = await bus.length(RunKeys(run_id).events) > 0
+            status.started = await bus.length(stream) > 0
+        if status.started and status.config is None and archive is not None:
+            found = await asyncio.to_thread(_archived_start, bus, stream, archive)
+            status.config = None if found is None else found.config
     finally:
         await bus.close()
     return status
+
+
+def _archived_start(bus: Any, stream: str, folder: Path) -> RunStarted | None:
+    """The newest RunStarted in a run's events archive (read only when the stream has none:
+    a run resumed long ago). Blocking: file reads."""
+    from bus.archive import read_archive
+    from bus.messages import RunStarted
+
+    newest = None
+    for entry in read_archive(folder):
+        # The event's type name is in its bytes: decode only the candidates.
+        if not any(b"RunStarted" in bytes(f) for f in entry.fields):
+            continue
+        decoded = bus.decode_entry(stream, entry.id, list(entry.fields))
+        if decoded is not None and isinstance(decoded[1], RunStarted):
+            newest = decoded[1]
+    return newest
 
 
 async def _ping(url: str, quick: bool = True) -> None:
@@ -175,6 +240,80 @@ def ping(url: str, quick: bool = True) -> None:
     asyncio.run(_ping(url, quick))
 
 
+# --------------------------------------------------------------------------- recorded config
+
+
+def _get(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _put(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = copy.deepcopy(value)
+
+
+def _known(dotted: str, keys: list[str]) -> bool:
+    return any(k == dotted or k.startswith(f"{dotted}.") for k in keys)
+
+
+def recorded_config(recorded: dict[str, Any], now: Config, warn: Callable[[str], None]) -> (
+    dict[str, Any]
+):
+    """The base tree a continued run loads on: the package defaults, the recorded config's
+    keys over them (a key this rlbus does not know is dropped, with a warning), and the
+    :data:`_HERE_AND_NOW` keys from ``now``."""
+    keys = known_keys()
+    base = default_dict()
+    for key in keys:
+        value = _get(recorded, key)
+        if value is not None or _leaf_is_null(recorded, key):
+            _put(base, key, value)
+    for key in _unknown_leaves(recorded, "", keys):
+        warn(f"the recorded config's key '{key}' is unknown to this rlbus: ignored")
+    current = config_to_dict(now)
+    for key in _HERE_AND_NOW:
+        _put(base, key, _get(current, key))
+    return base
+
+
+def _leaf_is_null(tree: dict[str, Any], dotted: str) -> bool:
+    *parents, leaf = dotted.split(".")
+    node = _get(tree, ".".join(parents)) if parents else tree
+    return isinstance(node, dict) and leaf in node and node[leaf] is None
+
+
+def _unknown_leaves(tree: dict[str, Any], prefix: str, keys: list[str]) -> Iterator[str]:
+    for name, value in tree.items():
+        dotted = f"{prefix}{name}"
+        if dotted in keys:
+            continue
+        if isinstance(value, dict) and _known(dotted, keys):
+            yield from _unknown_leaves(value, f"{dotted}.", keys)
+        else:
+            yield dotted
+
+
+def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, old, new)`` for every config key whose value differs, in key order, except
+    the :data:`_HERE_AND_NOW` keys."""
+    out = []
+    for key in known_keys():
+        if any(key == k or key.startswith(f"{k}.") for k in _HERE_AND_NOW):
+            continue
+        old, new = _get(before, key), _get(after, key)
+        if old != new:
+            out.append((key, old, new))
+    return out
+
+
 # --------------------------------------------------------------------------- children
 
 
@@ -187,6 +326,11 @@ class Child(msgspec.Struct):
     proc: subprocess.Popen[bytes] | None = None
     nice: int = 0  # > 0: off the critical path (its CPU goes to the others first)
     cpus: frozenset[int] | None = None  # CPUs of its own (run.cpu_affinity); None: any
+
+    @property
+    def started(self) -> bool:
+        """Whether its process was started (a child never started has nothing to stop)."""
+        return self.proc is not None
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -225,6 +369,11 @@ class Child(msgspec.Struct):
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(sig)
 
+    def wait(self, timeout_s: float) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout_s)
+
     def stop(self, grace_s: float = 10.0) -> None:
         stop_children([self], grace_s, None)
 
@@ -236,34 +385,43 @@ class Child(msgspec.Struct):
         return "\n".join(text.splitlines()[-lines:])
 
 
-class Supervisor:
-    """Records SIGINT/SIGTERM/SIGHUP instead of raising (``install`` / ``restore``)."""
+class _Console:
+    """Where ``rlbus up`` writes: stdout (stderr for errors) until stdout's reader goes
+    away; then the supervisor stops the run and what is left to say goes to stderr."""
 
-    def __init__(self) -> None:
-        self.signals: list[int] = []
-        self._previous: dict[int, Any] = {}
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.stdout_open = True
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.signals.append(signum)
+    def out(self, text: str) -> None:
+        if self.stdout_open:
+            try:
+                print(text, flush=True)
+                return
+            except (BrokenPipeError, ValueError):
+                self._closed()
+        self.err(text)
 
-    def install(self) -> Supervisor:
-        for sig in _SIGNAL_NAMES:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
-        return self
+    def err(self, text: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            print(text, file=sys.stderr, flush=True)
 
-    def restore(self) -> None:
-        for sig, old in self._previous.items():
-            with contextlib.suppress(ValueError, TypeError):
-                signal.signal(sig, old)
-        self._previous.clear()
+    def say(self, text: str) -> None:
+        self.err(f"rlbus up: {text}")
 
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signals[0] if self.signals else 0
+    def _closed(self) -> None:
+        self.stdout_open = False
+        self.sup.stdout_closed()
+        # Later writes (and the flush at exit) go nowhere instead of raising again.
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
 
 
 def _say(text: str) -> None:
-    print(f"rlbus up: {text}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError, ValueError):
+        print(f"rlbus up: {text}", file=sys.stderr, flush=True)
 
 
 def _descendants(child: Any) -> list[psutil.Process]:
@@ -277,24 +435,37 @@ def _descendants(child: Any) -> list[psutil.Process]:
 
 def stop_children(children: Sequence[Any], grace_s: float, sup: Supervisor | None) -> None:
     """SIGTERM every running child at once; SIGKILL whatever is left after ``grace_s`` or
-    at the next signal ``sup`` records; then SIGKILL processes they left behind."""
-    local = [c for c in children if hasattr(c, "send") and c.returncode() is None]
-    others = [c for c in children if not hasattr(c, "send")]
-    for c in others:  # Ray tasks: ray.cancel
-        c.stop(grace_s)
+    at the next signal ``sup`` records; then SIGKILL processes they left behind. Children
+    that never started are left alone."""
+    started = [c for c in children if c.started]
+    for c in started:
+        if not hasattr(c, "send"):  # Ray tasks: ray.cancel
+            c.stop(grace_s)
+    local = [c for c in started if hasattr(c, "send") and c.returncode() is None]
     if not local:
         return
+    # Counted before the line below: a signal sent on reading it is the second one.
     seen = len(sup.signals) if sup is not None else 0
     leftovers = {p.pid: p for c in local for p in _descendants(c)}
     _say(f"stopping {', '.join(c.name for c in local)} (SIGTERM; SIGKILL after {grace_s:g} s"
          + (" or at a second signal)" if sup is not None else ")"))
     for c in local:
         c.send(signal.SIGTERM)
+    _wait_or_kill(local, grace_s, sup, seen)
+    for c in local:
+        leftovers.update({p.pid: p for p in _descendants(c)})
+    _kill_leftovers(list(leftovers.values()))
+    _say("stopped " + ", ".join(f"{c.name} (exit {c.returncode()})" for c in local))
+
+
+def _wait_or_kill(local: list[Child], grace_s: float, sup: Supervisor | None, seen: int) -> None:
+    """Wait for ``local`` to exit; SIGKILL those still running after ``grace_s`` or once
+    ``sup`` holds more than ``seen`` signals."""
     deadline = time.monotonic() + grace_s
     while True:
         running = [c for c in local if c.returncode() is None]
         if not running:
-            break
+            return
         again = sup is not None and len(sup.signals) > seen
         if again or time.monotonic() >= deadline:
             why = "second signal" if again else f"still running after {grace_s:g} s"
@@ -302,18 +473,17 @@ def stop_children(children: Sequence[Any], grace_s: float, sup: Supervisor | Non
             for c in running:
                 c.send(signal.SIGKILL)
             for c in running:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    c.proc.wait(timeout=10)
-            break
+                c.wait(10)
+            return
         time.sleep(POLL_S)
-    for c in local:
-        leftovers.update({p.pid: p for p in _descendants(c)})
-    alive = [p for p in leftovers.values() if p.is_running()]
+
+
+def _kill_leftovers(procs: list[psutil.Process]) -> None:
+    alive = [p for p in procs if p.is_running()]
     for p in alive:
         with contextlib.suppress(psutil.Error):
             p.kill()
     psutil.wait_procs(alive, timeout=5)
-    _say("stopped " + ", ".join(f"{c.name} (exit {c.returncode()})" for c in local))
 
 
 def cpu_plan(
@@ -350,10 +520,12 @@ def _pin(cfg: Config, children: Sequence[Child]) -> None:
         child.cpus = plan.get(child.name)
 
 
-def _children(cfg: Config, config_path: Path, logs: Path) -> list[Child]:
+def _children(cfg: Config, config_path: Path, logs: Path, url: str | None) -> list[Child]:
     # `python -m rlbus ROLE`: each component prints its own progress lines into its log.
+    # `url`: the embedded server's, on the command line (config.yaml never names it: it
+    # changes at every start).
     py = [sys.executable, "-m", "rlbus"]
-    base = ["--config", str(config_path)]
+    base = ["--config", str(config_path), *([f"redis.url={url}"] if url else [])]
     children: list[Child] = []
     if cfg.global_profiler.tool is not None:
         children.append(Child("profiler", [*py, "profiler", *base], logs / "profiler.log"))
@@ -393,6 +565,7 @@ class _Summary(msgspec.Struct):
     samples: int = 0
     step_s: float = 0.0
     profiles: int = 0
+    past_profiles: int = 0
     warnings: int = 0
 
     def add(self, ev: StepFinished, started: float, target: float = 0.9) -> None:
@@ -419,15 +592,19 @@ class _Summary(msgspec.Struct):
                          f"({self.target_s:.1f} s)")
         if self.step_s > 0:
             parts.append(f"{self.samples / self.step_s:.0f} samples/s")
-        parts.append(f"{self.profiles} trace(s), {self.warnings} warning(s)")
+        traces = f"{self.profiles} trace(s)"
+        if self.past_profiles:
+            traces += f" (and {self.past_profiles} written before this session)"
+        parts.append(f"{traces}, {self.warnings} warning(s)")
         return "summary: " + "; ".join(parts)
 
 
 class _Progress:
     """A tqdm bar on a terminal; plain lines (logs, pipes, tests) otherwise."""
 
-    def __init__(self, total: int, initial: int) -> None:
+    def __init__(self, total: int, initial: int, console: _Console) -> None:
         self.total = total
+        self.console = console
         self.bar: Any = None
         if sys.stdout.isatty():
             from tqdm import tqdm
@@ -439,7 +616,7 @@ class _Progress:
         if self.bar is None:
             from bus.progress import step_line
 
-            print(step_line(ev, self.total), flush=True)
+            self.console.out(step_line(ev, self.total))
             return
         m = ev.metrics
         self.bar.update(max(0, ev.step - self.bar.n))
@@ -450,85 +627,130 @@ class _Progress:
 
     def say(self, text: str, err: bool = False) -> None:
         if self.bar is not None:
-            self.bar.write(text, file=sys.stderr if err else sys.stdout)
+            with contextlib.suppress(OSError):
+                self.bar.write(text, file=sys.stderr if err else sys.stdout)
+        elif err:
+            self.console.err(text)
         else:
-            print(text, file=sys.stderr if err else sys.stdout, flush=True)
+            self.console.out(text)
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.close()
+            with contextlib.suppress(OSError):
+                self.bar.close()
 
 
-async def _watch(cfg: Config, url: str, children: list[Any], since: str, sup: Supervisor,
-                 progress: _Progress, summary: _Summary) -> int:
-    """Show progress until the run finishes, a child fails or a signal arrives."""
-    from bus import Bus
-    from bus.messages import (
-        CheckpointSaved,
-        ComponentFailed,
-        Heartbeat,
-        ProfilerFinished,
-        ProfileStopped,
-        RunFinished,
-        StepFinished,
-        WarningRaised,
-        WeightsPublished,
-    )
+class _Watch:
+    """Shows a run's events until it finishes, a child fails or a signal arrives."""
 
-    keys = RunKeys(cfg.run.id or "")
-    finished_at: float | None = None
-    started = time.monotonic()
-    bus = Bus.from_url(url)
+    LINGER_S = 60.0
+    """How long components may take to exit after the run finished before they are stopped."""
+
+    def __init__(self, run_id: str, children: list[Any], sup: Supervisor, progress: _Progress,
+                 summary: _Summary, past_traces: set[tuple[str, str, int]]) -> None:
+        self.keys = RunKeys(run_id)
+        self.children = children
+        self.sup = sup
+        self.progress = progress
+        self.summary = summary
+        self.past_traces = past_traces
+        self.started = time.monotonic()
+        self.finished_at: float | None = None
+
+    async def run(self, url: str, since: str) -> int:
+        from bus import Bus
+
+        bus = Bus.from_url(url)
+        try:
+            last = since
+            while (rc := self._verdict()) is None:
+                entries, last = await bus.read_after(self.keys.events, last, count=500,
+                                                     block_ms=int(POLL_S * 1000))
+                for _, msg in entries:
+                    self._show(msg)
+            return rc
+        finally:
+            await bus.close()
+
+    def _verdict(self) -> int | None:
+        """The exit code once watching is over, else None."""
+        if self.sup.signals:
+            return self.sup.exit_code
+        for child in self.children:
+            rc = child.returncode()
+            if rc is not None and rc != 0:
+                self.progress.say(f"rlbus up: {child.name} failed (exit code {rc}); last lines "
+                                  f"of {child.log_path}:\n{child.log_tail()}", err=True)
+                return 1
+        if all(c.returncode() is not None for c in self.children):
+            if self.finished_at is None:
+                self.progress.say("rlbus up: every component exited but the run did not "
+                                  f"finish; see the logs in {self.children[0].log_path.parent}",
+                                  err=True)
+                return 1
+            return 0
+        if self.finished_at is not None and time.monotonic() - self.finished_at > self.LINGER_S:
+            waiting = [c.name for c in self.children if c.returncode() is None]
+            self.progress.say(f"rlbus up: run finished but {', '.join(waiting)} did not exit "
+                              f"within {self.LINGER_S:g} s; stopping them", err=True)
+            return 0
+        return None
+
+    def _show(self, msg: Message) -> None:
+        from bus import messages as m
+
+        handlers: dict[type, Callable[[Any], None]] = {
+            m.StepFinished: self._step,
+            m.WeightsPublished: self._weights,
+            m.ProfileStopped: self._profile,
+            m.ProfilerFinished: lambda e: self.progress.say(
+                f"profiler manifest: {e.manifest_path}"),
+            m.WarningRaised: self._warning,
+            m.ComponentFailed: lambda e: self.progress.say(
+                f"{e.role}{e.rank} failed: {e.error}", err=True),
+            m.RunFinished: self._finished,
+        }
+        handler = handlers.get(type(msg))
+        if handler is not None:
+            handler(msg)
+
+    def _step(self, ev: StepFinished) -> None:
+        self.summary.add(ev, self.started)
+        self.progress.step(ev)
+
+    def _weights(self, ev: Any) -> None:
+        if ev.version == 0:
+            self.progress.say("weights version 0 published; rollouters start")
+
+    def _profile(self, ev: ProfileStopped) -> None:
+        if ev.status != "ok" and _trace_key(ev) in self.past_traces:
+            # A resumed component reports the sessions it finds in the past as missed; the
+            # trace an earlier incarnation wrote stands (as in the manifest).
+            return
+        self.summary.profiles += ev.status == "ok"
+        self.progress.say(f"profile {ev.session_id} {ev.role}{ev.rank} steps "
+                          f"{ev.first_step}-{ev.last_step}: {ev.status} {ev.path}")
+
+    def _warning(self, ev: Any) -> None:
+        self.summary.warnings += 1
+        self.progress.say(f"warning from {ev.source}: {ev.message}")
+
+    def _finished(self, ev: Any) -> None:
+        self.progress.say(f"run {ev.run_id} finished after {ev.steps} steps ({ev.status})")
+        self.finished_at = time.monotonic()
+
+
+def _manifest_traces(cfg: Config) -> set[tuple[str, str, int]]:
+    """``(session, role, rank)`` of the traces the run's manifest lists as written (the
+    profiler service keeps it up to date; it also covers sessions archived from the log)."""
+    from profiling import profile_root
+
     try:
-        last = since
-        while True:
-            if sup.signals:
-                return sup.exit_code
-            for child in children:
-                rc = child.returncode()
-                if rc is not None and rc != 0:
-                    progress.say(f"rlbus up: {child.name} failed (exit code {rc}); last lines "
-                                 f"of {child.log_path}:\n{child.log_tail()}", err=True)
-                    return 1
-            if all(c.returncode() is not None for c in children):
-                if finished_at is None:
-                    progress.say("rlbus up: every component exited but the run did not finish; "
-                                 f"see the logs in {children[0].log_path.parent}", err=True)
-                    return 1
-                return 0
-            if finished_at is not None and time.monotonic() - finished_at > 60:
-                waiting = [c.name for c in children if c.returncode() is None]
-                progress.say(f"rlbus up: run finished but {', '.join(waiting)} did not exit "
-                             "within 60 s; stopping them", err=True)
-                return 0
-            entries, last = await bus.read_after(keys.events, last, count=500,
-                                                 block_ms=int(POLL_S * 1000))
-            for _, msg in entries:
-                match msg:
-                    case StepFinished():
-                        summary.add(msg, started)
-                        progress.step(msg)
-                    case WeightsPublished(version=0):
-                        progress.say("weights version 0 published; rollouters start")
-                    case ProfileStopped():
-                        summary.profiles += msg.status == "ok"
-                        progress.say(f"profile {msg.session_id} {msg.role}{msg.rank} steps "
-                                     f"{msg.first_step}-{msg.last_step}: {msg.status} {msg.path}")
-                    case ProfilerFinished():
-                        progress.say(f"profiler manifest: {msg.manifest_path}")
-                    case WarningRaised():
-                        summary.warnings += 1
-                        progress.say(f"warning from {msg.source}: {msg.message}")
-                    case ComponentFailed():
-                        progress.say(f"{msg.role}{msg.rank} failed: {msg.error}", err=True)
-                    case RunFinished():
-                        progress.say(f"run {msg.run_id} finished after {msg.steps} steps "
-                                     f"({msg.status})")
-                        finished_at = time.monotonic()
-                    case CheckpointSaved() | Heartbeat():
-                        pass
-    finally:
-        await bus.close()
+        data = json.loads((profile_root(cfg) / "manifest.json").read_text())
+        return {(s["id"], s["role"], int(s["rank"])) for s in data.get("sessions", [])
+                if s.get("status") == "ok"}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
 
 
 # --------------------------------------------------------------------------- rlbus up
@@ -548,100 +770,250 @@ def resume_command(argv: Sequence[str], run_id: str) -> str:
     return shlex.join([_prog(), "up", *kept, f"run.id={run_id}"])
 
 
-def run_up(cfg: Config, argv: Sequence[str] = ()) -> int:
-    """Run the whole job; returns the exit code (0 when the run finished)."""
-    cfg = resolve_run_id(cfg)
-    run_id = cfg.run.id or ""
-    out = Path(cfg.run.output_dir)
-    run_dir = out / run_id
-    url = expanded_url(cfg)
-    if url is not None:
-        asyncio.run(_ping(url))  # BusUnavailable: one line from the CLI, nothing on disk
-    sup = Supervisor().install()
-    server: EmbeddedRedis | None = None
-    children: list[Any] = []
-    summary = _Summary()
-    rc = 1
-    started_children = False
-    wall0 = time.monotonic()
+def run_up(cfg: Config, argv: Sequence[str] = (), sup: Supervisor | None = None) -> int:
+    """Run the whole job; returns the exit code (0 when the run finished).
+
+    ``sup``: a :class:`Supervisor` the caller installed as early as it could (else one is
+    installed now); restored before returning. ``argv``: the command's arguments, for the
+    resume command and for the overrides a continued run applies to its recorded config."""
+    sup = sup if sup is not None else Supervisor().install()
     try:
-        if url is None:
-            server = EmbeddedRedis(out / "redis", port=cfg.redis.port, binary=cfg.redis.binary)
-            server.start()
-            url = server.url
-            server_file(cfg).write_text(json.dumps({"url": url, "pid": server.pid}))
-            print(f"embedded Redis at {url} (data in {out / 'redis'})", flush=True)
-        total = cfg.trainer.total_training_steps
-        # A new run (embedded Redis, no run folder yet) has no log to consult: its
-        # components start at once, and the checks below run while they import torch.
-        fresh = server is not None and not run_dir.exists()
-        status = RunStatus() if fresh else asyncio.run(run_status(url, run_id))
-        if status.finished_steps is not None:
-            if status.finished_steps >= total:
-                print(f"run {run_id} already finished after {status.finished_steps} steps: "
-                      f"nothing to do (a new run needs a new run.id; inspect it with "
-                      f"`{_prog()} inspect --run {run_id} run.output_dir={cfg.run.output_dir}`)",
-                      flush=True)
-                return 0
-            print(f"run {run_id} finished after {status.finished_steps} steps: continuing it "
-                  f"to {total} (trainer.total_training_steps)", flush=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tree = config_to_dict(cfg)
-        if cfg.redis.url is None:
-            tree["redis"]["url"] = url  # the embedded server: no credentials in it
-        config_path = run_dir / "config.yaml"
-        config_path.write_text(yaml.safe_dump(tree, sort_keys=False))
-        children = _children(cfg, config_path, run_dir / "logs")
-        if cfg.run.launcher == "ray":
-            from rlbus.ray_launcher import init_ray, ray_children
-
-            init_ray(cfg.run.ray_address, num_cpus=max(2, len(children)))
-            gpus = 1.0 if cfg.trainer.device.startswith("cuda") else 0.0
-            children = ray_children(children, trainer_gpus=gpus)
-            print(f"Ray launcher: {len(children)} tasks", flush=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        # A new run's stream is empty: its progress is read from the start.
-        since = "0" if fresh else asyncio.run(_latest_id(url, RunKeys(run_id).events))
-        if status.started:
-            print(f"resuming run {run_id} after step {status.last_step}", flush=True)
-        if not sup.signals:
-            for child in children:
-                child.start(env)
-            started_children = True
-            pids = ", ".join(
-                f"{c.name} (pid {c.pid})" if getattr(c, "pid", None) else c.name
-                for c in children
-            )
-            print(f"run {run_id}: {pids}; logs in {run_dir / 'logs'}", flush=True)
-            from metrics_logger import logger_warnings
-
-            for warning in logger_warnings(cfg):
-                _say(f"warning: {warning}")
-            progress = _Progress(total, status.last_step)
-            try:
-                rc = asyncio.run(_watch(cfg, url, children, since, sup, progress, summary))
-            finally:
-                progress.close()
-        else:
-            rc = sup.exit_code
-        if sup.signals:
-            _say(f"{_SIGNAL_NAMES.get(sup.signals[0], str(sup.signals[0]))} received; "
-                 "stopping the run")
-            rc = sup.exit_code
+        return _Up(cfg, argv, sup).run()
     finally:
-        stop_children(children, cfg.run.stop_grace_s, sup)
-        if server is not None:
-            server.stop()
-            with contextlib.suppress(OSError):
-                server_file(cfg).unlink()
         sup.restore()
-    if started_children:
-        print(summary.line(run_id, cfg.trainer.total_training_steps,
-                           time.monotonic() - wall0), flush=True)
-        _print_outputs(cfg, run_dir, rc)
-        if rc != 0:
-            print(f"  resume       {resume_command(argv, run_id)}", flush=True)
-    return rc
+
+
+class _Up:
+    """One ``rlbus up``: each method one stage; ``run`` stops whatever started."""
+
+    def __init__(self, cfg: Config, argv: Sequence[str], sup: Supervisor) -> None:
+        self.cfg = resolve_run_id(cfg)
+        self.argv = list(argv)
+        self.sup = sup
+        self.console = _Console(sup)
+        self.run_id = self.cfg.run.id or ""
+        self.run_dir = Path(self.cfg.run.output_dir) / self.run_id
+        self.url = ""
+        self.server: EmbeddedRedis | None = None
+        self.ray = False
+        self.children: list[Any] = []
+        self.started = False
+        self.fresh = False
+        self.status = RunStatus()
+        self.summary = _Summary()
+        self.wall0 = time.monotonic()
+
+    def run(self) -> int:
+        rc = 1
+        try:
+            rc = self._run()
+        except Interrupted:
+            rc = self.sup.exit_code
+        except (_Refused, RedisStartError, RedisBinaryNotFound, RayUnavailable) as exc:
+            self.console.say(f"error: {exc}")
+        finally:
+            rc = self._stop(rc)
+        self._report(rc)
+        return rc
+
+    def _run(self) -> int:
+        self.sup.check()
+        self._check_ray_address()
+        self._connect()
+        self.sup.check()
+        done = self._consult_log()
+        if done is not None:
+            return done
+        config_path = self._write_config()
+        self._place(config_path)
+        self._start_children()
+        return self._watch()
+
+    # ---- stages
+
+    def _check_ray_address(self) -> None:
+        """An unreachable ``run.ray_address`` is one line before anything is created."""
+        run = self.cfg.run
+        if run.launcher == "ray" and run.ray_address:
+            from rlbus.ray_launcher import probe_address, ray_endpoint
+
+            ray_endpoint(run.ray_address)  # a malformed address: exit 2 before the wait line
+            self.console.out(f"waiting for Ray at {run.ray_address} (up to "
+                             f"{run.ray_connect_timeout_s:g} s, run.ray_connect_timeout_s)")
+            probe_address(run.ray_address, run.ray_connect_timeout_s, lambda: self.sup.cancelled)
+            self.sup.check()
+
+    def _connect(self) -> None:
+        url = expanded_url(self.cfg)
+        if url is not None:
+            asyncio.run(_ping(url))  # BusUnavailable: one line from the CLI, nothing on disk
+            self.url = url
+            return
+        data = _data_dir(self.cfg)
+        self.server = EmbeddedRedis(data, port=self.cfg.redis.port, binary=self.cfg.redis.binary)
+        try:
+            self.server.start(cancelled=lambda: self.sup.cancelled)
+        except RedisStartCancelled:
+            raise Interrupted from None
+        except RedisDirInUse as exc:
+            self.server = None  # not ours: never stopped by this command
+            owner = exc.owner
+            raise _Refused(
+                f"run.output_dir={self.cfg.run.output_dir} is in use: its embedded Redis "
+                f"(pid {owner.pid}, {owner.url or 'starting'}) belongs to another rlbus "
+                f"process (pid {owner.owner_pid}); wait for that one to end, or give this run "
+                "another run.output_dir") from None
+        self.url = self.server.url
+        self.console.out(f"embedded Redis at {self.url} (data in {data})")
+
+    def _consult_log(self) -> int | None:
+        """Read the run's log: a continued run takes its recorded config (with this
+        command's on top); a finished one ends here (the exit code), else None."""
+        # A new run (embedded Redis, no run folder yet) has no log to consult: its
+        # components start at once.
+        self.fresh = self.server is not None and not self.run_dir.exists()
+        if self.fresh:
+            return None
+        archive = self.run_dir / "events"
+        self.status = asyncio.run(run_status(self.url, self.run_id, archive))
+        if self.status.config is not None:
+            self._take_recorded_config(self.status.config)
+        total, done = self.cfg.trainer.total_training_steps, self.status.finished_steps
+        if done is None:
+            return None
+        if done >= total:
+            self.console.out(
+                f"run {self.run_id} already finished after {done} steps: nothing to do (a new "
+                f"run needs a new run.id; inspect it with `{_prog()} inspect --run "
+                f"{self.run_id} run.output_dir={self.cfg.run.output_dir}`)")
+            return 0
+        self.console.out(f"run {self.run_id} finished after {done} steps: continuing it to "
+                         f"{total} (trainer.total_training_steps)")
+        return None
+
+    def _take_recorded_config(self, recorded: dict[str, Any]) -> None:
+        file, overrides = parse_config_args(self.argv)
+        base = recorded_config(recorded, self.cfg, self.console.say)
+        merged = load_config(file, overrides, base=base,
+                             on_warning=lambda m: self.console.say(f"warning: {m}"))
+        changes = config_changes(base, config_to_dict(merged))
+        self.console.out(f"run {self.run_id}: the config recorded in its log"
+                         + (", changed here:" if changes else " (nothing changed)"))
+        for key, old, new in changes:
+            self.console.out(f"  {key}: {_show_value(old)} -> {_show_value(new)}")
+        self.cfg = merged
+
+    def _write_config(self) -> Path:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tree = config_to_dict(self.cfg)  # an embedded server's URL is never in it
+        path = self.run_dir / "config.yaml"
+        path.write_text(yaml.safe_dump(tree, sort_keys=False))
+        return path
+
+    def _place(self, config_path: Path) -> None:
+        embedded = self.url if self.server is not None else None
+        children = _children(self.cfg, config_path, self.run_dir / "logs", embedded)
+        if self.cfg.run.launcher == "ray":
+            children = self._on_ray(children)
+        self.children = children
+
+    def _on_ray(self, children: list[Child]) -> list[Any]:
+        from rlbus.ray_launcher import init_ray, ray_children
+
+        self.ray = True
+        run = self.cfg.run
+        try:
+            init_ray(run.ray_address, max(2, len(children)), run.ray_connect_timeout_s,
+                     lambda: self.sup.cancelled)
+        except SystemExit:  # Ray's own SIGTERM handler, active during ray.init
+            self.sup.signals.append(signal.SIGTERM)
+        finally:
+            self.sup.install()  # ray.init replaced our SIGTERM handler
+        self.sup.check()
+        gpus = 1.0 if self.cfg.trainer.device.startswith("cuda") else 0.0
+        placed = ray_children(children, trainer_gpus=gpus)
+        self.console.out(f"Ray launcher: {len(placed)} tasks")
+        return placed
+
+    def _start_children(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.status.started:
+            self.console.out(f"resuming run {self.run_id} after step {self.status.last_step}")
+        for child in self.children:
+            self.sup.check()
+            child.start(env)
+            self.started = True
+        pids = ", ".join(
+            f"{c.name} (pid {c.pid})" if getattr(c, "pid", None) else c.name
+            for c in self.children
+        )
+        self.console.out(f"run {self.run_id}: {pids}; logs in {self.run_dir / 'logs'}")
+        from metrics_logger import logger_warnings
+
+        for warning in logger_warnings(self.cfg):
+            self.console.say(f"warning: {warning}")
+
+    def _watch(self) -> int:
+        # A new run's stream is empty: its progress is read from the start.
+        events = RunKeys(self.run_id).events
+        since = "0" if self.fresh else asyncio.run(_latest_id(self.url, events))
+        past = self.status.traces | _manifest_traces(self.cfg) if self.status.started else set()
+        self.summary.past_profiles = len(past)
+        progress = _Progress(self.cfg.trainer.total_training_steps, self.status.last_step,
+                             self.console)
+        watch = _Watch(self.run_id, self.children, self.sup, progress, self.summary, past)
+        try:
+            return asyncio.run(watch.run(self.url, since))
+        finally:
+            progress.close()
+
+    # ---- the end
+
+    def _stop(self, rc: int) -> int:
+        """Stop what started (children, Ray, the embedded server); the exit code."""
+        signalled = bool(self.sup.signals)
+        if signalled:
+            self.console.say(f"{self.sup.first} received; stopping the run")
+        stop_children(self.children, self.cfg.run.stop_grace_s, self.sup)
+        if self.ray:
+            from rlbus.ray_launcher import shutdown_ray
+
+            shutdown_ray()
+        if self.server is not None:
+            self.server.stop()
+            if signalled and not self.started:
+                self.console.say(f"stopped the embedded Redis ({self.server.dir})")
+        return self.sup.exit_code if signalled else rc
+
+    def _report(self, rc: int) -> None:
+        if self.started:
+            self.console.out(self.summary.line(self.run_id, self.cfg.trainer.total_training_steps,
+                                               time.monotonic() - self.wall0))
+            self._outputs(rc)
+        if rc != 0 and (self.started or self.sup.signals):
+            self.console.out(f"  resume       {resume_command(self.argv, self.run_id)}")
+
+    def _outputs(self, rc: int) -> None:
+        from profiling import profile_root
+
+        cfg, out = self.cfg, self.console.out
+        out(f"\noutputs of run {self.run_id}{'' if rc == 0 else ' (stopped before the end)'}:")
+        out(f"  config       {self.run_dir / 'config.yaml'}")
+        out(f"  checkpoints  {self.run_dir / 'checkpoints'}")
+        out(f"  logs         {self.run_dir / 'logs'}")
+        if _wants_logger(cfg):
+            out(f"  tensorboard  tensorboard --logdir {self.run_dir / 'tensorboard'}")
+        if cfg.global_profiler.tool is not None:
+            out(f"  traces       {profile_root(cfg)} (manifest.json)")
+        if cfg.redis.url is None:
+            out(f"  event log    {_data_dir(cfg)} (Redis AOF)")
+        out(f"  inspect      {_prog()} inspect --run {self.run_id}"
+            + (f" --config {self.run_dir / 'config.yaml'}" if cfg.redis.url else "")
+            + f" run.output_dir={cfg.run.output_dir}")
+
+
+def _show_value(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value
 
 
 async def _latest_id(url: str, stream: str) -> str:
@@ -653,21 +1025,3 @@ async def _latest_id(url: str, stream: str) -> str:
         return latest[0] if latest else "0"
     finally:
         await bus.close()
-
-
-def _print_outputs(cfg: Config, run_dir: Path, rc: int) -> None:
-    from profiling import profile_root
-
-    print(f"\noutputs of run {cfg.run.id}{'' if rc == 0 else ' (stopped before the end)'}:")
-    print(f"  config       {run_dir / 'config.yaml'}")
-    print(f"  checkpoints  {run_dir / 'checkpoints'}")
-    print(f"  logs         {run_dir / 'logs'}")
-    if _wants_logger(cfg):
-        print(f"  tensorboard  tensorboard --logdir {run_dir / 'tensorboard'}")
-    if cfg.global_profiler.tool is not None:
-        print(f"  traces       {profile_root(cfg)} (manifest.json)")
-    if cfg.redis.url is None:
-        print(f"  event log    {Path(cfg.run.output_dir) / 'redis'} (Redis AOF)")
-    print(f"  inspect      {_prog()} inspect --run {cfg.run.id}"
-          + (f" --config {run_dir / 'config.yaml'}" if cfg.redis.url else "")
-          + f" run.output_dir={cfg.run.output_dir}", flush=True)

@@ -4,19 +4,46 @@ Ray only schedules: every component still runs as ``python -m PACKAGE`` (a child
 worker, which dies with it) and talks to the others through Redis, exactly as under the local
 launcher. On a cluster, ``run.ray_address`` names the cluster and the trainer asks for a GPU
 when ``trainer.device`` is ``cuda``; ``redis.url`` must then be reachable from every node.
+
+Waiting for Ray is bounded by ``run.ray_connect_timeout_s``: :func:`probe_address` checks that
+``run.ray_address`` accepts a TCP connection before ``ray.init`` is called (``ray.init`` on an
+address where nothing listens retries for many minutes), and :func:`init_ray` turns any
+failure to connect or to start a local Ray into one :class:`RayUnavailable` naming it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
+import psutil
 
-from bus import pdeathsig_hook
+from bus.server import pdeathsig_hook
+from runconfig import ConfigError
 
-__all__ = ["RayChild", "init_ray", "ray_children"]
+__all__ = [
+    "RayChild",
+    "RayUnavailable",
+    "init_ray",
+    "probe_address",
+    "ray_children",
+    "ray_endpoint",
+    "shutdown_ray",
+]
+
+_PROBE_EVERY_S = 0.5
+"""Pause between two connection attempts to ``run.ray_address``."""
+
+
+class RayUnavailable(Exception):
+    """Ray could not be reached (``run.ray_address``) or started (a local Ray) in time."""
 
 
 def _run_component(argv: list[str], log_path: str) -> int:
@@ -38,6 +65,11 @@ class RayChild(msgspec.Struct):
     num_gpus: float = 0.0
     ref: Any = None
     rc: int | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether its task was submitted (a child never started has nothing to stop)."""
+        return self.ref is not None
 
     def start(self, env: dict[str, str]) -> None:
         import ray
@@ -61,11 +93,12 @@ class RayChild(msgspec.Struct):
         return self.rc
 
     def stop(self, grace_s: float = 15.0) -> None:
+        if self.ref is None or self.returncode() is not None:
+            return
         import ray
 
-        if self.ref is not None and self.returncode() is None:
-            ray.cancel(self.ref, force=True)
-            self.rc = self.rc if self.rc is not None else -15
+        ray.cancel(self.ref, force=True)
+        self.rc = -15
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -87,13 +120,102 @@ def ray_children(children: list[Any], trainer_gpus: float) -> list[RayChild]:
     return out
 
 
-def init_ray(address: str | None, num_cpus: int) -> None:
+def ray_endpoint(address: str) -> tuple[str, int] | None:
+    """Where ``address`` listens: ``HOST:PORT`` or ``SCHEME://HOST:PORT``; None for Ray's
+    ``auto`` and ``local``, which name no socket. A malformed one is a config error."""
+    if address in ("auto", "local"):
+        return None
+    parts = urlsplit(address if "://" in address else f"ray-gcs://{address}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None:
+        raise ConfigError("run.ray_address", f"{address!r} is not HOST:PORT, ray://HOST:PORT, "
+                                             "auto or local")
+    return parts.hostname, port
+
+
+def probe_address(address: str, timeout_s: float,
+                  cancelled: Callable[[], bool] = lambda: False) -> None:
+    """Return once ``address`` accepts a TCP connection; raise :class:`RayUnavailable` naming
+    it when it has not within ``timeout_s`` seconds. Returns early when ``cancelled()``
+    (a signal arrived: the caller stops). ``auto``/``local`` are left to ``ray.init``."""
+    where = ray_endpoint(address)
+    if where is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection(where, timeout=max(0.1, min(2.0, left))):
+                return
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+        if cancelled():
+            return
+        if time.monotonic() >= deadline:
+            raise RayUnavailable(f"no Ray cluster answers at run.ray_address={address} "
+                                 f"({why}; waited {timeout_s:g} s, run.ray_connect_timeout_s)")
+        time.sleep(min(_PROBE_EVERY_S, max(0.0, deadline - time.monotonic())))
+
+
+def init_ray(address: str | None, num_cpus: int, timeout_s: float = 60.0,
+             cancelled: Callable[[], bool] = lambda: False) -> None:
+    """Connect to ``address`` (probed first: see :func:`probe_address`) or start a local Ray.
+
+    A local start that Ray itself gives up on (its node waits a fixed 30 s for the raylet,
+    which a loaded machine can exceed) is retried while ``timeout_s`` lasts. Every failure is
+    one :class:`RayUnavailable` naming the address or the local start."""
     import ray
 
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        probe_address(address, timeout_s, cancelled)
+        if cancelled():
+            return
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except Exception as exc:  # whatever ray.init raises: one line naming the address
+            raise RayUnavailable(f"cannot connect to Ray at run.ray_address={address}: "
+                                 f"{type(exc).__name__}: {exc}") from None
+        return
+    _start_local(num_cpus, timeout_s, cancelled)
 
+
+def _start_local(num_cpus: int, timeout_s: float, cancelled: Callable[[], bool]) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as exc:  # e.g. "The current node timed out during startup"
+            shutdown_ray()
+            # A node that failed in its constructor is unknown to ray.shutdown: its GCS and
+            # raylet are our children started by this attempt.
+            _kill_new_children(before)
+            if cancelled() or time.monotonic() >= deadline:
+                raise RayUnavailable(
+                    f"cannot start a local Ray within {timeout_s:g} s "
+                    f"(run.ray_connect_timeout_s): {type(exc).__name__}: {exc}") from None
+
+
+def _kill_new_children(before: set[int]) -> None:
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for proc in new:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(new, timeout=5)
+
+
+def shutdown_ray() -> None:
+    """Disconnect from Ray, stopping a local Ray this process started (nothing left running)."""
+    import ray
+
+    # ray.shutdown() is a no-op when nothing was started; a half-started Ray may raise.
+    with contextlib.suppress(Exception):
+        ray.shutdown()

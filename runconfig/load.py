@@ -294,26 +294,33 @@ class _Builder:
         self.set(parent, options, self.origin.get(parent, a.key))
 
     def _verl(self, a: Assignment, row: verl_table.VerlKey) -> None:
-        if row.kind == "ignored":
-            if a.key not in self.warned:
-                self.warned.add(a.key)
-                self.warn(f"config key '{a.key}' is verl's and has no meaning in rlbus: "
-                          f"ignored ({row.note})")
+        handler = {"ignored": self._verl_ignored, "fixed": self._verl_fixed,
+                   "derived": self._verl_derived}.get(row.kind, self._verl_alias)
+        handler(a, row)
+
+    def _verl_ignored(self, a: Assignment, row: verl_table.VerlKey) -> None:
+        if a.key not in self.warned:
+            self.warned.add(a.key)
+            self.warn(f"config key '{a.key}' is verl's and has no meaning in rlbus: "
+                      f"ignored ({row.note})")
+
+    @staticmethod
+    def _verl_fixed(a: Assignment, row: verl_table.VerlKey) -> None:
+        if a.verb == "delete" or a.value in row.values:
             return
-        if row.kind == "fixed":
-            if a.verb == "delete" or a.value in row.values:
-                return
-            allowed = " or ".join(repr(v) for v in row.values)
-            raise ConfigError(a.key, f"rlbus supports only {allowed}, got {a.value!r}: {row.note}")
-        if row.kind == "derived":
-            if a.verb == "add":
-                raise ConfigError(a.key, "'+' adds a key the config does not have, and it has "
-                                         f"this one: write {a.key}=VALUE")
-            if a.verb == "delete":
-                self.derived.pop(a.key, None)
-            else:
-                self.derived[a.key] = a.value
-            return
+        allowed = " or ".join(repr(v) for v in row.values)
+        raise ConfigError(a.key, f"rlbus supports only {allowed}, got {a.value!r}: {row.note}")
+
+    def _verl_derived(self, a: Assignment, row: verl_table.VerlKey) -> None:
+        if a.verb == "add":
+            raise ConfigError(a.key, "'+' adds a key the config does not have, and it has "
+                                     f"this one: write {a.key}=VALUE")
+        if a.verb == "delete":
+            self.derived.pop(a.key, None)
+        else:
+            self.derived[a.key] = a.value
+
+    def _verl_alias(self, a: Assignment, row: verl_table.VerlKey) -> None:
         value = a.value
         if row.convert is not None and a.verb != "delete":
             try:
@@ -378,7 +385,15 @@ def _key_of(message: str) -> str:
 
 
 def _check_cross_fields(cfg: Config) -> None:
-    m, t, p = cfg.model, cfg.task, cfg.global_profiler
+    _check_model(cfg)
+    _check_task(cfg)
+    if cfg.rollout.rank >= cfg.rollout.replicas:
+        raise ConfigError("rollout.rank", f"must be < rollout.replicas={cfg.rollout.replicas}")
+    _check_profiler(cfg)
+
+
+def _check_model(cfg: Config) -> None:
+    m, t = cfg.model, cfg.task
     if m.d_model % m.n_heads:
         raise ConfigError("model.n_heads", f"must divide model.d_model={m.d_model}")
     if m.kind == "hf" and not m.path:
@@ -391,15 +406,23 @@ def _check_cross_fields(cfg: Config) -> None:
             raise ConfigError("model.max_len", f"{m.max_len} is too short: prompts of "
                               f"{t.max_digits + 2} tokens plus rollout.max_new_tokens="
                               f"{cfg.rollout.max_new_tokens} need model.max_len >= {need}")
+
+
+def _check_task(cfg: Config) -> None:
+    t = cfg.task
     if t.min_digits > t.max_digits:
         raise ConfigError("task.min_digits", f"must be <= task.max_digits={t.max_digits}")
     if t.kind == "jsonl" and not t.path:
         raise ConfigError("task.path", "task.kind=jsonl needs a JSONL file")
-    if cfg.rollout.rank >= cfg.rollout.replicas:
-        raise ConfigError("rollout.rank", f"must be < rollout.replicas={cfg.rollout.replicas}")
+
+
+def _check_profiler(cfg: Config) -> None:
+    p = cfg.global_profiler
     total = cfg.trainer.total_training_steps
+    # Refused with the tool off too: a run that never reaches a step cannot profile it once
+    # the tool is turned on (a resume keeps the steps it recorded).
     late = [s for s in p.steps if s > total]
-    if p.tool is not None and late:
+    if late:
         raise ConfigError(
             "global_profiler.steps", f"steps {late} are past trainer.total_training_steps={total}"
         )
@@ -412,6 +435,17 @@ def _check_cross_fields(cfg: Config) -> None:
         raise ConfigError(
             "global_profiler.ranks", f"ranks {bad_ranks} >= rollout.replicas={cfg.rollout.replicas}"
         )
+
+
+def _warn_profiling_off(builder: _Builder, cfg: Config) -> None:
+    """Steps given without a tool profile nothing: say so (once, naming both keys)."""
+    p = cfg.global_profiler
+    given = builder.defaults["global_profiler"].get("steps")
+    if (p.tool is None and p.steps and p.steps != given
+            and "global_profiler.steps" in builder.explicit):
+        by = builder.origin.get("global_profiler.steps", "global_profiler.steps")
+        builder.warn(f"config key '{by}' ({p.steps}) has no effect: profiling is off "
+                     f"(global_profiler.tool is null; set it to {', '.join(TOOLS)})")
 
 
 def apply_override(tree: dict[str, Any], override: str) -> None:
@@ -463,6 +497,7 @@ def load_config(
             key = f"{key}.{field.group(1)}" if field and key != "<config>" else key
         raise builder.error(key, text.split(" - at ")[0]) from None
     _check_cross_fields(cfg)
+    _warn_profiling_off(builder, cfg)
     return cfg
 
 

@@ -62,6 +62,7 @@ class RunConfig(_Section, frozen=True):
     output_dir: str = "outputs"
     launcher: Literal["local", "ray"] = "local"
     ray_address: str | None = None
+    ray_connect_timeout_s: PosFloat = 60.0
     stop_grace_s: PosFloat = 10.0
     progress_interval_s: PosFloat = 10.0
     retention: Literal["checkpoint", "all"] = "checkpoint"

@@ -354,59 +354,89 @@ def derive(
     through an alias). Raises :class:`VerlError` naming the verl key at fault.
     """
     out: list[tuple[str, Any, str]] = []
+    for rule in (_response_length, _total_steps, _profiler_roles, _profiler_contents):
+        found = rule(given, tree, explicit)
+        if found is not None:
+            out.append(found)
+    return out
 
-    def get(dotted: str) -> Any:
-        node: Any = tree
-        for part in dotted.split("."):
-            node = node[part]
-        return node
 
+def _get(tree: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+Derived = tuple[str, Any, str] | None
+
+
+def _response_length(given: Mapping[str, Any], tree: Mapping[str, Any],
+                     explicit: frozenset[str] | set[str]) -> Derived:
+    """data.max_response_length -> rollout.max_new_tokens, unless that is given itself."""
     key = "data.max_response_length"
     if key in given and "rollout.max_new_tokens" not in explicit:
-        out.append(("rollout.max_new_tokens", given[key], key))
+        return "rollout.max_new_tokens", given[key], key
+    return None
 
+
+def _total_steps(given: Mapping[str, Any], tree: Mapping[str, Any],
+                 explicit: frozenset[str] | set[str]) -> Derived:
+    """rollout.total_rollout_steps (prompts) -> trainer.total_training_steps (updates)."""
     key = "rollout.total_rollout_steps"
-    if key in given:
-        total = given[key]
-        mini, batches = get("trainer.ppo_mini_batch_size"), get("async_training.require_batches")
-        if not isinstance(total, int) or isinstance(total, bool) or total < 1:
-            raise VerlError(key, f"expected a positive int, got {total!r}")
-        if isinstance(mini, int) and isinstance(batches, int) and mini > 0 and batches > 0:
-            steps = total // (mini * batches)
-            if steps < 1:
-                raise VerlError(key, f"{total} prompts make no step of ppo_mini_batch_size x "
-                                     f"require_batches = {mini * batches} prompts")
-            if "trainer.total_training_steps" in explicit and get(
-                "trainer.total_training_steps"
-            ) != steps:
-                raise VerlError(key, f"gives {steps} steps but trainer.total_training_steps="
-                                     f"{get('trainer.total_training_steps')}; give one of them")
-            out.append(("trainer.total_training_steps", steps, key))
+    if key not in given:
+        return None
+    total = given[key]
+    mini, batches = _get(tree, "trainer.ppo_mini_batch_size"), _get(
+        tree, "async_training.require_batches")
+    if not isinstance(total, int) or isinstance(total, bool) or total < 1:
+        raise VerlError(key, f"expected a positive int, got {total!r}")
+    if not (isinstance(mini, int) and isinstance(batches, int) and mini > 0 and batches > 0):
+        return None  # the schema reports the bad batch key itself
+    steps = total // (mini * batches)
+    if steps < 1:
+        raise VerlError(key, f"{total} prompts make no step of ppo_mini_batch_size x "
+                             f"require_batches = {mini * batches} prompts")
+    configured = _get(tree, "trainer.total_training_steps")
+    if "trainer.total_training_steps" in explicit and configured != steps:
+        raise VerlError(key, f"gives {steps} steps but trainer.total_training_steps="
+                             f"{configured}; give one of them")
+    return "trainer.total_training_steps", steps, key
 
-    flags = {role: given.get(f"actor_rollout_ref.{verl}.profiler.enable")
-             for role, verl in (("trainer", "actor"), ("rollouter", "rollout"))}
-    if any(v is not None for v in flags.values()):
-        key = next(f"actor_rollout_ref.{v}.profiler.enable" for r, v in
-                   (("trainer", "actor"), ("rollouter", "rollout")) if flags[r] is not None)
-        for role, flag in flags.items():
-            if flag is not None and not isinstance(flag, bool):
-                verl = "actor" if role == "trainer" else "rollout"
-                raise VerlError(f"actor_rollout_ref.{verl}.profiler.enable",
-                                f"expected true or false, got {flag!r}")
-        if "global_profiler.roles" in explicit:
-            raise VerlError(key, "conflicts with global_profiler.roles; give one of them")
-        out.append(("global_profiler.roles", [r for r, f in flags.items() if f], key))
 
-    lists = {k: given[k] for k in (
-        "actor_rollout_ref.actor.profiler.tool_config.torch.contents",
-        "actor_rollout_ref.rollout.profiler.tool_config.torch.contents",
-    ) if k in given}
-    if lists:
-        key, value = next(iter(lists.items()))
-        if len({repr(v) for v in lists.values()}) > 1:
-            raise VerlError(key, "rlbus applies one contents list to every role; the actor's "
-                                 "and the rollout's differ")
-        if "global_profiler.contents" in explicit and get("global_profiler.contents") != value:
-            raise VerlError(key, "conflicts with global_profiler.contents; give one of them")
-        out.append(("global_profiler.contents", value, key))
-    return out
+_ROLE_FLAGS = (("trainer", "actor_rollout_ref.actor.profiler.enable"),
+               ("rollouter", "actor_rollout_ref.rollout.profiler.enable"))
+
+
+def _profiler_roles(given: Mapping[str, Any], tree: Mapping[str, Any],
+                    explicit: frozenset[str] | set[str]) -> Derived:
+    """verl's per-role profiler.enable flags -> global_profiler.roles."""
+    flags = {role: given.get(key) for role, key in _ROLE_FLAGS}
+    set_keys = [key for role, key in _ROLE_FLAGS if flags[role] is not None]
+    if not set_keys:
+        return None
+    for role, key in _ROLE_FLAGS:
+        if flags[role] is not None and not isinstance(flags[role], bool):
+            raise VerlError(key, f"expected true or false, got {flags[role]!r}")
+    if "global_profiler.roles" in explicit:
+        raise VerlError(set_keys[0], "conflicts with global_profiler.roles; give one of them")
+    return "global_profiler.roles", [r for r, f in flags.items() if f], set_keys[0]
+
+
+_CONTENTS = ("actor_rollout_ref.actor.profiler.tool_config.torch.contents",
+             "actor_rollout_ref.rollout.profiler.tool_config.torch.contents")
+
+
+def _profiler_contents(given: Mapping[str, Any], tree: Mapping[str, Any],
+                       explicit: frozenset[str] | set[str]) -> Derived:
+    """verl's per-role torch contents -> global_profiler.contents (one list for all)."""
+    lists = {k: given[k] for k in _CONTENTS if k in given}
+    if not lists:
+        return None
+    key, value = next(iter(lists.items()))
+    if len({repr(v) for v in lists.values()}) > 1:
+        raise VerlError(key, "rlbus applies one contents list to every role; the actor's "
+                             "and the rollout's differ")
+    if "global_profiler.contents" in explicit and _get(tree, "global_profiler.contents") != value:
+        raise VerlError(key, "conflicts with global_profiler.contents; give one of them")
+    return "global_profiler.contents", value, key

@@ -16,6 +16,7 @@ from runconfig import (
     resolve_run_id,
     verl,
 )
+from tests.procs import run_cli
 
 
 def test_yaml_defaults_match_the_schema_defaults() -> None:
@@ -62,11 +63,42 @@ def test_bad_values_name_the_key(override: str, key: str) -> None:
     assert f"'{key}'" in str(info.value)
 
 
-def test_profile_steps_past_the_run_are_refused() -> None:
+@pytest.mark.parametrize("tool", [["global_profiler.tool=torch"], []], ids=["torch", "off"])
+def test_profile_steps_past_the_run_are_refused(tool: list[str]) -> None:
+    # With profiling off too: a step the run never reaches is a mistake either way.
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["global_profiler.tool=torch", "trainer.total_training_steps=5",
+        load_config(None, [*tool, "trainer.total_training_steps=5",
                            "global_profiler.steps=[1,6]"])
     assert info.value.key == "global_profiler.steps"
+    assert "[6]" in str(info.value) and "total_training_steps=5" in str(info.value)
+
+
+def test_profile_steps_without_a_tool_warn_that_profiling_is_off(tmp_path: Path) -> None:
+    warnings: list[str] = []
+    cfg = load_config(None, ["global_profiler.steps=[1,3]"], on_warning=warnings.append)
+    assert cfg.global_profiler.tool is None
+    assert len(warnings) == 1, warnings
+    assert "'global_profiler.steps'" in warnings[0] and "profiling is off" in warnings[0]
+    assert "global_profiler.tool" in warnings[0]
+    # Nothing to say: the tool is set, or the steps are the defaults (a saved config.yaml).
+    for quiet in (["global_profiler.steps=[1,3]", "global_profiler.tool=torch"],
+                  ["global_profiler.steps=[1]"], []):
+        warnings.clear()
+        load_config(None, quiet, on_warning=warnings.append)
+        assert warnings == [], (quiet, warnings)
+    f = tmp_path / "c.yaml"
+    f.write_text("global_profiler:\n  steps: [2]\n")
+    load_config(f, on_warning=warnings.append)
+    assert len(warnings) == 1 and "profiling is off" in warnings[0]
+
+
+def test_cli_says_profiling_is_off_and_refuses_a_late_step() -> None:
+    res = run_cli("config", "--show", "global_profiler.steps", "global_profiler.steps=[1,3]")
+    assert res.returncode == 0 and res.stdout == "[1, 3]\n", res.stderr
+    assert res.stderr.count("\n") == 1 and "profiling is off" in res.stderr, res.stderr
+    res = run_cli("config", "global_profiler.steps=[500]")
+    assert res.returncode == 2 and "'global_profiler.steps'" in res.stderr, res.stderr
+    assert "trainer.total_training_steps=300" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_bad_file_names_config(tmp_path: Path) -> None:
