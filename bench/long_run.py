@@ -136,6 +136,7 @@ from bus import (
     pulse,
 )
 from bus.blobs import RedisBlobStore
+from bus.files import atomic_write
 from bus.history import events_folder, read_history
 from bus.keys import RUNS_STREAM
 from profiler_service.schedule import decide
@@ -385,10 +386,7 @@ class Driver:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         data = self.writer.snapshot()
         self.last_snapshot = data
-        side = self.ckpt_dir / f"step-{step:06d}.state"
-        tmp = side.with_suffix(".state-tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, side)
+        atomic_write(self.ckpt_dir / f"step-{step:06d}.state", data)
 
     def ckpt_path(self, step: int) -> Path:
         return self.ckpt_dir / f"step-{step:06d}.pt"

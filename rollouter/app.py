@@ -51,7 +51,7 @@ from bus.messages import (
 from policy import build_policy, resolve_device
 from policy.text import build_tokenizer
 from policy.weights import from_bytes
-from profiling import create_agent
+from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from profiling.steps import StepClock, follow, observe
 from runconfig import Config
@@ -545,6 +545,8 @@ class Rollouter(Component):
     async def serve(self) -> int:
         # Alive from the first moment (the runtime's pulse): building a large model must not
         # look like death.
+        # Kineto on the thread that imported torch, before the worker's agent warms up.
+        prepare_main_thread(self.cfg, str(self.device))
         await self.off(self._build)
         settle_heap()
         await self.consumer.ensure_group()

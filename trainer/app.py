@@ -22,6 +22,7 @@ log, loads the latest checkpoint and re-applies the steps after it (:func:`train
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -39,7 +40,7 @@ from bus.messages import (
     StepStarted,
     WarningRaised,
 )
-from profiling import create_agent
+from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from runconfig import Config, config_to_dict
 from runtime import Component
@@ -49,7 +50,6 @@ from trainer.dispatch import ROLLOUTER_GROUP, Dispatch
 from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale, Verdict
 from trainer.learner import Learner
 from trainer.lease import acquire, token
-from trainer.ledger import ticket_id
 from trainer.metrics import StepMeter
 from trainer.resume import rebuild, write_checkpoint
 from trainer.retention import trim_after_checkpoint
@@ -95,6 +95,7 @@ class Trainer(Component):
         self.consumer = Consumer(bus, self.keys.samples, GROUP, CONSUMER, dlq_stream=self.keys.dlq)
         self.upcoming: StepWork | None = None  # the next step, started early (_loop)
         self.update_s = 0.0  # the worker's compute time in the last step
+        self.waiting: str | None = None  # what start-up waits for, told by the heartbeat
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -107,7 +108,7 @@ class Trainer(Component):
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(role="trainer", rank=0, pid=os.getpid(),
-                         state=f"step {self.writer.state.last_step}",
+                         state=self.waiting or f"step {self.writer.state.last_step}",
                          metrics={"trainer/version": float(self.learner.version)})
 
     async def publish(self, *events: Event) -> None:
@@ -115,10 +116,8 @@ class Trainer(Component):
         await self.writer.publish(*events)
 
     async def teardown(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # Redis may be what failed: the lease lapses
             await self.lease.release()
-        except Exception:  # Redis may be what failed: the lease lapses by itself
-            pass
 
     def _build(self) -> None:
         """The model, and the profiler agent when profiling is on (worker thread)."""
@@ -136,6 +135,8 @@ class Trainer(Component):
             self.say(f"run {self.run_id} already finished at step {state.last_step}")
             return 0
         self.meter.loop_cpu_at = time.thread_time()
+        # Kineto on the thread that imported torch, before the worker's agent warms up.
+        prepare_main_thread(self.cfg, str(self.learner.device))
         await self.off(self._build)
         self.learner.build_optimizer()  # on a thread of its own; weights v0 serialise meanwhile
         resumed = state.started
@@ -156,10 +157,8 @@ class Trainer(Component):
             return 1
         finally:
             if self.learner.building is not None:
-                try:
+                with contextlib.suppress(Exception):  # raised where awaited, or moot now
                     await self.learner.building
-                except Exception:  # its error was raised where it was awaited, or moot now
-                    pass
             if self.upcoming is not None:
                 await self.upcoming.settle()
 
@@ -276,8 +275,13 @@ class Trainer(Component):
 
     async def _wait_for_profiler(self) -> None:
         timeout = self.cfg.global_profiler.handshake_timeout_s
-        if await self.watch.wait_for_profiler(timeout, self.writer.check_fenced):
-            return
+        self.waiting = "waiting for ProfilerReady"
+        self.pulse_now()
+        try:
+            if await self.watch.wait_for_profiler(timeout, self.writer.check_fenced):
+                return
+        finally:
+            self.waiting = None
         self.say(f"no ProfilerReady from the profiler service within {timeout} s; going on "
                  "without waiting", error=True)
         await self.publish(WarningRaised(
@@ -385,31 +389,12 @@ class Trainer(Component):
 
     def _waiting_for(self) -> str:
         """What the trainer waits for, in words (stall warnings and failures)."""
-        ledger = self.writer.state.ledger
-        waiting = sorted(i for i in ledger.open if i not in self.intake.taken)
-        partial = [g for g in self.intake.groups.values() if not g.complete]
-        versions = sorted({ledger.open[i].version for i in waiting})
-        shown = ", ".join(ticket_id(i) for i in waiting[:8]) + (" ..." if len(waiting) > 8 else "")
-        return (f"{len(self.intake.ready)}/{self.need} groups ready for step "
-                f"{self.writer.state.last_step + 1}; {len(waiting)} open ticket(s) unanswered "
-                f"({shown}; weights versions {versions}; {len(partial)} partly answered); "
-                f"trainer holds weights v{self.learner.version}; rollouters alive: "
-                f"{self.watch.rollouters_state()}")
+        return self.intake.waiting_for(self.writer.state.ledger, self.need,
+                                       self.writer.state.last_step + 1, self.learner.version,
+                                       self.watch.rollouters_state())
 
     def _run_metrics(self, duration: float, n_samples: int) -> dict[str, float]:
-        ledger = self.writer.state.ledger
-        return {
-            "trainer/idle_ratio": self.meter.idle_ratio(duration),
-            "trainer/update_s": self.update_s,
-            "trainer/loop_cpu_s": self.meter.loop_cpu(),
-            "rollouter/idle_ratio": self.watch.idle_ratio(),
-            "samples/queue_depth": float(self.intake.queued_samples()),
-            "throughput/samples_per_s": n_samples / duration if duration > 0 else 0.0,
-            "tickets/issued": float(ledger.issued),
-            "tickets/outstanding": float(ledger.outstanding),
-            "tickets/budget": float(self.dispatch.capacity),
-            "tickets/reissued": float(self.dispatch.reissued),
-            "samples/refused": float(self.intake.refused),
-            "rollout/failures": float(self.watch.rollout_failures),
-            "staleness/discarded_groups": float(self.intake.discarded),
-        }
+        return self.meter.report(duration, n_samples, update_s=self.update_s,
+                                 ledger=self.writer.state.ledger, capacity=self.dispatch.capacity,
+                                 reissued=self.dispatch.reissued, intake=self.intake,
+                                 watch=self.watch)

@@ -27,7 +27,7 @@ import msgspec
 
 from bus import Delivery
 from bus.messages import Sample
-from trainer.ledger import Ledger, ticket_index
+from trainer.ledger import Ledger, ticket_id, ticket_index
 from trainer.validate import check_sample, values_in_range
 
 __all__ = ["Complete", "Duplicate", "Group", "Intake", "Refuse", "Stale", "Verdict"]
@@ -171,3 +171,15 @@ class Intake:
         self.taken.add(group.index)
         self.ready.append(group)
         return Complete(group)
+
+    def waiting_for(self, ledger: Ledger, need: int, step: int, version: int,
+                    rollouters: str) -> str:
+        """What a trainer gathering ``step`` waits for, in words (stall warnings, failures)."""
+        waiting = sorted(i for i in ledger.open if i not in self.taken)
+        partial = [g for g in self.groups.values() if not g.complete]
+        versions = sorted({ledger.open[i].version for i in waiting})
+        shown = ", ".join(ticket_id(i) for i in waiting[:8]) + (" ..." if len(waiting) > 8 else "")
+        return (f"{len(self.ready)}/{need} groups ready for step {step}; {len(waiting)} open "
+                f"ticket(s) unanswered ({shown}; weights versions {versions}; {len(partial)} "
+                f"partly answered); trainer holds weights v{version}; rollouters alive: "
+                f"{rollouters}")

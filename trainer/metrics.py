@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from trainer.intake import Group
+from trainer.intake import Group, Intake
+from trainer.ledger import Ledger
+
+if TYPE_CHECKING:
+    from trainer.watch import Watch
 
 __all__ = ["StepMeter"]
 
@@ -50,3 +55,22 @@ class StepMeter:
 
     def idle_ratio(self, duration: float) -> float:
         return min(1.0, self.wait_s / duration) if duration > 0 else 0.0
+
+    def report(self, duration: float, n_samples: int, *, update_s: float, ledger: Ledger,
+               capacity: int, reissued: int, intake: Intake, watch: Watch) -> dict[str, float]:
+        """The run's gauges at the end of a step (call it on the event loop's thread)."""
+        return {
+            "trainer/idle_ratio": self.idle_ratio(duration),
+            "trainer/update_s": update_s,
+            "trainer/loop_cpu_s": self.loop_cpu(),
+            "rollouter/idle_ratio": watch.idle_ratio(),
+            "samples/queue_depth": float(intake.queued_samples()),
+            "throughput/samples_per_s": n_samples / duration if duration > 0 else 0.0,
+            "tickets/issued": float(ledger.issued),
+            "tickets/outstanding": float(ledger.outstanding),
+            "tickets/budget": float(capacity),
+            "tickets/reissued": float(reissued),
+            "samples/refused": float(intake.refused),
+            "rollout/failures": float(watch.rollout_failures),
+            "staleness/discarded_groups": float(intake.discarded),
+        }

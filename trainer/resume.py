@@ -21,6 +21,7 @@ import msgspec
 import torch
 
 from bus import Bus, RunKeys
+from bus.files import atomic_file, atomic_write
 from bus.history import read_history
 from bus.messages import Sample, StepFinished, TrainerResumed
 from trainer.state import StepRecord, TrainerState, apply
@@ -58,16 +59,12 @@ def write_checkpoint(folder: Path, step: int, version: int, policy: torch.nn.Mod
     the worker thread)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step:06d}.pt"
-    tmp = path.with_suffix(".tmp")
-    torch.save({"step": step, "version": version, "model": policy.state_dict(),
-                "optimizer": optimizer.state_dict()}, tmp)
-    with open(tmp, "rb+") as f:  # durable before the log says it exists (retention trims)
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic: a crash leaves the old checkpoint or the new one
-    side = path.with_suffix(".state")
-    tmp = side.with_suffix(".state-tmp")
-    tmp.write_bytes(snapshot)
-    os.replace(tmp, side)
+    # Durable before the log says it exists (retention trims); atomic: a crash leaves the
+    # old checkpoint or the new one.
+    with atomic_file(path) as fh:
+        torch.save({"step": step, "version": version, "model": policy.state_dict(),
+                    "optimizer": optimizer.state_dict()}, fh)
+    atomic_write(path.with_suffix(".state"), snapshot)
     return path
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import msgspec
 
 from bus import Bus, RunKeys
-from bus.archive import fsync_path
+from bus.files import fsync_path
 from bus.history import Archived, archive_below, events_folder
 from bus.messages import WarningRaised, WeightsPublished
 from bus.streams import entry_key
