@@ -22,7 +22,7 @@ from profiler_service.request import (
     new_request_id,
     request_profile,
 )
-from rlbus.launcher import RunStatus, run_status
+from rlbus.runlog import RunStatus, run_status
 
 __all__ = ["WITHDRAWN_PREFIX", "live_run_status", "profile_live_run", "refusal_for"]
 
@@ -52,7 +52,7 @@ def refusal_for(run_id: str, started: bool, finished_steps: int | None,
 
 
 async def live_run_status(url: str, run_id: str) -> RunStatus:
-    """What the run's log says about it (rlbus.launcher.run_status). Under
+    """What the run's log says about it (rlbus.runlog.run_status). Under
     ``run.retention=checkpoint`` a long run's RunStarted may have been archived and trimmed
     from its events stream (run_status still sees that it started): then the run's entry in
     the discovery stream (``rlbus:runs``, written with the first RunStarted) gives its

@@ -23,7 +23,8 @@ import pytest
 
 from bus.server import dir_owner
 from rlbus import launcher
-from rlbus.launcher import Child, cpu_plan, run_up, stop_children
+from rlbus.children import Child, cpu_plan, stop_children
+from rlbus.launcher import run_up
 from rlbus.ray_launcher import RayChild
 from runconfig import load_config
 from tests.procs import FAST
@@ -264,7 +265,7 @@ def test_a_signal_while_children_start_stops_those_started(
     logs = tmp_path / "logs"
     children = [Child("a", SLEEP, logs / "a.log"), _CtrlC("b", SLEEP, logs / "b.log"),
                 Child("c", SLEEP, logs / "c.log")]
-    monkeypatch.setattr(launcher, "_children", lambda *args: children)
+    monkeypatch.setattr(launcher, "build_children", lambda *args: children)
     cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.id=sig", "run.stop_grace_s=600"])
     rc = run_up(cfg, ["run.id=sig"])
     out = capsys.readouterr()

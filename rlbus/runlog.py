@@ -1,0 +1,188 @@
+"""What a run's log says to ``rlbus up`` and ``rlbus profile``: whether and how far the run
+got (:func:`run_status`), and the config its latest RunStarted recorded, which a continued
+run reuses with this command's overrides on top (:func:`recorded_config`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+# Only what `rlbus up` needs before its components start; the bus client, the message
+# schemas (numpy) and redis load after that (the components import torch meanwhile).
+from bus.keys import RunKeys
+from runconfig import (
+    Config,
+    config_to_dict,
+    default_dict,
+    known_keys,
+)
+
+if TYPE_CHECKING:
+    from bus.messages import Message, ProfileStopped, RunStarted
+
+__all__ = [
+    "HERE_AND_NOW",
+    "RunStatus",
+    "config_changes",
+    "recorded_config",
+    "run_status",
+    "trace_key",
+]
+
+HERE_AND_NOW = ("redis", "run.id", "run.output_dir", "run.launcher", "run.ray_address",
+                 "run.ray_connect_timeout_s")
+"""Keys a continued run takes from the command given now, never from its recorded config:
+where its data lives and how this command places the components (the recorded
+``redis.url`` may name an embedded server that is gone)."""
+
+
+class RunStatus(msgspec.Struct):
+    """What a run's log says about it (from its latest RunStarted on)."""
+
+    started: bool = False
+    last_step: int = 0
+    finished_steps: int | None = None
+    config: dict[str, Any] | None = None
+    traces: set[tuple[str, str, int]] = msgspec.field(default_factory=set)
+
+    def fold(self, msg: Message) -> None:
+        """Take one event of the log, in log order."""
+        from bus.messages import ProfileStopped, RunFinished, RunStarted, StepFinished
+
+        match msg:
+            case RunStarted():
+                self.started = True
+                self.finished_steps = None
+                self.config = msg.config
+            case StepFinished():
+                self.last_step = max(self.last_step, msg.step)
+            case RunFinished():
+                self.finished_steps = msg.steps
+            case ProfileStopped(status="ok"):
+                self.traces.add(trace_key(msg))
+
+
+def trace_key(msg: ProfileStopped) -> tuple[str, str, int]:
+    return msg.session_id, msg.role, msg.rank
+
+
+async def run_status(url: str, run_id: str, archive: Path | None = None) -> RunStatus:
+    """Fold run ``run_id``'s events stream into a :class:`RunStatus` (one XRANGE pass).
+
+    The stream only: under ``run.retention=checkpoint`` it holds a few checkpoint windows
+    (older events are archived), and a resume must not read the whole past. A run whose
+    RunStarted was archived still has entries: it has started, and its config is the one of
+    the newest RunStarted in ``archive`` (the run's events folder), when that is here."""
+    from bus import Bus
+
+    status = RunStatus()
+    stream = RunKeys(run_id).events
+    bus = Bus.from_url(url, client_name="rlbus-status")
+    try:
+        async for _, msg in bus.read_all(stream):
+            status.fold(msg)
+        if not status.started:
+            status.started = await bus.length(stream) > 0
+        if status.started and status.config is None and archive is not None:
+            found = await asyncio.to_thread(_archived_start, bus, stream, archive)
+            status.config = None if found is None else found.config
+    finally:
+        await bus.close()
+    return status
+
+
+def _archived_start(bus: Any, stream: str, folder: Path) -> RunStarted | None:
+    """The newest RunStarted in a run's events archive (read only when the stream has none:
+    a run resumed long ago). Blocking: file reads."""
+    from bus.archive import read_archive
+    from bus.messages import RunStarted
+
+    newest = None
+    for entry in read_archive(folder):
+        # The event's type name is in its bytes: decode only the candidates.
+        if not any(b"RunStarted" in bytes(f) for f in entry.fields):
+            continue
+        decoded = bus.decode_entry(stream, entry.id, list(entry.fields))
+        if decoded is not None and isinstance(decoded[1], RunStarted):
+            newest = decoded[1]
+    return newest
+
+
+
+
+
+def _get(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _put(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = copy.deepcopy(value)
+
+
+def _known(dotted: str, keys: list[str]) -> bool:
+    return any(k == dotted or k.startswith(f"{dotted}.") for k in keys)
+
+
+def recorded_config(recorded: dict[str, Any], now: Config, warn: Callable[[str], None]) -> (
+    dict[str, Any]
+):
+    """The base tree a continued run loads on: the package defaults, the recorded config's
+    keys over them (a key this rlbus does not know is dropped, with a warning), and the
+    :data:`HERE_AND_NOW` keys from ``now``."""
+    keys = known_keys()
+    base = default_dict()
+    for key in keys:
+        value = _get(recorded, key)
+        if value is not None or _leaf_is_null(recorded, key):
+            _put(base, key, value)
+    for key in _unknown_leaves(recorded, "", keys):
+        warn(f"the recorded config's key '{key}' is unknown to this rlbus: ignored")
+    current = config_to_dict(now)
+    for key in HERE_AND_NOW:
+        _put(base, key, _get(current, key))
+    return base
+
+
+def _leaf_is_null(tree: dict[str, Any], dotted: str) -> bool:
+    *parents, leaf = dotted.split(".")
+    node = _get(tree, ".".join(parents)) if parents else tree
+    return isinstance(node, dict) and leaf in node and node[leaf] is None
+
+
+def _unknown_leaves(tree: dict[str, Any], prefix: str, keys: list[str]) -> Iterator[str]:
+    for name, value in tree.items():
+        dotted = f"{prefix}{name}"
+        if dotted in keys:
+            continue
+        if isinstance(value, dict) and _known(dotted, keys):
+            yield from _unknown_leaves(value, f"{dotted}.", keys)
+        else:
+            yield dotted
+
+
+def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, old, new)`` for every config key whose value differs, in key order, except
+    the :data:`HERE_AND_NOW` keys."""
+    out = []
+    for key in known_keys():
+        if any(key == k or key.startswith(f"{k}.") for k in HERE_AND_NOW):
+            continue
+        old, new = _get(before, key), _get(after, key)
+        if old != new:
+            out.append((key, old, new))
+    return out

@@ -1,0 +1,229 @@
+"""How ``rlbus up`` watches a run it started: the progress bar or lines from the run's events
+stream, the children's exits, and the summary at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+# Only what `rlbus up` needs before its components start; the bus client, the message
+# schemas (numpy) and redis load after that (the components import torch meanwhile).
+from bus.keys import RunKeys
+from rlbus.children import POLL_S, Console
+from rlbus.runlog import trace_key
+from rlbus.supervise import Supervisor
+from runconfig import Config
+
+if TYPE_CHECKING:
+    from bus.messages import Message, ProfileStopped, StepFinished
+
+__all__ = [
+    "Progress",
+    "RunWatch",
+    "Summary",
+    "manifest_traces",
+]
+
+class Summary(msgspec.Struct):
+    steps: int = 0
+    first_reward: float | None = None
+    last_reward: float | None = None
+    best_reward: float | None = None
+    target_step: int | None = None
+    target_s: float | None = None
+    samples: int = 0
+    step_s: float = 0.0
+    profiles: int = 0
+    past_profiles: int = 0
+    warnings: int = 0
+
+    def add(self, ev: StepFinished, started: float, target: float = 0.9) -> None:
+        r = ev.metrics.get("reward/mean")
+        self.steps += 1
+        self.samples += len(ev.sample_ids)
+        self.step_s += ev.duration_s
+        if r is None or r != r:  # NaN
+            return
+        self.first_reward = r if self.first_reward is None else self.first_reward
+        self.last_reward = r
+        self.best_reward = r if self.best_reward is None else max(self.best_reward, r)
+        if self.target_step is None and r >= target:
+            self.target_step = ev.step
+            self.target_s = time.monotonic() - started
+
+    def line(self, run_id: str, total: int, wall_s: float) -> str:
+        parts = [f"run {run_id}: {self.steps} step(s) this session (of {total}) in {wall_s:.1f} s"]
+        if self.first_reward is not None:
+            parts.append(f"reward {self.first_reward:.3f} -> {self.last_reward:.3f} "
+                         f"(best {self.best_reward:.3f})")
+        if self.target_step is not None:
+            parts.append(f"reward >= 0.9 first at step {self.target_step} "
+                         f"({self.target_s:.1f} s)")
+        if self.step_s > 0:
+            parts.append(f"{self.samples / self.step_s:.0f} samples/s")
+        traces = f"{self.profiles} trace(s)"
+        if self.past_profiles:
+            traces += f" (and {self.past_profiles} written before this session)"
+        parts.append(f"{traces}, {self.warnings} warning(s)")
+        return "summary: " + "; ".join(parts)
+
+
+class Progress:
+    """A tqdm bar on a terminal; plain lines (logs, pipes, tests) otherwise."""
+
+    def __init__(self, total: int, initial: int, console: Console) -> None:
+        self.total = total
+        self.console = console
+        self.bar: Any = None
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                            file=sys.stdout)
+
+    def step(self, ev: StepFinished) -> None:
+        if self.bar is None:
+            from bus.progress import step_line
+
+            self.console.out(step_line(ev, self.total))
+            return
+        m = ev.metrics
+        self.bar.update(max(0, ev.step - self.bar.n))
+        self.bar.set_postfix_str(
+            f"reward {m.get('reward/mean', float('nan')):.3f} staleness "
+            f"{m.get('staleness/mean', 0.0):.2f} {m.get('throughput/samples_per_s', 0.0):.0f}/s"
+        )
+
+    def say(self, text: str, err: bool = False) -> None:
+        if self.bar is not None:
+            with contextlib.suppress(OSError):
+                self.bar.write(text, file=sys.stderr if err else sys.stdout)
+        elif err:
+            self.console.err(text)
+        else:
+            self.console.out(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            with contextlib.suppress(OSError):
+                self.bar.close()
+
+
+class RunWatch:
+    """Shows a run's events until it finishes, a child fails or a signal arrives."""
+
+    LINGER_S = 60.0
+    """How long components may take to exit after the run finished before they are stopped."""
+
+    def __init__(self, run_id: str, children: list[Any], sup: Supervisor, progress: Progress,
+                 summary: Summary, past_traces: set[tuple[str, str, int]]) -> None:
+        self.keys = RunKeys(run_id)
+        self.children = children
+        self.sup = sup
+        self.progress = progress
+        self.summary = summary
+        self.past_traces = past_traces
+        self.started = time.monotonic()
+        self.finished_at: float | None = None
+
+    async def run(self, url: str, since: str) -> int:
+        from bus import Bus
+
+        bus = Bus.from_url(url)
+        try:
+            last = since
+            while (rc := self._verdict()) is None:
+                entries, last = await bus.read_after(self.keys.events, last, count=500,
+                                                     block_ms=int(POLL_S * 1000))
+                for _, msg in entries:
+                    self._show(msg)
+            return rc
+        finally:
+            await bus.close()
+
+    def _verdict(self) -> int | None:
+        """The exit code once watching is over, else None."""
+        if self.sup.signals:
+            return self.sup.exit_code
+        for child in self.children:
+            rc = child.returncode()
+            if rc is not None and rc != 0:
+                self.progress.say(f"rlbus up: {child.name} failed (exit code {rc}); last lines "
+                                  f"of {child.log_path}:\n{child.log_tail()}", err=True)
+                return 1
+        if all(c.returncode() is not None for c in self.children):
+            if self.finished_at is None:
+                self.progress.say("rlbus up: every component exited but the run did not "
+                                  f"finish; see the logs in {self.children[0].log_path.parent}",
+                                  err=True)
+                return 1
+            return 0
+        if self.finished_at is not None and time.monotonic() - self.finished_at > self.LINGER_S:
+            waiting = [c.name for c in self.children if c.returncode() is None]
+            self.progress.say(f"rlbus up: run finished but {', '.join(waiting)} did not exit "
+                              f"within {self.LINGER_S:g} s; stopping them", err=True)
+            return 0
+        return None
+
+    def _show(self, msg: Message) -> None:
+        from bus import messages as m
+
+        handlers: dict[type, Callable[[Any], None]] = {
+            m.StepFinished: self._step,
+            m.WeightsPublished: self._weights,
+            m.ProfileStopped: self._profile,
+            m.ProfilerFinished: lambda e: self.progress.say(
+                f"profiler manifest: {e.manifest_path}"),
+            m.WarningRaised: self._warning,
+            m.ComponentFailed: lambda e: self.progress.say(
+                f"{e.role}{e.rank} failed: {e.error}", err=True),
+            m.RunFinished: self._finished,
+        }
+        handler = handlers.get(type(msg))
+        if handler is not None:
+            handler(msg)
+
+    def _step(self, ev: StepFinished) -> None:
+        self.summary.add(ev, self.started)
+        self.progress.step(ev)
+
+    def _weights(self, ev: Any) -> None:
+        if ev.version == 0:
+            self.progress.say("weights version 0 published; rollouters start")
+
+    def _profile(self, ev: ProfileStopped) -> None:
+        if ev.status != "ok" and trace_key(ev) in self.past_traces:
+            # A resumed component reports the sessions it finds in the past as missed; the
+            # trace an earlier incarnation wrote stands (as in the manifest).
+            return
+        self.summary.profiles += ev.status == "ok"
+        self.progress.say(f"profile {ev.session_id} {ev.role}{ev.rank} steps "
+                          f"{ev.first_step}-{ev.last_step}: {ev.status} {ev.path}")
+
+    def _warning(self, ev: Any) -> None:
+        self.summary.warnings += 1
+        self.progress.say(f"warning from {ev.source}: {ev.message}")
+
+    def _finished(self, ev: Any) -> None:
+        self.progress.say(f"run {ev.run_id} finished after {ev.steps} steps ({ev.status})")
+        self.finished_at = time.monotonic()
+
+
+def manifest_traces(cfg: Config) -> set[tuple[str, str, int]]:
+    """``(session, role, rank)`` of the traces the run's manifest lists as written (the
+    profiler service keeps it up to date; it also covers sessions archived from the log)."""
+    from profiling import profile_root
+
+    try:
+        data = json.loads((profile_root(cfg) / "manifest.json").read_text())
+        return {(s["id"], s["role"], int(s["rank"])) for s in data.get("sessions", [])
+                if s.get("status") == "ok"}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
