@@ -1,5 +1,10 @@
 """Reading streams as logs: every reader keeps its own cursor, no consumer group.
 
+Two reads: a range (:meth:`LogCommands.read_all`, for small streams read whole) and one read
+after a cursor (:meth:`LogCommands.read_after`, the primitive of every poll loop). Following
+a run's events log (archive then stream, each entry once, from a tracking position) is
+:class:`runtime.Follower`, built on these and on :func:`bus.history.read_history`.
+
 Decisions:
 
 - **Bad entries** (undecodable bytes, unknown type, newer schema version) are skipped
@@ -11,8 +16,6 @@ Decisions:
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from bus.client import BusClient, block_args
@@ -53,46 +56,6 @@ class LogCommands(BusClient):
             if len(page) < count:
                 return
             cursor = b"(" + page[-1][0]
-
-    async def tail(
-        self,
-        stream: str,
-        last_id: str = "$",
-        *,
-        block_ms: int = 1000,
-        count: int = 100,
-        on_bad: OnBad | None = None,
-        stop: asyncio.Event | None = None,
-        idle_timeout_s: float | None = None,
-    ) -> AsyncIterator[Entry]:
-        """Entries after ``last_id`` as they arrive. Wraps XREAD BLOCK.
-
-        ``last_id="$"``: only entries newer than the current last one (resolved once, so
-        nothing published between two reads is missed). ``last_id="0"``: the whole log from
-        its beginning, then new entries. Stops when ``stop`` is set or after
-        ``idle_timeout_s`` without an entry; each wait is at most ``block_ms``. Otherwise it
-        runs until the caller breaks out.
-        """
-        cursor: str | bytes = last_id
-        if last_id == "$":
-            newest = await self._latest_id(stream)
-            cursor = newest if newest is not None else b"0-0"
-        block = block_args(block_ms if block_ms > 0 else 1)
-        idle_since = time.monotonic()
-        while stop is None or not stop.is_set():
-            reply = await self.command(
-                "XREAD", "COUNT", count, *block, "STREAMS", stream, cursor, block_ms=block_ms
-            )
-            if reply:
-                entries = reply[0][1]
-                cursor = entries[-1][0]
-                idle_since = time.monotonic()
-                for entry_id, fields in entries:
-                    entry = decode_fields(stream, entry_id, fields, on_bad)
-                    if entry is not None:
-                        yield entry
-            elif idle_timeout_s is not None and time.monotonic() - idle_since >= idle_timeout_s:
-                return
 
     async def read_after(
         self,

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
-from bus import Bus, Entry, entry_key
+from bus import BadEntry, Bus, Entry, entry_key
 from bus.history import read_history
 
 __all__ = ["Follower"]
@@ -42,7 +42,8 @@ class Follower:
     (:func:`bus.history.events_folder`), read when the stream was trimmed past the position."""
 
     def __init__(self, bus: Bus, stream: str, position: str = "0", *, fold: Fold | None = None,
-                 archive: Path | None = None, count: int = 1000) -> None:
+                 archive: Path | None = None, count: int = 1000,
+                 on_bad: Callable[[BadEntry], None] | None = None) -> None:
         self.bus = bus
         self.stream = stream
         self.position = position
@@ -50,6 +51,8 @@ class Follower:
         self.fold = fold
         self.archive = archive
         self.count = count
+        self.on_bad = on_bad
+        """Told of every entry passed over as garbage (logged by the bus either way)."""
         self.caught_up = False
         """The last read reached the end of the stream."""
 
@@ -72,7 +75,8 @@ class Follower:
         hears of a trimmed range the archive here does not hold."""
         batch: list[Entry] = []
         async for entry in read_history(self.bus, self.stream, self.archive, self.position,
-                                        count=self.count, on_gap=on_gap):
+                                        count=self.count, on_bad=self.on_bad,
+                                        on_gap=on_gap):
             batch.append(entry)
             if len(batch) >= self.count:
                 yield self._take(batch)
@@ -92,6 +96,7 @@ class Follower:
         """One read of the stream after the position (wraps XREAD; ``block_ms``: wait at most
         that long for something new): the new entries, folded."""
         entries, cursor = await self.bus.read_after(self.stream, self.position,
-                                                    count=self.count, block_ms=block_ms)
+                                                    count=self.count, block_ms=block_ms,
+                                                    on_bad=self.on_bad)
         self.caught_up = len(entries) < self.count
         return self._take(entries, cursor)

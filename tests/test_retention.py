@@ -15,6 +15,7 @@ from bus import Bus, RunKeys
 from bus.archive import read_archive
 from bus.history import events_folder, read_history
 from bus.messages import StepFinished, StepStarted, TrainerResumed
+from runtime import Follower
 from tests.procs import FAST, Procs, run_cli
 from tests.waits import event, wait_for
 
@@ -31,8 +32,9 @@ def procs(tmp_path: Path):
 async def _record(bus: Bus, stream: str, seen: list[str], stop: asyncio.Event) -> None:
     """Every entry of ``stream`` as it is written (a live reader is never trimmed past: the
     safe point trails the newest checkpoint)."""
-    async for entry in bus.tail(stream, "0", block_ms=200, stop=stop):
-        seen.append(entry.id)
+    follower = Follower(bus, stream, fold=lambda entries: seen.extend(e.id for e in entries))
+    while not stop.is_set():
+        await follower.poll(block_ms=200)
 
 
 async def _rest(bus: Bus, stream: str, after: str) -> list:

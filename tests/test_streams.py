@@ -36,6 +36,7 @@ from bus import (
     default_dlq,
     encode,
 )
+from runtime import Follower
 
 HELPER = Path(__file__).with_name("helpers_consumer.py")
 FAST_FAIL = RetryPolicy(attempts=3, base_s=0.01, max_s=0.05)
@@ -116,58 +117,45 @@ async def test_read_all_and_latest_skip_garbage(bus: Bus, run_keys: RunKeys) -> 
 
 
 @pytest.mark.asyncio
-async def test_tail_from_beginning_then_follow(bus: Bus, run_keys: RunKeys) -> None:
+async def test_follow_from_beginning_then_new_entries(bus: Bus, run_keys: RunKeys) -> None:
+    """A follower (runtime.Follower, on read_after) reads the log from its beginning, passes
+    over garbage (reported, never folded), then follows what is written next."""
     stream = run_keys.events
     await bus.publish_many(stream, steps(3))
     await bus.publish_raw(stream, {FIELD: b"junk"})
     seen: list[int] = []
     bad: list[BadEntry] = []
-    three = asyncio.Event()
-
-    async def follow() -> None:
-        async for entry in bus.tail(stream, "0", block_ms=100, on_bad=bad.append):
-            seen.append(entry.msg.step)
-            if len(seen) == 3:
-                three.set()
-            if len(seen) == 5:
-                return
-
-    task = asyncio.create_task(follow())
+    follower = Follower(bus, stream, on_bad=bad.append,
+                        fold=lambda entries: seen.extend(e.msg.step for e in entries))
+    await follower.poll()
+    assert seen == [0, 1, 2] and follower.caught_up
     async with asyncio.timeout(10):
-        await three.wait()
+        waiting = asyncio.create_task(follower.poll(block_ms=5000))
         await bus.publish_many(stream, steps(2, start=3))
-        await task
+        await waiting
+        while len(seen) < 5:
+            await follower.poll(block_ms=100)
     assert seen == [0, 1, 2, 3, 4]
     assert len(bad) == 1
 
 
 @pytest.mark.asyncio
-async def test_tail_dollar_sees_only_new_and_stops(bus: Bus, run_keys: RunKeys) -> None:
+async def test_follow_from_the_newest_entry_sees_only_new_ones(
+    bus: Bus, run_keys: RunKeys
+) -> None:
     stream = run_keys.events
     await bus.publish_many(stream, steps(3))
-    stop = asyncio.Event()
+    newest = await bus.latest(stream)
+    assert newest is not None
     seen: list[int] = []
-
-    async def follow() -> None:
-        async for entry in bus.tail(stream, "$", block_ms=50, stop=stop):
-            seen.append(entry.msg.step)
-            if len(seen) == 3:
-                stop.set()
-
-    task = asyncio.create_task(follow())
-    # Keep publishing until the tail has seen three new entries: whenever "$" was resolved,
-    # the old entries (0..2) must never appear and nothing after the first seen is skipped.
-    step = 10
+    follower = Follower(bus, stream, newest.id,
+                        fold=lambda entries: seen.extend(e.msg.step for e in entries))
+    assert await follower.poll() == [] and seen == []
+    await bus.publish_many(stream, steps(3, start=10))
     async with asyncio.timeout(10):
-        while not task.done():
-            await bus.publish(stream, StepStarted(step=step, param_version=0))
-            step += 1
-            await asyncio.wait({task}, timeout=0.02)
-    await task
-    assert seen[0] >= 10 and seen == list(range(seen[0], seen[0] + 3))
-    # idle_timeout_s ends a quiet tail.
-    async with asyncio.timeout(10):
-        assert [e async for e in bus.tail(stream, "$", block_ms=50, idle_timeout_s=0.2)] == []
+        while len(seen) < 3:
+            await follower.poll(block_ms=100)
+    assert seen == [10, 11, 12]
 
 
 @pytest.mark.asyncio
