@@ -40,7 +40,7 @@ class Entry(NamedTuple):
 
 
 class BadEntry(NamedTuple):
-    """An entry that could not be decoded (read_all/tail report these to ``on_bad``)."""
+    """An entry that could not be decoded (log reads report these to ``on_bad``)."""
 
     stream: str
     id: str

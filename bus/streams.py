@@ -7,7 +7,7 @@ wraps:
 - :mod:`bus.client`: connection, the retry/deadline policy, error mapping, ``command`` /
   ``pipeline`` / ``run_script``, ``ping``, ``server_time``, ``server_version``, ``close``
 - :mod:`bus.publish`: ``publish``, ``publish_many``, ``publish_multi``, ``publish_raw``
-- :mod:`bus.logs`: reading a stream as a log (``read_all``, ``tail``, ``read_after``,
+- :mod:`bus.logs`: reading a stream as a log (``read_all``, ``read_after``,
   ``latest``, ``read_ids``, ``read_page``, ``decode_entry``, ``length``)
 - :mod:`bus.groups`: consumer groups (:class:`Consumer`, dead letters, reclaiming, pending
   owners, group admin)
