@@ -97,6 +97,7 @@ from bus import (  # noqa: E402
     WeightsPublished,
     decode,
 )
+from bus.history import events_folder, read_history  # noqa: E402
 from tests.aof import aof_commands, aof_path, cut_aof_before  # noqa: E402
 from trainer.ledger import fold as fold_ledger  # noqa: E402
 from trainer.ledger import ticket_index, ticket_of_sample  # noqa: E402
@@ -816,7 +817,10 @@ class Chaos:
         k = self.keys
         bad_events = Counter[str]()
         events: list[tuple[str, Any]] = []
-        async for entry in self.b.read_all(k.events, on_bad=lambda b: bad_events.update(["x"])):
+        # The whole log: what retention archived (RUN/events), then the stream.
+        async for entry in read_history(self.b, k.events,
+                                        events_folder(self.out / "run", self.run_id),
+                                        on_bad=lambda b: bad_events.update(["x"])):
             events.append((entry.id, entry.msg))
         msgs = [m for _, m in events]
         fails: list[str] = list(self.problems)
