@@ -7,24 +7,13 @@ SIGINT: a clean stop), 1 when Redis failed, 143 at a second signal.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from runtime import main as run_main
+from runtime.process import entry_point
 
 __all__ = ["main"]
 
-
-def _service() -> type:
-    # Imported after the config check: a bad config exits before the service is even loaded.
-    from profiler_service.service import ProfilerService
-
-    return ProfilerService
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point (``rlbus profiler`` too); returns the exit code."""
-    return run_main("profiler", _service, argv)
-
+main = entry_point("profiler", "profiler_service.service", "ProfilerService")
+"""``rlbus profiler`` / ``python -m profiler_service``; returns the exit code. The service is
+imported after the config check: a bad config exits before it is even loaded."""
 
 if __name__ == "__main__":
     raise SystemExit(main())

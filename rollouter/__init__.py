@@ -6,21 +6,9 @@ garbage collector off (see :func:`runtime.settle_heap`) and imports torch only a
 config is valid.
 """
 
-from __future__ import annotations
-
-from collections.abc import Sequence
+from runtime.process import entry_point
 
 __all__ = ["main"]
 
-
-def _component() -> type:
-    from rollouter.app import Rollouter
-
-    return Rollouter
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``rlbus rollouter [--config FILE] [KEY=VALUE ...]``; returns the exit code."""
-    from runtime import main as run_main
-
-    return run_main("rollouter", _component, argv, heavy=True)
+main = entry_point("rollouter", "rollouter.app", "Rollouter", heavy=True)
+"""``rlbus rollouter [--config FILE] [KEY=VALUE ...]``; returns the exit code."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib
 import logging
 import signal
 import sys
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from bus import Bus
     from runtime.component import Component
 
-__all__ = ["CLOSE_TIMEOUT_S", "main"]
+__all__ = ["CLOSE_TIMEOUT_S", "entry_point", "main"]
 
 CLOSE_TIMEOUT_S = 5.0
 """Bound on closing the Redis client at exit."""
@@ -91,6 +92,23 @@ def main(
     component = load()
     _logging(prog, component.__module__.split(".")[0])
     return asyncio.run(_serve(cfg, url, prog, component))
+
+
+def entry_point(role: str, module: str, name: str, *, heavy: bool = False
+                ) -> Callable[[Sequence[str] | None], int]:
+    """A component package's ``main(argv)``: :func:`main` for the class ``name`` of
+    ``module``, imported (with torch) only once the config is valid."""
+
+    def load() -> Callable[..., Component]:
+        component: Callable[..., Component] = getattr(importlib.import_module(module), name)
+        return component
+
+    def component_main(argv: Sequence[str] | None = None) -> int:
+        return main(role, load, argv, heavy=heavy)
+
+    component_main.__doc__ = (f"``rlbus {role}`` / ``python -m {module.split('.')[0]}``; "
+                              "returns the exit code.")
+    return component_main
 
 
 async def _serve(cfg: Config, url: str, prog: str, factory: Callable[..., Component]) -> int:

@@ -5,21 +5,9 @@ garbage collector off (see :func:`runtime.settle_heap`) and imports torch only a
 config is valid.
 """
 
-from __future__ import annotations
-
-from collections.abc import Sequence
+from runtime.process import entry_point
 
 __all__ = ["main"]
 
-
-def _component() -> type:
-    from trainer.app import Trainer
-
-    return Trainer
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``rlbus trainer [--config FILE] [KEY=VALUE ...]``; returns the exit code."""
-    from runtime import main as run_main
-
-    return run_main("trainer", _component, argv, heavy=True)
+main = entry_point("trainer", "trainer.app", "Trainer", heavy=True)
+"""``rlbus trainer [--config FILE] [KEY=VALUE ...]``; returns the exit code."""
