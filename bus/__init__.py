@@ -219,7 +219,7 @@ __all__ = [
 ]
 
 # Submodules searched for a public name, the cheap ones first.
-_MODULES = ("errors", "keys", "retry", "files", "server", "urls", "messages", "entries",
+_MODULES = ("errors", "keys", "retry", "files", "redisbin", "server", "urls", "messages", "entries",
             "client", "publish", "logs", "groups", "trim", "barrier", "keyspace", "streams",
             "blobs", "liveness")
 

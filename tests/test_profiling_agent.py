@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from bus.messages import ProfileStarted, ProfileStopped, StartProfile, StopProfile, WarningRaised
 from profiling import ProfilerAgent, create_agent, profile_root, safe_name, trace_path
 from profiling import agent as agent_module
-from profiling.agent import AgentEvent, _top_ops
+from profiling.agent import AgentEvent
+from profiling.traces import top_ops
 from runconfig.schema import Config, ProfilerConfig, RolloutConfig, RunConfig
 
 CUDA = torch.cuda.is_available()
@@ -529,20 +530,20 @@ def test_top_ops_ranks_by_self_cpu_time_then_by_kernel_time() -> None:
         x("aten::relu", "cpu_op", 70, 20, 5),  # self 20
         x("aten::relu", "cpu_op", 0, 15, 6, tid=2),  # another thread: adds 15 -> 35
     ]
-    assert _top_ops({"traceEvents": cpu}) == ["aten::addmm", "aten::relu", "aten::linear"]
-    assert _top_ops({"traceEvents": cpu}, n=1) == ["aten::addmm"]
+    assert top_ops({"traceEvents": cpu}) == ["aten::addmm", "aten::relu", "aten::linear"]
+    assert top_ops({"traceEvents": cpu}, n=1) == ["aten::addmm"]
     kernels = [
         x("ampere_sgemm", "kernel", 20, 3, 3, tid=7),
         x("vectorized_relu", "kernel", 80, 9, 5, tid=7),
         x("orphan_kernel", "kernel", 90, 1, 99, tid=7),
     ]
     # With kernels, ops rank by the GPU time of the kernels they launched.
-    assert _top_ops({"traceEvents": cpu + kernels}) == [
+    assert top_ops({"traceEvents": cpu + kernels}) == [
         "aten::relu",
         "aten::addmm",
         "orphan_kernel",
     ]
-    assert _top_ops({}) == []
+    assert top_ops({}) == []
 
 
 def test_step_begin_twice_closes_dangling_annotation(make_agent: Any) -> None:

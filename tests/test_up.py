@@ -15,7 +15,7 @@ import psutil
 import pytest
 import yaml
 
-from bus.server import free_port
+from bus.redisbin import free_port
 from rlbus.runlog import config_changes, recorded_config
 from runconfig import config_to_dict, load_config
 from tests.procs import FAST, run_cli
