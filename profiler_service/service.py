@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -65,6 +64,7 @@ from bus import (
 )
 from bus.files import atomic_write
 from bus.history import events_folder, find_archive
+from profiler_service.finish import HOOK_INTERRUPTED_CODE, HOOK_MARKER_NAME, FinishHook
 from profiler_service.manifest import build_manifest, manifest_file, profile_dir, write_manifest
 from profiler_service.schedule import (
     PROFILER_SOURCE,
@@ -85,25 +85,11 @@ from runconfig.schema import Config
 from runtime import Component, Follower
 
 __all__ = [
-    "HOOK_INTERRUPTED_CODE",
-    "HOOK_MARKER_NAME",
-    "HOOK_TIMEOUT_S",
     "SNAPSHOT_NAME",
     "ProfilerService",
 ]
 
 log = logging.getLogger("profiler_service")
-
-HOOK_MARKER_NAME = ".finish_hook.json"
-"""Marker in ``save_path/RUN`` recording that the finish hook started and how it ended, so a
-service that crashes between running the hook and publishing ProfilerFinished does not run
-it a second time."""
-
-HOOK_INTERRUPTED_CODE = "finish_hook_interrupted"
-"""WarningRaised code: the hook's marker says it started but never ended (the service died)."""
-
-HOOK_TIMEOUT_S = 600.0
-"""Longest a finish hook may run before it is killed (its exit code is then recorded as -9)."""
 
 SNAPSHOT_NAME = ".profiler_state.msgpack"
 """The service's snapshot in ``save_path/RUN``: its folded state and tracking positions
@@ -349,51 +335,27 @@ class ProfilerService(Component):
     # ------------------------------------------------------------------ finishing
 
     async def _run_hook_once(self) -> int | None:
-        """Run ``finish_hook_cmd`` unless a marker says it already ran; its exit code."""
+        """Run ``finish_hook_cmd`` unless its marker says it already ran; its exit code."""
         cmd = self.cfg.global_profiler.finish_hook_cmd
         if not cmd:
             return None
-        marker = self.profile_dir / HOOK_MARKER_NAME
-        previous = await asyncio.to_thread(_read_marker, marker)
-        if previous is not None:
-            rc = previous.get("rc")
-            if isinstance(rc, int):
-                log.info("finish hook already ran (exit code %d); not running it again", rc)
-                return rc
-            message = (
-                "the finish hook was started by an earlier profiler service that died before "
-                "it ended; not running it a second time (at most once)"
-            )
-            log.warning("%s", message)
-            await self._publish(
-                WarningRaised(
-                    source=PROFILER_SOURCE, code=HOOK_INTERRUPTED_CODE, message=message
-                )
-            )
-            return None
-        started = time.time()
-        await asyncio.to_thread(_write_marker, marker, {"started": started})
+        hook = FinishHook(cmd, self.profile_dir / HOOK_MARKER_NAME)
+        ran = await hook.earlier()
+        if ran is not None:
+            if ran.interrupted:
+                log.warning("%s", ran.message)
+                await self._publish(WarningRaised(source=PROFILER_SOURCE,
+                                                  code=HOOK_INTERRUPTED_CODE, message=ran.message))
+            return ran.rc
         # rlbus's own variables plus verl's VERL_PROFILE_* (profiling.hook).
         env = {**os.environ, **hook_env(self.cfg, self.keys.run_id, self.profile_dir,
                                         self.manifest_path)}
-        log.info("running finish hook: %s", cmd)
         self._hook_running = True
         self.pulse_now()
         try:
-            # The command comes from this process's own config file, never from a message.
-            # An asyncio subprocess: the loop (and the liveness pulse) goes on while it runs.
-            proc = await asyncio.create_subprocess_shell(cmd, env=env)
-            try:
-                rc = await asyncio.wait_for(proc.wait(), HOOK_TIMEOUT_S)
-            except TimeoutError:
-                log.error("finish hook ran over %.0f s; killing it", HOOK_TIMEOUT_S)
-                proc.kill()
-                rc = await proc.wait()
+            return await hook.run(env)
         finally:
             self._hook_running = False
-        await asyncio.to_thread(_write_marker, marker, {"started": started, "rc": rc})
-        log.info("finish hook exited with code %d", rc)
-        return rc
 
     async def _finish(self, template: ProfilerFinished) -> None:
         await self._write_manifest(final=True)
@@ -614,15 +576,3 @@ def _describe(msg: Command | Event) -> str:
             return type(msg).__name__
 
 
-def _read_marker(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {}  # unreadable: something ran; do not run the hook again
-    return data if isinstance(data, dict) else {}
-
-
-def _write_marker(path: Path, data: dict[str, Any]) -> None:
-    atomic_write(path, json.dumps(data).encode())
