@@ -50,7 +50,7 @@ At each point K (``--points``, default 1000 10000 100000; each a checkpoint step
 * profiler: time per new event of ``apply`` (and of ``apply`` + ``decide`` whenever the state
   changed), over the next ``--window`` events after K from the state folded up to K, repeated
   ``--reps`` times (apply is pure; the points take turns): the best, and the median;
-* resume, log part, the real code: ``trainer.resume.read_log`` (what ``Trainer._read_log``
+* resume, log part, the real code: ``trainer.resume.read_log`` (what ``trainer.writer.Writer.read_log``
   runs: the newest snapshot whose position is in the log + fold the events after it);
   ``trainer.resume.snapshots`` (reading every snapshot file) timed alone; the same with the
   newest snapshot hidden (a crash just before checkpoint K: a checkpoint window of events to
@@ -58,7 +58,7 @@ At each point K (``--points``, default 1000 10000 100000; each a checkpoint step
   Each resumed state must equal the driver's own; the best of ``--resume-reps``. Also timed:
   a proposed ``read_log`` that stops at the newest snapshot the log confirms instead of
   decoding every snapshot file first (bench code, not the trainer's), and what a restarted
-  trainer's ``_follow_events`` reads in the background (the whole log from "0", 1000 entries
+  trainer's watch (``trainer.watch.Watch.follow``) reads in the background (the whole log from "0", 1000 entries
   per XREAD, decoded);
 * resume, whole: the real ``python -m trainer`` on this run (a real checkpoint .pt of the tiny
   model written at the path CheckpointSaved(K) names), from spawn to its StepStarted(K+1) in
@@ -444,7 +444,7 @@ class Driver:
         self._arm("rollouter", commands)
 
     async def _trainer_follow(self) -> None:
-        """Trainer._follow_events: the events log and the DLQ."""
+        """trainer.watch.Watch.follow: the events log and the DLQ."""
         while True:
             entries, self.events_last = await self.bus.read_after(
                 self.keys.events, self.events_last, count=1000)
@@ -752,7 +752,7 @@ class Driver:
             elapsed = time.perf_counter() - t0
             point.whole_fold_s, point.whole_events = min(point.whole_fold_s, elapsed), count
             point.states_match &= state == self.state
-        # What a restarted trainer's _follow_events (and a restarted rollouter) reads in the
+        # What a restarted trainer's watch (and a restarted rollouter) reads in the
         # background: the whole log from "0", 1000 entries per XREAD (best of two).
         for _ in range(2):
             gc.collect()

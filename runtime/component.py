@@ -187,12 +187,7 @@ class Component:
         await self.on_pulse()
         position = self.kept_position()
         if position is not None and position != "0":
-            await self.bus.set_position(self.keys.position(self.position_name), position)
-
-    @property
-    def position_name(self) -> str:
-        """The reader name of this component's stored events position."""
-        return self.name
+            await self.bus.set_position(self.keys.position(self.name), position)
 
     async def run(self) -> int:
         """The whole life of the component; returns the exit code."""
