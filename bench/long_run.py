@@ -50,16 +50,17 @@ At each point K (``--points``, default 1000 10000 100000; each a checkpoint step
 * profiler: time per new event of ``apply`` (and of ``apply`` + ``decide`` whenever the state
   changed), over the next ``--window`` events after K from the state folded up to K, repeated
   ``--reps`` times (apply is pure; the points take turns): the best, and the median;
-* resume, log part, the real code: ``trainer.resume.read_log`` (what ``trainer.writer.Writer.read_log``
-  runs: the newest snapshot whose position is in the log + fold the events after it);
+* resume, log part, the real code: ``trainer.resume.read_log`` (what the trainer's
+  ``Writer.read_log`` runs: the newest snapshot whose position is in the log + fold the
+  events after it);
   ``trainer.resume.snapshots`` (reading every snapshot file) timed alone; the same with the
   newest snapshot hidden (a crash just before checkpoint K: a checkpoint window of events to
   fold); and the old way, folding the whole events log from 0 with ``trainer.state.apply``.
   Each resumed state must equal the driver's own; the best of ``--resume-reps``. Also timed:
   a proposed ``read_log`` that stops at the newest snapshot the log confirms instead of
   decoding every snapshot file first (bench code, not the trainer's), and what a restarted
-  trainer's watch (``trainer.watch.Watch.follow``) reads in the background (the whole log from "0", 1000 entries
-  per XREAD, decoded);
+  trainer's watch (``trainer.watch.Watch.follow``) reads in the background (the whole log
+  from "0", 1000 entries per XREAD, decoded);
 * resume, whole: the real ``python -m trainer`` on this run (a real checkpoint .pt of the tiny
   model written at the path CheckpointSaved(K) names), from spawn to its StepStarted(K+1) in
   the log; then it is stopped (SIGTERM) and the synthetic run goes on from the log, as a
