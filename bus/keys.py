@@ -18,7 +18,7 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 def validate_run_id(run_id: str) -> str:
     """Return ``run_id`` if it is a safe name (letters, digits, ``_.-``; it is also a folder)."""
-    if not _RUN_ID.match(run_id):
+    if not _RUN_ID.fullmatch(run_id):
         raise ValueError(
             f"run id {run_id!r} must be 1-64 letters, digits, '_', '.' or '-', starting with "
             "a letter or digit"

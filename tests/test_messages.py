@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bus import messages as m
+from bus.keys import validate_run_id
 
 MESSAGE_TYPES: list[type] = list(typing.get_args(m.Message))
 
@@ -216,3 +217,12 @@ def test_bus_reexports_every_public_name() -> None:
         assert not missing, f"bus/__init__.py does not re-export bus.{name}: {sorted(missing)}"
         for public in module.__all__:
             assert getattr(bus, public) is getattr(module, public)
+
+
+@pytest.mark.parametrize("run_id", ["", "-a", "a/b", "a b", "a" * 65, "run\n", "r\x00"])
+def test_a_run_id_that_is_not_a_safe_name_is_refused(run_id: str) -> None:
+    """A run id is part of every key and a folder name: letters, digits, '_.-' only, the
+    whole string (a final newline too)."""
+    with pytest.raises(ValueError, match="run id"):
+        validate_run_id(run_id)
+    assert validate_run_id("run-20261203_1.a") == "run-20261203_1.a"
