@@ -8,8 +8,10 @@ the part exits non-zero naming the cause.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,21 +71,54 @@ def _assert_ledger(events: list, steps: int) -> None:
 async def test_update_longer_than_the_heartbeat_timeout_is_not_death(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
 ) -> None:
-    """Updates run on a worker thread: liveness keys stay fresh during a step of any length."""
-    steps = 3
+    """Updates run on a worker thread: liveness keys stay fresh during a step of any length.
+    The update is made about three heartbeat timeouts long on this host (its epochs timed
+    here first), so a fast host cannot make the test vacuous."""
+    steps, timeout_s = 3, 1.5
+    model = ["model.d_model=256", "model.n_layers=6", "trainer.ppo_mini_batch_size=8",
+             "rollout.prompts_per_batch=8"]
+    epochs = max(1, math.ceil(3 * timeout_s / _epoch_s(_args(redis_url, run_id, tmp_path,
+                                                             *model))))
     args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
-                 "heartbeat.interval_s=0.2", "heartbeat.timeout_s=1.5",
-                 "model.d_model=256", "model.n_layers=6", "trainer.ppo_epochs=20",
-                 "trainer.ppo_mini_batch_size=8", "rollout.prompts_per_batch=8")
+                 "heartbeat.interval_s=0.2", f"heartbeat.timeout_s={timeout_s}", *model,
+                 f"trainer.ppo_epochs={epochs}")
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
-    assert procs.wait("trainer", 300) == 0, procs.log("trainer")
+    assert procs.wait("trainer", 600) == 0, procs.log("trainer")
     assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
     events = await events_of(bus, run_keys.events)
     _assert_ledger(events, steps)
     longest = max(e.metrics["trainer/update_s"] for e in _finished(events))
     # The point of the test: an update outlasted the timeout, and nobody was declared dead.
-    assert longest > 1.5, f"updates took only {longest:.2f} s; make the model bigger"
+    assert longest > timeout_s, f"updates took only {longest:.2f} s ({epochs} epochs)"
+
+
+def _epoch_s(args: list[str]) -> float:
+    """Seconds one PPO epoch of this config's update takes here, on one thread (on samples
+    shaped like the run's: a step's prompts, n responses each)."""
+    import msgspec
+    import torch
+
+    from policy import build_policy
+    from runconfig import load_config
+    from trainer.update import grpo_update
+
+    cfg = load_config(None, args)
+    torch.set_num_threads(1)
+    policy = build_policy(msgspec.to_builtins(cfg.model), "cpu")
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    prompts = cfg.async_training.require_batches * cfg.trainer.ppo_mini_batch_size
+    tokens = Array.of(np.asarray([1, 2, 3, 4, 5], dtype=np.int32))
+    groups = [[Sample(sample_id=f"t{t}/{i}", ticket_id=f"t{t}", prompt_id="p", index=i,
+                      n=cfg.rollout.n, prompt_tokens=tokens, response_tokens=tokens,
+                      logprobs=Array.of(np.full(5, -1.0, dtype=np.float32)),
+                      reward=float(i % 2), min_version=0, max_version=0)
+               for i in range(cfg.rollout.n)] for t in range(prompts)]
+    tc = msgspec.structs.replace(cfg.trainer, ppo_epochs=2)
+    grpo_update(policy, optimizer, groups, tc, temperature=1.0, version=0, device="cpu")
+    t0 = time.perf_counter()
+    grpo_update(policy, optimizer, groups, tc, temperature=1.0, version=0, device="cpu")
+    return (time.perf_counter() - t0) / 2
 
 
 async def test_lost_tickets_are_reissued_and_the_run_finishes(
