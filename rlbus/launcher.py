@@ -51,7 +51,6 @@ from bus.server import (
     dir_owner,
 )
 from rlbus.children import Child, Console, build_children, stop_children, wants_logger
-from rlbus.credentials import expanded_url
 from rlbus.ray_launcher import RayUnavailable
 from rlbus.runlog import RunStatus, config_changes, recorded_config, run_status
 from rlbus.supervise import Interrupted, Supervisor
@@ -63,6 +62,7 @@ from runconfig import (
     parse_config_args,
     resolve_run_id,
 )
+from runtime.process import expanded_url
 
 if TYPE_CHECKING:
     pass

@@ -21,18 +21,39 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from runconfig import Config, load_or_exit
+from runconfig import Config, ConfigError, load_or_exit
 
 if TYPE_CHECKING:
     from bus import Bus
     from runtime.component import Component
 
-__all__ = ["CLOSE_TIMEOUT_S", "entry_point", "main"]
+__all__ = ["CLOSE_TIMEOUT_S", "entry_point", "expand_or_fail", "expanded_url", "main"]
 
 CLOSE_TIMEOUT_S = 5.0
 """Bound on closing the Redis client at exit."""
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+def expand_or_fail(url: str) -> str:
+    """``url`` with ``${VAR}`` expanded (the placeholder stays in configs, logs and the run's
+    RunStarted event; only the connection sees the password); an unset variable is a
+    ConfigError on redis.url."""
+    from bus.errors import redact_url
+    from bus.urls import expand_env
+
+    try:
+        return expand_env(url)
+    except KeyError as exc:
+        raise ConfigError(
+            "redis.url", f"environment variable {exc.args[0]} (named in {redact_url(url)}) "
+            "is not set"
+        ) from None
+
+
+def expanded_url(cfg: Config) -> str | None:
+    """``cfg.redis.url`` ready to connect with (None when it is not set)."""
+    return None if cfg.redis.url is None else expand_or_fail(cfg.redis.url)
+
 
 def _required(cfg: Config, prog: str) -> int | None:
     for key, value in (("redis.url", cfg.redis.url), ("run.id", cfg.run.id)):
@@ -78,16 +99,10 @@ def main(
         # the trainer's optimizer): the collector's full passes over them free nothing and
         # cost ~0.35 s before the first step. settle_heap turns it back on once built.
         gc.disable()
-    from bus.urls import expand_env
-
     try:
-        url = expand_env(cfg.redis.url or "")
-    except KeyError as exc:
-        from bus.errors import redact_url
-
-        print(f"{prog}: error: invalid config key 'redis.url': environment variable "
-              f"{exc.args[0]} (named in {redact_url(cfg.redis.url or '')}) is not set",
-              file=sys.stderr)
+        url = expanded_url(cfg) or ""
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     component = load()
     _logging(prog, component.__module__.split(".")[0])
