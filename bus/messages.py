@@ -54,6 +54,8 @@ __all__ = [
     "TicketsClosed",
     "TicketsIssued",
     "TrainerResumed",
+    "ValidationFinished",
+    "ValidationRequested",
     "WarningRaised",
     "WeightsPublished",
     "decode",
@@ -344,6 +346,15 @@ class PromptTicket(_Base, frozen=True):
     ts: float = msgspec.field(default_factory=_now)
     attempt: int = 0
     """0 for the first issue of ``ticket_id``; each lease reissue adds 1 (first answer wins)."""
+    prompt_ids: list[int] | None = None
+    """verl data: the prompt's token ids (chat template applied, truncated); None: encode
+    ``prompt``."""
+    data_source: str = ""
+    """verl data: the record's ``data_source`` (picks the scorer; per-source metrics)."""
+    ground_truth: Any = None
+    """verl data: ``reward_model.ground_truth`` as stored (None: ``answer`` is the truth)."""
+    extra_info: dict[str, Any] | None = None
+    """verl data: the record's ``extra_info``, passed to the reward function."""
 
 
 class Sample(_Base, frozen=True):
@@ -371,6 +382,35 @@ class Sample(_Base, frozen=True):
     ts: float = msgspec.field(default_factory=_now)
     attempt: int = 0
     """The attempt of the ticket this response answers (see :attr:`PromptTicket.attempt`)."""
+    reward_s: float = 0.0
+    """Seconds the scorer took for this response (``timing_s/reward``)."""
+    reward_extra: dict[str, float] = {}
+    """A verl reward function's other keys (its dict return form), as numbers."""
+
+
+class ValidationRequested(_Base, frozen=True):
+    """Validate weights ``version`` on the validation set (``data.val_files``): written by the
+    trainer into the prompts stream, served by one rollouter between its batches."""
+
+    request_id: str  # "val-v{version}", unique within a run
+    version: int
+    step: int  # trainer updates done when it was requested (0: before training)
+    ts: float = msgspec.field(default_factory=_now)
+
+
+class ValidationFinished(_Base, frozen=True):
+    """A validation's result (events): verl's metric names (``val-core/{data_source}/
+    reward/mean@N``, ``best@``/``maj@`` for N > 1) and up to ``trainer.log_val_generations``
+    generations as ``(prompt, response, score)``."""
+
+    request_id: str
+    version: int  # the weights version generated with (>= the version requested)
+    step: int
+    rank: int
+    metrics: dict[str, float]
+    generations: list[tuple[str, str, float]] = []
+    duration_s: float = 0.0
+    ts: float = msgspec.field(default_factory=_now)
 
 
 # --------------------------------------------------------------------------- control
@@ -439,13 +479,14 @@ Event = (
     | TicketsIssued
     | TicketsClosed
     | RunFinished
+    | ValidationFinished
 )
 """Everything that goes to ``rlbus:{RUN}:events``."""
 
 Command = StartProfile | StopProfile
 """Everything that goes to ``rlbus:{RUN}:control``."""
 
-Message = Event | Command | PromptTicket | Sample | DeadLetter
+Message = Event | Command | PromptTicket | ValidationRequested | Sample | DeadLetter
 """Every message of every stream."""
 
 

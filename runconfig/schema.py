@@ -7,7 +7,7 @@ is declared next to its field, so a bad value is refused before anything starts.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -15,17 +15,22 @@ from msgspec import Meta
 __all__ = [
     "AsyncTrainingConfig",
     "Config",
+    "CustomRewardConfig",
+    "DataConfig",
     "GlobalToolConfig",
     "HeartbeatConfig",
     "ModelConfig",
     "NsysToolConfig",
+    "OverlongBufferConfig",
     "ProfilerConfig",
     "RedisConfig",
+    "RewardModelConfig",
     "RolloutConfig",
     "RunConfig",
     "TaskConfig",
     "TorchMemoryToolConfig",
     "TrainerConfig",
+    "ValKwargs",
 ]
 
 PosInt = Annotated[int, Meta(ge=1)]
@@ -69,9 +74,20 @@ class RunConfig(_Section, frozen=True):
     cpu_affinity: Literal["auto", "none"] = "auto"
 
 
+# verl's dtype spellings (fsdp_config.model_dtype / rollout.dtype) and torch's.
+DType = Literal["fp32", "float32", "bf16", "bfloat16"]
+# verl's kl_loss_type values (core_algos.kl_penalty): k1 = kl, k2 = mse, k3 = low_var_kl.
+KlLossType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+Truncation = Literal["error", "left", "right", "middle"]
+CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
+
+
 class ModelConfig(_Section, frozen=True):
     kind: Literal["tiny", "hf"] = "tiny"
     path: str | None = None
+    dtype: DType = "fp32"
+    override_config: dict[str, Any] = msgspec.field(default_factory=dict)
+    enable_gradient_checkpointing: bool = False
     d_model: PosInt = 64
     n_layers: PosInt = 2
     n_heads: PosInt = 4
@@ -88,8 +104,51 @@ class TaskConfig(_Section, frozen=True):
     seed: int = 0
 
 
+class DataConfig(_Section, frozen=True):
+    """verl's ``data`` section (verl-format parquet or JSONL records)."""
+
+    train_files: str | list[str] | None = None
+    val_files: str | list[str] | None = None
+    prompt_key: str = "prompt"
+    reward_fn_key: str = "data_source"
+    max_prompt_length: PosInt = 512
+    truncation: Truncation = "error"
+    filter_overlong_prompts: bool = False
+    shuffle: bool = True
+    seed: int = 1
+    train_max_samples: int = -1
+    val_max_samples: int = -1
+    apply_chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class CustomRewardConfig(_Section, frozen=True):
+    """verl's ``custom_reward_function``: a file and the function in it."""
+
+    path: str | None = None
+    name: str = "compute_score"
+    reward_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class OverlongBufferConfig(_Section, frozen=True):
+    """verl's DAPO ``overlong_buffer``: a length penalty in the last ``len`` tokens."""
+
+    enable: bool = False
+    len: NonNegInt = 0
+    penalty_factor: NonNegFloat = 0.0
+    log: bool = False
+
+
+class RewardModelConfig(_Section, frozen=True):
+    """verl's ``reward_model`` section, its rule-based part (no reward model)."""
+
+    reward_manager: Literal["naive", "dapo"] = "naive"
+    overlong_buffer: OverlongBufferConfig = OverlongBufferConfig()
+    reward_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
 class TrainerConfig(_Section, frozen=True):
     total_training_steps: PosInt = 300
+    total_epochs: PosInt | None = None
     ppo_mini_batch_size: PosInt = 8
     ppo_epochs: PosInt = 1
     save_freq: NonNegInt = 100
@@ -101,6 +160,18 @@ class TrainerConfig(_Section, frozen=True):
     entropy_coeff: NonNegFloat = 0.01
     tis_cap: PosFloat | None = 2.0
     kl_guard: PosFloat | None = None
+    weight_decay: NonNegFloat = 0.0
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    num_cycles: float = 0.5
+    use_kl_loss: bool = False
+    kl_loss_coef: NonNegFloat = 0.001
+    kl_loss_type: KlLossType = "low_var_kl"
+    micro_batch_size: PosInt | None = None
+    use_dynamic_bsz: bool = False
+    max_token_len: PosInt = 16384
     zero_adv: Literal["skip", "keep", "no_entropy", "drop"] = "skip"
     device: str = "auto"
     threads: PosInt = 1
@@ -110,6 +181,24 @@ class TrainerConfig(_Section, frozen=True):
     )
     project_name: str = "rlbus"
     experiment_name: str | None = None
+    test_freq: int = -1
+    val_before_train: bool = True
+    log_val_generations: NonNegInt = 0
+    default_local_dir: str | None = None
+    resume_mode: Literal["auto", "disable"] = "auto"
+    checkpoint_contents: list[CheckpointContent] = msgspec.field(
+        default_factory=lambda: ["model", "optimizer", "extra"]
+    )
+
+
+class ValKwargs(_Section, frozen=True):
+    """verl's ``rollout.val_kwargs``: sampling for validation."""
+
+    n: PosInt = 1
+    temperature: NonNegFloat = 0.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    top_k: int = -1
+    do_sample: bool = False
 
 
 class RolloutConfig(_Section, frozen=True):
@@ -117,12 +206,17 @@ class RolloutConfig(_Section, frozen=True):
     replicas: PosInt = 1
     rank: NonNegInt = 0
     temperature: PosFloat = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    top_k: int = -1
     max_new_tokens: PosInt = 5
     prompts_per_batch: PosInt = 8
     partial_chunk_tokens: PosInt = 2
     device: str = "auto"
     threads: PosInt = 1
     seed: int = 0
+    reward_workers: PosInt = 1
+    reward_timeout_s: PosFloat = 30.0
+    val_kwargs: ValKwargs = ValKwargs()
 
 
 class AsyncTrainingConfig(_Section, frozen=True):
@@ -191,6 +285,9 @@ class Config(_Section, frozen=True):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
+    data: DataConfig = DataConfig()
+    custom_reward_function: CustomRewardConfig = CustomRewardConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
     trainer: TrainerConfig = TrainerConfig()
     rollout: RolloutConfig = RolloutConfig()
     async_training: AsyncTrainingConfig = AsyncTrainingConfig()
