@@ -40,6 +40,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen2's pre-tokenizer pattern: contractions, words, single digits, punctuation, spaces.
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 REWARD_FILE = '''"""Reward of the chat demo, with verl's signature."""
 
@@ -64,20 +69,23 @@ def _corpus(n_digits: int) -> list[str]:
 
 
 def build_tokenizer(path: str | Path, n_digits: int = 4) -> Any:
-    """A byte-level BPE tokenizer (digits one token each, as Qwen2's) trained on the task's
+    """A BPE tokenizer (digits one token each, as Qwen2's) trained on the task's
     text, with Qwen2's special tokens and chat template; saved to ``path``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    # Byte-level BPE split as Qwen2's tokenizer splits (its regex: digits one by one), so
+    # that AutoTokenizer, which rebuilds a qwen2 model's pre-tokenizer, reads it the same way.
+    # The alphabet is the task's own characters only (no 256-byte base): about 60 ids keep a
+    # random policy's first answers near the digits, as the default demo's char tokenizer does.
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=list(SPECIALS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=64, special_tokens=list(SPECIALS), show_progress=False,
     )
     tok.train_from_iterator(_corpus(n_digits), trainer)
     fast = PreTrainedTokenizerFast(
@@ -101,7 +109,7 @@ def build_model(path: str | Path, *, hidden: int = 64, layers: int = 2, seed: in
     im_end, eot = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     config = Qwen2Config(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=1,
+        num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=hidden // 32,
         max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=None,
         eos_token_id=im_end, pad_token_id=eot,
     )
