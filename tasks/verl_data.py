@@ -20,10 +20,10 @@ and the row. verl finds some of it only when the record is drawn, mid-run.
 The run's prompt ``i`` is a pure function of (records, ``data.seed``, ``i``): epoch
 ``i // N`` visits the records in the order of torch's ``RandomSampler`` with a generator
 seeded with ``data.seed``, the permutation verl's sampler draws for epoch ``e`` (torch's
-sampler takes two ``randperm`` calls a pass), or in file order without ``data.shuffle``. A resumed trainer, which issues ticket
-``i`` from the count of tickets its log records, continues with the next prompt of the
-epoch; no prompt repeats within an epoch. With ``trainer.total_epochs`` the source ends after
-that many passes (``VerlPrompts.limit``).
+sampler takes two ``randperm`` calls a pass), or in file order without ``data.shuffle``. A
+resumed trainer, which issues ticket ``i`` from the count of tickets its log records,
+continues with the next prompt of the epoch; no prompt repeats within an epoch. With
+``trainer.total_epochs`` the source ends after that many passes (``VerlPrompts.limit``).
 """
 
 from __future__ import annotations
