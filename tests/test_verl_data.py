@@ -404,3 +404,54 @@ def test_commands_exit_2_on_a_missing_column(tmp_path: Path, model_dir: Path,
     assert str(bad) in res.stderr and "'data_source'" in res.stderr
     assert "Traceback" not in res.stderr
     assert not out.exists()  # nothing started, nothing written
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_trainer_and_rollouter_run_on_verl_data(
+    redis_url: str, bus: Any, run_id: str, run_keys: Any, tmp_path: Path, model_dir: Path
+) -> None:
+    """Two epochs of 8 chat prompts make exactly the run's 4 steps of 4 prompts: every
+    ticket carries its record, the rollouter generates from its token ids as given, each
+    epoch visits every prompt once, and nothing is issued past the data's end."""
+    from bus.messages import RunFinished, Sample, StepFinished, TicketsIssued
+    from tests.procs import FAST, Procs, events_of
+
+    rows = _rows(8)
+    train = write_parquet(rows, tmp_path / "train.parquet")
+    args = [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={tmp_path}", *FAST,
+            "model.kind=hf", f"model.path={model_dir}", f"data.train_files={train}",
+            "trainer.total_epochs=2", "trainer.total_training_steps=4",
+            "async_training.staleness_threshold=1"]
+    procs = Procs(tmp_path / "logs")
+    try:
+        procs.spawn("rollouter0", "rollouter", *args)
+        procs.spawn("trainer", "trainer", *args)
+        assert procs.wait("trainer", 300) == 0, procs.log("trainer")
+        assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    finally:
+        procs.kill_all()
+    events = await events_of(bus, run_keys.events)
+    assert [e.step for e in events if isinstance(e, StepFinished)] == [1, 2, 3, 4]
+    assert any(isinstance(e, RunFinished) for e in events)
+    issued = [tid for e in events if isinstance(e, TicketsIssued) for tid in e.ticket_ids]
+    assert sorted(set(issued), key=lambda t: int(t[1:])) == [f"t{i}" for i in range(16)]
+    # The trainer's prompts, as the same config draws them: ticket t{i} is prompt i.
+    src = build_prompt_source(load_config(None, args))
+    trained = {sid.split("/")[0] for e in events if isinstance(e, StepFinished)
+               for sid in e.sample_ids}
+    assert trained == {f"t{i}" for i in range(16)}  # 16 prompts, 16 trained: none left out
+    samples = [m async for _, m in bus.read_all(run_keys.samples) if isinstance(m, Sample)]
+    by_ticket = {s.ticket_id: s for s in samples}
+    assert by_ticket
+    for tid, s in by_ticket.items():
+        p = src.get(int(tid[1:]))
+        # Generated from the ticket's token ids as given: chat template, no BOS added.
+        assert s.prompt_tokens.numpy().tolist() == p.prompt_ids
+        assert p.prompt.startswith("<|im_start|>user") and p.data_source == DATA_SOURCE
+    truths = sorted(r["reward_model"]["ground_truth"] for r in rows)
+    for epoch in range(2):  # each prompt once per epoch
+        assert sorted(src.get(i).ground_truth for i in range(8 * epoch, 8 * epoch + 8)) == truths
