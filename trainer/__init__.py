@@ -2,7 +2,8 @@
 
 :func:`main` is ``rlbus trainer`` and ``python -m trainer``. The process starts with the
 garbage collector off (see :func:`runtime.settle_heap`) and imports torch only after its
-config is valid and its data (``data.train_files`` / ``val_files``) loaded and checked.
+config is valid. With verl data (``data.train_files`` / ``val_files``) the precheck loads and
+checks them (the model's tokenizer renders the prompts) before Redis is contacted.
 """
 
 import sys
