@@ -1,11 +1,13 @@
 """Text <-> token ids for the rollouter: the char tokenizer, or a local Hugging Face tokenizer.
 
 The rollouter only needs ``encode(text, bos=True)``, ``decode(ids)`` and ``eos_id``; the
-trainer never sees text (samples carry token ids).
+trainer never sees text (samples carry token ids) except to render verl data's prompts
+(``HFTokenizer.hf``, the transformers tokenizer with its chat template).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,17 +28,22 @@ class TextTokenizer(Protocol):
 
 
 class HFTokenizer:
-    """A `transformers` tokenizer from a local directory behind the CharTokenizer interface."""
+    """A `transformers` tokenizer from a local directory behind the CharTokenizer interface.
+
+    ``eos_ids``: every id that ends a response, the tokenizer's EOS first, then those the
+    directory's ``generation_config.json`` lists (a chat model often ends a turn with one
+    token and a document with another); ``eos_id`` is the first of them."""
 
     def __init__(self, path: str | Path) -> None:
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        self.eos_id: int | None = self._tok.eos_token_id
-        self.bos_id: int | None = self._tok.bos_token_id
+        self.hf: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.eos_ids: list[int] = _eos_ids(self.hf.eos_token_id, Path(path))
+        self.eos_id: int | None = self.eos_ids[0] if self.eos_ids else None
+        self.bos_id: int | None = self.hf.bos_token_id
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        ids = list(self._tok.encode(text, add_special_tokens=False))
+        ids = list(self.hf.encode(text, add_special_tokens=False))
         if bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         if eos and self.eos_id is not None:
@@ -44,12 +51,28 @@ class HFTokenizer:
         return ids or [self.eos_id or 0]  # generation needs at least one prompt token
 
     def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids`` up to the first of any EOS id."""
+        stop = set(self.eos_ids)
         out = []
         for i in ids:
-            if self.eos_id is not None and int(i) == self.eos_id:
+            if int(i) in stop:
                 break
             out.append(int(i))
-        return self._tok.decode(out, skip_special_tokens=True)
+        return self.hf.decode(out, skip_special_tokens=True)
+
+
+def _eos_ids(tokenizer_eos: int | None, path: Path) -> list[int]:
+    """The tokenizer's EOS id, then generation_config.json's ``eos_token_id`` (an int or a
+    list), without repeats."""
+    ids: list[int] = [] if tokenizer_eos is None else [int(tokenizer_eos)]
+    try:
+        listed = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    for i in listed if isinstance(listed, list) else [listed]:
+        if isinstance(i, int) and not isinstance(i, bool) and i not in ids:
+            ids.append(i)
+    return ids
 
 
 def _get(cfg: Any, key: str) -> Any:

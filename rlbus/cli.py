@@ -64,7 +64,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "component; open it at ui.perfetto.dev)."),
     "config": (f"rlbus config [--show KEY] {COMMON}",
                "Print the effective config (defaults + file + overrides) as YAML, or one key's\n"
-               "value with --show KEY. Passwords in redis.url are shown as ***."),
+               "value with --show KEY. Passwords in redis.url are shown as ***. The data files\n"
+               "(data.train_files, data.val_files) are loaded and checked as the run would."),
 }
 
 USAGE = "usage: rlbus COMMAND [--config FILE] [KEY=VALUE ...]\n\ncommands:\n" + "".join(
@@ -194,6 +195,9 @@ def _config(argv: list[str]) -> int:
     ns, overrides = _split("rlbus config", argv, [("--show", {"default": None})])
     cfg = load_config(ns.config, overrides)
     from runconfig import config_to_dict, known_keys, suggest_key
+    from tasks.verl_data import check_data
+
+    check_data(cfg)  # the data files as the run would load them (exit 2 naming the file)
 
     tree = config_to_dict(cfg)
     if tree["redis"]["url"]:

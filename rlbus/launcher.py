@@ -63,6 +63,7 @@ from runconfig import (
     resolve_run_id,
 )
 from runtime.process import expanded_url
+from tasks.verl_data import check_data
 
 if TYPE_CHECKING:
     pass
@@ -170,6 +171,8 @@ def run_up(cfg: Config, argv: Sequence[str] = (), sup: Supervisor | None = None)
     resume command and for the overrides a continued run applies to its recorded config."""
     sup = sup if sup is not None else Supervisor().install()
     try:
+        # The data files before anything starts: a bad file is exit 2 naming it (ConfigError).
+        check_data(cfg)
         return _Up(cfg, argv, sup).run()
     finally:
         sup.restore()

@@ -357,7 +357,9 @@ class Rollouter(Component):
     ) -> tuple[dict[str, list[Sample]], dict[str, str]]:
         """Generate every ticket's responses: (samples by ticket id, errors by ticket id)."""
         # A ticket's n responses share its prompt: encoded (and packed, below) once.
-        prompts = {t.ticket_id: self.tokenizer.encode(t.prompt, bos=True) for t in tickets}
+        # verl data carry their token ids (chat template applied, truncated): used as given.
+        prompts = {t.ticket_id: list(t.prompt_ids) if t.prompt_ids is not None
+                   else self.tokenizer.encode(t.prompt, bos=True) for t in tickets}
         seqs = [_Seq(t, i, prompts[t.ticket_id], [], []) for t in tickets for i in range(t.n)]
         t0 = time.monotonic()
         await self._generate_all(seqs)

@@ -109,17 +109,19 @@ def main(
     return asyncio.run(_serve(cfg, url, prog, component))
 
 
-def entry_point(role: str, module: str, name: str, *, heavy: bool = False
+def entry_point(role: str, module: str, name: str, *, heavy: bool = False,
+                precheck: Callable[[Config, str], int | None] | None = None,
                 ) -> Callable[[Sequence[str] | None], int]:
     """A component package's ``main(argv)``: :func:`main` for the class ``name`` of
-    ``module``, imported (with torch) only once the config is valid."""
+    ``module``, imported (with torch) only once the config is valid (and ``precheck``
+    passed)."""
 
     def load() -> Callable[..., Component]:
         component: Callable[..., Component] = getattr(importlib.import_module(module), name)
         return component
 
     def component_main(argv: Sequence[str] | None = None) -> int:
-        return main(role, load, argv, heavy=heavy)
+        return main(role, load, argv, heavy=heavy, precheck=precheck)
 
     component_main.__doc__ = (f"``rlbus {role}`` / ``python -m {module.split('.')[0]}``; "
                               "returns the exit code.")

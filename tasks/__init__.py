@@ -1,9 +1,11 @@
 """Tasks: where prompts come from and how responses are scored.
 
-A prompt source hands out `Prompt(prompt_id, prompt, answer)` triples deterministically:
-the same seed (or file) gives the same prompt for the same index, so a restarted trainer
-re-issues exactly what it issued before. Prompts and answers are text; the rollouter encodes
-a prompt with `CharTokenizer.encode(prompt, bos=True)` for the tiny policy.
+A prompt source hands out :class:`Prompt` records deterministically: the same seed (or
+files) gives the same prompt for the same index, so a restarted trainer re-issues exactly
+what it issued before. The built-in tasks (``task.*``) give text prompts and answers; the
+rollouter encodes such a prompt with ``tokenizer.encode(prompt, bos=True)``. verl-format data
+(``data.train_files``, :mod:`tasks.verl_data`) give each prompt's token ids as well (chat
+template applied, truncated), with its ``data_source``, ground truth and ``extra_info``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ class Prompt(NamedTuple):
     prompt_id: str  # "p{index}", unique within a run
     prompt: str
     answer: str
+    prompt_ids: list[int] | None = None  # verl data: token ids to generate from (else encode)
+    data_source: str = ""  # verl data: the record's data_source
+    ground_truth: Any = None  # verl data: reward_model.ground_truth as stored
+    extra_info: dict[str, Any] | None = None  # verl data: the record's extra_info
 
 
 @runtime_checkable
@@ -35,10 +41,32 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return getattr(cfg, key, default)
 
 
-def build_prompt_source(cfg: Any = None, seed: int = 0) -> PromptSource:
-    """From a mapping or struct: kind 'digits' (default; min_digits, max_digits) or 'jsonl'
-    (path). `seed` is used unless the config has its own `seed`."""
-    cfg = {} if cfg is None else cfg
+def _is_run_config(cfg: Any) -> bool:
+    """A whole run config (``runconfig.Config``), not a task section or mapping."""
+    return not isinstance(cfg, Mapping) and hasattr(cfg, "task") and hasattr(cfg, "data")
+
+
+def build_prompt_source(cfg: Any = None, seed: int = 0, *,
+                        tokenizer: Any = None) -> PromptSource:
+    """The prompts of a run.
+
+    ``cfg`` is a whole ``runconfig.Config`` or a task mapping/struct. With a Config whose
+    ``data.train_files`` is set: the verl records of those files (:class:`tasks.verl_data.
+    VerlPrompts`; ``tokenizer`` renders them, built from ``model.*`` when None). Otherwise
+    the task: kind 'digits' (default; min_digits, max_digits) or 'jsonl' (path). ``seed`` is
+    used unless the config has its own ``seed``."""
+    if _is_run_config(cfg):
+        if cfg.data.train_files is not None:
+            from tasks.verl_data import train_prompts
+
+            return train_prompts(cfg, tokenizer)
+        t = cfg.task
+        cfg = {"kind": t.kind, "path": t.path, "min_digits": t.min_digits,
+               "max_digits": t.max_digits, "seed": t.seed}
+    return _task_source({} if cfg is None else cfg, seed)
+
+
+def _task_source(cfg: Any, seed: int) -> PromptSource:
     kind = _get(cfg, "kind", "digits") or "digits"
     s = _get(cfg, "seed", None)
     seed = seed if s is None else int(s)

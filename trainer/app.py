@@ -81,9 +81,8 @@ class Trainer(Component):
         self.lease = Lease(bus, self.keys.trainer_lease, token(self.epoch),
                            cfg.heartbeat.timeout_s)
         self.writer = Writer(bus, self.keys, self.lease)
-        prompts = build_prompt_source(
-            {"kind": cfg.task.kind, "path": cfg.task.path, "min_digits": cfg.task.min_digits,
-             "max_digits": cfg.task.max_digits, "seed": cfg.task.seed})
+        # verl data (data.train_files) were loaded and checked by the precheck: cached.
+        prompts = build_prompt_source(cfg)
         self.dispatch = Dispatch(cfg, bus, self.keys, self.writer, prompts)
         self.intake = Intake(cfg.rollout.max_new_tokens, max_staleness(
             ac.staleness_threshold, ac.trigger_parameter_sync_step, ac.require_batches,

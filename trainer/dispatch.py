@@ -87,6 +87,8 @@ class Dispatch:
         return PromptTicket(
             ticket_id=ticket_id(index), prompt_id=prompt.prompt_id, prompt=prompt.prompt,
             answer=prompt.answer, n=n, min_version=version, attempt=attempt,
+            prompt_ids=prompt.prompt_ids, data_source=prompt.data_source,
+            ground_truth=prompt.ground_truth, extra_info=prompt.extra_info,
         )
 
     async def _write(self, tickets: Sequence[PromptTicket], event: TicketsIssued) -> None:
@@ -105,9 +107,14 @@ class Dispatch:
         """Issue what the sync window's staleness budget still allows (trainer.budget):
         right after a sync (or at the start) the window's new tickets, else nothing."""
         room = self.writer.state.ledger.room(self.capacity)
+        first, n = self.writer.state.ledger.issued, self.cfg.rollout.n
+        # A source with an end (verl data with trainer.total_epochs) issues no prompt past
+        # it; check_data made sure the run's steps fit before it started.
+        limit = getattr(self.prompts, "limit", None)
+        if limit is not None:
+            room = min(room, limit - first)
         if room <= 0:
             return
-        first, n = self.writer.state.ledger.issued, self.cfg.rollout.n
         tickets = [self._ticket(index, n, version) for index in range(first, first + room)]
         await self._write(tickets, TicketsIssued(ticket_ids=[t.ticket_id for t in tickets],
                                                  n=n, param_version=version))
