@@ -51,6 +51,7 @@ from bus.server import (
     dir_owner,
 )
 from rlbus.children import Child, Console, build_children, stop_children, wants_logger
+from rlbus.localdir import mark_local_dir, run_from_local_dir
 from rlbus.ray_launcher import RayUnavailable
 from rlbus.runlog import RunStatus, config_changes, recorded_config, run_status
 from rlbus.supervise import Interrupted, Supervisor
@@ -62,6 +63,7 @@ from runconfig import (
     parse_config_args,
     resolve_run_id,
 )
+from runconfig.paths import checkpoint_dir
 from runtime.process import expanded_url
 
 if TYPE_CHECKING:
@@ -179,10 +181,11 @@ class _Up:
     """One ``rlbus up``: each method one stage; ``run`` stops whatever started."""
 
     def __init__(self, cfg: Config, argv: Sequence[str], sup: Supervisor) -> None:
-        self.cfg = resolve_run_id(cfg)
         self.argv = list(argv)
         self.sup = sup
         self.console = Console(sup)
+        # trainer.resume_mode=auto: the run recorded in trainer.default_local_dir
+        self.cfg = resolve_run_id(run_from_local_dir(cfg, self.console.out))
         self.run_id = self.cfg.run.id or ""
         self.run_dir = Path(self.cfg.run.output_dir) / self.run_id
         self.url = ""
@@ -217,6 +220,7 @@ class _Up:
         if done is not None:
             return done
         config_path = self._write_config()
+        mark_local_dir(self.cfg)  # the same line finds this run again (localdir)
         self._place(config_path)
         self._start_children()
         return self._watch()
@@ -391,7 +395,7 @@ class _Up:
         cfg, out = self.cfg, self.console.out
         out(f"\noutputs of run {self.run_id}{'' if rc == 0 else ' (stopped before the end)'}:")
         out(f"  config       {self.run_dir / 'config.yaml'}")
-        out(f"  checkpoints  {self.run_dir / 'checkpoints'}")
+        out(f"  checkpoints  {checkpoint_dir(cfg, self.run_id)}")
         out(f"  logs         {self.run_dir / 'logs'}")
         if wants_logger(cfg):
             out(f"  tensorboard  tensorboard --logdir {self.run_dir / 'tensorboard'}")
