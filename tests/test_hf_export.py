@@ -194,3 +194,9 @@ async def test_a_run_exports_each_checkpoint_and_retention_deletes_them(
     assert any(not torch.equal(exported[k], original[k]) for k in exported)
     finished = [e for e in events if isinstance(e, StepFinished)]
     assert [e.step for e in finished] == [1, 2, 3, 4]
+    for e in finished:  # verl's metrics, in every step
+        m = e.metrics
+        assert m["timing_s/gen"] > 0 and m["timing_s/reward"] >= 0
+        assert m["timing_s/update_actor"] == m["trainer/update_s"] > 0
+        assert 1 <= m["response_length/mean"] <= m["response_length/max"] <= 5
+        assert 0 <= m["response_length/clip_ratio"] <= 1 and m["prompt_length/mean"] >= 1
