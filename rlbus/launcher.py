@@ -7,7 +7,9 @@ disk), else the embedded Redis of ``run.output_dir`` starts (one per folder: a s
 ``rlbus up`` on a folder whose server is live is refused with one line naming it). A run
 whose log already holds events is continued with the config its latest RunStarted recorded,
 the file and overrides given now applied on top (each change printed as ``key: old ->
-new``); a run whose log holds its RunFinished is not started again. Then the profiler
+new``); a run whose log holds its RunFinished is not started again. Without ``run.id``, a
+run recorded in ``trainer.default_local_dir`` is that run (``trainer.resume_mode=auto``;
+:mod:`rlbus.localdir`), and a starting run records itself there. Then the profiler
 service (when ``global_profiler.tool`` is set), the metrics logger (``trainer.logger`` has
 tensorboard or wandb), the rollouter replicas and the trainer. Progress comes from the run's
 events stream, not from the children's output (that goes to ``RUN/logs/*.log``): a progress
@@ -395,7 +397,11 @@ class _Up:
         cfg, out = self.cfg, self.console.out
         out(f"\noutputs of run {self.run_id}{'' if rc == 0 else ' (stopped before the end)'}:")
         out(f"  config       {self.run_dir / 'config.yaml'}")
-        out(f"  checkpoints  {checkpoint_dir(cfg, self.run_id)}")
+        ckpt = checkpoint_dir(cfg, self.run_id)
+        out(f"  checkpoints  {ckpt}")
+        if "hf_model" in cfg.trainer.checkpoint_contents:
+            out(f"  hf models    {ckpt / 'global_step_K' / 'actor' / 'huggingface'} (each "
+                "checkpoint K kept)")
         out(f"  logs         {self.run_dir / 'logs'}")
         if wants_logger(cfg):
             out(f"  tensorboard  tensorboard --logdir {self.run_dir / 'tensorboard'}")
