@@ -105,8 +105,9 @@ def write_hf_dir(policy: torch.nn.Module, state: dict[str, torch.Tensor], model_
     from transformers import AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f"{_TMP}*"):  # a crashed export's
-        shutil.rmtree(stale, ignore_errors=True)
+    for pattern in (f"{_TMP}*", f"{_OLD}*"):  # what a crashed export left
+        for stale in target.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = target.with_name(f"{_TMP}{secrets.token_hex(4)}")
     try:
         # save_pretrained reads only the model's config and structure (tied keys, dtype)
