@@ -192,6 +192,10 @@ class CheckpointSaved(_Base, frozen=True):
     path: str
     param_version: int
     ts: float = msgspec.field(default_factory=_now)
+    hf_path: str | None = None
+    """With ``hf_model`` in ``trainer.checkpoint_contents``: the Hugging Face directory of
+    these weights, written beside the checkpoint off the trainer's critical path (it
+    appears whole, by a rename, once written)."""
 
 
 class ProfilerReady(_Base, frozen=True):

@@ -7,7 +7,9 @@ disk), else the embedded Redis of ``run.output_dir`` starts (one per folder: a s
 ``rlbus up`` on a folder whose server is live is refused with one line naming it). A run
 whose log already holds events is continued with the config its latest RunStarted recorded,
 the file and overrides given now applied on top (each change printed as ``key: old ->
-new``); a run whose log holds its RunFinished is not started again. Then the profiler
+new``); a run whose log holds its RunFinished is not started again. Without ``run.id``, a
+run recorded in ``trainer.default_local_dir`` is that run (``trainer.resume_mode=auto``;
+:mod:`rlbus.localdir`), and a starting run records itself there. Then the profiler
 service (when ``global_profiler.tool`` is set), the metrics logger (``trainer.logger`` has
 tensorboard or wandb), the rollouter replicas and the trainer. Progress comes from the run's
 events stream, not from the children's output (that goes to ``RUN/logs/*.log``): a progress
@@ -51,6 +53,7 @@ from bus.server import (
     dir_owner,
 )
 from rlbus.children import Child, Console, build_children, stop_children, wants_logger
+from rlbus.localdir import mark_local_dir, run_from_local_dir
 from rlbus.ray_launcher import RayUnavailable
 from rlbus.runlog import RunStatus, config_changes, recorded_config, run_status
 from rlbus.supervise import Interrupted, Supervisor
@@ -62,6 +65,7 @@ from runconfig import (
     parse_config_args,
     resolve_run_id,
 )
+from runconfig.paths import checkpoint_dir
 from runtime.process import expanded_url
 from tasks.verl_data import check_data
 
@@ -182,10 +186,11 @@ class _Up:
     """One ``rlbus up``: each method one stage; ``run`` stops whatever started."""
 
     def __init__(self, cfg: Config, argv: Sequence[str], sup: Supervisor) -> None:
-        self.cfg = resolve_run_id(cfg)
         self.argv = list(argv)
         self.sup = sup
         self.console = Console(sup)
+        # trainer.resume_mode=auto: the run recorded in trainer.default_local_dir
+        self.cfg = resolve_run_id(run_from_local_dir(cfg, self.console.out))
         self.run_id = self.cfg.run.id or ""
         self.run_dir = Path(self.cfg.run.output_dir) / self.run_id
         self.url = ""
@@ -220,6 +225,7 @@ class _Up:
         if done is not None:
             return done
         config_path = self._write_config()
+        mark_local_dir(self.cfg)  # the same line finds this run again (localdir)
         self._place(config_path)
         self._start_children()
         return self._watch()
@@ -394,7 +400,11 @@ class _Up:
         cfg, out = self.cfg, self.console.out
         out(f"\noutputs of run {self.run_id}{'' if rc == 0 else ' (stopped before the end)'}:")
         out(f"  config       {self.run_dir / 'config.yaml'}")
-        out(f"  checkpoints  {self.run_dir / 'checkpoints'}")
+        ckpt = checkpoint_dir(cfg, self.run_id)
+        out(f"  checkpoints  {ckpt}")
+        if "hf_model" in cfg.trainer.checkpoint_contents:
+            out(f"  hf models    {ckpt / 'global_step_K' / 'actor' / 'huggingface'} (each "
+                "checkpoint K kept)")
         out(f"  logs         {self.run_dir / 'logs'}")
         if wants_logger(cfg):
             out(f"  tensorboard  tensorboard --logdir {self.run_dir / 'tensorboard'}")

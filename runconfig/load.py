@@ -390,6 +390,17 @@ def _check_cross_fields(cfg: Config) -> None:
     if cfg.rollout.rank >= cfg.rollout.replicas:
         raise ConfigError("rollout.rank", f"must be < rollout.replicas={cfg.rollout.replicas}")
     _check_profiler(cfg)
+    _check_checkpoint_contents(cfg)
+
+
+def _check_checkpoint_contents(cfg: Config) -> None:
+    """``hf_model`` (verl's save_contents) writes a Hugging Face directory per checkpoint:
+    only a Hugging Face model has one."""
+    if "hf_model" in cfg.trainer.checkpoint_contents and cfg.model.kind != "hf":
+        raise ConfigError(
+            "trainer.checkpoint_contents",
+            f"hf_model needs model.kind=hf (a Hugging Face model from model.path); the "
+            f"built-in model.kind={cfg.model.kind} has no Hugging Face form")
 
 
 def _check_model(cfg: Config) -> None:

@@ -43,14 +43,16 @@ from bus.messages import (
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from runconfig import Config, config_to_dict
+from runconfig.paths import checkpoint_dir
 from runtime import Component
 from tasks import build_prompt_source
 from trainer.budget import max_staleness
 from trainer.dispatch import ROLLOUTER_GROUP, Dispatch
+from trainer.export import HFExport
 from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale, Verdict
 from trainer.learner import Learner
 from trainer.lease import acquire, token
-from trainer.metrics import StepMeter
+from trainer.metrics import StepMeter, verl_step_metrics
 from trainer.resume import rebuild, write_checkpoint
 from trainer.retention import trim_after_checkpoint
 from trainer.stepwork import StepWork, may_stream
@@ -76,6 +78,9 @@ class Trainer(Component):
         super().__init__(cfg, bus)
         tc, ac = cfg.trainer, cfg.async_training
         self.run_dir = Path(cfg.run.output_dir) / self.run_id
+        self.ckpt_dir = checkpoint_dir(cfg, self.run_id)  # trainer.default_local_dir
+        self.hf_export = HFExport(cfg.model.path) if (
+            "hf_model" in tc.checkpoint_contents and cfg.model.path) else None
         self.need = ac.require_batches * tc.ppo_mini_batch_size
         self.epoch = secrets.token_hex(4)
         self.lease = Lease(bus, self.keys.trainer_lease, token(self.epoch),
@@ -127,7 +132,7 @@ class Trainer(Component):
             self.profiler = StepProfiler(agent, self.off)
 
     async def serve(self) -> int:
-        await self.writer.read_log(self.run_dir / "checkpoints")
+        await self.writer.read_log(self.ckpt_dir, self.run_dir / "events")
         self.watch.follow_from(self.writer.position)  # reports: what comes next only
         state, total = self.writer.state, self.cfg.trainer.total_training_steps
         if state.finished and state.last_step >= total:
@@ -160,6 +165,8 @@ class Trainer(Component):
                     await self.learner.building
             if self.upcoming is not None:
                 await self.upcoming.settle()
+            if self.hf_export is not None:
+                self.hf_export.close()
 
     async def _resume(self) -> None:
         """Rebuild the model the trainer had (checkpoint, then the steps after it)."""
@@ -198,6 +205,7 @@ class Trainer(Component):
         if self.profiler is not None:
             await self.publish(*(await self.profiler.close()))
             self.profiler = None
+        await self._hf_written()
         await self.publish(RunFinished(run_id=self.run_id, steps=total))
         self.say(f"run {self.run_id} finished ({total} steps)")
         return 0
@@ -236,6 +244,8 @@ class Trainer(Component):
         trained = [pair for g in groups for pair in g.ordered()]
         duration = time.monotonic() - t0
         metrics.update(self._run_metrics(duration, len(trained)))
+        metrics.update(verl_step_metrics([s for _, s in trained], self.cfg.rollout.max_new_tokens,
+                                         self.update_s))
         entry_ids = [eid for eid, _ in trained]
         await self.writer.finish_step(StepFinished(
             step=step, sample_ids=[s.sample_id for _, s in trained], metrics=metrics,
@@ -253,18 +263,34 @@ class Trainer(Component):
             await self._trim(entry_ids)  # after the step: off its critical path
 
     async def _checkpoint(self, step: int) -> Path:
-        """Model, optimizer and the folded state, durable before the log says so."""
-        saved = await self.off(write_checkpoint, self.run_dir / "checkpoints", step,
+        """Model, optimizer and the folded state, durable before the log says so; with
+        ``hf_model`` in trainer.checkpoint_contents, the HF directory written beside it
+        while training goes on (trainer.export)."""
+        saved = await self.off(write_checkpoint, self.ckpt_dir, step,
                                self.learner.version, self.learner.policy,
                                self.learner.optimizer, self.writer.snapshot())
+        hf_path = None
+        if self.hf_export is not None:
+            target, warning = await self.hf_export.start(self.off, self.learner.policy,
+                                                         self.ckpt_dir, step)
+            hf_path = str(target)
+            if warning is not None:
+                await self.publish(warning)
         await self.publish(CheckpointSaved(step=step, path=str(saved),
-                                           param_version=self.learner.version))
+                                           param_version=self.learner.version, hf_path=hf_path))
         return saved
+
+    async def _hf_written(self) -> None:
+        """Before RunFinished: the last checkpoint's HF directory is whole (or its failure
+        said)."""
+        if self.hf_export is not None and (warning := await self.hf_export.wait()) is not None:
+            await self.publish(warning)
 
     async def _trim(self, trained: list[str]) -> None:
         """Retention after a durable checkpoint (trainer.retention)."""
         warning = await trim_after_checkpoint(
             self.bus, self.keys, self.run_dir, trained, keep_weights=KEEP_WEIGHTS,
+            checkpoints=self.ckpt_dir,
             keep_checkpoints=self.cfg.trainer.max_actor_ckpt_to_keep,
             last_step=self.writer.state.last_step, current=self.writer.state.checkpoint()[1],
             fence=(self.keys.trainer_lease, self.lease.token),

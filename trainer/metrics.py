@@ -6,6 +6,24 @@ while the trainer waited for samples; ``trainer/update_s`` the worker's compute 
 ``trainer/loop_cpu_s`` the CPU the event loop spent since the previous step (reading,
 decoding and checking samples, publishing): with the trainer on one core a step takes about
 ``update_s + loop_cpu_s``.
+
+:func:`verl_step_metrics` adds the figures verl users read, with verl's names and
+definitions (verl/trainer/ppo/metric_utils.py ``compute_data_metrics`` and
+``compute_timing_metrics``), over the samples the step trained:
+
+- ``response_length/mean|max``: response tokens per sample; ``response_length/clip_ratio``:
+  the share whose length equals the longest allowed (``rollout.max_new_tokens``, verl's
+  ``max_response_length``); ``prompt_length/mean``: prompt tokens per sample.
+- ``timing_s/gen``: generation seconds of the step's samples, summed over the rollouter
+  batches that made them (a batch counts once; its samples share its ``gen_time_s``). verl's
+  synchronous trainer reports the wall time of generating the step's batch, which the sum
+  equals when one rollouter generates the step's batches in turn; with R replicas in
+  parallel the wall time is about the sum / R. (verl's fully-async trainer reports its wait
+  for samples under this name; rlbus reports that as ``trainer/idle_ratio`` x the step.)
+- ``timing_s/reward``: the scorer's seconds summed over the step's samples (``reward_s``),
+  what verl's naive reward manager takes scoring them one after another.
+- ``timing_s/update_actor``: the worker's compute time for the step's update (the same
+  figure as ``trainer/update_s``; it includes building the batches).
 """
 
 from __future__ import annotations
@@ -14,13 +32,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from bus.messages import Sample
 from trainer.intake import Group, Intake
 from trainer.ledger import Ledger
 
 if TYPE_CHECKING:
     from trainer.watch import Watch
 
-__all__ = ["StepMeter"]
+__all__ = ["StepMeter", "verl_step_metrics"]
 
 
 class StepMeter:
@@ -74,3 +93,29 @@ class StepMeter:
             "rollout/failures": float(watch.rollout_failures),
             "staleness/discarded_groups": float(intake.discarded),
         }
+
+
+def _gen_seconds(samples: Sequence[Sample]) -> float:
+    """Generation seconds of the batches that made ``samples``, each batch once (a batch's
+    samples carry its wall time; they are told apart by replica and time)."""
+    batches = {(s.rank, s.gen_time_s) for s in samples}
+    return float(sum(t for _, t in batches))
+
+
+def verl_step_metrics(samples: Sequence[Sample], max_response_length: int,
+                      update_s: float) -> dict[str, float]:
+    """verl's data and timing metrics of one step (see the module docstring)."""
+    if not samples:
+        return {"timing_s/update_actor": update_s}
+    responses = [len(s.response_tokens) for s in samples]
+    prompts = [len(s.prompt_tokens) for s in samples]
+    n = len(samples)
+    return {
+        "response_length/mean": sum(responses) / n,
+        "response_length/max": float(max(responses)),
+        "response_length/clip_ratio": sum(r == max_response_length for r in responses) / n,
+        "prompt_length/mean": sum(prompts) / n,
+        "timing_s/gen": _gen_seconds(samples),
+        "timing_s/reward": float(sum(s.reward_s for s in samples)),
+        "timing_s/update_actor": update_s,
+    }

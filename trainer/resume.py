@@ -87,11 +87,13 @@ def snapshots(folder: Path) -> Iterator[Snapshot]:
             continue
 
 
-async def read_log(bus: Bus, keys: RunKeys, folder: Path) -> LogRead:
-    """Fold the events log into the trainer's state, from the newest usable snapshot.
+async def read_log(bus: Bus, keys: RunKeys, folder: Path, archive: Path | None = None) -> LogRead:
+    """Fold the events log into the trainer's state, from the newest usable snapshot in the
+    checkpoint folder ``folder``.
 
-    Without one, the whole log is folded: the archived events (``folder/../events``, what
-    retention trimmed from the stream) and then the stream (bus.history)."""
+    Without one, the whole log is folded: the archived events (``archive``, by default
+    ``folder/../events``: what retention trimmed from the stream) and then the stream
+    (bus.history)."""
     state, start, last_finished = TrainerState(), "0", None
     found = snapshots(folder)
     while (snap := await asyncio.to_thread(next, found, None)) is not None:
@@ -103,7 +105,8 @@ async def read_log(bus: Bus, keys: RunKeys, folder: Path) -> LogRead:
             break
     position = None if start == "0" else start
     read = 0
-    async for entry in read_history(bus, keys.events, folder.parent / "events", start):
+    archive = folder.parent / "events" if archive is None else archive
+    async for entry in read_history(bus, keys.events, archive, start):
         read += 1
         state = apply(state, entry.msg)
         position = entry.id

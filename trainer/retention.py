@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from bus.files import fsync_path
 from bus.history import Archived, archive_below, events_folder
 from bus.messages import WarningRaised, WeightsPublished
 from bus.streams import entry_key
+from trainer.export import step_folder
 from trainer.resume import Snapshot
 
 __all__ = ["Retained", "checkpoints_to_drop", "events_safe_point", "newest_snapshot",
@@ -119,6 +121,9 @@ def _drop(folder: Path, keep: int, last_step: int, needed: set[int]) -> list[int
                 path.unlink()
             except FileNotFoundError:
                 pass
+        # Its Hugging Face directory last: an export still writing it checks for the .pt
+        # after its rename (trainer.export).
+        shutil.rmtree(step_folder(folder, step), ignore_errors=True)
     if dropped:
         fsync_path(folder)
     return dropped
@@ -150,14 +155,16 @@ async def retain(
     bus: Bus, keys: RunKeys, run_dir: Path, *, keep_weights: int,
     keep_checkpoints: int | None, last_step: int, current: str | None,
     fence: tuple[str, str] | None = None, rollouter_ranks: Sequence[int] = (),
+    checkpoints: Path | None = None,
 ) -> Retained:
     """After a durable checkpoint: archive then trim the events before the safe point, and
     (``keep_checkpoints``, verl's ``trainer.max_actor_ckpt_to_keep``; None keeps all)
     delete the checkpoints and ``.state`` snapshots older than the newest that many, never
-    one a resume may load (``current``: the trainer's state's checkpoint path). Without a
-    snapshot the log confirms, nothing is trimmed or deleted. File work runs on worker
-    threads."""
-    folder = run_dir / "checkpoints"
+    one a resume may load (``current``: the trainer's state's checkpoint path), each with
+    its Hugging Face directory (``global_step_K``). ``checkpoints``: the checkpoint folder
+    (runconfig.paths.checkpoint_dir; default ``run_dir/checkpoints``). Without a snapshot
+    the log confirms, nothing is trimmed or deleted. File work runs on worker threads."""
+    folder = run_dir / "checkpoints" if checkpoints is None else checkpoints
     found = await newest_snapshot(bus, keys, folder)
     if found is None:
         return Retained(Archived(0, 0, None))
@@ -175,7 +182,7 @@ async def retain(
 async def trim_after_checkpoint(
     bus: Bus, keys: RunKeys, run_dir: Path, trained: Sequence[str], *, keep_weights: int,
     keep_checkpoints: int | None, last_step: int, current: str | None,
-    fence: tuple[str, str], rollouter_ranks: Sequence[int],
+    fence: tuple[str, str], rollouter_ranks: Sequence[int], checkpoints: Path | None = None,
 ) -> WarningRaised | None:
     """Retention (``run.retention=checkpoint``) after the durable checkpoint of the step that
     trained the samples ``trained``: samples before the newest of them, tickets before the
@@ -189,7 +196,7 @@ async def trim_after_checkpoint(
     try:
         await retain(bus, keys, run_dir, keep_weights=keep_weights,
                      keep_checkpoints=keep_checkpoints, last_step=last_step, current=current,
-                     fence=fence, rollouter_ranks=rollouter_ranks)
+                     fence=fence, rollouter_ranks=rollouter_ranks, checkpoints=checkpoints)
     except OSError as exc:
         return WarningRaised(source="trainer", code="events_not_archived",
                              message=f"events stream not trimmed: the archive failed: {exc}")

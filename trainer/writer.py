@@ -49,9 +49,10 @@ class Writer:
         self.fenced: str | None = None
         """The holder that took the lease from us (set by a write or a pulse)."""
 
-    async def read_log(self, checkpoints: Path) -> None:
-        """Fold the log (from the newest snapshot the log confirms) into :attr:`state`."""
-        read = await read_log(self.bus, self.keys, checkpoints)
+    async def read_log(self, checkpoints: Path, archive: Path | None = None) -> None:
+        """Fold the log (from the newest snapshot the log confirms) into :attr:`state`;
+        ``archive``: the run's archived events (trainer.resume.read_log)."""
+        read = await read_log(self.bus, self.keys, checkpoints, archive)
         self.state, self.position = read.state, read.position
         self.last_finished_id, self.entries_read = read.last_finished_id, read.entries_read
 
