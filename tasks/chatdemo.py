@@ -109,7 +109,8 @@ def build_model(path: str | Path, *, hidden: int = 64, layers: int = 2, seed: in
     im_end, eot = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     config = Qwen2Config(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=hidden // 32,
+        num_hidden_layers=layers, num_attention_heads=hidden // 32,
+        num_key_value_heads=hidden // 32,
         max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=None,
         eos_token_id=im_end, pad_token_id=eot,
     )
