@@ -8,6 +8,7 @@ through the same interfaces (Validator takes both as arguments)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -376,3 +377,43 @@ async def test_the_logger_writes_validation_metrics_at_the_requested_step(
     points = [(e.step, round(e.value, 3)) for e in acc.Scalars("val-core/a/reward/mean@1")]
     assert points == [(0, 0.1), (1, 0.4), (3, 0.9)]
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
+
+
+# --------------------------------------------------------------------------- a whole run
+
+
+@pytest.mark.asyncio
+async def test_a_run_validates_its_versions_without_waiting_and_finishes_with_the_last(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    """Trainer and rollouter (in this process, the rollouter's validator given): T=2,
+    test_freq=1, 6 updates: weights v0 before training, v1..v3 as they are published; the
+    last answer is in the log before RunFinished."""
+    from tests.procs import FAST
+    from trainer.app import Trainer
+
+    cfg = _cfg(tmp_path, *FAST, "run.retention=all", "async_training.trigger_parameter_sync_step=2",
+               "trainer.total_training_steps=6", "trainer.test_freq=1",
+               "rollout.val_kwargs.n=2", redis_url=redis_url, run_id=run_id)
+    rollouter = Rollouter(cfg, bus)
+    scorer = _Scorer()
+    records = [_Record(i, rollouter.tokenizer.encode(f"{d}>", bos=True), f"{d}>", "digits",
+                       d[::-1]) for i, d in enumerate(["1234", "4321", "5555"])]
+    rollouter.validator = Validator(records, scorer, cfg, rollouter.tokenizer, item=_Item)
+    trainer = Trainer(cfg, bus)
+    assert await asyncio.gather(trainer.run(), rollouter.run()) == [0, 0]
+
+    events = await events_of(bus, run_keys.events)
+    kinds = [type(e).__name__ for e in events]
+    answers = [e for e in events if isinstance(e, ValidationFinished)]
+    assert [(a.request_id, a.step) for a in answers] == [
+        ("val-v0", 0), ("val-v1", 2), ("val-v2", 4), ("val-v3", 6)]
+    assert all(a.version >= int(a.request_id[5:]) and not a.error for a in answers)
+    assert all("val-core/digits/reward/mean@2" in a.metrics for a in answers)
+    assert kinds.index("RunFinished") > max(i for i, k in enumerate(kinds)
+                                            if k == "ValidationFinished")
+    assert len(scorer.items) == 4 * 3 * 2
+    asked = [m async for _, m in bus.read_all(run_keys.prompts)
+             if isinstance(m, ValidationRequested)]
+    assert [(m.version, m.step) for m in asked] == [(0, 0), (1, 2), (2, 4), (3, 6)]
+    assert max(e.step for e in events if isinstance(e, StepFinished)) == 6
