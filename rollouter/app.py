@@ -131,6 +131,7 @@ class Rollouter(Component):
         self.val_requests: list[Any] = []
         self.validated: set[str] = set()
         self.validator: Validator | None = None
+        self.validating: str | None = None  # the request being served (heartbeat state)
 
     # ------------------------------------------------------------------ set-up
 
@@ -324,7 +325,9 @@ class Rollouter(Component):
         idle = max(0.0, 1.0 - self.busy_s / window)
         self.busy_s, self.window_start = 0.0, now
         return Heartbeat(
-            role="rollouter", rank=self.rank, pid=os.getpid(), state=f"weights v{self.version}",
+            role="rollouter", rank=self.rank, pid=os.getpid(),
+            state=f"weights v{self.version}" + (f", validating ({self.validating})"
+                                                if self.validating else ""),
             metrics={"rollouter/idle_ratio": idle, "rollouter/version": float(self.version)},
         )
 
@@ -563,7 +566,11 @@ class Rollouter(Component):
             if d.msg.request_id in self.validated:
                 await self.consumer.ack(d)
                 continue
-            finished = await self._validate(d.msg)
+            self.validating = d.msg.request_id
+            try:
+                finished = await self._validate(d.msg)
+            finally:
+                self.validating = None
             await self.consumer.publish_and_ack(self.keys.events, [finished], d.id)
             self.validated.add(finished.request_id)
             self.busy_s += finished.duration_s
