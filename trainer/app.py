@@ -193,8 +193,8 @@ class Trainer(Component):
         # tail); the newest publication in log order is what they load.
         await self.weights.publish(self.learner.version, self.writer.state.last_step,
                                    self.submit(self.learner.state_bytes))
-        await self._validate(first - 1)
         await self.dispatch.issue(self.learner.version)
+        await self._validate(first - 1)  # after the first tickets: they are generated first
         await self.learner.optimizer_ready()  # the rollouters generate step `first` meanwhile
         total = self.cfg.trainer.total_training_steps
         for step in range(first, total + 1):
