@@ -91,7 +91,7 @@ class Validator:
         size = self.cfg.rollout.prompts_per_batch
         return [self.records[i:i + size] for i in range(0, len(self.records), size)]
 
-    def _generate(self, policy: Any, batch: list[Any], version: int,
+    def _generate(self, policy: Any, batch: list[Any],
                   generator: torch.Generator | None) -> list[tuple[Any, str, int]]:
         """(record, response text, response length) per response of ``batch`` (worker)."""
         n = self.cfg.rollout.val_kwargs.n
@@ -117,7 +117,7 @@ class Validator:
         done: list[tuple[Any, str, int]] = []
         scoring: list[asyncio.Future[Sequence[Any]]] = []
         for batch in self._batches():
-            out = await off(self._generate, policy, batch, version, generator)
+            out = await off(self._generate, policy, batch, generator)
             done.extend(out)
             # Scored while the next batch generates.
             scoring.append(asyncio.ensure_future(self.score(self._items(out))))

@@ -357,6 +357,17 @@ def test_inspect_progress_and_summary_show_the_val_core_reward() -> None:
     assert "val-core reward 0.600 (weights v2, step 4)" in summary.line("r", 10, 1.0)
 
 
+def test_the_trace_draws_a_validation_on_its_rollouter() -> None:
+    from rlbus.trace import build_trace
+
+    ev = _finished(2, 4, 0.8)
+    tree = build_trace("r", [RunStarted(run_id="r", config={}, ts=ev.ts - 10), ev])
+    spans = [e for e in tree["traceEvents"] if e.get("cat") == "validation"]
+    assert len(spans) == 1 and spans[0]["name"] == "validate weights v2"
+    assert spans[0]["dur"] == pytest.approx(1.5e6, rel=1e-3)
+    assert spans[0]["args"]["val-core/a/reward/mean@1"] == 0.8
+
+
 @pytest.mark.asyncio
 async def test_the_logger_writes_validation_metrics_at_the_requested_step(
     bus: Bus, run_id: str, tmp_path: Path
