@@ -415,6 +415,8 @@ class ValidationFinished(_Base, frozen=True):
     generations: list[tuple[str, str, float]] = []
     duration_s: float = 0.0
     ts: float = msgspec.field(default_factory=_now)
+    error: str = ""
+    """Why the validation could not run (no metrics then); empty when it ran."""
 
 
 # --------------------------------------------------------------------------- control

@@ -20,10 +20,17 @@ import msgspec
 
 from bus.errors import BusError
 from bus.keys import RunKeys
-from bus.messages import RunFinished, StepFinished
+from bus.messages import RunFinished, StepFinished, ValidationFinished
 from bus.streams import Bus
 
-__all__ = ["ProgressSpec", "ProgressThread", "follow_progress", "step_line"]
+__all__ = [
+    "ProgressSpec",
+    "ProgressThread",
+    "follow_progress",
+    "step_line",
+    "val_core_reward",
+    "validation_line",
+]
 
 
 def step_line(event: StepFinished, total: int) -> str:
@@ -34,6 +41,28 @@ def step_line(event: StepFinished, total: int) -> str:
         f"staleness {m.get('staleness/mean', 0.0):.2f} (max {m.get('staleness/max', 0.0):.0f})  "
         f"{m.get('throughput/samples_per_s', 0.0):6.1f} samples/s  {event.duration_s:5.2f}s"
     )
+
+
+def _core_means(metrics: dict[str, float]) -> dict[str, float]:
+    """The val-core ``mean@N`` figures (one per data source: its core variable's mean)."""
+    return {k: v for k, v in sorted(metrics.items())
+            if k.startswith("val-core/") and "/mean@" in k}
+
+
+def val_core_reward(metrics: dict[str, float]) -> float | None:
+    """A validation's headline: the mean over data sources of the val-core ``mean@N``
+    (verl's ``val-core/{data_source}/reward/mean@N``); None without one."""
+    means = list(_core_means(metrics).values())
+    return sum(means) / len(means) if means else None
+
+
+def validation_line(event: ValidationFinished) -> str:
+    """``validation v3 (step 6): val-core/src/reward/mean@1 0.412  2.1s``."""
+    head = f"validation v{event.version} (step {event.step})"
+    if event.error:
+        return f"{head} failed: {event.error}"
+    figures = "  ".join(f"{k} {v:.3f}" for k, v in _core_means(event.metrics).items())
+    return f"{head}: {figures or 'no metrics'}  {event.duration_s:.1f}s"
 
 
 class ProgressSpec(msgspec.Struct, frozen=True):
@@ -68,12 +97,13 @@ async def follow_progress(
             wait_ms = 1000 if per_step else max(1, int((next_line - time.monotonic()) * 1000))
             entries, cursor = await bus.read_after(stream, cursor, count=500, block_ms=wait_ms)
             for _, msg in entries:
+                if isinstance(msg, RunFinished):
+                    return
                 if isinstance(msg, StepFinished):
                     last = msg
-                    if per_step:
-                        _print(out, f"{spec.role}: {step_line(msg, spec.total_steps)}")
-                elif isinstance(msg, RunFinished):
-                    return
+                line = _event_line(msg, spec.total_steps) if per_step else None
+                if line is not None:
+                    _print(out, f"{spec.role}: {line}")
             if per_step or time.monotonic() < next_line:
                 continue
             next_line = time.monotonic() + spec.every_s
@@ -86,6 +116,15 @@ async def follow_progress(
                             f"({where})")
     except BusError:
         return
+
+
+def _event_line(msg: object, total: int) -> str | None:
+    """The line a finished step or validation prints (per-step roles); None otherwise."""
+    if isinstance(msg, StepFinished):
+        return step_line(msg, total)
+    if isinstance(msg, ValidationFinished):
+        return validation_line(msg)
+    return None
 
 
 def _print(out: TextIO | None, line: str) -> None:

@@ -1,4 +1,6 @@
-"""The metrics logger process: follow a run's events, write each StepFinished to the sinks.
+"""The metrics logger process: follow a run's events, write each StepFinished to the sinks,
+and each ValidationFinished's metrics at the step its validation was requested at (verl logs
+its validation metrics at the training step).
 
 Position: after each batch is flushed to every sink, the id of the last entry read and the
 last step written are stored (atomically) in ``RUN/logger-position.json``; a restarted logger
@@ -26,6 +28,7 @@ import msgspec
 from bus import Bus, Entry, Heartbeat, RunFinished, StepFinished
 from bus.files import atomic_write
 from bus.history import events_folder, find_archive
+from bus.messages import ValidationFinished
 from runconfig import Config
 from runtime import Component, Follower
 from runtime import main as run_main
@@ -125,9 +128,20 @@ class WandbSink:
             project=cfg.trainer.project_name, name=cfg.trainer.experiment_name or cfg.run.id,
             id=cfg.run.id, dir=str(run_dir), mode="offline", resume="allow",
         )
+        self._val_axis = False
 
     def write(self, step: int, metrics: dict[str, float], wall_time: float) -> None:
         self._run.log(metrics, step=step)
+
+    def write_validation(self, step: int, metrics: dict[str, float], wall_time: float) -> None:
+        """A validation answers after later steps were logged, and wandb drops a ``step``
+        below its last one: validation figures get their own x axis, ``val/step``."""
+        if not self._val_axis:
+            self._run.define_metric("val/step")
+            for section in ("val-core/*", "val-aux/*"):
+                self._run.define_metric(section, step_metric="val/step")
+            self._val_axis = True
+        self._run.log({**metrics, "val/step": step})
 
     def flush(self) -> None:
         pass
@@ -144,6 +158,14 @@ def _open_sinks(cfg: Config) -> list[Sink]:
     if "wandb" in names and importlib.util.find_spec("wandb") is not None:
         sinks.append(WandbSink(cfg, Path(cfg.run.output_dir) / (cfg.run.id or "")))
     return sinks
+
+
+def _write_validation(sink: Sink, ev: ValidationFinished) -> None:
+    """A validation's metrics at the step it was requested at (a sink with a
+    ``write_validation`` of its own decides how)."""
+    metrics = {k: float(v) for k, v in ev.metrics.items() if not math.isnan(v)}
+    if metrics:
+        getattr(sink, "write_validation", sink.write)(ev.step, metrics, ev.ts)
 
 
 def _scalars(ev: StepFinished) -> dict[str, float]:
@@ -193,6 +215,10 @@ class MetricsLogger(Component):
                     sink.write(msg.step, _scalars(msg), msg.ts)
                 self.position.step = msg.step
                 self.written += 1
+                wrote = True
+            elif isinstance(msg, ValidationFinished):
+                for sink in self.sinks:
+                    _write_validation(sink, msg)
                 wrote = True
             elif isinstance(msg, RunFinished):
                 self.finished = True

@@ -22,10 +22,18 @@ import msgspec
 
 from bus import Bus, RunKeys
 from bus.history import events_folder, find_archive, read_history
-from bus.messages import Heartbeat, Message, ProfileStopped, Sample, StepFinished
+from bus.messages import (
+    Heartbeat,
+    Message,
+    ProfileStopped,
+    Sample,
+    StepFinished,
+    ValidationFinished,
+)
+from bus.progress import validation_line
 from runconfig import Config
 
-__all__ = ["event_to_json", "inspect_run", "summary_line"]
+__all__ = ["event_to_json", "inspect_run", "summary_line", "validations_table"]
 
 _json = msgspec.json.Encoder()
 
@@ -52,12 +60,31 @@ def summary_line(entry_id: str, msg: Message, t0: float | None = None) -> str:
         text = (f"step={msg.step} samples={len(msg.sample_ids)} "
                 f"reward={m.get('reward/mean', float('nan')):.3f} "
                 f"staleness={m.get('staleness/mean', 0.0):.2f} {msg.duration_s:.2f}s")
+    elif isinstance(msg, ValidationFinished):
+        text = f"{msg.request_id} rank={msg.rank} {validation_line(msg)}"
     else:
         fields = msgspec.to_builtins(msg)
         for noisy in ("type", "v", "ts", "config", "raw"):
             fields.pop(noisy, None)
         text = " ".join(f"{k}={v}" for k, v in fields.items())
     return f"{stamp} {rel}  {name:<18} {text}"[:220]
+
+
+def validations_table(events: list[tuple[str, Message]]) -> list[str]:
+    """One line per validation in the log: weights version, the step it was requested at,
+    its val-core figures (or why it failed), who ran it and how long it took."""
+    lines = []
+    for _, msg in events:
+        if not isinstance(msg, ValidationFinished):
+            continue
+        if msg.error:
+            lines.append(f"  v{msg.version:<4} step {msg.step:<5} failed: {msg.error}")
+            continue
+        core = "  ".join(f"{k}={v:.4f}" for k, v in sorted(msg.metrics.items())
+                         if k.startswith("val-core/"))
+        lines.append(f"  v{msg.version:<4} step {msg.step:<5} {core or 'no val-core metrics'}"
+                     f"  (rollouter{msg.rank}, {msg.duration_s:.1f} s)")
+    return ["validations:", *lines] if lines else []
 
 
 def _gap(after: str, first: str) -> None:
@@ -186,6 +213,9 @@ def _print_events(run_id: str, events: list[tuple[str, Message]], as_json: bool,
                 out.write(event_to_json(msg) + b"\n")
             else:
                 out.write(summary_line(entry_id, msg, t0).encode() + b"\n")
+        if not as_json:
+            for line in validations_table(events):
+                out.write(line.encode() + b"\n")
         out.flush()
     except BrokenPipeError:  # `rlbus inspect ... | head`: the reader has seen enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

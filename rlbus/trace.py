@@ -3,8 +3,9 @@
 One process track per component (trainer, each rollouter, the profiler service, the metrics
 logger) plus a ``run`` track for run-wide events. The trainer has its steps (with their
 metrics), weight publications and checkpoints; a rollouter has its generation windows by
-weights version (from the samples stream when it is still there); every role has its profile
-sessions with the path of their torch trace; warnings and failures are global instants.
+weights version (from the samples stream when it is still there) and its validations; every
+role has its profile sessions with the path of their torch trace; warnings and failures are
+global instants.
 Times are microseconds since the run's first event (Trace Event Format, ``displayTimeUnit``
 ms); open the file at ui.perfetto.dev or chrome://tracing.
 """
@@ -32,6 +33,7 @@ from bus.messages import (
     StepFinished,
     StepStarted,
     TrainerResumed,
+    ValidationFinished,
     WarningRaised,
     WeightsPublished,
 )
@@ -40,6 +42,7 @@ __all__ = ["build_trace"]
 
 RUN_PID, TRAINER_PID, PROFILER_PID, LOGGER_PID, ROLLOUTER_PID0 = 0, 1, 2, 3, 10
 STEPS_TID, WEIGHTS_TID, PROFILE_TID, FAILURES_TID, GEN_TID = 1, 2, 3, 4, 1
+VALIDATION_TID = 5
 
 
 class _Builder:
@@ -243,6 +246,18 @@ def _rollout_failed(log: _Log, msg: RolloutFailed) -> None:
                   {"ticket": msg.ticket_id, "error": msg.error})
 
 
+def _validation_finished(log: _Log, msg: ValidationFinished) -> None:
+    pid, name = _role_pid("rollouter", msg.rank)
+    log.b.track(pid, name, VALIDATION_TID, "validation")
+    args: dict[str, Any] = {"request": msg.request_id, "step": msg.step,
+                            **{k: _clean(v) for k, v in msg.metrics.items()
+                               if k.startswith("val-core/")}}
+    if msg.error:
+        args["error"] = msg.error
+    log.b.span(pid, VALIDATION_TID, f"validate weights v{msg.version}",
+               msg.ts - msg.duration_s, msg.ts, args, cat="validation")
+
+
 # How each kind of event is drawn; any other kind (heartbeats, tickets, ...) is not.
 _DRAW: dict[type, Callable[[_Log, Any], None]] = {
     RunStarted: _run_started,
@@ -261,6 +276,7 @@ _DRAW: dict[type, Callable[[_Log, Any], None]] = {
     WarningRaised: _warning,
     ComponentFailed: _component_failed,
     RolloutFailed: _rollout_failed,
+    ValidationFinished: _validation_finished,
 }
 
 

@@ -22,7 +22,7 @@ from rlbus.supervise import Supervisor
 from runconfig import Config
 
 if TYPE_CHECKING:
-    from bus.messages import Message, ProfileStopped, StepFinished
+    from bus.messages import Message, ProfileStopped, StepFinished, ValidationFinished
 
 __all__ = [
     "Progress",
@@ -43,6 +43,10 @@ class Summary(msgspec.Struct):
     profiles: int = 0
     past_profiles: int = 0
     warnings: int = 0
+    val_reward: float | None = None
+    """The latest validation's val-core reward (bus.progress.val_core_reward)."""
+    val_version: int | None = None
+    val_step: int | None = None
 
     def add(self, ev: StepFinished, started: float, target: float = 0.9) -> None:
         r = ev.metrics.get("reward/mean")
@@ -58,11 +62,21 @@ class Summary(msgspec.Struct):
             self.target_step = ev.step
             self.target_s = time.monotonic() - started
 
+    def validated(self, ev: ValidationFinished) -> None:
+        from bus.progress import val_core_reward
+
+        reward = val_core_reward(ev.metrics)
+        if reward is not None:
+            self.val_reward, self.val_version, self.val_step = reward, ev.version, ev.step
+
     def line(self, run_id: str, total: int, wall_s: float) -> str:
         parts = [f"run {run_id}: {self.steps} step(s) this session (of {total}) in {wall_s:.1f} s"]
         if self.first_reward is not None:
             parts.append(f"reward {self.first_reward:.3f} -> {self.last_reward:.3f} "
                          f"(best {self.best_reward:.3f})")
+        if self.val_reward is not None:
+            parts.append(f"val-core reward {self.val_reward:.3f} (weights v{self.val_version}, "
+                         f"step {self.val_step})")
         if self.target_step is not None:
             parts.append(f"reward >= 0.9 first at step {self.target_step} "
                          f"({self.target_s:.1f} s)")
@@ -185,6 +199,7 @@ class RunWatch:
             m.ComponentFailed: lambda e: self.progress.say(
                 f"{e.role}{e.rank} failed: {e.error}", err=True),
             m.RunFinished: self._finished,
+            m.ValidationFinished: self._validated,
         }
         handler = handlers.get(type(msg))
         if handler is not None:
@@ -193,6 +208,12 @@ class RunWatch:
     def _step(self, ev: StepFinished) -> None:
         self.summary.add(ev, self.started)
         self.progress.step(ev)
+
+    def _validated(self, ev: ValidationFinished) -> None:
+        from bus.progress import validation_line
+
+        self.summary.validated(ev)
+        self.progress.say(validation_line(ev), err=bool(ev.error))
 
     def _weights(self, ev: Any) -> None:
         if ev.version == 0:

@@ -45,6 +45,8 @@ from bus.messages import (
     RunFinished,
     RunStarted,
     Sample,
+    ValidationFinished,
+    ValidationRequested,
     WarningRaised,
     WeightsPublished,
 )
@@ -54,6 +56,7 @@ from policy.weights import from_bytes
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from profiling.steps import StepClock, follow, observe
+from rollouter.validation import Validator, build_validator
 from runconfig import Config
 from runtime import Component, Failure, Follower, settle_heap
 from tasks.reward import load_reward_fn
@@ -123,6 +126,12 @@ class Rollouter(Component):
         self.window_start = time.monotonic()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(cfg.rollout.seed * 1000 + self.rank)
+        # Validation (data.val_files): requests to serve between batches, those the log
+        # has answered, and the validator, built at the first request.
+        self.val_requests: list[Any] = []
+        self.validated: set[str] = set()
+        self.validator: Validator | None = None
+        self.validating: str | None = None  # the request being served (heartbeat state)
 
     # ------------------------------------------------------------------ set-up
 
@@ -151,6 +160,8 @@ class Rollouter(Component):
                     self.published.append(msg)
                 case RunStarted():
                     self.finished = False
+                case ValidationFinished():
+                    self.validated.add(msg.request_id)
                 # A run extended with more steps than it finished with goes on.
                 case RunFinished() if msg.steps >= total:
                     self.finished = True
@@ -314,7 +325,9 @@ class Rollouter(Component):
         idle = max(0.0, 1.0 - self.busy_s / window)
         self.busy_s, self.window_start = 0.0, now
         return Heartbeat(
-            role="rollouter", rank=self.rank, pid=os.getpid(), state=f"weights v{self.version}",
+            role="rollouter", rank=self.rank, pid=os.getpid(),
+            state=f"weights v{self.version}" + (f", validating ({self.validating})"
+                                                if self.validating else ""),
             metrics={"rollouter/idle_ratio": idle, "rollouter/version": float(self.version)},
         )
 
@@ -407,6 +420,8 @@ class Rollouter(Component):
             elif isinstance(d.msg, PromptTicket):
                 await self.consumer.dead_letter(d, f"ticket asks for n={d.msg.n} responses "
                                                    f"(1..{MAX_N})")
+            elif isinstance(d.msg, ValidationRequested) and self.cfg.data.val_files:
+                self.val_requests.append(d)  # served after this batch (_serve_validations)
             else:
                 await self.consumer.dead_letter(d, f"expected a PromptTicket, got "
                                                    f"{type(d.msg).__name__}")
@@ -542,6 +557,53 @@ class Rollouter(Component):
                     d, f"ticket asks for weights v{d.msg.min_version} but the newest in the "
                        f"log is v{newest}: issued in a stretch of log Redis lost")
 
+    # ------------------------------------------------------------------ validation
+
+    async def _serve_validations(self) -> None:
+        """Serve the validation requests read with the last batch (rollouter.validation);
+        one already answered in the log (a redelivery) is acked without work."""
+        while self.val_requests and not self.finished:
+            d = self.val_requests.pop(0)
+            await self._poll_events()
+            if d.msg.request_id in self.validated:
+                await self.consumer.ack(d)
+                continue
+            self.validating = d.msg.request_id
+            try:
+                finished = await self._validate(d.msg)
+            finally:
+                self.validating = None
+            await self.consumer.publish_and_ack(self.keys.events, [finished], d.id)
+            self.validated.add(finished.request_id)
+            self.busy_s += finished.duration_s
+
+    async def _validate(self, request: ValidationRequested) -> ValidationFinished:
+        """Validate with the newest weights once they are at least ``request.version``."""
+        await self._swap_weights()
+        while self.version < request.version and not self.finished:
+            caught_up = await self._poll_events(block_ms=500)
+            await self._swap_weights()
+            await self._check_trainer()
+            newest = self.newest
+            if caught_up and self.version < request.version and (
+                    newest is None or newest.version < request.version):
+                return self._val_failed(request, f"weights v{request.version} are not in "
+                                                 "the log (a stretch of log Redis lost)")
+        try:
+            if self.validator is None:
+                self.validator = await asyncio.to_thread(build_validator, self.cfg,
+                                                         self.tokenizer)
+            return await self.validator.run(request, policy=self.policy, off=self.off,
+                                            version=self.version, rank=self.rank)
+        except Exception as exc:  # a failed validation is an answer, never a dead rollouter
+            return self._val_failed(request, f"{type(exc).__name__}: {exc}")
+
+    def _val_failed(self, request: ValidationRequested, error: str) -> ValidationFinished:
+        self.say(f"validation {request.request_id} failed: {error}", error=True)
+        return ValidationFinished(request_id=request.request_id, version=self.version,
+                                  step=request.step, rank=self.rank, metrics={},
+                                  error=error)
+
     # ------------------------------------------------------------------ the run
 
     async def serve(self) -> int:
@@ -583,6 +645,7 @@ class Rollouter(Component):
                 if not deliveries:
                     continue
             await self._serve(deliveries, polled)
+            await self._serve_validations()
 
     async def _stop_pipeline(self) -> None:
         """The read ahead, the publication in flight and the staged weights, then the step

@@ -56,6 +56,8 @@ def _strategy(t: mi.Type) -> st.SearchStrategy[Any]:
         return st.lists(_strategy(t.item_type), max_size=4)
     if isinstance(t, mi.DictType):
         return st.dictionaries(_strategy(t.key_type), _strategy(t.value_type), max_size=4)
+    if isinstance(t, mi.TupleType):
+        return st.tuples(*(_strategy(x) for x in t.item_types))
     if isinstance(t, mi.UnionType):
         return st.one_of([_strategy(x) for x in t.types])
     if isinstance(t, mi.StructType):

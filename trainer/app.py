@@ -56,6 +56,7 @@ from trainer.metrics import StepMeter, verl_step_metrics
 from trainer.resume import rebuild, write_checkpoint
 from trainer.retention import trim_after_checkpoint
 from trainer.stepwork import StepWork, may_stream
+from trainer.validation import Validations, last_version
 from trainer.watch import Watch
 from trainer.weights import KEEP_WEIGHTS, Weights
 from trainer.writer import Writer
@@ -95,6 +96,7 @@ class Trainer(Component):
         self.watch = Watch(cfg, bus, self.keys)
         self.learner = Learner(cfg)
         self.weights = Weights(bus, self.keys, self.writer, self.run_dir, self.epoch)
+        self.validations = Validations(cfg, bus, self.keys, self.writer)
         self.meter = StepMeter()
         self.consumer = Consumer(bus, self.keys.samples, GROUP, CONSUMER, dlq_stream=self.keys.dlq)
         self.upcoming: StepWork | None = None  # the next step, started early (_loop)
@@ -198,10 +200,12 @@ class Trainer(Component):
         await self.weights.publish(self.learner.version, self.writer.state.last_step,
                                    self.submit(self.learner.state_bytes))
         await self.dispatch.issue(self.learner.version)
+        await self._validate(first - 1)  # after the first tickets: they are generated first
         await self.learner.optimizer_ready()  # the rollouters generate step `first` meanwhile
         total = self.cfg.trainer.total_training_steps
         for step in range(first, total + 1):
             await self._step(step)
+        await self.validations.settle(self.watch.check_peers)  # the last version's figures
         if self.profiler is not None:
             await self.publish(*(await self.profiler.close()))
             self.profiler = None
@@ -239,6 +243,7 @@ class Trainer(Component):
             self.upcoming = self._begin_step()
         if serialised is not None:
             await self.weights.publish(self.learner.version, step, serialised)
+            await self._validate(step)
         saved = await self._checkpoint(step) if save else None
         await self.watch.fresh_peers()  # for rollouter/idle_ratio: as fresh as their pulses
         trained = [pair for g in groups for pair in g.ordered()]
@@ -261,6 +266,13 @@ class Trainer(Component):
             await self.dispatch.issue(self.learner.version)
         if saved is not None and self.cfg.run.retention == "checkpoint":
             await self._trim(entry_ids)  # after the step: off its critical path
+
+    async def _validate(self, step: int) -> None:
+        """Request the validation of the weights just published after ``step`` updates when
+        it is due (trainer.validation); never waited for here."""
+        await self.validations.published(self.learner.version, step, last_version(
+            step, self.cfg.async_training.trigger_parameter_sync_step,
+            self.cfg.trainer.total_training_steps))
 
     async def _checkpoint(self, step: int) -> Path:
         """Model, optimizer and the folded state, durable before the log says so; with

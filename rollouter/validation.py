@@ -1,0 +1,175 @@
+"""Validation on a rollouter: the ``data.val_files`` records, generated with
+``rollout.val_kwargs``, scored, and reduced to verl's metrics (:mod:`tasks.valmetrics`).
+
+The rollouter serves a ``ValidationRequested`` between two ticket batches (training goes on:
+the trainer never waits for it), with the weights it holds once they are at least the
+requested version (newer ones are fine; the answer names the version used). Every record's
+``val_kwargs.n`` responses are generated on the rollouter's worker thread in batches of
+``rollout.prompts_per_batch`` records; a batch is scored (the injected scoring callable, a
+pool off the event loop) while the next one generates. ``val_kwargs.do_sample=false`` is
+greedy decoding (temperature 0), as verl's; with sampling, ``top_p``/``top_k`` go to the
+policy when its ``generate`` takes them.
+
+Variables, as verl's ``_validate``: ``reward`` is each response's score, and each extra key a
+reward function returns is a variable of its own (a response whose scorer failed counts 0 for
+every key). The prompt of a record is its uid (verl gives every validation record one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from bus.messages import ValidationFinished, ValidationRequested
+from runconfig import Config
+from tasks.valmetrics import validation_metrics
+
+__all__ = ["GEN_SEED", "Validator", "build_validator", "sampling", "val_generate"]
+
+GEN_SEED = 42
+"""verl's seed of the logged generations' shuffle (``_maybe_log_val_generations``)."""
+
+ScoreFn = Callable[[list[Any]], Awaitable[Sequence[Any]]]
+Off = Callable[..., Awaitable[Any]]
+
+
+def sampling(cfg: Config) -> dict[str, float]:
+    """Generation settings from ``rollout.val_kwargs``: greedy (temperature 0) unless
+    ``do_sample``; then its temperature, top_p and top_k."""
+    vk = cfg.rollout.val_kwargs
+    if not vk.do_sample:
+        return {"temperature": 0.0}
+    return {"temperature": vk.temperature, "top_p": vk.top_p, "top_k": vk.top_k}
+
+
+def _accepts(fn: Callable[..., Any]) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def val_generate(policy: Any, prompts: list[list[int]], max_new_tokens: int,
+                 eos_id: int | None, params: dict[str, float],
+                 generator: torch.Generator | None) -> list[list[int]]:
+    """Responses (token ids) for ``prompts`` (worker thread). ``top_p``/``top_k`` are passed
+    only to a ``generate`` that takes them (at their defaults they change nothing)."""
+    accepted = _accepts(policy.generate)
+    extra = {k: v for k, v in params.items() if k != "temperature" and k in accepted}
+    out = policy.generate(prompts, max_new_tokens=max_new_tokens,
+                          temperature=params["temperature"], eos_id=eos_id,
+                          generator=generator, **extra)
+    return [list(t) for t in out.tokens]
+
+
+class Validator:
+    """Validates weights on ``records`` (``tasks.verl_data.VerlRecord``: ``index``,
+    ``prompt_ids``, ``text``, ``data_source``, ``ground_truth``, ``extra_info``), scored by
+    ``score`` (``RewardPool.score``: a list of ``ScoreItem`` -> a list of ``Score`` with
+    ``reward``, ``extra``, ``failed``). ``item``: the ScoreItem class (default: the
+    rollouter's own, :mod:`rollouter.scoring`)."""
+
+    def __init__(self, records: Sequence[Any], score: ScoreFn, cfg: Config, tokenizer: Any,
+                 *, item: Callable[..., Any] | None = None) -> None:
+        if item is None:
+            from rollouter.scoring import ScoreItem
+
+            item = ScoreItem
+        self.records = list(records)
+        self.score = score
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.item = item
+
+    def _batches(self) -> list[list[Any]]:
+        size = self.cfg.rollout.prompts_per_batch
+        return [self.records[i:i + size] for i in range(0, len(self.records), size)]
+
+    def _generate(self, policy: Any, batch: list[Any],
+                  generator: torch.Generator | None) -> list[tuple[Any, str, int]]:
+        """(record, response text, response length) per response of ``batch`` (worker)."""
+        n = self.cfg.rollout.val_kwargs.n
+        prompts = [list(r.prompt_ids) for r in batch for _ in range(n)]
+        tokens = val_generate(policy, prompts, self.cfg.rollout.max_new_tokens,
+                              getattr(self.tokenizer, "eos_id", None), sampling(self.cfg),
+                              generator)
+        owners = [r for r in batch for _ in range(n)]
+        return [(r, self.tokenizer.decode(t), len(t)) for r, t in zip(owners, tokens,
+                                                                     strict=True)]
+
+    def _items(self, done: list[tuple[Any, str, int]]) -> list[Any]:
+        return [self.item(data_source=r.data_source, solution_str=text,
+                          ground_truth=r.ground_truth, extra_info=r.extra_info,
+                          response_len=length) for r, text, length in done]
+
+    async def run(self, request: ValidationRequested, *, policy: Any, off: Off, version: int,
+                  rank: int) -> ValidationFinished:
+        """Generate, score and reduce every record's responses with ``policy`` (holding
+        weights ``version``), generation through ``off`` (the worker thread)."""
+        t0 = time.monotonic()
+        generator = _generator(policy, self.cfg.rollout.seed * 1000 + version)
+        done: list[tuple[Any, str, int]] = []
+        scoring: list[asyncio.Future[Sequence[Any]]] = []
+        for batch in self._batches():
+            out = await off(self._generate, policy, batch, generator)
+            done.extend(out)
+            # Scored while the next batch generates.
+            scoring.append(asyncio.ensure_future(self.score(self._items(out))))
+        scores = [s for part in await asyncio.gather(*scoring) for s in part]
+        metrics = self._metrics(done, scores)
+        return ValidationFinished(
+            request_id=request.request_id, version=version, step=request.step, rank=rank,
+            metrics=metrics, generations=self._logged(done, scores),
+            duration_s=time.monotonic() - t0)
+
+    def _metrics(self, done: list[tuple[Any, str, int]], scores: Sequence[Any]
+                 ) -> dict[str, float]:
+        keys = sorted({k for s in scores for k in (s.extra or {})} - {"reward"})
+        variables: dict[str, list[float]] = {"reward": [float(s.reward) for s in scores]}
+        for key in keys:
+            variables[key] = [float((s.extra or {}).get(key, 0.0)) for s in scores]
+        return validation_metrics([r.data_source or "unknown" for r, _, _ in done],
+                                  [r.index for r, _, _ in done], variables, None)
+
+    def _logged(self, done: list[tuple[Any, str, int]], scores: Sequence[Any]
+                ) -> list[tuple[str, str, float]]:
+        """verl's choice of generations to log: sorted by prompt, shuffled with seed 42,
+        the first ``trainer.log_val_generations``."""
+        want = self.cfg.trainer.log_val_generations
+        if want <= 0:
+            return []
+        rows = sorted(((r.text, text, float(s.reward)) for (r, text, _), s
+                       in zip(done, scores, strict=True)), key=lambda row: row[0])
+        order = np.arange(len(rows))
+        np.random.RandomState(GEN_SEED).shuffle(order)
+        return [rows[i] for i in order[:want]]
+
+
+def _generator(policy: Any, seed: int) -> torch.Generator:
+    """A generator of its own per validation (the training stream is not disturbed; a
+    version's validation samples the same way on any replica)."""
+    gen = torch.Generator(device=getattr(policy, "device", "cpu"))
+    gen.manual_seed(seed)
+    return gen
+
+
+def build_validator(cfg: Config, tokenizer: Any, score: ScoreFn | None = None) -> Validator:
+    """The validator of ``data.val_files`` (read once, here): verl records
+    (:func:`tasks.verl_data.load_records`) scored by ``score`` (default: a
+    :class:`rollouter.scoring.RewardPool` of its own)."""
+    from tasks.verl_data import load_records
+
+    if score is None:
+        from rollouter.scoring import RewardPool
+
+        score = RewardPool(cfg).score
+    files = cfg.data.val_files
+    records = load_records([files] if isinstance(files, str) else list(files or []),
+                           cfg.data, tokenizer, split="val")
+    return Validator(records, score, cfg, tokenizer)
