@@ -24,10 +24,9 @@ The table is documented, row for row, in docs/config.md. Sections whose names ar
 (``data``, ``custom_reward_function``, ``reward_model``, ``trainer``, ``async_training``,
 ``global_profiler``) are rlbus's own; the rows here cover the rest of them.
 
-:data:`VERL_HEADS` are the sections only verl has: a launch line with one of them is a verl
-line, which gets verl's defaults (``runconfig/verl_defaults.yaml``; see
-:mod:`runconfig.load`). :func:`counterpart` names the verl key of an rlbus key, for
-``rlbus config --verl-diff``.
+A line with a key in a section only verl has (``runconfig.verl_heads()``) is a verl line and
+gets verl's defaults (``runconfig/verl_defaults.yaml``; see :func:`runconfig.load_config`).
+:func:`counterpart` names the verl key of an rlbus key, for ``rlbus config --verl-diff``.
 """
 
 from __future__ import annotations
@@ -350,7 +349,6 @@ TABLE: tuple[VerlKey, ...] = (
     # ---- trainer (verl's trainer section; rlbus's own trainer.* keys win)
     _ignored("trainer.nnodes", _INFRA),
     _ignored("trainer.n_gpus_per_node", _INFRA),
-    _ignored("trainer.device", "see trainer.device and rollout.device (auto: cuda when present)"),
     _ignored("trainer.val_only", "rlbus validates during training only"),
     _ignored("trainer.validation_data_dir", "validation results are events in the run's log"),
     _ignored("trainer.default_hdfs_dir", _CKPT),
