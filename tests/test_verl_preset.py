@@ -170,6 +170,8 @@ def test_a_resumed_run_keeps_its_recorded_config(demo: Path) -> None:
 def test_the_preset_lists_only_differences_in_rlbus_keys() -> None:
     rlbus = default_dict()
     own = set(known_keys())
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    docs = docs[docs.index("### verl's defaults for a verl line"):]
 
     def leaves(node: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = []
@@ -187,6 +189,7 @@ def test_the_preset_lists_only_differences_in_rlbus_keys() -> None:
             node = node[part]
         assert node != value, f"{key}: verl's default is rlbus's; leave it out"
         assert verl.counterpart(key) is not None, f"{key} has no verl key for --verl-diff"
+        assert f"| `{key}`" in docs or f"`{key}`, `" in docs, f"docs/config.md lacks {key}"
 
 
 def test_verl_diff() -> None:
