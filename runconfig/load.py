@@ -222,7 +222,7 @@ def _flatten(user: dict[str, Any]) -> list[Assignment]:
             if dotted in shape.mappings:
                 # Replaces the default mapping (as a key=VALUE override does), so a config
                 # written out by config_to_dict reads back unchanged.
-                out.append(Assignment("set", dotted, value))
+                out.extend(_mapping_value(dotted, value))
             elif dotted in shape.sections and value is None:
                 continue  # an empty section (`trainer:` with everything commented out)
             elif dotted in shape.sections and not isinstance(value, dict):
@@ -234,6 +234,21 @@ def _flatten(user: dict[str, Any]) -> list[Assignment]:
 
     walk(user, "")
     return out
+
+
+def _mapping_value(dotted: str, value: Any) -> list[Assignment]:
+    """A mapping leaf's value from a file; a nested mapping that verl's table spells key by
+    key (``reward_model.reward_kwargs.overlong_buffer_cfg`` -> ``reward_model.overlong_buffer``)
+    is taken out as those keys."""
+    if not isinstance(value, dict):
+        return [Assignment("set", dotted, value)]
+    rest, spelled = dict(value), []
+    for name, sub in value.items():
+        keys = [f"{dotted}.{name}.{k}" for k in sub] if isinstance(sub, dict) else []
+        if keys and all(verl_table.lookup(k) is not None for k in keys):
+            spelled += [Assignment("set", k, v) for k, v in zip(keys, sub.values(), strict=True)]
+            del rest[name]
+    return [Assignment("set", dotted, rest), *spelled]
 
 
 # --------------------------------------------------------------------------- applying

@@ -299,3 +299,19 @@ def test_every_table_row_resolves(row: verl.VerlKey) -> None:
     elif row.kind == "derived":
         target, expected = EXPECT[key]
         assert _get(tree, target) == expected
+
+
+def test_dapos_overlong_buffer_in_a_file_and_on_the_line(tmp_path: Path) -> None:
+    f = tmp_path / "dapo.yaml"
+    f.write_text("reward_model:\n  reward_manager: dapo\n  reward_kwargs:\n"
+                 "    overlong_buffer_cfg: {enable: true, len: 4, penalty_factor: 1.0}\n"
+                 "    other: 1\n")
+    cfg, notes = _load([], file=f)
+    assert notes == []  # reward_model is rlbus's section: not a verl line
+    buffer = cfg.reward_model.overlong_buffer
+    assert (buffer.enable, buffer.len, buffer.penalty_factor) == (True, 4, 1.0)
+    assert cfg.reward_model.reward_kwargs == {"other": 1}
+    cfg, _ = _load(["+reward.reward_kwargs.overlong_buffer_cfg.len=3",
+                    "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True", RLBUS])
+    assert (cfg.reward_model.overlong_buffer.enable, cfg.reward_model.overlong_buffer.len) == (
+        True, 3)
