@@ -653,8 +653,10 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     return msgspec.to_builtins(cfg)
 
 
-# Locations verl's defaults only hold placeholders for (~/models/..., ~/data/...).
-_PLACEHOLDERS = frozenset({"model.path", "data.train_files", "data.val_files"})
+# Not compared: locations verl's defaults only hold placeholders for (~/models/...,
+# ~/data/...), and the run length, which verl derives from the data (null: len x epochs).
+_PLACEHOLDERS = frozenset({"model.path", "data.train_files", "data.val_files",
+                           "trainer.total_training_steps"})
 
 
 def verl_differences(cfg: Config) -> list[tuple[str, Any, Any, str]]:
