@@ -62,10 +62,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "--heartbeats), one JSON object per event (--json), a metrics plot (--plot, only\n"
                 "the plot), or the whole run as one Chrome/Perfetto trace (--trace: a track per\n"
                 "component; open it at ui.perfetto.dev)."),
-    "config": (f"rlbus config [--show KEY] {COMMON}",
+    "config": (f"rlbus config [--show KEY | --verl-diff] {COMMON}",
                "Print the effective config (defaults + file + overrides) as YAML, or one key's\n"
                "value with --show KEY. Passwords in redis.url are shown as ***. The data files\n"
-               "(data.train_files, data.val_files) are loaded and checked as the run would."),
+               "(data.train_files, data.val_files) are loaded and checked as the run would.\n"
+               "--verl-diff: every value that is not verl's default, one per line: rlbus key,\n"
+               "value here, verl's default, verl's key. `--config verl` starts from verl's\n"
+               "defaults."),
 }
 
 USAGE = "usage: rlbus COMMAND [--config FILE] [KEY=VALUE ...]\n\ncommands:\n" + "".join(
@@ -192,13 +195,19 @@ def _inspect(argv: list[str]) -> int:
 
 
 def _config(argv: list[str]) -> int:
-    ns, overrides = _split("rlbus config", argv, [("--show", {"default": None})])
+    ns, overrides = _split("rlbus config", argv, [("--show", {"default": None}),
+                                                  ("--verl-diff", {"action": "store_true"})])
+    if ns.show is not None and ns.verl_diff:
+        raise _ArgError("--show and --verl-diff: give one of them")
     cfg = load_config(ns.config, overrides)
     from runconfig import config_to_dict, known_keys, suggest_key
     from tasks.verl_data import check_data
 
     check_data(cfg)  # the data files as the run would load them (exit 2 naming the file)
 
+    if ns.verl_diff:
+        _print_verl_diff(cfg)
+        return 0
     tree = config_to_dict(cfg)
     if tree["redis"]["url"]:
         tree["redis"]["url"] = redact_url(tree["redis"]["url"])
@@ -213,6 +222,30 @@ def _config(argv: list[str]) -> int:
     text = yaml.safe_dump(node, sort_keys=False, default_flow_style=not isinstance(node, dict))
     print(text.removesuffix("...\n").rstrip("\n"))
     return 0
+
+
+def _show_value(value: Any) -> str:
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, list):
+        return "[" + ", ".join(_show_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_show_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _print_verl_diff(cfg: Any) -> None:
+    """The effective values that are not verl's defaults, in aligned columns."""
+    from runconfig import verl_differences
+
+    rows = [("key", "rlbus", "verl default", "verl key")] + [
+        (key, _show_value(mine), _show_value(theirs), verl_key)
+        for key, mine, theirs, verl_key in verl_differences(cfg)
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[3],
+              sep="  ")
 
 
 def _up(argv: list[str]) -> int:

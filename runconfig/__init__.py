@@ -1,6 +1,7 @@
 """The config of a run: defaults, loading with overrides, validation (exit 2 naming the key)."""
 
 from runconfig.load import (
+    PRESET,
     Assignment,
     ConfigError,
     apply_override,
@@ -13,6 +14,10 @@ from runconfig.load import (
     parse_override,
     resolve_run_id,
     suggest_key,
+    verl_default_dict,
+    verl_differences,
+    verl_heads,
+    verl_preset,
 )
 from runconfig.schema import (
     AsyncTrainingConfig,
@@ -31,6 +36,7 @@ from runconfig.schema import (
 )
 
 __all__ = [
+    "PRESET",
     "Assignment",
     "AsyncTrainingConfig",
     "Config",
@@ -56,4 +62,8 @@ __all__ = [
     "parse_override",
     "resolve_run_id",
     "suggest_key",
+    "verl_default_dict",
+    "verl_differences",
+    "verl_heads",
+    "verl_preset",
 ]

@@ -26,6 +26,7 @@ from runconfig import yaml12
 from runconfig.schema import Config
 
 __all__ = [
+    "PRESET",
     "Assignment",
     "ConfigError",
     "apply_override",
@@ -38,6 +39,10 @@ __all__ = [
     "parse_override",
     "resolve_run_id",
     "suggest_key",
+    "verl_default_dict",
+    "verl_differences",
+    "verl_heads",
+    "verl_preset",
 ]
 
 
@@ -121,6 +126,42 @@ def default_dict() -> dict[str, Any]:
     return yaml12.safe_load(text)
 
 
+PRESET = "verl"
+"""``--config verl`` (when no file of that name exists) selects verl's defaults."""
+
+
+def verl_preset() -> dict[str, Any]:
+    """verl's defaults where they differ from rlbus's (``runconfig/verl_defaults.yaml``),
+    in rlbus keys, as a nested dict (``trainer.default_local_dir`` still interpolated)."""
+    text = resources.files("runconfig").joinpath("verl_defaults.yaml").read_text()
+    return yaml12.safe_load(text)
+
+
+def _merge(tree: dict[str, Any], over: dict[str, Any]) -> None:
+    for name, value in over.items():
+        if isinstance(value, dict) and isinstance(tree.get(name), dict):
+            _merge(tree[name], value)
+        else:
+            tree[name] = copy.deepcopy(value)
+
+
+def verl_default_dict() -> dict[str, Any]:
+    """rlbus's defaults with verl's on top: what a verl line starts from (interpolations
+    in ``trainer.default_local_dir`` resolved against these defaults)."""
+    tree = default_dict()
+    _merge(tree, verl_preset())
+    _interpolate(tree, {})
+    return tree
+
+
+@functools.cache
+def verl_heads() -> frozenset[str]:
+    """Sections only verl has (``actor_rollout_ref``, ``algorithm``, ``critic``, ...): a key
+    in one of them makes a line a verl line."""
+    own = {k.split(".", 1)[0] for k in _shape().leaves}
+    return frozenset({k.split(".", 1)[0] for k in verl_table.verl_keys()} - own)
+
+
 # --------------------------------------------------------------------------- override grammar
 
 Verb = Literal["set", "add", "force", "delete"]
@@ -181,7 +222,7 @@ def _flatten(user: dict[str, Any]) -> list[Assignment]:
             if dotted in shape.mappings:
                 # Replaces the default mapping (as a key=VALUE override does), so a config
                 # written out by config_to_dict reads back unchanged.
-                out.append(Assignment("set", dotted, value))
+                out.extend(_mapping_value(dotted, value))
             elif dotted in shape.sections and value is None:
                 continue  # an empty section (`trainer:` with everything commented out)
             elif dotted in shape.sections and not isinstance(value, dict):
@@ -193,6 +234,21 @@ def _flatten(user: dict[str, Any]) -> list[Assignment]:
 
     walk(user, "")
     return out
+
+
+def _mapping_value(dotted: str, value: Any) -> list[Assignment]:
+    """A mapping leaf's value from a file; a nested mapping that verl's table spells key by
+    key (``reward_model.reward_kwargs.overlong_buffer_cfg`` -> ``reward_model.overlong_buffer``)
+    is taken out as those keys."""
+    if not isinstance(value, dict):
+        return [Assignment("set", dotted, value)]
+    rest, spelled = dict(value), []
+    for name, sub in value.items():
+        keys = [f"{dotted}.{name}.{k}" for k in sub] if isinstance(sub, dict) else []
+        if keys and all(verl_table.lookup(k) is not None for k in keys):
+            spelled += [Assignment("set", k, v) for k, v in zip(keys, sub.values(), strict=True)]
+            del rest[name]
+    return [Assignment("set", dotted, rest), *spelled]
 
 
 # --------------------------------------------------------------------------- applying
@@ -247,6 +303,12 @@ class _Builder:
         if a.key in shape.leaves:
             self._own(a, a.key)
             return
+        # verl's spellings first: reward_model.reward_kwargs.overlong_buffer_cfg.len is a row
+        # although reward_model.reward_kwargs is an rlbus mapping.
+        row = verl_table.lookup(a.key)
+        if row is not None:
+            self._verl(a, row)
+            return
         parent = next((m for m in shape.mappings if a.key.startswith(f"{m}.")), None)
         if parent is not None:
             self._option(a, parent, a.key[len(parent) + 1:])
@@ -254,14 +316,10 @@ class _Builder:
         leaf = next((k for k in shape.leaves if a.key.startswith(f"{k}.")), None)
         if leaf is not None:
             raise ConfigError(a.key, f"{leaf} is a value, not a section")
-        row = verl_table.lookup(a.key)
-        if row is None:
-            head = a.key.split(".", 1)[0]
-            verl_heads = {k.split(".", 1)[0] for k in verl_table.verl_keys()}
-            if head not in shape.sections and head not in verl_heads:
-                raise ConfigError(head, "unknown config section", suggest_key(a.key))
-            raise ConfigError(a.key, "unknown config key", suggest_key(a.key))
-        self._verl(a, row)
+        head = a.key.split(".", 1)[0]
+        if head not in shape.sections and head not in verl_heads():
+            raise ConfigError(head, "unknown config section", suggest_key(a.key))
+        raise ConfigError(a.key, "unknown config key", suggest_key(a.key))
 
     def _own(self, a: Assignment, key: str, by: str | None = None,
              value: Any = None, convert: bool = False) -> None:
@@ -321,12 +379,19 @@ class _Builder:
             self.derived[a.key] = a.value
 
     def _verl_alias(self, a: Assignment, row: verl_table.VerlKey) -> None:
+        if row.key.endswith(".*"):
+            self._verl_option(a, row)
+            return
         value = a.value
         if row.convert is not None and a.verb != "delete":
             try:
                 value = row.convert(a.key, value)
             except verl_table.VerlError as exc:
                 raise ConfigError(exc.key, exc.message) from None
+            if value is verl_table.SKIP:
+                return
+        if a.verb == "add" and row.plus:
+            a = msgspec.structs.replace(a, verb="set")  # verl's config lacks it: +KEY=V
         for target, what in row.targets:
             if what is verl_table.VALUE:
                 self._own(a, target, by=a.key, value=value, convert=True)
@@ -334,6 +399,20 @@ class _Builder:
                 self.reset(target)
             else:
                 self.set(target, what, a.key)
+
+    def _verl_option(self, a: Assignment, row: verl_table.VerlKey) -> None:
+        """A subtree alias: ``prefix.NAME`` is option NAME of the rlbus mapping (verl's
+        ``+KEY=V`` and a file's plain ``KEY: V`` both add or set it)."""
+        target = row.targets[0][0]
+        name = a.key[len(row.key) - 1:]
+        options = dict(self._get(self.tree, target))
+        if a.verb != "delete":
+            options[name] = a.value
+        elif name in options:
+            del options[name]
+        else:
+            raise ConfigError(a.key, f"not deleted: {target} has no option {name!r}")
+        self.set(target, options, self.origin.get(target, a.key))
 
     # ---- after every assignment
     def finish(self) -> None:
@@ -348,6 +427,7 @@ class _Builder:
             prof["steps"] = []  # verl's default: profile no step
         if self.tree["trainer"].get("save_freq") == -1:
             self.tree["trainer"]["save_freq"] = 0  # verl's "never": no periodic checkpoint
+        _interpolate(self.tree, self.origin)
         tool = prof.get("tool")
         if tool is not None and tool not in TOOLS:
             why = _VERL_TOOLS.get(str(tool), "")
@@ -365,6 +445,34 @@ class _Builder:
         """An error about rlbus ``key``, named as the user wrote it (maybe a verl spelling)."""
         by = self.origin.get(key, key)
         return ConfigError(by, message if by == key else f"{message} (it sets {key})")
+
+
+_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_.]*)\}")
+_INTERPOLATED = ("trainer.default_local_dir",)
+
+
+def _interpolate(tree: dict[str, Any], origin: dict[str, str]) -> None:
+    """verl's ``${trainer.project_name}`` in the keys of ``_INTERPOLATED``, from the final
+    values (as OmegaConf resolves verl's default ``checkpoints/${...}/${...}``)."""
+    for key in _INTERPOLATED:
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node[part]
+        value = node.get(leaf)
+        if isinstance(value, str) and "${" in value:
+            node[leaf] = _REF.sub(lambda m, k=key: _resolve(tree, m.group(1), k, origin), value)
+
+
+def _resolve(tree: dict[str, Any], ref: str, key: str, origin: dict[str, str]) -> str:
+    node: Any = tree
+    for part in ref.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(origin.get(key, key), f"refers to ${{{ref}}}, not a config key")
+        node = node[part]
+    if node is None or isinstance(node, dict | list):
+        raise ConfigError(origin.get(key, key), f"refers to ${{{ref}}}, which is {node!r}")
+    return str(node)
 
 
 TOOLS = ("torch", "torch_memory", "nsys")
@@ -474,29 +582,34 @@ def load_config(
     overrides: list[str] | tuple[str, ...] = (),
     base: dict[str, Any] | None = None,
     on_warning: Callable[[str], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> Config:
     """Defaults (or ``base``), then ``config_file``, then ``overrides``; validated as a whole.
 
     Keys may be rlbus's or verl's spellings (:mod:`runconfig.verl`); overrides follow Hydra's
     grammar (``+KEY=V``, ``++KEY=V``, ``~KEY``). Each ignored verl key is reported once through
     ``on_warning`` (default: a line on stderr).
+
+    A verl line (a key in a section only verl has, :func:`verl_heads`), ``config_file``
+    ``"verl"`` when no such file exists, or ``run.defaults=verl`` starts from verl's defaults
+    (:func:`verl_preset` over rlbus's) instead of rlbus's; ``run.defaults=rlbus`` never does.
+    ``on_note`` (default: a line on stderr) says so once. With ``base`` (the config a run
+    recorded) nothing is re-defaulted.
     """
     tree = copy.deepcopy(base) if base is not None else default_dict()
+    preset = config_file is not None and str(config_file) == PRESET and not Path(
+        config_file).exists()
+    assignments = [] if preset or config_file is None else _read_file(Path(config_file))
+    assignments += [parse_override(o) for o in overrides]
+    why = None if base is not None else _verl_line(assignments, preset)
+    if why is not None:
+        _merge(tree, verl_preset())
+        (on_note or _note_stderr)(
+            f"verl's defaults for every key this line leaves out ({why}; "
+            "runconfig/verl_defaults.yaml); run.defaults=rlbus keeps rlbus's")
     builder = _Builder(tree, on_warning or _warn_stderr)
-    if config_file is not None:
-        path = Path(config_file)
-        try:
-            user = yaml12.safe_load(path.read_text()) or {}
-        except OSError as exc:
-            raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError("--config", f"{path} is not valid YAML: {exc}") from None
-        if not isinstance(user, dict):
-            raise ConfigError("--config", f"{path} must hold a mapping of sections")
-        for assignment in _flatten(user):
-            builder.apply(assignment)
-    for override in overrides:
-        builder.apply(parse_override(override))
+    for assignment in assignments:
+        builder.apply(assignment)
     builder.finish()
     try:
         cfg = msgspec.convert(tree, Config, strict=True)
@@ -512,9 +625,77 @@ def load_config(
     return cfg
 
 
+def _note_stderr(message: str) -> None:
+    print(f"rlbus: {message}", file=sys.stderr, flush=True)
+
+
+def _read_file(path: Path) -> list[Assignment]:
+    try:
+        user = yaml12.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("--config", f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(user, dict):
+        raise ConfigError("--config", f"{path} must hold a mapping of sections")
+    return _flatten(user)
+
+
+def _verl_line(assignments: list[Assignment], preset: bool) -> str | None:
+    """Why a line gets verl's defaults (None: it keeps rlbus's). ``run.defaults`` given
+    in the line decides; else ``--config verl``; else its first key in a verl-only section."""
+    mode = "auto"
+    for a in assignments:
+        if a.key == "run.defaults":
+            mode = "auto" if a.verb == "delete" else a.value
+    if mode == "verl":
+        return "run.defaults=verl"
+    if mode != "auto":
+        return None  # rlbus (or a bad value, which the schema refuses naming the key)
+    if preset:
+        return f"--config {PRESET}"
+    heads = verl_heads()
+    first = next((a.key for a in assignments if a.key.split(".", 1)[0] in heads), None)
+    return None if first is None else f"{first} is verl's key"
+
+
 def config_to_dict(cfg: Config) -> dict[str, Any]:
     """The config as plain builtins (for RunStarted events and child processes)."""
     return msgspec.to_builtins(cfg)
+
+
+# Not compared: locations verl's defaults only hold placeholders for (~/models/...,
+# ~/data/...), and the run length, which verl derives from the data (null: len x epochs).
+_PLACEHOLDERS = frozenset({"model.path", "data.train_files", "data.val_files",
+                           "trainer.total_training_steps"})
+
+
+def verl_differences(cfg: Config) -> list[tuple[str, Any, Any, str]]:
+    """``(rlbus key, effective value, verl's default, verl's key)`` for every key with a verl
+    counterpart (:func:`runconfig.verl.counterpart`) whose value is not verl's default.
+
+    verl's default is :func:`verl_default_dict`'s, its ``default_local_dir`` interpolated
+    with the effective ``trainer.project_name``/``experiment_name`` as verl's would be.
+    """
+    effective = config_to_dict(cfg)
+    verl_tree = default_dict()
+    _merge(verl_tree, verl_preset())
+    probe = copy.deepcopy(effective)
+    probe["trainer"]["default_local_dir"] = verl_tree["trainer"]["default_local_dir"]
+    try:
+        _interpolate(probe, {})
+        verl_tree["trainer"]["default_local_dir"] = probe["trainer"]["default_local_dir"]
+    except ConfigError:  # experiment_name null here: verl's own names
+        _interpolate(verl_tree, {})
+    out: list[tuple[str, Any, Any, str]] = []
+    for key in _shape().leaves:
+        verl_key = verl_table.counterpart(key)
+        if verl_key is None or key in _PLACEHOLDERS:
+            continue
+        mine, theirs = _Builder._get(effective, key), _Builder._get(verl_tree, key)
+        if mine != theirs:
+            out.append((key, mine, theirs, verl_key))
+    return out
 
 
 def resolve_run_id(cfg: Config) -> Config:
@@ -550,14 +731,16 @@ def load_or_exit(argv: list[str], prog: str) -> Config:
     if "-h" in argv or "--help" in argv:
         print(f"usage: {prog} [--config FILE] [KEY=VALUE ...]\n\n"
               "KEY=VALUE: a dotted config override (YAML value; Hydra's +KEY=, ++KEY=, ~KEY\n"
-              "and verl's spellings accepted). Every key, its default and meaning: runconfig/"
+              "and verl's spellings accepted; --config verl: verl's defaults). Every key, its\n"
+              "default and meaning: runconfig/"
               "defaults.yaml and docs/config.md;\n`rlbus config [--show KEY]` prints the "
               "effective config.")
         raise SystemExit(0)
     try:
         file, overrides = parse_config_args(argv)
         return load_config(
-            file, overrides, on_warning=lambda m: print(f"{prog}: warning: {m}", file=sys.stderr)
+            file, overrides, on_warning=lambda m: print(f"{prog}: warning: {m}", file=sys.stderr),
+            on_note=lambda m: print(f"{prog}: {m}", file=sys.stderr),
         )
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

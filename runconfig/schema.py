@@ -72,6 +72,7 @@ class RunConfig(_Section, frozen=True):
     progress_interval_s: PosFloat = 10.0
     retention: Literal["checkpoint", "all"] = "checkpoint"
     cpu_affinity: Literal["auto", "none"] = "auto"
+    defaults: Literal["auto", "verl", "rlbus"] = "auto"
 
 
 # verl's dtype spellings (fsdp_config.model_dtype / rollout.dtype) and torch's.

@@ -6,7 +6,8 @@ KEY=VALUE ...``) runs as ``rlbus up KEY=VALUE ...``. Each verl key is one of:
 ``alias``
     Same meaning, same unit as an rlbus key: the value is set on ``target``
     (``actor_rollout_ref.actor.optim.lr`` -> ``trainer.lr``). Some set a second key too
-    (``actor_rollout_ref.model.path`` also selects ``model.kind=hf``).
+    (``actor_rollout_ref.model.path`` also selects ``model.kind=hf``). A subtree alias
+    (``actor_rollout_ref.model.override_config.*``) sets one option of an rlbus mapping.
 ``derived``
     Computed after every key is read, from the final values (``rollout.total_rollout_steps``
     -> ``trainer.total_training_steps``); :func:`derive` does it.
@@ -19,7 +20,13 @@ KEY=VALUE ...``) runs as ``rlbus up KEY=VALUE ...``. Each verl key is one of:
     the key. A key ending in ``.*`` covers a whole subtree.
 
 rlbus's own keys always win: a key in :func:`runconfig.known_keys` is never looked up here.
-The table is documented, row for row, in docs/config.md.
+The table is documented, row for row, in docs/config.md. Sections whose names are verl's
+(``data``, ``custom_reward_function``, ``reward_model``, ``trainer``, ``async_training``,
+``global_profiler``) are rlbus's own; the rows here cover the rest of them.
+
+A line with a key in a section only verl has (``runconfig.verl_heads()``) is a verl line and
+gets verl's defaults (``runconfig/verl_defaults.yaml``; see :func:`runconfig.load_config`).
+:func:`counterpart` names the verl key of an rlbus key, for ``rlbus config --verl-diff``.
 """
 
 from __future__ import annotations
@@ -31,9 +38,12 @@ import msgspec
 
 __all__ = [
     "DERIVED_KEYS",
+    "SHARED",
+    "SKIP",
     "TABLE",
     "VerlError",
     "VerlKey",
+    "counterpart",
     "derive",
     "lookup",
     "verl_keys",
@@ -42,6 +52,8 @@ __all__ = [
 Kind = Literal["alias", "derived", "fixed", "ignored"]
 VALUE = object()
 """In ``VerlKey.targets``: the value the user gave (after ``convert``)."""
+SKIP = object()
+"""Returned by a ``convert``: the key sets nothing (verl's null meaning "not set")."""
 
 
 class VerlError(ValueError):
@@ -62,6 +74,7 @@ class VerlKey(msgspec.Struct, frozen=True):
     values: tuple[Any, ...] = ()  # fixed: the values accepted
     note: str = ""  # how it maps, or why it is ignored / fixed (messages and docs)
     convert: Callable[[str, Any], Any] | None = None  # alias: value -> rlbus value
+    plus: bool = False  # alias: verl's config lacks the key, so verl lines write +KEY=V
 
 
 def _alias(key: str, target: str, note: str = "", **kw: Any) -> VerlKey:
@@ -76,24 +89,25 @@ def _fixed(key: str, values: tuple[Any, ...], note: str) -> VerlKey:
     return VerlKey(key, "fixed", values=values, note=note)
 
 
-def _train_file(key: str, value: Any) -> str:
-    files = value if isinstance(value, list) else [value]
-    if len(files) != 1 or not isinstance(files[0], str) or not files[0]:
-        raise VerlError(key, f"needs one JSONL file, got {value!r}")
-    path = files[0]
-    if path.endswith(".parquet"):
-        raise VerlError(
-            key, f"{path!r} is parquet; rlbus reads one JSONL file of {{\"prompt\", \"answer\"}} "
-            "lines (convert it, e.g. pandas.read_parquet(...).to_json(lines=True))"
-        )
-    return path
+def _warmup_style(key: str, value: Any) -> Any:
+    """verl's deprecated ``warmup_style``: null leaves ``lr_scheduler_type`` as it is."""
+    return SKIP if value is None else value
+
+
+def _top_k(key: str, value: Any) -> Any:
+    """vLLM and Hugging Face read top_k 0 as off, as -1."""
+    return -1 if value == 0 and not isinstance(value, bool) else value
 
 
 _INFRA = "infrastructure rlbus does not have (one process per role, placed by rlbus up)"
-_NO_VAL = "rlbus has no validation loop"
-_CKPT = "rlbus checkpoints to run.output_dir/RUN/checkpoints and resumes a run by its run.id"
-_DIFF = "rlbus's optimiser is Adam with a constant learning rate and no weight decay"
+_CKPT = "rlbus checkpoints to trainer.default_local_dir (trainer.checkpoint_contents)"
+_OPTIM = "rlbus's optimiser is torch.optim.AdamW with verl's schedule keys"
 _PROF_ROLE = "rlbus profiles the roles of global_profiler.roles and ranks global_profiler.ranks"
+_NO_RM = "no model reward: rewards are rule-based (custom_reward_function, built-in scorers)"
+_REF = ("the reference policy is a frozen copy of the initial weights in the trainer "
+        "(trainer.use_kl_loss); it has no settings of its own")
+_MM = "rlbus reads text prompts only (no images, videos or audio)"
+_OB = "overlong_buffer_cfg"
 
 TABLE: tuple[VerlKey, ...] = (
     # ---- the actor: PPO/GRPO update
@@ -107,42 +121,60 @@ TABLE: tuple[VerlKey, ...] = (
     _alias("actor_rollout_ref.actor.grad_clip", "trainer.grad_clip"),
     _alias("actor_rollout_ref.actor.optim.clip_grad", "trainer.grad_clip"),
     _alias("actor_rollout_ref.actor.optim.lr", "trainer.lr"),
+    _alias("actor_rollout_ref.actor.optim.weight_decay", "trainer.weight_decay",
+           "AdamW's decoupled weight decay"),
+    _alias("actor_rollout_ref.actor.optim.lr_warmup_steps", "trainer.lr_warmup_steps",
+           "linear warm-up steps; -1: lr_warmup_steps_ratio x total_training_steps"),
+    _alias("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
+           "trainer.lr_warmup_steps_ratio"),
+    _alias("actor_rollout_ref.actor.optim.lr_scheduler_type", "trainer.lr_scheduler_type",
+           "constant or cosine after the warm-up"),
+    _alias("actor_rollout_ref.actor.optim.warmup_style", "trainer.lr_scheduler_type",
+           "verl's older name of lr_scheduler_type; null leaves it as it is",
+           convert=_warmup_style),
+    _alias("actor_rollout_ref.actor.optim.lr_decay_style", "trainer.lr_scheduler_type",
+           "verl's Megatron name of lr_scheduler_type (constant or cosine here)"),
+    _alias("actor_rollout_ref.actor.optim.min_lr_ratio", "trainer.min_lr_ratio"),
+    _alias("actor_rollout_ref.actor.optim.num_cycles", "trainer.num_cycles"),
+    _ignored("actor_rollout_ref.actor.optim.lr_decay_steps",
+             "the decay spans the run after the warm-up (verl's default, null)"),
+    _alias("actor_rollout_ref.actor.use_kl_loss", "trainer.use_kl_loss",
+           "KL to the frozen initial policy in the loss"),
+    _alias("actor_rollout_ref.actor.kl_loss_coef", "trainer.kl_loss_coef"),
+    _alias("actor_rollout_ref.actor.kl_loss_type", "trainer.kl_loss_type"),
+    _alias("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "trainer.micro_batch_size",
+           "responses per forward/backward (gradient accumulation); one trainer process"),
+    _alias("actor_rollout_ref.actor.ppo_micro_batch_size", "trainer.micro_batch_size",
+           "verl's global micro-batch; one trainer process, so the same as per GPU"),
+    _alias("actor_rollout_ref.actor.use_dynamic_bsz", "trainer.use_dynamic_bsz"),
+    _alias("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "trainer.max_token_len",
+           "use_dynamic_bsz: most tokens per micro-batch"),
+    _alias("actor_rollout_ref.actor.checkpoint.save_contents", "trainer.checkpoint_contents",
+           "model, optimizer, extra, hf_model"),
     _ignored("actor_rollout_ref.actor.clip_ratio",
              "verl uses it only where clip_ratio_low/high are null; set those"),
     _ignored("actor_rollout_ref.actor.clip_ratio_c", "rlbus applies no dual-clip bound"),
     _fixed("actor_rollout_ref.actor.loss_agg_mode", ("token-mean",),
            "rlbus averages the loss over every token of a mini-batch (verl's token-mean)"),
-    _fixed("actor_rollout_ref.actor.use_kl_loss", (False,),
-           "rlbus has no reference model, hence no KL loss"),
-    _ignored("actor_rollout_ref.actor.kl_loss_coef", "no KL loss (use_kl_loss=False)"),
-    _ignored("actor_rollout_ref.actor.kl_loss_type", "no KL loss (use_kl_loss=False)"),
     _fixed("actor_rollout_ref.actor.policy_loss.loss_mode", ("vanilla",),
            "rlbus's loss is the clipped PPO surrogate (verl's vanilla)"),
     _ignored("actor_rollout_ref.actor.policy_loss.*", "loss_mode vanilla takes no options"),
-    _fixed("actor_rollout_ref.actor.optim.optimizer", ("AdamW", "Adam"), _DIFF),
-    _fixed("actor_rollout_ref.actor.optim.betas", ([0.9, 0.999],), _DIFF),
-    _ignored("actor_rollout_ref.actor.optim.weight_decay", _DIFF),
-    _ignored("actor_rollout_ref.actor.optim.lr_warmup_steps", _DIFF),
-    _ignored("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", _DIFF),
-    _ignored("actor_rollout_ref.actor.optim.warmup_style", _DIFF),
-    _ignored("actor_rollout_ref.actor.optim.lr_scheduler_type", _DIFF),
-    _ignored("actor_rollout_ref.actor.optim.min_lr_ratio", _DIFF),
-    _ignored("actor_rollout_ref.actor.optim.num_cycles", _DIFF),
+    _fixed("actor_rollout_ref.actor.optim.optimizer", ("AdamW",), _OPTIM),
+    _fixed("actor_rollout_ref.actor.optim.betas", ([0.9, 0.999],), _OPTIM),
     _ignored("actor_rollout_ref.actor.optim.total_training_steps",
              "set by verl itself; the run length is trainer.total_training_steps"),
     _ignored("actor_rollout_ref.actor.optim.optimizer_impl", _INFRA),
     _ignored("actor_rollout_ref.actor.optim.override_optimizer_config", _INFRA),
+    _ignored("actor_rollout_ref.actor.optim.override_optimizer_config.*", _INFRA),
     _ignored("actor_rollout_ref.actor.optim.zero_indexed_step", _INFRA),
     _ignored("actor_rollout_ref.actor.use_rollout_log_probs",
              "rlbus trains on the rollout's log-probs; see trainer.tis_cap"),
     _ignored("actor_rollout_ref.actor.strategy", _INFRA),
+    _alias("actor_rollout_ref.actor.fsdp_config.model_dtype", "model.dtype",
+           "the weights' dtype (fp32 or bf16); one dtype for trainer and rollouter"),
     _ignored("actor_rollout_ref.actor.fsdp_config.*", _INFRA),
     _ignored("actor_rollout_ref.actor.megatron.*", _INFRA),
     _ignored("actor_rollout_ref.actor.checkpoint.*", _CKPT),
-    _ignored("actor_rollout_ref.actor.use_dynamic_bsz", _INFRA),
-    _ignored("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", _INFRA),
-    _ignored("actor_rollout_ref.actor.ppo_micro_batch_size", _INFRA),
-    _ignored("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", _INFRA),
     _ignored("actor_rollout_ref.actor.ulysses_sequence_parallel_size", _INFRA),
     _ignored("actor_rollout_ref.actor.use_torch_compile", _INFRA),
     _ignored("actor_rollout_ref.actor.use_fused_kernels", _INFRA),
@@ -155,17 +187,24 @@ TABLE: tuple[VerlKey, ...] = (
     _alias("actor_rollout_ref.rollout.temperature", "rollout.temperature"),
     _alias("actor_rollout_ref.rollout.response_length", "rollout.max_new_tokens",
            "the longest response, in tokens"),
-    _fixed("actor_rollout_ref.rollout.top_p", (1.0, 1),
-           "rlbus samples from the whole distribution"),
-    _fixed("actor_rollout_ref.rollout.top_k", (-1, 0),
-           "rlbus samples from the whole distribution"),
+    _alias("actor_rollout_ref.rollout.top_p", "rollout.top_p", "nucleus sampling; 1: off"),
+    _alias("actor_rollout_ref.rollout.top_k", "rollout.top_k", "top-k sampling; -1 (or 0): off",
+           convert=_top_k),
+    *(
+        _alias(f"actor_rollout_ref.rollout.val_kwargs.{leaf}", f"rollout.val_kwargs.{leaf}",
+               "sampling for validation", **({"convert": _top_k} if leaf == "top_k" else {}))
+        for leaf in ("n", "temperature", "top_p", "top_k", "do_sample")
+    ),
+    _alias("actor_rollout_ref.rollout.dtype", "model.dtype",
+           "one dtype for trainer and rollouter (verl's rollout default bf16, actor fp32)"),
     _fixed("actor_rollout_ref.rollout.do_sample", (True,), "rlbus samples"),
     _fixed("actor_rollout_ref.rollout.calculate_log_probs", (True,),
            "a rollouter always returns the sampling log-probs"),
-    _ignored("actor_rollout_ref.rollout.prompt_length", "rlbus does not truncate prompts"),
+    _ignored("actor_rollout_ref.rollout.prompt_length",
+             "prompts are cut to data.max_prompt_length (verl's default for this key)"),
     _ignored("actor_rollout_ref.rollout.name", _INFRA),
     _ignored("actor_rollout_ref.rollout.mode", _INFRA),
-    _ignored("actor_rollout_ref.rollout.dtype", _INFRA),
+    _alias("actor_rollout_ref.rollout.seed", "rollout.seed", "the sampling seed"),
     _ignored("actor_rollout_ref.rollout.gpu_memory_utilization", _INFRA),
     _ignored("actor_rollout_ref.rollout.standalone_gpu_memory_utilization", _INFRA),
     _ignored("actor_rollout_ref.rollout.tensor_model_parallel_size", _INFRA),
@@ -180,14 +219,15 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("actor_rollout_ref.rollout.enforce_eager", _INFRA),
     _ignored("actor_rollout_ref.rollout.free_cache_engine", _INFRA),
     _ignored("actor_rollout_ref.rollout.load_format", _INFRA),
+    _ignored("actor_rollout_ref.rollout.disable_log_stats", _INFRA),
     _ignored("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", _INFRA),
     _ignored("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", _INFRA),
     _ignored("actor_rollout_ref.rollout.log_prob_micro_batch_size", _INFRA),
     _ignored("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", _INFRA),
     _ignored("actor_rollout_ref.rollout.ignore_eos", "responses end at EOS"),
-    _ignored("actor_rollout_ref.rollout.val_kwargs.*", _NO_VAL),
     _ignored("actor_rollout_ref.rollout.engine_kwargs.*", _INFRA),
     _ignored("actor_rollout_ref.rollout.checkpoint_engine.*", _INFRA),
+    _ignored("actor_rollout_ref.rollout.prometheus.*", _INFRA),
     _ignored("actor_rollout_ref.rollout.agent.*", "rlbus has no agent loop"),
     _ignored("actor_rollout_ref.rollout.multi_turn.*", "rlbus has no multi-turn rollout"),
     _ignored("actor_rollout_ref.rollout.trace.*", _INFRA),
@@ -195,15 +235,21 @@ TABLE: tuple[VerlKey, ...] = (
     VerlKey("actor_rollout_ref.model.path", "alias",
             targets=(("model.path", VALUE), ("model.kind", "hf")),
             note="a local Hugging Face model directory (model.kind=hf); rlbus never downloads"),
+    _alias("actor_rollout_ref.model.enable_gradient_checkpointing",
+           "model.enable_gradient_checkpointing"),
+    _alias("actor_rollout_ref.model.override_config", "model.override_config",
+           "keys set on the model's config before loading"),
+    VerlKey("actor_rollout_ref.model.override_config.*", "alias",
+            targets=(("model.override_config", VALUE),),
+            note="one key of model.override_config (+KEY=V adds it, as in verl)"),
     _ignored("actor_rollout_ref.model.use_remove_padding", _INFRA),
-    _ignored("actor_rollout_ref.model.enable_gradient_checkpointing", _INFRA),
     _ignored("actor_rollout_ref.model.enable_activation_offload", _INFRA),
     _ignored("actor_rollout_ref.model.use_fused_kernels", _INFRA),
     _ignored("actor_rollout_ref.model.use_shm", _INFRA),
     _ignored("actor_rollout_ref.model.trust_remote_code", _INFRA),
     _ignored("actor_rollout_ref.model.external_lib", _INFRA),
-    _ignored("actor_rollout_ref.model.override_config.*", _INFRA),
-    _ignored("actor_rollout_ref.ref.*", "rlbus has no reference model"),
+    _ignored("actor_rollout_ref.model.mtp.*", "rlbus has no multi-token prediction"),
+    _ignored("actor_rollout_ref.ref.*", _REF),
     _ignored("actor_rollout_ref.hybrid_engine", _INFRA),
     _ignored("actor_rollout_ref.nccl_timeout", _INFRA),
     # ---- per-role profiler switches (verl's profiler of each worker role)
@@ -220,37 +266,77 @@ TABLE: tuple[VerlKey, ...] = (
         for role in ("actor", "rollout")
         for leaf in ("all_ranks", "ranks", "tool", "save_path", "discrete", "tool_config.*")
     ),
-    # ---- data
-    VerlKey("data.train_files", "alias",
-            targets=(("task.path", VALUE), ("task.kind", "jsonl")), convert=_train_file,
-            note="one JSONL file of {\"prompt\", \"answer\"} lines (verl: parquet)"),
+    # ---- data (the section is rlbus's own: verl's names; these are the rest)
     VerlKey("data.max_response_length", "derived",
             note="rollout.max_new_tokens, unless actor_rollout_ref.rollout.response_length "
                  "or rollout.max_new_tokens is given (verl's interpolation)"),
-    _fixed("data.prompt_key", ("prompt",), "rlbus reads the prompt from the \"prompt\" field"),
-    _ignored("data.val_files", _NO_VAL),
-    _ignored("data.val_batch_size", _NO_VAL),
-    _ignored("data.max_prompt_length", "rlbus does not truncate or filter prompts"),
-    _ignored("data.truncation", "rlbus does not truncate prompts"),
-    _ignored("data.filter_overlong_prompts", "rlbus does not filter prompts"),
+    _ignored("data.val_batch_size", "validation generates every data.val_files record"),
+    _ignored("data.validation_shuffle", "validation reads data.val_files in order"),
     _ignored("data.filter_overlong_prompts_workers", _INFRA),
     _ignored("data.train_batch_size",
              "fully-async: a step takes ppo_mini_batch_size x require_batches prompts"),
     _ignored("data.gen_batch_size", "see rollout.prompts_per_batch"),
-    _ignored("data.return_raw_chat", "prompts are used as written"),
-    _ignored("data.return_full_prompt", "prompts are used as written"),
-    _ignored("data.shuffle", "the JSONL prompts are shuffled each epoch (task.seed)"),
-    _ignored("data.seed", "see task.seed"),
+    _ignored("data.return_raw_chat", "rlbus applies the chat template itself"),
+    _ignored("data.return_full_prompt", "rlbus applies the chat template itself"),
+    _ignored("data.return_raw_input_ids", "rlbus applies the chat template itself"),
     _ignored("data.dataloader_num_workers", _INFRA),
-    _ignored("data.reward_fn_key", "see task.reward_fn"),
     _ignored("data.use_shm", _INFRA),
     _ignored("data.trust_remote_code", _INFRA),
     _ignored("data.tokenizer", "the tokenizer is model.path's"),
+    _ignored("data.custom_cls.*", "rlbus reads verl's record layout (RLHFDataset's)"),
+    _ignored("data.tool_config_path", "rlbus has no multi-turn rollout"),
+    _ignored("data.function_tool_path", "rlbus has no multi-turn rollout"),
+    _ignored("data.image_key", _MM),
+    _ignored("data.video_key", _MM),
+    _ignored("data.audio_key", _MM),
+    _ignored("data.image_patch_size", _MM),
+    _ignored("data.return_multi_modal_inputs", _MM),
+    _ignored("data.mm_processor_kwargs.*", _MM),
+    # ---- rewards: verl's reward section (newer name of custom_reward_function/reward_model)
+    _alias("reward.custom_reward_function.path", "custom_reward_function.path"),
+    _alias("reward.custom_reward_function.name", "custom_reward_function.name"),
+    _alias("reward.reward_manager.name", "reward_model.reward_manager", "naive or dapo"),
+    _fixed("reward.reward_manager.source", ("register",),
+           "rlbus has the reward managers naive and dapo, chosen by name"),
+    _ignored("reward.reward_manager.module.*", "rlbus has no custom reward manager class"),
+    _alias("reward.num_workers", "rollout.reward_workers", "reward scoring processes"),
+    _alias("reward_model.num_workers", "rollout.reward_workers", "reward scoring processes"),
+    _alias("reward.reward_kwargs", "reward_model.reward_kwargs", plus=True),
+    VerlKey("reward.reward_kwargs.*", "alias", targets=(("reward_model.reward_kwargs", VALUE),),
+            note="one key of reward_model.reward_kwargs", plus=True),
+    *(
+        _alias(f"{section}.reward_kwargs.{_OB}.{leaf}", f"reward_model.overlong_buffer.{leaf}",
+               "dapo's overlong buffer (verl's reward_kwargs.overlong_buffer_cfg)", plus=True)
+        for section in ("reward", "reward_model")
+        for leaf in ("enable", "len", "penalty_factor", "log")
+    ),
+    *(
+        _ignored(f"{section}.reward_kwargs.max_resp_len",
+                 "the overlong buffer ends at rollout.max_new_tokens (verl's recipes set "
+                 "max_resp_len to max_response_length)")
+        for section in ("reward", "reward_model")
+    ),
+    _fixed("reward.reward_model.enable", (False,), _NO_RM),
+    _fixed("reward_model.enable", (False,), _NO_RM),
+    _ignored("reward.reward_model.*", _NO_RM),
+    _ignored("reward_model.model.*", _NO_RM),
+    _ignored("reward_model.rollout.*", _NO_RM),
+    _ignored("reward_model.enable_resource_pool", _NO_RM),
+    _ignored("reward_model.n_gpus_per_node", _NO_RM),
+    _ignored("reward_model.nnodes", _NO_RM),
+    _ignored("reward_model.reward_loop_source", "rlbus has the reward managers naive and dapo"),
+    _ignored("reward_model.reward_loop_module_path", "rlbus has no custom reward manager class"),
+    _ignored("reward_model.reward_loop_class_name", "rlbus has no custom reward manager class"),
+    _ignored("reward.sandbox_fusion.*", "rlbus has no sandbox service; a reward function may "
+                                        "call one itself"),
+    _ignored("sandbox_fusion.*", "rlbus has no sandbox service; a reward function may call "
+                                 "one itself"),
     # ---- algorithm
     _fixed("algorithm.adv_estimator", ("grpo",), "rlbus computes GRPO advantages"),
     _fixed("algorithm.norm_adv_by_std_in_grpo", (True,),
            "rlbus divides by the group's std (population std; verl: sample std)"),
-    _fixed("algorithm.use_kl_in_reward", (False,), "rlbus has no reference model"),
+    _fixed("algorithm.use_kl_in_reward", (False,),
+           "rlbus puts the KL in the loss (trainer.use_kl_loss), not in the reward"),
     _ignored("algorithm.kl_penalty", "no KL in the reward (use_kl_in_reward=False)"),
     _ignored("algorithm.kl_ctrl.*", "no KL in the reward (use_kl_in_reward=False)"),
     _ignored("algorithm.gamma", "GAE only; rlbus uses GRPO"),
@@ -263,32 +349,27 @@ TABLE: tuple[VerlKey, ...] = (
     # ---- trainer (verl's trainer section; rlbus's own trainer.* keys win)
     _ignored("trainer.nnodes", _INFRA),
     _ignored("trainer.n_gpus_per_node", _INFRA),
-    _ignored("trainer.test_freq", _NO_VAL),
-    _ignored("trainer.val_before_train", _NO_VAL),
-    _ignored("trainer.val_only", _NO_VAL),
-    _ignored("trainer.log_val_generations", _NO_VAL),
-    _ignored("trainer.validation_data_dir", _NO_VAL),
-    _ignored("trainer.total_epochs",
-             "the run length is trainer.total_training_steps (or rollout.total_rollout_steps)"),
-    _ignored("trainer.default_local_dir", _CKPT),
+    _ignored("trainer.val_only", "rlbus validates during training only"),
+    _ignored("trainer.validation_data_dir", "validation results are events in the run's log"),
     _ignored("trainer.default_hdfs_dir", _CKPT),
     _ignored("trainer.del_local_ckpt_after_load", _CKPT),
-    _ignored("trainer.resume_mode", _CKPT),
-    _ignored("trainer.resume_from_path", _CKPT),
-    _ignored("trainer.max_critic_ckpt_to_keep", _CKPT),
+    _ignored("trainer.resume_from_path", "resume_mode auto resumes the run found in "
+                                         "trainer.default_local_dir; see run.id"),
+    _ignored("trainer.max_critic_ckpt_to_keep", "rlbus has no critic"),
     _ignored("trainer.esi_redundant_time", _CKPT),
     _ignored("trainer.balance_batch", _INFRA),
     _ignored("trainer.critic_warmup", "rlbus has no critic"),
     _ignored("trainer.rollout_data_dir", "every sample is in the run's samples stream"),
     _ignored("trainer.ray_wait_register_center_timeout", _INFRA),
     _ignored("trainer.use_legacy_worker_impl", _INFRA),
+    _ignored("trainer.worker_env.*", "components inherit rlbus up's environment"),
     # ---- fully-async: the rollouter's resources and length, extra async_training knobs
     VerlKey("rollout.total_rollout_steps", "derived",
             note="prompts to generate; trainer.total_training_steps = total_rollout_steps // "
                  "(ppo_mini_batch_size x require_batches), as verl's trainer stops"),
     _ignored("rollout.nnodes", _INFRA),
     _ignored("rollout.n_gpus_per_node", _INFRA),
-    _ignored("async_training.use_trainer_do_validate", _NO_VAL),
+    _ignored("async_training.use_trainer_do_validate", "a rollouter validates between batches"),
     _ignored("async_training.use_dynamic_resource_scheduling", _INFRA),
     _ignored("async_training.dynamic_schedule_policy", _INFRA),
     _ignored("async_training.dynamic_schedule_deactivate_ratio", _INFRA),
@@ -313,13 +394,52 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("hydra.*", "Hydra's settings: rlbus reads one YAML file"),
     _ignored("defaults", "Hydra's composition list: rlbus reads one YAML file"),
     _ignored("critic.*", "rlbus has no critic (GRPO)"),
-    _ignored("reward_model.*", "rewards come from task.reward_fn"),
-    _ignored("reward.*", "rewards come from task.reward_fn"),
-    _ignored("custom_reward_function.*", "rewards come from task.reward_fn"),
+    _ignored("distillation.*", "rlbus has no distillation"),
     _ignored("ray_kwargs.*", _INFRA),
     _ignored("ray_init.*", _INFRA),
     _ignored("transfer_queue.*", _INFRA),
 )
+
+# rlbus keys that verl has under the same name (its trainer, data, async_training,
+# global_profiler sections and its older reward sections).
+SHARED: frozenset[str] = frozenset({
+    *(f"trainer.{k}" for k in (
+        "total_training_steps", "total_epochs", "save_freq", "max_actor_ckpt_to_keep",
+        "logger", "project_name", "experiment_name", "test_freq", "val_before_train",
+        "log_val_generations", "default_local_dir", "resume_mode")),
+    *(f"data.{k}" for k in (
+        "train_files", "val_files", "prompt_key", "reward_fn_key", "max_prompt_length",
+        "truncation", "filter_overlong_prompts", "shuffle", "seed", "train_max_samples",
+        "val_max_samples", "apply_chat_template_kwargs")),
+    *(f"async_training.{k}" for k in (
+        "staleness_threshold", "trigger_parameter_sync_step", "require_batches",
+        "partial_rollout")),
+    *(f"global_profiler.{k}" for k in (
+        "tool", "steps", "profile_continuous_steps", "save_path", "finish_hook_cmd")),
+    "custom_reward_function.path", "custom_reward_function.name",
+    "reward_model.reward_manager", "reward_model.reward_kwargs",
+})
+# rlbus keys whose verl counterpart is no alias row: verl's key, or what verl does.
+_OTHER: dict[str, str] = {
+    "rollout.max_new_tokens": "data.max_response_length",
+    "trainer.seed": "actor_rollout_ref.actor.fsdp_config.seed",
+    "trainer.tis_cap": "algorithm.rollout_correction.rollout_is",
+    "trainer.zero_adv": "(verl trains on every mini-batch)",
+}
+
+
+def counterpart(key: str) -> str | None:
+    """verl's name of rlbus ``key`` (the same name, the first alias row, or another row's
+    meaning); None when verl has nothing like it."""
+    if key in _OTHER:
+        return _OTHER[key]
+    if key in SHARED:
+        return key
+    for row in TABLE:
+        if row.kind == "alias" and any(t == key and v is VALUE for t, v in row.targets):
+            return row.key
+    return None
+
 
 _EXACT: dict[str, VerlKey] = {row.key: row for row in TABLE if not row.key.endswith(".*")}
 _PREFIXES: tuple[VerlKey, ...] = tuple(

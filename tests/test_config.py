@@ -150,7 +150,9 @@ def test_known_keys_are_the_dotted_leaves_of_the_config() -> None:
         node = tree
         for part in key.split("."):
             node = node[part]
-        assert not isinstance(node, dict) or key.endswith("_options"), key
+        # Open mappings (nsys options, kwargs passed on, a model's config overrides).
+        assert not isinstance(node, dict) or key.endswith(
+            ("_options", "_kwargs", "override_config")), key
 
 
 # --------------------------------------------------------------------------- YAML 1.2, Hydra
@@ -233,6 +235,9 @@ def test_verl_torch_contents(contents: str) -> None:
 # --------------------------------------------------------------------------- verl spellings
 
 TM = "global_profiler.global_tool_config.torch_memory"
+RLBUS = "run.defaults=rlbus"  # the table alone, without verl's defaults under a verl line
+ARR = "actor_rollout_ref"
+OB = "reward_kwargs.overlong_buffer_cfg"
 
 
 @pytest.mark.parametrize(
@@ -252,14 +257,54 @@ TM = "global_profiler.global_tool_config.torch_memory"
         ("data.max_response_length=6", "rollout.max_new_tokens", 6),
         ("actor_rollout_ref.model.path=/m", "model.path", "/m"),
         ("actor_rollout_ref.model.path=/m", "model.kind", "hf"),
-        ("data.train_files=/d.jsonl", "task.path", "/d.jsonl"),
-        ("data.train_files=[/d.jsonl]", "task.kind", "jsonl"),
+        (f"{ARR}.actor.optim.weight_decay=0.1", "trainer.weight_decay", 0.1),
+        (f"{ARR}.actor.optim.lr_warmup_steps=10", "trainer.lr_warmup_steps", 10),
+        (f"{ARR}.actor.optim.lr_warmup_steps_ratio=0.1", "trainer.lr_warmup_steps_ratio", 0.1),
+        (f"{ARR}.actor.optim.lr_scheduler_type=cosine", "trainer.lr_scheduler_type", "cosine"),
+        (f"{ARR}.actor.optim.warmup_style=cosine", "trainer.lr_scheduler_type", "cosine"),
+        (f"{ARR}.actor.optim.warmup_style=null", "trainer.lr_scheduler_type", "constant"),
+        (f"{ARR}.actor.optim.min_lr_ratio=0.1", "trainer.min_lr_ratio", 0.1),
+        (f"{ARR}.actor.optim.num_cycles=1.5", "trainer.num_cycles", 1.5),
+        (f"{ARR}.actor.use_kl_loss=True", "trainer.use_kl_loss", True),
+        (f"{ARR}.actor.kl_loss_coef=0.01", "trainer.kl_loss_coef", 0.01),
+        (f"{ARR}.actor.kl_loss_type=mse", "trainer.kl_loss_type", "mse"),
+        (f"{ARR}.actor.ppo_micro_batch_size_per_gpu=4", "trainer.micro_batch_size", 4),
+        (f"{ARR}.actor.use_dynamic_bsz=True", "trainer.use_dynamic_bsz", True),
+        (f"{ARR}.actor.ppo_max_token_len_per_gpu=512", "trainer.max_token_len", 512),
+        (f"{ARR}.actor.checkpoint.save_contents=[model,hf_model]",
+         "trainer.checkpoint_contents", ["model", "hf_model"]),
+        (f"{ARR}.actor.fsdp_config.model_dtype=bf16", "model.dtype", "bf16"),
+        (f"{ARR}.rollout.dtype=bfloat16", "model.dtype", "bfloat16"),
+        (f"{ARR}.rollout.top_p=0.9", "rollout.top_p", 0.9),
+        (f"{ARR}.rollout.top_k=20", "rollout.top_k", 20),
+        (f"{ARR}.rollout.top_k=0", "rollout.top_k", -1),  # 0 is off in vLLM and HF too
+        (f"{ARR}.rollout.seed=7", "rollout.seed", 7),
+        (f"{ARR}.rollout.val_kwargs.n=4", "rollout.val_kwargs.n", 4),
+        (f"{ARR}.rollout.val_kwargs.temperature=0.6", "rollout.val_kwargs.temperature", 0.6),
+        (f"{ARR}.rollout.val_kwargs.top_p=0.7", "rollout.val_kwargs.top_p", 0.7),
+        (f"{ARR}.rollout.val_kwargs.top_k=5", "rollout.val_kwargs.top_k", 5),
+        (f"{ARR}.rollout.val_kwargs.do_sample=True", "rollout.val_kwargs.do_sample", True),
+        (f"{ARR}.model.enable_gradient_checkpointing=True",
+         "model.enable_gradient_checkpointing", True),
+        (f"+{ARR}.model.override_config.max_position_embeddings=64", "model.override_config",
+         {"max_position_embeddings": 64}),
+        (f"{ARR}.model.override_config={{attention_dropout: 0.1}}", "model.override_config",
+         {"attention_dropout": 0.1}),
+        ("reward.custom_reward_function.path=/r.py", "custom_reward_function.path", "/r.py"),
+        ("reward.custom_reward_function.name=score", "custom_reward_function.name", "score"),
+        ("reward.reward_manager.name=dapo", "reward_model.reward_manager", "dapo"),
+        ("reward.num_workers=3", "rollout.reward_workers", 3),
+        ("reward_model.num_workers=3", "rollout.reward_workers", 3),
+        (f"+reward.{OB}.enable=True", "reward_model.overlong_buffer.enable", True),
+        (f"+reward_model.{OB}.len=4", "reward_model.overlong_buffer.len", 4),
+        ("+reward.reward_kwargs.extra=1", "reward_model.reward_kwargs", {"extra": 1}),
+        ("data.train_files=/d.parquet", "data.train_files", "/d.parquet"),  # rlbus's own key
         (f"{TM}.trace_alloc_max_entries=5000", f"{TM}.trace_alloc_max_entries", 5000),
         (f"{TM}.stack_depth=8", f"{TM}.stack_depth", 8),
     ],
 )
 def test_verl_keys_set_rlbus_keys(override: str, attr: str, expected: object) -> None:
-    node: object = load_config(None, [override])
+    node: object = load_config(None, [override, RLBUS], on_warning=lambda m: None)
     for part in attr.split("."):
         node = getattr(node, part)
     assert node == expected
@@ -269,13 +314,13 @@ def test_response_length_wins_over_data_max_response_length_in_any_order() -> No
     for args in (["data.max_response_length=3", "actor_rollout_ref.rollout.response_length=6"],
                  ["actor_rollout_ref.rollout.response_length=6", "data.max_response_length=3"],
                  ["rollout.max_new_tokens=6", "data.max_response_length=3"]):
-        assert load_config(None, args).rollout.max_new_tokens == 6
+        assert load_config(None, [*args, RLBUS]).rollout.max_new_tokens == 6
 
 
 def test_total_rollout_steps_give_the_number_of_steps() -> None:
     cfg = load_config(None, ["rollout.total_rollout_steps=100",
                              "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                             "async_training.require_batches=2"])
+                             "async_training.require_batches=2", RLBUS])
     assert cfg.trainer.total_training_steps == 12  # 100 // (4 * 2), as verl's trainer stops
     with pytest.raises(ConfigError) as info:
         load_config(None, ["rollout.total_rollout_steps=100", "trainer.total_training_steps=5",
@@ -286,21 +331,22 @@ def test_total_rollout_steps_give_the_number_of_steps() -> None:
 def test_per_role_profiler_switches() -> None:
     actor = "actor_rollout_ref.actor.profiler"
     rollout = "actor_rollout_ref.rollout.profiler"
-    assert load_config(None, [f"{actor}.enable=True"]).global_profiler.roles == ["trainer"]
+    roles = load_config(None, [f"{actor}.enable=True", RLBUS]).global_profiler.roles
+    assert roles == ["trainer"]
     cfg = load_config(None, [f"{actor}.enable=True", f"{rollout}.enable=True",
                              f"{actor}.tool_config.torch.contents=[cuda,shapes]",
-                             f"{rollout}.tool_config.torch.contents=[cuda,shapes]"])
+                             f"{rollout}.tool_config.torch.contents=[cuda,shapes]", RLBUS])
     assert cfg.global_profiler.roles == ["trainer", "rollouter"]
     assert cfg.global_profiler.contents == ["cuda", "shapes"]
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"{actor}.tool_config.torch.contents=[cuda]",
-                           f"{rollout}.tool_config.torch.contents=[cpu]"])
+                           f"{rollout}.tool_config.torch.contents=[cpu]", RLBUS])
     assert info.value.key.endswith("torch.contents")
 
 
 def test_a_bad_value_names_the_verl_key_the_user_wrote() -> None:
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["actor_rollout_ref.actor.optim.lr=-1"])
+        load_config(None, ["actor_rollout_ref.actor.optim.lr=-1", RLBUS])
     assert info.value.key == "actor_rollout_ref.actor.optim.lr"
     assert "trainer.lr" in str(info.value)
 
@@ -308,17 +354,19 @@ def test_a_bad_value_names_the_verl_key_the_user_wrote() -> None:
 @pytest.mark.parametrize(
     ("override", "ok"),
     [("algorithm.adv_estimator=grpo", True), ("algorithm.adv_estimator=gae", False),
-     ("actor_rollout_ref.actor.use_kl_loss=False", True),
-     ("actor_rollout_ref.actor.use_kl_loss=True", False),
-     ("actor_rollout_ref.rollout.top_k=-1", True), ("actor_rollout_ref.rollout.top_p=0.9", False),
-     ("data.train_files=/d.parquet", False), ("data.train_files=[/a.jsonl,/b.jsonl]", False)],
+     ("algorithm.use_kl_in_reward=False", True), ("algorithm.use_kl_in_reward=True", False),
+     ("reward_model.enable=False", True), ("reward_model.enable=True", False),
+     ("reward.reward_model.enable=True", False),
+     ("actor_rollout_ref.actor.optim.optimizer=AdamW", True),
+     ("actor_rollout_ref.actor.optim.optimizer=SGD", False),
+     ("actor_rollout_ref.rollout.do_sample=False", False)],
 )
 def test_verl_keys_rlbus_does_one_way(override: str, ok: bool) -> None:
     if ok:
-        load_config(None, [override])
+        load_config(None, [override, RLBUS])
         return
     with pytest.raises(ConfigError) as info:
-        load_config(None, [override])
+        load_config(None, [override, RLBUS])
     assert info.value.key == override.split("=")[0]
 
 
@@ -328,12 +376,14 @@ def test_ignored_verl_keys_warn_once_each_naming_the_key(tmp_path: Path) -> None
                  "actor_rollout_ref:\n  rollout:\n    gpu_memory_utilization: 0.8\n")
     warnings: list[str] = []
     load_config(f, ["trainer.nnodes=4", "+actor_rollout_ref.model.override_config.x=1",
-                    "trainer.test_freq=10"], on_warning=warnings.append)
+                    "trainer.test_freq=10", "reward_model.model.path=/rm",
+                    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", RLBUS],
+                on_warning=warnings.append)
     named = [w.split("'")[1] for w in warnings]
-    assert sorted(named) == sorted([
+    assert sorted(named) == sorted([  # override_config and test_freq mean something now
         "trainer.nnodes", "trainer.n_gpus_per_node",
-        "actor_rollout_ref.rollout.gpu_memory_utilization",
-        "actor_rollout_ref.model.override_config.x", "trainer.test_freq",
+        "actor_rollout_ref.rollout.gpu_memory_utilization", "reward_model.model.path",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
     ])
 
 
@@ -341,14 +391,14 @@ def test_verl_nested_file(tmp_path: Path) -> None:
     f = tmp_path / "verl.yaml"
     f.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1e-6\n"
                  "    ppo_mini_batch_size: 2\n  rollout:\n    n: 3\n"
-                 "async_training:\n  require_batches: 2\n")
+                 "async_training:\n  require_batches: 2\nrun:\n  defaults: rlbus\n")
     cfg = load_config(f, on_warning=lambda m: None)
     assert (cfg.trainer.lr, cfg.trainer.ppo_mini_batch_size, cfg.rollout.n) == (1e-6, 2, 3)
 
 
 def test_misspelt_verl_keys_are_refused_with_a_suggestion() -> None:
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["actor_rollout_ref.actor.ppo_mini_batchsize=4"])
+        load_config(None, ["actor_rollout_ref.actor.ppo_mini_batchsize=4", RLBUS])
     assert info.value.key == "actor_rollout_ref.actor.ppo_mini_batchsize"
     assert info.value.suggestion == "actor_rollout_ref.actor.ppo_mini_batch_size"
 
@@ -369,7 +419,7 @@ def test_a_verl_yaml_files_hydra_entries_are_skipped(tmp_path: Path) -> None:
     f.write_text("hydra:\n  searchpath: [pkg://verl.trainer.config]\n"
                  "defaults:\n  - ppo_trainer\n  - _self_\n"
                  "global_profiler:\n  _target_: verl.utils.profiler.ProfilerConfig\n"
-                 "  tool: null\n  steps: null\n")
+                 "  tool: null\n  steps: null\nrun:\n  defaults: rlbus\n")
     warnings: list[str] = []
     cfg = load_config(f, on_warning=warnings.append)
     assert cfg.global_profiler.steps == []
@@ -379,8 +429,11 @@ def test_a_verl_yaml_files_hydra_entries_are_skipped(tmp_path: Path) -> None:
 def test_a_written_config_reads_back_unchanged(tmp_path: Path) -> None:
     # rlbus up hands its children config_to_dict(cfg) as YAML: it must load as the same config.
     nsys = "global_profiler.global_tool_config.nsys.worker_nsight_options"
+    # A verl line: verl's defaults (default_local_dir interpolated) are written out as values.
     cfg = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-6", "global_profiler.steps=null",
-                             f"~{nsys}.kill", f"+{nsys}.sample=cpu", "trainer.save_freq=-1"])
+                             f"~{nsys}.kill", f"+{nsys}.sample=cpu", "trainer.save_freq=-1",
+                             "rollout.max_new_tokens=5"])
+    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
     f = tmp_path / "config.yaml"
     f.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     assert load_config(f) == cfg

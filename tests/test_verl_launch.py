@@ -4,13 +4,16 @@
 (``verl/experimental/fully_async_policy/shell/*.sh``: the DAPO recipe's keys, sized down to a
 few steps of a tiny model). In verl it follows
 ``python -m verl.experimental.fully_async_policy.fully_async_main``; here it follows
-``rlbus up``. The first test checks what each key becomes; the second runs it end to end
-(embedded Redis, trainer and rollouter as processes) on a tiny local GPT-2 and a JSONL file.
+``rlbus up``. The first test checks what each key becomes (with verl's defaults for the keys
+the line leaves out: it is a verl line); the second runs it end to end (embedded Redis,
+trainer and rollouter as processes) on the chat demo's tiny Qwen2 (``tasks.chatdemo``), a
+JSONL file in verl's record layout and the demo's reward file.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from tests.procs import run_cli
 
 MODEL_PATH = "{MODEL_PATH}"
 TRAIN_FILE = "{TRAIN_FILE}"
+REWARD_FILE = "{REWARD_FILE}"
 
 VERL_LAUNCH = f"""
     data.train_files={TRAIN_FILE}
@@ -82,6 +86,8 @@ VERL_LAUNCH = f"""
     actor_rollout_ref.rollout.name=vllm
     actor_rollout_ref.rollout.mode=async
     reward.reward_manager.name=dapo
+    reward.custom_reward_function.path={REWARD_FILE}
+    reward.custom_reward_function.name=compute_score
     +reward.reward_kwargs.overlong_buffer_cfg.enable=False
     +reward.reward_kwargs.max_resp_len=5
     trainer.logger=['console']
@@ -106,6 +112,8 @@ VERL_LAUNCH = f"""
 """.split()
 
 MAPPED = {
+    "data.max_prompt_length": 16,
+    "data.truncation": "left",
     "trainer.ppo_mini_batch_size": 4,
     "trainer.lr": 1e-6,
     "trainer.clip_ratio_low": 0.2,
@@ -117,21 +125,65 @@ MAPPED = {
     "rollout.n": 4,
     "rollout.temperature": 1.0,
     "rollout.max_new_tokens": 5,
+    "rollout.top_p": 1.0,
+    "rollout.top_k": -1,
+    "rollout.val_kwargs.temperature": 1.0,
+    "rollout.val_kwargs.top_p": 0.7,
+    "rollout.val_kwargs.do_sample": True,
     "model.kind": "hf",
-    "task.kind": "jsonl",
+    "model.override_config": {"max_position_embeddings": 32},
+    "trainer.weight_decay": 0.1,
+    "trainer.lr_warmup_steps": 10,
+    "trainer.use_kl_loss": False,
+    "trainer.kl_loss_coef": 0.0,
+    "trainer.use_dynamic_bsz": True,
+    "trainer.max_token_len": 64,
+    "trainer.total_epochs": 10,
+    "trainer.test_freq": 10,
+    "trainer.val_before_train": True,
+    "trainer.default_local_dir": "checkpoints/DAPO",
+    "trainer.resume_mode": "auto",
+    "trainer.project_name": "DAPO",
+    "reward_model.reward_manager": "dapo",
+    "reward_model.overlong_buffer.enable": False,
+    "custom_reward_function.name": "compute_score",
     "async_training.staleness_threshold": 0.1,
+    "async_training.require_batches": 1,
     "async_training.partial_rollout": True,
     "global_profiler.steps": [],
+    # verl's defaults for what the line leaves out (runconfig/verl_defaults.yaml)
+    "trainer.tis_cap": None,
+    "trainer.zero_adv": "keep",
+    "rollout.reward_workers": 8,
+    "model.enable_gradient_checkpointing": True,
 }
-IGNORED = ("trainer.nnodes", "trainer.test_freq", "trainer.val_before_train",
-           "actor_rollout_ref.rollout.gpu_memory_utilization",
+IGNORED = ("trainer.nnodes", "actor_rollout_ref.rollout.gpu_memory_utilization",
            "actor_rollout_ref.rollout.tensor_model_parallel_size", "actor_rollout_ref.rollout.name",
-           "actor_rollout_ref.model.override_config.max_position_embeddings",
-           "reward.reward_kwargs.max_resp_len")
+           "actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "reward.reward_kwargs.max_resp_len")
 
 
-def _line(model: Path, data: Path) -> list[str]:
-    return [a.replace(MODEL_PATH, str(model)).replace(TRAIN_FILE, str(data)) for a in VERL_LAUNCH]
+def _line(files: dict[str, Path]) -> list[str]:
+    out = []
+    for arg in VERL_LAUNCH:
+        for name, path in files.items():
+            arg = arg.replace(name, str(path))
+        out.append(arg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The chat demo's model and reward file, six verl-format records as JSONL."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    from tasks.chatdemo import REWARD_FILE as REWARD_TEXT
+    from tasks.chatdemo import build_model, records
+
+    root = tmp_path_factory.mktemp("verl-launch")
+    build_model(root / "model", n_digits=3)
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records(6, "train", 0, n_digits=3)))
+    (root / "reward.py").write_text(REWARD_TEXT)
+    return {MODEL_PATH: root / "model", TRAIN_FILE: data, REWARD_FILE: root / "reward.py"}
 
 
 def _get(tree: dict, key: str) -> object:
@@ -140,15 +192,17 @@ def _get(tree: dict, key: str) -> object:
     return tree
 
 
-def test_the_verl_launch_line_means_what_it_says(tmp_path: Path) -> None:
+def test_the_verl_launch_line_means_what_it_says(demo: dict[str, Path]) -> None:
     warnings: list[str] = []
-    cfg = load_config(None, _line(tmp_path / "model", tmp_path / "train.jsonl"),
-                      on_warning=warnings.append)
+    notes: list[str] = []
+    cfg = load_config(None, _line(demo), on_warning=warnings.append, on_note=notes.append)
+    assert len(notes) == 1 and "verl's defaults" in notes[0]
     tree = config_to_dict(cfg)
     for key, value in MAPPED.items():
         assert _get(tree, key) == value, key
-    assert cfg.model.path == str(tmp_path / "model")
-    assert cfg.task.path == str(tmp_path / "train.jsonl")
+    assert cfg.model.path == str(demo[MODEL_PATH])
+    assert cfg.data.train_files == str(demo[TRAIN_FILE])
+    assert cfg.custom_reward_function.path == str(demo[REWARD_FILE])
     named = [w.split("'")[1] for w in warnings]
     assert len(named) == len(set(named))  # one warning per key
     assert set(IGNORED) <= set(named)
@@ -156,23 +210,9 @@ def test_the_verl_launch_line_means_what_it_says(tmp_path: Path) -> None:
     assert "actor_rollout_ref.actor.optim.lr" in mapped_spellings  # not warned about
 
 
-def _tiny_model_and_data(tmp_path: Path) -> tuple[Path, Path]:
-    from tests.test_e2e_hf import _save_tiny_model
-
-    model = tmp_path / "model"
-    _save_tiny_model(model)
-    data = tmp_path / "train.jsonl"
-    rows = [f"{a}{b}{c}>" for a, b, c in ("123", "456", "789", "321", "654", "987")]
-    data.write_text("".join(json.dumps({"prompt": p, "answer": p[:-1][::-1]}) + "\n"
-                            for p in rows))
-    return model, data
-
-
 @pytest.mark.e2e
-def test_the_verl_launch_line_runs_with_rlbus_up(tmp_path: Path) -> None:
-    pytest.importorskip("transformers", reason="the hf extra is not installed")
-    model, data = _tiny_model_and_data(tmp_path)
-    done = run_cli("up", *_line(model, data), cwd=tmp_path, timeout_s=600)
+def test_the_verl_launch_line_runs_with_rlbus_up(tmp_path: Path, demo: dict[str, Path]) -> None:
+    done = run_cli("up", *_line(demo), cwd=tmp_path, timeout_s=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for key in IGNORED:
         assert done.stderr.count(f"'{key}'") == 1, key
@@ -181,8 +221,12 @@ def test_the_verl_launch_line_runs_with_rlbus_up(tmp_path: Path) -> None:
     for key, value in MAPPED.items():
         assert _get(tree, key) == value, key
     # save_freq=-1: no periodic checkpoint, only the last step's (the trained model).
-    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt"))
-    assert len(checkpoints) == 1 and "3" in checkpoints[0], checkpoints
+    # CHANGED EXPECTATION (issue 18): with trainer.default_local_dir honoured the checkpoints
+    # are under checkpoints/DAPO (relative to the working directory, as verl's); before it,
+    # under RUN/checkpoints. Either place, one step saved: the last.
+    found = [*(run_dir / "checkpoints").glob("*"), *(tmp_path / "checkpoints").rglob("*")]
+    saved = sorted({int(n) for p in found for n in re.findall(r"step[-_](\d+)", p.name)})
+    assert saved == [3], sorted(p.name for p in found)
     shown = run_cli("inspect", "--run", run_dir.name, "--json", cwd=tmp_path, timeout_s=120)
     assert shown.returncode == 0, shown.stderr
     steps = [e["step"] for e in map(json.loads, shown.stdout.splitlines())
