@@ -291,7 +291,7 @@ class GrpoStep:
     def _backward(self, mb: _MiniBatch, mask: torch.Tensor, ref: torch.Tensor | None,
                   bonus: bool) -> tuple[torch.Tensor, torch.Tensor, _Acc]:
         """Gradients of the mini-batch's loss, accumulated micro-batch by micro-batch; its
-        log-probs and entropies [B, R] (detached when split) and summed losses."""
+        log-probs and entropies [B, R] (detached) and summed losses."""
         total = mask.sum().clamp(min=1.0)
         parts, acc = [], _Acc()
         for m in self._micros(mb):
@@ -308,12 +308,10 @@ class GrpoStep:
             w = float(share)
             acc = _Acc(acc.loss + loss.item() * w, acc.clipfrac + clipfrac.item() * w,
                        acc.kl_loss + kl_loss.item() * w)
-            parts.append((m, logp, entropy))
+            parts.append((m, logp.detach(), entropy.detach()))  # the graph is spent
         if len(parts) == 1 and isinstance(parts[0][0].rows, slice):
             return parts[0][1], parts[0][2], acc
-        logp_all, ent_all = _scatter(mb.batch.response_mask,
-                                     [(m, lp.detach(), e.detach()) for m, lp, e in parts])
-        return logp_all, ent_all, acc
+        return (*_scatter(mb.batch.response_mask, parts), acc)
 
     def _loss(self, mb: _MiniBatch, m: _Micro, logp: torch.Tensor, entropy: torch.Tensor,
               mask: torch.Tensor, ref: torch.Tensor | None, bonus: bool
