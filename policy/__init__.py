@@ -22,11 +22,14 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "EosIds",
     "Generation",
     "Policy",
     "StepFn",
     "build_policy",
     "decode_loop",
+    "eos_set",
+    "filter_logits",
     "left_pad",
     "logprobs_from_logits",
     "make_generator",
@@ -34,14 +37,19 @@ __all__ = [
     "resolve_device",
 ]
 
+EosIds = int | Sequence[int] | None
+"""One end-of-sequence id, several (a generation_config often lists more than one), or none."""
+
 
 @dataclass
 class Generation:
     """Result of `Policy.generate`, one entry per prompt, in prompt order."""
 
-    tokens: list[list[int]]  # response token ids; ends with eos when eos was sampled
-    logprobs: list[np.ndarray]  # float32, log-prob of each response token when sampled
-    finished: list[bool]  # True when eos ended the response, False when max_new_tokens did
+    tokens: list[list[int]]  # response token ids; ends with an eos id when one was sampled
+    # float32: log-prob of each response token under softmax(logits / temperature) of the
+    # whole vocabulary, whatever top_k / top_p drew it from (see decode_loop)
+    logprobs: list[np.ndarray]
+    finished: list[bool]  # True when an eos id ended the response, False when max_new_tokens did
 
 
 @runtime_checkable
@@ -50,6 +58,8 @@ class Policy(Protocol):
 
     pad_id: int
     eos_id: int | None
+    eos_ids: tuple[int, ...]
+    """Every id that ends a response by default (``eos_id`` first)."""
 
     @property
     def device(self) -> torch.device: ...
@@ -59,11 +69,15 @@ class Policy(Protocol):
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int,
         temperature: float = 1.0,
-        eos_id: int | None = None,
+        eos_id: EosIds = None,
         seed: int | None = None,
         generator: torch.Generator | None = None,
+        *,
+        top_p: float = 1.0,
+        top_k: int = -1,
     ) -> Generation:
-        """Sample one response per prompt. temperature <= 0 means greedy."""
+        """Sample one response per prompt. temperature <= 0 means greedy. ``eos_id``: the
+        ids that end a response (None: ``eos_ids``). top_k <= 0 and top_p >= 1 are off."""
         ...
 
     def logprobs_and_entropy(
@@ -140,6 +154,46 @@ def logprobs_from_logits(
     return logp, entropy
 
 
+def eos_set(*ids: EosIds) -> tuple[int, ...]:
+    """The distinct ids of ``ids`` (each an id, a list of ids or None), in first-seen order."""
+    out: list[int] = []
+    for x in ids:
+        for i in ([] if x is None else [x] if isinstance(x, int) else x):
+            if int(i) not in out:
+                out.append(int(i))
+    return tuple(out)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """``logits`` [B, V] with the tokens outside top-k, then outside the nucleus top-p, set to
+    -inf (vLLM's order and meaning: top_k <= 0 or >= V is off, top_p >= 1 is off; the most
+    likely token always stays). Pass logits already divided by the temperature."""
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, -1)
+        # Drop a token when the tokens more likely than it already hold top_p of the mass:
+        # the smallest set reaching top_p stays, and the first token always does.
+        before = probs.cumsum(-1) - probs
+        drop_sorted = before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _sample(last: torch.Tensor, temperature: float, top_k: int, top_p: float,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``last`` [B, V] (float32 logits): greedy at temperature <= 0."""
+    if temperature <= 0:
+        return last.argmax(-1)
+    scaled = filter_logits(last / temperature, top_k, top_p)
+    return torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator).squeeze(-1)
+
+
 # step(new_ids [B, T], full_mask [B, past + T], cache | None) -> (logits [B, T, V], cache)
 StepFn = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]]
 
@@ -150,35 +204,45 @@ def decode_loop(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     temperature: float,
-    eos_id: int | None,
+    eos_id: EosIds,
     pad_id: int,
     device: torch.device,
     generator: torch.Generator | None = None,
+    *,
+    top_p: float = 1.0,
+    top_k: int = -1,
 ) -> Generation:
-    """Batched sampling with a KV cache, shared by every Policy implementation."""
+    """Batched sampling with a KV cache, shared by every Policy implementation.
+
+    A response ends at any id of ``eos_id`` (an id or several). Tokens are drawn from
+    softmax(logits / temperature) restricted to top-k / top-p (:func:`filter_logits`); greedy
+    when temperature <= 0. The log-prob recorded for each token is that of the *whole*
+    distribution softmax(logits / temperature), not of the filtered one: the trainer
+    recomputes exactly that (``logprobs_from_logits`` over the full vocabulary) as the PPO
+    ratio's new log-prob, so on equal weights the ratio is 1, as it must be. The filtered
+    distribution's log-prob would differ by the log of the mass kept (log 1 = 0 when the
+    filter is off) and bias every ratio by it."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. bos)")
     if not prompts or max_new_tokens <= 0:
         n = len(prompts)
         return Generation([[] for _ in range(n)], [np.zeros(0, np.float32) for _ in range(n)],
                           [False] * n)
+    eos_ids = eos_set(eos_id)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     ids, mask = left_pad(prompts, pad_id, device)
     logits, cache = step(ids, mask, None)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     toks, logps, alive = [], [], []
     for t in range(max_new_tokens):
         last = logits[:, -1].float()
-        if temperature > 0:
-            probs = torch.softmax(last / temperature, -1)
-            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        else:
-            tok = last.argmax(-1)
+        tok = _sample(last, temperature, top_k, top_p, generator)
         logp, _ = logprobs_from_logits(last, tok, temperature)
         alive.append(~done)
         toks.append(tok)
         logps.append(logp)
-        if eos_id is not None:
-            done = done | (tok == eos_id)
+        if eos.numel():
+            done = done | torch.isin(tok, eos)
         if t == max_new_tokens - 1 or bool(done.all()):
             break
         # Finished rows keep decoding (their tokens are dropped below): simpler than
@@ -192,7 +256,7 @@ def decode_loop(
     return Generation(
         tokens=tokens,
         logprobs=[logp_m[i, :n].copy() for i, n in enumerate(lens)],
-        finished=[eos_id is not None and bool(t) and t[-1] == eos_id for t in tokens],
+        finished=[bool(t) and t[-1] in eos_ids for t in tokens],
     )
 
 
@@ -202,12 +266,18 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return getattr(cfg, key, default)
 
 
-def build_policy(cfg: Any = None, device: str | torch.device = "auto") -> Policy:
+def build_policy(cfg: Any = None, device: str | torch.device = "auto", *,
+                 training: bool = False) -> Policy:
     """Policy from a config mapping or struct: kind 'tiny' (default) or 'hf' with `path`.
 
     tiny keys: vocab_size (default: the char tokenizer's), d_model, n_layers, n_heads,
     max_len, dropout, seed (weight init; the global RNG is left untouched).
-    hf keys: path (a local directory), dtype ('float32' default, 'bfloat16', 'auto').
+    hf keys: path (a local directory), dtype (fp32 default, bf16; verl's names),
+    override_config (keys set on the model's config before loading),
+    enable_gradient_checkpointing. ``training``: the trainer's copy: with dtype bf16 its
+    weights stay float32 and its forward passes run in bfloat16 autocast (verl's FSDP mixed
+    precision: fp32 master weights, bf16 compute), where the rollouter's copy holds bf16
+    weights (verl's rollout dtype).
     """
     cfg = {} if cfg is None else cfg
     kind = _get(cfg, "kind", "tiny") or "tiny"
@@ -232,5 +302,9 @@ def build_policy(cfg: Any = None, device: str | torch.device = "auto") -> Policy
         path = _get(cfg, "path", None)
         if not path:
             raise ValueError("policy.kind 'hf' needs policy.path (a local model directory)")
-        return HFPolicy.from_pretrained(path, device=dev, dtype=_get(cfg, "dtype", None))
+        return HFPolicy.from_pretrained(
+            path, device=dev, dtype=_get(cfg, "dtype", None), training=training,
+            override_config=_get(cfg, "override_config", None),
+            gradient_checkpointing=bool(_get(cfg, "enable_gradient_checkpointing", False)),
+        )
     raise ValueError(f"unknown policy kind {kind!r} (expected 'tiny' or 'hf')")

@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from policy import (
+    EosIds,
     Generation,
     decode_loop,
+    eos_set,
     logprobs_from_logits,
     make_generator,
     positions_from_mask,
@@ -98,6 +100,7 @@ class TinyGPT(nn.Module):
         tok = CharTokenizer()
         self.pad_id: int = tok.pad_id
         self.eos_id: int | None = tok.eos_id
+        self.eos_ids: tuple[int, ...] = eos_set(tok.eos_id)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
@@ -168,9 +171,12 @@ class TinyGPT(nn.Module):
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int,
         temperature: float = 1.0,
-        eos_id: int | None = None,
+        eos_id: EosIds = None,
         seed: int | None = None,
         generator: torch.Generator | None = None,
+        *,
+        top_p: float = 1.0,
+        top_k: int = -1,
     ) -> Generation:
         longest = max((len(p) for p in prompts), default=0)
         if longest + max_new_tokens > self.cfg.max_len:
@@ -186,10 +192,12 @@ class TinyGPT(nn.Module):
                 prompts,
                 max_new_tokens,
                 temperature,
-                self.eos_id if eos_id is None else eos_id,
+                self.eos_ids if eos_id is None else eos_id,
                 self.pad_id,
                 self.device,
                 generator or make_generator(seed, self.device),
+                top_p=top_p,
+                top_k=top_k,
             )
         finally:
             self.train(was_training)

@@ -339,9 +339,12 @@ class Rollouter(Component):
         live = [s for s in seqs if not s.finished]
         if not live:
             return
+        # A response ends at the tokenizer's eos or any the model's generation_config lists.
+        eos = [i for i in (self.tokenizer.eos_id, *self.policy.eos_ids) if i is not None]
         out = self.policy.generate(
             [s.prompt + s.tokens for s in live], max_new_tokens=max_tokens,
-            temperature=rc.temperature, eos_id=self.tokenizer.eos_id, generator=self.generator,
+            temperature=rc.temperature, eos_id=eos, generator=self.generator,
+            top_p=rc.top_p, top_k=rc.top_k,
         )
         for s, toks, logps, done in zip(live, out.tokens, out.logprobs, out.finished,
                                         strict=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import json
 import re
 import sys
 import time
@@ -517,6 +518,8 @@ def _check_model(cfg: Config) -> None:
         raise ConfigError("model.n_heads", f"must divide model.d_model={m.d_model}")
     if m.kind == "hf" and not m.path:
         raise ConfigError("model.path", "model.kind=hf needs a local model directory")
+    if m.kind == "hf":
+        _check_hf_context(cfg)
     if m.kind == "tiny" and t.kind == "digits":
         # Learned absolute positions: a prompt (bos, digits, separator) plus its response
         # (continuations re-enter as prompts) must fit in model.max_len.
@@ -525,6 +528,76 @@ def _check_model(cfg: Config) -> None:
             raise ConfigError("model.max_len", f"{m.max_len} is too short: prompts of "
                               f"{t.max_digits + 2} tokens plus rollout.max_new_tokens="
                               f"{cfg.rollout.max_new_tokens} need model.max_len >= {need}")
+
+
+# Where a config.json keeps the context length (GPT-2's is n_positions, others' their own).
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def _hf_config_json(path: str) -> dict[str, Any]:
+    """``path/config.json`` as JSON (no transformers, no torch: config time stays fast)."""
+    file = Path(path) / "config.json"
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError("model.path", f"{path} has no config.json: model.kind=hf needs a "
+                          "local Hugging Face model directory (nothing is downloaded)") from None
+    except OSError as exc:
+        raise ConfigError("model.path", f"cannot read {file}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError("model.path", f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("model.path", f"{file} does not hold a JSON object")
+    return data
+
+
+def _overlay(config: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with ``override`` set on it as verl's override_config does (nested
+    mappings update sub-configs; a ``model_config`` mapping stands for the whole)."""
+    if isinstance(override.get("model_config"), dict):
+        override = override["model_config"]
+    out = dict(config)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _overlay(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _context_length(config: dict[str, Any]) -> tuple[int, str] | None:
+    """The model's context length and the key holding it (a VL model's in text_config)."""
+    text = config.get("text_config")
+    for scope, prefix in ((config, ""), (text if isinstance(text, dict) else {}, "text_config.")):
+        for key in _CONTEXT_KEYS:
+            value = scope.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value, prefix + key
+    return None
+
+
+def _check_hf_context(cfg: Config) -> None:
+    """The longest prompt plus the longest response must fit the model's context: a longer
+    sequence fails deep in the model ("index out of range") after many rollouts."""
+    m = cfg.model
+    assert m.path is not None
+    found = _context_length(_overlay(_hf_config_json(m.path), dict(m.override_config)))
+    if found is None:
+        return
+    limit, key = found
+    if cfg.data.train_files:
+        prompt, what = cfg.data.max_prompt_length, "data.max_prompt_length"
+    elif cfg.task.kind == "digits":
+        prompt, what = cfg.task.max_digits + 2, "the digits task's longest prompt"
+    else:
+        prompt, what = 1, "a one-token prompt"
+    need = prompt + cfg.rollout.max_new_tokens
+    if need > limit:
+        by = " with model.override_config" if m.override_config else ""
+        raise ConfigError("rollout.max_new_tokens",
+                          f"{what} ({prompt} tokens) + rollout.max_new_tokens "
+                          f"({cfg.rollout.max_new_tokens}) = {need} tokens exceed the model's "
+                          f"context: {key}={limit} in {m.path}/config.json{by}")
 
 
 def _check_task(cfg: Config) -> None:

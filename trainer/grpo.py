@@ -15,11 +15,14 @@ import numpy as np
 import torch
 
 __all__ = [
+    "KL_LOSS_TYPES",
     "Batch",
     "approx_kl",
     "build_batch",
     "group_advantages",
+    "kl_penalty",
     "masked_mean",
+    "micro_batches",
     "ppo_clip_loss",
     "tis_weights",
 ]
@@ -44,6 +47,21 @@ class Batch:
             f.name: (v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
             for f in fields(self)
         })
+
+    def select(self, rows: torch.Tensor) -> Batch:
+        """Rows ``rows`` (indices), their padding trimmed to their own longest prompt and
+        response: columns ``prompt_width - p`` to ``prompt_width + r``. Positions come from the
+        mask, so a row's tokens see the same positions; per-token tensors [B, R] of the whole
+        batch line up with the result's after ``[rows, :result.response_len]``."""
+        P = self.prompt_width
+        p = int(self.attention_mask[rows, :P].sum(1).max()) if len(rows) else 0
+        r = int(self.response_mask[rows].sum(1).max()) if len(rows) else 0
+        return Batch(self.input_ids[rows, P - p : P + r], self.attention_mask[rows, P - p : P + r],
+                     self.response_mask[rows, :r], self.old_logprobs[rows, :r], p, r)
+
+    def token_counts(self) -> torch.Tensor:
+        """Real tokens (prompt + response) of each row [B]."""
+        return self.attention_mask.sum(1)
 
 
 def _as_1d(x: IntSeq | FloatSeq, dtype: np.dtype[Any]) -> np.ndarray:
@@ -167,3 +185,65 @@ def approx_kl(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor
     """k3 estimator of KL(old || new) over masked tokens, for monitoring (detached)."""
     d = (logp_old - logp_new).detach()
     return masked_mean(torch.exp(-d) - 1 + d, mask)
+
+
+KL_LOSS_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs,
+    verl's ``kl_loss_type``s (Schulman, "Approximating KL divergence"): kl / k1 =
+    logp - ref; abs = |logp - ref|; mse / k2 = (logp - ref)^2 / 2; low_var_kl / k3 =
+    exp(ref - logp) - (ref - logp) - 1, with ref - logp clamped to [-20, 20] and the result
+    to [-10, 10] as verl does (an outlier token cannot blow the loss up)."""
+    if kind in ("kl", "k1"):
+        return logp - ref_logp
+    if kind == "abs":
+        return (logp - ref_logp).abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * (logp - ref_logp).square()
+    if kind in ("low_var_kl", "k3"):
+        d = (ref_logp - logp).clamp(min=-20.0, max=20.0)
+        return (torch.exp(d) - d - 1).clamp(min=-10.0, max=10.0)
+    raise ValueError(f"unknown kl_loss_type {kind!r} (expected one of {KL_LOSS_TYPES})")
+
+
+def micro_batches(
+    token_counts: Sequence[int], micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
+) -> list[list[int]]:
+    """Rows of one mini-batch split for gradient accumulation, each list in row order.
+
+    ``micro_batch_size``: consecutive runs of that many rows (verl's
+    ppo_micro_batch_size_per_gpu). ``max_token_len`` (verl's use_dynamic_bsz with
+    ppo_max_token_len_per_gpu; wins over micro_batch_size): as few micro-batches as hold
+    at most that many real tokens each, rows balanced between them by token count, as
+    verl's rearrange_micro_batches; a row longer than the budget goes alone. Neither: one
+    micro-batch of every row."""
+    n = len(token_counts)
+    if max_token_len is not None:
+        return _token_packs([int(c) for c in token_counts], max_token_len)
+    if micro_batch_size is None or micro_batch_size >= n:
+        return [list(range(n))] if n else []
+    return [list(range(s, min(s + micro_batch_size, n))) for s in range(0, n, micro_batch_size)]
+
+
+def _token_packs(counts: list[int], budget: int) -> list[list[int]]:
+    """Balanced packs of at most ``budget`` tokens: start from ceil(total / budget) packs
+    (verl's count), deal the rows longest first to the lightest pack, and take one pack
+    more while any pack is over the budget with more than one row in it."""
+    n = len(counts)
+    if not n:
+        return []
+    k = min(n, -(-sum(counts) // budget))
+    while True:
+        packs: list[list[int]] = [[] for _ in range(k)]
+        loads = [0] * k
+        for i in sorted(range(n), key=lambda i: (-counts[i], i)):
+            j = min(range(k), key=lambda j: (loads[j], j))
+            packs[j].append(i)
+            loads[j] += counts[i]
+        if k == n or all(load <= budget or len(p) == 1 for p, load in zip(packs, loads,
+                                                                           strict=True)):
+            return sorted(sorted(p) for p in packs)
+        k += 1

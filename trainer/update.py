@@ -11,8 +11,8 @@ proximal log-probs are taken with the weights the step started from.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,11 +23,17 @@ from trainer.grpo import (
     approx_kl,
     build_batch,
     group_advantages,
+    kl_penalty,
     masked_mean,
+    micro_batches,
     ppo_clip_loss,
 )
 
 __all__ = ["GrpoStep", "LateStaleMiniBatch", "grpo_update", "guarded_step"]
+
+Rows = slice | list[int]
+""":class:`_Micro` rows: ``slice(None)`` (the whole mini-batch, its tensors as they are) or
+row indices."""
 
 
 _GUARD_TRIES = 6  # shrinks per optimizer step before the guard gives up (each >= halves it)
@@ -55,6 +61,7 @@ def guarded_step(
     max_kl: float | None,
     *,
     temperature: float,
+    measure: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[float, bool]:
     """``optimizer.step()`` with a KL guard (``trainer.kl_guard``): if the step moved the
     policy by more than ``max_kl`` (approx KL, token mean over ``batch``, against ``logp``,
@@ -64,7 +71,9 @@ def guarded_step(
     A near-deterministic policy is sharp: one clipped-gradient Adam step can move it by a
     KL of 0.1-1 (the PPO clip acts only on later mini-batches, too late), and Adam's
     momentum keeps moving the same way on the next mini-batches even when their gradient
-    is ~0. Returns (the step's KL, whether it was shrunk); max_kl None: a plain step."""
+    is ~0. Returns (the step's KL, whether it was shrunk); max_kl None: a plain step.
+    ``measure``: the policy's log-probs on ``batch`` now, without grad (default: one forward
+    of the whole batch; micro-batched steps pass theirs)."""
     if max_kl is None:
         optimizer.step()
         return 0.0, False
@@ -74,11 +83,14 @@ def guarded_step(
     shrunk = False
     logp = logp.detach()
     for _ in range(_GUARD_TRIES):
-        with torch.no_grad():
-            new, _ = policy.logprobs_and_entropy(  # type: ignore[operator]
-                batch.input_ids, batch.attention_mask, batch.response_len,
-                temperature=temperature,
-            )
+        if measure is not None:
+            new = measure()
+        else:
+            with torch.no_grad():
+                new, _ = policy.logprobs_and_entropy(  # type: ignore[operator]
+                    batch.input_ids, batch.attention_mask, batch.response_len,
+                    temperature=temperature,
+                )
         kl = float(approx_kl(new, logp, batch.response_mask))
         if kl <= max_kl:
             break
@@ -100,6 +112,28 @@ class _MiniBatch(NamedTuple):
     adv: torch.Tensor
     stale: bool
     live: torch.Tensor  # [B] bool: the sample's group has unequal rewards (non-zero advantages)
+    micro: list[Rows]  # its micro-batches (gradient accumulation)
+    ref: torch.Tensor | None = None  # [B, R] the reference's log-probs (use_kl_loss), once
+
+
+class _Micro(NamedTuple):
+    """One micro-batch: its rows of the mini-batch and their (trimmed) batch."""
+
+    rows: Rows
+    batch: Batch
+
+    def cut(self, x: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's part of a mini-batch tensor [B] or [B, R]."""
+        x = x[self.rows]
+        return x[:, : self.batch.response_len] if x.dim() == 2 else x
+
+
+class _Acc(NamedTuple):
+    """A mini-batch's losses, summed over its micro-batches (each a share of the mean)."""
+
+    loss: float = 0.0
+    clipfrac: float = 0.0
+    kl_loss: float = 0.0
 
 
 class GrpoStep:
@@ -107,7 +141,14 @@ class GrpoStep:
     log-probs, decoupled PPO with truncated importance weights (``tc.tis_cap``) for
     mini-batches holding samples older than ``version``, entropy bonus, grad clipping, one
     optimizer step per mini-batch and epoch, each bounded by the KL guard (``tc.kl_guard``,
-    see :func:`guarded_step`).
+    see :func:`guarded_step`), with the KL loss to ``reference`` (``tc.use_kl_loss``).
+
+    A mini-batch's gradient is accumulated over micro-batches (``tc.micro_batch_size``
+    responses, or with ``tc.use_dynamic_bsz`` packs of at most ``tc.max_token_len``
+    tokens): each micro-batch's token-mean loss is weighted by its share of the
+    mini-batch's tokens, so the sum is the mini-batch's token mean, as verl's token-mean
+    with the global token count. ``scheduler`` (the lr schedule) advances once per step,
+    in :meth:`finish`: verl's unit, one ``lr_scheduler.step()`` per training step.
 
     :meth:`add` prepares a mini-batch, :meth:`train` runs the first epoch of those not yet
     trained, :meth:`finish` runs what is left (the first epoch of the rest, then epochs 2..)
@@ -122,14 +163,20 @@ class GrpoStep:
         temperature: float,
         version: int,
         device: torch.device | str,
+        reference: torch.nn.Module | None = None,
+        scheduler: Any = None,
     ) -> None:
         self.policy, self.optimizer, self.tc = policy, optimizer, tc
         self.temperature, self.version, self.device = temperature, version, device
+        self.reference = reference if tc.use_kl_loss else None
+        if tc.use_kl_loss and reference is None:
+            raise ValueError("trainer.use_kl_loss needs a reference policy")
+        self.scheduler = scheduler
         self.groups: list[Sequence[Sample]] = []
         self.minibatches: list[_MiniBatch] = []
         self.trained = 0  # mini-batches whose first epoch is done
         self.stats: dict[str, list[float]] = {
-            k: [] for k in ("loss", "clip", "ent", "gn", "kl", "ukl", "guard", "zero")
+            k: [] for k in ("loss", "clip", "ent", "gn", "kl", "ukl", "guard", "zero", "kll")
         }
 
     def add(self, groups: Sequence[Sequence[Sample]]) -> None:
@@ -168,7 +215,44 @@ class GrpoStep:
         live = (adv_g != 0).any(dim=1, keepdim=True).expand_as(adv_g).reshape(-1)
         adv = adv_g.reshape(-1).to(self.device)
         self.groups.extend(groups)
-        self.minibatches.append(_MiniBatch(batch, old, adv, stale, live.to(self.device)))
+        self.minibatches.append(_MiniBatch(batch, old, adv, stale, live.to(self.device),
+                                           self._split(batch)))
+
+    def _split(self, batch: Batch) -> list[Rows]:
+        """The micro-batches of ``batch``: the whole of it unless micro_batch_size or
+        use_dynamic_bsz asks for more than one."""
+        tc = self.tc
+        if tc.micro_batch_size is None and not tc.use_dynamic_bsz:
+            return [slice(None)]
+        counts = batch.token_counts().tolist()
+        parts = micro_batches(counts, tc.micro_batch_size,
+                              tc.max_token_len if tc.use_dynamic_bsz else None)
+        return [slice(None)] if len(parts) == 1 else list(parts)
+
+    def _micros(self, mb: _MiniBatch) -> list[_Micro]:
+        return [_Micro(rows, mb.batch if isinstance(rows, slice) else mb.batch.select(rows))
+                for rows in mb.micro]
+
+    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, mb: _MiniBatch
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``model``'s log-probs and entropies [B, R] on ``mb``, micro-batch by micro-batch,
+        without grad."""
+        parts = [(m, *model.logprobs_and_entropy(  # type: ignore[operator]
+            m.batch.input_ids, m.batch.attention_mask, m.batch.response_len,
+            temperature=self.temperature)) for m in self._micros(mb)]
+        if len(parts) == 1 and isinstance(parts[0][0].rows, slice):
+            return parts[0][1], parts[0][2]
+        return _scatter(mb.batch.response_mask, parts)
+
+    def _reference(self, i: int) -> torch.Tensor:
+        """The reference's log-probs on mini-batch ``i`` (taken once, kept for its epochs)."""
+        mb = self.minibatches[i]
+        if mb.ref is None:
+            assert self.reference is not None
+            mb = self.minibatches[i] = mb._replace(ref=self._logprobs(self.reference, mb)[0])
+        assert mb.ref is not None
+        return mb.ref
 
     def _optimize(self, i: int) -> None:
         mb, tc = self.minibatches[i], self.tc
@@ -180,40 +264,77 @@ class GrpoStep:
             # count stay as they are; a zero-gradient Adam step would still move the
             # parameters by its momentum, and the entropy bonus alone is scaled by Adam to a
             # full-size step).
-            with torch.no_grad():
-                logp, entropy = self.policy.logprobs_and_entropy(  # type: ignore[operator]
-                    mb.batch.input_ids, mb.batch.attention_mask, mb.batch.response_len,
-                    temperature=self.temperature,
-                )
+            logp, entropy = self._logprobs(self.policy, mb)
             mb = self._proximal(i, logp)
-            self._record(mb, logp, entropy, loss=0.0, clipfrac=0.0, grad_norm=0.0,
-                         update_kl=0.0, shrunk=False)
+            self._record(mb, logp, entropy, _Acc(), grad_norm=0.0, update_kl=0.0,
+                         shrunk=False)
             return
-        logp, entropy = self.policy.logprobs_and_entropy(  # type: ignore[operator]
-            mb.batch.input_ids, mb.batch.attention_mask, mb.batch.response_len,
-            temperature=self.temperature,
-        )
-        mb = self._proximal(i, logp)
         mask = mb.batch.response_mask
         if mode == "drop" and not bool(mb.live.all()):
             # DAPO-style: groups of equal rewards leave the token mean (their policy-gradient
             # term is 0; they would only dilute the others' and add entropy pressure).
             mask = mask * mb.live[:, None].to(mask.dtype)
+        ref = self._reference(i) if self.reference is not None else None
+        self.optimizer.zero_grad(set_to_none=True)
+        bonus = bool(tc.entropy_coeff) and not (dead and mode == "no_entropy")
+        logp, entropy, acc = self._backward(mb, mask, ref, bonus)
+        mb = self._proximal(i, logp)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), tc.grad_clip)
+        measure = (None if len(mb.micro) == 1 else
+                   lambda: self._logprobs(self.policy, self.minibatches[i])[0])
+        update_kl, shrunk = guarded_step(self.policy, self.optimizer, mb.batch, logp,
+                                         tc.kl_guard, temperature=self.temperature,
+                                         measure=measure)
+        self._record(mb, logp, entropy, acc, grad_norm=float(grad_norm), update_kl=update_kl,
+                     shrunk=shrunk)
+
+    def _backward(self, mb: _MiniBatch, mask: torch.Tensor, ref: torch.Tensor | None,
+                  bonus: bool) -> tuple[torch.Tensor, torch.Tensor, _Acc]:
+        """Gradients of the mini-batch's loss, accumulated micro-batch by micro-batch; its
+        log-probs and entropies [B, R] (detached) and summed losses."""
+        total = mask.sum().clamp(min=1.0)
+        parts, acc = [], _Acc()
+        for m in self._micros(mb):
+            logp, entropy = self.policy.logprobs_and_entropy(  # type: ignore[operator]
+                m.batch.input_ids, m.batch.attention_mask, m.batch.response_len,
+                temperature=self.temperature,
+            )
+            sub = m.cut(mask)
+            # Token-mean of the whole mini-batch: each micro-batch's mean weighted by its
+            # share of the tokens (exactly 1.0 for a single micro-batch: same numbers).
+            share = sub.sum() / total
+            loss, clipfrac, kl_loss = self._loss(mb, m, logp, entropy, sub, ref, bonus)
+            (loss * share).backward()
+            w = float(share)
+            acc = _Acc(acc.loss + loss.item() * w, acc.clipfrac + clipfrac.item() * w,
+                       acc.kl_loss + kl_loss.item() * w)
+            parts.append((m, logp.detach(), entropy.detach()))  # the graph is spent
+        if len(parts) == 1 and isinstance(parts[0][0].rows, slice):
+            return parts[0][1], parts[0][2], acc
+        return (*_scatter(mb.batch.response_mask, parts), acc)
+
+    def _loss(self, mb: _MiniBatch, m: _Micro, logp: torch.Tensor, entropy: torch.Tensor,
+              mask: torch.Tensor, ref: torch.Tensor | None, bonus: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One micro-batch's loss (token means over ``mask``), its clip fraction and KL
+        loss: PPO clip (+ TIS for stale samples) - entropy bonus + kl_loss_coef x KL."""
+        tc = self.tc
+        # The step's first stale mini-batch has no proximal log-probs yet: this forward's,
+        # taken before the step's first optimizer step, are they.
+        old = m.cut(mb.old) if mb.old is not None else logp.detach()
         use_tis = tc.tis_cap is not None and mb.stale
         loss, clipfrac = ppo_clip_loss(
-            logp, mb.old, mb.adv, mask, tc.clip_ratio_low, tc.clip_ratio_high,
-            logp_behaviour=mb.batch.old_logprobs if use_tis else None,
+            logp, old, m.cut(mb.adv), mask, tc.clip_ratio_low, tc.clip_ratio_high,
+            logp_behaviour=m.batch.old_logprobs if use_tis else None,
             tis_cap=tc.tis_cap if use_tis else None,
         )
-        if tc.entropy_coeff and not (dead and mode == "no_entropy"):
+        if bonus:
             loss = loss - tc.entropy_coeff * masked_mean(entropy, mask)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), tc.grad_clip)
-        update_kl, shrunk = guarded_step(self.policy, self.optimizer, mb.batch, logp,
-                                         tc.kl_guard, temperature=self.temperature)
-        self._record(mb, logp, entropy, loss=loss.item(), clipfrac=clipfrac.item(),
-                     grad_norm=float(grad_norm), update_kl=update_kl, shrunk=shrunk)
+        kl_loss = torch.zeros(())
+        if ref is not None:
+            kl_loss = masked_mean(kl_penalty(logp, m.cut(ref), tc.kl_loss_type), mask)
+            loss = loss + tc.kl_loss_coef * kl_loss
+        return loss, clipfrac, kl_loss.detach()
 
     def _proximal(self, i: int, logp: torch.Tensor) -> _MiniBatch:
         """Mini-batch ``i`` with its proximal log-probs: if deferred (the step's first
@@ -223,14 +344,14 @@ class GrpoStep:
             mb = self.minibatches[i] = mb._replace(old=logp.detach())
         return mb
 
-    def _record(self, mb: _MiniBatch, logp: torch.Tensor, entropy: torch.Tensor, *,
-                loss: float, clipfrac: float, grad_norm: float, update_kl: float,
-                shrunk: bool) -> None:
+    def _record(self, mb: _MiniBatch, logp: torch.Tensor, entropy: torch.Tensor, acc: _Acc,
+                *, grad_norm: float, update_kl: float, shrunk: bool) -> None:
         """One optimizer step's stats; entropy and KL over the whole mini-batch."""
         self.stats["ukl"].append(update_kl)
         self.stats["guard"].append(float(shrunk))
-        self.stats["loss"].append(loss)
-        self.stats["clip"].append(clipfrac)
+        self.stats["loss"].append(acc.loss)
+        self.stats["clip"].append(acc.clipfrac)
+        self.stats["kll"].append(acc.kl_loss)
         self.stats["ent"].append(masked_mean(entropy.detach(), mb.batch.response_mask).item())
         self.stats["gn"].append(grad_norm)
         self.stats["kl"].append(float(approx_kl(logp, mb.old, mb.batch.response_mask)))
@@ -242,11 +363,15 @@ class GrpoStep:
             self.trained += 1
 
     def finish(self) -> dict[str, float]:
-        """Train what is left and return the step's metrics."""
+        """Train what is left, advance the lr schedule and return the step's metrics
+        (``actor/lr``: the learning rate this step trained with)."""
         self.train()
         for _ in range(1, self.tc.ppo_epochs):
             for i in range(len(self.minibatches)):
                 self._optimize(i)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if self.scheduler is not None:
+            self.scheduler.step()
         flat_all = [s for group in self.groups for s in group]
         rewards = [s.reward for s in flat_all]
         staleness = [self.version - s.min_version for s in flat_all]
@@ -266,6 +391,9 @@ class GrpoStep:
             **({"actor/update_kl_max": max(st["ukl"], default=0.0),
                 "actor/kl_guard_frac": _mean(st["guard"])} if tc.kl_guard is not None else {}),
             **({"actor/zero_adv_frac": _mean(st["zero"])} if tc.zero_adv != "keep" else {}),
+            **({"actor/kl_loss": _mean(st["kll"]), "actor/kl_coef": tc.kl_loss_coef}
+               if self.reference is not None else {}),
+            "actor/lr": lr,
             "response/length_mean": _mean(lengths),
         }
 
@@ -279,13 +407,29 @@ def grpo_update(
     temperature: float,
     version: int,
     device: torch.device | str,
+    reference: torch.nn.Module | None = None,
+    scheduler: Any = None,
 ) -> dict[str, float]:
     """Train on ``groups`` (each the ``n`` responses of one prompt, in index order) as one
     :class:`GrpoStep`, every mini-batch added before the first optimizer step. Returns the
     step's metrics."""
     step = GrpoStep(policy, optimizer, tc, temperature=temperature, version=version,
-                    device=device)
+                    device=device, reference=reference, scheduler=scheduler)
     mb = tc.ppo_mini_batch_size
     for start in range(0, len(groups), mb):
         step.add(groups[start : start + mb])
     return step.finish()
+
+
+def _scatter(response_mask: torch.Tensor, parts: Sequence[tuple[_Micro, torch.Tensor,
+                                                                torch.Tensor]]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batches' per-token tensors back into the mini-batch's [B, R] (0 at pads)."""
+    logp = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    ent = torch.zeros_like(logp)
+    for m, lp, e in parts:
+        idx = torch.as_tensor(m.rows, device=logp.device) if isinstance(m.rows, list) else m.rows
+        r = m.batch.response_len
+        logp[idx, :r] = lp.float()
+        ent[idx, :r] = e.float()
+    return logp, ent
