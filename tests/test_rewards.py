@@ -1,0 +1,386 @@
+"""verl's rewards (tasks.rewards) and the rollouter's reward pool (rollouter.scoring).
+
+Reward files are written to tmp_path and loaded the way verl loads
+``custom_reward_function.path``; the pool runs real worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollouter.scoring import RewardPool, ScoreItem
+from runconfig import ConfigError, load_config
+from runconfig.schema import (
+    Config,
+    CustomRewardConfig,
+    OverlongBufferConfig,
+    RewardModelConfig,
+    RolloutConfig,
+)
+from tasks.rewards import (
+    Scorer,
+    UnknownDataSource,
+    builtin_score,
+    check_scorers,
+    gsm8k_extract,
+    gsm8k_score,
+    has_builtin,
+    interpret,
+    last_boxed,
+    load_custom_reward,
+    math_equivalent,
+    math_score,
+    overlong_penalty,
+    spec_from_config,
+)
+
+VERL_ECHO = '''
+import json
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """Echoes what verl's reward managers pass, as the extra info of a dict return."""
+    with open(kwargs.pop("log"), "a") as f:
+        f.write(json.dumps({"data_source": data_source, "solution_str": solution_str,
+                            "ground_truth": ground_truth, "extra_info": extra_info,
+                            "kwargs": kwargs}) + "\\n")
+    return {"score": float(solution_str == ground_truth), "pred": solution_str,
+            "length": len(solution_str), "flag": True}
+'''
+
+PICKY = '''
+import os
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "slow":
+        time.sleep(60)
+    if solution_str == "bad":
+        raise RuntimeError("verifier crashed on " + ground_truth)
+    if solution_str == "die":
+        os._exit(3)
+    if solution_str == "nap":
+        time.sleep(0.2)
+    return float(solution_str == ground_truth)
+'''
+
+
+def _file(tmp_path: Path, text: str, name: str = "reward.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def _cfg(path: str | None = None, *, kwargs: dict[str, Any] | None = None,
+         manager: str = "naive", buffer: OverlongBufferConfig | None = None,
+         max_new_tokens: int = 20, workers: int = 1, timeout_s: float = 30.0,
+         reward_kwargs: dict[str, Any] | None = None) -> Config:
+    return Config(
+        custom_reward_function=CustomRewardConfig(path=path, reward_kwargs=kwargs or {}),
+        reward_model=RewardModelConfig(reward_manager=manager,  # type: ignore[arg-type]
+                                       overlong_buffer=buffer or OverlongBufferConfig(),
+                                       reward_kwargs=reward_kwargs or {}),
+        rollout=RolloutConfig(max_new_tokens=max_new_tokens, reward_workers=workers,
+                              reward_timeout_s=timeout_s),
+    )
+
+
+def _item(solution: str, truth: Any = "7", data_source: str = "my/source",
+          extra: dict[str, Any] | None = None, length: int = 3) -> tuple[Any, ...]:
+    return (data_source, solution, truth, extra, length)
+
+
+# --------------------------------------------------------------------------- return forms
+
+
+def test_return_forms() -> None:
+    assert interpret(1) == (1.0, {"acc": 1.0})
+    assert interpret(0.25) == (0.25, {"acc": 0.25})
+    assert interpret(True) == (1.0, {"acc": 1.0})
+    reward, extra = interpret({"score": 0.5, "acc": 1, "pred": "42", "ok": False,
+                               "nan": float("nan")})
+    assert reward == 0.5
+    assert extra == {"acc": 1.0, "ok": 0.0}  # text and non-finite values are left out
+    with pytest.raises(TypeError, match="'score'"):
+        interpret({"acc": 1.0})
+    with pytest.raises(TypeError, match="expected a number"):
+        interpret("1.0")
+    with pytest.raises(TypeError, match="expected a number"):
+        interpret(None)
+    with pytest.raises(ValueError, match="finite"):
+        interpret(float("inf"))
+
+
+def test_custom_reward_gets_verl_arguments_and_reward_kwargs(tmp_path: Path) -> None:
+    log = tmp_path / "calls.jsonl"
+    path = _file(tmp_path, VERL_ECHO)
+    scorer = Scorer(spec_from_config(_cfg(path, kwargs={"log": str(log), "bonus": 2})))
+    truth = {"target": "7"}  # ground_truth reaches the function as stored
+    reward, extra = scorer(_item("7", truth, "openai/gsm8k", {"split": "train", "index": 4}))
+    assert (reward, extra) == (0.0, {"length": 1.0, "flag": 1.0})
+    call = json.loads(log.read_text())
+    assert call["data_source"] == "openai/gsm8k"  # a custom function wins over the built-in
+    assert call["solution_str"] == "7"
+    assert call["ground_truth"] == truth
+    assert call["extra_info"]["split"] == "train" and call["extra_info"]["index"] == 4
+    assert call["kwargs"] == {"bonus": 2}
+    reward, _ = scorer(_item("7", "7"))
+    assert reward == 1.0
+
+
+def test_reward_kwargs_win_over_the_call(tmp_path: Path) -> None:
+    """verl merges custom_reward_function.reward_kwargs over the call's own keywords."""
+    path = _file(tmp_path, """
+        def score_it(data_source, solution_str, ground_truth, extra_info=None):
+            return float(ground_truth == "forced")
+    """)
+    cfg = load_config(None, [f"custom_reward_function.path={path}",
+                             "custom_reward_function.name=score_it",
+                             "+custom_reward_function.reward_kwargs.ground_truth=forced"])
+    assert Scorer(spec_from_config(cfg))(_item("x", "7")) == (1.0, {"acc": 1.0})
+
+
+def test_async_custom_reward(tmp_path: Path) -> None:
+    path = _file(tmp_path, """
+        async def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return 0.75
+    """)
+    assert Scorer(spec_from_config(_cfg(path)))(_item("x")) == (0.75, {"acc": 0.75})
+
+
+@pytest.mark.parametrize(("text", "name", "match"), [
+    (None, "compute_score", "no such file"),
+    ("def compute_score(:\n", "compute_score", "syntax error at line 1"),
+    ("raise ImportError('no sympy')\n", "compute_score", "ImportError: no sympy"),
+    ("def other(): pass\n", "compute_score", "has no function 'compute_score'"),
+    ("compute_score = 3\n", "compute_score", "not a function"),
+])
+def test_bad_reward_files_are_config_errors(tmp_path: Path, text: str | None, name: str,
+                                            match: str) -> None:
+    path = str(tmp_path / "r.py") if text is None else _file(tmp_path, text, "r.py")
+    with pytest.raises(ConfigError, match=match) as err:
+        load_custom_reward(path, name)
+    assert err.value.key == "custom_reward_function.path"
+    assert path in str(err.value)
+    with pytest.raises(ConfigError, match=match):  # the pool refuses it before any process
+        RewardPool(_cfg(path))
+
+
+def test_rlbus_reward_fn_and_digits_still_score_tickets_without_data_source() -> None:
+    scorer = Scorer(spec_from_config(_cfg()))
+    assert scorer(_item("321", "321", data_source="")) == (1.0, {})
+    assert scorer(_item("32", "321", data_source="")) == (0.5, {})
+    cfg = load_config(None, ["task.reward_fn=rewards_for_tests:always_fail"])
+    with pytest.raises(RuntimeError, match="verifier is down"):
+        Scorer(spec_from_config(cfg))(_item("1", "1", data_source=""))
+    with pytest.raises(ConfigError, match="no_such_module_x") as err:
+        spec_from_config(load_config(None, ["task.reward_fn=no_such_module_x:f"]))
+    assert err.value.key == "task.reward_fn"
+
+
+# --------------------------------------------------------------------------- built-in scorers
+
+
+def test_gsm8k_scorer() -> None:
+    assert gsm8k_extract("so 3 + 4 = 7\n#### 7") == "7"
+    assert gsm8k_extract("#### 1,234") == "1234"
+    assert gsm8k_extract("#### 5 then #### -6") == "-6"  # the last one
+    assert gsm8k_extract("the answer is 7") is None  # strict needs ####
+    assert gsm8k_extract("the answer is 7.", "flexible") == "7."
+    assert gsm8k_extract("7 then . and", "flexible") == "7"
+    assert gsm8k_extract("#### 7" + "x" * 300) is None  # only the last 300 characters
+    assert gsm8k_score("#### 72", "72") == 1.0
+    assert gsm8k_score("#### 71", "72") == 0.0  # verl's format_score default
+    assert gsm8k_score("#### 71", "72", format_score=0.1) == 0.1
+    assert gsm8k_score("72", "72") == 0.0
+    assert builtin_score("openai/gsm8k", "so #### 18", "18") == 1.0
+
+
+def test_math_scorer() -> None:
+    assert last_boxed(r"so \boxed{\frac{1}{2}} and then \boxed{3}") == "3"
+    assert last_boxed(r"\boxed{a{b}c}") == "a{b}c"
+    assert last_boxed(r"is \boxed 5$ done") == "5"
+    assert last_boxed(r"\boxed{unclosed") is None
+    assert last_boxed(r"\fbox{5}") is None
+    assert last_boxed("no answer") is None
+    assert math_equivalent(r"\dfrac{1}{2}", "0.5")
+    assert math_equivalent(r"\frac12", r"\frac{1}{2}")
+    assert math_equivalent("1/2", r"\frac{1}{2}")
+    assert math_equivalent(r"\left( 3, 4 \right)", "(3,4)")
+    assert math_equivalent(r"90^\circ", "90")
+    assert math_equivalent(r"5 \text{ cm}", "5")
+    assert math_equivalent("x = 5", "5")
+    assert math_equivalent(r"\sqrt2", r"\sqrt{2}")
+    assert math_equivalent(r"10\%", "10")
+    assert math_equivalent(".5", "0.5")
+    assert not math_equivalent("3", "4")
+    assert math_equivalent(r"\sqrt", r"\sqrt")  # not normalisable: compared as written
+    assert math_score(r"The area is $\boxed{\dfrac{3}{4}}$.", r"\frac34") == 1.0
+    assert math_score(r"The area is $\boxed{1}$.", "2") == 0.0
+    assert math_score("no box 3/4", "3/4") == 0.0
+    for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval",
+                   "HuggingFaceH4/MATH-500"):
+        assert has_builtin(source)
+        assert builtin_score(source, r"\boxed{12}", "12") == 1.0
+    assert has_builtin("openai/gsm8k") and not has_builtin("my/source")
+    with pytest.raises(UnknownDataSource, match="my/source"):
+        builtin_score("my/source", "x", "y")
+
+
+def test_builtin_scorers_by_data_source_in_a_scorer() -> None:
+    scorer = Scorer(spec_from_config(_cfg()))
+    assert scorer(_item("#### 7", "7", "openai/gsm8k")) == (1.0, {"acc": 1.0})
+    assert scorer(_item(r"\boxed{7}", "7", "lighteval/MATH")) == (1.0, {"acc": 1.0})
+    with pytest.raises(UnknownDataSource):
+        scorer(_item("7", "7", "my/source"))
+
+
+def test_check_scorers_refuses_data_sources_without_a_scorer(tmp_path: Path) -> None:
+    check_scorers(_cfg(), ["openai/gsm8k", "lighteval/MATH", ""])
+    with pytest.raises(ConfigError, match="'my/source'") as err:
+        check_scorers(_cfg(), ["openai/gsm8k", "my/source"])
+    assert err.value.key == "custom_reward_function.path"
+    check_scorers(_cfg(_file(tmp_path, PICKY)), ["my/source"])  # a reward file scores it
+
+
+# --------------------------------------------------------------------------- dapo
+
+
+def test_dapo_overlong_penalty() -> None:
+    # max 20 tokens, buffer 4, factor 1: no penalty up to 16 tokens, -1 at 20.
+    assert [overlong_penalty(n, 20, 4, 1.0) for n in (10, 16, 17, 18, 20)] == [
+        0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong_penalty(18, 20, 4, 0.5) == -0.25
+    buffer = OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0, log=True)
+    scorer = Scorer(spec_from_config(_cfg(manager="dapo", buffer=buffer)))
+    assert scorer(_item("#### 7", "7", "openai/gsm8k", length=18)) == (
+        0.5, {"acc": 1.0, "overlong_reward": -0.5, "overlong": 1.0})
+    assert scorer(_item("#### 7", "7", "openai/gsm8k", length=12)) == (
+        1.0, {"acc": 1.0, "overlong_reward": 0.0, "overlong": 0.0})
+    quiet = OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0)
+    scorer = Scorer(spec_from_config(_cfg(manager="dapo", buffer=quiet)))
+    assert scorer(_item("#### 7", "7", "openai/gsm8k", length=20)) == (0.0, {"acc": 1.0})
+    # verl's newer spelling: reward_kwargs.max_resp_len / overlong_buffer_cfg
+    scorer = Scorer(spec_from_config(_cfg(manager="dapo", reward_kwargs={
+        "max_resp_len": 40, "overlong_buffer_cfg": {"enable": True, "len": 10,
+                                                    "penalty_factor": 2.0}})))
+    assert scorer(_item("#### 7", "7", "openai/gsm8k", length=35))[0] == 0.0
+
+
+@pytest.mark.parametrize(("manager", "buffer", "kwargs", "key"), [
+    ("naive", OverlongBufferConfig(enable=True, len=4), {}, "reward_model.overlong_buffer.enable"),
+    ("dapo", OverlongBufferConfig(enable=True, len=0), {}, "reward_model.overlong_buffer.len"),
+    ("dapo", OverlongBufferConfig(enable=True, len=21), {}, "reward_model.overlong_buffer.len"),
+    ("naive", None, {"num_examine": 1}, "reward_model.reward_kwargs"),
+])
+def test_bad_reward_manager_settings(manager: str, buffer: OverlongBufferConfig | None,
+                                     kwargs: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        spec_from_config(_cfg(manager=manager, buffer=buffer, reward_kwargs=kwargs))
+    assert err.value.key == key
+
+
+# --------------------------------------------------------------------------- the pool
+
+
+def _items(*solutions: str, truth: str = "7") -> list[ScoreItem]:
+    return [ScoreItem(data_source="my/source", solution_str=s, ground_truth=truth,
+                      extra_info={"i": i}, response_len=len(s)) for i, s in enumerate(solutions)]
+
+
+@pytest.mark.asyncio
+async def test_a_timed_out_scorer_scores_0_and_the_pool_keeps_serving(tmp_path: Path) -> None:
+    pool = RewardPool(_cfg(_file(tmp_path, PICKY), timeout_s=1.0))
+    try:
+        scores = await pool.score(_items("7", "slow", "8", "7"))
+        assert [(s.reward, s.failed) for s in scores] == [
+            (1.0, False), (0.0, True), (0.0, False), (1.0, False)]
+        assert "timed out after 1 s" in scores[1].error
+        assert (pool.timeouts, pool.failures) == (1, 0)
+        warning = pool.take_warning()
+        assert warning is not None and "reward/timeout_count" in warning
+        again = await pool.score(_items("7", "7"))  # the hung worker was replaced
+        assert [s.reward for s in again] == [1.0, 1.0]
+        assert all(s.seconds >= 0 for s in again)
+    finally:
+        pool.close()
+
+
+@pytest.mark.asyncio
+async def test_a_raising_scorer_is_counted_and_warned_once(tmp_path: Path) -> None:
+    pool = RewardPool(_cfg(_file(tmp_path, PICKY), workers=2))
+    try:
+        scores = await pool.score(_items("bad", "7", "bad", "die", "7"))
+        assert [s.failed for s in scores] == [True, False, True, True, False]
+        assert [s.reward for s in scores] == [0.0, 1.0, 0.0, 0.0, 1.0]
+        assert scores[0].error == "RuntimeError: verifier crashed on 7"
+        assert "died (exit code 3)" in scores[3].error
+        assert (pool.failures, pool.timeouts) == (3, 0)
+        warning = pool.take_warning()
+        assert warning is not None
+        assert "Traceback" in warning and "verifier crashed on 7" in warning
+        assert "my/source" in warning
+        assert pool.take_warning() is None
+        await pool.score(_items("bad"))
+        assert pool.failures == 4 and pool.take_warning() is None  # warned once
+        assert not pool.fails_ticket("my/source")
+    finally:
+        pool.close()
+
+
+@pytest.mark.asyncio
+async def test_rlbus_reward_fn_failures_fail_their_ticket_unwarned() -> None:
+    pool = RewardPool(load_config(None, ["task.reward_fn=rewards_for_tests:fail_on_nines"]))
+    try:
+        items = [ScoreItem(data_source="", solution_str="1", ground_truth=a, extra_info=None,
+                           response_len=1) for a in ("123", "987")]
+        scores = await pool.score(items)
+        assert not scores[0].failed and scores[1].failed
+        assert "verifier crashed" in scores[1].error
+        assert pool.fails_ticket("") and pool.take_warning() is None
+    finally:
+        pool.close()
+
+
+@pytest.mark.asyncio
+async def test_slow_scoring_does_not_block_the_event_loop(tmp_path: Path) -> None:
+    """0.2 s a sample on 2 workers: the loop ticks all along (a scorer on the loop would
+    let no tick through until the batch is done)."""
+    pool = RewardPool(_cfg(_file(tmp_path, PICKY), workers=2))
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    try:
+        await pool.score(_items("7", "7"))  # workers started
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        scores = await pool.score(_items(*["nap"] * 8, truth="nap"))
+        during = ticks
+        ticker.cancel()
+        assert [s.reward for s in scores] == [1.0] * 8
+        assert all(s.seconds >= 0.2 for s in scores)
+        assert during >= 20, during  # 8 x 0.2 s / 2 workers is 0.8 s of 10 ms ticks
+    finally:
+        pool.close()
+
+
+@pytest.mark.asyncio
+async def test_schema_keys_win_over_verls_table(tmp_path: Path) -> None:
+    path = _file(tmp_path, PICKY)
+    cfg = load_config(None, [f"custom_reward_function.path={path}",
+                             "rollout.reward_workers=1"])
+    assert cfg.custom_reward_function.path == path
+    pool = RewardPool(cfg)
+    try:
+        assert [s.reward for s in await pool.score(_items("7", "6"))] == [1.0, 0.0]
+    finally:
+        pool.close()
