@@ -40,7 +40,7 @@ from tasks.rewards import (
     overlong_penalty,
     spec_from_config,
 )
-from tests.procs import FAST, Procs, events_of
+from tests.procs import FAST, Procs, events_of, run_cli
 
 VERL_ECHO = '''
 import json
@@ -446,3 +446,17 @@ async def test_a_run_trains_on_the_users_reward_file(
     assert len(warnings) == 1, warnings
     assert "ValueError: cannot score 9" in warnings[0].message
     assert "Traceback" in warnings[0].message
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["custom_reward_function.path=/no/such/reward.py"], "/no/such/reward.py"),
+    (["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true"],
+     "reward_model.overlong_buffer.len"),
+])
+def test_rlbus_up_refuses_a_bad_reward_before_anything_starts(
+    tmp_path: Path, args: list[str], named: str
+) -> None:
+    res = run_cli("up", f"run.output_dir={tmp_path}", *args, timeout_s=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert named in res.stderr
+    assert not any(tmp_path.iterdir())  # no run directory, no Redis: nothing started
