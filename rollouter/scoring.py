@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
 import queue
+import socket
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 import msgspec
 
-from tasks.rewards import RewardSpec, spec_from_config, worker_main
+from tasks.rewards import RewardSpec, spec_from_config
 
 __all__ = ["RewardPool", "Score", "ScoreItem"]
 
@@ -61,38 +64,58 @@ class _Died(Exception):
 
 
 class _Worker:
-    """One scoring process and its pipe, driven by one thread at a time (``lock``)."""
+    """One scoring process and its pipe, driven by one thread at a time (``lock``).
 
-    def __init__(self, ctx: Any, spec: RewardSpec, index: int) -> None:
-        self.ctx, self.spec, self.index = ctx, spec, index
+    A plain ``python -c`` child that inherits one end of a pipe (not multiprocessing's
+    spawn or forkserver: those re-run the parent's ``__main__`` in every child, a script
+    that may not exist or may start a run). It imports only :mod:`tasks.rewards`."""
+
+    def __init__(self, spec: RewardSpec, index: int) -> None:
+        self.spec, self.index = spec, index
         self.lock = threading.Lock()
-        self.proc: Any = None
-        self.conn: Any = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.conn: Connection | None = None
+        self.broken: _Died | None = None
+        """Why the last start failed: the rest of the batch fails at once (no start per
+        sample); the next batch tries again."""
 
     def _start(self) -> None:
-        parent, child = self.ctx.Pipe(duplex=True)
-        self.proc = self.ctx.Process(target=worker_main, args=(child, self.spec), daemon=True,
-                                     name=f"rlbus-reward-{self.index}")
-        self.proc.start()
-        child.close()  # ours closed: the worker's death reads as EOF here
-        self.conn = parent
-        if not parent.poll(STARTUP_S):
+        if self.broken is not None:
+            raise self.broken
+        ours, theirs = socket.socketpair()
+        fd = theirs.fileno()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", f"from tasks.rewards import serve_fd; serve_fd({fd})"],
+            pass_fds=(fd,), stdin=subprocess.DEVNULL, start_new_session=False,
+        )
+        theirs.close()  # ours closed: the worker's death reads as EOF here
+        self.conn = Connection(ours.detach())
+        try:
+            self.conn.send((self.spec, list(sys.path)))  # legacy reward modules resolve as here
+            reply = self._wait_ready()
+        except _Died as exc:
             self.kill()
-            raise _Died("reward worker did not start",
-                        f"the reward worker took over {STARTUP_S:.0f} s to load the function")
-        reply = self._recv()
+            self.broken = exc
+            raise
         if reply[0] != "ready":
             self.kill()
-            raise _Died("reward worker could not load the reward function", reply[1])
+            self.broken = _Died("reward worker could not load the reward function", reply[1])
+            raise self.broken
+
+    def _wait_ready(self) -> Any:
+        assert self.conn is not None
+        if not self.conn.poll(STARTUP_S):
+            raise _Died("reward worker did not start",
+                        f"the reward worker took over {STARTUP_S:.0f} s to load the function")
+        return self._recv()
 
     def _recv(self) -> Any:
+        assert self.conn is not None
         try:
             return self.conn.recv()
         except (EOFError, OSError):
             proc = self.proc
-            if proc is not None:
-                proc.join(timeout=5)  # the pipe closes just before the process is reaped
-            code = proc.exitcode if proc is not None else None
+            code = proc.wait(timeout=5) if proc is not None else None
             self.kill()
             raise _Died(f"reward worker died (exit code {code})",
                         f"the reward worker process died (exit code {code}) while scoring; "
@@ -100,9 +123,10 @@ class _Worker:
 
     def call(self, item: tuple[Any, ...], timeout_s: float) -> tuple[Any, ...]:
         """The worker's reply to ``item``; _Timeout (the worker is killed) or _Died."""
-        if self.proc is None or not self.proc.is_alive():
+        if self.proc is None or self.proc.poll() is not None:
             self.kill()
             self._start()
+        assert self.conn is not None
         try:
             self.conn.send(item)
         except (OSError, ValueError):
@@ -116,10 +140,11 @@ class _Worker:
 
     def kill(self) -> None:
         proc, conn, self.proc, self.conn = self.proc, self.conn, None, None
-        if proc is not None and proc.is_alive():
+        if proc is not None and proc.poll() is None:
             proc.kill()
         if proc is not None:
-            proc.join(timeout=5)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
         if conn is not None:
             conn.close()
 
@@ -133,11 +158,9 @@ class RewardPool:
         self.spec = spec_from_config(cfg)
         self.timeout_s = float(cfg.rollout.reward_timeout_s)
         self.size = int(cfg.rollout.reward_workers)
-        methods = multiprocessing.get_all_start_methods()
-        # Never fork: the rollouter holds torch's threads and locks. The forkserver (or a
-        # spawned interpreter) imports only tasks.rewards: a worker starts in well under 1 s.
-        ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-        self._workers = [_Worker(ctx, self.spec, i) for i in range(self.size)]
+        # Never a fork of the rollouter (it holds torch's threads and locks): a fresh
+        # interpreter that imports only tasks.rewards starts in a fraction of a second.
+        self._workers = [_Worker(self.spec, i) for i in range(self.size)]
         self._threads = ThreadPoolExecutor(max_workers=self.size,
                                            thread_name_prefix="rlbus-reward")
         self._lock = threading.Lock()
@@ -167,6 +190,8 @@ class RewardPool:
             results: list[Score | None] = [None] * len(items)
             stop = threading.Event()
             loop = asyncio.get_running_loop()
+            for worker in self._workers:
+                worker.broken = None  # a worker that failed to start gets another chance
             drains = [loop.run_in_executor(self._threads, self._drain, w, todo, results, stop)
                       for w in self._workers[:len(items)]]
             try:

@@ -55,6 +55,7 @@ __all__ = [
     "math_normalise",
     "math_score",
     "overlong_penalty",
+    "serve_fd",
     "spec_from_config",
     "worker_main",
 ]
@@ -502,8 +503,22 @@ async def _awaited(awaitable: Any) -> Any:
 # --------------------------------------------------------------------------- the worker
 
 
+def serve_fd(fd: int) -> None:
+    """A reward worker process (``python -c``) on the inherited socket ``fd``: its first
+    message is ``(spec, sys.path)``, then :func:`worker_main`."""
+    from multiprocessing.connection import Connection
+
+    conn = Connection(fd)
+    try:
+        spec, path = conn.recv()
+    except (EOFError, OSError):
+        return
+    sys.path[:] = path
+    worker_main(conn, spec)
+
+
 def worker_main(conn: Any, spec: RewardSpec) -> None:
-    """A reward worker process: build the scorer once (reply ``("ready", "")`` or ``("dead",
+    """A reward worker: build the scorer once (reply ``("ready", "")`` or ``("dead",
     traceback)``), then for each item received reply ``("ok", reward, extra, seconds)`` or
     ``("err", traceback, "Type: message", seconds)``; ends at None or when the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the rollouter's to handle
@@ -523,11 +538,14 @@ def worker_main(conn: Any, spec: RewardSpec) -> None:
         t0 = time.perf_counter()
         try:
             reward, extra = scorer(item)
+            reply: tuple[Any, ...] = ("ok", reward, extra, time.perf_counter() - t0)
         except Exception as exc:
-            conn.send(("err", traceback.format_exc(), f"{type(exc).__name__}: {exc}",
-                       time.perf_counter() - t0))
-            continue
-        conn.send(("ok", reward, extra, time.perf_counter() - t0))
+            reply = ("err", traceback.format_exc(), f"{type(exc).__name__}: {exc}",
+                     time.perf_counter() - t0)
+        try:
+            conn.send(reply)
+        except OSError:  # the rollouter is gone (or gave up on this call): so are we
+            return
 
 
 def _describe(exc: BaseException) -> str:

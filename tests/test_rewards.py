@@ -336,6 +336,26 @@ async def test_a_raising_scorer_is_counted_and_warned_once(tmp_path: Path) -> No
 
 
 @pytest.mark.asyncio
+async def test_a_worker_that_cannot_load_fails_its_batch_and_is_retried(tmp_path: Path) -> None:
+    """The file went bad after the run started: each sample of the batch fails at once with
+    the load error (one start tried, not one per sample); the next batch starts afresh."""
+    path = _file(tmp_path, PICKY)
+    pool = RewardPool(_cfg(path))
+    try:
+        _file(tmp_path, "raise RuntimeError('disk full')\n")
+        scores = await pool.score(_items("7", "7", "7"))
+        assert all(s.failed for s in scores)
+        assert all("could not load" in s.error for s in scores)
+        assert pool.failures == 3
+        warning = pool.take_warning()
+        assert warning is not None and "disk full" in warning
+        _file(tmp_path, PICKY)
+        assert [s.reward for s in await pool.score(_items("7"))] == [1.0]
+    finally:
+        pool.close()
+
+
+@pytest.mark.asyncio
 async def test_rlbus_reward_fn_failures_fail_their_ticket_unwarned() -> None:
     pool = RewardPool(load_config(None, ["task.reward_fn=rewards_for_tests:fail_on_nines"]))
     try:
