@@ -45,6 +45,7 @@ __all__ = [
     "builtin_score",
     "check_reward_config",
     "check_scorers",
+    "extra_metrics",
     "gsm8k_extract",
     "gsm8k_score",
     "has_builtin",
@@ -453,6 +454,18 @@ def _number(value: Any, what: str) -> float:
     if not math.isfinite(reward):
         raise ValueError(f"{what} is {reward}: a reward must be a finite number")
     return reward
+
+
+def extra_metrics(extras: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """A step's metrics from its samples' extra reward info: ``reward_extra/{key}/mean``
+    over the samples that have the key (a verl reward's dict keys, dapo's ``overlong*``)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for extra in extras:
+        for key, value in extra.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+            counts[key] = counts.get(key, 0) + 1
+    return {f"reward_extra/{key}/mean": sums[key] / counts[key] for key in sorted(sums)}
 
 
 class Scorer:

@@ -29,6 +29,7 @@ from tasks.rewards import (
     UnknownDataSource,
     builtin_score,
     check_scorers,
+    extra_metrics,
     gsm8k_extract,
     gsm8k_score,
     has_builtin,
@@ -116,6 +117,12 @@ def test_return_forms() -> None:
         interpret(None)
     with pytest.raises(ValueError, match="finite"):
         interpret(float("inf"))
+
+
+def test_extra_info_metrics() -> None:
+    assert extra_metrics([{"acc": 1.0, "overlong": 1.0}, {"acc": 0.0}, {}]) == {
+        "reward_extra/acc/mean": 0.5, "reward_extra/overlong/mean": 1.0}
+    assert extra_metrics([]) == {}
 
 
 def test_custom_reward_gets_verl_arguments_and_reward_kwargs(tmp_path: Path) -> None:
@@ -457,6 +464,8 @@ async def test_a_run_trains_on_the_users_reward_file(
     assert all(c["extra_info"] == {"num_turns": None, "rollout_reward_scores": {}}
                for c in calls)
     assert len({c["pid"] for c in calls} - {rollouter_pid}) >= 1
+    assert all("reward_extra/exact/mean" in e.metrics for e in events
+               if isinstance(e, StepFinished))
     scored = [s for s in samples if "exact" in s.reward_extra]
     assert scored and all(s.reward_s > 0 for s in scored)
     # The digits prompts of task.seed 0 are fixed: the 4th answer is 9935, so some fail.

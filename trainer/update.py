@@ -18,6 +18,7 @@ import torch
 
 from bus.messages import Sample
 from runconfig import TrainerConfig
+from tasks.rewards import extra_metrics
 from trainer.grpo import (
     Batch,
     approx_kl,
@@ -267,6 +268,7 @@ class GrpoStep:
                 "actor/kl_guard_frac": _mean(st["guard"])} if tc.kl_guard is not None else {}),
             **({"actor/zero_adv_frac": _mean(st["zero"])} if tc.zero_adv != "keep" else {}),
             "response/length_mean": _mean(lengths),
+            **extra_metrics(s.reward_extra for s in flat_all),
         }
 
 
