@@ -154,6 +154,18 @@ def test_reward_kwargs_win_over_the_call(tmp_path: Path) -> None:
     assert Scorer(spec_from_config(cfg))(_item("x", "7")) == (1.0, {"acc": 1.0})
 
 
+def test_the_chat_demos_reward_file(tmp_path: Path) -> None:
+    from tasks.chatdemo import DATA_SOURCE, REWARD_FILE
+
+    cfg = _cfg(_file(tmp_path, REWARD_FILE))
+    check_scorers(cfg, [DATA_SOURCE])
+    with pytest.raises(ConfigError, match=DATA_SOURCE):
+        check_scorers(_cfg(), [DATA_SOURCE])  # no reward file: refused, as verl would
+    scorer = Scorer(spec_from_config(cfg))
+    assert scorer(_item(" 4321", "4321", DATA_SOURCE)) == (1.0, {"exact": 1.0})
+    assert scorer(_item("43", "4321", DATA_SOURCE)) == (0.4, {"exact": 0.0})
+
+
 def test_async_custom_reward(tmp_path: Path) -> None:
     path = _file(tmp_path, """
         async def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -489,3 +501,42 @@ def test_rlbus_up_refuses_a_bad_reward_before_anything_starts(
     assert res.returncode == 2, res.stdout + res.stderr
     assert named in res.stderr
     assert not any(tmp_path.iterdir())  # no run directory, no Redis: nothing started
+
+
+@pytest.mark.asyncio
+async def test_the_rollouters_pulse_carries_the_reward_counters(
+    redis_url: str, bus: Bus, run_id: str, tmp_path: Path
+) -> None:
+    from rollouter.app import Rollouter
+
+    cfg = load_config(overrides=[f"redis.url={redis_url}", f"run.id={run_id}",
+                                 f"run.output_dir={tmp_path}",
+                                 f"custom_reward_function.path={_file(tmp_path, PICKY)}"])
+    r = Rollouter(cfg, bus)
+    await r.setup()
+    try:
+        assert r.rewards is not None
+        await r.rewards.score(_items("bad", "7", "bad"))
+        metrics = r.heartbeat().metrics
+        assert metrics["reward/failed_count"] == 2.0
+        assert metrics["reward/timeout_count"] == 0.0
+    finally:
+        await r.teardown()
+        r.worker.shutdown()
+
+
+def test_a_rollouter_with_a_bad_reward_file_exits_2(
+    redis_url: str, run_id: str, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    path = _file(tmp_path, "def compute_score(:\n")
+    res = subprocess.run(
+        [sys.executable, "-m", "rollouter", f"redis.url={redis_url}", f"run.id={run_id}",
+         f"run.output_dir={tmp_path}", f"custom_reward_function.path={path}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"{path}: syntax error at line 1" in res.stderr
+    assert "Traceback" not in res.stderr
