@@ -316,12 +316,12 @@ def _items(*solutions: str, truth: str = "7") -> list[ScoreItem]:
 
 @pytest.mark.asyncio
 async def test_a_timed_out_scorer_scores_0_and_the_pool_keeps_serving(tmp_path: Path) -> None:
-    pool = RewardPool(_cfg(_file(tmp_path, PICKY), timeout_s=1.0))
+    pool = RewardPool(_cfg(_file(tmp_path, PICKY), timeout_s=2.0))
     try:
         scores = await pool.score(_items("7", "slow", "8", "7"))
         assert [(s.reward, s.failed) for s in scores] == [
             (1.0, False), (0.0, True), (0.0, False), (1.0, False)]
-        assert "timed out after 1 s" in scores[1].error
+        assert "timed out after 2 s" in scores[1].error
         assert (pool.timeouts, pool.failures) == (1, 0)
         warning = pool.take_warning()
         assert warning is not None and "reward/timeout_count" in warning
@@ -410,7 +410,8 @@ async def test_slow_scoring_does_not_block_the_event_loop(tmp_path: Path) -> Non
         ticker.cancel()
         assert [s.reward for s in scores] == [1.0] * 8
         assert all(s.seconds >= 0.2 for s in scores)
-        assert during >= 20, during  # 8 x 0.2 s / 2 workers is 0.8 s of 10 ms ticks
+        # 8 x 0.2 s on 2 workers is 0.8 s of 10 ms ticks; a scorer on the loop lets none by.
+        assert during >= 8, during
     finally:
         pool.close()
 
