@@ -541,3 +541,38 @@ def test_a_rollouter_with_a_bad_reward_file_exits_2(
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"{path}: syntax error at line 1" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+SLOW_REWARD = '''
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.3)
+    return float(solution_str == ground_truth)
+'''
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_a_slow_reward_does_not_starve_the_heartbeat(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    """issue 18: a 0.3 s a sample scorer, one worker: a batch of 16 responses scores for
+    4.8 s, longer than heartbeat.timeout_s=3, yet the rollouter stays alive (on its loop,
+    the trainer would have declared it gone) and the run finishes."""
+    path = _file(tmp_path, SLOW_REWARD)
+    args = [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={tmp_path}", *FAST,
+            "run.retention=all", "trainer.total_training_steps=2", "heartbeat.timeout_s=3",
+            f"custom_reward_function.path={path}", "rollout.reward_workers=1"]
+    procs = Procs(tmp_path / "logs")
+    try:
+        procs.spawn("rollouter0", "rollouter", *args)
+        procs.spawn("trainer", "trainer", *args)
+        assert procs.wait("trainer", 300) == 0, procs.log("trainer")
+        assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    finally:
+        procs.kill_all()
+    samples = [m async for _, m in bus.read_all(run_keys.samples) if isinstance(m, Sample)]
+    assert samples and all(s.reward_s >= 0.3 for s in samples)
+    batch_s = 16 * 0.3
+    assert batch_s > 3
