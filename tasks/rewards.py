@@ -352,7 +352,7 @@ def spec_from_config(cfg: Any) -> RewardSpec:
     """The reward spec of a run; raises ConfigError for a bad reward setting (the custom
     function is loaded once here, so a bad file is refused before anything starts)."""
     crf, rm = cfg.custom_reward_function, cfg.reward_model
-    extra = dict(rm.reward_kwargs)
+    extra = _nested(rm.reward_kwargs)
     unknown = sorted(set(extra) - _MANAGER_KWARGS)
     if unknown:
         raise ConfigError("reward_model.reward_kwargs",
@@ -377,6 +377,21 @@ def spec_from_config(cfg: Any) -> RewardSpec:
     except RewardFnError as exc:
         raise ConfigError("task.reward_fn", str(exc)) from None
     return spec
+
+
+def _nested(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"overlong_buffer_cfg.len": 4}`` (what ``+reward_model.reward_kwargs.
+    overlong_buffer_cfg.len=4`` adds) as ``{"overlong_buffer_cfg": {"len": 4}}``."""
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        *parents, leaf = str(key).split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError("reward_model.reward_kwargs", f"{key}: {part} is not a mapping")
+        node[leaf] = dict(value) if isinstance(value, Mapping) else value
+    return out
 
 
 def _buffer_kwargs(extra: Mapping[str, Any]) -> dict[str, Any]:

@@ -291,6 +291,14 @@ def test_dapo_overlong_penalty() -> None:
         "max_resp_len": 40, "overlong_buffer_cfg": {"enable": True, "len": 10,
                                                     "penalty_factor": 2.0}})))
     assert scorer(_item("#### 7", "7", "openai/gsm8k", length=35))[0] == 0.0
+    # ... as a verl line writes them, one dotted key at a time
+    cfg = load_config(None, ["reward_model.reward_manager=dapo",
+                             "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true",
+                             "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
+                             "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1",
+                             "rollout.max_new_tokens=20"])
+    scorer = Scorer(spec_from_config(cfg))
+    assert scorer(_item("#### 7", "7", "openai/gsm8k", length=19))[0] == 0.25
 
 
 @pytest.mark.parametrize(("manager", "buffer", "kwargs", "key"), [
