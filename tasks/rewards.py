@@ -361,14 +361,18 @@ def spec_from_config(cfg: Any) -> RewardSpec:
     buffer = {"enable": rm.overlong_buffer.enable, "len": rm.overlong_buffer.len,
               "penalty_factor": rm.overlong_buffer.penalty_factor,
               "log": rm.overlong_buffer.log, **_buffer_kwargs(extra)}
-    spec = RewardSpec(
-        custom_path=crf.path or None, custom_name=crf.name,
-        custom_kwargs=dict(crf.reward_kwargs), legacy_fn=cfg.task.reward_fn,
-        manager=rm.reward_manager, overlong_enable=bool(buffer["enable"]),
-        overlong_len=int(buffer["len"]), overlong_penalty_factor=float(buffer["penalty_factor"]),
-        overlong_log=bool(buffer["log"]),
-        max_resp_len=int(extra.get("max_resp_len", cfg.rollout.max_new_tokens)),
-    )
+    try:
+        spec = RewardSpec(
+            custom_path=crf.path or None, custom_name=crf.name,
+            custom_kwargs=dict(crf.reward_kwargs), legacy_fn=cfg.task.reward_fn,
+            manager=rm.reward_manager, overlong_enable=_flag(buffer["enable"]),
+            overlong_len=int(buffer["len"]),
+            overlong_penalty_factor=float(buffer["penalty_factor"]),
+            overlong_log=_flag(buffer["log"]),
+            max_resp_len=int(extra.get("max_resp_len", cfg.rollout.max_new_tokens)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("reward_model.reward_kwargs", f"not a number or flag: {exc}") from None
     _check_overlong(spec)
     if spec.custom_path:
         load_custom_reward(spec.custom_path, spec.custom_name)
@@ -377,6 +381,12 @@ def spec_from_config(cfg: Any) -> RewardSpec:
     except RewardFnError as exc:
         raise ConfigError("task.reward_fn", str(exc)) from None
     return spec
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"{value!r} is not true or false")
 
 
 def _nested(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -306,6 +306,11 @@ def test_dapo_overlong_penalty() -> None:
     ("dapo", OverlongBufferConfig(enable=True, len=0), {}, "reward_model.overlong_buffer.len"),
     ("dapo", OverlongBufferConfig(enable=True, len=21), {}, "reward_model.overlong_buffer.len"),
     ("naive", None, {"num_examine": 1}, "reward_model.reward_kwargs"),
+    ("dapo", None, {"overlong_buffer_cfg": {"enable": True, "len": "x"}},
+     "reward_model.reward_kwargs"),
+    ("dapo", None, {"overlong_buffer_cfg": {"enable": "yes", "len": 4}},
+     "reward_model.reward_kwargs"),
+    ("dapo", None, {"overlong_buffer_cfg": 4}, "reward_model.reward_kwargs"),
 ])
 def test_bad_reward_manager_settings(manager: str, buffer: OverlongBufferConfig | None,
                                      kwargs: dict[str, Any], key: str) -> None:
