@@ -125,7 +125,7 @@ def _import_file(path: str) -> Any:
         sys.modules.pop(module_name, None)
         raise ConfigError(PATH_KEY, f"{path}: syntax error at line {exc.lineno}: "
                                     f"{exc.msg}") from None
-    except BaseException as exc:  # the file's own top level raised (even SystemExit)
+    except (Exception, SystemExit) as exc:  # the file's own top level raised
         sys.modules.pop(module_name, None)
         raise ConfigError(PATH_KEY, f"{path}: importing it raised {type(exc).__name__}: "
                                     f"{exc}") from None
