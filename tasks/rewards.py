@@ -546,6 +546,7 @@ def serve_fd(fd: int) -> None:
     message is ``(spec, sys.path)``, then :func:`worker_main`."""
     from multiprocessing.connection import Connection
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the rollouter's to handle
     conn = Connection(fd)
     try:
         spec, path = conn.recv()
