@@ -121,11 +121,20 @@ class _Worker:
                         f"the reward worker process died (exit code {code}) while scoring; "
                         "a new one replaces it") from None
 
-    def call(self, item: tuple[Any, ...], timeout_s: float) -> tuple[Any, ...]:
-        """The worker's reply to ``item``; _Timeout (the worker is killed) or _Died."""
+    def warm(self) -> None:
+        """Start the process now (in the background, while the rollouter builds its model):
+        the first batch does not wait for it. A failed start is retried at that batch."""
+        with self.lock, contextlib.suppress(Exception):
+            self._ensure()
+
+    def _ensure(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             self.kill()
             self._start()
+
+    def call(self, item: tuple[Any, ...], timeout_s: float) -> tuple[Any, ...]:
+        """The worker's reply to ``item``; _Timeout (the worker is killed) or _Died."""
+        self._ensure()
         assert self.conn is not None
         try:
             self.conn.send(item)
@@ -163,6 +172,8 @@ class RewardPool:
         self._workers = [_Worker(self.spec, i) for i in range(self.size)]
         self._threads = ThreadPoolExecutor(max_workers=self.size,
                                            thread_name_prefix="rlbus-reward")
+        for worker in self._workers:
+            self._threads.submit(worker.warm)
         self._lock = threading.Lock()
         self._batch = asyncio.Lock()
         self._closed = False

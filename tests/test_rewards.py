@@ -369,18 +369,21 @@ async def test_a_raising_scorer_is_counted_and_warned_once(tmp_path: Path) -> No
 
 @pytest.mark.asyncio
 async def test_a_worker_that_cannot_load_fails_its_batch_and_is_retried(tmp_path: Path) -> None:
-    """The file went bad after the run started: each sample of the batch fails at once with
-    the load error (one start tried, not one per sample); the next batch starts afresh."""
+    """The file went bad after the run started and the worker died: each remaining sample
+    of the batch fails at once with the load error (one start tried, not one per sample);
+    the next batch starts afresh."""
     path = _file(tmp_path, PICKY)
     pool = RewardPool(_cfg(path))
     try:
+        assert [s.reward for s in await pool.score(_items("7"))] == [1.0]
         _file(tmp_path, "raise RuntimeError('disk full')\n")
-        scores = await pool.score(_items("7", "7", "7"))
+        scores = await pool.score(_items("die", "7", "7"))
         assert all(s.failed for s in scores)
-        assert all("could not load" in s.error for s in scores)
+        assert "died (exit code 3)" in scores[0].error
+        assert all("could not load" in s.error for s in scores[1:])
         assert pool.failures == 3
         warning = pool.take_warning()
-        assert warning is not None and "disk full" in warning
+        assert warning is not None and "exit code 3" in warning
         _file(tmp_path, PICKY)
         assert [s.reward for s in await pool.score(_items("7"))] == [1.0]
     finally:
