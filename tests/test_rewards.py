@@ -592,3 +592,15 @@ async def test_a_slow_reward_does_not_starve_the_heartbeat(
     assert samples and all(s.reward_s >= 0.3 for s in samples)
     batch_s = 16 * 0.3
     assert batch_s > 3
+
+
+def test_the_reward_module_imports_without_torch() -> None:
+    """Reward workers import only tasks.rewards: no torch, so they start in a moment."""
+    import subprocess
+    import sys
+
+    code = "import sys, tasks.rewards; print('torch' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).parents[1])
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
