@@ -56,10 +56,10 @@ from policy.weights import from_bytes
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from profiling.steps import StepClock, follow, observe
+from rollouter.scoring import RewardPool, Score, ScoreItem
 from rollouter.validation import Validator, build_validator
-from runconfig import Config
+from runconfig import Config, ConfigError
 from runtime import Component, Failure, Follower, settle_heap
-from tasks.reward import load_reward_fn
 
 __all__ = ["Rollouter", "TrainerGone"]
 
@@ -70,6 +70,13 @@ MAX_N = 4096  # responses one ticket may ask for; more is not a ticket we wrote
 
 class TrainerGone(Failure):
     """The trainer never appeared or went silent; the message says which and for how long."""
+
+
+class BadRewardConfig(Failure):
+    """The reward settings cannot work (a missing or broken reward file, ...): exit 2."""
+
+    code = 2
+    publish = False
 
 
 class _Seq(msgspec.Struct):
@@ -98,7 +105,7 @@ class Rollouter(Component):
         )
         self.device = resolve_device(cfg.rollout.device)
         self.tokenizer = build_tokenizer(cfg.model)
-        self.reward_fn = load_reward_fn(cfg.task.reward_fn)
+        self.rewards: RewardPool | None = None  # setup(): a bad reward file is exit 2
         self.version = -1
         self.loaded: WeightsPublished | None = None
         # Recent publications in log order; the newest loadable one is current.
@@ -134,6 +141,16 @@ class Rollouter(Component):
         self.validating: str | None = None  # the request being served (heartbeat state)
 
     # ------------------------------------------------------------------ set-up
+
+    async def setup(self) -> None:
+        try:
+            self.rewards = RewardPool(self.cfg)
+        except ConfigError as exc:
+            raise BadRewardConfig(str(exc)) from None
+
+    async def teardown(self) -> None:
+        if self.rewards is not None:
+            self.rewards.close()
 
     def _build(self) -> None:
         """On the worker thread (generation and every profiler call run there: the loop
@@ -324,11 +341,15 @@ class Rollouter(Component):
         window = max(1e-6, now - self.window_start)
         idle = max(0.0, 1.0 - self.busy_s / window)
         self.busy_s, self.window_start = 0.0, now
+        metrics = {"rollouter/idle_ratio": idle, "rollouter/version": float(self.version)}
+        if self.rewards is not None:
+            metrics["reward/failed_count"] = float(self.rewards.failures)
+            metrics["reward/timeout_count"] = float(self.rewards.timeouts)
         return Heartbeat(
             role="rollouter", rank=self.rank, pid=os.getpid(),
             state=f"weights v{self.version}" + (f", validating ({self.validating})"
                                                 if self.validating else ""),
-            metrics={"rollouter/idle_ratio": idle, "rollouter/version": float(self.version)},
+            metrics=metrics,
         )
 
     # ------------------------------------------------------------------ generation
@@ -381,23 +402,47 @@ class Rollouter(Component):
         await self._generate_all(seqs)
         gen_s = time.monotonic() - t0
         self.busy_s += gen_s
+        scores = await self._score(seqs)
         samples: dict[str, list[Sample]] = {}
         failed: dict[str, str] = {}
         packed = {tid: Array.of(np.asarray(p, dtype=np.int32)) for tid, p in prompts.items()}
-        for s in seqs:
+        for s, score in zip(seqs, scores, strict=True):
             tid = s.ticket.ticket_id
             if tid in failed:
                 continue
-            try:
-                reward = float(self.reward_fn(self.tokenizer.decode(s.tokens), s.ticket.answer))
-            except Exception as exc:  # one prompt's bad reward must not sink its batch-mates
-                failed[tid] = f"reward function failed: {type(exc).__name__}: {exc}"
+            if score.failed and self._fails_ticket(s.ticket):
+                # rlbus's own task.reward_fn: one prompt's bad reward fails its ticket (retried,
+                # then dead-lettered) without sinking its batch-mates.
+                failed[tid] = f"reward function failed: {score.error}"
                 samples.pop(tid, None)
                 continue
-            samples.setdefault(tid, []).append(self._sample(s, packed[tid], reward, gen_s))
+            samples.setdefault(tid, []).append(self._sample(s, packed[tid], score, gen_s))
         return samples, failed
 
-    def _sample(self, s: _Seq, prompt: Array, reward: float, gen_s: float) -> Sample:
+    async def _score(self, seqs: list[_Seq]) -> list[Score]:
+        """Every response's reward from the reward pool (off the loop, a batch at once); the
+        one warning about failed scoring is published when it first happens."""
+        if self.rewards is None:  # a rollouter driven without setup() (tests)
+            self.rewards = RewardPool(self.cfg)
+        texts = await self.off(lambda: [self.tokenizer.decode(s.tokens) for s in seqs])
+        items = [ScoreItem(
+            data_source=s.ticket.data_source, solution_str=text,
+            ground_truth=s.ticket.answer if s.ticket.ground_truth is None
+            else s.ticket.ground_truth,
+            extra_info=s.ticket.extra_info, response_len=len(s.tokens),
+        ) for s, text in zip(seqs, texts, strict=True)]
+        scores = await self.rewards.score(items)
+        warning = self.rewards.take_warning()
+        if warning is not None:
+            self.say(warning, error=True)
+            await self.publish(WarningRaised(source=self.name, code="reward_failed",
+                                             message=warning))
+        return scores
+
+    def _fails_ticket(self, ticket: PromptTicket) -> bool:
+        return self.rewards is not None and self.rewards.fails_ticket(ticket.data_source)
+
+    def _sample(self, s: _Seq, prompt: Array, score: Score, gen_s: float) -> Sample:
         tid = s.ticket.ticket_id
         return Sample(
             sample_id=f"{tid}/{s.index}", ticket_id=tid,
@@ -405,7 +450,7 @@ class Rollouter(Component):
             prompt_tokens=prompt,
             response_tokens=Array.of(np.asarray(s.tokens, dtype=np.int32)),
             logprobs=Array.of(np.asarray(s.logprobs, dtype=np.float32)),
-            reward=reward,
+            reward=score.reward, reward_s=score.seconds, reward_extra=score.extra,
             min_version=s.min_version, max_version=s.max_version, rank=self.rank,
             gen_time_s=gen_s, attempt=s.ticket.attempt,
             finish_reason="eos" if s.tokens and s.tokens[-1] == self.tokenizer.eos_id

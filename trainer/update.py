@@ -18,6 +18,7 @@ import torch
 
 from bus.messages import Sample
 from runconfig import TrainerConfig
+from tasks.rewards import extra_metrics
 from trainer.grpo import (
     Batch,
     approx_kl,
@@ -395,6 +396,7 @@ class GrpoStep:
                if self.reference is not None else {}),
             "actor/lr": lr,
             "response/length_mean": _mean(lengths),
+            **extra_metrics(s.reward_extra for s in flat_all),
         }
 
 

@@ -1,0 +1,277 @@
+"""Reward scoring off the event loop: a pool of ``rollout.reward_workers`` processes, each
+with the run's reward function loaded once (:mod:`tasks.rewards`).
+
+A batch is scored by every worker at once, each taking the next sample when it is done with
+one; the waiting happens on a thread per worker, so the rollouter's loop stays free for its
+heartbeat however slow the scorer. A call longer than ``rollout.reward_timeout_s`` gets its
+worker killed and replaced (a hung scorer never wedges the pool). A call that raises, times
+out or kills its worker scores 0, ``failed``: counted (:attr:`RewardPool.failures`,
+:attr:`RewardPool.timeouts`) and, for verl's rewards, told once with the first traceback
+(:meth:`RewardPool.take_warning`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple
+
+import msgspec
+
+from tasks.rewards import RewardSpec, spec_from_config
+
+__all__ = ["RewardPool", "Score", "ScoreItem"]
+
+STARTUP_S = 60.0
+"""Most seconds a new worker may take to load the reward function (imports included)."""
+
+
+class ScoreItem(msgspec.Struct, frozen=True):
+    """One response to score: verl's arguments, and its length in tokens (dapo)."""
+
+    data_source: str
+    solution_str: str
+    ground_truth: Any
+    extra_info: dict[str, Any] | None
+    response_len: int
+
+
+class Score(NamedTuple):
+    """One response's reward: ``failed`` ones score 0; ``error`` says why (``Type: message``)."""
+
+    reward: float
+    extra: dict[str, float]
+    seconds: float
+    failed: bool
+    error: str = ""
+
+
+class _Timeout(Exception):
+    pass
+
+
+class _Died(Exception):
+    def __init__(self, error: str, detail: str) -> None:
+        super().__init__(error)
+        self.error, self.detail = error, detail
+
+
+class _Worker:
+    """One scoring process and its pipe, driven by one thread at a time (``lock``).
+
+    A plain ``python -c`` child that inherits one end of a pipe (not multiprocessing's
+    spawn or forkserver: those re-run the parent's ``__main__`` in every child, a script
+    that may not exist or may start a run). It imports only :mod:`tasks.rewards`."""
+
+    def __init__(self, spec: RewardSpec, index: int) -> None:
+        self.spec, self.index = spec, index
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.conn: Connection | None = None
+        self.broken: _Died | None = None
+        """Why the last start failed: the rest of the batch fails at once (no start per
+        sample); the next batch tries again."""
+
+    def _start(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+        ours, theirs = socket.socketpair()
+        fd = theirs.fileno()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", f"from tasks.rewards import serve_fd; serve_fd({fd})"],
+            pass_fds=(fd,), stdin=subprocess.DEVNULL, start_new_session=False,
+        )
+        theirs.close()  # ours closed: the worker's death reads as EOF here
+        self.conn = Connection(ours.detach())
+        try:
+            self.conn.send((self.spec, list(sys.path)))  # legacy reward modules resolve as here
+            reply = self._wait_ready()
+        except _Died as exc:
+            self.kill()
+            self.broken = exc
+            raise
+        if reply[0] != "ready":
+            self.kill()
+            self.broken = _Died("reward worker could not load the reward function", reply[1])
+            raise self.broken
+
+    def _wait_ready(self) -> Any:
+        assert self.conn is not None
+        if not self.conn.poll(STARTUP_S):
+            raise _Died("reward worker did not start",
+                        f"the reward worker took over {STARTUP_S:.0f} s to load the function")
+        return self._recv()
+
+    def _recv(self) -> Any:
+        assert self.conn is not None
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            proc = self.proc
+            code = proc.wait(timeout=5) if proc is not None else None
+            self.kill()
+            raise _Died(f"reward worker died (exit code {code})",
+                        f"the reward worker process died (exit code {code}) while scoring; "
+                        "a new one replaces it") from None
+
+    def warm(self) -> None:
+        """Start the process now (in the background, while the rollouter builds its model):
+        the first batch does not wait for it. A failed start is retried at that batch."""
+        with self.lock, contextlib.suppress(Exception):
+            self._ensure()
+
+    def _ensure(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self.kill()
+            self._start()
+
+    def call(self, item: tuple[Any, ...], timeout_s: float) -> tuple[Any, ...]:
+        """The worker's reply to ``item``; _Timeout (the worker is killed) or _Died."""
+        self._ensure()
+        assert self.conn is not None
+        try:
+            self.conn.send(item)
+        except (OSError, ValueError):
+            self.kill()
+            raise _Died("reward worker died", "the reward worker's pipe closed") from None
+        if not self.conn.poll(timeout_s):
+            self.kill()
+            raise _Timeout
+        reply: tuple[Any, ...] = self._recv()
+        return reply
+
+    def kill(self) -> None:
+        proc, conn, self.proc, self.conn = self.proc, self.conn, None, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        if conn is not None:
+            conn.close()
+
+
+class RewardPool:
+    """The rollouter's reward scoring (see the module's doc). Raises ConfigError at
+    construction for a bad reward setting (a missing or broken reward file, a bad dapo
+    overlong buffer), before any process starts."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.spec = spec_from_config(cfg)
+        self.timeout_s = float(cfg.rollout.reward_timeout_s)
+        self.size = int(cfg.rollout.reward_workers)
+        # Never a fork of the rollouter (it holds torch's threads and locks): a fresh
+        # interpreter that imports only tasks.rewards starts in a fraction of a second.
+        self._workers = [_Worker(self.spec, i) for i in range(self.size)]
+        self._threads = ThreadPoolExecutor(max_workers=self.size,
+                                           thread_name_prefix="rlbus-reward")
+        for worker in self._workers:
+            self._threads.submit(worker.warm)
+        self._lock = threading.Lock()
+        self._batch = asyncio.Lock()
+        self._closed = False
+        self._warned = False
+        self._warning: str | None = None
+        self.failures = 0
+        """Calls that raised (or whose worker died), every batch so far."""
+        self.timeouts = 0
+        """Calls that ran past ``rollout.reward_timeout_s``."""
+
+    def fails_ticket(self, data_source: str) -> bool:
+        """Whether a failed score fails its ticket rather than scoring 0: rlbus's own
+        ``task.reward_fn`` (a sample without a data source and no custom function) keeps its
+        contract (the ticket is retried, then dead-lettered); verl's rewards score 0."""
+        return self.spec.legacy(data_source)
+
+    async def score(self, items: list[ScoreItem]) -> list[Score]:
+        """Every item's score, in order; the loop is free while the workers score."""
+        if not items:
+            return []
+        async with self._batch:
+            todo: queue.SimpleQueue[tuple[int, ScoreItem]] = queue.SimpleQueue()
+            for i, item in enumerate(items):
+                todo.put((i, item))
+            results: list[Score | None] = [None] * len(items)
+            stop = threading.Event()
+            loop = asyncio.get_running_loop()
+            for worker in self._workers:
+                worker.broken = None  # a worker that failed to start gets another chance
+            drains = [loop.run_in_executor(self._threads, self._drain, w, todo, results, stop)
+                      for w in self._workers[:len(items)]]
+            try:
+                await asyncio.gather(*drains)
+            finally:
+                stop.set()  # cancelled: the threads stop after their current sample
+        return [r if r is not None else self._fail(it, "scoring stopped", "", 0.0)
+                for r, it in zip(results, items, strict=True)]
+
+    def _drain(self, worker: _Worker, todo: queue.SimpleQueue[tuple[int, ScoreItem]],
+               results: list[Score | None], stop: threading.Event) -> None:
+        with worker.lock:
+            while not stop.is_set() and not self._closed:
+                try:
+                    i, item = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    results[i] = self._score_one(worker, item)
+                except Exception as exc:  # closed under it, or a fault of the pool itself
+                    results[i] = self._fail(item, f"reward pool: {type(exc).__name__}: {exc}",
+                                            "", 0.0)
+
+    def _score_one(self, worker: _Worker, item: ScoreItem) -> Score:
+        wire = (item.data_source, item.solution_str, item.ground_truth, item.extra_info,
+                item.response_len)
+        try:
+            reply = worker.call(wire, self.timeout_s)
+        except _Timeout:
+            return self._fail(item, f"reward function timed out after {self.timeout_s:g} s "
+                                    "(rollout.reward_timeout_s)", "", self.timeout_s,
+                              timeout=True)
+        except _Died as exc:
+            return self._fail(item, exc.error, exc.detail, 0.0)
+        if reply[0] == "ok":
+            return Score(float(reply[1]), dict(reply[2]), float(reply[3]), False)
+        return self._fail(item, reply[2], reply[1], float(reply[3]))
+
+    def _fail(self, item: ScoreItem, error: str, detail: str, seconds: float,
+              timeout: bool = False) -> Score:
+        with self._lock:
+            if timeout:
+                self.timeouts += 1
+            else:
+                self.failures += 1
+            if not self._warned and not self.spec.legacy(item.data_source):
+                self._warned = True
+                self._warning = _warning_text(item, error, detail, self.timeout_s)
+        return Score(0.0, {}, seconds, True, error)
+
+    def take_warning(self) -> str | None:
+        """The one warning about failed scoring (the first failure's traceback), once."""
+        with self._lock:
+            text, self._warning = self._warning, None
+        return text
+
+    def close(self) -> None:
+        """Kill the workers; a batch being scored ends with its remaining samples failed."""
+        self._closed = True
+        for worker in self._workers:
+            with contextlib.suppress(Exception):
+                worker.kill()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _warning_text(item: ScoreItem, error: str, detail: str, timeout_s: float) -> str:
+    where = f"data_source {item.data_source!r}" if item.data_source else "a sample"
+    head = (f"reward scoring failed for {where}: {error}. Such samples score 0, counted in "
+            "reward/failed_count and reward/timeout_count (this warning is given once)")
+    if detail:
+        return f"{head}; first failure:\n{detail.rstrip()}"
+    return f"{head}; a call longer than {timeout_s:g} s has its worker killed and replaced"
