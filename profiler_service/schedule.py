@@ -15,8 +15,10 @@ what is still missing. That one rule buys three properties:
 Because the state is folded one entry at a time (``state = apply(state, entry)``), deciding
 after a new entry costs the same at step 10 as at step 100 000.
 
-Steps are 1-based and one unit on every role, the trainer's update number, whatever
-``trigger_parameter_sync_step``: a trainer step K is the K-th update; a rollouter step K runs
+``global_profiler.steps`` counts verl's steps, parameter versions (``trigger_parameter_sync_step``
+updates each; :func:`plan_sessions` maps them with :mod:`runconfig.stepunit`). Everything else
+here (commands, requests, the barrier) counts 1-based trainer updates, one unit on every
+role: a trainer step K is the K-th update; a rollouter step K runs
 from the trainer's ``StepFinished(K-1)`` to its ``StepFinished(K)`` (:mod:`profiling.steps`), so
 no session outlives the run's last step. A :class:`~bus.messages.StartProfile` names the
 first *and* last step of its session, so all scheduled commands can go out at ``RunStarted``:
@@ -48,6 +50,7 @@ from profiler_service.state import (
     Target,
 )
 from runconfig.schema import ProfilerConfig
+from runconfig.stepunit import last_version, version_step_updates
 
 __all__ = [
     "MANIFEST_NAME",
@@ -171,37 +174,47 @@ def plan_sessions(
     replicas: int,
     total_steps: int | None = None,
     ts: float = 0.0,
+    trigger: int = 1,
 ) -> list[StartProfile]:
     """The sessions scheduled by ``global_profiler.*``, ascending by step.
 
+    ``global_profiler.steps`` counts verl's steps, parameter versions: step ``s`` is the
+    ``trigger`` (``async_training.trigger_parameter_sync_step``) updates ``(s-1)*trigger+1 ..
+    s*trigger`` (:func:`runconfig.stepunit.version_steps_to_updates`). A command's
+    ``first_step``/``last_step`` are those updates (the unit every component counts); its
+    session id names the verl steps (``s{first}-{last}``). With ``trigger`` 1 both are the
+    same numbers.
+
     Continuous mode (``profile_continuous_steps``): each maximal run of consecutive steps is
     one session. Discrete mode: one session per step. One command targets every configured
-    role, so each step is covered by exactly one session per role. Steps past
-    ``total_steps`` (the run's ``trainer.total_training_steps``) are left out: they never
-    happen. ``tool`` null plans nothing.
+    role, so each update of a chosen step is covered by exactly one session per role. Steps
+    past the run's last version (``total_steps // trigger``, ``total_steps`` being the run's
+    ``trainer.total_training_steps`` in updates) are left out: they never happen. ``tool``
+    null plans nothing.
     """
     if cfg.tool is None:
         return []
     roles = _profiled_roles(cfg.roles, replicas, cfg.ranks)
     if not roles:
         return []
-    steps = [s for s in cfg.steps if s >= 1 and (total_steps is None or s <= total_steps)]
+    last = None if total_steps is None else last_version(total_steps, trigger)
+    steps = [s for s in cfg.steps if s >= 1 and (last is None or s <= last)]
     if cfg.profile_continuous_steps:
         spans = step_runs(steps)
     else:
         spans = [(s, s) for s in sorted(set(steps))]
     return [
         StartProfile(
-            session_id=session_id_for(first, last),
+            session_id=session_id_for(first, final),
             roles=list(roles),
             tool=cfg.tool,
-            first_step=first,
-            last_step=last,
+            first_step=version_step_updates(first, trigger)[0],
+            last_step=version_step_updates(final, trigger)[1],
             ranks=list(cfg.ranks),
             contents=list(cfg.contents),
             ts=ts,
         )
-        for first, last in spans
+        for first, final in spans
     ]
 
 
@@ -216,6 +229,7 @@ def _plan_cached(
     replicas: int,
     total_steps: int | None,
     ts: float,
+    trigger: int,
 ) -> tuple[StartProfile, ...]:
     cfg = ProfilerConfig(
         tool=tool,  # type: ignore[arg-type]
@@ -225,17 +239,17 @@ def _plan_cached(
         ranks=list(ranks),
         contents=list(contents),  # type: ignore[arg-type]
     )
-    return tuple(plan_sessions(cfg, replicas, total_steps, ts))
+    return tuple(plan_sessions(cfg, replicas, total_steps, ts, trigger))
 
 
 def _plan(
-    cfg: ProfilerConfig, replicas: int, total_steps: int | None, ts: float
+    cfg: ProfilerConfig, replicas: int, total_steps: int | None, ts: float, trigger: int = 1
 ) -> tuple[StartProfile, ...]:
     """:func:`plan_sessions`, computed once per distinct input (``decide`` runs after every
     new entry; the plan changes only with the config or the latest RunStarted)."""
     return _plan_cached(
         cfg.tool, tuple(cfg.steps), cfg.profile_continuous_steps, tuple(cfg.roles),
-        tuple(cfg.ranks), tuple(cfg.contents), replicas, total_steps, ts,
+        tuple(cfg.ranks), tuple(cfg.contents), replicas, total_steps, ts, trigger,
     )
 
 
@@ -495,7 +509,7 @@ def _send_plan(
     A session overlapping one already armed (a restart with a changed config) is left out."""
     out: list[Command | Event] = []
     planned_ids: list[str] = []
-    for session in _plan(cfg, state.replicas, state.total_steps, started.ts):
+    for session in _plan(cfg, state.replicas, state.total_steps, started.ts, state.trigger):
         if state.is_sent(session.session_id):
             planned_ids.append(session.session_id)
         elif state.run_finished is None and not any(

@@ -158,6 +158,12 @@ class ServiceState(msgspec.Struct, frozen=True, kw_only=True):
         return _config_int(self.run_started, "trainer", "total_training_steps")
 
     @property
+    def trigger(self) -> int:
+        """``async_training.trigger_parameter_sync_step`` of the run's config (1 when it does
+        not say): how many updates one verl step (parameter version) spans."""
+        return _config_int(self.run_started, "async_training", "trigger_parameter_sync_step") or 1
+
+    @property
     def replicas(self) -> int:
         """``rollout.replicas`` of the run's config (1 when it does not say)."""
         return _config_int(self.run_started, "rollout", "replicas") or 1

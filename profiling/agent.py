@@ -12,9 +12,13 @@ With profiling off (``global_profiler.tool`` is null) a component creates no age
 
 Threading: :meth:`on_command` never touches torch and may be called from any thread (for
 example a control-stream reader). ``step_begin``/``step_end``/``close`` start and stop
-torch.profiler and must be called from the thread that runs the steps. Every call is
-synchronous; a call that ends a session exports and gzips the trace, which can take a while for
-a long session.
+torch.profiler and must be called from the thread that runs the steps. A call that ends a
+session stops its recorders on that thread and hands the rest (exporting and gzipping the
+trace, which can take seconds for a long session) to its exporter (:mod:`profiling.export`):
+inline by default, on a dedicated thread in the components (:func:`create_agent`), so their
+next step begins at once and the trace is written beside it. ProfileStopped is reported only
+once the trace is complete under its final name; :meth:`~ProfilerAgent.close` waits for every
+trace.
 
 Session life cycle (one active session per agent at a time)::
 
@@ -41,11 +45,9 @@ profiled; otherwise they are the requested ones.
 
 from __future__ import annotations
 
+import functools
 import inspect
-import json
 import os
-import pickle
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -55,29 +57,25 @@ from typing import Any
 import torch
 import torch.profiler
 
-from bus.files import atomic_file
 from bus.messages import ProfileStarted, ProfileStopped, StartProfile, StopProfile, WarningRaised
-from profiling.nsys import nsys_command
-from profiling.paths import (
-    profile_root,
-    session_view_path,
-    trace_path,
-    trace_rank,
-    trace_world_size,
+from profiling.export import (
+    AgentEvent,
+    BackgroundExporter,
+    Exporter,
+    FinishedSession,
+    InlineExporter,
+    TraceWriter,
 )
-from profiling.traces import finish_trace, link_session_view, top_ops
+from profiling.export import describe_error as _err
+from profiling.nsys import nsys_command
+from profiling.paths import profile_root, trace_rank, trace_world_size
 from runconfig.schema import Config, GlobalToolConfig
 
 __all__ = ["TOOLS", "AgentEvent", "ProfilerAgent", "create_agent", "prepare_main_thread"]
 
-AgentEvent = ProfileStarted | ProfileStopped | WarningRaised
-"""What the agent asks its component to publish."""
-
 TOOLS = frozenset({"torch", "torch_memory", "nsys"})
 """Tools the agent knows."""
 
-_GZIP_LEVEL = 6  # level 9 is several times slower on large traces for a few % smaller files
-_TOP_OPS_MAX_BYTES = 256 << 20  # above this, parsing the trace for top_ops costs too much
 _WARMED: dict[tuple[bool, int], float] = {}  # (cuda, thread id) -> seconds the warm-up took
 
 
@@ -123,6 +121,8 @@ def create_agent(
         run_id=rid or "",
         world_size=trace_world_size(cfg.rollout.replicas),
         tools=prof.global_tool_config,
+        # Traces are written beside the next step, not before it (profiling.export).
+        exporter=BackgroundExporter(),
     )
     if prof.tool == "nsys":
         agent.nsys_command = nsys_command(cfg, role, rank, run_id)
@@ -169,6 +169,11 @@ class ProfilerAgent:
     ``run_id`` goes into the traces' metadata; ``world_size`` (default: this trace rank + 1)
     and the trace rank (:func:`~profiling.paths.trace_rank`) into their ``distributedInfo``;
     ``tools`` are verl's ``global_tool_config`` (torch_memory history, nsys ranges).
+    ``exporter`` writes a stopped session's files (:mod:`profiling.export`): inline by default
+    (the call that ends a session returns its ProfileStopped); :func:`create_agent` gives a
+    :class:`~profiling.export.BackgroundExporter`, and then a session's ProfileStopped comes
+    out of a later call (any of them, :meth:`drain` included) once its trace is written, and
+    out of :meth:`close` at the latest.
     """
 
     def __init__(
@@ -182,6 +187,7 @@ class ProfilerAgent:
         run_id: str = "",
         world_size: int | None = None,
         tools: GlobalToolConfig | None = None,
+        exporter: Exporter | None = None,
     ) -> None:
         self.role = role
         self.rank = int(rank)
@@ -198,7 +204,6 @@ class ProfilerAgent:
         self._cuda_device = (
             torch.device("cuda" if device == "auto" else device) if self._cuda else None
         )
-        self._source = f"{role}{self.rank}"
         self._lock = threading.Lock()
         self._seen: set[str] = set()  # session ids handled: duplicates (redelivery) ignored
         self._queue: list[StartProfile] = []  # armed sessions, arrival order
@@ -208,6 +213,13 @@ class ProfilerAgent:
         self._in_step: int | None = None
         self._last_begun = int(after_step)
         self._closed = False
+        self._exporter = exporter if exporter is not None else InlineExporter()
+        self._writer = TraceWriter(
+            self.run_dir, role, self.rank, run_id, self.trace_rank, self.world_size,
+            # torch cuts the stacks itself where _record_memory_history takes a depth.
+            stack_depth=0 if "stack_depth" in _history_params()
+            else self.tools.torch_memory.stack_depth,
+        )
 
     # ------------------------------------------------------------------ public API
 
@@ -250,11 +262,17 @@ class ProfilerAgent:
         with self._lock:
             if self._closed:
                 return []
+            events = self._exporter.ready()
             if isinstance(cmd, StartProfile):
-                return self._on_start(cmd)
+                return events + self._on_start(cmd)
             if isinstance(cmd, StopProfile):
-                return self._on_stop(cmd)
-            return []
+                return events + self._on_stop(cmd)
+            return events
+
+    def drain(self) -> list[AgentEvent]:
+        """The events of traces written since the last call (any thread; a background
+        exporter's ProfileStopped, once its file is complete)."""
+        return self._exporter.ready()
 
     def step_begin(self, step: int) -> list[AgentEvent]:
         """Step ``step`` starts: end a session that is due, start one that is, annotate."""
@@ -264,11 +282,11 @@ class ProfilerAgent:
         self._last_begun = step
         if self._active is None and not self._queue:
             self._in_step = step
-            return []
+            return self._exporter.ready()
         with self._lock:
             if self._closed:
                 return []
-            events: list[AgentEvent] = []
+            events: list[AgentEvent] = self._exporter.ready()
             sess = self._active
             if sess is not None and (sess.stop_requested or step > sess.cmd.last_step):
                 # Stop requested between steps, or steps skipped past its last one.
@@ -292,12 +310,12 @@ class ProfilerAgent:
         """Step ``step`` is done: close its annotation; stop the session if it is due."""
         self._in_step = None
         if self._active is None:  # idle fast path (see step_begin)
-            return []
+            return self._exporter.ready()
         with self._lock:
             sess = self._active
             if self._closed or sess is None:
                 return []
-            events = self._close_step_or_fail()
+            events = self._exporter.ready() + self._close_step_or_fail()
             if self._active is None:
                 return events
             sess.last_done = step
@@ -306,7 +324,8 @@ class ProfilerAgent:
             return events
 
     def close(self, status: str = "ok") -> list[AgentEvent]:
-        """Finish: write the active session's trace (with ``status``), report armed ones missed.
+        """Finish: write the active session's trace (with ``status``), report armed ones
+        missed, and wait until every trace is written (their ProfileStopped included).
 
         Idempotent; the agent ignores every call after it.
         """
@@ -320,6 +339,8 @@ class ProfilerAgent:
                 events.append(self._stopped_unrun(cmd, "missed"))
             self._queue.clear()
             self._closed = True
+            events += self._exporter.wait()
+            self._exporter.close()
             return events
 
     # ------------------------------------------------------------------ commands
@@ -541,7 +562,9 @@ class ProfilerAgent:
             pass
 
     def _finish(self, status: str) -> list[AgentEvent]:
-        """Stop the active session, write what it recorded, report it. Never raises."""
+        """Stop the active session on this (the step) thread and hand what it recorded to
+        the exporter, which writes it and reports it (ProfileStopped after the file is
+        complete). Never raises."""
         sess = self._active
         assert sess is not None
         errors: list[str] = []
@@ -550,47 +573,22 @@ class ProfilerAgent:
         except Exception as exc:
             errors.append(f"closing annotation: {_err(exc)}")
         self._active = None
-        last = max(sess.last_done, self._in_step or 0, sess.started_step)
-        duration = time.monotonic() - sess.t0
-        stopped = self._stop_recording(sess, errors)
-        path, size = "", 0
-        top: list[str] = []
-        events: list[AgentEvent] = []
-        if stopped:
-            try:
-                path, size, top = self._write_trace(sess, events)
-            except Exception as exc:
-                errors.append(f"writing trace: {_err(exc)}")
-        if errors:
-            status = f"error: {errors[0]}"
-            events.append(
-                self._warn(
-                    "profile_stop_failed",
-                    f"session {sess.cmd.session_id!r}: {'; '.join(errors)}",
-                )
-            )
-        events.append(
-            ProfileStopped(
-                session_id=sess.cmd.session_id,
-                role=self.role,
-                rank=self.rank,
-                first_step=sess.started_step,
-                last_step=last,
-                tool=sess.cmd.tool,
-                path=path,
-                bytes=size,
-                duration_s=duration,
-                status=status,
-                top_ops=top,
-            )
+        done = FinishedSession(
+            cmd=sess.cmd,
+            first_step=sess.started_step,
+            last_step=max(sess.last_done, self._in_step or 0, sess.started_step),
+            duration_s=time.monotonic() - sess.t0,
+            status=status,
+            errors=errors,
         )
-        return events
+        self._stop_recording(sess, done)
+        return self._exporter.submit(functools.partial(self._writer.write, done))
 
-    def _stop_recording(self, sess: _Session, errors: list[str]) -> bool:
+    def _stop_recording(self, sess: _Session, done: FinishedSession) -> None:
         """Stop every recorder the session started (kernels landed first, the CUDA profiler
-        range, torch.profiler, the allocator history with its snapshot); each failure is
-        appended to ``errors``. Whether torch.profiler stopped (so its trace can be
-        written)."""
+        range, torch.profiler, the allocator history after its snapshot) and leave in
+        ``done`` what is to be written; each failure is appended to ``done.errors``."""
+        errors = done.errors
         try:
             if self._cuda:
                 # Queued kernels belong to the profiled steps; let them land in the window.
@@ -603,84 +601,27 @@ class ProfilerAgent:
                 torch.cuda.cudart().cudaProfilerStop()
             except Exception as exc:
                 errors.append(f"cudaProfilerStop: {_err(exc)}")
-        stopped = False
         if sess.prof is not None:
             try:
                 sess.prof.stop()
-                stopped = True
+                done.prof = sess.prof  # stopped: its trace can be exported
             except Exception as exc:
                 errors.append(f"stop: {_err(exc)}")
         if sess.memory_history:
             try:
-                self._write_memory_snapshot(sess.cmd.session_id)
+                # Taken now (the allocator's state at the session's end); pickled later.
+                done.snapshot = torch.cuda.memory._snapshot(self._cuda_device)
             except Exception as exc:
                 errors.append(f"memory snapshot: {_err(exc)}")
             try:
                 torch.cuda.memory._record_memory_history(enabled=None)
             except Exception as exc:
                 errors.append(f"memory history off: {_err(exc)}")
-        return stopped
-
-    # ------------------------------------------------------------------ files
-
-    def _write_trace(self, sess: _Session, events: list[AgentEvent]) -> tuple[str, int, list[str]]:
-        """Chrome trace -> patched gzip (:func:`~profiling.traces.finish_trace`) -> rename.
-
-        Returns (path relative to run_dir, bytes, top ops); a failure to rank the ops or to
-        link the session view only appends a warning to ``events`` (the trace is still good).
-        """
-        final = trace_path(self.run_dir, self.role, self.rank, sess.cmd.session_id, ".json.gz")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd, raw_name = tempfile.mkstemp(dir=self.run_dir, prefix=".tmp-", suffix=".json")
-        os.close(fd)
-        try:
-            sess.prof.export_chrome_trace(raw_name)
-            top: list[str] = []
-            try:
-                if os.path.getsize(raw_name) <= _TOP_OPS_MAX_BYTES:
-                    with open(raw_name, "rb") as src:
-                        top = top_ops(json.load(src))
-            except Exception as exc:
-                events.append(self._warn("profile_top_ops_failed", _err(exc)))
-            metadata = {
-                "role": self.role,
-                "replica": self.rank,
-                "run_id": self.run_id,
-                "session_id": sess.cmd.session_id,
-                "first_step": sess.started_step,
-                "last_step": max(sess.last_done, self._in_step or 0, sess.started_step),
-                "tool": sess.cmd.tool,
-            }
-            size = finish_trace(
-                Path(raw_name), final, self.trace_rank, self.world_size, metadata, _GZIP_LEVEL
-            )
-        finally:
-            Path(raw_name).unlink(missing_ok=True)
-        try:
-            view = session_view_path(self.run_dir, sess.cmd.session_id, self.role, self.rank)
-            link_session_view(view, final)
-        except Exception as exc:
-            events.append(self._warn("profile_view_failed", f"sessions/ link: {_err(exc)}"))
-        return final.name, size, top
-
-    def _write_memory_snapshot(self, session_id: str) -> None:
-        """CUDA allocator history to ``{role}{rank}-{session}.pickle`` (atomic).
-
-        Stacks are cut to ``torch_memory.stack_depth`` frames where torch's
-        ``_record_memory_history`` takes no depth of its own.
-        """
-        final = trace_path(self.run_dir, self.role, self.rank, session_id, ".pickle")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        snapshot = torch.cuda.memory._snapshot(self._cuda_device)
-        if "stack_depth" not in _history_params():
-            _cut_frames(snapshot, self.tools.torch_memory.stack_depth)
-        with atomic_file(final) as out:
-            pickle.dump(snapshot, out)
 
     # ------------------------------------------------------------------ events
 
     def _warn(self, code: str, message: str) -> WarningRaised:
-        return WarningRaised(source=self._source, code=code, message=message)
+        return self._writer.warn(code, message)
 
     def _stopped_unrun(self, cmd: StartProfile, status: str) -> ProfileStopped:
         return ProfileStopped(
@@ -703,28 +644,6 @@ def _history_params() -> frozenset[str]:
         return frozenset(inspect.signature(torch.cuda.memory._record_memory_history).parameters)
     except (TypeError, ValueError):
         return frozenset()
-
-
-def _cut_frames(snapshot: Any, depth: int) -> None:
-    """Keep the innermost ``depth`` frames of every stack in a CUDA memory snapshot."""
-    def cut(item: Any) -> None:
-        if isinstance(item, dict):
-            frames = item.get("frames")
-            if isinstance(frames, list) and len(frames) > depth:
-                item["frames"] = frames[:depth]
-            for value in item.values():
-                if isinstance(value, list | dict):
-                    cut(value)
-        elif isinstance(item, list):
-            for value in item:
-                cut(value)
-
-    cut(snapshot)
-
-
-def _err(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
 
 
 def _nsys_attached() -> bool:

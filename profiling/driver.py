@@ -44,7 +44,8 @@ class StepProfiler:
         return result
 
     async def end(self, step: int) -> list[Any]:
-        """``step`` ended (a session whose last step it was writes its trace)."""
+        """``step`` ended (a session whose last step it was stops; its trace is written
+        beside the next step and its ProfileStopped comes from a later call)."""
         result: list[Any] = await self._off(lambda: self.agent.step_end(step))
         return result
 
@@ -61,7 +62,13 @@ class StepProfiler:
         result: list[Any] = await self._off(run)
         return result
 
+    def exported(self) -> list[Any]:
+        """Events of traces written beside the steps since the last call (no worker hop: a
+        session's ProfileStopped goes out at the next pulse, not only at the next step)."""
+        result: list[Any] = self.agent.drain()
+        return result
+
     async def close(self) -> list[Any]:
-        """The component stops: end every session (traces written)."""
+        """The component stops: end every session and wait for every trace."""
         result: list[Any] = await self._off(self.agent.close)
         return result

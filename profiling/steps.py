@@ -1,8 +1,10 @@
 """Which trainer step a rollouter is in, folded from the run's events log (pure, torch-free).
 
 One step unit for profiling on every role: the trainer's update number (what
-``StepStarted``/``StepFinished`` carry, what ``rlbus up`` shows and what
-``global_profiler.steps`` lists), whatever ``trigger_parameter_sync_step`` is. The trainer's
+``StepStarted``/``StepFinished`` carry, what ``rlbus up`` shows and what a StartProfile's
+``first_step``/``last_step`` name), whatever ``trigger_parameter_sync_step`` is.
+(``global_profiler.steps`` counts verl's steps, parameter versions; the profiler service turns
+each into its updates before any command goes out: :mod:`runconfig.stepunit`.) The trainer's
 step ``K`` runs from ``StepStarted(K)`` to ``StepFinished(K)``. A rollouter's step ``K`` is the
 same stretch of the run as the rollouter sees it:
 

@@ -611,12 +611,24 @@ def _check_task(cfg: Config) -> None:
 def _check_profiler(cfg: Config) -> None:
     p = cfg.global_profiler
     total = cfg.trainer.total_training_steps
-    # Refused with the tool off too: a run that never reaches a step cannot profile it once
-    # the tool is turned on (a resume keeps the steps it recorded).
-    late = [s for s in p.steps if s > total]
-    if late:
+    trigger = cfg.async_training.trigger_parameter_sync_step
+    # verl's unit: a step is a parameter version (trigger updates), and the run's last one is
+    # its last full sync. Refused with the tool off too: a run that never reaches a step
+    # cannot profile it once the tool is turned on (a resume keeps the steps it recorded).
+    from runconfig.stepunit import last_version  # here: this check is its only user in load
+
+    last = last_version(total, trigger)
+    late = [s for s in p.steps if s > last]
+    if late and trigger == 1:
         raise ConfigError(
             "global_profiler.steps", f"steps {late} are past trainer.total_training_steps={total}"
+        )
+    if late:
+        raise ConfigError(
+            "global_profiler.steps",
+            f"steps {late} are past the run's last step {last}: steps count parameter versions "
+            f"as in verl, one per async_training.trigger_parameter_sync_step={trigger} "
+            f"updates, and trainer.total_training_steps={total} updates make {last}",
         )
     if len(set(p.steps)) != len(p.steps):
         raise ConfigError("global_profiler.steps", f"steps {p.steps} repeat a step")

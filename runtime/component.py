@@ -185,6 +185,8 @@ class Component:
 
     async def _pulse_step(self) -> None:
         await self.on_pulse()
+        if self.profiler is not None:  # traces written beside the steps since the last pulse
+            await self.publish(*self.profiler.exported())
         position = self.kept_position()
         if position is not None and position != "0":
             await self.bus.set_position(self.keys.position(self.name), position)

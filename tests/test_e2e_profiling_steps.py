@@ -1,10 +1,12 @@
-"""One step unit on every role: with ``trigger_parameter_sync_step=4`` a session's trainer and
-rollouter windows cover the same stretch of the run (docs/profiling.md, *Step semantics*).
+"""verl's step unit on every role: with ``trigger_parameter_sync_step=2``, verl step 2 of
+``global_profiler.steps`` is parameter version 2, the trainer's updates 3-4, and a session's
+trainer and rollouter windows cover the same stretch of the run (docs/profiling.md, *Step
+semantics*).
 
 The profiler service, a rollouter and the trainer run as real processes against a throwaway
-redis-server; steps 2-3 are one continuous session. Weights version 1 comes only after update
-4, so under the old unit (rollouter step K = weights version K-1) the rollouter's ``step:2``
-was updates 5-8 and its ``step:3`` began after the run had ended.
+redis-server. The session ``s2-2`` (named by the verl step) profiles updates 3 and 4 on both
+roles: each trace holds the annotations ``step:3`` and ``step:4`` (updates), and the run's
+fifth update (a partial third version) is not profiled.
 
 Both traces carry absolute times (torch's ``baseTimeNanoseconds`` + ``ts``, microseconds, the
 host's wall clock) and so do the events (``ts``, ``time.time()`` when written), all on this
@@ -28,9 +30,11 @@ from tests.procs import FAST, Procs, events_of
 
 pytestmark = pytest.mark.e2e
 
-TOTAL = 5  # a sync after update 4 (weights v1), then one more update
-PROFILED = (2, 3)
-SESSION = "s2-3"
+TOTAL = 5  # syncs after updates 2 and 4 (weights v1, v2), then one more update
+TRIGGER = 2
+VERL_STEP = 2  # global_profiler.steps=[2]: parameter version 2
+PROFILED = (3, 4)  # ... is the trainer's updates 3 and 4
+SESSION = "s2-2"
 WAIT_S = 240.0
 CLOCK_SLACK_S = 0.05
 STEP_RE = re.compile(r"^step:(\d+)$")
@@ -53,16 +57,15 @@ def step_windows(path: Path) -> dict[int, tuple[float, float]]:
 
 
 @pytest.mark.asyncio
-async def test_t4_trainer_and_rollouter_step_windows_cover_the_same_stretch(
+async def test_t2_a_verl_step_is_one_version_on_both_roles(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
 ) -> None:
     args = [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={tmp_path}", *FAST,
             f"trainer.total_training_steps={TOTAL}", "rollout.replicas=1",
-            "async_training.trigger_parameter_sync_step=4",
+            f"async_training.trigger_parameter_sync_step={TRIGGER}",
             # Updates of a few hundred ms: a step is long next to a generation batch.
             "trainer.ppo_epochs=10",
-            "global_profiler.tool=torch", "global_profiler.steps=[2,3]",
-            "global_profiler.profile_continuous_steps=true"]
+            "global_profiler.tool=torch", f"global_profiler.steps=[{VERL_STEP}]"]
     procs = Procs(tmp_path / "logs")
     try:
         procs.spawn("profiler", "profiler_service", *args)
@@ -77,9 +80,9 @@ async def test_t4_trainer_and_rollouter_step_windows_cover_the_same_stretch(
     started = {e.step: e.ts for e in events if isinstance(e, StepStarted)}
     finished = {e.step: e.ts for e in events if isinstance(e, StepFinished)}
     assert sorted(finished) == list(range(1, TOTAL + 1))
-    # Weights: v0, then v1 after update 4 only (the run this test is about).
+    # Weights: v0, then one version per TRIGGER updates (the run this test is about).
     assert [(e.version, e.step) for e in events if isinstance(e, WeightsPublished)] == [
-        (0, 0), (1, 4)]
+        (0, 0), (1, 2), (2, 4)]
     (run_end,) = [e.ts for e in events if isinstance(e, RunFinished)]
     stops = {e.role: e for e in events
              if isinstance(e, ProfileStopped) and e.session_id == SESSION}
@@ -109,5 +112,5 @@ async def test_t4_trainer_and_rollouter_step_windows_cover_the_same_stretch(
         overlap = min(t_end, r_end) - max(t_begin, r_begin)
         assert overlap > 0, (k, trainer[k], rollouter[k], finished)
     # One window after the other, all before the run ended.
-    assert rollouter[2][1] <= rollouter[3][0] + slack
-    assert rollouter[3][1] < run_end, (rollouter[3], run_end)
+    assert rollouter[3][1] <= rollouter[4][0] + slack
+    assert rollouter[4][1] < run_end, (rollouter[4], run_end)

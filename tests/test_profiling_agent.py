@@ -19,6 +19,7 @@ from bus.messages import ProfileStarted, ProfileStopped, StartProfile, StopProfi
 from profiling import ProfilerAgent, create_agent, profile_root, safe_name, trace_path
 from profiling import agent as agent_module
 from profiling.agent import AgentEvent
+from profiling.export import cut_frames
 from profiling.traces import top_ops
 from runconfig.schema import Config, ProfilerConfig, RolloutConfig, RunConfig
 
@@ -572,9 +573,9 @@ def test_traces_carry_a_distinct_rank_per_role_and_replica(tmp_path: Path) -> No
         agent = create_agent(cfg, role, rank, DEVICE)
         assert agent is not None
         agent.on_command(start("s1", 1, 1))
-        stopped = only_stopped(step(agent, 1))
+        # create_agent's exporter writes in the background: close waits for the trace.
+        stopped = only_stopped(step(agent, 1) + agent.close())
         traces[(role, rank)] = load_trace(agent.run_dir / stopped.path)
-        agent.close()
     ranks = {k: t["distributedInfo"]["rank"] for k, t in traces.items()}
     assert ranks == {("trainer", 0): 0, ("rollouter", 0): 1, ("rollouter", 2): 3}
     assert {t["distributedInfo"]["world_size"] for t in traces.values()} == {4}
@@ -598,7 +599,7 @@ def test_create_agent_warms_the_profiler_up_on_its_thread(tmp_path: Path) -> Non
     assert (CUDA, threading.get_ident()) in agent_module._WARMED
     assert agent.warm_up() == 0.0  # once per thread
     agent.on_command(start("s1", 1, 1))
-    events = step(agent, 1)
+    events = step(agent, 1) + agent.close()
     assert of(events, WarningRaised) == [] and only_stopped(events).status == "ok"
 
 
@@ -612,6 +613,7 @@ def test_a_session_on_another_thread_than_the_warm_up_says_so(tmp_path: Path) ->
     worker = threading.Thread(target=lambda: out.extend(step(agent, 1)))
     worker.start()
     worker.join(timeout=60)
+    out += agent.close()
     assert [w.code for w in of(out, WarningRaised)] == ["profiler_warmed_elsewhere"]
     assert only_stopped(out).status == "ok"
 
@@ -684,7 +686,7 @@ def test_memory_history_arguments_follow_verl_options() -> None:
     assert (kwargs["max_entries"], kwargs["context"], kwargs["stacks"]) == (7, "alloc", "python")
     snap = {"segments": [{"blocks": [{"frames": list(range(10))}]}],
             "device_traces": [[{"frames": list(range(6))}, {"frames": [1]}]]}
-    agent_module._cut_frames(snap, 4)
+    cut_frames(snap, 4)
     assert snap["segments"][0]["blocks"][0]["frames"] == [0, 1, 2, 3]
     assert [len(e["frames"]) for e in snap["device_traces"][0]] == [4, 1]
 

@@ -44,6 +44,7 @@ from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from runconfig import Config, config_to_dict
 from runconfig.paths import checkpoint_dir
+from runconfig.stepunit import is_save_update
 from runtime import Component
 from tasks import build_prompt_source
 from trainer.budget import max_staleness
@@ -229,7 +230,7 @@ class Trainer(Component):
             groups, self.learner.version)
         # Close step+1 to commands before its weights (or our next control read) exist.
         await self.bus.set_barrier(self.keys.barrier, step + 1)
-        save = (tc.save_freq > 0 and step % tc.save_freq == 0) or step == tc.total_training_steps
+        save = is_save_update(step, tc.save_freq, trigger, tc.total_training_steps)  # verl's unit
         serialised = None
         if step % trigger == 0:
             self.learner.version += 1
