@@ -419,18 +419,11 @@ class Rollouter(Component):
             samples.setdefault(tid, []).append(self._sample(s, packed[tid], score, gen_s))
         return samples, failed
 
-    async def _score(self, seqs: list[_Seq]) -> list[Score]:
-        """Every response's reward from the reward pool (off the loop, a batch at once); the
-        one warning about failed scoring is published when it first happens."""
+    async def _score_items(self, items: list[ScoreItem]) -> list[Score]:
+        """Score ``items`` in the reward pool; the one warning about failed scoring is
+        published when it first happens."""
         if self.rewards is None:  # a rollouter driven without setup() (tests)
             self.rewards = RewardPool(self.cfg)
-        texts = await self.off(lambda: [self.tokenizer.decode(s.tokens) for s in seqs])
-        items = [ScoreItem(
-            data_source=s.ticket.data_source, solution_str=text,
-            ground_truth=s.ticket.answer if s.ticket.ground_truth is None
-            else s.ticket.ground_truth,
-            extra_info=s.ticket.extra_info, response_len=len(s.tokens),
-        ) for s, text in zip(seqs, texts, strict=True)]
         scores = await self.rewards.score(items)
         warning = self.rewards.take_warning()
         if warning is not None:
@@ -438,6 +431,17 @@ class Rollouter(Component):
             await self.publish(WarningRaised(source=self.name, code="reward_failed",
                                              message=warning))
         return scores
+
+    async def _score(self, seqs: list[_Seq]) -> list[Score]:
+        """Every response's reward from the reward pool (off the loop, a batch at once)."""
+        texts = await self.off(lambda: [self.tokenizer.decode(s.tokens) for s in seqs])
+        items = [ScoreItem(
+            data_source=s.ticket.data_source, solution_str=text,
+            ground_truth=s.ticket.answer if s.ticket.ground_truth is None
+            else s.ticket.ground_truth,
+            extra_info=s.ticket.extra_info, response_len=len(s.tokens),
+        ) for s, text in zip(seqs, texts, strict=True)]
+        return await self._score_items(items)
 
     def _fails_ticket(self, ticket: PromptTicket) -> bool:
         return self.rewards is not None and self.rewards.fails_ticket(ticket.data_source)
@@ -639,8 +643,9 @@ class Rollouter(Component):
                                                  "the log (a stretch of log Redis lost)")
         try:
             if self.validator is None:
+                # Scored by this rollouter's reward pool (validation runs between batches).
                 self.validator = await asyncio.to_thread(build_validator, self.cfg,
-                                                         self.tokenizer)
+                                                         self.tokenizer, self._score_items)
             return await self.validator.run(request, policy=self.policy, off=self.off,
                                             version=self.version, rank=self.rank)
         except Exception as exc:  # a failed validation is an answer, never a dead rollouter

@@ -387,6 +387,9 @@ def check_data(cfg: Any) -> set[str]:
         sources.update(r.data_source for r in records)
         if split == "train":
             _check_epochs(cfg, len(records))
+    from tasks.rewards import check_scorers
+
+    check_scorers(cfg, sources)  # a data source nothing can score: refused now, not mid-run
     return sources
 
 

@@ -303,8 +303,17 @@ OB = "reward_kwargs.overlong_buffer_cfg"
         (f"{TM}.stack_depth=8", f"{TM}.stack_depth", 8),
     ],
 )
-def test_verl_keys_set_rlbus_keys(override: str, attr: str, expected: object) -> None:
-    node: object = load_config(None, [override, RLBUS], on_warning=lambda m: None)
+def test_verl_keys_set_rlbus_keys(override: str, attr: str, expected: object,
+                                  tmp_path: Path) -> None:
+    # An HF model directory is read at config time (its context length): give one.
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    extra = []
+    if override == "actor_rollout_ref.model.path=/m":
+        override = f"actor_rollout_ref.model.path={tmp_path}"
+        expected = str(tmp_path) if expected == "/m" else expected
+    elif "hf_model" in override:  # an HF export needs an HF model
+        extra = [f"actor_rollout_ref.model.path={tmp_path}"]
+    node: object = load_config(None, [override, *extra, RLBUS], on_warning=lambda m: None)
     for part in attr.split("."):
         node = getattr(node, part)
     assert node == expected
