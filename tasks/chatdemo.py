@@ -138,12 +138,12 @@ def _config(arch: str, vocab: int, hidden: int, layers: int, eos: int, pad: int)
     heads = hidden // 32
     if arch == "gpt2":
         return GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads,
-                          n_positions=256, bos_token_id=pad, eos_token_id=eos,
+                          n_positions=1024, bos_token_id=pad, eos_token_id=eos,
                           pad_token_id=pad)
     return Qwen2Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=None,
+        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None,
         eos_token_id=eos, pad_token_id=pad,
     )
 

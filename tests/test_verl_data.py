@@ -17,7 +17,7 @@ import pytest
 from policy.text import HFTokenizer, build_tokenizer
 from runconfig import Config, ConfigError, load_config
 from tasks import PromptSource, build_prompt_source
-from tasks.chatdemo import CHAT_TEMPLATE, DATA_SOURCE, build_model, write_parquet
+from tasks.chatdemo import DATA_SOURCE, TEMPLATES, build_model, write_parquet
 from tasks.chatdemo import build_tokenizer as build_bpe
 from tasks.chatdemo import records as demo_records
 from tasks.verl_data import (
@@ -56,7 +56,7 @@ def bos_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", special_tokens=[(bos, tok.convert_tokens_to_ids(bos))])
     tok.bos_token = bos
-    tok.chat_template = "{{ bos_token }}" + CHAT_TEMPLATE
+    tok.chat_template = "{{ bos_token }}" + TEMPLATES["qwen2"].template
     tok.save_pretrained(str(path))
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 

@@ -86,6 +86,9 @@ class Validations:
         if not self.pending:
             return
         bound = self.cfg.heartbeat.stall_timeout_s
+        # The archive too: the last checkpoint's retention may have moved answers given
+        # during the run out of the stream (a plain XREAD after our position misses them).
+        await self.events.catch_up()
         last_answer, left = time.monotonic(), len(self.pending)
         while self.pending:
             await self.events.poll(block_ms=500)
