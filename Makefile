@@ -9,9 +9,10 @@ PY     := $(VENV)/bin/python
 # torch is pinned so pip takes the CPU wheel on this machine instead of a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 RUNTIME := $(VENV)/.installed-runtime
+CHAT    := $(VENV)/.installed-chat
 FULL    := $(VENV)/.installed-full
 
-.PHONY: venv demo shim test lint bench bench-long clean
+.PHONY: venv demo demo-chat shim test lint bench bench-long clean
 
 venv: $(RUNTIME)
 
@@ -29,6 +30,17 @@ $(RUNTIME): pyproject.toml | $(PY)
 $(FULL): $(RUNTIME)
 	$(PY) -m pip install --quiet -e ".[dev,hf,ray,plot,logger]" "$(TORCH)"
 	touch $@
+
+# The chat demo's extra: transformers, safetensors, pyarrow (a verl user's model and data).
+$(CHAT): $(RUNTIME)
+	$(PY) -m pip install --quiet -e ".[logger,hf]" "$(TORCH)"
+	touch $@
+
+# A verl user's job: a tiny HF model, its chat template, parquet data, a reward file (all
+# built here by tasks/chatdemo.py, nothing downloaded), validation, HF checkpoints.
+demo-chat: $(CHAT)
+	$(PY) -m tasks.chatdemo outputs/chatdemo
+	$(VENV)/bin/rlbus up --config configs/chat_demo.yaml
 
 # `rlbus` lives in .venv/bin: the demo says how to call it without activating the venv.
 demo: $(RUNTIME)

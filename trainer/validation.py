@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from bus import Bus, Entry, RunKeys
+from bus.history import events_folder
 from bus.messages import ValidationFinished, ValidationRequested
 from runconfig import Config
 from runtime import Follower
@@ -57,7 +58,11 @@ class Validations:
         self.keys = keys
         self.writer = writer
         self.pending: set[str] = set()
-        self.events = Follower(bus, keys.events, fold=self._fold)
+        # The archive too: retention after a checkpoint archives and trims events below it,
+        # answers given during the run included (this reader's position is not one the trim
+        # keeps for).
+        self.events = Follower(bus, keys.events, fold=self._fold,
+                               archive=events_folder(cfg.run.output_dir, keys.run_id))
         self.started = False
 
     def _fold(self, entries: Sequence[Entry]) -> None:
@@ -74,6 +79,8 @@ class Validations:
             # Answers come after the request: read the log from here on.
             self.events.position = self.writer.position or "0"
             self.started = True
+        else:
+            await self.events.catch_up()  # answers so far; keeps the position near the end
         msg = ValidationRequested(request_id=request_id(version), version=version, step=step)
         await self.writer.write([(self.keys.prompts, msg)])
         self.pending.add(msg.request_id)
@@ -86,9 +93,7 @@ class Validations:
         if not self.pending:
             return
         bound = self.cfg.heartbeat.stall_timeout_s
-        # The archive too: the last checkpoint's retention may have moved answers given
-        # during the run out of the stream (a plain XREAD after our position misses them).
-        await self.events.catch_up()
+        await self.events.catch_up()  # archive, then stream: trims may have passed us
         last_answer, left = time.monotonic(), len(self.pending)
         while self.pending:
             await self.events.poll(block_ms=500)
