@@ -147,6 +147,12 @@ class _Worker:
         reply: tuple[Any, ...] = self._recv()
         return reply
 
+    def __del__(self) -> None:
+        # A pool dropped without close() (a rollouter built without its teardown) must not
+        # leave its process running, nor Popen's "still running" warning at collection.
+        with contextlib.suppress(Exception):
+            self.kill()
+
     def kill(self) -> None:
         proc, conn, self.proc, self.conn = self.proc, self.conn, None, None
         if proc is not None and proc.poll() is None:

@@ -56,7 +56,7 @@ def _accepts(fn: Callable[..., Any]) -> set[str]:
 
 
 def val_generate(policy: Any, prompts: list[list[int]], max_new_tokens: int,
-                 eos_id: int | None, params: dict[str, float],
+                 eos_id: int | Sequence[int] | None, params: dict[str, float],
                  generator: torch.Generator | None) -> list[list[int]]:
     """Responses (token ids) for ``prompts`` (worker thread). ``top_p``/``top_k`` are passed
     only to a ``generate`` that takes them (at their defaults they change nothing)."""
@@ -96,9 +96,11 @@ class Validator:
         """(record, response text, response length) per response of ``batch`` (worker)."""
         n = self.cfg.rollout.val_kwargs.n
         prompts = [list(r.prompt_ids) for r in batch for _ in range(n)]
-        tokens = val_generate(policy, prompts, self.cfg.rollout.max_new_tokens,
-                              getattr(self.tokenizer, "eos_id", None), sampling(self.cfg),
-                              generator)
+        # Every EOS id ends a response, as in training (tokenizer's and generation_config's).
+        eos = [i for i in (getattr(self.tokenizer, "eos_id", None),
+                           *getattr(policy, "eos_ids", ())) if i is not None]
+        tokens = val_generate(policy, prompts, self.cfg.rollout.max_new_tokens, eos or None,
+                              sampling(self.cfg), generator)
         owners = [r for r in batch for _ in range(n)]
         return [(r, self.tokenizer.decode(t), len(t)) for r, t in zip(owners, tokens,
                                                                      strict=True)]

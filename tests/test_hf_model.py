@@ -66,7 +66,7 @@ def test_override_config_is_set_before_loading(model_dir: Path) -> None:
                                              "attention_dropout": 0.0})
     assert policy.model.config.max_position_embeddings == 512
     plain = _hf(model_dir)
-    assert plain.model.config.max_position_embeddings == 256
+    assert plain.model.config.max_position_embeddings == 4096  # tasks.chatdemo's qwen2
     # The same weights: the override changed the config, not what was loaded.
     for a, b in zip(policy.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -122,17 +122,19 @@ def _write_config(tmp_path: Path, config: dict[str, object]) -> Path:
 
 def test_context_length_is_checked_at_config_time(model_dir: Path, tmp_path: Path) -> None:
     hf = ["model.kind=hf", f"model.path={model_dir}"]
-    # The digits task: prompts of max_digits + 2 = 6 tokens; the model's context is 256.
-    assert load_config(None, [*hf, "rollout.max_new_tokens=250"]).rollout.max_new_tokens == 250
+    # The digits task: prompts of max_digits + 2 = 6 tokens; the model's context is 4096.
+    assert load_config(None, [*hf, "rollout.max_new_tokens=4090"]).rollout.max_new_tokens == 4090
     with pytest.raises(ConfigError) as info:
-        load_config(None, [*hf, "rollout.max_new_tokens=251"])
+        load_config(None, [*hf, "rollout.max_new_tokens=4091"])
     assert info.value.key == "rollout.max_new_tokens"
-    for text in ("251", "257", "max_position_embeddings=256", str(model_dir)):
+    for text in ("4091", "4097", "max_position_embeddings=4096", str(model_dir)):
         assert text in info.value.message
     # override_config's max_position_embeddings is the model's context.
     yaml = tmp_path / "c.yaml"
     yaml.write_text("model:\n  override_config:\n    max_position_embeddings: 512\n")
     assert load_config(yaml, [*hf, "rollout.max_new_tokens=400"]).rollout.max_new_tokens == 400
+    with pytest.raises(ConfigError):
+        load_config(yaml, [*hf, "rollout.max_new_tokens=507"])
 
 
 def test_gpt2_and_nested_context_keys(tmp_path: Path) -> None:

@@ -78,7 +78,15 @@ async def test_events_stay_bounded_and_archive_plus_stream_hold_every_event(
     archived = [e.id for e in read_archive(archive)]
     length = await bus.length(run_keys.events)
     assert archived and length + len(archived) == len(seen)
-    assert length < len(seen) / 3, (length, len(seen))
+    # Bounded: the stream keeps a checkpoint window or two (below the newest snapshot, and
+    # below what each reader last stored at its pulse, which may lag a pulse behind), never
+    # the run's beginning: the first window (through step 10) is in the archive only. (How
+    # many windows it keeps depends on where the readers' pulses fell: not asserted.)
+    first_window = next(e.id for e in history
+                        if isinstance(e.msg, StepFinished) and e.msg.step == 10)
+    early = seen[:seen.index(first_window) + 1]
+    assert set(early) <= set(archived)
+    assert length <= len(seen) - len(early), (length, len(seen))
     # The resumed trainer rebuilt the model it had published.
     resumed = [e.msg for e in history if isinstance(e.msg, TrainerResumed)]
     assert len(resumed) == 1 and resumed[0].weights_match is True

@@ -87,8 +87,11 @@ def test_a_continued_run_keeps_its_recorded_config(tmp_path: Path) -> None:
     first = Up([sys.executable, "-m", "rlbus", "up", f"run.output_dir={out}", "run.id=kept",
                 *given], tmp_path)
     try:
-        for role in ("trainer0", "rollouter0"):
-            first.wait_line(lambda s, r=role: s.startswith(f"profile s1-1 {r} ") and ": ok " in s)
+        # Both roles' traces, in either order (each is written beside its next step).
+        waiting = {"trainer0", "rollouter0"}
+        while waiting:
+            line = first.wait_line(lambda s: s.startswith("profile s1-1 ") and ": ok " in s)
+            waiting.discard(line.split()[2])
         # Step 3 or later: the profile lines may come after step 3's (a trace is written
         # while the run goes on).
         first.wait_line(lambda s: s.startswith("step ") and int(s.split()[1].split("/")[0]) >= 3)

@@ -320,9 +320,11 @@ def test_sampling_follows_val_kwargs_and_top_p_goes_only_where_taken(tmp_path: P
     wrapped = WithTopP()
     out = val_generate(wrapped, [[1, 5, 6]], 3, None, params, torch.Generator().manual_seed(0))
     assert wrapped.seen == [(0.7, 0.9, 5)] and 1 <= len(out[0]) <= 3
-    # A generate without them: sampled all the same (they change nothing at their defaults).
-    plain = val_generate(policy, [[1, 5, 6]], 3, None, params, torch.Generator().manual_seed(0))
-    assert plain == out
+    # The policies' own generate takes them (policy.decode_loop): passed through.
+    taken = val_generate(policy, [[1, 5, 6]], 3, None, params, torch.Generator().manual_seed(0))
+    direct = policy.generate([[1, 5, 6]], 3, 0.7, None, generator=torch.Generator().manual_seed(0),
+                             top_p=0.9, top_k=5)
+    assert taken == direct.tokens
 
 
 # --------------------------------------------------------------------------- shown

@@ -17,7 +17,7 @@ import pytest
 from policy.text import HFTokenizer, build_tokenizer
 from runconfig import Config, ConfigError, load_config
 from tasks import PromptSource, build_prompt_source
-from tasks.chatdemo import DATA_SOURCE, TEMPLATES, build_model, write_parquet
+from tasks.chatdemo import DATA_SOURCE, REWARD_FILE, TEMPLATES, build_model, write_parquet
 from tasks.chatdemo import build_tokenizer as build_bpe
 from tasks.chatdemo import records as demo_records
 from tasks.verl_data import (
@@ -35,7 +35,11 @@ RLBUS = [sys.executable, "-m", "rlbus"]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model(tmp_path_factory.mktemp("model") / "model")
+    """The tiny Qwen2, with the demo's reward file beside it (the records' data source has
+    no built-in scorer: a run of them names a reward function, as in verl)."""
+    path = build_model(tmp_path_factory.mktemp("model") / "model")
+    (path / "reward.py").write_text(REWARD_FILE)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,9 @@ def bos_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _cfg(model_dir: Path, *overrides: str) -> Config:
-    return load_config(None, ["model.kind=hf", f"model.path={model_dir}", *overrides])
+    return load_config(None, ["model.kind=hf", f"model.path={model_dir}",
+                              f"custom_reward_function.path={model_dir / 'reward.py'}",
+                              *overrides])
 
 
 def _rows(n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
@@ -424,7 +430,8 @@ async def test_trainer_and_rollouter_run_on_verl_data(
     train = write_parquet(rows, tmp_path / "train.parquet")
     args = [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={tmp_path}", *FAST,
             "model.kind=hf", f"model.path={model_dir}", f"data.train_files={train}",
-            "trainer.total_epochs=2", "trainer.total_training_steps=4",
+            f"custom_reward_function.path={model_dir / 'reward.py'}", "trainer.total_epochs=2",
+            "trainer.total_training_steps=4",
             "async_training.staleness_threshold=1"]
     procs = Procs(tmp_path / "logs")
     try:
