@@ -462,3 +462,49 @@ async def test_trainer_and_rollouter_run_on_verl_data(
     truths = sorted(r["reward_model"]["ground_truth"] for r in rows)
     for epoch in range(2):  # each prompt once per epoch
         assert sorted(src.get(i).ground_truth for i in range(8 * epoch, 8 * epoch + 8)) == truths
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_a_resumed_trainer_continues_the_epoch(
+    redis_url: str, bus: Any, run_id: str, run_keys: Any, tmp_path: Path, model_dir: Path
+) -> None:
+    """The trainer is killed after step 3 (checkpoint at step 2) and resumed: the run's
+    four epochs of 16 records still train each record exactly once per epoch (no prompt
+    twice in an epoch, none left out) and nothing past the data."""
+    from bus.messages import StepFinished, TrainerResumed
+    from tests.procs import FAST, Procs, events_of
+    from tests.waits import event, wait_for
+
+    rows = _rows(16)
+    train = write_parquet(rows, tmp_path / "train.parquet")
+    args = [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={tmp_path}", *FAST,
+            "model.kind=hf", f"model.path={model_dir}", f"data.train_files={train}",
+            f"custom_reward_function.path={model_dir / 'reward.py'}", "trainer.total_epochs=4",
+            "trainer.total_training_steps=16", "trainer.save_freq=2",
+            "async_training.staleness_threshold=1"]
+    procs = Procs(tmp_path / "logs")
+    try:
+        procs.spawn("rollouter0", "rollouter", *args)
+        procs.spawn("trainer", "trainer", *args)
+        await wait_for(bus, run_keys.events, event(StepFinished, step=3), 300,
+                       procs.watch("trainer", "rollouter0"))
+        procs.kill("trainer")
+        procs.spawn("trainer2", "trainer", *args)
+        assert procs.wait("trainer2", 300) == 0, procs.log("trainer2")
+        assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    finally:
+        procs.kill_all()
+    events = await events_of(bus, run_keys.events)
+    (resumed,) = [e for e in events if isinstance(e, TrainerResumed)]
+    assert resumed.checkpoint_step < 16, resumed  # resumed mid-run, not at the end
+    finished = [e for e in events if isinstance(e, StepFinished)]
+    assert sorted({e.step for e in finished}) == list(range(1, 17))
+    # The steps the log kept (a step re-done after the kill replaces nothing it finished).
+    trained = {int(sid.split("/")[0][1:]) for e in finished for sid in e.sample_ids}
+    assert trained == set(range(64))
+    src = build_prompt_source(load_config(None, args))
+    truths = sorted(r["reward_model"]["ground_truth"] for r in rows)
+    for epoch in range(4):
+        assert sorted(src.get(i).ground_truth for i in range(16 * epoch, 16 * epoch + 16)) == (
+            truths)
