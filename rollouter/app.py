@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import os
 import time
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,6 @@ import numpy as np
 import torch
 
 from bus import (
-    BlobError,
-    BlobNotFound,
     Bus,
     Consumer,
     Entry,
@@ -58,6 +55,7 @@ from profiling.driver import StepProfiler
 from profiling.steps import StepClock, follow, observe
 from rollouter.scoring import RewardPool, Score, ScoreItem
 from rollouter.validation import Validator, build_validator
+from rollouter.weights import HeldWeights
 from runconfig import Config, ConfigError
 from runtime import Component, Failure, Follower, settle_heap
 
@@ -106,13 +104,10 @@ class Rollouter(Component):
         self.device = resolve_device(cfg.rollout.device)
         self.tokenizer = build_tokenizer(cfg.model)
         self.rewards: RewardPool | None = None  # setup(): a bad reward file is exit 2
-        self.version = -1
-        self.loaded: WeightsPublished | None = None
-        # Recent publications in log order; the newest loadable one is current.
-        self.published: deque[WeightsPublished] = deque(maxlen=8)
-        self.bad_weights: set[str] = set()  # blob keys that failed to load
-        # The newest publication being fetched and decoded (double buffer), if any.
-        self.staging: tuple[WeightsPublished, asyncio.Task[dict[str, torch.Tensor]]] | None = None
+        self.weights = HeldWeights(
+            f"rollouter{self.rank}", fetch=self._fetch,
+            load=lambda state: self.off(self.policy.load_state, state),
+            warn=self.publish, reread=self._poll_events)
         self.finished = False
         # One reader of the events log for the ticket loop and the step watcher alike.
         self.follower = Follower(bus, self.keys.events, fold=self._fold, count=1000)
@@ -173,8 +168,8 @@ class Rollouter(Component):
         for _, msg in entries:
             self.clock = observe(self.clock, msg)
             match msg:
-                case WeightsPublished() if msg.ref.key not in self.bad_weights:
-                    self.published.append(msg)
+                case WeightsPublished():
+                    self.weights.saw(msg)
                 case RunStarted():
                     self.finished = False
                 case ValidationFinished():
@@ -259,23 +254,20 @@ class Rollouter(Component):
     # ------------------------------------------------------------------ weights
 
     @property
+    def version(self) -> int:
+        """The weights version this replica holds (-1: none yet)."""
+        return self.weights.version
+
+    @property
     def newest(self) -> WeightsPublished | None:
-        """The newest publication (in log order) not known to be unloadable."""
-        for msg in reversed(self.published):
-            if msg.ref.key not in self.bad_weights:
-                return msg
-        return None
+        return self.weights.newest
+
+    @property
+    def staging(self) -> Any:
+        return self.weights.staging
 
     def _stage(self) -> None:
-        """Start fetching and decoding the newest publication in the background (a double
-        buffer): generation with the loaded weights goes on meanwhile, and the swap only
-        copies the decoded tensors in (_swap_weights)."""
-        newest = self.newest
-        if newest is None or newest is self.loaded:
-            return
-        if self.staging is not None and self.staging[0] is newest:
-            return
-        self.staging = (newest, asyncio.create_task(self._fetch(newest)))
+        self.weights.stage()
 
     async def _fetch(self, msg: WeightsPublished) -> dict[str, torch.Tensor]:
         store = open_store(msg.ref.store, bus=self.bus, run_keys=self.keys,
@@ -285,47 +277,10 @@ class Rollouter(Component):
         return await asyncio.to_thread(from_bytes, blob)
 
     async def _swap_weights(self, wait: bool = True) -> None:
-        """Load the newest published weights if they are not ours; ``wait=False``: only if
-        they are already fetched and decoded (else they keep staging, and the caller goes on
-        with the weights it has, which its tickets allow)."""
-        self._stage()
-        if self.staging is None:
-            return
-        newest, task = self.staging
-        if not wait and not task.done():
-            return
-        self.staging = None
-        try:
-            state = await task
-        except BlobNotFound:
-            # Superseded and deleted while we were busy: a newer version is already published.
-            self.bad_weights.add(newest.ref.key)
-            await self._poll_events()
-            return
-        except Exception as exc:
-            # Corrupt, a WeightsPublished that no trainer wrote, or not a state dict: fall
-            # back to the newest loadable publication before it.
-            await self._unloadable(newest, exc)
-            await self._swap_weights(wait)
-            return
-        try:
-            await self.off(self.policy.load_state, state)
-        except Exception as exc:  # a state dict of some other model
-            await self._unloadable(newest, exc)
-            await self._swap_weights(wait)
-            return
-        # Profiling steps follow the trainer's StepFinished events, not weight versions
-        # (_follow_steps): with trigger_parameter_sync_step > 1 a version spans several steps.
-        self.loaded = newest
-        self.version = newest.version
-
-    async def _unloadable(self, msg: WeightsPublished, exc: Exception) -> None:
-        self.bad_weights.add(msg.ref.key)
-        why = str(exc) if isinstance(exc, BlobError) else f"{type(exc).__name__}: {exc}"
-        await self.publish(WarningRaised(
-            source=f"rollouter{self.rank}", code="weights_unloadable",
-            message=f"weights v{msg.version} ({msg.ref.key}) ignored: {why}",
-        ))
+        """Load the newest published weights (rollouter.weights.HeldWeights.swap). Profiling
+        steps follow the trainer's StepFinished events, not weight versions (_follow_steps):
+        with trigger_parameter_sync_step > 1 a version spans several steps."""
+        await self.weights.swap(wait)
 
     # ------------------------------------------------------------------ liveness
 
@@ -705,8 +660,8 @@ class Rollouter(Component):
         watcher between two moves (the runtime closes the agent after this)."""
         pipeline = (self.prefetch, self.delivering)
         self.prefetch = self.delivering = None
-        for task in (*((self.staging[1],) if self.staging else ()),
-                     *(t for t in pipeline if t is not None)):
+        await self.weights.cancel()
+        for task in (t for t in pipeline if t is not None):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task

@@ -1,0 +1,118 @@
+"""The rollouter's weights: the publications read from the log, the one loaded, the newest
+being fetched and decoded beside generation (a double buffer), and those that failed.
+
+The newest publication in log order that is not known to be unloadable is current: after a
+resume from a log that lost its tail, a lower version can be the current one. A publication
+whose blob is gone (superseded and deleted while this replica was busy) is passed over; one
+that cannot be loaded (corrupt, not a state dict, another model's) is passed over with a
+``weights_unloadable`` warning, and the newest loadable one before it is loaded instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from bus import BlobError, BlobNotFound
+from bus.messages import WarningRaised, WeightsPublished
+
+__all__ = ["HeldWeights"]
+
+State = dict[str, torch.Tensor]
+
+
+class HeldWeights:
+    """``fetch``: a publication's decoded state dict (off the loop); ``load``: copy one into
+    the policy (on the worker); ``warn``: publish a warning; ``reread``: read the log again
+    (a newer publication is there when a blob was superseded)."""
+
+    def __init__(self, source: str, *, fetch: Callable[[WeightsPublished], Awaitable[State]],
+                 load: Callable[[State], Awaitable[Any]],
+                 warn: Callable[[WarningRaised], Awaitable[Any]],
+                 reread: Callable[[], Awaitable[Any]]) -> None:
+        self.source = source
+        self.fetch, self.load, self.warn, self.reread = fetch, load, warn, reread
+        self.version = -1
+        self.loaded: WeightsPublished | None = None
+        # Recent publications in log order; the newest loadable one is current.
+        self.published: deque[WeightsPublished] = deque(maxlen=8)
+        self.bad: set[str] = set()  # blob keys that failed to load
+        # The newest publication being fetched and decoded (double buffer), if any.
+        self.staging: tuple[WeightsPublished, asyncio.Task[State]] | None = None
+
+    def saw(self, msg: WeightsPublished) -> None:
+        """A publication read from the log (in log order)."""
+        if msg.ref.key not in self.bad:
+            self.published.append(msg)
+
+    @property
+    def newest(self) -> WeightsPublished | None:
+        """The newest publication (in log order) not known to be unloadable."""
+        for msg in reversed(self.published):
+            if msg.ref.key not in self.bad:
+                return msg
+        return None
+
+    def stage(self) -> None:
+        """Start fetching and decoding the newest publication in the background: generation
+        with the loaded weights goes on meanwhile, and the swap only copies the tensors in."""
+        newest = self.newest
+        if newest is None or newest is self.loaded:
+            return
+        if self.staging is not None and self.staging[0] is newest:
+            return
+        self.staging = (newest, asyncio.create_task(self.fetch(newest)))
+
+    async def swap(self, wait: bool = True) -> None:
+        """Load the newest published weights if they are not ours; ``wait=False``: only if
+        they are already fetched and decoded (else they keep staging, and the caller goes on
+        with the weights it has, which its tickets allow)."""
+        self.stage()
+        if self.staging is None:
+            return
+        newest, task = self.staging
+        if not wait and not task.done():
+            return
+        self.staging = None
+        try:
+            state = await task
+        except BlobNotFound:
+            # Superseded and deleted while we were busy: a newer version is already published.
+            self.bad.add(newest.ref.key)
+            await self.reread()
+            return
+        except Exception as exc:
+            # Corrupt, a WeightsPublished that no trainer wrote, or not a state dict: fall
+            # back to the newest loadable publication before it.
+            await self._unloadable(newest, exc)
+            await self.swap(wait)
+            return
+        try:
+            await self.load(state)
+        except Exception as exc:  # a state dict of some other model
+            await self._unloadable(newest, exc)
+            await self.swap(wait)
+            return
+        self.loaded = newest
+        self.version = newest.version
+
+    async def _unloadable(self, msg: WeightsPublished, exc: Exception) -> None:
+        self.bad.add(msg.ref.key)
+        why = str(exc) if isinstance(exc, BlobError) else f"{type(exc).__name__}: {exc}"
+        await self.warn(WarningRaised(
+            source=self.source, code="weights_unloadable",
+            message=f"weights v{msg.version} ({msg.ref.key}) ignored: {why}",
+        ))
+
+    async def cancel(self) -> None:
+        """Stop the fetch in flight, if any."""
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging[1].cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await staging[1]
