@@ -256,9 +256,6 @@ def _up(argv: list[str]) -> int:
     try:
         file, overrides = parse_config_args(argv)
         cfg = load_config(file, overrides)
-        from tasks.rewards import check_reward_config
-
-        check_reward_config(cfg)  # a missing or broken reward file: exit 2 before any process
         from rlbus.launcher import run_up
 
         return run_up(cfg, argv, sup)

@@ -175,7 +175,8 @@ def run_up(cfg: Config, argv: Sequence[str] = (), sup: Supervisor | None = None)
     resume command and for the overrides a continued run applies to its recorded config."""
     sup = sup if sup is not None else Supervisor().install()
     try:
-        # The data files before anything starts: a bad file is exit 2 naming it (ConfigError).
+        # The data files and the reward settings before anything starts: exit 2 naming the
+        # file or key (ConfigError).
         check_data(cfg)
         return _Up(cfg, argv, sup).run()
     finally:

@@ -366,10 +366,14 @@ def _check_epochs(cfg: Any, n: int) -> None:
 def check_data(cfg: Any) -> set[str]:
     """Load every data file of the run (train and val) as the components will, so that a
     missing or unreadable file, a missing column, a malformed record or an overlong prompt
-    (truncation=error) is a ConfigError before anything starts; returns the data sources of
-    the records loaded (empty without data files)."""
+    (truncation=error) is a ConfigError before anything starts, and the reward settings with
+    them (``tasks.rewards.check_scorers``: the reward file loads, every data source has a
+    scorer); returns the data sources of the records loaded (empty without data files)."""
+    from tasks.rewards import check_scorers
+
     d = cfg.data
     if d.train_files is None and d.val_files is None:
+        check_scorers(cfg, ())  # the reward settings alone (a reward file that cannot load)
         return set()
     if d.train_files is not None and cfg.task.kind == "jsonl":
         raise ConfigError("task.kind", "task.kind=jsonl and data.train_files both name the "
@@ -387,8 +391,6 @@ def check_data(cfg: Any) -> set[str]:
         sources.update(r.data_source for r in records)
         if split == "train":
             _check_epochs(cfg, len(records))
-    from tasks.rewards import check_scorers
-
     check_scorers(cfg, sources)  # a data source nothing can score: refused now, not mid-run
     return sources
 
