@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
@@ -81,8 +82,12 @@ class RedisBlobStore:
 
         sha, parts = await asyncio.to_thread(prepare)
         # One transaction: a reader never sees half of a new blob and half of an old one.
+        # The blob's chunk keys are listed in the run's blobs set (a sweep finds them
+        # without SCAN, which would show every run's key names).
+        chunk_keys = [f"{key}:{i}" for i in range(len(parts))]
         await self.bus.pipeline(
-            [("SET", f"{key}:{i}", part) for i, part in enumerate(parts)], atomic=True
+            [*(("SET", k, part) for k, part in zip(chunk_keys, parts, strict=True)),
+             ("SADD", self.run_keys.blobs, *chunk_keys)], atomic=True
         )
         return BlobRef(store=self.store, key=key, size=size, sha256=sha, chunks=chunks)
 
@@ -103,8 +108,21 @@ class RedisBlobStore:
         )
 
     async def delete(self, ref: BlobRef) -> None:
-        """Remove the blob's chunks. Wraps DEL."""
-        await self.bus.delete(*(f"{ref.key}:{i}" for i in range(max(ref.chunks, 1))))
+        """Remove the blob's chunks. Wraps DEL and SREM (one transaction)."""
+        chunk_keys = [f"{ref.key}:{i}" for i in range(max(ref.chunks, 1))]
+        await self.bus.pipeline([("DEL", *chunk_keys), ("SREM", self.run_keys.blobs,
+                                                        *chunk_keys)], atomic=True)
+
+    async def delete_chunks(self, chunk_keys: Sequence[str]) -> None:
+        """Remove chunk keys found in :meth:`names` (a sweep). Wraps DEL and SREM."""
+        if chunk_keys:
+            await self.bus.pipeline([("DEL", *chunk_keys),
+                                     ("SREM", self.run_keys.blobs, *chunk_keys)], atomic=True)
+
+    async def names(self) -> list[str]:
+        """The chunk keys of every blob stored for the run. Wraps SMEMBERS."""
+        return sorted(k.decode() for k in await self.bus.command("SMEMBERS",
+                                                                 self.run_keys.blobs))
 
 
 class DirBlobStore:

@@ -8,10 +8,14 @@ from collections.abc import Iterable
 
 import msgspec
 
-__all__ = ["RUNS_STREAM", "RunKeys", "validate_run_id"]
+__all__ = ["LOG_ROLES", "RUNS_STREAM", "RunKeys", "validate_run_id"]
 
 RUNS_STREAM = "rlbus:runs"
 """One entry per run (discovery), written by the trainer."""
+
+LOG_ROLES = ("trainer", "rollouter", "profiler", "operator", "logger")
+"""The writing roles of a run's log, in the order ties are broken when its streams are merged
+(the trainer's facts first): each appends to its own stream (:meth:`RunKeys.log`)."""
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -40,7 +44,30 @@ class RunKeys(msgspec.Struct, frozen=True):
 
     @property
     def events(self) -> str:
+        """The trainer's facts (steps, weights, checkpoints, tickets, run start and finish):
+        the log's spine, written only by the trainer's fenced script, archived and trimmed
+        after checkpoints (``run.retention``)."""
         return f"{self.prefix}:events"
+
+    def log(self, role: str) -> str:
+        """The stream of the facts ``role`` states (one writing role per stream, enforced by
+        the ACL users of deploy/redis/users.acl): :attr:`events` for the trainer,
+        ``events:ROLE`` for the others. The run's log is these streams merged by entry id."""
+        if role not in LOG_ROLES:
+            raise ValueError(f"no log stream for role {role!r} (roles: {', '.join(LOG_ROLES)})")
+        return self.events if role == "trainer" else f"{self.events}:{role}"
+
+    @property
+    def log_streams(self) -> tuple[str, ...]:
+        """Every stream of the run's log, in :data:`LOG_ROLES` order."""
+        return tuple(self.log(role) for role in LOG_ROLES)
+
+    def log_role(self, stream: str) -> str | None:
+        """The role whose facts ``stream`` holds (None: not a log stream of this run)."""
+        for role in LOG_ROLES:
+            if self.log(role) == stream:
+                return role
+        return None
 
     @property
     def prompts(self) -> str:
@@ -112,6 +139,12 @@ class RunKeys(msgspec.Struct, frozen=True):
     def alive_pattern(self, role: str = "*") -> str:
         """SCAN MATCH pattern of the liveness keys of ``role`` (every role by default)."""
         return f"{self.prefix}:alive:{role}:*"
+
+    @property
+    def blobs(self) -> str:
+        """The set of the chunk keys of every blob stored in Redis for the run (SADD with
+        each blob, SREM with its deletion): the trainer's sweep reads it instead of SCAN."""
+        return f"{self.prefix}:blobs"
 
     def blob(self, name: str) -> str:
         """Key prefix of blob ``name`` (its chunks are ``...:0``, ``...:1``, ...)."""

@@ -11,10 +11,10 @@ The trainer's lease is the same idea with a fencing token: one trainer per run h
 that first checks the token, so a second trainer, or a paused zombie of the first whose
 lease lapsed, cannot write a single entry.
 
-    ``pulse(bus, key, heartbeat, ttl_s)``                 SET PX
+    ``pulse(bus, key, heartbeat, ttl_s)``                 SET PX + SADD
     ``pulse_forever(bus, key, heartbeat, interval_s, ttl_s, before=, wake=)``
         every component's liveness task: one pulse per interval (or at once on ``wake``)
-    ``peers(bus, pattern) -> list[Heartbeat]``            SCAN MATCH + MGET
+    ``peers(bus, pattern) -> list[Heartbeat]``            SMEMBERS + MGET
     ``Lease(bus, key, token, ttl_s)``
         ``acquire() -> str | None``        SET NX PX; None, or the holder's token when taken
         ``steal(holder) -> bool``          compare-and-set (EVAL) when the holder is known dead
@@ -36,14 +36,25 @@ from bus.errors import EntryGone, Fenced
 from bus.messages import FIELD, DecodeError, Heartbeat, Message, decode, encode
 from bus.streams import Bus
 
-__all__ = ["Lease", "peers", "pulse", "pulse_forever"]
+__all__ = ["Lease", "members_key", "peers", "pulse", "pulse_forever"]
+
+
+def members_key(key_or_pattern: str) -> str:
+    """The set that lists the liveness keys of one role (``...:alive:ROLE:members``), for
+    the liveness key ``...:alive:ROLE:RANK`` or the pattern ``...:alive:ROLE:*``: readers
+    find their peers there, so no component user needs SCAN (which would show the key names
+    of every run on the server)."""
+    return f"{key_or_pattern.rsplit(':', 1)[0]}:members"
 
 
 async def pulse(bus: Bus, key: str, heartbeat: Heartbeat, ttl_s: float) -> None:
-    """Say "alive" for ``ttl_s`` seconds, with ``heartbeat`` as the value. Wraps SET PX."""
+    """Say "alive" for ``ttl_s`` seconds, with ``heartbeat`` as the value, and list the key
+    in its role's members set (:func:`members_key`). Wraps SET PX and SADD (one round
+    trip)."""
     ttl_ms = max(1, int(ttl_s * 1000))
     data = encode(heartbeat)
-    await bus.command("SET", key, data, "PX", ttl_ms)
+    await bus.pipeline([("SET", key, data, "PX", ttl_ms), ("SADD", members_key(key), key)],
+                       atomic=False, op="SET")
 
 
 async def pulse_forever(
@@ -77,9 +88,14 @@ async def pulse_forever(
 
 
 async def peers(bus: Bus, pattern: str) -> list[Heartbeat]:
-    """The latest heartbeats of every live component whose key matches ``pattern``
-    (undecodable values are skipped). Wraps SCAN MATCH, then MGET."""
-    keys = await bus.scan(pattern)
+    """The latest heartbeats of every live component of one role (``pattern``:
+    ``...:alive:ROLE:*``, :meth:`bus.RunKeys.alive_pattern`); undecodable values are
+    skipped. Wraps SMEMBERS of the role's members set, then MGET (a pattern over every role,
+    ``...:alive:*:*``, is read with SCAN MATCH: for tools run as an admin)."""
+    if ":*:" in pattern:
+        keys = await bus.scan(pattern)
+    else:
+        keys = sorted(k.decode() for k in await bus.command("SMEMBERS", members_key(pattern)))
     if not keys:
         return []
     values = await bus.command("MGET", *keys)

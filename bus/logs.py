@@ -86,9 +86,45 @@ class LogCommands(BusClient):
         ]
         return entries, raw_entries[-1][0].decode()
 
+    async def read_after_many(
+        self,
+        positions: dict[str, str],
+        *,
+        count: int = 100,
+        block_ms: int | None = None,
+        on_bad: OnBad | None = None,
+    ) -> dict[str, tuple[list[Entry], str, bool]]:
+        """One read of several streams after their positions: for each stream that had
+        something, ``(entries, cursor, full)``, ``full`` when it returned ``count`` entries
+        (more may follow). Wraps XREAD over several streams (``block_ms`` as in
+        :meth:`read_after`: waits until any of them has something)."""
+        streams = list(positions)
+        reply = await self.command(
+            "XREAD", "COUNT", count, *block_args(block_ms), "STREAMS", *streams,
+            *(positions[s] for s in streams), block_ms=block_ms,
+        )
+        read: dict[str, tuple[list[Entry], str, bool]] = {}
+        for raw_stream, raw_entries in reply or ():
+            stream = raw_stream.decode() if isinstance(raw_stream, bytes) else str(raw_stream)
+            if not raw_entries:
+                continue
+            entries = [
+                entry
+                for entry_id, fields in raw_entries
+                if (entry := decode_fields(stream, entry_id, fields, on_bad)) is not None
+            ]
+            read[stream] = (entries, raw_entries[-1][0].decode(), len(raw_entries) >= count)
+        return read
+
     async def _latest_id(self, stream: str) -> bytes | None:
         reply = await self.command("XREVRANGE", stream, "+", "-", "COUNT", 1)
         return reply[0][0] if reply else None
+
+    async def latest_id(self, stream: str) -> str | None:
+        """The id of the newest entry (decodable or not); None for an empty/missing stream.
+        Wraps XREVRANGE COUNT 1."""
+        raw = await self._latest_id(stream)
+        return None if raw is None else raw.decode()
 
     async def latest(self, stream: str) -> Entry | None:
         """The newest decodable entry, or None for an empty/missing stream.

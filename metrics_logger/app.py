@@ -30,7 +30,7 @@ from bus.files import atomic_write
 from bus.history import events_folder, find_archive
 from bus.messages import ValidationFinished
 from runconfig import Config
-from runtime import Component, Follower
+from runtime import Component, LogFollower
 from runtime import main as run_main
 
 __all__ = [
@@ -51,10 +51,12 @@ LOGGER_NAMES_WRITTEN = ("tensorboard", "wandb")
 
 
 class Position(msgspec.Struct):
-    """Where a logger is in the run's events stream."""
+    """Where a logger is in the run's log: the trainer's stream (``entry_id``) and the
+    rollouters' (validation answers)."""
 
     entry_id: str = "0"
     step: int = 0
+    rollouter_id: str = "0"
 
 
 def logger_names(cfg: Config) -> list[str]:
@@ -187,8 +189,10 @@ class MetricsLogger(Component):
         self.position = self._load()
         self.written = 0
         self.finished = False
-        self.follower = Follower(bus, self.keys.events, self.position.entry_id, count=500,
-                                 fold=self._take)
+        self.follower = LogFollower(
+            bus, self.keys, ("trainer", "rollouter"), count=500, fold=self._take,
+            positions={self.keys.events: self.position.entry_id,
+                       self.keys.log("rollouter"): self.position.rollouter_id})
 
     def _load(self) -> Position:
         try:
@@ -226,6 +230,7 @@ class MetricsLogger(Component):
             for sink in self.sinks:
                 sink.flush()
         self.position.entry_id = self.follower.position
+        self.position.rollouter_id = self.follower.positions[self.keys.log("rollouter")]
         atomic_write(self.path, msgspec.json.encode(self.position))
 
     def _gap(self, after: str, first: str) -> None:

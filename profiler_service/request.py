@@ -148,8 +148,8 @@ async def request_profile(
         _error(f"run {run_id!r} has no events at {bus.url} (is the run id right? has it started?)")
         return EXIT_REFUSED
     # Answers can only come after the request: remember where both streams end now.
-    control_tail = await bus.latest(keys.control)
-    control_cursor = _after(control_tail.id if control_tail else None)
+    control_cursor = _after(await bus.latest_id(keys.control))
+    answers_cursor = _after(await bus.latest_id(keys.log("profiler")))
     request = ProfileRequest(
         request_id=rid,
         steps=list(parsed.steps),
@@ -157,7 +157,7 @@ async def request_profile(
         roles=list(dict.fromkeys(roles)),
         timeout_s=timeout_s,  # the service never serves it after we stopped waiting
     )
-    events_cursor = _after(await bus.publish(keys.events, request))
+    await bus.publish(keys.log("operator"), request)
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -176,8 +176,8 @@ async def request_profile(
                     flush=True,
                 )
                 return EXIT_ACCEPTED
-        async for entry in bus.read_all(keys.events, start=events_cursor):
-            events_cursor = _after(entry.id)
+        async for entry in bus.read_all(keys.log("profiler"), start=answers_cursor):
+            answers_cursor = _after(entry.id)
             msg = entry.msg
             if isinstance(msg, ProfileRequestRefused) and msg.request_id == rid:
                 _error(f"the profiler service refused the request: {msg.reason}")

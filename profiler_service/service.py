@@ -64,6 +64,7 @@ from bus import (
 )
 from bus.files import atomic_write
 from bus.history import events_folder, find_archive
+from bus.keys import LOG_ROLES
 from profiler_service.finish import HOOK_INTERRUPTED_CODE, HOOK_MARKER_NAME, FinishHook
 from profiler_service.manifest import build_manifest, manifest_file, profile_dir, write_manifest
 from profiler_service.schedule import (
@@ -82,7 +83,7 @@ from profiler_service.state import (
 )
 from profiling.hook import hook_env
 from runconfig.schema import Config
-from runtime import Component, Follower
+from runtime import Component, LogFollower
 
 __all__ = [
     "SNAPSHOT_NAME",
@@ -132,9 +133,10 @@ class ProfilerService(Component):
         self.snapshot_path = self.profile_dir / SNAPSHOT_NAME
         self.state = ServiceState()
         """Everything seen on both streams (our own output included), folded."""
-        self.follower = Follower(bus, self.keys.events, fold=self._fold_entries,
-                                 count=READ_COUNT)
-        """Reads the events log; its position is the id of the last entry folded."""
+        self.follower = LogFollower(bus, self.keys, fold=self._fold_entries, count=READ_COUNT,
+                                    skip=self._own)
+        """Reads the run's log (every role's stream, merged); its positions are the ids of
+        the last entries folded."""
         self.control_position = ""
         """Id of the last control entry known (read, or published by us)."""
         self._own_event_ids: set[str] = set()
@@ -165,24 +167,36 @@ class ProfilerService(Component):
             self._dirty = True
             self._relevant += 1
 
+    @property
+    def log_positions(self) -> dict[str, str]:
+        """Tracking positions in the other roles' streams of the log, by role."""
+        return {role: self.follower.positions[self.keys.log(role)]
+                for role in LOG_ROLES if role != "trainer"}
+
+    def _own(self, stream: str, entry: Entry) -> bool:
+        """Our own publication coming back (folded when we published it)."""
+        if stream == self.keys.log(PROFILER_SOURCE) and entry.id in self._own_event_ids:
+            self._own_event_ids.discard(entry.id)
+            return True
+        return False
+
     def _fold_entries(self, entries: Sequence[Entry]) -> None:
-        """The follower's fold: every events entry once, in order; our own publications were
-        folded when we published them."""
+        """The follower's fold: every entry of the log once, in order (our own publications
+        were folded when we published them)."""
         self._events_exist = True
         for entry in entries:
-            if entry.id in self._own_event_ids:
-                self._own_event_ids.discard(entry.id)
-                continue
             self._fold(entry.msg, entry.id)
 
     async def _catch_up(self) -> None:
         """Fold both streams (the events one from the snapshot's position, if any): the state
         a restarted service resumes."""
         snapshot = await self._load_snapshot()
-        self.follower.position = "0"
+        self.follower.positions = dict.fromkeys(self.follower.positions, "0")
         if snapshot is not None:
             self.state = snapshot.state
             self.follower.position = snapshot.events_position
+            self.follower.start_at_end({self.keys.log(role): position for role, position
+                                        in snapshot.log_positions.items()})
             self.control_position = snapshot.control_position
             self._events_exist = True
         self._relevant = 0
@@ -220,7 +234,9 @@ class ProfilerService(Component):
                                     snapshot.events_position)
         # A snapshot says what the log held up to its positions. If the log lacks them (a
         # Redis that lost its tail, or a new run reusing the id) the log wins.
-        checks = [(self.keys.events, snapshot.events_position)]
+        checks = [(self.keys.events, snapshot.events_position),
+                  *((self.keys.log(role), position) for role, position
+                    in snapshot.log_positions.items() if position not in ("", "0"))]
         if snapshot.control_position:
             checks.append((self.keys.control, snapshot.control_position))
         for stream, position in checks:
@@ -239,7 +255,7 @@ class ProfilerService(Component):
             self.control_position = await self.bus.publish(self.keys.control, msg)
             self._fold(msg)
         else:
-            entry_id = await self.bus.publish(self.keys.events, msg)
+            entry_id = await self.bus.publish(self.keys.log(PROFILER_SOURCE), msg)
             self._own_event_ids.add(entry_id)
             self._fold(msg, entry_id)
         self._dirty = True
@@ -310,6 +326,7 @@ class ProfilerService(Component):
             run_id=self.keys.run_id,
             events_position=self.events_position,
             control_position=self.control_position,
+            log_positions=self.log_positions,
         )
         await asyncio.to_thread(_write_snapshot_file, self.snapshot_path, snapshot)
         self._snapshot_of = (snapshot.state, snapshot.events_position)

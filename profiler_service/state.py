@@ -398,6 +398,9 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     """Id of the last events entry folded into ``state`` (every one before it is folded)."""
     control_position: str = ""
     """Id of the last control entry the service knew of ("" for none)."""
+    log_positions: dict[str, str] = {}
+    """Per role other than the trainer's: the id of the last entry of its stream of the log
+    folded into ``state`` (bus.RunKeys.log)."""
 
 
 class _SnapshotFile(msgspec.Struct, frozen=True, kw_only=True):
@@ -416,6 +419,7 @@ class _SnapshotFile(msgspec.Struct, frozen=True, kw_only=True):
     stop_reports: int
     answered: list[str]
     pending: list[PendingRequest]
+    log_positions: dict[str, str] = {}
 
 
 def encode_snapshot(snapshot: Snapshot) -> bytes:
@@ -438,6 +442,7 @@ def encode_snapshot(snapshot: Snapshot) -> bytes:
             stop_reports=state.stop_reports,
             answered=sorted(state.answered),
             pending=list(state.pending),
+            log_positions=dict(snapshot.log_positions),
         )
     )
 
@@ -475,4 +480,5 @@ def decode_snapshot(data: bytes) -> Snapshot | None:
         run_id=raw.run_id,
         events_position=raw.events_position,
         control_position=raw.control_position,
+        log_positions=dict(raw.log_positions),
     )

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from bus import Bus, RunKeys
-from bus.history import events_folder, find_archive, read_history
+from bus.history import events_folder, find_archive
 from bus.messages import (
     Heartbeat,
     Message,
@@ -32,6 +32,7 @@ from bus.messages import (
 )
 from bus.progress import validation_line
 from runconfig import Config
+from runtime import LogFollower
 
 __all__ = ["event_to_json", "inspect_run", "summary_line", "validations_table"]
 
@@ -102,8 +103,9 @@ async def _read(url: str, run_id: str, with_samples: bool, archive: Path | None 
     keys = RunKeys(run_id)
     try:
         folder = await find_archive(bus, keys, archive)
-        events = [(entry_id, msg) async for entry_id, msg
-                  in read_history(bus, keys.events, folder, on_gap=_gap)]
+        log = LogFollower(bus, keys, archive=folder)
+        events = [(entry_id, msg) async for batch in log.history(on_gap=_gap)
+                  for entry_id, msg in batch]
         samples: list[Sample] = []
         if with_samples and events:
             samples = [m async for _, m in bus.read_all(keys.samples) if isinstance(m, Sample)]

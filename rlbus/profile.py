@@ -75,7 +75,7 @@ async def _withdraw(
 ) -> StartProfile | None:
     """Append the withdrawal, then look once more for an answer that beat it (None: none)."""
     keys = RunKeys(run_id)
-    await bus.publish(keys.events, ProfileRequestRefused(
+    await bus.publish(keys.log("operator"), ProfileRequestRefused(
         request_id=request_id,
         reason=f"{WITHDRAWN_PREFIX}: no answer within {timeout_s:g} s",
     ))

@@ -80,6 +80,8 @@ async def run_status(url: str, run_id: str, archive: Path | None = None) -> RunS
     RunStarted was archived still has entries: it has started, and its config is the one of
     the newest RunStarted in ``archive`` (the run's events folder), when that is here."""
     from bus import Bus
+    from bus.authority import refusal
+    from bus.messages import ProfileStopped
 
     status = RunStatus()
     stream = RunKeys(run_id).events
@@ -87,6 +89,10 @@ async def run_status(url: str, run_id: str, archive: Path | None = None) -> RunS
     try:
         async for _, msg in bus.read_all(stream):
             status.fold(msg)
+        # The rollouters' traces are their own facts, in their stream of the log.
+        async for _, msg in bus.read_all(RunKeys(run_id).log("rollouter")):
+            if isinstance(msg, ProfileStopped) and refusal("rollouter", msg) is None:
+                status.fold(msg)
         if not status.started:
             status.started = await bus.length(stream) > 0
         if status.started and status.config is None and archive is not None:

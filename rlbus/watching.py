@@ -147,16 +147,19 @@ class RunWatch:
         self.started = time.monotonic()
         self.finished_at: float | None = None
 
-    async def run(self, url: str, since: str) -> int:
+    async def run(self, url: str, start: str) -> int:
+        """Show the run's log (every role's stream, merged) after ``start`` (an id of the
+        trainer's stream) until the run ends; the exit code."""
         from bus import Bus
+        from runtime import LogFollower, since
 
         bus = Bus.from_url(url)
         try:
-            last = since
+            log = LogFollower(bus, self.keys, count=500)
+            log.start_at_end(dict.fromkeys(log.positions, since(start)))
+            log.position = start
             while (rc := self._verdict()) is None:
-                entries, last = await bus.read_after(self.keys.events, last, count=500,
-                                                     block_ms=int(POLL_S * 1000))
-                for _, msg in entries:
+                for _, msg in await log.poll(block_ms=int(POLL_S * 1000)):
                     self._show(msg)
             return rc
         finally:

@@ -57,7 +57,7 @@ from rollouter.scoring import RewardPool, Score, ScoreItem
 from rollouter.validation import Validator, build_validator
 from rollouter.weights import HeldWeights
 from runconfig import Config, ConfigError
-from runtime import Component, Failure, Follower, settle_heap
+from runtime import Component, Failure, LogFollower, settle_heap
 
 __all__ = ["Rollouter", "TrainerGone"]
 
@@ -109,8 +109,10 @@ class Rollouter(Component):
             load=lambda state: self.off(self.policy.load_state, state),
             warn=self.publish, reread=self._poll_events)
         self.finished = False
-        # One reader of the events log for the ticket loop and the step watcher alike.
-        self.follower = Follower(bus, self.keys.events, fold=self._fold, count=1000)
+        # One reader of the log (the trainer's facts, and the replicas' validation answers)
+        # for the ticket loop and the step watcher alike.
+        self.follower = LogFollower(bus, self.keys, ("trainer", "rollouter"), fold=self._fold,
+                                    count=1000)
         self.trainer_absent_since: float | None = time.monotonic()
         self.trainer_seen = False
         # The trainer's step boundaries read from the log: this rollouter's profiling steps.
@@ -580,7 +582,7 @@ class Rollouter(Component):
                 finished = await self._validate(d.msg)
             finally:
                 self.validating = None
-            await self.consumer.publish_and_ack(self.keys.events, [finished], d.id)
+            await self.consumer.publish_and_ack(self.keys.log(self.role), [finished], d.id)
             self.validated.add(finished.request_id)
             self.busy_s += finished.duration_s
 

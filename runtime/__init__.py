@@ -18,14 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from runtime.component import Component, Failure, Restart, settle_heap
-    from runtime.follower import Follower
+    from runtime.follower import Follower, LogFollower, since
     from runtime.process import main
 
-__all__ = ["Component", "Failure", "Follower", "Restart", "main", "settle_heap"]
+__all__ = ["Component", "Failure", "Follower", "LogFollower", "Restart", "main", "settle_heap",
+           "since"]
 
 _HOME = {"Component": "component", "Failure": "component", "Restart": "component",
          "settle_heap": "component",
-         "Follower": "follower", "main": "process"}
+         "Follower": "follower", "LogFollower": "follower", "main": "process",
+         "since": "follower"}
 
 
 def __getattr__(name: str) -> Any:

@@ -166,9 +166,9 @@ class Component:
         return await self.submit(functools.partial(fn, *args, **kwargs))
 
     async def publish(self, *events: Event) -> None:
-        """Append events to the run's events stream (one round trip)."""
+        """Append events to this role's stream of the run's log (one round trip)."""
         if events:
-            await self.bus.publish_many(self.keys.events, list(events))
+            await self.bus.publish_many(self.keys.log(self.role), list(events))
 
     async def read_commands(self) -> list[Command]:
         """New profiling commands on the run's control stream (one non-blocking XREAD)."""

@@ -21,19 +21,35 @@ what it has not read while it lives.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
-from bus import BadEntry, Bus, Entry, entry_key
+from bus import BadEntry, Bus, Entry, RunKeys, entry_key
+from bus.authority import refusal
 from bus.history import read_history
+from bus.keys import LOG_ROLES
 
-__all__ = ["Follower"]
+__all__ = ["Follower", "LogFollower", "since"]
+
+log = logging.getLogger(__name__)
 
 Fold = Callable[[Sequence[Entry]], None]
 
 
 def _after(entry_id: str, position: str) -> bool:
     return entry_key(entry_id) > entry_key(position)
+
+
+def since(entry_id: str | None) -> str:
+    """A position in another stream of the log that reads what was written from
+    ``entry_id``'s millisecond on (entry ids of different streams compare by Redis's clock;
+    within one millisecond their order is unknown, so that millisecond is read too)."""
+    if entry_id is None or entry_id in ("0", "0-0"):
+        return "0"
+    ms = int(entry_id.partition("-")[0])
+    return f"{ms - 1}-{2**64 - 1}" if ms > 0 else "0"
 
 
 class Follower:
@@ -100,3 +116,164 @@ class Follower:
                                                     on_bad=self.on_bad)
         self.caught_up = len(entries) < self.count
         return self._take(entries, cursor)
+
+
+class LogFollower:
+    """Follows a run's log: the streams of several writing roles (``roles``, each its own
+    stream, :meth:`bus.RunKeys.log`), merged by entry id into one sequence; ``fold`` gets
+    every new entry once, in that order. Within one millisecond (entry ids of different
+    streams can tie on time) the role order of :data:`bus.keys.LOG_ROLES` decides: the
+    trainer's facts first.
+
+    Every entry is checked against what its stream's role may state
+    (:func:`bus.authority.refusal`): an entry its role may not state is refused (logged,
+    handed to ``on_refused(role, entry, reason)``), never folded; the position moves past it.
+
+    ``positions`` maps a stream to the id after which to start (``"0"`` by default);
+    :attr:`position` is where the reader stands in the trainer's stream (what the trainer's
+    events trim keeps for it);
+    ``archive`` is the trainer's events archive (only :attr:`bus.RunKeys.events` is
+    archived and trimmed)."""
+
+    def __init__(self, bus: Bus, keys: RunKeys, roles: Sequence[str] = LOG_ROLES,
+                 positions: Mapping[str, str] | None = None, *, fold: Fold | None = None,
+                 archive: Path | None = None, count: int = 1000,
+                 on_bad: Callable[[BadEntry], None] | None = None,
+                 on_refused: Callable[[str, Entry, str], None] | None = None,
+                 skip: Callable[[str, Entry], bool] | None = None) -> None:
+        self.bus = bus
+        self.keys = keys
+        self.roles = {keys.log(role): role for role in LOG_ROLES if role in roles}
+        self._rank = {stream: i for i, stream in enumerate(self.roles)}
+        self.positions = {s: (positions or {}).get(s, "0") for s in self.roles}
+        """Per stream: id of the last entry read (or passed over); ``"0"`` before any."""
+        self.fold = fold
+        self.archive = archive
+        self.count = count
+        self.on_bad = on_bad
+        self.on_refused = on_refused
+        self.skip = skip
+        """``skip(stream, entry)``: True for an entry the reader already folded (its own
+        publication, folded when written); the position moves past it."""
+        self.refused = 0
+        """How many entries were refused (:func:`bus.authority.refusal`)."""
+        self.caught_up = False
+
+    @property
+    def position(self) -> str:
+        """Where this reader stands in the trainer's events stream (what the trainer's
+        events trim keeps for it); ``"0"`` when it does not follow that stream."""
+        return self.positions.get(self.keys.events, "0")
+
+    @position.setter
+    def position(self, entry_id: str) -> None:
+        if self.keys.events in self.positions:
+            self.positions[self.keys.events] = entry_id
+
+    def start_at_end(self, positions: Mapping[str, str]) -> None:
+        """Start after ``positions`` (e.g. what :meth:`ends` returned): the past is not
+        news."""
+        self.positions.update({s: p for s, p in positions.items() if s in self.positions})
+
+    async def ends(self) -> dict[str, str]:
+        """The id of each followed stream's newest entry now (``"0"`` for an empty one).
+        Wraps XREVRANGE COUNT 1 per stream."""
+        ends: dict[str, str] = {}
+        for stream in self.roles:
+            latest = await self.bus.latest_id(stream)
+            ends[stream] = latest or "0"
+        return ends
+
+    def _admit(self, stream: str, entries: Sequence[Entry]) -> list[Entry]:
+        role = self.roles[stream]
+        admitted = []
+        for entry in entries:
+            reason = refusal(role, entry.msg)
+            if reason is None:
+                admitted.append(entry)
+                continue
+            self.refused += 1
+            log.warning("refusing entry %s of %s: %s", entry.id, stream, reason)
+            if self.on_refused is not None:
+                self.on_refused(role, entry, reason)
+        return admitted
+
+    def _take(self, merged: Sequence[tuple[str, Entry]]) -> list[Entry]:
+        """Fold merged ``(stream, entry)`` pairs after the positions; the positions move
+        past them. No await: one step of the loop."""
+        new: list[Entry] = []
+        for stream, entry in merged:
+            if not _after(entry.id, self.positions[stream]):
+                continue
+            self.positions[stream] = entry.id
+            if self.skip is None or not self.skip(stream, entry):
+                new.extend(self._admit(stream, [entry]))
+        if new and self.fold is not None:
+            self.fold(new)
+        return new
+
+    def _order(self, stream: str, entry: Entry) -> tuple[tuple[int, int], int]:
+        return entry_key(entry.id), self._rank[stream]
+
+    async def history(self, on_gap: Callable[[str, str], None] | None = None,
+                      ) -> AsyncIterator[list[Entry]]:
+        """Everything after the positions up to the end of each stream, merged, in
+        batches (the trainer's archive first where its stream was trimmed)."""
+        async with contextlib.AsyncExitStack() as stack:
+            heads: dict[str, tuple[AsyncIterator[Entry], Entry]] = {}
+            for stream in self.roles:
+                it = read_history(self.bus, stream,
+                                  self.archive if stream == self.keys.events else None,
+                                  self.positions[stream], count=self.count,
+                                  on_bad=self.on_bad, on_gap=on_gap)
+                await stack.enter_async_context(contextlib.aclosing(it))
+                first = await anext(it, None)
+                if first is not None:
+                    heads[stream] = (it, first)
+            batch: list[tuple[str, Entry]] = []
+            while heads:
+                stream = min(heads, key=lambda s: self._order(s, heads[s][1]))
+                it, entry = heads[stream]
+                batch.append((stream, entry))
+                following = await anext(it, None)
+                if following is None:
+                    del heads[stream]
+                else:
+                    heads[stream] = (it, following)
+                if len(batch) >= self.count:
+                    yield self._take(batch)
+                    batch = []
+            if batch:
+                yield self._take(batch)
+        self.caught_up = True
+
+    async def catch_up(self, on_gap: Callable[[str, str], None] | None = None) -> int:
+        """Fold everything after the positions (:meth:`history`); how many entries."""
+        read = 0
+        async for batch in self.history(on_gap):
+            read += len(batch)
+        return read
+
+    async def poll(self, block_ms: int | None = None) -> list[Entry]:
+        """One read of every stream after its position (wraps XREAD over them all;
+        ``block_ms``: wait at most that long for something new): the new entries, merged
+        and folded. A stream that filled the read's ``count`` may have more before what
+        another stream returned: entries after the earliest such cut wait for the next
+        read, so the merged order never goes back."""
+        read = await self.bus.read_after_many(dict(self.positions), count=self.count,
+                                              block_ms=block_ms, on_bad=self.on_bad)
+        full = [cursor for _, cursor, is_full in read.values() if is_full]
+        cut = min(full, key=entry_key) if full else None
+        self.caught_up = cut is None
+        merged: list[tuple[str, Entry]] = []
+        passed: dict[str, str] = {}
+        for stream, (entries, cursor, _) in read.items():
+            merged.extend((stream, e) for e in entries if cut is None or not _after(e.id, cut))
+            if cut is None or not _after(cursor, cut):
+                passed[stream] = cursor  # garbage passed over: never read twice
+        merged.sort(key=lambda pair: self._order(*pair))
+        new = self._take(merged)
+        for stream, cursor in passed.items():
+            if _after(cursor, self.positions[stream]):
+                self.positions[stream] = cursor
+        return new

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from bus import Bus, Message, RunKeys
-from bus.history import find_archive, read_history
+from bus.history import find_archive
+from runtime import LogFollower
 from tests.waits import Watched, wait_exit_blocking
 
 __all__ = ["FAST", "Procs", "events_of", "run_cli"]
@@ -81,15 +82,18 @@ class Procs:
 
 
 async def events_of(bus: Bus, stream: str) -> list[Message]:
-    """Every entry of ``stream``; for a run's events stream, the events that retention
-    archived (found through the path the trainer recorded, bus.history) and then the
-    stream's."""
+    """Every entry of ``stream``; for a run's events stream, the run's whole log: the events
+    that retention archived (found through the path the trainer recorded, bus.history),
+    then the stream's, merged with the other roles' streams (entries a role may not state
+    are refused, as every component refuses them)."""
     m = re.fullmatch(r"rlbus:\{(.+)\}:events", stream)
     if m is None:
         return [msg async for _, msg in bus.read_all(stream)]
     keys = RunKeys(m[1])
     archive = await find_archive(bus, keys, None)
-    return [msg async for _, msg in read_history(bus, stream, archive)]
+    # The whole log: every role's stream, merged by id (what the components fold).
+    log = LogFollower(bus, keys, archive=archive)
+    return [msg async for batch in log.history() for _, msg in batch]
 
 
 def run_cli(*args: str, timeout_s: float = 120, cwd: Path | None = None) -> (

@@ -10,7 +10,8 @@ import pytest
 import redis
 
 from bus import RunKeys
-from tests.compose_redis import AclRedis
+from bus.acl import acl_file
+from tests.compose_redis import ROOT, AclRedis
 
 RUN = "acl-run"
 OTHER = RunKeys("someone-else")
@@ -39,13 +40,15 @@ def test_rollouter_cannot_write_control_or_prompts_but_does_its_job(server: AclR
     _denied(lambda: c.xadd(KEYS.prompts, {"m": b"forged ticket"}))
     _denied(lambda: c.set(KEYS.barrier, 99))
     _denied(lambda: c.delete(KEYS.events))
-    # What it needs: claim tickets, publish samples and events, read control and weights.
+    _denied(lambda: c.xadd(KEYS.events, {"m": b"RunFinished"}))  # the trainer's facts
+    # What it needs: claim tickets, publish samples and its own facts, read the log, control
+    # and weights.
     c.xgroup_create(KEYS.prompts, "rollouter", id="0", mkstream=True)
     got = c.xreadgroup("rollouter", "r0", {KEYS.prompts: ">"}, count=1)
     c.xack(KEYS.prompts, "rollouter", got[0][1][0][0])
     c.xadd(KEYS.samples, {"m": b"sample"})
-    c.xadd(KEYS.events, {"m": b"event"})
-    c.xread({KEYS.control: "0"})
+    c.xadd(KEYS.log("rollouter"), {"m": b"event"})
+    c.xread({KEYS.control: "0", KEYS.events: "0", KEYS.log("rollouter"): "0"})
     c.mget([KEYS.blob("weights-v0") + ":0"])
     c.set(KEYS.alive("rollouter", 0), b"hb", px=3000)
     c.close()
@@ -70,6 +73,7 @@ def test_logger_only_reads_events(server: AclRedis) -> None:
     c = server.client("logger")
     c.xrange(KEYS.events)
     _denied(lambda: c.xadd(KEYS.events, {"m": b"WeightsPublished"}))
+    _denied(lambda: c.xadd(KEYS.log("rollouter"), {"m": b"ValidationFinished"}))
     _denied(lambda: c.xrange(KEYS.samples))
     c.close()
 
@@ -96,3 +100,64 @@ def test_wrong_password_and_the_default_user_are_refused(server: AclRedis, tmp_p
     with pytest.raises(redis.exceptions.AuthenticationError):
         wrong.ping()
     wrong.close()
+
+
+def test_the_acl_file_is_what_bus_acl_generates() -> None:
+    assert (ROOT / "deploy" / "redis" / "users.acl").read_text() == acl_file(), (
+        "deploy/redis/users.acl is stale: run .venv/bin/python -m bus.acl > "
+        "deploy/redis/users.acl")
+
+
+def _dryrun(admin: redis.Redis, user: str, *command: Any) -> bool:
+    """Whether ``user`` may run ``command`` (ACL DRYRUN: nothing is executed)."""
+    try:
+        reply = admin.execute_command("ACL", "DRYRUN", user, *command)
+    except redis.exceptions.ResponseError:
+        return False
+    return reply in (b"OK", "OK")
+
+
+# What the forgeries of issue 22 need, refused for every user but the trainer (and admin).
+FORGERIES: dict[str, tuple[Any, ...]] = {
+    "append a trainer fact": ("XADD", KEYS.events, "*", "m", "x"),
+    "replace the log by a string": ("SET", KEYS.events, "x"),
+    "expire the samples": ("PEXPIRE", KEYS.samples, 1),
+    "delete the log": ("DEL", KEYS.events),
+    "fake the trainer's pulse": ("SET", KEYS.alive("trainer", 0), "x"),
+    "list every run's keys": ("SCAN", 0),
+    "take the trainer's lease": ("SET", KEYS.trainer_lease, "x"),
+    "append to another role's stream": ("XADD", KEYS.log("profiler"), "*", "m", "x"),
+}
+
+
+@pytest.mark.parametrize("user", ["rollouter", "logger", "operator"])
+@pytest.mark.parametrize("what", sorted(FORGERIES))
+def test_no_other_role_may_forge_the_trainers_facts(server: AclRedis, user: str, what: str,
+                                                    ) -> None:
+    admin = server.client("admin")
+    assert not _dryrun(admin, user, *FORGERIES[what]), f"{user} may {what}"
+    admin.close()
+
+
+@pytest.mark.parametrize("what", sorted(set(FORGERIES) - {"append to another role's stream"}))
+def test_the_profiler_may_not_forge_either(server: AclRedis, what: str) -> None:
+    admin = server.client("admin")
+    assert not _dryrun(admin, "profiler", *FORGERIES[what]), f"profiler may {what}"
+    assert not _dryrun(admin, "profiler", "XADD", KEYS.log("rollouter"), "*", "m", "x")
+    admin.close()
+
+
+@pytest.mark.parametrize("user", COMPONENTS + ("operator",))
+def test_each_role_appends_to_its_own_stream_of_the_log_only(server: AclRedis, user: str,
+                                                             ) -> None:
+    admin = server.client("admin")
+    own = KEYS.log(user)
+    assert _dryrun(admin, user, "XADD", own, "*", "m", "x")
+    for role in ("trainer", "rollouter", "profiler", "logger", "operator"):
+        if role != user:
+            assert not _dryrun(admin, user, "XADD", KEYS.log(role), "*", "m", "x"), (user, role)
+        assert not _dryrun(admin, user, "SET", KEYS.log(role), "x"), (user, role)
+    # Every component reads the whole log in one XREAD.
+    streams = [KEYS.log(r) for r in ("trainer", "rollouter", "profiler")]
+    assert _dryrun(admin, user, "XREAD", "STREAMS", *streams, *["0"] * len(streams))
+    admin.close()

@@ -46,6 +46,7 @@ from runconfig import config_to_dict, load_config
 from tests.waits import (
     Watched,
     event,
+    read_log,
     wait_exit,
     wait_exit_blocking,
     wait_for,
@@ -110,7 +111,8 @@ def launch(tmp_path: Path) -> Iterator[Launch]:
 
 
 async def entries(bus: Bus, stream: str) -> list[Entry]:
-    return [e async for e in bus.read_all(stream)]
+    """Every entry of ``stream`` (of the run's whole log, merged, for its events key)."""
+    return await read_log(bus, stream)
 
 
 def decided(beat: Heartbeat) -> bool:
@@ -274,7 +276,7 @@ async def test_started_after_run_started_requests_manifest_and_hook_once(
     )
     for session in (planned, requested):
         for role in ("trainer", "rollouter"):
-            await bus.publish(run_keys.events, stopped(session, role))
+            await bus.publish(run_keys.log(role), stopped(session, role))
     manifest_path = tmp_path / "profiles" / run_id / "manifest.json"
 
     def complete_manifest() -> list[dict[str, Any]] | None:
@@ -362,7 +364,7 @@ async def test_finish_hook_is_never_run_twice_even_if_the_service_dies_in_it(
     await wait_ready(bus, run_keys, proc)
     (session,) = of([e.msg for e in await entries(bus, run_keys.control)], StartProfile)
     for role in ("trainer", "rollouter"):
-        await bus.publish(run_keys.events, stopped(session, role))
+        await bus.publish(run_keys.log(role), stopped(session, role))
     await bus.publish(run_keys.events, RunFinished(run_id=run_id, steps=10))
     assert await wait_exit(proc, WAIT_S) == -signal.SIGKILL
     assert not of([e.msg for e in await entries(bus, run_keys.events)], ProfilerFinished)
@@ -420,7 +422,7 @@ async def test_a_request_nobody_waits_for_any_more_is_refused_by_a_later_service
     (old,) = [e for e in await entries(bus, run_keys.events)
               if isinstance(e.msg, ProfileRequest)]
     assert old.msg.timeout_s == 0.2  # the client says how long it waits
-    await bus.publish(run_keys.events, ProfileRequest(request_id="fresh", steps=[6],
+    await bus.publish(run_keys.log("operator"), ProfileRequest(request_id="fresh", steps=[6],
                                                       timeout_s=3600.0))
     await until_redis_clock_passes(bus, old.id, old.msg.timeout_s)
 
@@ -460,7 +462,7 @@ async def test_restart_reads_only_the_log_after_its_snapshot_unless_the_log_lost
     await stop_after_step(proc, 1)
     # While no service runs: a step and a request.
     await bus.publish(run_keys.events, StepStarted(step=2, param_version=1))
-    await bus.publish(run_keys.events, ProfileRequest(request_id="q", steps=[4]))
+    await bus.publish(run_keys.log("operator"), ProfileRequest(request_id="q", steps=[4]))
     again = launch(config)
     await wait_log(again, "read 2 relevant entries from the log after the snapshot at", WAIT_S)
     await wait_for(bus, run_keys.control, event(StartProfile, request_id="q"), WAIT_S, [again])
@@ -511,16 +513,18 @@ async def test_restart_without_a_snapshot_folds_the_archive_and_the_stream(
     archive = events_folder(tmp_path / "outputs", run_id)
     done = await archive_below(bus, run_keys.events, archive, last.id,
                                readers=run_keys.events_readers())
-    assert done.trimmed > 3 and await bus.length(run_keys.events) == 1
+    assert done.trimmed == 3 and await bus.length(run_keys.events) == 1
     again = launch(config)
     await wait_decided(bus, run_keys, again)
     assert "after the snapshot" not in again.log()
-    await bus.publish(run_keys.events, ProfileRequest(request_id="q", steps=[6]))
+    await bus.publish(run_keys.log("operator"), ProfileRequest(request_id="q", steps=[6]))
     await wait_for(bus, run_keys.control, event(StartProfile, request_id="q"), WAIT_S, [again])
     control = [e.msg for e in await entries(bus, run_keys.control)]
     assert [c.session_id for c in of(control, StartProfile)] == ["s1-1", "rq-s6-6"]
     history = [e.msg async for e in read_history(bus, run_keys.events, archive)]
-    assert len(of(history, ProfilerReady)) == 1
+    assert len(of(history, RunStarted)) == 1
+    answers = [e.msg for e in await entries(bus, run_keys.log("profiler"))]
+    assert len(of(answers, ProfilerReady)) == 1  # not published again
     again.send_signal(signal.SIGTERM)
     assert await wait_exit(again, WAIT_S) == 0
 
@@ -598,7 +602,7 @@ async def test_guard_refusal_decides_again_with_the_new_barrier(
     monkeypatch.setattr(bus, "get_barrier", get_barrier)
     for req in (ProfileRequest(request_id="n1", next_steps=1),
                 ProfileRequest(request_id="e4", steps=[4])):
-        await bus.publish(run_keys.events, req)
+        await bus.publish(run_keys.log("operator"), req)
     service.state = ServiceState()
     await service._catch_up()
     service._dirty = True
@@ -625,7 +629,7 @@ async def test_guarded_publish_that_landed_despite_a_refused_retry_is_not_sent_t
     config = write_config(tmp_path, redis_url, run_id, steps=[])
     await bus.publish(run_keys.events, run_started(config, run_id))
     await bus.publish(run_keys.events, StepStarted(step=2, param_version=1))
-    await bus.publish(run_keys.events, ProfileRequest(request_id="q", next_steps=1))
+    await bus.publish(run_keys.log("operator"), ProfileRequest(request_id="q", next_steps=1))
     real = bus.publish_guarded
 
     async def lost_reply(stream: str, msg: Any, guard_key: str, first_step: int) -> None:

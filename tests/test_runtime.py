@@ -35,7 +35,7 @@ def _cfg(redis_url: str, run_id: str, tmp_path: Path) -> Config:
 class Probe(Component):
     """A component that serves until told to, records its hooks, keeps a position."""
 
-    role = "probe"
+    role = "logger"
 
     def __init__(self, cfg: Config, bus: Bus, fail: str | None = None) -> None:
         super().__init__(cfg, bus)
@@ -73,14 +73,14 @@ async def test_alive_from_start_to_exit_with_its_position_kept(
     await probe.serving.wait()
     async with asyncio.timeout(30):  # the second pulse came after the position was stored
         await probe.pulsed_twice.wait()
-    raw = await bus.command("GET", run_keys.alive("probe", 0))
+    raw = await bus.command("GET", run_keys.alive("logger", 0))
     beat = decode(raw)
-    assert isinstance(beat, Heartbeat) and beat.role == "probe" and beat.state == "running"
-    assert await bus.get_text(run_keys.position("probe")) == "5-0"
+    assert isinstance(beat, Heartbeat) and beat.role == "logger" and beat.state == "running"
+    assert await bus.get_text(run_keys.position("logger")) == "5-0"
     probe.go.set()
     assert await task == 7
     assert probe.torn_down
-    assert not await bus.exists(run_keys.alive("probe", 0)), "a clean exit is not a silent death"
+    assert not await bus.exists(run_keys.alive("logger", 0)), "a clean exit is not a silent death"
 
 
 async def test_a_named_failure_is_one_event_and_exit_code_1(
@@ -90,7 +90,7 @@ async def test_a_named_failure_is_one_event_and_exit_code_1(
     probe.go.set()
     assert await probe.run() == 1
     failed = [e for e in await events_of(bus, run_keys.events) if isinstance(e, ComponentFailed)]
-    assert [(f.role, f.error) for f in failed] == [("probe", "the peer is gone")]
+    assert [(f.role, f.error) for f in failed] == [("logger", "the peer is gone")]
     assert probe.torn_down
 
 
@@ -104,7 +104,7 @@ async def test_a_failed_set_up_never_says_alive(
     probe = Refused(_cfg(redis_url, run_id, tmp_path), bus)
     assert await probe.run() == 1
     assert probe.pulses == 0 and not probe.serving.is_set()
-    assert not await bus.exists(run_keys.alive("probe", 0))
+    assert not await bus.exists(run_keys.alive("logger", 0))
 
 
 async def test_a_restart_builds_a_fresh_component_a_bounded_number_of_times(

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bus import Bus, Entry, Heartbeat, Message, peers
+from bus import Bus, Entry, Heartbeat, Message, RunKeys, entry_key, peers
+from bus.keys import LOG_ROLES
 
 __all__ = [
     "POLL_S",
@@ -31,6 +33,8 @@ __all__ = [
     "Watched",
     "event",
     "follow",
+    "log_keys",
+    "read_log",
     "wait_exit",
     "wait_exit_blocking",
     "wait_for",
@@ -181,6 +185,39 @@ def _describe(pred: Callable[..., Any]) -> str:
     return f"an entry matching {getattr(pred, '__name__', repr(pred))}{where}"
 
 
+_EVENTS = re.compile(r"^rlbus:\{(?P<run>[^}]+)\}:events$")
+
+
+def log_keys(stream: str) -> RunKeys | None:
+    """The run whose log ``stream`` names, when it is a run's (trainer's) events stream: the
+    waits below then read the whole log, every role's stream merged by entry id."""
+    m = _EVENTS.match(stream)
+    return None if m is None else RunKeys(m.group("run"))
+
+
+async def read_log(bus: Bus, stream: str) -> list[Entry]:
+    """Every entry of ``stream``; of the run's whole log (every role's stream, merged by id,
+    nothing refused: a test sees what was written) when ``stream`` is a run's events key."""
+    keys = log_keys(stream)
+    if keys is None:
+        return [e async for e in bus.read_all(stream)]
+    tagged = []
+    for rank, role in enumerate(LOG_ROLES):
+        tagged += [(entry_key(e.id), rank, e) async for e in bus.read_all(keys.log(role))]
+    return [e for _, _, e in sorted(tagged, key=lambda t: (t[0], t[1]))]
+
+
+async def _read_after(bus: Bus, stream: str, cursors: dict[str, str]) -> list[Entry]:
+    """One blocking read of ``stream`` (of every stream of the run's log, when it is a run's
+    events key) after ``cursors``, which move on."""
+    read = await bus.read_after_many(cursors, count=1000, block_ms=200)
+    entries: list[tuple[Any, int, Entry]] = []
+    for name, (got, cursor, _) in read.items():
+        cursors[name] = cursor
+        entries += [(entry_key(e.id), list(cursors).index(name), e) for e in got]
+    return [e for _, _, e in sorted(entries, key=lambda t: (t[0], t[1]))]
+
+
 async def follow(
     bus: Bus,
     stream: str,
@@ -194,9 +231,11 @@ async def follow(
     ``timeout_s`` pass first, or when a watched process exits non-zero."""
     watch = list(watch)
     deadline = time.monotonic() + timeout_s
-    cursor = after
+    keys = log_keys(stream)
+    streams = [stream] if keys is None else list(keys.log_streams)
+    cursors = dict.fromkeys(streams, after)
     while True:
-        entries, cursor = await bus.read_after(stream, cursor, count=1000, block_ms=200)
+        entries = await _read_after(bus, stream, cursors)
         for entry_id, msg in entries:
             yield entry_id, msg
         _check_alive(what, watch)
@@ -232,7 +271,7 @@ async def wait_stream(
     seen: list[Entry] = []
 
     async def probe() -> list[Entry] | None:
-        seen[:] = [e async for e in bus.read_all(stream)]
+        seen[:] = await read_log(bus, stream)
         return list(seen) if done([e.msg for e in seen]) else None
 
     return await wait_until(probe, f"{what} on {stream}", timeout_s, watch)

@@ -19,10 +19,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from bus import Bus, Entry, RunKeys
-from bus.history import events_folder
 from bus.messages import ValidationFinished, ValidationRequested
 from runconfig import Config
-from runtime import Follower
+from runtime import LogFollower, since
 from trainer.writer import Writer
 
 __all__ = ["Validations", "last_version", "request_id", "validation_due"]
@@ -58,11 +57,8 @@ class Validations:
         self.keys = keys
         self.writer = writer
         self.pending: set[str] = set()
-        # The archive too: retention after a checkpoint archives and trims events below it,
-        # answers given during the run included (this reader's position is not one the trim
-        # keeps for).
-        self.events = Follower(bus, keys.events, fold=self._fold,
-                               archive=events_folder(cfg.run.output_dir, keys.run_id))
+        # The answers are the rollouters' facts: their own stream of the log.
+        self.events = LogFollower(bus, keys, ("rollouter",), fold=self._fold)
         self.started = False
 
     def _fold(self, entries: Sequence[Entry]) -> None:
@@ -77,7 +73,8 @@ class Validations:
             return
         if not self.started:
             # Answers come after the request: read the log from here on.
-            self.events.position = self.writer.position or "0"
+            self.events.start_at_end(
+                dict.fromkeys(self.events.positions, since(self.writer.position)))
             self.started = True
         else:
             await self.events.catch_up()  # answers so far; keeps the position near the end

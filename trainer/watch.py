@@ -33,7 +33,7 @@ from bus.messages import (
     decode,
 )
 from runconfig import Config
-from runtime import Failure, Follower
+from runtime import Failure, Follower, LogFollower, since
 
 __all__ = ["FAILURE_LIMIT", "PeerDead", "Watch"]
 
@@ -64,7 +64,8 @@ class Watch:
         self.profiler_ready = asyncio.Event()
         self.dead_tickets: list[PromptTicket] = []  # dead-lettered by rollouters: to close
         self.lost_samples: list[Sample] = []  # dead-lettered from our group: reissue them
-        self.events = Follower(bus, keys.events, fold=self._fold_events)
+        # The other roles' facts the trainer acts on: rollouts failing, the profiler ready.
+        self.events = LogFollower(bus, keys, ("rollouter", "profiler"), fold=self._fold_events)
         self.dead = Follower(bus, keys.dlq, fold=self._fold_dead)
 
     # ------------------------------------------------------------------ reports
@@ -72,7 +73,7 @@ class Watch:
     def follow_from(self, position: str | None) -> None:
         """Reports start after ``position`` (the log the trainer folded: the past is not
         news)."""
-        self.events.position = position or "0"
+        self.events.start_at_end(dict.fromkeys(self.events.positions, since(position)))
 
     async def follow(self) -> None:
         """Background, until cancelled: new events (a blocking read) and dead letters."""

@@ -70,7 +70,7 @@ class Weights:
         """On resume: delete weight blobs in Redis that no kept publication names (written
         by an earlier incarnation that died before publishing or deleting them)."""
         keep = {ref.key for _, ref in self.writer.state.weights[-KEEP_WEIGHTS:]}
-        stale = [key for key in await self.bus.scan(self.keys.blob("weights-*"))
-                 if key.rsplit(":", 1)[0] not in keep]
-        if stale:
-            await self.bus.delete(*stale)
+        prefix, store = self.keys.blob("weights-"), RedisBlobStore(self.bus, self.keys)
+        await store.delete_chunks([key for key in await store.names()
+                                   if key.startswith(prefix)
+                                   and key.rsplit(":", 1)[0] not in keep])
