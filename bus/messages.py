@@ -264,7 +264,11 @@ class ProfileRequestRefused(_Base, frozen=True):
 
 
 class Heartbeat(_Base, frozen=True):
-    """A component is alive; ``state`` says what it is doing."""
+    """A component is alive; ``state`` says what it is doing. ``progress``: a counter of
+    the process's work (a rollouter's decode steps, scored responses, published samples,
+    loaded weights) that moves only when that work moves, never by the pulse alone, so a
+    live process whose work is wedged shows as stuck; monotonic per ``pid``; None: not
+    reported (an older process, or a role without it)."""
 
     role: str
     rank: int
@@ -272,6 +276,7 @@ class Heartbeat(_Base, frozen=True):
     state: str = "running"
     ts: float = msgspec.field(default_factory=_now)
     metrics: dict[str, float] = {}
+    progress: int | None = None
 
 
 class RolloutFailed(_Base, frozen=True):

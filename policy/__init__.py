@@ -28,6 +28,7 @@ __all__ = [
     "StepFn",
     "build_policy",
     "decode_loop",
+    "decode_steps",
     "eos_set",
     "filter_logits",
     "left_pad",
@@ -194,6 +195,20 @@ def _sample(last: torch.Tensor, temperature: float, top_k: int, top_p: float,
     return torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator).squeeze(-1)
 
 
+class _Steps:
+    count = 0
+
+
+_STEPS = _Steps()
+
+
+def decode_steps() -> int:
+    """Forward passes :func:`decode_loop` has made in this process (a prefill, then one per
+    token): generation's progress, monotonic. The rollouter's heartbeat reports it, so a
+    long decode shows as progress and a wedged one as none."""
+    return _STEPS.count
+
+
 # step(new_ids [B, T], full_mask [B, past + T], cache | None) -> (logits [B, T, V], cache)
 StepFn = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]]
 
@@ -232,6 +247,7 @@ def decode_loop(
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     ids, mask = left_pad(prompts, pad_id, device)
     logits, cache = step(ids, mask, None)
+    _STEPS.count += 1  # only ever grows (a race between two generating threads loses a count)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     toks, logps, alive = [], [], []
     for t in range(max_new_tokens):
@@ -249,6 +265,7 @@ def decode_loop(
         # shrinking the batch and the cache, and cheap at these sizes.
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         logits, cache = step(tok[:, None], mask, cache)
+        _STEPS.count += 1
     tok_m = torch.stack(toks, 1).cpu()
     logp_m = torch.stack(logps, 1).cpu().numpy().astype(np.float32)
     lens = torch.stack(alive, 1).sum(1).cpu().tolist()

@@ -47,7 +47,7 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
-from policy import build_policy, resolve_device
+from policy import build_policy, decode_steps, resolve_device
 from policy.text import build_tokenizer
 from policy.weights import from_bytes
 from profiling import create_agent, prepare_main_thread
@@ -128,6 +128,7 @@ class Rollouter(Component):
         self.delivering: asyncio.Future[list[str]] | None = None
         self.busy_s = 0.0
         self.window_start = time.monotonic()
+        self.published = 0  # samples handed to the bus: part of the heartbeat's progress
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(cfg.rollout.seed * 1000 + self.rank)
         # Validation (data.val_files): requests to serve between batches, those the log
@@ -291,9 +292,17 @@ class Rollouter(Component):
         trainer's events trim (retention) never removes what it has yet to read."""
         return self.follower.position
 
+    def progress(self) -> int:
+        """What this process has done, as one counter that only grows: decode steps (a
+        long generation moves it at every token), reward calls ended and samples published.
+        The pulse runs whatever generation does, so the trainer judges a wedged rollouter
+        by this counter, not by its liveness key (trainer.dispatch)."""
+        scored = self.rewards.scored if self.rewards is not None else 0
+        return decode_steps() + scored + self.published
+
     def heartbeat(self) -> Heartbeat:
-        """This replica's pulse: its weights and the share of the time since the last pulse
-        it did not generate."""
+        """This replica's pulse: its weights, the share of the time since the last pulse
+        it did not generate, and its progress counter."""
         now = time.monotonic()
         window = max(1e-6, now - self.window_start)
         idle = max(0.0, 1.0 - self.busy_s / window)
@@ -306,7 +315,7 @@ class Rollouter(Component):
             role="rollouter", rank=self.rank, pid=os.getpid(),
             state=f"weights v{self.version}" + (f", validating ({self.validating})"
                                                 if self.validating else ""),
-            metrics=metrics,
+            metrics=metrics, progress=self.progress(),
         )
 
     # ------------------------------------------------------------------ generation
@@ -512,6 +521,7 @@ class Rollouter(Component):
             return
         batch = [sample for _, t in done for sample in samples[t.ticket_id]]
         await self._delivered()
+        self.published += len(batch)
         publish = self.consumer.publish_and_ack(self.keys.samples, batch,
                                                 *(entry_id for entry_id, _ in done))
         self.delivering = asyncio.ensure_future(publish)

@@ -189,6 +189,9 @@ class RewardPool:
         """Calls that raised (or whose worker died), every batch so far."""
         self.timeouts = 0
         """Calls that ran past ``rollout.reward_timeout_s``."""
+        self.scored = 0
+        """Calls that ended (scored, failed or timed out): the rollouter's progress while it
+        scores, one call at a time."""
 
     def fails_ticket(self, data_source: str) -> bool:
         """Whether a failed score fails its ticket rather than scoring 0: rlbus's own
@@ -231,6 +234,8 @@ class RewardPool:
                 except Exception as exc:  # closed under it, or a fault of the pool itself
                     results[i] = self._fail(item, f"reward pool: {type(exc).__name__}: {exc}",
                                             "", 0.0)
+                with self._lock:
+                    self.scored += 1
 
     def _score_one(self, worker: _Worker, item: ScoreItem) -> Score:
         wire = (item.data_source, item.solution_str, item.ground_truth, item.extra_info,

@@ -9,7 +9,9 @@ warnings), so the rules can be tested without Redis.
 Verdicts, per delivery:
 
 - :class:`Refuse`: dead-letter it with the reason (not a Sample, a ticket never issued, an
-  invalid answer; an invalid answer's ticket is also reissued: ``reissue``);
+  invalid answer). An invalid answer of a ticket's latest attempt also asks for the ticket
+  to be answered again (``reissue``), once per attempt: the other responses of that group,
+  and a bad answer of an older attempt (a newer one is out already), ask for nothing more;
 - :class:`Duplicate`: ack and drop (a trained, closed or already answered ticket; a second
   copy of one response);
 - :class:`Stale`: a complete group generated with weights older than ``max_staleness``
@@ -92,6 +94,8 @@ class Intake:
         self.ready: list[Group] = []
         self.taken: set[int] = set()
         """Tickets whose winning group is ready or in a step not finished yet."""
+        self.replaced: dict[int, int] = {}
+        """Ticket -> its attempt whose invalid answer asked for a new one (once each)."""
         self.refused = 0
         self.discarded = 0
 
@@ -104,6 +108,7 @@ class Intake:
         """These groups' tickets were trained (their StepFinished is in the log)."""
         for g in groups:
             self.taken.discard(g.index)
+            self.replaced.pop(g.index, None)
 
     def queued_samples(self) -> int:
         """Samples held: in ready groups and in groups still being answered."""
@@ -133,15 +138,18 @@ class Intake:
             return self._refuse(delivery, f"ticket {msg.ticket_id!r} was never issued")
         ticket = ledger.open.get(index)
         if ticket is None or index in self.taken:
+            if ticket is None:
+                self.replaced.pop(index, None)
             # Trained already, given up, or another copy won: a duplicate, dropped.
             return Duplicate([delivery.id])
         problem = check_sample(msg, ticket, version=version, max_new_tokens=self.max_new_tokens,
                                max_len=max_len, vocab_size=vocab_size,
                                values_checked=values_checked)
         if problem is not None:
-            self.drop_partial(index)
+            # That attempt's group cannot complete; other attempts' partial groups may.
+            self.groups.pop((index, msg.attempt), None)
             return self._refuse(delivery, f"invalid answer of {msg.ticket_id}: {problem}",
-                                reissue=index)
+                                reissue=self._replacement(index, msg.attempt, ticket.attempt))
         key = (index, msg.attempt)
         group = self.groups.get(key)
         if group is None:
@@ -150,6 +158,17 @@ class Intake:
             return Duplicate([delivery.id])  # a duplicate publication of the same response
         group.samples[msg.index] = (delivery.id, msg)
         return self._completed(group, version) if group.complete else None
+
+    def _replacement(self, index: int, answered: int, latest: int) -> int | None:
+        """The ticket to answer again after an invalid answer of attempt ``answered`` of
+        ticket ``index`` (whose latest attempt is ``latest``): only for the latest attempt
+        (or one claiming to be newer) and only once for it, so one bad group gives one new
+        attempt. The verdicts of one read are judged before any is applied, hence the
+        memory: the ledger moves to the next attempt only when the reissue is written."""
+        if answered < latest or self.replaced.get(index) == latest:
+            return None
+        self.replaced[index] = latest
+        return index
 
     def _refuse(self, delivery: Delivery, reason: str, reissue: int | None = None) -> Refuse:
         self.refused += 1

@@ -3,7 +3,10 @@
 - Peers: the rollouters' latest heartbeats, read from their liveness keys (by Redis's clock:
   a key that exists means the replica spoke within the timeout). No rollouter alive for
   ``heartbeat.timeout_s``, or rollouts failing :data:`FAILURE_LIMIT` times in a row with no
-  sample in between, is a :class:`PeerDead` failure naming what is missing.
+  sample in between, is a :class:`PeerDead` failure naming what is missing. Liveness is not
+  progress: each read also notes, per rollouter, when the progress counter its heartbeat
+  carries last changed (:func:`observe_progress`, by the trainer's clock), so that dispatch
+  can take the tickets of a live rollouter whose work is wedged (trainer.dispatch).
 - Progress: without progress for ``heartbeat.stall_warn_s`` the trainer says what it waits
   for (``WarningRaised(trainer_stalled)``), and after ``heartbeat.stall_timeout_s`` fails
   saying the same: no silent wait.
@@ -17,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 from bus import Bus, Entry, RunKeys
 from bus.liveness import peers
@@ -35,7 +39,7 @@ from bus.messages import (
 from runconfig import Config
 from runtime import Failure, Follower, LogFollower, since
 
-__all__ = ["FAILURE_LIMIT", "PeerDead", "Watch"]
+__all__ = ["FAILURE_LIMIT", "PeerDead", "Peers", "Progress", "Watch", "observe_progress"]
 
 FAILURE_LIMIT = 10
 """Consecutive rollout failures (with no sample in between) after which the run fails."""
@@ -46,6 +50,44 @@ class PeerDead(Failure):
     names what it was waiting for."""
 
 
+class Progress(NamedTuple):
+    """A rollouter's progress counter as the trainer saw it: the process (``pid``), the
+    counter's ``value``, and ``since``, when the trainer first saw that value (monotonic,
+    the trainer's clock: no two hosts' clocks are compared)."""
+
+    pid: int
+    value: int
+    since: float
+
+
+class Peers(NamedTuple):
+    """The rollouters alive now (their heartbeats) and their progress by consumer name
+    (``RunKeys.rollouter_consumer``); a rollouter that reports no progress counter has no
+    entry."""
+
+    heartbeats: list[Heartbeat]
+    progress: dict[str, Progress]
+
+
+def observe_progress(seen: Mapping[str, Progress], heartbeats: Sequence[Heartbeat],
+                     now: float) -> dict[str, Progress]:
+    """The progress of each of these live rollouters at ``now``, after ``seen``: a counter
+    that moved (or a new process) is seen since ``now``, an unchanged one keeps its
+    ``since``. The counter only grows within a process, so equal values seen at two times
+    mean no progress in between, however rarely the trainer looks."""
+    out: dict[str, Progress] = {}
+    for hb in heartbeats:
+        if hb.role != "rollouter" or hb.progress is None:
+            continue
+        consumer = RunKeys.rollouter_consumer(hb.rank)
+        before = seen.get(consumer)
+        if before is not None and (before.pid, before.value) == (hb.pid, hb.progress):
+            out[consumer] = before
+        else:
+            out[consumer] = Progress(hb.pid, hb.progress, now)
+    return out
+
+
 class Watch:
     """Peers, progress and reports of one run, for its trainer."""
 
@@ -54,6 +96,7 @@ class Watch:
         self.bus = bus
         self.keys = keys
         self.rollouters: list[Heartbeat] = []
+        self.progress: dict[str, Progress] = {}  # rollouters' progress, by consumer name
         self.rollouters_seen_at = time.monotonic()
         self.peers_read_at = 0.0
         self.last_progress = time.monotonic()
@@ -123,11 +166,13 @@ class Watch:
     def progressed(self) -> None:
         self.last_progress = time.monotonic()
 
-    async def read_peers(self) -> list[Heartbeat]:
-        """The rollouters' latest heartbeats, from their liveness keys."""
+    async def read_peers(self) -> Peers:
+        """The rollouters' latest heartbeats, from their liveness keys, and their progress
+        (when each one's progress counter last changed)."""
         self.peers_read_at = time.monotonic()
         self.rollouters = await peers(self.bus, self.keys.alive_pattern("rollouter"))
-        return self.rollouters
+        self.progress = observe_progress(self.progress, self.rollouters, time.monotonic())
+        return Peers(self.rollouters, self.progress)
 
     async def fresh_peers(self) -> None:
         """Read the peers when the last read is a heartbeat interval old."""
