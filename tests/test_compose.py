@@ -9,12 +9,14 @@ import json
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 
-from bus import Bus, RunKeys, RunStarted
+from bus import FIELD, Bus, RunFinished, RunKeys, RunStarted, StepFinished, encode
 from bus.history import find_archive, read_history
 from tests.compose_redis import ROOT, USERS, AclRedis, acl_env, interpolate, password
 from tests.procs import Procs
+from tests.waits import event, wait_for
 
 COMPONENTS = {"profiler", "logger", "trainer", "rollouter0", "rollouter1"}
 
@@ -65,8 +67,12 @@ def test_compose_commands_run_as_local_processes(
             argv = [f"run.output_dir={out}" if a.startswith("run.output_dir=") else a
                     for a in argv]
             procs.spawn(name, "rlbus", *argv, *short)
+        asyncio.run(_forge_while_it_runs(server, run_id, procs))
         for name in ("trainer", "rollouter0", "rollouter1", "profiler", "logger"):
             assert procs.wait(name, 240) == 0, procs.log(name)
+        # The forgeries the ACL let in (a role's own stream) were refused by every reader.
+        for name in ("trainer", "rollouter0", "rollouter1", "profiler"):
+            assert "may not state RunFinished" in procs.log(name), (name, procs.log(name))
         manifest = json.loads((out / "profiles" / run_id / "manifest.json").read_text())
         done = {(s["role"], s["rank"], s["first_step"]) for s in manifest["sessions"]
                 if s["status"] == "ok"}
@@ -85,6 +91,44 @@ def test_compose_commands_run_as_local_processes(
     finally:
         procs.kill_all()
         server.stop()
+
+
+FORGED = encode(RunFinished(run_id="forged", steps=10**9))
+
+
+def _refused_forgeries(c: redis.Redis, keys: RunKeys) -> None:
+    """Each forgery of issue 22 with ``c``'s credentials: refused by Redis."""
+    for forgery in (lambda: c.xadd(keys.events, {FIELD: FORGED}),
+                    lambda: c.set(keys.events, b"gone"),
+                    lambda: c.pexpire(keys.samples, 1),
+                    lambda: c.set(keys.alive("trainer", 0), b"alive"),
+                    lambda: c.scan(0)):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            forgery()
+
+
+async def _forge_while_it_runs(server: AclRedis, run_id: str, procs: Procs) -> None:
+    """Once step 1 finished: every non-trainer user tries to state trainer facts; Redis
+    refuses each. The one append it allows (a RunFinished in the rollouters' own stream,
+    which any rollouter may write) is refused by every reader (bus.authority)."""
+    keys = RunKeys(run_id)
+    admin = Bus.from_url(server.url("admin"))
+    try:
+        await wait_for(admin, keys.events, event(StepFinished, step=1), 180,
+                       procs.watch("trainer"))
+    finally:
+        await admin.close()
+    for user in ("rollouter", "profiler", "logger", "operator"):
+        c = server.client(user)
+        try:
+            _refused_forgeries(c, keys)
+        finally:
+            c.close()
+    rollouter = server.client("rollouter")
+    try:
+        rollouter.xadd(keys.log("rollouter"), {FIELD: FORGED})
+    finally:
+        rollouter.close()
 
 
 async def _run_started(url: str, run_id: str) -> RunStarted:
