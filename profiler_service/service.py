@@ -21,7 +21,9 @@ Life of the service (``python -m profiler_service`` / ``rlbus profiler``):
    runtime request's StartProfile is published guarded by the barrier (refused once the
    trainer let its first step begin; then decide again); a request older than its own
    timeout is refused, never served. Keep ``manifest.json`` up to date (at most every
-   :data:`MANIFEST_EVERY_S`, written on a worker thread).
+   :data:`MANIFEST_EVERY_S`, written on a worker thread), after checking, on a worker thread,
+   the trace file each new ``ok`` ProfileStopped names (a missing one is marked so and
+   warned about once). Reports for sessions it never sent are ignored and logged.
    The service runs on the component runtime (:class:`runtime.Component`): from start to
    exit it says "alive" on ``RunKeys.alive("profiler", 0)`` from a task that nothing on the
    loop blocks (file writes run on threads, the hook is an asyncio subprocess), and it reads
@@ -332,10 +334,11 @@ class ProfilerService(Component):
         await self.bus.set_position(self.keys.position(PROFILER_SOURCE),
                                     snapshot.events_position)
 
-    async def _check_traces(self) -> None:
+    async def _check_traces(self, publish: bool = True) -> None:
         """Check the trace file of every ``ok`` ProfileStopped not checked yet (on a worker
         thread) and fold the verdicts; publish a WarningRaised for a missing one, once (the
-        same warning already in the log is not published again)."""
+        same warning already in the log is not published again; none when ``publish`` is
+        False: on the way out, where Redis may be what failed, a successor says it)."""
         pending = unchecked_stops(self.state)
         if not pending:
             return
@@ -346,7 +349,7 @@ class ProfilerService(Component):
                 continue
             warning = trace_warning(verdict)
             log.warning("%s", warning.message)
-            if warning.message not in self.state.trace_warnings:
+            if publish and warning.message not in self.state.trace_warnings:
                 await self._publish(warning)
 
     async def _keep_files(self, now: float) -> None:
@@ -547,7 +550,7 @@ class ProfilerService(Component):
         with contextlib.suppress(OSError):
             if self._caught_up:
                 if self._profiled():
-                    await self._check_traces()
+                    await self._check_traces(publish=False)
                 await self._write_manifest(final=self.state.profiler_finished)
                 await self._write_snapshot()
 
