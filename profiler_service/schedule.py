@@ -48,6 +48,8 @@ from profiler_service.state import (
     PendingRequest,
     ServiceState,
     Target,
+    expected_ranks,
+    expected_targets,
 )
 from runconfig.schema import ProfilerConfig
 from runconfig.stepunit import last_version, version_step_updates
@@ -139,25 +141,6 @@ def step_runs(steps: Iterable[int]) -> list[tuple[int, int]]:
         else:
             runs.append((step, step))
     return runs
-
-
-def expected_ranks(role: str, replicas: int, ranks: Sequence[int] = ()) -> list[int]:
-    """Ranks of ``role`` that profile a session: trainer 0, rollouter ``0..replicas-1``,
-    kept only if listed in ``ranks`` (empty = every rank)."""
-    if role == "trainer":
-        all_ranks = [0]
-    elif role == "rollouter":
-        all_ranks = list(range(max(1, replicas)))
-    else:
-        return []
-    return [r for r in all_ranks if not ranks or r in ranks]
-
-
-def expected_targets(
-    roles: Sequence[str], replicas: int, ranks: Sequence[int] = ()
-) -> list[Target]:
-    """Every ``(role, rank)`` that is expected to profile a session on ``roles``."""
-    return [(role, rank) for role in roles for rank in expected_ranks(role, replicas, ranks)]
 
 
 def _profiled_roles(roles: Iterable[str], replicas: int, ranks: Sequence[int]) -> list[str]:

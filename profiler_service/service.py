@@ -21,7 +21,9 @@ Life of the service (``python -m profiler_service`` / ``rlbus profiler``):
    runtime request's StartProfile is published guarded by the barrier (refused once the
    trainer let its first step begin; then decide again); a request older than its own
    timeout is refused, never served. Keep ``manifest.json`` up to date (at most every
-   :data:`MANIFEST_EVERY_S`, written on a worker thread).
+   :data:`MANIFEST_EVERY_S`, written on a worker thread), after checking, on a worker thread,
+   the trace file each new ``ok`` ProfileStopped names (a missing one is marked so and
+   warned about once). Reports for sessions it never sent are ignored and logged.
    The service runs on the component runtime (:class:`runtime.Component`): from start to
    exit it says "alive" on ``RunKeys.alive("profiler", 0)`` from a task that nothing on the
    loop blocks (file writes run on threads, the hook is an asyncio subprocess), and it reads
@@ -58,6 +60,8 @@ from bus import (
     ProfileRequestRefused,
     ProfilerFinished,
     ProfilerReady,
+    ProfileStarted,
+    ProfileStopped,
     StartProfile,
     StopProfile,
     WarningRaised,
@@ -66,7 +70,14 @@ from bus.files import atomic_write
 from bus.history import events_folder, find_archive
 from bus.keys import LOG_ROLES
 from profiler_service.finish import HOOK_INTERRUPTED_CODE, HOOK_MARKER_NAME, FinishHook
-from profiler_service.manifest import build_manifest, manifest_file, profile_dir, write_manifest
+from profiler_service.manifest import (
+    build_manifest,
+    check_traces,
+    manifest_file,
+    profile_dir,
+    trace_warning,
+    write_manifest,
+)
 from profiler_service.schedule import (
     PROFILER_SOURCE,
     SESSIONS_MISSING_CODE,
@@ -80,6 +91,8 @@ from profiler_service.state import (
     apply,
     decode_snapshot,
     encode_snapshot,
+    report_refusal,
+    unchecked_stops,
 )
 from profiling.hook import hook_env
 from runconfig.schema import Config
@@ -161,6 +174,10 @@ class ProfilerService(Component):
 
     def _fold(self, msg: Fact, entry_id: str | None = None) -> None:
         """Fold one entry into the state (``entry_id``: its events stream id, if any)."""
+        if isinstance(msg, ProfileStarted | ProfileStopped):
+            refused = report_refusal(self.state, msg)
+            if refused is not None:
+                log.warning("ignoring %s", refused)
         state = apply(self.state, msg, entry_id)
         if state is not self.state:
             self.state = state
@@ -334,10 +351,30 @@ class ProfilerService(Component):
         await self.bus.set_position(self.keys.position(PROFILER_SOURCE),
                                     snapshot.events_position)
 
+    async def _check_traces(self, publish: bool = True) -> None:
+        """Check the trace file of every ``ok`` ProfileStopped not checked yet (on a worker
+        thread) and fold the verdicts; publish a WarningRaised for a missing one, once (the
+        same warning already in the log is not published again; none when ``publish`` is
+        False: on the way out, where Redis may be what failed, a successor says it)."""
+        pending = unchecked_stops(self.state)
+        if not pending:
+            return
+        verdicts = await asyncio.to_thread(check_traces, self.profile_dir, pending)
+        for verdict in verdicts:
+            self._fold(verdict)
+            if not verdict.problem:
+                continue
+            warning = trace_warning(verdict)
+            log.warning("%s", warning.message)
+            if publish and warning.message not in self.state.trace_warnings:
+                await self._publish(warning)
+
     async def _keep_files(self, now: float) -> None:
-        """Write the manifest when its inputs changed and the snapshot when due."""
+        """Check new traces; write the manifest when its inputs changed and the snapshot
+        when due."""
         if not self._profiled():
             return
+        await self._check_traces()
         inputs = _manifest_inputs(self.state)
         stale = self._manifest_inputs is None or any(
             a is not b for a, b in zip(inputs, self._manifest_inputs, strict=True)
@@ -375,6 +412,8 @@ class ProfilerService(Component):
             self._hook_running = False
 
     async def _finish(self, template: ProfilerFinished) -> None:
+        if self._profiled():
+            await self._check_traces()
         await self._write_manifest(final=True)
         hook_rc = await self._run_hook_once()
         await self._publish(
@@ -527,6 +566,8 @@ class ProfilerService(Component):
         """Flush the files (their last changes may have been coalesced)."""
         with contextlib.suppress(OSError):
             if self._caught_up:
+                if self._profiled():
+                    await self._check_traces(publish=False)
                 await self._write_manifest(final=self.state.profiler_finished)
                 await self._write_snapshot()
 

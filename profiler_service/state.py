@@ -11,7 +11,16 @@ new entry costs the same however long the run has been going:
   ProfileStarted/ProfileStopped replaces one small :class:`Session` record and one path of
   the map, not a copy of every session;
 * runtime requests are kept only while they are unanswered (:attr:`ServiceState.pending`);
-  answered request ids stay in a persistent set for de-duplication.
+  answered request ids stay in a persistent set for de-duplication;
+* a ProfileStarted/ProfileStopped counts only for a session the service sent and from a
+  process that session targets (:func:`report_refusal` says why not; the service logs it);
+* each process's profiling run of a session is tracked from its ProfileStarted to its
+  ProfileStopped; when the process dies or restarts inside it (ComponentFailed,
+  TrainerResumed, a resumed RunStarted, a new ProfileStarted, or a later process reporting the
+  session never ran) the steps it began are recorded as lost (:class:`LostSteps`), so the
+  manifest can say which steps have no trace;
+* an ``ok`` ProfileStopped waits for the service's check of its trace file
+  (:class:`TraceChecked`, folded like an entry although it is never published).
 
 Entries that do not concern the service (samples' announcements, metrics, heartbeats, ...)
 return the very same state object, which lets the service skip deciding after them.
@@ -24,13 +33,14 @@ control stream may be merged in anywhere (the service reads it first).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
 
 from bus.messages import (
     Command,
+    ComponentFailed,
     Event,
     ProfileRequest,
     ProfileRequestRefused,
@@ -42,25 +52,36 @@ from bus.messages import (
     RunStarted,
     StartProfile,
     StepStarted,
+    TrainerResumed,
     WarningRaised,
 )
 from profiler_service.pmap import PMap
 
 __all__ = [
+    "NEVER_RAN",
     "PROFILER_SOURCE",
     "SESSIONS_MISSING_CODE",
+    "TRACE_MISSING_CODE",
     "Fact",
+    "LostSteps",
     "PendingRequest",
+    "Run",
     "ServiceState",
     "Session",
     "Snapshot",
     "StopFact",
     "Target",
+    "TraceChecked",
     "apply",
     "decode_snapshot",
     "encode_snapshot",
     "entry_ms",
+    "expected_ranks",
+    "expected_targets",
     "fold",
+    "report_refusal",
+    "stop_is_ok",
+    "unchecked_stops",
 ]
 
 PROFILER_SOURCE = "profiler"
@@ -70,11 +91,76 @@ SESSIONS_MISSING_CODE = "profile_sessions_missing"
 """WarningRaised code the service publishes when, after RunFinished, it gave up waiting for
 the last ProfileStopped events. Once it is in the log, ``decide`` finishes the run."""
 
-Fact = Event | Command
-"""An entry of the events or the control stream."""
+TRACE_MISSING_CODE = "profile_trace_missing"
+"""WarningRaised code the service publishes (once per message) when the trace file an ``ok``
+ProfileStopped names is not under ``save_path/RUN`` with the stated size."""
+
+NEVER_RAN = frozenset({"missed", "cancelled", "unavailable"})
+"""ProfileStopped statuses of a session its reporter never profiled (``profiling.agent``): one
+that follows a ProfileStarted of the same process comes from a later incarnation of it."""
 
 Target = tuple[str, int]
 """One profiled process: ``(role, rank)``."""
+
+
+class TraceChecked(msgspec.Struct, frozen=True, kw_only=True):
+    """The service's check of the trace file an ``ok`` ProfileStopped names: ``problem`` is
+    "" when the file is there with the stated size, else what is wrong. Folded by
+    :func:`apply` like an entry, never published (a restarted service checks again)."""
+
+    session_id: str
+    role: str
+    rank: int
+    stopped: ProfileStopped
+    problem: str = ""
+
+
+Fact = Event | Command | TraceChecked
+"""An entry of the events or the control stream (or the service's own trace check)."""
+
+
+def stop_is_ok(stopped: ProfileStopped) -> bool:
+    """Whether a ProfileStopped says its trace was written (an empty status is ``ok``)."""
+    return (stopped.status or "ok") == "ok"
+
+
+def expected_ranks(role: str, replicas: int, ranks: Sequence[int] = ()) -> list[int]:
+    """Ranks of ``role`` that profile a session: trainer 0, rollouter ``0..replicas-1``,
+    kept only if listed in ``ranks`` (empty = every rank)."""
+    if role == "trainer":
+        all_ranks = [0]
+    elif role == "rollouter":
+        all_ranks = list(range(max(1, replicas)))
+    else:
+        return []
+    return [r for r in all_ranks if not ranks or r in ranks]
+
+
+def expected_targets(
+    roles: Sequence[str], replicas: int, ranks: Sequence[int] = ()
+) -> list[Target]:
+    """Every ``(role, rank)`` that is expected to profile a session on ``roles``."""
+    return [(role, rank) for role in roles for rank in expected_ranks(role, replicas, ranks)]
+
+
+class Run(msgspec.Struct, frozen=True):
+    """A process's profiling run of a session: from its ProfileStarted at ``step`` until its
+    ProfileStopped (or until the process is found gone)."""
+
+    role: str
+    rank: int
+    step: int
+
+
+class LostSteps(msgspec.Struct, frozen=True):
+    """Steps ``first..last`` of a session that ``(role, rank)`` began profiling and whose
+    trace is lost (``last`` None: up to the session's end); ``reason`` says why."""
+
+    role: str
+    rank: int
+    first: int
+    last: int | None
+    reason: str
 
 
 class StopFact(msgspec.Struct, frozen=True):
@@ -86,6 +172,9 @@ class StopFact(msgspec.Struct, frozen=True):
     rank: int
     order: int
     stopped: ProfileStopped
+    check: str | None = None
+    """The service's check of an ``ok`` stop's trace file: None not checked yet, "" the file
+    is there with the stated size, else what is wrong (:class:`TraceChecked`)."""
 
 
 class Session(msgspec.Struct, frozen=True):
@@ -100,6 +189,10 @@ class Session(msgspec.Struct, frozen=True):
     """``(role, rank)`` of every ProfileStarted, first report first."""
     stops: tuple[StopFact, ...] = ()
     """One per ``(role, rank)`` that reported the session stopped."""
+    runs: tuple[Run, ...] = ()
+    """The runs in progress: a ProfileStarted with no ProfileStopped (or death) after it."""
+    lost: tuple[LostSteps, ...] = ()
+    """Steps whose trace died with its process, in the order found."""
 
     def stop_of(self, role: str, rank: int) -> StopFact | None:
         """The stop reported by ``(role, rank)``, if any."""
@@ -107,6 +200,17 @@ class Session(msgspec.Struct, frozen=True):
             if fact.role == role and fact.rank == rank:
                 return fact
         return None
+
+    def run_of(self, role: str, rank: int) -> Run | None:
+        """The run of ``(role, rank)`` in progress, if any."""
+        for run in self.runs:
+            if run.role == role and run.rank == rank:
+                return run
+        return None
+
+    def lost_of(self, role: str, rank: int) -> list[LostSteps]:
+        """What ``(role, rank)`` lost of this session, in the order found."""
+        return [lost for lost in self.lost if lost.role == role and lost.rank == rank]
 
 
 class PendingRequest(msgspec.Struct, frozen=True):
@@ -151,6 +255,13 @@ class ServiceState(msgspec.Struct, frozen=True, kw_only=True):
     open_until: int = 0
     """The lowest ``last_step`` of :attr:`open_sessions` (0 when there is none): the step
     at which one of them closes."""
+    running: tuple[tuple[str, str, int], ...] = ()
+    """``(session_id, role, rank)`` of every run in progress (:attr:`Session.runs`), so that
+    a process's death finds its runs without a scan of the sessions."""
+    unchecked: tuple[tuple[str, str, int], ...] = ()
+    """``(session_id, role, rank)`` whose ``ok`` stop waits for the service's file check."""
+    trace_warnings: PMap[str, bool] = _NO_IDS
+    """Messages of the service's own TRACE_MISSING_CODE warnings in the log (each once)."""
 
     @property
     def total_steps(self) -> int | None:
@@ -249,9 +360,42 @@ def apply(state: ServiceState, msg: Fact, entry_id: str | None = None) -> Servic
 
 
 def _run_started(state: ServiceState, msg: RunStarted, _: str | None) -> ServiceState:
-    """A (re)started run: nothing after the previous RunStarted holds for it any more."""
+    """A (re)started run: nothing after the previous RunStarted holds for it any more. A
+    resumed one comes from a new trainer process: the old one's runs are lost."""
+    if msg.resumed:
+        state = _process_gone(state, "trainer", 0, "the trainer restarted inside the session "
+                              "(RunStarted, resumed)")
     return _replace(state, run_started=msg, ready_since_run_started=False, run_finished=None,
                     gave_up_waiting=False)
+
+
+def _trainer_resumed(state: ServiceState, msg: TrainerResumed, _: str | None) -> ServiceState:
+    return _process_gone(state, "trainer", 0, "the trainer restarted inside the session "
+                         f"(TrainerResumed after step {msg.step})")
+
+
+def _component_failed(state: ServiceState, msg: ComponentFailed, _: str | None) -> ServiceState:
+    error = msg.error if len(msg.error) <= 200 else msg.error[:200] + "..."
+    return _process_gone(state, msg.role, msg.rank,
+                         f"{msg.role}{msg.rank} failed inside the session ({error})")
+
+
+def _process_gone(state: ServiceState, role: str, rank: int, reason: str) -> ServiceState:
+    """``(role, rank)``'s process is gone: each of its runs in progress is lost from the step
+    it began at to the session's end (a later run may profile some of those steps again)."""
+    gone = [key for key in state.running if key[1] == role and key[2] == rank]
+    if not gone:
+        return state
+    sessions = state.sessions
+    for session_id, _, _ in gone:
+        session = sessions[session_id]
+        run = session.run_of(role, rank)
+        assert run is not None  # state.running indexes Session.runs
+        session = _replace(session, runs=tuple(r for r in session.runs if r is not run),
+                           lost=(*session.lost, LostSteps(role, rank, run.step, None, reason)))
+        sessions = sessions.set(session_id, session)
+    running = tuple(key for key in state.running if key not in gone)
+    return _replace(state, sessions=sessions, running=running)
 
 
 def _profiler_ready(state: ServiceState, msg: ProfilerReady, _: str | None) -> ServiceState:
@@ -268,7 +412,12 @@ def _run_finished(state: ServiceState, msg: RunFinished, _: str | None) -> Servi
 
 
 def _warning(state: ServiceState, msg: WarningRaised, _: str | None) -> ServiceState:
-    """Only the service's own give-up, after RunFinished, is a fact for it."""
+    """Only the service's own warnings are facts for it: the give-up, after RunFinished, and
+    the missing traces (so that each is published once)."""
+    if msg.source == PROFILER_SOURCE and msg.code == TRACE_MISSING_CODE:
+        warned = state.trace_warnings.set(msg.message, True)
+        return state if warned is state.trace_warnings else _replace(state,
+                                                                      trace_warnings=warned)
     gave_up = (msg.source == PROFILER_SOURCE and msg.code == SESSIONS_MISSING_CODE
                and state.run_finished is not None)
     if not gave_up or state.gave_up_waiting:
@@ -322,32 +471,129 @@ def _request(state: ServiceState, msg: ProfileRequest, entry_id: str | None) -> 
     return _replace(state, pending=(*state.pending, pending))
 
 
-def _profile_started(state: ServiceState, msg: ProfileStarted, _: str | None) -> ServiceState:
-    session = _session(state, msg.session_id)
-    target = (msg.role, msg.rank)
-    if target in session.started:
+def report_refusal(state: ServiceState, msg: ProfileStarted | ProfileStopped) -> str | None:
+    """Why ``msg`` does not count (the service logs it and ignores it), or None: a report
+    counts only for a session the service sent, from a process that session targets."""
+    kind = type(msg).__name__
+    session = state.sessions.get(msg.session_id)
+    if session is None or session.cmd is None:
+        return f"{kind} for session {msg.session_id!r}, which the service never started"
+    cmd = session.cmd
+    if (msg.role, msg.rank) not in expected_targets(cmd.roles, state.replicas, cmd.ranks):
+        return (f"{kind} for session {msg.session_id!r} from {msg.role}{msg.rank}, which the "
+                f"session does not target")
+    return None
+
+
+def unchecked_stops(state: ServiceState) -> list[tuple[str, StopFact, str]]:
+    """``(session_id, stop, session's tool)`` of each ``ok`` stop whose trace file the
+    service has not checked yet (an nsys session's stop names no file: nsys writes its own
+    reports)."""
+    found: list[tuple[str, StopFact, str]] = []
+    for session_id, role, rank in state.unchecked:
+        session = state.sessions[session_id]
+        fact = session.stop_of(role, rank)
+        if fact is not None and session.cmd is not None:
+            found.append((session_id, fact, session.cmd.tool))
+    return found
+
+
+def _set_running(state: ServiceState, key: tuple[str, str, int], on: bool) -> ServiceState:
+    if (key in state.running) == on:
         return state
-    session = _replace(session, started=(*session.started, target))
-    return _replace(state, sessions=state.sessions.set(msg.session_id, session))
+    running = (*state.running, key) if on else tuple(k for k in state.running if k != key)
+    return _replace(state, running=running)
+
+
+def _set_unchecked(state: ServiceState, key: tuple[str, str, int], on: bool) -> ServiceState:
+    if (key in state.unchecked) == on:
+        return state
+    unchecked = (*state.unchecked, key) if on else tuple(k for k in state.unchecked if k != key)
+    return _replace(state, unchecked=unchecked)
+
+
+def _profile_started(state: ServiceState, msg: ProfileStarted, _: str | None) -> ServiceState:
+    """A process begins a run of the session. A run of the same process already in progress
+    from an earlier step belongs to a process that is gone (this is its successor): its
+    steps before this one are lost. A trace the process wrote earlier is replaced by this
+    run's (same file): its steps are lost unless this run profiles them again."""
+    if report_refusal(state, msg) is not None:
+        return state
+    session = state.sessions[msg.session_id]
+    role, rank, step = msg.role, msg.rank, msg.step
+    before = session.run_of(role, rank)
+    if before is not None and before.step == step:
+        return state  # a retried XADD (or a successor redoing the very step it began at)
+    lost = session.lost
+    if before is not None:
+        lost = (*lost, LostSteps(role, rank, before.step, step - 1,
+                                 f"{role}{rank} restarted inside the session (profiling began "
+                                 f"again at step {step})"))
+    else:
+        fact = session.stop_of(role, rank)
+        if fact is not None and stop_is_ok(fact.stopped):
+            lost = (*lost, LostSteps(role, rank, fact.stopped.first_step,
+                                     fact.stopped.last_step,
+                                     f"{role}{rank} profiled the session again from step "
+                                     f"{step}; its new trace replaces the earlier one"))
+    runs = (*(r for r in session.runs if r is not before), Run(role, rank, step))
+    started = session.started if (role, rank) in session.started else (
+        *session.started, (role, rank))
+    session = _replace(session, runs=runs, lost=lost, started=started)
+    state = _replace(state, sessions=state.sessions.set(msg.session_id, session))
+    return _set_running(state, (msg.session_id, role, rank), True)
 
 
 def _profile_stopped(state: ServiceState, msg: ProfileStopped, _: str | None) -> ServiceState:
     """A process's first stop of a session is recorded in report order; a later one
-    replaces it, except that a failed stop never replaces an ``ok`` one."""
-    session = _session(state, msg.session_id)
+    replaces it, except that a failed stop never replaces an ``ok`` one. It ends the
+    process's run in progress; a stop saying the session never ran ends it as lost (it comes
+    from a later process: the one that began the run is gone)."""
+    if report_refusal(state, msg) is not None:
+        return state
+    key = (msg.session_id, msg.role, msg.rank)
+    session = state.sessions[msg.session_id]
+    run = session.run_of(msg.role, msg.rank)
+    if run is not None:
+        lost = session.lost
+        if (msg.status or "ok") in NEVER_RAN:
+            lost = (*lost, LostSteps(msg.role, msg.rank, run.step, None,
+                                     f"{msg.role}{msg.rank} restarted inside the session "
+                                     f"(a later process reported it {msg.status})"))
+        session = _replace(session, runs=tuple(r for r in session.runs if r is not run),
+                           lost=lost)
+        state = _set_running(state, key, False)
     before = session.stop_of(msg.role, msg.rank)
     if before is None:
         fact = StopFact(msg.role, msg.rank, state.stop_reports, msg)
         session = _replace(session, stops=(*session.stops, fact))
-        return _replace(state, sessions=state.sessions.set(msg.session_id, session),
-                        stop_reports=state.stop_reports + 1)
-    if (before.stopped.status or "ok") == "ok" and (msg.status or "ok") != "ok":
+        state = _replace(state, stop_reports=state.stop_reports + 1)
+    elif stop_is_ok(before.stopped) and not stop_is_ok(msg):
         # A restarted component reports the sessions it finds in the past as missed; the
         # trace an earlier incarnation wrote stands.
+        if run is None:
+            return state
+    else:
+        fact = StopFact(before.role, before.rank, before.order, msg)
+        session = _replace(session, stops=tuple(fact if f is before else f
+                                                for f in session.stops))
+    state = _replace(state, sessions=state.sessions.set(msg.session_id, session))
+    recorded = session.stop_of(msg.role, msg.rank)
+    assert recorded is not None
+    return _set_unchecked(state, key, stop_is_ok(recorded.stopped) and recorded.check is None)
+
+
+def _trace_checked(state: ServiceState, msg: TraceChecked, _: str | None) -> ServiceState:
+    """The verdict on a stop's trace file, if that stop is still the recorded one."""
+    session = state.sessions.get(msg.session_id)
+    fact = None if session is None else session.stop_of(msg.role, msg.rank)
+    if (session is None or fact is None or fact.stopped != msg.stopped
+            or not stop_is_ok(fact.stopped) or fact.check == msg.problem):
         return state
-    fact = _replace(before, stopped=msg)
-    session = _replace(session, stops=tuple(fact if f is before else f for f in session.stops))
-    return _replace(state, sessions=state.sessions.set(msg.session_id, session))
+    checked = _replace(fact, check=msg.problem)
+    session = _replace(session, stops=tuple(checked if f is fact else f for f in session.stops))
+    state = _replace(state, sessions=state.sessions.set(msg.session_id, session))
+    return _set_unchecked(state, (msg.session_id, msg.role, msg.rank), False)
 
 
 # How each kind of entry changes the state; any other kind (samples' announcements,
@@ -364,6 +610,9 @@ _APPLY: dict[type, Callable[[ServiceState, Any, str | None], ServiceState]] = {
     ProfileRequest: _request,
     ProfileStarted: _profile_started,
     ProfileStopped: _profile_stopped,
+    TrainerResumed: _trainer_resumed,
+    ComponentFailed: _component_failed,
+    TraceChecked: _trace_checked,
 }
 
 
@@ -384,7 +633,7 @@ def fold(
 
 # --------------------------------------------------------------------------- snapshots
 
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
 """Version of :class:`Snapshot`'s layout; a file of another version is ignored."""
 
 
@@ -419,6 +668,9 @@ class _SnapshotFile(msgspec.Struct, frozen=True, kw_only=True):
     stop_reports: int
     answered: list[str]
     pending: list[PendingRequest]
+    running: list[tuple[str, str, int]]
+    unchecked: list[tuple[str, str, int]]
+    trace_warnings: list[str]
     log_positions: dict[str, str] = {}
 
 
@@ -442,6 +694,9 @@ def encode_snapshot(snapshot: Snapshot) -> bytes:
             stop_reports=state.stop_reports,
             answered=sorted(state.answered),
             pending=list(state.pending),
+            running=list(state.running),
+            unchecked=list(state.unchecked),
+            trace_warnings=sorted(state.trace_warnings),
             log_positions=dict(snapshot.log_positions),
         )
     )
@@ -474,6 +729,9 @@ def decode_snapshot(data: bytes) -> Snapshot | None:
         pending=tuple(raw.pending),
         open_sessions=still,
         open_until=_lowest_last_step(still),
+        running=tuple(raw.running),
+        unchecked=tuple(raw.unchecked),
+        trace_warnings=PMap((message, True) for message in raw.trace_warnings),
     )
     return Snapshot(
         state=state,

@@ -31,6 +31,7 @@ from typing import Any
 
 from bus.messages import (
     Command,
+    ComponentFailed,
     Event,
     ProfileRequest,
     ProfileRequestRefused,
@@ -42,6 +43,7 @@ from bus.messages import (
     RunStarted,
     StartProfile,
     StepStarted,
+    TrainerResumed,
     WarningRaised,
 )
 from profiler_service.schedule import (
@@ -53,11 +55,12 @@ from profiler_service.schedule import (
     ROLES,
     SESSIONS_MISSING_CODE,
 )
+from profiler_service.state import TraceChecked
 from runconfig.schema import ProfilerConfig
 
 __all__ = ["reference_decide", "reference_manifest"]
 
-Fact = Event | Command
+Fact = Event | Command | TraceChecked
 Item = Fact | tuple[str, Fact]
 
 _ALNUM = frozenset(string.ascii_letters + string.digits)
@@ -108,8 +111,9 @@ class _Facts:
         self.profiler_finished = any(isinstance(m, ProfilerFinished) for m in msgs)
         self.last_started = max((m.step for m in msgs if isinstance(m, StepStarted)), default=0)
         self.sent = self._first_commands(msgs)
-        self.stopped = {(m.session_id, m.role, m.rank) for m in msgs
-                        if isinstance(m, ProfileStopped)}
+        counted = _counted_reports(msgs)
+        self.stopped = {(m.session_id, m.role, m.rank) for i, m in enumerate(msgs)
+                        if isinstance(m, ProfileStopped) and counted[i]}
 
     @staticmethod
     def _first_commands(msgs: Sequence[Fact]) -> list[StartProfile]:
@@ -215,6 +219,33 @@ def _targets(roles: Sequence[str], replicas: int, ranks: Sequence[int]) -> list[
     for role in roles:
         for rank in _ranks_of(role, replicas, ranks):
             out.append((role, rank))
+    return out
+
+
+def _replicas_before(msgs: Sequence[Fact], i: int) -> int:
+    """``rollout.replicas`` of the latest RunStarted before position ``i`` (1 if none)."""
+    replicas = 1
+    for m in msgs[:i]:
+        if isinstance(m, RunStarted):
+            node = m.config.get("rollout") if isinstance(m.config, dict) else None
+            value = node.get("replicas") if isinstance(node, dict) else None
+            replicas = value if type(value) is int and value > 0 else 1
+    return replicas
+
+
+def _counted_reports(msgs: Sequence[Fact]) -> list[bool]:
+    """For each position: is it a ProfileStarted/ProfileStopped that counts? Only for a
+    session whose StartProfile came earlier, from a process that session targets (with
+    the replicas of the run at that point)."""
+    out = []
+    for i, m in enumerate(msgs):
+        counts = False
+        if isinstance(m, ProfileStarted | ProfileStopped):
+            cmd = next((c for c in msgs[:i] if isinstance(c, StartProfile)
+                        and c.session_id == m.session_id), None)
+            counts = cmd is not None and (m.role, m.rank) in _targets(
+                cmd.roles, _replicas_before(msgs, i), cmd.ranks)
+        out.append(counts)
     return out
 
 
@@ -509,41 +540,149 @@ def _stop_fields(stop: ProfileStopped) -> dict[str, Any]:
             "status": stop.status if stop.status else "ok", "duration_s": stop.duration_s}
 
 
+def _ok(stop: ProfileStopped) -> bool:
+    return stop.status in ("", "ok")
+
+
+_NEVER_RAN = ("missed", "cancelled", "unavailable")
+
+
+def _gone_reason(m: Fact) -> tuple[str, int, str] | None:
+    """``(role, rank, why)`` when ``m`` says a process is gone (docs/profiling.md)."""
+    if isinstance(m, RunStarted) and m.resumed:
+        return "trainer", 0, "the trainer restarted inside the session (RunStarted, resumed)"
+    if isinstance(m, TrainerResumed):
+        return ("trainer", 0, "the trainer restarted inside the session (TrainerResumed "
+                f"after step {m.step})")
+    if isinstance(m, ComponentFailed):
+        error = m.error if len(m.error) <= 200 else m.error[:200] + "..."
+        return m.role, m.rank, f"{m.role}{m.rank} failed inside the session ({error})"
+    return None
+
+
+class _Target:
+    """What the log says of one ``(session, role, rank)``, replayed from the start: its
+    run in progress, the steps it lost, its recorded stop and that stop's file check."""
+
+    def __init__(self, msgs: Sequence[Fact], counted: Sequence[bool], key: tuple[str, str, int]):
+        _, role, rank = key
+        self.started = False
+        self.run: int | None = None  # step the run in progress began at
+        self.lost: list[tuple[int, int | None, str]] = []
+        self.stop: ProfileStopped | None = None
+        self.check: str | None = None
+        who = role + str(rank)
+        for i, m in enumerate(msgs):
+            mine = (isinstance(m, ProfileStarted | ProfileStopped | TraceChecked)
+                    and (m.session_id, m.role, m.rank) == key)
+            gone = _gone_reason(m)
+            if isinstance(m, ProfileStarted) and mine and counted[i]:
+                self.started = True
+                if self.run == m.step:
+                    continue
+                if self.run is not None:
+                    self.lost.append((self.run, m.step - 1, f"{who} restarted inside the "
+                                      f"session (profiling began again at step {m.step})"))
+                elif self.stop is not None and _ok(self.stop):
+                    self.lost.append((self.stop.first_step, self.stop.last_step,
+                                      f"{who} profiled the session again from step {m.step}; "
+                                      "its new trace replaces the earlier one"))
+                self.run = m.step
+            elif isinstance(m, ProfileStopped) and mine and counted[i]:
+                if self.run is not None and m.status in _NEVER_RAN:
+                    self.lost.append((self.run, None, f"{who} restarted inside the session "
+                                      f"(a later process reported it {m.status})"))
+                self.run = None
+                if self.stop is not None and _ok(self.stop) and not _ok(m):
+                    continue
+                self.stop, self.check = m, None
+            elif isinstance(m, TraceChecked) and mine:
+                if self.stop is not None and _ok(self.stop) and m.stopped == self.stop:
+                    self.check = m.problem
+            elif gone is not None and gone[:2] == (role, rank) and self.run is not None:
+                self.lost.append((self.run, None, gone[2]))
+                self.run = None
+
+    def missing(self, cmd: StartProfile, end: int | None, final: bool) -> list[int]:
+        top = cmd.last_step if end is None else min(cmd.last_step, end)
+        steps = set()
+        for first, last, _ in self.lost:
+            upto = top if last is None else min(last, top)
+            steps |= {k for k in range(max(first, cmd.first_step), upto + 1)}
+        if self.stop is not None and _ok(self.stop) and self.check == "":
+            steps -= set(range(self.stop.first_step, self.stop.last_step + 1))
+        if self.run is not None and not final:
+            steps -= set(range(self.run, top + 1))
+        return sorted(steps)
+
+
+def _settle(entry: dict[str, Any], target: _Target, cmd: StartProfile, end: int | None,
+            final: bool) -> None:
+    if target.stop is not None:
+        entry.update(_stop_fields(target.stop))
+    missing = target.missing(cmd, end, final)
+    problem = ""
+    # Status rules, first match wins (docs/profiling.md, "Outputs").
+    if target.stop is None and target.run is not None:
+        status = "running"
+    elif target.stop is None and target.lost:
+        status = "lost"
+    elif target.stop is None:
+        status = "running" if target.started else "scheduled"
+    elif not _ok(target.stop):
+        status = "lost" if target.lost else entry["status"]
+    elif target.check is None:
+        status = "unchecked"
+    elif target.check != "":
+        status, problem = "missing", target.check
+    elif missing:
+        status = "partial"
+    else:
+        status = "ok"
+    if final and status in ("scheduled", "running"):
+        status = "not_reached" if end is not None and entry["first_step"] > end else "missing"
+    entry["status"] = status
+    entry["missing_steps"] = missing
+    reasons = [problem] if problem else []
+    if missing or status == "lost" or problem:
+        for _, _, why in target.lost:
+            if why not in reasons:
+                reasons.append(why)
+    if reasons:
+        entry["reason"] = "; ".join(reasons)
+
+
 def reference_manifest(run_id: str, log: Sequence[Item], final: bool = False) -> dict[str, Any]:
     """The manifest the log implies (docs/profiling.md, "Outputs"): one entry per sent
     session and expected process, in the order sent, then any other process that reported
-    a stop, in the order of its first report. ``final`` (or ProfilerFinished, or the
-    give-up warning in the log) turns what never stopped into ``missing``, or
+    a stop that counts, in the order of its first report. ``final`` (or ProfilerFinished, or
+    the give-up warning in the log) turns what never stopped into ``missing``, or
     ``not_reached`` when the run ended before the session's first step."""
     facts = _Facts(log)
     msgs = _msgs(log)
-    entries: dict[tuple[str, str, int], dict[str, Any]] = {}
+    counted = _counted_reports(msgs)
+    final = final or facts.profiler_finished or facts.gave_up
+    end = facts.run_finished.steps if facts.run_finished is not None else None
+    commands = {cmd.session_id: cmd for cmd in facts.sent}
+    keys: list[tuple[str, str, int]] = []
     for cmd in facts.sent:
         for role, rank in _targets(cmd.roles, facts.replicas, cmd.ranks):
-            entries.setdefault((cmd.session_id, role, rank), {
-                "id": cmd.session_id, "role": role, "rank": rank,
-                "first_step": cmd.first_step, "last_step": cmd.last_step, "tool": cmd.tool,
-                "path": "", "bytes": 0, "status": "scheduled", "request_id": cmd.request_id,
-            })
-    started = {(m.session_id, m.role, m.rank) for m in msgs if isinstance(m, ProfileStarted)}
-    for key, entry in entries.items():
-        if key in started:
-            entry["status"] = "running"
-    for m in msgs:
-        if not isinstance(m, ProfileStopped):
-            continue
-        key = (m.session_id, m.role, m.rank)
-        entry = entries.setdefault(key, {"id": m.session_id, "role": m.role, "rank": m.rank,
-                                         "request_id": ""})
-        # The last report wins, except that a "missed" never hides a trace already written.
-        if entry.get("status") == "ok" and (m.status or "ok") != "ok":
-            continue
-        entry.update(_stop_fields(m))
-    if final or facts.profiler_finished or facts.gave_up:
-        end = facts.run_finished.steps if facts.run_finished is not None else None
-        for entry in entries.values():
-            if entry["status"] not in ("scheduled", "running"):
-                continue
-            entry["status"] = ("not_reached" if end is not None and entry["first_step"] > end
-                               else "missing")
-    return {"run_id": run_id, "sessions": list(entries.values())}
+            if (cmd.session_id, role, rank) not in keys:
+                keys.append((cmd.session_id, role, rank))
+    expected = len(keys)
+    for i, m in enumerate(msgs):
+        if isinstance(m, ProfileStopped) and counted[i]:
+            key = (m.session_id, m.role, m.rank)
+            if key not in keys:
+                keys.append(key)
+    entries = []
+    for n, key in enumerate(keys):
+        cmd = commands[key[0]]
+        entry: dict[str, Any] = {"id": key[0], "role": key[1], "rank": key[2]}
+        if n < expected:
+            entry.update({"first_step": cmd.first_step, "last_step": cmd.last_step,
+                          "tool": cmd.tool, "path": "", "bytes": 0, "status": "scheduled"})
+        entry["request_id"] = cmd.request_id
+        _settle(entry, _Target(msgs, counted, key), cmd, end, final)
+        entries.append(entry)
+    return {"run_id": run_id, "sessions": entries}

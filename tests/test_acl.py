@@ -147,7 +147,7 @@ def test_the_profiler_may_not_forge_either(server: AclRedis, what: str) -> None:
     admin.close()
 
 
-@pytest.mark.parametrize("user", COMPONENTS + ("operator",))
+@pytest.mark.parametrize("user", (*COMPONENTS, "operator"))
 def test_each_role_appends_to_its_own_stream_of_the_log_only(server: AclRedis, user: str,
                                                              ) -> None:
     admin = server.client("admin")

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 
@@ -35,6 +36,7 @@ from bus import (
     RunStarted,
     StartProfile,
     StepStarted,
+    TrainerResumed,
     WarningRaised,
     peers,
 )
@@ -163,18 +165,25 @@ async def assert_step1_then_ready(bus: Bus, keys: RunKeys, proc: Watched) -> Non
     assert id_key(starts[0].id) <= id_key(ready.id)
 
 
-def stopped(session: StartProfile, role: str, rank: int = 0) -> ProfileStopped:
-    return ProfileStopped(
+def stopped(session: StartProfile, role: str, rank: int = 0, folder: Path | None = None,
+            first_step: int | None = None) -> ProfileStopped:
+    """A component's ProfileStopped; its trace file (123 bytes) is written in ``folder``
+    (``save_path/RUN``) first, as the agent does, unless ``folder`` is None."""
+    stop = ProfileStopped(
         session_id=session.session_id,
         role=role,
         rank=rank,
-        first_step=session.first_step,
+        first_step=session.first_step if first_step is None else first_step,
         last_step=session.last_step,
         tool=session.tool,
         path=f"{role}{rank}-{session.session_id}.json.gz",
         bytes=123,
         duration_s=0.5,
     )
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / stop.path).write_bytes(b"t" * stop.bytes)
+    return stop
 
 
 # --------------------------------------------------------------------------- tests
@@ -276,7 +285,8 @@ async def test_started_after_run_started_requests_manifest_and_hook_once(
     )
     for session in (planned, requested):
         for role in ("trainer", "rollouter"):
-            await bus.publish(run_keys.log(role), stopped(session, role))
+            await bus.publish(run_keys.log(role),
+                              stopped(session, role, folder=tmp_path / "profiles" / run_id))
     manifest_path = tmp_path / "profiles" / run_id / "manifest.json"
 
     def complete_manifest() -> list[dict[str, Any]] | None:
@@ -364,7 +374,8 @@ async def test_finish_hook_is_never_run_twice_even_if_the_service_dies_in_it(
     await wait_ready(bus, run_keys, proc)
     (session,) = of([e.msg for e in await entries(bus, run_keys.control)], StartProfile)
     for role in ("trainer", "rollouter"):
-        await bus.publish(run_keys.log(role), stopped(session, role))
+        await bus.publish(run_keys.log(role),
+                          stopped(session, role, folder=tmp_path / "profiles" / run_id))
     await bus.publish(run_keys.events, RunFinished(run_id=run_id, steps=10))
     assert await wait_exit(proc, WAIT_S) == -signal.SIGKILL
     assert not of([e.msg for e in await entries(bus, run_keys.events)], ProfilerFinished)
@@ -376,6 +387,67 @@ async def test_finish_hook_is_never_run_twice_even_if_the_service_dies_in_it(
     (finished,) = of(msgs, ProfilerFinished)
     assert finished.hook_rc is None
     assert [w.code for w in of(msgs, WarningRaised)] == ["finish_hook_interrupted"]
+
+
+@pytest.mark.asyncio
+async def test_manifest_names_the_steps_a_killed_trainer_lost_and_a_trace_that_is_not_there(
+    bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch
+) -> None:
+    """The trainer began the continuous session s1-4 at step 1 and was killed in step 3; its
+    successor profiled 3-4. A rollouter's ProfileStopped names a trace that is not there;
+    another names a session the service never sent. The manifest says `partial` with steps
+    1-2 missing, and `missing` with the reason; one warning, even after a restart."""
+    config = write_config(tmp_path, redis_url, run_id, steps=[1, 2, 3, 4],
+                          profile_continuous_steps=True)
+    await bus.publish(run_keys.events, run_started(config, run_id))
+    proc = launch(config)
+    await wait_ready(bus, run_keys, proc)
+    (session,) = of([e.msg for e in await entries(bus, run_keys.control)], StartProfile)
+    assert session.session_id == "s1-4"
+    folder = tmp_path / "profiles" / run_id
+    forged = msgspec.structs.replace(stopped(session, "rollouter"), session_id="s9-9")
+    for msg in [
+        ProfileStarted(session_id="s1-4", role="trainer", rank=0, step=1, tool="torch"),
+        ProfileStarted(session_id="s1-4", role="rollouter", rank=0, step=1, tool="torch"),
+        # kill -9 in step 3: the resumed trainer says so, then profiles from step 3.
+        TrainerResumed(step=2, param_version=2, checkpoint_step=0, replayed_steps=2),
+        msgspec.structs.replace(run_started(config, run_id), resumed=True),
+        ProfileStarted(session_id="s1-4", role="trainer", rank=0, step=3, tool="torch"),
+        stopped(session, "trainer", folder=folder, first_step=3),
+        stopped(session, "rollouter"),  # no file
+        forged,
+    ]:
+        role = msg.role if isinstance(msg, ProfileStarted | ProfileStopped) else "trainer"
+        await bus.publish(run_keys.log(role), msg)
+
+    async def trace_warnings() -> list[WarningRaised]:
+        msgs = [e.msg for e in await entries(bus, run_keys.events)]
+        return [w for w in of(msgs, WarningRaised) if w.code == "profile_trace_missing"]
+
+    async def warned() -> WarningRaised | None:
+        found = await trace_warnings()
+        return found[0] if found else None
+
+    warning = await wait_until(warned, "a profile_trace_missing warning", WAIT_S, [proc])
+    assert "s1-4 rollouter0" in warning.message
+    assert "ignoring ProfileStopped for session 's9-9'" in proc.log()
+    # A service killed and restarted (no snapshot: it folds the whole log) checks the file
+    # again and finds the same, but the warning is in the log: it is not said twice.
+    proc.popen.kill()
+    assert await wait_exit(proc, WAIT_S) == -signal.SIGKILL
+    (folder / ".profiler_state.msgpack").unlink(missing_ok=True)
+    again = launch(config)
+    await wait_log(again, "rollouter0-s1-4.json.gz does not exist", WAIT_S)
+    await bus.publish(run_keys.events, RunFinished(run_id=run_id, steps=4))
+    assert await wait_exit(again, WAIT_S) == 0
+    assert len(await trace_warnings()) == 1
+    manifest = json.loads((folder / "manifest.json").read_text())
+    trainer, rollouter = manifest["sessions"]  # nothing for s9-9
+    assert (trainer["role"], trainer["status"], trainer["first_step"]) == ("trainer", "partial", 3)
+    assert trainer["missing_steps"] == [1, 2]
+    assert "TrainerResumed" in trainer["reason"]
+    assert (rollouter["role"], rollouter["status"]) == ("rollouter", "missing")
+    assert "rollouter0-s1-4.json.gz does not exist" in rollouter["reason"]
 
 
 @pytest.mark.asyncio

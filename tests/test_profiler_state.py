@@ -27,6 +27,7 @@ from bus.messages import (
     BlobRef,
     CheckpointSaved,
     Command,
+    ComponentFailed,
     Event,
     Heartbeat,
     ProfileRequest,
@@ -40,6 +41,7 @@ from bus.messages import (
     StartProfile,
     StepFinished,
     StepStarted,
+    TrainerResumed,
     WarningRaised,
     WeightsPublished,
 )
@@ -49,6 +51,7 @@ from profiler_service.schedule import PROFILER_SOURCE, SESSIONS_MISSING_CODE, de
 from profiler_service.state import (
     ServiceState,
     Snapshot,
+    TraceChecked,
     apply,
     decode_snapshot,
     encode_snapshot,
@@ -180,6 +183,13 @@ rare: st.SearchStrategy[Fact] = st.one_of(
     steps_.map(lambda s: CheckpointSaved(step=s, path="c", param_version=s, ts=1.0)),
     st.just(Heartbeat(role="trainer", rank=0, pid=1, ts=1.0)),
 )
+# A process dying or restarting inside its sessions.
+deaths: st.SearchStrategy[Fact] = st.one_of(
+    steps_.map(lambda s: TrainerResumed(step=s, param_version=s, checkpoint_step=0,
+                                        replayed_steps=0, ts=1.0)),
+    st.builds(lambda role, rank: ComponentFailed(role=role, rank=rank, error="boom", ts=1.0),
+              st.sampled_from(ROLE_NAMES), ranks_),
+)
 facts: st.SearchStrategy[Fact] = st.one_of(
     start_profiles(),
     requests(),
@@ -192,6 +202,7 @@ facts: st.SearchStrategy[Fact] = st.one_of(
     requests(),
     rare,
     rare,
+    deaths,
 )
 
 
@@ -204,13 +215,89 @@ def logs(draw: st.DrawFn, max_size: int = 40) -> list[Item]:
     body = draw(st.lists(facts, min_size=min(5, max_size), max_size=max_size))
     if draw(st.integers(0, 3)):  # most logs start with the run
         body.insert(0, run_started(draw(st.integers(1, 2))))
+    # The service's checks of the trace files of stops (each right after the stop, or later).
+    for i in reversed(range(len(body))):
+        msg = body[i]
+        if isinstance(msg, ProfileStopped) and draw(st.integers(0, 2)):
+            check = TraceChecked(session_id=msg.session_id, role=msg.role, rank=msg.rank,
+                                 stopped=msg, problem=draw(st.sampled_from(["", "", "gone"])))
+            body.insert(draw(st.integers(i + 1, len(body))), check)
     for msg in body:
         ms += draw(st.integers(0, 2000))
-        if isinstance(msg, StartProfile):
+        if isinstance(msg, StartProfile | TraceChecked):
             items.append(msg)
         else:
             items.append((f"{ms}-0", msg))
     return items
+
+
+@st.composite
+def session_lives(draw: st.DrawFn) -> list[Item]:
+    """A run with a few sessions sent, then what their own processes report (runs begun,
+    again by a successor, stops of any status), the processes dying or restarting in
+    between (ComponentFailed, TrainerResumed, a resumed RunStarted), the service's file
+    checks of the stops, and sometimes the run's end: the lives the manifest describes."""
+    replicas = draw(st.integers(1, 2))
+    body: list[Fact] = [run_started(replicas)]
+    cmds = []
+    for i in range(draw(st.integers(1, 3))):
+        first = draw(st.integers(1, 8))
+        cmds.append(StartProfile(session_id=f"s{i}", roles=draw(roles_), tool="torch",
+                                 first_step=first, last_step=first + draw(st.integers(0, 5)),
+                                 ranks=[], ts=1.0))
+    body += cmds
+    for _ in range(draw(st.integers(1, 25))):
+        cmd = draw(st.sampled_from(cmds))
+        role = draw(st.sampled_from(cmd.roles))
+        rank = 0 if role == "trainer" else draw(st.integers(0, replicas))  # one too many
+        step = draw(st.integers(cmd.first_step - 1, cmd.last_step + 1))
+        kind = draw(st.integers(0, 5))
+        if kind <= 1:
+            body.append(ProfileStarted(session_id=cmd.session_id, role=role, rank=rank,
+                                       step=step, tool="torch", ts=1.0))
+        elif kind <= 3:
+            stop = ProfileStopped(
+                session_id=cmd.session_id, role=role, rank=rank,
+                first_step=step, last_step=draw(st.integers(step, max(step, cmd.last_step))),
+                tool="torch", path=f"{role}{rank}-{cmd.session_id}.json.gz", bytes=10,
+                duration_s=0.5, status=draw(st.sampled_from(["ok", "ok", "missed",
+                                                              "cancelled", "error: x"])),
+                ts=3.0)
+            body.append(stop)
+            if draw(st.integers(0, 3)):
+                body.append(TraceChecked(session_id=stop.session_id, role=role, rank=rank,
+                                         stopped=stop,
+                                         problem=draw(st.sampled_from(["", "", "gone"]))))
+        elif kind == 4:
+            body.append(draw(deaths))
+        else:
+            body.append(draw(st.one_of(
+                st.just(run_started(replicas, ts=200.0, resumed=True)),
+                st.integers(1, 12).map(lambda s: RunFinished(run_id="r1", steps=s, ts=9.0)),
+                st.integers(1, 12).map(lambda s: StepStarted(step=s, param_version=s - 1,
+                                                             ts=1.0)))))
+    items: list[Item] = []
+    for n, msg in enumerate(body):
+        items.append(msg if isinstance(msg, StartProfile | TraceChecked)
+                     else (f"{1_000_000 + n}-0", msg))
+    return items
+
+
+@settings(max_examples=400, deadline=None)
+@given(log=session_lives(), final=st.booleans(), cut=st.integers(0, 60))
+def test_sessions_lives_manifest_as_the_oracle_and_fold_from_any_cut(
+    log: list[Item], final: bool, cut: int
+) -> None:
+    """Deaths and restarts inside sessions, file checks, foreign reports: the manifest is the
+    oracle's at every prefix, and a snapshot at any cut folds on to the same state."""
+    for i in range(len(log) + 1):
+        assert build_manifest("r1", fold(log[:i]), final) == reference_manifest("r1", log[:i],
+                                                                                 final)
+    cut = min(cut, len(log))
+    decoded = decode_snapshot(encode_snapshot(Snapshot(state=fold(log[:cut]), run_id="r1",
+                                                       events_position="1-0")))
+    assert decoded is not None
+    assert fold(log[cut:], decoded.state) == fold(log)
 
 
 def msgs_of(log: Sequence[Item]) -> list[Fact]:
@@ -585,3 +672,128 @@ def test_run_started_with_profiling_off_refuses_requests_at_once() -> None:
     off = ProfilerConfig(tool=None)
     (refused_now,) = decide(off, fold([ProfileRequest(request_id="q", steps=[5])]))
     assert "profiling is off" in refused_now.reason  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------------------- deaths and traces
+
+S30 = StartProfile(session_id="s30-40", roles=["trainer", "rollouter"], tool="torch",
+                   first_step=30, last_step=40, ts=1.0)
+
+
+def _stop30(role: str, first: int, last: int, status: str = "ok") -> ProfileStopped:
+    return ProfileStopped(session_id="s30-40", role=role, rank=0, first_step=first,
+                          last_step=last, tool="torch", path=f"{role}0-s30-40.json.gz",
+                          bytes=10, duration_s=1.0, status=status, ts=3.0)
+
+
+def _checked(stop: ProfileStopped, problem: str = "") -> TraceChecked:
+    return TraceChecked(session_id=stop.session_id, role=stop.role, rank=stop.rank,
+                        stopped=stop, problem=problem)
+
+
+def _entry(state: ServiceState, role: str) -> dict[str, Any]:
+    (entry,) = [e for e in build_manifest("r1", state)["sessions"] if e["role"] == role]
+    return entry
+
+
+def test_a_trainer_killed_inside_a_session_leaves_its_lost_steps_in_the_manifest() -> None:
+    """The trainer began s30-40 at 30 and was killed in step 36; its successor profiled
+    36-40. The manifest says `partial`, steps 30-35 missing, and why."""
+    stop = _stop30("trainer", 36, 40)
+    log: list[Fact] = [
+        run_started(1), S30,
+        ProfileStarted(session_id="s30-40", role="trainer", rank=0, step=30, tool="torch"),
+        TrainerResumed(step=35, param_version=35, checkpoint_step=30, replayed_steps=5),
+        run_started(1, resumed=True),
+        ProfileStarted(session_id="s30-40", role="trainer", rank=0, step=36, tool="torch"),
+    ]
+    running = _entry(fold(log), "trainer")
+    assert (running["status"], running["missing_steps"]) == ("running", list(range(30, 36)))
+    entry = _entry(fold([*log, stop, _checked(stop)]), "trainer")
+    assert entry["status"] == "partial"
+    assert (entry["first_step"], entry["last_step"], entry["path"]) == (
+        36, 40, "trainer0-s30-40.json.gz")
+    assert entry["missing_steps"] == list(range(30, 36))
+    assert "TrainerResumed" in entry["reason"]
+    # The rollouter, untouched, is not affected.
+    assert _entry(fold([*log, stop, _checked(stop)]), "rollouter")["missing_steps"] == []
+
+
+def test_a_restarted_rollouter_without_any_death_event_is_seen_by_its_new_start() -> None:
+    first_run = ProfileStarted(session_id="s30-40", role="rollouter", rank=0, step=30,
+                               tool="torch")
+    log: list[Fact] = [run_started(1), S30, first_run, first_run,  # a retried XADD
+                       msgspec_replace(first_run, step=33)]
+    stop = _stop30("rollouter", 33, 40)
+    entry = _entry(fold([*log, stop, _checked(stop)]), "rollouter")
+    assert (entry["status"], entry["missing_steps"]) == ("partial", [30, 31, 32])
+    # A successor that found the session over reports it missed: nothing of it is left.
+    lost = _entry(fold([run_started(1), S30, first_run, _stop30("rollouter", 30, 40, "missed"),
+                        RunFinished(run_id="r1", steps=38)]), "rollouter")
+    assert (lost["status"], lost["missing_steps"]) == ("lost", list(range(30, 39)))
+
+
+def test_a_component_that_failed_and_never_came_back_is_lost() -> None:
+    log: list[Fact] = [
+        run_started(1), S30,
+        ProfileStarted(session_id="s30-40", role="trainer", rank=0, step=30, tool="torch"),
+        ComponentFailed(role="trainer", rank=0, error="CUDA error"),
+        RunFinished(run_id="r1", steps=32),
+    ]
+    entry = _entry(fold(log), "trainer")
+    assert (entry["status"], entry["missing_steps"]) == ("lost", [30, 31, 32])
+    assert "CUDA error" in entry["reason"]
+
+
+def test_a_stop_naming_a_trace_that_is_not_there_is_not_ok(tmp_path: Any) -> None:
+    """The service checks the file an ``ok`` stop names (check_trace); until then the entry is
+    `unchecked`, after it `ok` only when the file is there with the stated size."""
+    from profiler_service.manifest import check_trace, trace_warning
+    from profiler_service.state import TRACE_MISSING_CODE, unchecked_stops
+
+    forged = _stop30("trainer", 30, 40)
+    state = fold([run_started(1), S30, forged])
+    assert _entry(state, "trainer")["status"] == "unchecked"
+    ((sid, fact, tool),) = unchecked_stops(state)
+    problem = check_trace(tmp_path, fact.stopped, tool)
+    assert "does not exist" in problem
+    state = apply(state, TraceChecked(session_id=sid, role="trainer", rank=0,
+                                      stopped=fact.stopped, problem=problem))
+    assert unchecked_stops(state) == []
+    entry = _entry(state, "trainer")
+    assert (entry["status"], entry["reason"]) == ("missing", problem)
+    # The warning is published once: once in the log, the service knows it.
+    warning = trace_warning(TraceChecked(session_id=sid, role="trainer", rank=0,
+                                         stopped=fact.stopped, problem=problem))
+    assert warning.code == TRACE_MISSING_CODE
+    assert warning.message in apply(state, warning).trace_warnings
+    # A file of another size is no better; the right one is ok.
+    (tmp_path / "trainer0-s30-40.json.gz").write_bytes(b"x" * 9)
+    assert "has 9 bytes" in check_trace(tmp_path, forged, "torch")
+    (tmp_path / "trainer0-s30-40.json.gz").write_bytes(b"x" * 10)
+    assert check_trace(tmp_path, forged, "torch") == ""
+    assert _entry(fold([run_started(1), S30, forged, _checked(forged)]), "trainer")[
+        "status"] == "ok"
+    # An nsys session's stop names no file (nsys writes its own reports).
+    nsys = msgspec_replace(forged, path="", bytes=0, tool="nsys")
+    assert check_trace(tmp_path, nsys, "nsys") == ""
+    assert check_trace(tmp_path, nsys, "torch") != ""
+
+
+def test_reports_for_a_session_never_sent_or_from_a_process_it_does_not_target_are_ignored(
+) -> None:
+    from profiler_service.state import report_refusal
+
+    state = fold([run_started(1), S30])
+    unknown = msgspec_replace(_stop30("trainer", 30, 40), session_id="s99-99")
+    assert "never started" in (report_refusal(state, unknown) or "")
+    assert apply(state, unknown) is state
+    stranger = msgspec_replace(_stop30("rollouter", 30, 40), rank=3)
+    assert "does not target" in (report_refusal(state, stranger) or "")
+    assert apply(state, stranger) is state
+    started = ProfileStarted(session_id="s99-99", role="trainer", rank=0, step=1, tool="torch")
+    assert apply(state, started) is state
+    assert report_refusal(state, _stop30("trainer", 30, 40)) is None
+    assert [e["id"] for e in build_manifest("r1", fold([run_started(1), S30, unknown,
+                                                        stranger]))["sessions"]] == [
+        "s30-40", "s30-40"]

@@ -41,7 +41,7 @@ from profiler_service.schedule import (
     sessions_overlap,
     step_runs,
 )
-from profiler_service.state import apply, fold
+from profiler_service.state import TraceChecked, apply, fold
 from runconfig.schema import ProfilerConfig
 
 TOTAL = 30
@@ -82,6 +82,12 @@ def cfg_of(
 
 def starts(msgs: Sequence[object]) -> list[StartProfile]:
     return [m for m in msgs if isinstance(m, StartProfile)]
+
+
+def files_found(log: Log) -> list[Event | Command | TraceChecked]:
+    """``log`` and the service's check of every stop's trace file, all found."""
+    return [*log, *(TraceChecked(session_id=m.session_id, role=m.role, rank=m.rank, stopped=m)
+                     for m in log if isinstance(m, ProfileStopped))]
 
 
 def stop_all(session: StartProfile, replicas: int) -> list[ProfileStopped]:
@@ -349,12 +355,12 @@ def test_gave_up_waiting_finishes_and_manifest_says_missing() -> None:
         RunFinished(run_id="r1", steps=TOTAL),
     ]
     assert decide(cfg, log) == []
-    manifest = build_manifest("r1", fold(log))
+    manifest = build_manifest("r1", fold(files_found(log)))
     assert [e["status"] for e in manifest["sessions"]] == ["ok", "scheduled"]
     log.append(WarningRaised(source=PROFILER_SOURCE, code=SESSIONS_MISSING_CODE, message="x"))
     out = decide(cfg, log)
     assert [type(m) for m in out] == [ProfilerFinished]
-    manifest = build_manifest("r1", fold([*log, *out]))
+    manifest = build_manifest("r1", fold(files_found([*log, *out])))
     assert [(e["role"], e["status"], e["path"]) for e in manifest["sessions"]] == [
         ("trainer", "ok", "trainer0-s1-1.json.gz"),
         ("rollouter", "missing", ""),
@@ -368,7 +374,8 @@ def test_sessions_after_the_last_step_are_not_waited_for() -> None:
     log += [*stop_all(starts(log)[0], 1), RunFinished(run_id="r1", steps=4, status="failed")]
     out = decide(cfg, log)
     assert [type(m) for m in out] == [ProfilerFinished]
-    statuses = {e["id"]: e["status"] for e in build_manifest("r1", fold([*log, *out]))["sessions"]}
+    manifest = build_manifest("r1", fold(files_found([*log, *out])))
+    statuses = {e["id"]: e["status"] for e in manifest["sessions"]}
     assert statuses == {"s1-1": "ok", "s9-9": "not_reached"}
 
 
@@ -526,6 +533,7 @@ def test_manifest_is_a_pure_fold() -> None:
                 "bytes": 0,
                 "status": "scheduled",
                 "request_id": "",
+                "missing_steps": [],
             }
             for role, rank in [("trainer", 0), ("rollouter", 0), ("rollouter", 1)]
         ],
