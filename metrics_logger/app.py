@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import msgspec
 
 from bus import Bus, Entry, Heartbeat, RunFinished, StepFinished
+from bus.facts import run_finished_refusal
 from bus.files import atomic_write
 from bus.history import events_folder, find_archive
 from bus.messages import ValidationFinished
@@ -225,7 +226,11 @@ class MetricsLogger(Component):
                     _write_validation(sink, msg)
                 wrote = True
             elif isinstance(msg, RunFinished):
-                self.finished = True
+                why = run_finished_refusal(msg.steps, self.position.step)
+                if why is None:
+                    self.finished = True
+                else:  # not the trainer's: the run goes on
+                    print(f"{PROG}: ignored a RunFinished: {why}", file=sys.stderr, flush=True)
         if wrote:
             for sink in self.sinks:
                 sink.flush()

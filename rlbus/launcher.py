@@ -280,6 +280,8 @@ class _Up:
         self.status = asyncio.run(run_status(self.url, self.run_id, archive))
         if self.status.config is not None:
             self._take_recorded_config(self.status.config)
+        for why in self.status.ignored:  # not the trainer's: the run is not finished
+            self.console.say(f"warning: ignored a RunFinished of run {self.run_id}: {why}")
         total, done = self.cfg.trainer.total_training_steps, self.status.finished_steps
         if done is None:
             return None
@@ -363,7 +365,8 @@ class _Up:
         self.summary.past_profiles = len(past)
         progress = Progress(self.cfg.trainer.total_training_steps, self.status.last_step,
                              self.console)
-        watch = RunWatch(self.run_id, self.children, self.sup, progress, self.summary, past)
+        watch = RunWatch(self.run_id, self.children, self.sup, progress, self.summary, past,
+                         last_step=self.status.last_step)
         try:
             return asyncio.run(watch.run(self.url, since))
         finally:

@@ -50,9 +50,13 @@ class RunStatus(msgspec.Struct):
     finished_steps: int | None = None
     config: dict[str, Any] | None = None
     traces: set[tuple[str, str, int]] = msgspec.field(default_factory=set)
+    ignored: list[str] = msgspec.field(default_factory=list)
+    """Why each RunFinished that contradicts the log was not believed (bus.facts)."""
 
     def fold(self, msg: Message) -> None:
-        """Take one event of the log, in log order."""
+        """Take one event of the log, in log order. A RunFinished is believed only when it
+        says the last finished step (bus.facts.run_finished_refusal)."""
+        from bus.facts import run_finished_refusal
         from bus.messages import ProfileStopped, RunFinished, RunStarted, StepFinished
 
         match msg:
@@ -63,7 +67,11 @@ class RunStatus(msgspec.Struct):
             case StepFinished():
                 self.last_step = max(self.last_step, msg.step)
             case RunFinished():
-                self.finished_steps = msg.steps
+                why = run_finished_refusal(msg.steps, self.last_step)
+                if why is None:
+                    self.finished_steps = msg.steps
+                else:
+                    self.ignored.append(why)
             case ProfileStopped(status="ok"):
                 self.traces.add(trace_key(msg))
 

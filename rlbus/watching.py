@@ -137,8 +137,11 @@ class RunWatch:
     """How long components may take to exit after the run finished before they are stopped."""
 
     def __init__(self, run_id: str, children: list[Any], sup: Supervisor, progress: Progress,
-                 summary: Summary, past_traces: set[tuple[str, str, int]]) -> None:
+                 summary: Summary, past_traces: set[tuple[str, str, int]],
+                 last_step: int = 0) -> None:
         self.keys = RunKeys(run_id)
+        self.last_step = last_step
+        """The last finished step read (a RunFinished must say it: bus.facts)."""
         self.children = children
         self.sup = sup
         self.progress = progress
@@ -209,6 +212,7 @@ class RunWatch:
             handler(msg)
 
     def _step(self, ev: StepFinished) -> None:
+        self.last_step = max(self.last_step, ev.step)
         self.summary.add(ev, self.started)
         self.progress.step(ev)
 
@@ -236,6 +240,12 @@ class RunWatch:
         self.progress.say(f"warning from {ev.source}: {ev.message}")
 
     def _finished(self, ev: Any) -> None:
+        from bus.facts import run_finished_refusal
+
+        why = run_finished_refusal(ev.steps, self.last_step)
+        if why is not None:  # not the trainer's: the run goes on
+            self.progress.say(f"rlbus up: ignored a RunFinished: {why}", err=True)
+            return
         self.progress.say(f"run {ev.run_id} finished after {ev.steps} steps ({ev.status})")
         self.finished_at = time.monotonic()
 

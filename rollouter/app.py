@@ -33,6 +33,7 @@ from bus import (
     RunKeys,
 )
 from bus.blobs import open_store
+from bus.facts import run_finished_refusal
 from bus.liveness import peers
 from bus.messages import (
     Array,
@@ -168,7 +169,8 @@ class Rollouter(Component):
         in log order wins: after a resume from a log that lost its tail, a lower version is
         the current one), the trainer's step boundaries and the run's end."""
         total = self.cfg.trainer.total_training_steps
-        for _, msg in entries:
+        for entry_id, msg in entries:
+            last_step = self.clock.finished
             self.clock = observe(self.clock, msg)
             match msg:
                 case WeightsPublished():
@@ -177,9 +179,13 @@ class Rollouter(Component):
                     self.finished = False
                 case ValidationFinished():
                     self.validated.add(msg.request_id)
-                # A run extended with more steps than it finished with goes on.
-                case RunFinished() if msg.steps >= total:
-                    self.finished = True
+                case RunFinished():
+                    why = run_finished_refusal(msg.steps, last_step)
+                    if why is not None:  # not the trainer's: the run goes on
+                        self.say(f"ignored {entry_id} of {self.keys.events}: {why}", error=True)
+                    # A run extended with more steps than it finished with goes on.
+                    elif msg.steps >= total:
+                        self.finished = True
 
     async def _poll_events(self, block_ms: int | None = None) -> bool:
         """Read new run events (a read that starts now: it sees everything written before

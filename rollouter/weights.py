@@ -3,9 +3,12 @@ being fetched and decoded beside generation (a double buffer), and those that fa
 
 The newest publication in log order that is not known to be unloadable is current: after a
 resume from a log that lost its tail, a lower version can be the current one. A publication
-whose blob is gone (superseded and deleted while this replica was busy) is passed over; one
-that cannot be loaded (corrupt, not a state dict, another model's) is passed over with a
-``weights_unloadable`` warning, and the newest loadable one before it is loaded instead.
+whose blob is gone is passed over: silently when :data:`BLOBS_KEPT` newer publications
+follow it in the log (the trainer deleted it while this replica was busy), else with a
+``weights_unloadable`` warning (a publication no trainer made, or a blob lost). One that
+cannot be loaded (corrupt, not a state dict, another model's) is passed over with that
+warning too. Either way the newest loadable one before it is loaded instead. A fetch that
+is no longer wanted is cancelled and its outcome retrieved: nothing is left to fail unseen.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ from bus.messages import WarningRaised, WeightsPublished
 __all__ = ["HeldWeights"]
 
 State = dict[str, torch.Tensor]
+
+BLOBS_KEPT = 3
+"""The trainer deletes a publication's blob only once this many newer ones follow it in the
+log (docs/architecture.md, "Weights"): a blob missing before that is worth a warning."""
 
 
 class HeldWeights:
@@ -44,6 +51,8 @@ class HeldWeights:
         self.bad: set[str] = set()  # blob keys that failed to load
         # The newest publication being fetched and decoded (double buffer), if any.
         self.staging: tuple[WeightsPublished, asyncio.Task[State]] | None = None
+        # Superseded fetches that found no blob: told at the next swap (stage is not async).
+        self.missing: list[tuple[WeightsPublished, BlobNotFound]] = []
 
     def saw(self, msg: WeightsPublished) -> None:
         """A publication read from the log (in log order)."""
@@ -64,8 +73,10 @@ class HeldWeights:
         newest = self.newest
         if newest is None or newest is self.loaded:
             return
-        if self.staging is not None and self.staging[0] is newest:
-            return
+        if self.staging is not None:
+            if self.staging[0] is newest:
+                return
+            self._drop(*self.staging)
         self.staging = (newest, asyncio.create_task(self.fetch(newest)))
 
     async def swap(self, wait: bool = True) -> None:
@@ -73,6 +84,10 @@ class HeldWeights:
         they are already fetched and decoded (else they keep staging, and the caller goes on
         with the weights it has, which its tickets allow)."""
         self.stage()
+        missing, self.missing = self.missing, []
+        for msg, exc in missing:
+            if not self._deleted(msg):
+                await self._unloadable(msg, exc)
         if self.staging is None:
             return
         newest, task = self.staging
@@ -81,10 +96,12 @@ class HeldWeights:
         self.staging = None
         try:
             state = await task
-        except BlobNotFound:
-            # Superseded and deleted while we were busy: a newer version is already published.
+        except BlobNotFound as exc:
             self.bad.add(newest.ref.key)
             await self.reread()
+            if not self._deleted(newest):
+                await self._unloadable(newest, exc)
+            await self.swap(wait)
             return
         except Exception as exc:
             # Corrupt, a WeightsPublished that no trainer wrote, or not a state dict: fall
@@ -101,6 +118,26 @@ class HeldWeights:
         self.loaded = newest
         self.version = newest.version
 
+    def _deleted(self, msg: WeightsPublished) -> bool:
+        """The trainer may have deleted ``msg``'s blob: :data:`BLOBS_KEPT` newer
+        publications follow it in the log (or pushed it out of those held here)."""
+        for i, m in enumerate(self.published):
+            if m is msg:
+                return len(self.published) - 1 - i >= BLOBS_KEPT
+        return True
+
+    def _drop(self, msg: WeightsPublished, task: asyncio.Task[State]) -> None:
+        """A fetch no longer wanted (a newer publication is staged): a blob it found missing
+        is told at the next swap; one still running is cancelled, its outcome retrieved."""
+        if task.done() and not task.cancelled():
+            exc = task.exception()
+            if isinstance(exc, BlobNotFound):
+                self.bad.add(msg.ref.key)
+                self.missing.append((msg, exc))
+            return
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
     async def _unloadable(self, msg: WeightsPublished, exc: Exception) -> None:
         self.bad.add(msg.ref.key)
         why = str(exc) if isinstance(exc, BlobError) else f"{type(exc).__name__}: {exc}"
@@ -116,3 +153,4 @@ class HeldWeights:
             staging[1].cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await staging[1]
+

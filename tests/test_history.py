@@ -176,7 +176,7 @@ async def _synthetic_run(bus: Bus, keys: RunKeys, run_dir: Path, steps: int, sav
             (folder / f"step-{k:06d}.state").write_bytes(msgspec.msgpack.encode(snap))
             await publish(CheckpointSaved(step=k, path=str(folder / f"step-{k:06d}.pt"),
                                           param_version=k // trigger))
-        done = StepFinished(step=k, sample_ids=[f"s{k}"], metrics={"m": float(k)}, duration_s=0.1,
+        done = StepFinished(step=k, sample_ids=[f"t{k}/0"], metrics={"m": float(k)}, duration_s=0.1,
                             param_version=k // trigger, entry_ids=[f"{k}-0"])
         last_finished = await publish(done)
         finished.append(done)

@@ -116,13 +116,16 @@ def test_state_keeps_only_what_a_resume_needs() -> None:
     for step in range(1, 51):
         state = state_apply(state, _issued(step * 10, 2, step - 1))
         if step % 10 == 0:
-            state = state_apply(state, CheckpointSaved(step=step, path=f"c{step}",
-                                                       param_version=step))
+            state = state_apply(state, CheckpointSaved(
+                step=step, path=f"ckpt/step-{step:06d}.pt", param_version=step))
         state = state_apply(state, WeightsPublished(
             version=step, ref=BlobRef(store="redis", key=f"w{step}", size=1, sha256="0")))
         state = state_apply(state, _finished(step, [step * 10, step * 10 + 1], step))
-    assert state.checkpoint() == (50, "c50")
+    assert state.checkpoint() == (50, "ckpt/step-000050.pt")
     assert state.steps_after_checkpoint() == ()
+    # One earlier checkpoint and the steps after it: the fallback if the newest is missing.
+    assert state.checkpoints() == [(50, "ckpt/step-000050.pt"), (40, "ckpt/step-000040.pt")]
+    assert [r.step for r in state.steps] == list(range(41, 51))
     assert len(state.weights) <= 8 and state.ledger.outstanding == 0
 
 

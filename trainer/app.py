@@ -67,6 +67,7 @@ __all__ = ["CONSUMER", "GROUP", "Trainer"]
 GROUP = "trainer"
 CONSUMER = "trainer-0"
 MAX_LOG_RESTARTS = 5  # starts over from the log after it was found behind (a lost tail)
+MAX_REFUSED_WARNINGS = 16  # fact_refused warnings at start; the rest are counted in one
 
 
 class Trainer(Component):
@@ -136,6 +137,7 @@ class Trainer(Component):
 
     async def serve(self) -> int:
         await self.writer.read_log(self.ckpt_dir, self.run_dir / "events")
+        await self._report_refused()
         self.watch.follow_from(self.writer.position)  # reports: what comes next only
         state, total = self.writer.state, self.cfg.trainer.total_training_steps
         if state.finished and state.last_step >= total:
@@ -171,11 +173,32 @@ class Trainer(Component):
             if self.hf_export is not None:
                 self.hf_export.close()
 
+    async def _report_refused(self) -> None:
+        """One line and one ``fact_refused`` warning per event of the log its fold refused
+        (trainer.state.refusal: facts that contradict the log), at most
+        :data:`MAX_REFUSED_WARNINGS` warnings."""
+        refused = self.writer.refused
+        for r in refused:
+            self.say(f"refused {r.kind} at {r.entry_id} of {self.keys.events}: {r.reason}",
+                     error=True)
+        warnings = [WarningRaised(source="trainer", code="fact_refused",
+                                  message=f"{r.kind} at {r.entry_id} not folded: {r.reason}")
+                    for r in refused[:MAX_REFUSED_WARNINGS]]
+        if len(refused) > MAX_REFUSED_WARNINGS:
+            warnings.append(WarningRaised(
+                source="trainer", code="fact_refused",
+                message=f"and {len(refused) - MAX_REFUSED_WARNINGS} more events not folded"))
+        await self.publish(*warnings)
+
+    async def _warn(self, warning: WarningRaised) -> None:
+        self.say(warning.message, error=True)
+        await self.publish(warning)
+
     async def _resume(self) -> None:
         """Rebuild the model the trainer had (checkpoint, then the steps after it)."""
         resumed = await rebuild(self.bus, self.keys, self.writer.state, self.learner, self.off,
                                 self.cfg.async_training.trigger_parameter_sync_step,
-                                self.writer.entries_read)
+                                self.writer.entries_read, warn=self._warn)
         await self.publish(resumed)
         if resumed.weights_match is False:
             await self.publish(WarningRaised(
@@ -211,7 +234,8 @@ class Trainer(Component):
             await self.publish(*(await self.profiler.close()))
             self.profiler = None
         await self._hf_written()
-        await self.publish(RunFinished(run_id=self.run_id, steps=total))
+        # The steps the log holds (a run resumed with fewer total steps has more).
+        await self.publish(RunFinished(run_id=self.run_id, steps=self.writer.state.last_step))
         self.say(f"run {self.run_id} finished ({total} steps)")
         return 0
 

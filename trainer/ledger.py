@@ -16,7 +16,8 @@ import msgspec
 
 from bus.messages import Message, StepFinished, TicketsClosed, TicketsIssued
 
-__all__ = ["Ledger", "OpenTicket", "apply", "fold", "ticket_id", "ticket_index", "ticket_of_sample"]
+__all__ = ["Ledger", "OpenTicket", "apply", "fold", "refusal", "ticket_id", "ticket_index",
+           "ticket_of_sample"]
 
 
 def ticket_id(index: int) -> str:
@@ -81,8 +82,63 @@ def _close(ledger: Ledger, indices: Iterable[int | None], *, untrained: bool = F
     return msgspec.structs.replace(ledger, open=opened, window=window)
 
 
+def _trained_refusal(ledger: Ledger, msg: StepFinished) -> str | None:
+    """Why a StepFinished cannot be a step this ledger's tickets were answered for."""
+    ids = msg.sample_ids
+    if not ids:
+        return f"StepFinished({msg.step}) trained no sample (a step trains a batch)"
+    if len(set(ids)) != len(ids):
+        return f"StepFinished({msg.step}) names a sample twice"
+    if msg.entry_ids and len(msg.entry_ids) != len(ids):
+        return (f"StepFinished({msg.step}) has {len(msg.entry_ids)} entry ids for "
+                f"{len(ids)} samples")
+    for sid in ids:
+        index = ticket_of_sample(sid)
+        ticket = None if index is None else ledger.open.get(index)
+        sample = sid.rsplit("/", 1)[-1]
+        if ticket is None or not sample.isdigit() or int(sample) >= ticket.n:
+            return (f"StepFinished({msg.step}) trained {sid!r}, not an answer of an open "
+                    "ticket")
+    return None
+
+
+def _closed_refusal(ledger: Ledger, msg: TicketsClosed) -> str | None:
+    """Why a TicketsClosed contradicts the ledger. The trainer closes only open tickets; a
+    copy of its write (at-least-once) names only tickets that copy closed: both fold."""
+    indices = [ticket_index(tid) for tid in msg.ticket_ids]
+    never = [tid for tid, i in zip(msg.ticket_ids, indices, strict=True)
+             if i is None or i >= ledger.issued]
+    if never:
+        return f"TicketsClosed names tickets never issued: {never[:3]}"
+    opened = [i in ledger.open for i in indices]
+    if any(opened) and not all(opened):
+        shut = [tid for tid, o in zip(msg.ticket_ids, opened, strict=True) if not o]
+        return f"TicketsClosed names open tickets and tickets closed already: {shut[:3]}"
+    return None
+
+
+def refusal(ledger: Ledger, msg: Message) -> str | None:
+    """Why ``msg`` contradicts the ledger (it must not be folded), or None. A StepFinished
+    must train answers of open tickets (a non-empty batch, each sample ``t{i}/{j}`` of an
+    open ticket ``t{i}`` with ``j < n``); a TicketsClosed may close only tickets that are
+    open (or, a copy of one already folded, only tickets it closed)."""
+    match msg:
+        case StepFinished():
+            return _trained_refusal(ledger, msg)
+        case TicketsClosed():
+            return _closed_refusal(ledger, msg)
+    return None
+
+
 def apply(ledger: Ledger, msg: Message) -> Ledger:
-    """Fold one event into the ledger; other events change nothing."""
+    """Fold one event into the ledger; other events, and those :func:`refusal` refuses,
+    change nothing."""
+    if refusal(ledger, msg) is not None:
+        return ledger
+    return _apply(ledger, msg)
+
+
+def _apply(ledger: Ledger, msg: Message) -> Ledger:
     match msg:
         case TicketsIssued(ticket_ids=ids, n=n, param_version=version, attempt=attempt):
             opened = dict(ledger.open)

@@ -23,14 +23,16 @@ import torch
 from bus import Bus, RunKeys
 from bus.files import atomic_file, atomic_write
 from bus.history import read_history
-from bus.messages import Sample, StepFinished, TrainerResumed
-from trainer.state import StepRecord, TrainerState, apply
+from bus.messages import Sample, StepFinished, TrainerResumed, WarningRaised
+from runtime import Failure
+from trainer.state import StepRecord, TrainerState, take
 
 if TYPE_CHECKING:
     from trainer.learner import Learner
 
-__all__ = ["LogRead", "Snapshot", "load_checkpoint", "read_log", "rebuild", "replay_groups",
-           "snapshots", "write_checkpoint"]
+__all__ = ["LogRead", "Refused", "ResumeFailed", "Snapshot", "load_checkpoint",
+           "pick_checkpoint", "read_log", "rebuild", "replay_groups", "snapshots",
+           "write_checkpoint"]
 
 RunOff = Callable[..., Awaitable[Any]]
 
@@ -43,14 +45,28 @@ class Snapshot(msgspec.Struct, frozen=True):
     last_finished_id: str | None = None
 
 
+class ResumeFailed(Failure):
+    """The log names what a resume needs and it is not there (a checkpoint file, the samples
+    of a step to re-apply): one line and a ComponentFailed, not a traceback."""
+
+
+class Refused(msgspec.Struct, frozen=True):
+    """An event of the log the fold refused (trainer.state.refusal): where, what, why."""
+
+    entry_id: str
+    kind: str
+    reason: str
+
+
 class LogRead(msgspec.Struct):
     """The folded state, the id of the last entry folded, the id of the last StepFinished,
-    and how many entries this read folded."""
+    how many entries this read folded, and the events it refused."""
 
     state: TrainerState
     position: str | None
     last_finished_id: str | None
     entries_read: int
+    refused: list[Refused] = []
 
 
 def write_checkpoint(folder: Path, step: int, version: int, policy: torch.nn.Module,
@@ -105,14 +121,18 @@ async def read_log(bus: Bus, keys: RunKeys, folder: Path, archive: Path | None =
             break
     position = None if start == "0" else start
     read = 0
+    refused: list[Refused] = []
     archive = folder.parent / "events" if archive is None else archive
     async for entry in read_history(bus, keys.events, archive, start):
         read += 1
-        state = apply(state, entry.msg)
+        before = state.last_step
+        state, why = take(state, entry.msg)
         position = entry.id
-        if isinstance(entry.msg, StepFinished) and entry.msg.step == state.last_step:
+        if why is not None:
+            refused.append(Refused(entry.id, type(entry.msg).__name__, why))
+        elif isinstance(entry.msg, StepFinished) and state.last_step > before:
             last_finished = entry.id
-    return LogRead(state, position, last_finished, read)
+    return LogRead(state, position, last_finished, read, refused)
 
 
 async def replay_groups(bus: Bus, keys: RunKeys, rec: StepRecord) -> list[list[Sample]]:
@@ -132,7 +152,7 @@ async def replay_groups(bus: Bus, keys: RunKeys, rec: StepRecord) -> list[list[S
         samples = [by_sid[sid] for sid in rec.sample_ids if sid in by_sid]
         missing = [sid for sid in rec.sample_ids if sid not in by_sid]
     if missing:
-        raise RuntimeError(
+        raise ResumeFailed(
             f"cannot re-apply step {rec.step}: samples {missing[:3]} are no longer in "
             f"{keys.samples}"
         )
@@ -142,20 +162,44 @@ async def replay_groups(bus: Bus, keys: RunKeys, rec: StepRecord) -> list[list[S
     return [sorted(g, key=lambda s: s.index) for g in groups.values()]
 
 
+def pick_checkpoint(state: TrainerState, exists: Callable[[str], bool]
+                    ) -> tuple[int, str | None, list[str]]:
+    """The checkpoint a resume loads: the newest of a finished step whose file ``exists``
+    (``(0, None)`` for none: the log holds no checkpoint), and the newer files that are
+    missing. Raises :class:`ResumeFailed` when the log names checkpoints and none exists."""
+    named = state.checkpoints()
+    missing: list[str] = []
+    for step, path in named:
+        if exists(path):
+            return step, path, missing
+        missing.append(path)
+    if not named:
+        return 0, None, []
+    raise ResumeFailed(f"checkpoint {missing[0]} named in the log is missing, and so is every "
+                       f"earlier one the log names ({', '.join(missing[1:]) or 'none'})")
+
+
 async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner,
-                  off: RunOff, trigger: int, events_read: int) -> TrainerResumed:
-    """Rebuild the model the trainer had: load the newest checkpoint of a finished step,
-    re-apply the finished steps after it from the entries their StepFinished recorded, and
-    check the result against the weights the trainer had published (``weights_match``).
-    ``off`` runs blocking work on the trainer's worker thread."""
+                  off: RunOff, trigger: int, events_read: int,
+                  warn: Callable[[WarningRaised], Awaitable[Any]] | None = None,
+                  ) -> TrainerResumed:
+    """Rebuild the model the trainer had: load the newest checkpoint of a finished step
+    whose file exists (pick_checkpoint; a missing newer one is told to ``warn``), re-apply
+    the finished steps after it from the entries their StepFinished recorded, and check the
+    result against the weights the trainer had published (``weights_match``). ``off`` runs
+    blocking work on the trainer's worker thread."""
     await learner.optimizer_ready()
-    ckpt_step, ckpt_path = state.checkpoint()
+    ckpt_step, ckpt_path, missing = await asyncio.to_thread(pick_checkpoint, state,
+                                                            os.path.exists)
+    if missing and warn is not None:
+        await warn(WarningRaised(
+            source="trainer", code="checkpoint_missing",
+            message=f"checkpoint {missing[0]} named in the log is missing; resuming from "
+                    f"{ckpt_path} (step {ckpt_step}) and re-applying the steps after it"))
     if ckpt_path is not None:
-        if not await asyncio.to_thread(os.path.exists, ckpt_path):
-            raise RuntimeError(f"checkpoint {ckpt_path} named in the log is missing")
         await off(load_checkpoint, ckpt_path, learner.policy, learner.optimizer,
                   learner.device)
-    replay = state.steps_after_checkpoint()
+    replay = state.steps_after_checkpoint(ckpt_step)
     for rec in replay:
         groups = await replay_groups(bus, keys, rec)
         learner.version = (rec.step - 1) // trigger  # the version it held for that step

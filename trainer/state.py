@@ -2,11 +2,19 @@
 
 Pure: no Redis, no torch. A restarted trainer folds the log it reads back and resumes from
 the result (last finished step, weights version, open tickets, the steps to re-apply).
+
+Facts that contradict the state folded so far are refused, not folded (:func:`refusal`):
+whoever wrote them, the trainer never would have. A StepFinished must be step ``last + 1``
+(an earlier one is a copy of a write, passed over) training answers of open tickets
+(trainer.ledger); a CheckpointSaved must be of the step being finished (the trainer saves
+before it writes that step's StepFinished) and named ``step-K.pt`` for its step ``K``; a
+RunFinished must say the last finished step; a TicketsClosed may close only open tickets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import PurePath
 
 import msgspec
 
@@ -21,8 +29,10 @@ from bus.messages import (
 )
 from trainer.ledger import Ledger
 from trainer.ledger import apply as ledger_apply
+from trainer.ledger import refusal as ledger_refusal
 
-__all__ = ["KEEP_WEIGHT_EVENTS", "StepRecord", "TrainerState", "apply", "fold"]
+__all__ = ["KEEP_WEIGHT_EVENTS", "StepRecord", "TrainerState", "apply", "checkpoint_name",
+           "fold", "refusal", "take"]
 
 
 class StepRecord(msgspec.Struct, frozen=True):
@@ -49,6 +59,10 @@ class TrainerState(msgspec.Struct, frozen=True):
     weights: tuple[tuple[int, BlobRef], ...] = ()
     checkpoint_at: tuple[int, str] | None = None
     """The newest checkpoint of a *finished* step: ``(step, path)``."""
+    earlier_checkpoints: tuple[tuple[int, str], ...] = ()
+    """Older checkpoints of finished steps, oldest first (at most
+    :data:`KEEP_EARLIER_CHECKPOINTS`): a resume falls back to them when the newest file is
+    missing, re-applying the steps after them (kept in ``steps``)."""
     unfinished_checkpoints: tuple[tuple[int, str], ...] = ()
     """Checkpoints whose step has no StepFinished in the log yet."""
     steps: tuple[StepRecord, ...] = ()
@@ -62,9 +76,16 @@ class TrainerState(msgspec.Struct, frozen=True):
         """
         return self.checkpoint_at if self.checkpoint_at is not None else (0, None)
 
-    def steps_after_checkpoint(self) -> tuple[StepRecord, ...]:
-        """Finished steps that the usable checkpoint does not hold yet (to re-apply)."""
-        step, _ = self.checkpoint()
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """The checkpoints of finished steps a resume may load, newest first."""
+        newest = [] if self.checkpoint_at is None else [self.checkpoint_at]
+        return newest + list(reversed(self.earlier_checkpoints))
+
+    def steps_after_checkpoint(self, step: int | None = None) -> tuple[StepRecord, ...]:
+        """Finished steps that the checkpoint of ``step`` (default: the usable one) does not
+        hold yet (to re-apply)."""
+        if step is None:
+            step, _ = self.checkpoint()
         return tuple(s for s in self.steps if s.step > step)
 
     def weights_of(self, version: int) -> BlobRef | None:
@@ -74,6 +95,12 @@ class TrainerState(msgspec.Struct, frozen=True):
 
 
 KEEP_WEIGHT_EVENTS = 8  # newest WeightsPublished kept in the state (blob clean-up, hash check)
+KEEP_EARLIER_CHECKPOINTS = 1  # fallbacks when the newest checkpoint's file is missing
+
+
+def checkpoint_name(step: int) -> str:
+    """The file name of the checkpoint of ``step`` (trainer.resume.write_checkpoint)."""
+    return f"step-{step:06d}.pt"
 
 
 def _promote(state: TrainerState) -> TrainerState:
@@ -82,22 +109,70 @@ def _promote(state: TrainerState) -> TrainerState:
     ready = [c for c in state.unfinished_checkpoints if c[0] <= state.last_step]
     if not ready:
         return state
-    best = max(ready)
-    if state.checkpoint_at is not None and state.checkpoint_at[0] >= best[0]:
-        best = state.checkpoint_at
+    # Of one step's copies, the last written wins (max() would compare paths).
+    best = max(ready, key=lambda c: c[0])
+    best = [c for c in ready if c[0] == best[0]][-1]
+    earlier = state.earlier_checkpoints
+    if state.checkpoint_at is not None:
+        if state.checkpoint_at[0] > best[0]:
+            best = state.checkpoint_at
+        elif state.checkpoint_at != best:
+            earlier = (*earlier, state.checkpoint_at)
+    earlier = tuple(c for c in earlier if c[0] < best[0])[-KEEP_EARLIER_CHECKPOINTS:]
+    oldest = earlier[0][0] if earlier else best[0]
     return msgspec.structs.replace(
         state,
         checkpoint_at=best,
+        earlier_checkpoints=earlier,
         unfinished_checkpoints=tuple(
             c for c in state.unfinished_checkpoints if c[0] > state.last_step
         ),
-        steps=tuple(s for s in state.steps if s.step > best[0]),
+        steps=tuple(s for s in state.steps if s.step > oldest),
     )
 
 
+def refusal(state: TrainerState, msg: Message) -> str | None:
+    """Why ``msg`` contradicts ``state`` (it is not folded), or None (folded, or passed
+    over as a copy of a fact already folded). See the module docstring for the rules."""
+    match msg:
+        case StepFinished(step=step):
+            if step <= state.last_step:
+                return None  # a copy of a write (at-least-once): passed over by apply
+            if step != state.last_step + 1:
+                return (f"StepFinished({step}) skips steps: the last finished step is "
+                        f"{state.last_step}")
+            return ledger_refusal(state.ledger, msg)
+        case CheckpointSaved(step=step, path=path):
+            if step != state.last_step + 1:
+                return (f"CheckpointSaved({step}) is not of the step being finished "
+                        f"({state.last_step + 1})")
+            if PurePath(path).name != checkpoint_name(step):
+                return f"CheckpointSaved({step}) names {path!r}, not a {checkpoint_name(step)}"
+        case RunFinished(steps=steps):
+            if steps < 1 or steps != state.last_step:
+                return (f"RunFinished(steps={steps}) does not match the last finished step "
+                        f"({state.last_step})")
+        case _:
+            return ledger_refusal(state.ledger, msg)
+    return None
+
+
+def take(state: TrainerState, msg: Message) -> tuple[TrainerState, str | None]:
+    """``(state after msg, None)``, or ``(state, why msg was refused)``."""
+    why = refusal(state, msg)
+    return (state, why) if why is not None else (_apply(state, msg), None)
+
+
 def apply(state: TrainerState, msg: Message) -> TrainerState:
-    """Fold one event into the state; events that do not concern the trainer are ignored."""
+    """Fold one event into the state; events that do not concern the trainer, and those
+    :func:`refusal` refuses, change nothing."""
+    return take(state, msg)[0]
+
+
+def _apply(state: TrainerState, msg: Message) -> TrainerState:
     replace = msgspec.structs.replace
+    if isinstance(msg, StepFinished) and msg.step <= state.last_step:
+        return state  # a copy of a write (at-least-once) changes nothing, the ledger neither
     ledger = ledger_apply(state.ledger, msg)
     if ledger is not state.ledger:
         state = replace(state, ledger=ledger)
@@ -109,8 +184,6 @@ def apply(state: TrainerState, msg: Message) -> TrainerState:
             return replace(state, started=True, finished=False,
                            total_steps=total if isinstance(total, int) else 0)
         case StepFinished(step=step, sample_ids=ids, param_version=version, entry_ids=entry_ids):
-            if step <= state.last_step:  # a duplicate event (at-least-once write) changes nothing
-                return state
             record = StepRecord(step, tuple(ids), version, tuple(entry_ids))
             return _promote(replace(state, last_step=step, steps=(*state.steps, record)))
         case WeightsPublished(version=version, ref=ref):
@@ -124,9 +197,13 @@ def apply(state: TrainerState, msg: Message) -> TrainerState:
     return state
 
 
-def fold(events: Iterable[Message], state: TrainerState | None = None) -> TrainerState:
-    """Fold a sequence of events (in log order) into a :class:`TrainerState`."""
+def fold(events: Iterable[Message], state: TrainerState | None = None,
+         refused: Callable[[Message, str], None] | None = None) -> TrainerState:
+    """Fold a sequence of events (in log order) into a :class:`TrainerState`; ``refused``
+    hears of each event refused, with the reason."""
     state = state or TrainerState()
     for event in events:
-        state = apply(state, event)
+        state, why = take(state, event)
+        if why is not None and refused is not None:
+            refused(event, why)
     return state

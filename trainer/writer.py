@@ -14,6 +14,7 @@ position of the last one (what a checkpoint's snapshot records).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,10 +23,12 @@ import msgspec
 from bus import Bus, EntryGone, Fenced, Lease, RunKeys
 from bus.messages import Event, Message, StepFinished
 from runtime import Restart
-from trainer.resume import Snapshot, read_log
-from trainer.state import TrainerState, apply
+from trainer.resume import Refused, Snapshot, read_log
+from trainer.state import TrainerState, take
 
 __all__ = ["LogBehind", "Writer"]
+
+log = logging.getLogger(__name__)
 
 
 class LogBehind(Restart):
@@ -46,6 +49,8 @@ class Writer:
         self.last_finished_id: str | None = None
         """Id of this trainer's last StepFinished: every write requires it to be there."""
         self.entries_read = 0
+        self.refused: list[Refused] = []
+        """Events of the log the fold refused at start (trainer.state.refusal)."""
         self.fenced: str | None = None
         """The holder that took the lease from us (set by a write or a pulse)."""
 
@@ -55,6 +60,7 @@ class Writer:
         read = await read_log(self.bus, self.keys, checkpoints, archive)
         self.state, self.position = read.state, read.position
         self.last_finished_id, self.entries_read = read.last_finished_id, read.entries_read
+        self.refused = read.refused
 
     async def write(
         self, items: Sequence[tuple[str, Message]],
@@ -84,7 +90,13 @@ class Writer:
     def fold(self, *events: Event) -> None:
         """Fold events this trainer wrote into :attr:`state`."""
         for event in events:
-            self.state = apply(self.state, event)
+            self._fold(event)
+
+    def _fold(self, event: Event) -> None:
+        self.state, why = take(self.state, event)
+        if why is not None:  # a bug of the trainer's: a resume would refuse it too
+            log.error("the trainer's own %s contradicts its state: %s", type(event).__name__,
+                      why)
 
     async def publish(self, *events: Event) -> list[str]:
         """Write events to the run's log and fold them into :attr:`state`."""
@@ -99,7 +111,7 @@ class Writer:
         an ack never lands without the event that justifies it."""
         ids = await self.write([(self.keys.events, finished)],
                                ack=(self.keys.samples, group, finished.entry_ids))
-        self.state = apply(self.state, finished)
+        self._fold(finished)
         self.last_finished_id = self.position = ids[0]
 
     async def renew(self) -> None:
