@@ -36,11 +36,11 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import AuthenticationError, AuthorizationError
+from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissionError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from bus.errors import BusAuthError, BusUnavailable, redact_url
+from bus.errors import BusAuthError, BusPermissionError, BusUnavailable, redact_url
 from bus.retry import RetryPolicy, retry_async
 
 __all__ = ["BusClient", "block_args"]
@@ -158,6 +158,8 @@ class BusClient:
             )
         except (AuthenticationError, AuthorizationError) as exc:
             raise BusAuthError(f"Redis at {self.url} refused the credentials: {exc}") from exc
+        except NoPermissionError as exc:
+            raise BusPermissionError(f"Redis at {self.url} refused {op}: {exc}") from exc
         except _RETRY_ON as exc:
             raise BusUnavailable(self.url, op, self.retry.attempts, exc) from exc
 

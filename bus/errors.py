@@ -14,6 +14,7 @@ __all__ = [
     "BlobError",
     "BlobNotFound",
     "BusAuthError",
+    "BusPermissionError",
     "BusError",
     "BusUnavailable",
     "EntryGone",
@@ -73,6 +74,12 @@ class Fenced(BusError):
 
 class BusAuthError(BusError):
     """Redis refused our credentials (retrying cannot help)."""
+
+
+class BusPermissionError(BusAuthError):
+    """Redis's ACL refused a command or key to our user (NOPERM): the user lacks that right
+    (retrying cannot help). The message names the command, the key or command refused, and
+    the user."""
 
 
 class GoneError(BusError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-from bus.errors import BusAuthError, BusUnavailable
+from bus.errors import BusAuthError, BusPermissionError, BusUnavailable
 
 __all__ = ["bus_error_line", "expand_env"]
 
@@ -29,6 +29,9 @@ def expand_env(url: str) -> str:
 
 def bus_error_line(name: str, exc: BusUnavailable | BusAuthError) -> str:
     """One line for an unreachable Redis or refused credentials: what failed, what to try."""
+    if isinstance(exc, BusPermissionError):
+        return (f"{name}: error: {exc} (the user in redis.url lacks that right; the rights of "
+                "each role are in deploy/redis/users.acl, made by bus/acl.py)")
     if isinstance(exc, BusAuthError):
         return (f"{name}: error: {exc} (check the user and password in redis.url, or the "
                 "environment variable it names)")

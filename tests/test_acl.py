@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 import redis
 
-from bus import RunKeys
+from bus import RunKeys, RunStarted, encode
 from bus.acl import acl_file
+from runconfig import config_to_dict, load_config
 from tests.compose_redis import ROOT, AclRedis
+from tests.procs import run_cli
 
 RUN = "acl-run"
 OTHER = RunKeys("someone-else")
@@ -161,3 +163,22 @@ def test_each_role_appends_to_its_own_stream_of_the_log_only(server: AclRedis, u
     streams = [KEYS.log(r) for r in ("trainer", "rollouter", "profiler")]
     assert _dryrun(admin, user, "XREAD", "STREAMS", *streams, *["0"] * len(streams))
     admin.close()
+
+
+@pytest.mark.parametrize("command", ["inspect", "profile"])
+def test_a_missing_right_is_one_line_naming_it(server: AclRedis, tmp_path: Path,
+                                                command: str) -> None:
+    """The logger's user may not read the samples (inspect --trace reads them) nor append a
+    request (rlbus profile): one line naming the refused right, never a traceback."""
+    admin = server.client("admin")
+    cfg = config_to_dict(load_config(None, [f"run.id={RUN}", "global_profiler.tool=torch"]))
+    admin.xadd(KEYS.events, {"m": encode(RunStarted(run_id=RUN, config=cfg))})
+    admin.close()
+    url = f"redis.url={server.url('logger')}"
+    args = (["inspect", "--run", RUN, "--trace", str(tmp_path / "t.json"), url]
+            if command == "inspect" else ["profile", "--run", RUN, "--steps", "next:1", url])
+    res = run_cli(*args)
+    assert res.returncode != 0, res.stdout
+    assert "Traceback" not in res.stderr, res.stderr
+    lines = [line for line in res.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "no permissions" in lines[0] and "logger" in lines[0], res.stderr
