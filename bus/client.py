@@ -11,15 +11,24 @@ only through its public surface: :meth:`~BusClient.command` (one command),
 Decisions:
 
 - **Connection loss** → every call is retried with bounded exponential backoff + jitter
-  (:class:`~bus.retry.RetryPolicy`, ~9 s in total by default), then
-  :class:`~bus.errors.BusUnavailable` naming the redacted URL. A retried XADD may land twice
-  (the reply, not the write, was lost): delivery is at-least-once and handlers are idempotent.
-  Refused credentials are :class:`~bus.errors.BusAuthError`, never retried.
-- **No wait is unbounded**: every call (one command or one pipeline) has a deadline of
-  ``op_timeout_s`` plus its ``block_ms``; a missed deadline counts as a connection failure
-  (retried, then :class:`~bus.errors.BusUnavailable`). ``block_ms=0``/``None`` means *do not
-  block* (unlike Redis, where 0 means forever). One deadline per round trip, not per reply,
-  keeps pipelines cheap.
+  (:class:`~bus.retry.RetryPolicy`) within one wall-clock budget: a call gives up
+  :data:`~bus.retry.BUDGET_S` (60 s) after its first try began, plus the time it asked to
+  block, whether its tries were refused or hung, then raises :class:`~bus.errors.BusUnavailable`
+  naming the redacted URL, the command, the tries and the budget. A client that has never
+  been answered (a wrong URL) gives up after :data:`~bus.retry.FIRST_CONTACT_S` (10 s), quietly:
+  the caller's one-line error says it. A retried XADD may land twice (the reply, not the
+  write, was lost): delivery is at-least-once and handlers are idempotent. Refused credentials
+  are :class:`~bus.errors.BusAuthError`, never retried.
+- **No silent wait**: a call of a client that has been answered before, silent for
+  :data:`SILENCE_WARN_S` (5 s) past its own block time, logs a WARNING naming the URL, the
+  command and how long it has waited, and again every :data:`SILENCE_REPEAT_S` (10 s) while
+  the wait lasts (one line per client per period, naming the other calls waiting too).
+  Components log WARNINGs to stderr, so a stopped Redis is never a silent process.
+- **No wait is unbounded**: each try of a call (one command or one pipeline) has a deadline
+  of ``op_timeout_s`` (or the budget left, if less) plus its ``block_ms``; a missed deadline
+  counts as a connection failure (retried, then :class:`~bus.errors.BusUnavailable`).
+  ``block_ms=0``/``None`` means *do not block* (unlike Redis, where 0 means forever). One
+  deadline per round trip, not per reply, keeps pipelines cheap.
 - **Stream replies stay raw**: redis-py's parsers for the stream commands drop nil entries'
   ids and build a dict per entry (lossy, and slow on the hot path); the bus parses them.
 """
@@ -40,10 +49,17 @@ from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissi
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from bus.errors import BusAuthError, BusPermissionError, BusUnavailable, redact_url
+from bus.errors import (
+    BusAuthError,
+    BusPermissionError,
+    BusUnavailable,
+    describe,
+    redact_url,
+    seconds,
+)
 from bus.retry import RetryPolicy, retry_async
 
-__all__ = ["BusClient", "block_args"]
+__all__ = ["SILENCE_REPEAT_S", "SILENCE_WARN_S", "BusClient", "block_args"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +76,12 @@ _RETRY_ON: tuple[type[BaseException], ...] = (
 )
 _NO_RETRY: tuple[type[BaseException], ...] = (AuthenticationError, AuthorizationError)
 
+SILENCE_WARN_S = 5.0
+"""A call silent this long past its own block time logs a WARNING (a stopped server)."""
+
+SILENCE_REPEAT_S = 10.0
+"""...and logs it again this often while the wait lasts."""
+
 _RAW_COMMANDS = ("XREADGROUP", "XREAD", "XRANGE", "XREVRANGE", "XAUTOCLAIM", "XPENDING", "XCLAIM")
 
 
@@ -74,6 +96,24 @@ def block_args(block_ms: int | None) -> list[Any]:
     return ["BLOCK", int(block_ms)]
 
 
+class _Wait:
+    """One call in flight, as its silence warning describes it."""
+
+    __slots__ = ("block_s", "budget_s", "error", "op", "started", "tries")
+
+    def __init__(self, op: str, started: float, block_s: float, budget_s: float) -> None:
+        self.op = op
+        self.started = started
+        self.block_s = block_s
+        self.budget_s = budget_s
+        self.tries = 0
+        self.error: BaseException | None = None
+
+    def silent_s(self, now: float) -> float:
+        """Seconds without an answer, past the time the call asked to block."""
+        return now - self.started - self.block_s
+
+
 class BusClient:
     """The client core every command group builds on. Build it with :meth:`from_url`."""
 
@@ -84,15 +124,30 @@ class BusClient:
         *,
         retry: RetryPolicy | None = None,
         op_timeout_s: float = 30.0,
+        silence_warn_s: float = SILENCE_WARN_S,
+        silence_repeat_s: float = SILENCE_REPEAT_S,
     ) -> None:
         if op_timeout_s <= 0:
             raise ValueError(f"op_timeout_s must be > 0, got {op_timeout_s}")
+        if silence_warn_s <= 0 or silence_repeat_s <= 0:
+            raise ValueError("silence_warn_s and silence_repeat_s must be > 0")
         self._redis = client
         self.url = redact_url(url)
         """The URL with any password replaced by ``***``."""
         self.retry = retry or RetryPolicy()
         self.op_timeout_s = op_timeout_s
-        """Deadline of one call (plus its block time), in seconds."""
+        """Deadline of one try (plus its block time), in seconds."""
+        self.silence_warn_s = silence_warn_s
+        """Seconds of silence (past a call's block time) before its first WARNING."""
+        self.silence_repeat_s = silence_repeat_s
+        """Seconds between the WARNINGs of one wait."""
+        self._answered = False  # until then, a failure is a first contact: no warnings
+        # The calls in flight, watched by one timer per client while there are any (a timer
+        # per call would cost ~2 us a call, as much as the rest of the call's overhead).
+        self._waits: dict[_Wait, None] = {}
+        self._watch: asyncio.TimerHandle | None = None
+        self._watch_loop: asyncio.AbstractEventLoop | None = None
+        self._next_line = float("-inf")  # no new warning line before (loop time)
         for name in _RAW_COMMANDS:
             client.set_response_callback(name, _raw)
         self._scripts: dict[str, AsyncScript] = {}
@@ -108,10 +163,13 @@ class BusClient:
         op_timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
         client_name: str | None = None,
+        silence_warn_s: float = SILENCE_WARN_S,
+        silence_repeat_s: float = SILENCE_REPEAT_S,
     ) -> Self:
         """A bus on ``url`` (``redis://``, ``rediss://``, ``unix://``; user/password allowed).
 
         Connects lazily: the first command opens the connection (and is retried).
+        ``silence_warn_s``/``silence_repeat_s``: when a silent call logs its WARNINGs.
         """
         client = aioredis.Redis.from_url(
             url,
@@ -125,7 +183,8 @@ class BusClient:
             retry=Retry(NoBackoff(), 0),
             client_name=client_name,
         )
-        return cls(client, url, retry=retry, op_timeout_s=op_timeout_s)
+        return cls(client, url, retry=retry, op_timeout_s=op_timeout_s,
+                   silence_warn_s=silence_warn_s, silence_repeat_s=silence_repeat_s)
 
     # ------------------------------------------------------------------ the one retry layer
 
@@ -136,16 +195,29 @@ class BusClient:
         on_retry: RetryHook | None = None,
         block_ms: int | None = None,
     ) -> T:
-        """Run ``fn`` under the retry policy, each try within ``op_timeout_s`` (+ the block
-        time); map connection/auth failures to bus errors."""
-        deadline_s = self.op_timeout_s + (block_ms or 0) / 1000
+        """Run ``fn`` under the retry policy and its budget, each try within ``op_timeout_s``
+        (or the budget left) plus the block time; warn while it is silent; map
+        connection/auth failures to bus errors."""
+        block_s = (block_ms or 0) / 1000
+        loop = asyncio.get_running_loop()
+        answered = self._answered
+        budget_s = self.retry.budget_s if answered else self.retry.first_contact_s
+        wait = _Wait(op, loop.time(), block_s, budget_s)
+        if answered:
+            self._waits[wait] = None
+            if self._watch is None or self._watch_loop is not loop:
+                self._watch_loop = loop
+                self._watch = loop.call_later(self._tick_s(), self._watch_waits)
+        op_timeout_s = self.op_timeout_s
 
-        async def attempt() -> T:
+        async def attempt(left_s: float) -> T:
+            wait.tries += 1
             # A cancelled redis-py read closes its connection, so no stale reply is left.
-            async with asyncio.timeout(deadline_s):
+            async with asyncio.timeout(block_s + min(op_timeout_s, left_s)):
                 return await fn()
 
         def retrying(attempt: int, exc: BaseException) -> None:
+            wait.error = exc
             log.info("%s on %s failed (%s); retry %d", op, self.url, exc, attempt + 1)
             if on_retry is not None:
                 on_retry(attempt, exc)
@@ -153,15 +225,64 @@ class BusClient:
                 self.on_retry(op, attempt, exc)
 
         try:
-            return await retry_async(
-                self.retry, attempt, retry_on=_RETRY_ON, no_retry=_NO_RETRY, on_retry=retrying
+            result = await retry_async(
+                self.retry, attempt, retry_on=_RETRY_ON, no_retry=_NO_RETRY, on_retry=retrying,
+                budget_s=budget_s, clock=loop.time,
             )
         except (AuthenticationError, AuthorizationError) as exc:
             raise BusAuthError(f"Redis at {self.url} refused the credentials: {exc}") from exc
         except NoPermissionError as exc:
             raise BusPermissionError(f"Redis at {self.url} refused {op}: {exc}") from exc
         except _RETRY_ON as exc:
-            raise BusUnavailable(self.url, op, self.retry.attempts, exc) from exc
+            counted = self.retry.attempts is not None and wait.tries >= self.retry.attempts
+            raise BusUnavailable(
+                self.url, op, wait.tries, exc, waited_s=loop.time() - wait.started,
+                budget_s=None if counted else budget_s,
+            ) from exc
+        finally:
+            if answered:
+                del self._waits[wait]
+        self._answered = True
+        return result
+
+    def _tick_s(self) -> float:
+        # A fifth of the shorter period: a warning falls due at most this late.
+        return min(self.silence_warn_s, self.silence_repeat_s) / 5
+
+    def _watch_waits(self) -> None:
+        """The timer of the calls in flight: one WARNING line for the client when one of
+        them is silent ``silence_warn_s`` (the longest-silent named), again every
+        ``silence_repeat_s`` while any is; the timer stops when no call is in flight."""
+        if not self._waits:
+            self._watch = None
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self._watch = loop.call_later(self._tick_s(), self._watch_waits)
+        silent = [w for w in self._waits if w.silent_s(now) >= self.silence_warn_s]
+        if not silent:
+            self._next_line = float("-inf")  # the next silence is reported when it is due
+            return
+        if now < self._next_line:
+            return
+        self._next_line = now + self.silence_repeat_s
+        silent.sort(key=lambda w: -w.silent_s(now))
+        log.warning("%s", self._silence_line(silent[0], silent[1:], now))
+
+    def _silence_line(self, wait: _Wait, others: Sequence[_Wait], now: float) -> str:
+        """``redis URL has not answered OP for N s; waiting (gives up after B s)``, with the
+        block time, the tries and last error, and the ``others`` (three named), if any."""
+        line = f"redis {self.url} has not answered {wait.op} for {seconds(wait.silent_s(now))} s"
+        if wait.block_s:
+            line += f" past its {seconds(wait.block_s)} s BLOCK"
+        if wait.error is not None:
+            line += f" ({wait.tries} try(s), last: {describe(wait.error)})"
+        line += f"; waiting (gives up after {seconds(wait.budget_s)} s)"
+        if others:
+            named = ", ".join(f"{w.op} ({seconds(w.silent_s(now))} s)" for w in others[:3])
+            more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+            line += f"; also waiting: {named}{more}"
+        return line
 
     # ------------------------------------------------------------------ public surface
 

@@ -14,8 +14,8 @@ __all__ = [
     "BlobError",
     "BlobNotFound",
     "BusAuthError",
-    "BusPermissionError",
     "BusError",
+    "BusPermissionError",
     "BusUnavailable",
     "EntryGone",
     "Fenced",
@@ -25,7 +25,9 @@ __all__ = [
     "RedisBinaryNotFound",
     "RedisStartError",
     "StreamGone",
+    "describe",
     "redact_url",
+    "seconds",
 ]
 
 
@@ -34,20 +36,36 @@ class BusError(Exception):
 
 
 class BusUnavailable(BusError):
-    """Redis did not answer within the retry bound.
+    """Redis did not answer within the retry budget.
 
     ``url`` is the redacted URL (no password), ``op`` the command that failed, ``attempts``
-    how many times it was tried.
+    how many times it was tried, ``waited_s`` the seconds from its first try to giving up,
+    ``budget_s`` the wall-clock budget it gave up at (``None`` when it gave up at its
+    count of attempts instead).
     """
 
-    def __init__(self, url: str, op: str, attempts: int, cause: BaseException | None) -> None:
-        detail = f"{type(cause).__name__}: {cause}" if cause is not None else "no answer"
+    def __init__(
+        self,
+        url: str,
+        op: str,
+        attempts: int,
+        cause: BaseException | None,
+        *,
+        waited_s: float | None = None,
+        budget_s: float | None = None,
+    ) -> None:
+        detail = describe(cause) if cause is not None else "no answer"
+        spent = f" in {seconds(waited_s)} s" if waited_s is not None else ""
+        bound = f"; the bus gives up after {seconds(budget_s)} s" if budget_s is not None else ""
         super().__init__(
-            f"Redis at {url} is unavailable: {op} failed after {attempts} attempt(s) ({detail})"
+            f"Redis at {url} is unavailable: {op} failed after {attempts} attempt(s){spent}"
+            f"{bound} ({detail})"
         )
         self.url = url
         self.op = op
         self.attempts = attempts
+        self.waited_s = waited_s
+        self.budget_s = budget_s
 
 
 class EntryGone(BusError):
@@ -137,6 +155,18 @@ class RedisStartError(BusError):
 
 class PortInUse(BusError):
     """The requested TCP port is already taken on 127.0.0.1."""
+
+
+def describe(exc: BaseException) -> str:
+    """``TimeoutError`` or ``ConnectionError: Connection refused``: the class, and the
+    message when there is one."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def seconds(value: float) -> str:
+    """``value`` seconds for a message: ``60``, ``2.5``, ``0.3`` (one decimal at most)."""
+    return f"{round(value, 1):g}"
 
 
 def redact_url(url: str) -> str:

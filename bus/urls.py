@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-from bus.errors import BusAuthError, BusPermissionError, BusUnavailable
+from bus.errors import BusAuthError, BusPermissionError, BusUnavailable, seconds
 
 __all__ = ["bus_error_line", "expand_env"]
 
@@ -35,5 +35,8 @@ def bus_error_line(name: str, exc: BusUnavailable | BusAuthError) -> str:
     if isinstance(exc, BusAuthError):
         return (f"{name}: error: {exc} (check the user and password in redis.url, or the "
                 "environment variable it names)")
+    spent = f" in {seconds(exc.waited_s)} s" if exc.waited_s is not None else ""
+    bound = f"; gave up after {seconds(exc.budget_s)} s" if exc.budget_s is not None else ""
     return (f"{name}: error: cannot reach Redis at {exc.url} ({exc.op} failed after "
-            f"{exc.attempts} attempt(s)); is the server running there? check redis.url")
+            f"{exc.attempts} attempt(s){spent}{bound}); is the server running there? "
+            "check redis.url")
