@@ -197,16 +197,18 @@ class BusClient:
         return await self._call(op or str(commands[0][0]).upper(), go)
 
     async def run_script(
-        self, lua: str, keys: Sequence[Any], args: Sequence[Any], *, op: str = "EVAL"
+        self, lua: str, keys: Sequence[Any], args: Sequence[Any], *, op: str = "EVAL",
+        on_retry: RetryHook | None = None,
     ) -> Any:
-        """Run the Lua script ``lua`` with ``keys`` and ``args`` under the retry policy.
-        Wraps EVALSHA (EVAL when the server does not have the script yet). A script is
-        registered with the client once, the first time it runs."""
+        """Run the Lua script ``lua`` with ``keys`` and ``args`` under the retry policy
+        (``on_retry`` runs before each retry wait). Wraps EVALSHA (EVAL when the server does
+        not have the script yet). A script is registered with the client once, the first
+        time it runs."""
         script = self._scripts.get(lua)
         if script is None:
             script = self._scripts[lua] = self._redis.register_script(lua)
         keys_, args_ = list(keys), list(args)
-        return await self._call(op, lambda: script(keys=keys_, args=args_))
+        return await self._call(op, lambda: script(keys=keys_, args=args_), on_retry=on_retry)
 
     # ------------------------------------------------------------------ server
 
