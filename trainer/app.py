@@ -62,11 +62,16 @@ from trainer.watch import Watch
 from trainer.weights import KEEP_WEIGHTS, Weights
 from trainer.writer import Writer
 
-__all__ = ["CONSUMER", "GROUP", "Trainer"]
+__all__ = ["GROUP", "Trainer", "consumer_name"]
 
 GROUP = "trainer"
-CONSUMER = "trainer-0"
 MAX_LOG_RESTARTS = 5  # starts over from the log after it was found behind (a lost tail)
+
+
+def consumer_name(epoch: str) -> str:
+    """The trainer's member of the samples group: one name per incarnation (its lease
+    token's epoch), so what a fenced-out incarnation held is told apart and adopted."""
+    return f"trainer-{epoch}"
 
 
 class Trainer(Component):
@@ -99,7 +104,10 @@ class Trainer(Component):
         self.weights = Weights(bus, self.keys, self.writer, self.run_dir, self.epoch)
         self.validations = Validations(cfg, bus, self.keys, self.writer)
         self.meter = StepMeter()
-        self.consumer = Consumer(bus, self.keys.samples, GROUP, CONSUMER, dlq_stream=self.keys.dlq)
+        # Fenced by the writer: a zombie of this trainer cannot read, ack or dead-letter a
+        # sample once another trainer holds the lease.
+        self.consumer = Consumer(bus, self.keys.samples, GROUP, consumer_name(self.epoch),
+                                 dlq_stream=self.keys.dlq, fence=self.writer)
         self.upcoming: StepWork | None = None  # the next step, started early (_loop)
         self.update_s = 0.0  # the worker's compute time in the last step
         self.waiting: str | None = None  # what start-up waits for, told by the heartbeat
@@ -151,6 +159,7 @@ class Trainer(Component):
         await Consumer(self.bus, self.keys.prompts, ROLLOUTER_GROUP, "trainer",
                        dlq_stream=self.keys.dlq).ensure_group()
         try:
+            await self._adopt()
             if resumed:
                 await self._resume()
             cfg_tree = config_to_dict(self.cfg)
@@ -170,6 +179,14 @@ class Trainer(Component):
                 await self.upcoming.settle()
             if self.hf_export is not None:
                 self.hf_export.close()
+
+    async def _adopt(self) -> None:
+        """Samples pending on earlier incarnations (fenced out, or dead) become ours, read
+        first; their members leave the group, so names do not pile up over a run."""
+        taken = await self.consumer.adopt()
+        if taken:
+            self.say(f"adopted {sum(taken.values())} pending samples of {len(taken)} earlier "
+                     f"trainer(s) ({', '.join(sorted(taken))})")
 
     async def _resume(self) -> None:
         """Rebuild the model the trainer had (checkpoint, then the steps after it)."""
