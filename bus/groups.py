@@ -129,7 +129,7 @@ return {false, last[1][1]}
 """
 
 # XACK KEYS[3] ARGV[3] ARGV[n+6..], then XADD KEYS[4] * ARGV[4] ARGV[5+i] for i = 1..n
-# (n = ARGV[5]); the ack first, so a missing group writes nothing. Returns {ids, acked}.
+# (n = ARGV[5]), atomically as MULTI/EXEC would. Returns {new ids, how many were pending}.
 _ADD_AND_ACK_LUA = """
 local n = tonumber(ARGV[5])
 local acked = 0
