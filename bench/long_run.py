@@ -145,7 +145,7 @@ from profiler_service.state import Fact, ServiceState
 from profiler_service.state import apply as service_apply
 from runconfig import Config, config_to_dict, load_config
 from tasks import build_prompt_source
-from trainer.app import CONSUMER, GROUP
+from trainer.app import GROUP, consumer_name
 from trainer.dispatch import ROLLOUTER_GROUP, Dispatch
 from trainer.lease import token
 from trainer.resume import Snapshot, read_log, snapshots, write_checkpoint
@@ -267,7 +267,7 @@ class Driver:
         self.epoch = secrets.token_hex(4)
         # A long TTL: the measurements pause the driver for seconds.
         self.lease = Lease(bus, self.keys.trainer_lease, token(self.epoch), 600.0)
-        self.trainer_in = Consumer(bus, self.keys.samples, GROUP, CONSUMER,
+        self.trainer_in = Consumer(bus, self.keys.samples, GROUP, consumer_name(self.epoch),
                                    dlq_stream=self.keys.dlq)
         self.rollouter_in = Consumer(bus, self.keys.prompts, ROLLOUTER_GROUP, "rollouter-0",
                                      dlq_stream=self.keys.dlq)
@@ -908,9 +908,10 @@ class Driver:
         if not args.no_real_trainer:
             await self._measure_real_trainer(k, overrides, args.trainer_timeout,
                                              args.trainer_runs)
-            # Resumed: own pending entries first (the real trainer may have read some).
-            self.trainer_in = Consumer(self.bus, self.keys.samples, GROUP, CONSUMER,
-                                       dlq_stream=self.keys.dlq)
+            # Resumed: the real trainer's pending entries become ours, read first.
+            self.trainer_in = Consumer(self.bus, self.keys.samples, GROUP,
+                                       consumer_name(self.epoch), dlq_stream=self.keys.dlq)
+            await self.trainer_in.adopt()
         await self.release_rollout()
         await self.profiler_poll()
         self.windows.append(Window(k, self.prof))

@@ -229,10 +229,8 @@ class BusClient:
                 self.retry, attempt, retry_on=_RETRY_ON, no_retry=_NO_RETRY, on_retry=retrying,
                 budget_s=budget_s, clock=loop.time,
             )
-        except (AuthenticationError, AuthorizationError) as exc:
-            raise BusAuthError(f"Redis at {self.url} refused the credentials: {exc}") from exc
-        except NoPermissionError as exc:
-            raise BusPermissionError(f"Redis at {self.url} refused {op}: {exc}") from exc
+        except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
+            raise self._refused(op, exc) from exc
         except _RETRY_ON as exc:
             counted = self.retry.attempts is not None and wait.tries >= self.retry.attempts
             raise BusUnavailable(
@@ -244,6 +242,12 @@ class BusClient:
                 del self._waits[wait]
         self._answered = True
         return result
+
+    def _refused(self, op: str, exc: BaseException) -> BusAuthError:
+        """The bus error for refused credentials, or a right the ACL does not give."""
+        if isinstance(exc, NoPermissionError):
+            return BusPermissionError(f"Redis at {self.url} refused {op}: {exc}")
+        return BusAuthError(f"Redis at {self.url} refused the credentials: {exc}")
 
     def _tick_s(self) -> float:
         # A fifth of the shorter period: a warning falls due at most this late.
@@ -320,16 +324,18 @@ class BusClient:
         return await self._call(op or str(commands[0][0]).upper(), go)
 
     async def run_script(
-        self, lua: str, keys: Sequence[Any], args: Sequence[Any], *, op: str = "EVAL"
+        self, lua: str, keys: Sequence[Any], args: Sequence[Any], *, op: str = "EVAL",
+        on_retry: RetryHook | None = None,
     ) -> Any:
-        """Run the Lua script ``lua`` with ``keys`` and ``args`` under the retry policy.
-        Wraps EVALSHA (EVAL when the server does not have the script yet). A script is
-        registered with the client once, the first time it runs."""
+        """Run the Lua script ``lua`` with ``keys`` and ``args`` under the retry policy
+        (``on_retry`` runs before each retry wait). Wraps EVALSHA (EVAL when the server does
+        not have the script yet). A script is registered with the client once, the first
+        time it runs."""
         script = self._scripts.get(lua)
         if script is None:
             script = self._scripts[lua] = self._redis.register_script(lua)
         keys_, args_ = list(keys), list(args)
-        return await self._call(op, lambda: script(keys=keys_, args=args_))
+        return await self._call(op, lambda: script(keys=keys_, args=args_), on_retry=on_retry)
 
     # ------------------------------------------------------------------ server
 

@@ -18,6 +18,14 @@ Decisions (the contract other packages rely on):
   (from the NOGROUP error), never a silent re-create, hang or retry.
 - **A lost read reply** (the read was retried, see :mod:`bus.client`) may have delivered
   entries to us: the consumer re-reads its own pending entries first.
+- **A fenced member** (``Consumer(..., fence=lease)``, the trainer's): every call that
+  changes the group (read, ack, dead-letter, claim) is one Lua script behind the fence's
+  token check (:meth:`bus.liveness.Lease.run_fenced`), so a member whose lease was taken
+  cannot take, ack or dead-letter one entry (:class:`~bus.errors.Fenced`). Scripts cannot
+  block (Redis refuses XREADGROUP BLOCK there): the wait for new entries is a plain XREAD
+  BLOCK, which reads but delivers nothing. :meth:`Consumer.adopt` moves the entries of the
+  group's other members (earlier incarnations, named by their epochs) to this one and
+  removes those members.
 """
 
 from __future__ import annotations
@@ -25,11 +33,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from redis.exceptions import ResponseError
 
-from bus.client import BusClient, block_args
+from bus.client import BusClient, RetryHook, block_args
 from bus.entries import entry_key, raw_of, split_fields, to_text
 from bus.errors import BusError, BusUnavailable, GroupGone, StreamGone
 from bus.keys import RunKeys
@@ -42,6 +50,7 @@ __all__ = [
     "Consumer",
     "ConsumerStats",
     "Delivery",
+    "Fence",
     "GroupCommands",
     "GroupInfo",
     "default_dlq",
@@ -87,6 +96,75 @@ class ConsumerStats:
     trimmed: int = 0
 
 
+class Fence(Protocol):
+    """What fences a :class:`Consumer`'s group calls: :class:`bus.liveness.Lease` (or a
+    wrapper of it, such as the trainer's writer). ``run_fenced`` runs the Lua ``body`` only
+    while the fence holds; the body's keys start at KEYS[3], its args at ARGV[3]
+    (:data:`bus.liveness.FENCE_LUA`); it raises :class:`~bus.errors.Fenced` otherwise."""
+
+    async def run_fenced(
+        self, body: str, keys: Sequence[str], args: Sequence[Any], *, op: str = "EVAL",
+        on_retry: RetryHook | None = None,
+    ) -> Any: ...
+
+
+# Bodies run behind a fence (bus.liveness.FENCE_LUA): own keys from KEYS[3], args from
+# ARGV[3]. redis.pcall + returning the error keeps Redis's own error ("NOGROUP ...") as the
+# reply on every server version (6.2 wraps a raised one in "ERR Error running script").
+
+# One command, ARGV[3..] (its keys are among KEYS[3..]).
+_CALL_LUA = "return redis.pcall(unpack(ARGV, 3))"
+
+# XREADGROUP GROUP ARGV[3] ARGV[4] COUNT ARGV[5] STREAMS KEYS[3] ARGV[6]. Returns {reply,
+# ''}, or {nil, id of the stream's last entry ('0-0': empty)} when nothing came: where the
+# caller's blocking XREAD waits from.
+_READ_LUA = """
+local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[3], ARGV[4], 'COUNT', ARGV[5],
+                      'STREAMS', KEYS[3], ARGV[6])
+if type(r) == 'table' and r.err then return r end
+if r then return {r, ''} end
+local last = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
+if #last == 0 then return {false, '0-0'} end
+return {false, last[1][1]}
+"""
+
+# XACK KEYS[3] ARGV[3] ARGV[n+6..], then XADD KEYS[4] * ARGV[4] ARGV[5+i] for i = 1..n
+# (n = ARGV[5]), atomically as MULTI/EXEC would. Returns {new ids, how many were pending}.
+_ADD_AND_ACK_LUA = """
+local n = tonumber(ARGV[5])
+local acked = 0
+if #ARGV > n + 5 then
+  acked = redis.pcall('XACK', KEYS[3], ARGV[3], unpack(ARGV, n + 6))
+  if type(acked) == 'table' and acked.err then return acked end
+end
+local ids = {}
+for i = 1, n do ids[i] = redis.call('XADD', KEYS[4], '*', ARGV[4], ARGV[5 + i]) end
+return {ids, acked}
+"""
+
+# Member ARGV[5] of group ARGV[3] on KEYS[3]: XCLAIM (JUSTID: its delivery counter is kept,
+# our next read of our own pending entries counts one more) up to ARGV[6] of its pending
+# entries for ARGV[4]; once it owns none, XGROUP DELCONSUMER it. Returns {ids it held,
+# ids claimed} ({{}, {}}: removed). Redis 7 drops an entry deleted while pending from the PEL
+# instead of claiming it (6.2 claims it: our read finds it trimmed).
+_ADOPT_LUA = """
+local rows = redis.pcall('XPENDING', KEYS[3], ARGV[3], '-', '+', ARGV[6], ARGV[5])
+if type(rows) == 'table' and rows.err then return rows end
+if #rows == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[3], ARGV[3], ARGV[5])
+  return {{}, {}}
+end
+local held = {}
+local claim = {'XCLAIM', KEYS[3], ARGV[3], ARGV[4], 0}
+for i, row in ipairs(rows) do
+  held[i] = row[1]
+  claim[#claim + 1] = row[1]
+end
+claim[#claim + 1] = 'JUSTID'
+return {held, redis.call(unpack(claim))}
+"""
+
+
 def default_dlq(stream: str) -> str:
     """The DLQ of ``stream``: the run's ``dlq`` key for ``rlbus:{RUN}:...`` streams (same hash
     slot, so dead-lettering is one transaction), else ``stream + ":dlq"``."""
@@ -118,6 +196,18 @@ def _fields(row: list[Any]) -> dict[bytes, Any]:
     return dict(zip(row[::2], row[1::2], strict=False))
 
 
+async def member_names(bus: BusClient, stream: str, group: str) -> list[str]:
+    """Names of the members of ``group`` ([] when the stream or group is missing).
+    Wraps XINFO CONSUMERS."""
+    try:
+        raw = await bus.command("XINFO", "CONSUMERS", stream, group)
+    except ResponseError as exc:
+        if "no such key" in str(exc).lower() or str(exc).startswith("NOGROUP"):
+            return []
+        raise
+    return [to_text(_fields(row)[b"name"]) for row in raw]
+
+
 class GroupCommands(BusClient):
     """Group-level calls: XINFO GROUPS / CONSUMERS, XPENDING owners, XGROUP DESTROY."""
 
@@ -143,13 +233,7 @@ class GroupCommands(BusClient):
     async def consumers(self, stream: str, group: str) -> list[str]:
         """Names of the members of ``group`` ([] when the stream or group is missing).
         Wraps XINFO CONSUMERS."""
-        try:
-            raw = await self.command("XINFO", "CONSUMERS", stream, group)
-        except ResponseError as exc:
-            if "no such key" in str(exc).lower() or str(exc).startswith("NOGROUP"):
-                return []
-            raise
-        return [to_text(_fields(row)[b"name"]) for row in raw]
+        return await member_names(self, stream, group)
 
     async def pending_owners(self, stream: str, group: str, count: int) -> dict[str, str]:
         """Who holds each of the (up to ``count``) oldest entries pending in ``group``:
@@ -183,7 +267,8 @@ class Consumer:
     be handled go to ``dlq_stream`` (default :func:`default_dlq`). ``accept`` optionally
     restricts the message types this stream may carry; others are dead-lettered.
     ``min_idle_ms`` is the default idleness after which :meth:`reclaim` takes an entry over
-    from another (presumably dead) member.
+    from another (presumably dead) member. With ``fence``, every call that changes the group
+    runs behind it (see the module docstring).
     """
 
     def __init__(
@@ -197,6 +282,7 @@ class Consumer:
         min_idle_ms: int = 60_000,
         dlq_stream: str | None = None,
         accept: tuple[type, ...] | None = None,
+        fence: Fence | None = None,
     ) -> None:
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
@@ -208,6 +294,7 @@ class Consumer:
         self.min_idle_ms = min_idle_ms
         self.dlq_stream = dlq_stream or default_dlq(stream)
         self.accept = accept
+        self.fence = fence
         self.stats = ConsumerStats()
         # Start by re-reading our own pending entries (a restarted member picks up its work).
         self._backlog = True
@@ -227,6 +314,26 @@ class Consumer:
     async def _run(self, reply: Awaitable[T]) -> T:
         """``await reply``, a call on our group (NOGROUP → StreamGone / GroupGone)."""
         return await in_group(self.bus, self.stream, self.group, reply)
+
+    async def _call(self, *args: Any) -> Any:
+        """One command on our group (``args[0]`` names it), behind the fence if we have one.
+        Wraps the command, or EVAL (the fence's checks, then the command)."""
+        if self.fence is None:
+            return await self._run(self.bus.command(*args))
+        return await self._script(_CALL_LUA, [], args, op=str(args[0]))
+
+    async def _script(
+        self, body: str, keys: Sequence[str], args: Sequence[Any], *, op: str,
+        on_retry: RetryHook | None = None,
+    ) -> Any:
+        """Run a fenced-script ``body`` on our stream (KEYS[3]) and ``keys`` after it:
+        behind the fence, or, without one, with its two slots unused. Wraps EVAL."""
+        keys = [self.stream, *keys]
+        if self.fence is not None:
+            return await self._run(
+                self.fence.run_fenced(body, keys, args, op=op, on_retry=on_retry))
+        return await self._run(self.bus.run_script(
+            body, [self.stream, self.stream, *keys], ["", "", *args], op=op, on_retry=on_retry))
 
     def _lost_reply(self, attempt: int, exc: BaseException) -> None:
         # A read whose reply was lost may have delivered entries to us: find them in our PEL.
@@ -261,6 +368,8 @@ class Consumer:
         return await self._read_new(count, block_ms)
 
     async def _xreadgroup(self, count: int, block_ms: int | None, start: bytes | str) -> Any:
+        if self.fence is not None:
+            return await self._fenced_read(count, block_ms, start)
         block = block_args(block_ms)
         return await self._run(self.bus.command(
             "XREADGROUP", "GROUP", self.group, self.name, "COUNT", count, *block,
@@ -268,6 +377,25 @@ class Consumer:
             block_ms=block[1] if block else None,
             on_retry=self._lost_reply,
         ))
+
+    async def _fenced_read(self, count: int, block_ms: int | None, start: bytes | str) -> Any:
+        """XREADGROUP behind the fence, never blocking; when nothing is new, a plain XREAD
+        BLOCK (no side effect: a fenced-out member may run it) waits for an entry after the
+        stream's last one, then the fenced read runs once more. Wraps EVAL (XREADGROUP,
+        XREVRANGE), XREAD."""
+        args = [self.group, self.name, count, start]
+        reply, last = await self._script(_READ_LUA, [], args, op="XREADGROUP",
+                                         on_retry=self._lost_reply)
+        if reply or not block_ms or block_ms <= 0 or start != ">":
+            return reply
+        woke = await self._run(self.bus.command(
+            "XREAD", "COUNT", 1, "BLOCK", int(block_ms), "STREAMS", self.stream, last,
+            block_ms=int(block_ms)))
+        if not woke:
+            return None
+        reply, _ = await self._script(_READ_LUA, [], args, op="XREADGROUP",
+                                      on_retry=self._lost_reply)
+        return reply
 
     async def _read_new(self, count: int, block_ms: int | None) -> list[Delivery]:
         try:
@@ -380,7 +508,7 @@ class Consumer:
         if not ids:
             return 0
         keys = [i.id if isinstance(i, Delivery) else i for i in ids]
-        n = await self._run(self.bus.command("XACK", self.stream, self.group, *keys))
+        n = await self._call("XACK", self.stream, self.group, *keys)
         self._inflight.difference_update(keys)
         self.stats.acked += int(n)
         return int(n)
@@ -400,8 +528,15 @@ class Consumer:
     async def _add_and_ack(
         self, op: str, stream: str, payloads: Sequence[bytes], ids: Sequence[str]
     ) -> tuple[list[str], int]:
-        """MULTI; XADD stream (one entry per payload); XACK this group's ``ids``; EXEC.
-        Returns the new entry ids and how many of ``ids`` were pending."""
+        """MULTI; XADD stream (one entry per payload); XACK this group's ``ids``; EXEC
+        (with a fence: one fenced script, the XACK first). Returns the new entry ids and how
+        many of ``ids`` were pending."""
+        if self.fence is not None:
+            added, acked = await self._script(
+                _ADD_AND_ACK_LUA, [stream], [self.group, FIELD, len(payloads), *payloads, *ids],
+                op=op)
+            self._inflight.difference_update(ids)
+            return [a.decode() for a in added], int(acked)
         commands: list[Sequence[Any]] = [xadd_args(stream, data) for data in payloads]
         if ids:
             commands.append(("XACK", self.stream, self.group, *ids))
@@ -457,9 +592,9 @@ class Consumer:
         out: list[Delivery] = []
         while True:
             start = cursor
-            reply = await self._run(self.bus.command(
+            reply = await self._call(
                 "XAUTOCLAIM", self.stream, self.group, self.name, idle, start, "COUNT", count
-            ))
+            )
             cursor = reply[0]
             claimed = reply[1] or []
             # Redis >= 7: ids of deleted entries come third (already dropped from the PEL).
@@ -497,9 +632,7 @@ class Consumer:
                 ids = [row[0] for row in rows or []]
                 if not ids:
                     break
-                claimed = await self._run(self.bus.command(
-                    "XCLAIM", self.stream, self.group, self.name, 0, *ids
-                ))
+                claimed = await self._call("XCLAIM", self.stream, self.group, self.name, 0, *ids)
                 got = {e[0]: e[1] for e in claimed or [] if e is not None}
                 # An id XCLAIM did not return was deleted (trimmed) while pending.
                 entries = [(i.decode(), got.get(i)) for i in ids]
@@ -513,6 +646,40 @@ class Consumer:
                 if len(ids) < count:
                     break
         return out
+
+    async def adopt(self, count: int = 1000) -> dict[str, int]:
+        """Take over every entry pending on the group's other members and remove them, for
+        a group with one member at a time whose earlier incarnations read under other names
+        (the trainer, ``trainer-<epoch>``; a fence keeps them from reading again). Returns
+        ``{member: entries taken}``, one key per member removed.
+
+        The entries keep their delivery counters and come back from :meth:`read` (own
+        pending entries first), each counted once more there. An entry deleted while
+        pending is dead-lettered (:data:`TRIMMED_REASON`). Wraps XINFO CONSUMERS, then one
+        EVAL per ``count`` entries of each member (XPENDING, XCLAIM JUSTID; XGROUP
+        DELCONSUMER once it owns none)."""
+        taken: dict[str, int] = {}
+        for member in await member_names(self.bus, self.stream, self.group):
+            if member == self.name:
+                continue
+            taken[member] = 0
+            last: list[bytes] = []
+            while True:
+                held, claimed = await self._script(
+                    _ADOPT_LUA, [], [self.group, self.name, member, count], op="XCLAIM")
+                if not held or held == last:  # removed (or, defensively, no progress)
+                    break
+                last = held
+                gone = sorted(set(held) - set(claimed), key=entry_key)
+                if gone:  # Redis 7: dropped from the PEL, never claimed
+                    self.stats.trimmed += len(gone)
+                    await self._dead_letter_many(
+                        [(g.decode(), TRIMMED_REASON, b"", 1) for g in gone])
+                taken[member] += len(claimed)
+        if any(taken.values()):
+            self._lost_reply(0, BusError())  # read our own pending entries (now theirs) first
+        self.stats.reclaimed += sum(taken.values())
+        return taken
 
     async def _find_deleted(self, start: bytes, next_cursor: bytes, live: set[str]) -> list[str]:
         """Ids in our PEL within [start, next_cursor) whose entries no longer exist.

@@ -23,6 +23,9 @@ lease lapsed, cannot write a single entry.
         ``remaining_ms() -> int``          PTTL
         ``write(items, ack=None, require=None) -> list[str]``   token check (+ an entry
             that must still exist) + XADDs + XACK, one EVAL
+        ``run_fenced(body, keys, args, require=None)``   any Lua ``body`` behind the same
+            checks, one EVAL (the trainer's consumer-group calls: :class:`bus.groups.Consumer`
+            with ``fence=``)
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from redis.exceptions import ResponseError
+
+from bus.client import RetryHook
 from bus.errors import EntryGone, Fenced
 from bus.messages import FIELD, DecodeError, Heartbeat, Message, decode, encode
 from bus.streams import Bus
 
-__all__ = ["Lease", "members_key", "peers", "pulse", "pulse_forever"]
+__all__ = ["FENCE_LUA", "Lease", "members_key", "peers", "pulse", "pulse_forever"]
 
 
 def members_key(key_or_pattern: str) -> str:
@@ -153,6 +159,17 @@ return ids
 """
 
 
+FENCE_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('FENCED') end
+if ARGV[2] ~= '' and #redis.call('XRANGE', KEYS[2], ARGV[2], ARGV[2]) == 0 then
+  return redis.error_reply('ENTRYGONE')
+end
+"""
+"""The checks every :meth:`Lease.run_fenced` body runs behind, in the same script: KEYS[1]
+the lease, ARGV[1] the token; KEYS[2] a stream that must still hold entry ARGV[2] ('' for
+none). The body's own keys start at KEYS[3], its args at ARGV[3]."""
+
+
 class Lease:
     """A fencing lease on ``key`` for the holder of ``token`` (see the module docstring)."""
 
@@ -229,3 +246,28 @@ class Lease:
         if reply == -1 and require is not None:
             raise EntryGone(require[0], require[1])
         return [i.decode() if isinstance(i, bytes) else str(i) for i in reply]
+
+    async def run_fenced(
+        self, body: str, keys: Sequence[str], args: Sequence[Any], *,
+        require: tuple[str, str] | None = None, op: str = "EVAL",
+        on_retry: RetryHook | None = None,
+    ) -> Any:
+        """Run the Lua ``body`` only while our token holds the lease (and, with ``require =
+        (stream, id)``, while that entry is still there), atomically: the checks are
+        :data:`FENCE_LUA`, so the body reads its own ``keys`` from KEYS[3] and its ``args``
+        from ARGV[3] on. Returns the body's reply.
+
+        Raises :class:`~bus.errors.Fenced` / :class:`~bus.errors.EntryGone` as :meth:`write`
+        does (the body did not run). Wraps EVAL (GET, XRANGE, then the body); every key
+        must share the run's slot."""
+        stream, entry = require if require is not None else (self.key, "")
+        try:
+            return await self.bus.run_script(FENCE_LUA + body, [self.key, stream, *keys],
+                                             [self.token, entry, *args], op=op,
+                                             on_retry=on_retry)
+        except ResponseError as exc:
+            if str(exc) == "FENCED":
+                raise Fenced(self.key, self.token, await self.holder()) from exc
+            if str(exc) == "ENTRYGONE" and require is not None:
+                raise EntryGone(require[0], require[1]) from exc
+            raise

@@ -317,6 +317,39 @@ async def test_a_second_trainer_is_refused_and_a_zombie_is_fenced_out(
     assert sum(isinstance(e, RunFinished) for e in events) == 1
 
 
+async def test_a_zombie_woken_mid_run_takes_no_sample(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    """A trainer paused mid-run past its lease and woken while a new trainer runs: its
+    group reads, acks and dead letters are fenced, so it takes none of the new trainer's
+    samples (it once dead-lettered them: "ticket ... was never issued"); the new trainer
+    adopts what it held and removes its member."""
+    steps = 8
+    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                 "heartbeat.interval_s=0.2", "heartbeat.timeout_s=5")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, event(StepFinished, step=2), 120,
+                   procs.watch("trainer"))
+    token = (await bus.command("GET", run_keys.trainer_lease)).decode()
+    zombie = procs.procs["trainer"]
+    os.killpg(zombie.pid, signal.SIGSTOP)
+    procs.spawn("second", "trainer", *args)
+    await wait_for(bus, run_keys.events, event(StepFinished, step=4), 120,
+                   procs.watch("second"))
+    os.killpg(zombie.pid, signal.SIGCONT)
+    assert procs.wait("second", 180) == 0, procs.log("second")
+    assert procs.wait("trainer", 120) == 1, procs.log("trainer")
+    assert "fenced out" in procs.log("trainer")
+    events = await events_of(bus, run_keys.events)
+    _assert_ledger(events, steps)
+    assert sum(isinstance(e, RunFinished) for e in events) == 1
+    letters = [m async for _, m in bus.read_all(run_keys.dlq)]
+    assert letters == [], letters
+    members = await bus.consumers(run_keys.samples, "trainer")
+    assert len(members) == 1 and members[0] != f"trainer-{token.rsplit(':', 1)[1]}", members
+
+
 async def test_resumed_trainer_leaves_no_weight_blobs_behind(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
 ) -> None:

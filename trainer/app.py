@@ -62,12 +62,17 @@ from trainer.watch import Watch
 from trainer.weights import KEEP_WEIGHTS, Weights
 from trainer.writer import Writer
 
-__all__ = ["CONSUMER", "GROUP", "Trainer"]
+__all__ = ["GROUP", "Trainer", "consumer_name"]
 
 GROUP = "trainer"
-CONSUMER = "trainer-0"
 MAX_LOG_RESTARTS = 5  # starts over from the log after it was found behind (a lost tail)
 MAX_REFUSED_WARNINGS = 16  # fact_refused warnings at start; the rest are counted in one
+
+
+def consumer_name(epoch: str) -> str:
+    """The trainer's member of the samples group: one name per incarnation (its lease
+    token's epoch), so what a fenced-out incarnation held is told apart and adopted."""
+    return f"trainer-{epoch}"
 
 
 class Trainer(Component):
@@ -100,7 +105,10 @@ class Trainer(Component):
         self.weights = Weights(bus, self.keys, self.writer, self.run_dir, self.epoch)
         self.validations = Validations(cfg, bus, self.keys, self.writer)
         self.meter = StepMeter()
-        self.consumer = Consumer(bus, self.keys.samples, GROUP, CONSUMER, dlq_stream=self.keys.dlq)
+        # Fenced by the writer: a zombie of this trainer cannot read, ack or dead-letter a
+        # sample once another trainer holds the lease.
+        self.consumer = Consumer(bus, self.keys.samples, GROUP, consumer_name(self.epoch),
+                                 dlq_stream=self.keys.dlq, fence=self.writer)
         self.upcoming: StepWork | None = None  # the next step, started early (_loop)
         self.update_s = 0.0  # the worker's compute time in the last step
         self.waiting: str | None = None  # what start-up waits for, told by the heartbeat
@@ -153,6 +161,7 @@ class Trainer(Component):
         await Consumer(self.bus, self.keys.prompts, ROLLOUTER_GROUP, "trainer",
                        dlq_stream=self.keys.dlq).ensure_group()
         try:
+            await self._adopt()
             if resumed:
                 await self._resume()
             cfg_tree = config_to_dict(self.cfg)
@@ -193,6 +202,14 @@ class Trainer(Component):
     async def _warn(self, warning: WarningRaised) -> None:
         self.say(warning.message, error=True)
         await self.publish(warning)
+
+    async def _adopt(self) -> None:
+        """Samples pending on earlier incarnations (fenced out, or dead) become ours, read
+        first; their members leave the group, so names do not pile up over a run."""
+        taken = await self.consumer.adopt()
+        if taken:
+            self.say(f"adopted {sum(taken.values())} pending samples of {len(taken)} earlier "
+                     f"trainer(s) ({', '.join(sorted(taken))})")
 
     async def _resume(self) -> None:
         """Rebuild the model the trainer had (checkpoint, then the steps after it)."""

@@ -15,12 +15,14 @@ position of the last one (what a checkpoint's snapshot records).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import msgspec
 
 from bus import Bus, EntryGone, Fenced, Lease, RunKeys
+from bus.client import RetryHook
 from bus.messages import Event, Message, StepFinished
 from runtime import Restart
 from trainer.resume import Refused, Snapshot, read_log
@@ -29,6 +31,8 @@ from trainer.state import TrainerState, take
 __all__ = ["LogBehind", "Writer"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class LogBehind(Restart):
@@ -68,10 +72,30 @@ class Writer:
     ) -> list[str]:
         """Append ``(stream, msg)`` items (and XACK ``ack``) in one fenced script, only while
         our last StepFinished is still in the log (see the module docstring)."""
+        ids = await self._checked(lambda require: self.lease.write(items, ack, require))
+        for (stream, _), entry_id in zip(items, ids, strict=True):
+            if stream == self.keys.events:
+                self.position = entry_id  # the snapshot's position in the log
+        return ids
+
+    async def run_fenced(
+        self, body: str, keys: Sequence[str], args: Sequence[Any], *, op: str = "EVAL",
+        on_retry: RetryHook | None = None,
+    ) -> Any:
+        """The Lua ``body`` behind the same checks as :meth:`write` (the trainer's
+        consumer-group calls: its samples :class:`bus.Consumer` takes this writer as its
+        ``fence``). See :meth:`bus.Lease.run_fenced`."""
+        return await self._checked(lambda require: self.lease.run_fenced(
+            body, keys, args, require=require, op=op, on_retry=on_retry))
+
+    async def _checked(self, call: Callable[[tuple[str, str] | None], Awaitable[T]]) -> T:
+        """``call(require)``, a fenced script that also requires our last StepFinished;
+        its refusals become :class:`LogBehind` (the log lost our writes) or
+        :class:`bus.Fenced` (another trainer holds the lease; :attr:`fenced` names it)."""
         require = None if self.last_finished_id is None else (self.keys.events,
                                                              self.last_finished_id)
         try:
-            ids = await self.lease.write(items, ack, require)
+            return await call(require)
         except EntryGone as exc:
             raise LogBehind(f"StepFinished({self.state.last_step}) is gone from the log "
                             f"({exc})") from exc
@@ -82,10 +106,6 @@ class Writer:
                 raise LogBehind(f"the lease {self.keys.trainer_lease} had vanished") from exc
             self.fenced = exc.holder or "nobody (the lease lapsed)"
             raise
-        for (stream, _), entry_id in zip(items, ids, strict=True):
-            if stream == self.keys.events:
-                self.position = entry_id  # the snapshot's position in the log
-        return ids
 
     def fold(self, *events: Event) -> None:
         """Fold events this trainer wrote into :attr:`state`."""
