@@ -53,7 +53,7 @@ def _scripts(p: str) -> str:
 
 
 def _trainer(p: str) -> str:
-    strings = _keys(p, "barrier", "trainer-lease", "trainer-epoch", "archive", "blob:*", "blobs",
+    strings = _keys(p, "barrier", "trainer-lease", "archive", "blob:*", "blobs",
                     "alive:trainer:*")
     return " ".join([
         _CONNECTION, strings, _keys(p, "alive:*", "position:*", read_only=True),
