@@ -182,3 +182,26 @@ def test_a_missing_right_is_one_line_naming_it(server: AclRedis, tmp_path: Path,
     assert "Traceback" not in res.stderr, res.stderr
     lines = [line for line in res.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "no permissions" in lines[0] and "logger" in lines[0], res.stderr
+
+
+def test_the_operator_inspects_and_asks_for_a_profile(server: AclRedis, tmp_path: Path) -> None:
+    """Every rlbus command an operator runs works with the operator's user: inspect (the
+    whole log, the samples for --trace) and profile (its request in its own stream; no
+    profiler service answers here, so it withdraws the request after its timeout)."""
+    admin = server.client("admin")
+    cfg = config_to_dict(load_config(None, [f"run.id={RUN}", "global_profiler.tool=torch"]))
+    admin.xadd(KEYS.events, {"m": encode(RunStarted(run_id=RUN, config=cfg))})
+    admin.close()
+    url = f"redis.url={server.url('operator')}"
+    shown = run_cli("inspect", "--run", RUN, "--json", url)
+    assert shown.returncode == 0, shown.stderr
+    assert '"type": "RunStarted"' in shown.stdout or '"type":"RunStarted"' in shown.stdout
+    traced = run_cli("inspect", "--run", RUN, "--trace", str(tmp_path / "t.json"), url)
+    assert traced.returncode == 0, traced.stderr
+    asked = run_cli("profile", "--run", RUN, "--steps", "next:1", "--timeout", "1", url)
+    assert asked.returncode == 1 and "withdrawn" in asked.stderr, asked.stderr
+    assert "Traceback" not in asked.stderr
+    admin = server.client("admin")
+    requests = admin.xrange(KEYS.log("operator"))
+    admin.close()
+    assert len(requests) == 2  # the request, then its withdrawal
