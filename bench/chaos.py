@@ -20,6 +20,12 @@ while the bench:
   below that, and kills a rollouter in the middle of it.
 No test hook: only config keys, signals and entries any Redis client could write.
 
+With issue 22 (bench/chaos_trust.py, on unless ``--no-trust``): forged facts in every
+role's stream of the log, and a trust phase between the two (the finished run continued by
+``--trust-steps``) with a SIGSTOPped rollouter whose liveness key the bench keeps fresh,
+``--zombies`` zombie trainers and a ``--redis-stop-s`` Redis SIGSTOP. "The log" is every
+role's stream (the trainer's ``events`` with its archive, and ``events:ROLE``) merged by id.
+
 At the end it folds the events log and checks: every step finished (the last copy counts),
 no sample trained twice, no forged entry trained, every resume rebuilt the published weights,
 the total-queue invariant (every ticket ever issued was trained exactly once, closed with a
@@ -33,6 +39,7 @@ outside issue 7's checks, profile sessions the manifest lost; exit code 1 if a c
 
     .venv/bin/python bench/chaos.py [--kills 20] [--seed 0] [--steps N] [--out DIR] [--keep]
         [--redis-kill random|checkpoint] [--long-update-s 50]
+        [--no-trust] [--trust-steps 80] [--zombies 2] [--redis-stop-s 60]
 
 About 4 minutes on the 2-core development machine while other jobs shared it (220-255 s
 measured, the 40 s+ update included). Logs of every component (each restart appended to the
