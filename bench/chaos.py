@@ -20,6 +20,12 @@ while the bench:
   below that, and kills a rollouter in the middle of it.
 No test hook: only config keys, signals and entries any Redis client could write.
 
+With issue 22 (bench/chaos_trust.py, on unless ``--no-trust``): forged facts in every
+role's stream of the log, and a trust phase between the two (the finished run continued by
+``--trust-steps``) with a SIGSTOPped rollouter whose liveness key the bench keeps fresh,
+``--zombies`` zombie trainers and a ``--redis-stop-s`` Redis SIGSTOP. "The log" is every
+role's stream (the trainer's ``events`` with its archive, and ``events:ROLE``) merged by id.
+
 At the end it folds the events log and checks: every step finished (the last copy counts),
 no sample trained twice, no forged entry trained, every resume rebuilt the published weights,
 the total-queue invariant (every ticket ever issued was trained exactly once, closed with a
@@ -33,6 +39,7 @@ outside issue 7's checks, profile sessions the manifest lost; exit code 1 if a c
 
     .venv/bin/python bench/chaos.py [--kills 20] [--seed 0] [--steps N] [--out DIR] [--keep]
         [--redis-kill random|checkpoint] [--long-update-s 50]
+        [--no-trust] [--trust-steps 80] [--zombies 2] [--redis-stop-s 60]
 
 About 4 minutes on the 2-core development machine while other jobs shared it (220-255 s
 measured, the 40 s+ update included). Logs of every component (each restart appended to the
@@ -68,6 +75,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout: bus, trainer, tests.aof
 
 import numpy as np  # noqa: E402
+from chaos_trust import Trust  # noqa: E402  (bench/, the script's folder)
 
 from bus import (  # noqa: E402
     FIELD,
@@ -97,7 +105,10 @@ from bus import (  # noqa: E402
     WeightsPublished,
     decode,
 )
+from bus.authority import refusal  # noqa: E402
+from bus.entries import entry_key  # noqa: E402
 from bus.history import events_folder, read_history  # noqa: E402
+from bus.keys import LOG_ROLES  # noqa: E402
 from tests.aof import aof_commands, aof_path, cut_aof_before  # noqa: E402
 from trainer.ledger import fold as fold_ledger  # noqa: E402
 from trainer.ledger import ticket_index, ticket_of_sample  # noqa: E402
@@ -228,6 +239,10 @@ class Watch:
     silent_at: dict[str, float] = field(default_factory=dict)  # bench time the gap ended
     silent_now: dict[str, float | None] = field(default_factory=dict)
     seen_since_spawn: dict[str, int] = field(default_factory=dict)
+    run_finished_at: dict[int, float] = field(default_factory=dict)  # steps -> bench time
+    paused: set[str] = field(default_factory=set)  # parts stopped on purpose (not silent)
+    # Called with (stream, entry id, message, monotonic) for every entry of the log read.
+    listeners: list[Callable[[str, str, Any, float], None]] = field(default_factory=list)
 
 
 @dataclass
@@ -270,6 +285,7 @@ class Chaos:
         self.epochs2 = 1
         self.per_epoch_s = 0.0
         self.stop_chaos = asyncio.Event()
+        self.trust = None if args.no_trust else Trust(self, T0, _say, TIMEOUT_S)
 
     # ------------------------------------------------------------------ helpers
 
@@ -299,8 +315,8 @@ class Chaos:
             "global_profiler.handshake_timeout_s=10",
         ]
 
-    def make_parts(self, total: int, epochs: int) -> None:
-        args = self.common(total, epochs)
+    def make_parts(self, total: int, epochs: int, extra: list[str] | None = None) -> None:
+        args = [*self.common(total, epochs), *(extra or [])]
         logs = self.out / "logs"
         specs = [
             ("profiler", "profiler_service", self.keys.alive("profiler", 0), []),
@@ -317,6 +333,33 @@ class Chaos:
 
     async def raw(self, *cmd: Any) -> Any:
         return await self.b.command(*cmd)
+
+    def key(self, stream: str) -> str:
+        """The Redis key of a short stream name: samples, prompts, control, dlq, events (the
+        trainer's facts) or events:ROLE (another role's stream of the log)."""
+        if stream.startswith("events:"):
+            return self.keys.log(stream.split(":", 1)[1])
+        return str(getattr(self.keys, stream))
+
+    def short(self, key: str) -> str:
+        """The short name of one of the run's stream keys (:meth:`key`'s inverse)."""
+        return key.removeprefix(self.keys.prefix + ":")
+
+    async def read_log(self, on_bad: Callable[[Any], None] | None = None,
+                       ) -> list[tuple[str, str, Any]]:
+        """The run's whole log as ``(short stream, entry id, message)``: the trainer's
+        stream (its archive, then the stream) and every other role's stream, merged by
+        entry id (the trainer's facts first within a millisecond), nothing refused."""
+        tagged: list[tuple[Any, int, str, str, Any]] = []
+        for rank, role in enumerate(LOG_ROLES):
+            key = self.keys.log(role)
+            if role == "trainer":
+                it = read_history(self.b, key, events_folder(self.out / "run", self.run_id),
+                                  on_bad=on_bad)
+            else:
+                it = self.b.read_all(key, on_bad=on_bad)
+            tagged += [(entry_key(e.id), rank, self.short(key), e.id, e.msg) async for e in it]
+        return [(s, i, m) for _, _, s, i, m in sorted(tagged, key=lambda t: t[:2])]
 
     # ------------------------------------------------------------------ calibration
 
@@ -405,20 +448,31 @@ class Chaos:
             await asyncio.sleep(0.1)
 
     async def follow(self) -> None:
-        """Follow the events stream: steps, RunFinished, ComponentFailed."""
+        """Follow the run's log (every role's stream, merged by id; a fact its stream's role
+        may not state is passed over, as every reader does): steps, RunFinished,
+        ComponentFailed, ProfilerFinished."""
         w = self.watch
-        cursor = "0"
+        roles = {self.keys.log(role): role for role in LOG_ROLES}
+        cursors = dict.fromkeys(roles, "0")
         while True:
             try:
-                entries, cursor = await self.b.read_after(self.keys.events, cursor, count=1000,
-                                                          block_ms=200)
+                read = await self.b.read_after_many(dict(cursors), count=1000, block_ms=200)
             except BusError:
                 await asyncio.sleep(0.2)
                 continue
             now = time.monotonic()
-            for _, msg in entries:
+            merged = []
+            for stream, (entries, cursor, _) in read.items():
+                cursors[stream] = cursor
+                merged += [(entry_key(e.id), LOG_ROLES.index(roles[stream]), stream, e)
+                           for e in entries]
+            for _, _, stream, (eid, msg) in sorted(merged, key=lambda t: t[:2]):
+                if refusal(roles[stream], msg) is not None:
+                    continue
+                for listen in w.listeners:
+                    listen(self.short(stream), eid, msg, now)
                 match msg:
-                    case StepFinished(step=step):
+                    case StepFinished(step=step) if msg.sample_ids:  # forged ones have none
                         w.update_s[step] = msg.metrics.get("trainer/update_s", math.nan)
                         if step != w.last_step:
                             w.progress += 1
@@ -427,8 +481,9 @@ class Chaos:
                     case StepStarted(step=step):
                         w.step_started.setdefault(step, now)
                         w.started_step = step
-                    case RunFinished(steps=steps):
+                    case RunFinished(steps=steps) if steps < 10**9:  # forged ones say 10**9
                         w.run_finished.add(steps)
+                        w.run_finished_at.setdefault(steps, now - T0)
                     case ProfilerFinished():
                         w.profiler_finished = True
                     case ComponentFailed():
@@ -468,7 +523,7 @@ class Chaos:
             for part in self.parts.values():
                 name = part.name
                 pid = part.proc.pid if part.running and part.proc is not None else None
-                if pid is None:
+                if pid is None or name in w.paused:
                     gap_ends(name, now)  # a silence that lasted until the process ended
                     continue
                 if pids.get(part.alive_key) == pid:
@@ -482,7 +537,7 @@ class Chaos:
     async def recent(self, stream: str, count: int = 200) -> list[tuple[str, list[bytes]]]:
         reply = await self.raw("XREVRANGE", stream, "+", "-", "COUNT", count)
         return [(i.decode(), f) for i, f in reply
-                if not self.inj.has(stream.rsplit(":", 1)[-1], i.decode())]
+                if not self.inj.has(self.short(stream), i.decode())]
 
     @staticmethod
     def _decoded(fields: list[bytes]) -> Any:
@@ -497,7 +552,7 @@ class Chaos:
                           scan: int = 300) -> None:
         """Re-append the newest ``n`` real entries of type ``cls`` of ``stream`` (a short
         name: samples, prompts, ...) byte for byte."""
-        key = getattr(self.keys, stream)
+        key = self.key(stream)
         found = [(i, f) for i, f in await self.recent(key, scan)
                  if isinstance(self._decoded(f), cls)][:n]
         for _, fields in reversed(found):
@@ -533,11 +588,11 @@ class Chaos:
             return Heartbeat(role="chaos", rank=0, pid=os.getpid())
 
         async def raw_entry(stream: str, kind: str, fields: dict[bytes, bytes]) -> None:
-            key = getattr(k, stream)
+            key = self.key(stream)
             self.inj.add(stream, kind, await self.b.publish_raw(key, fields))
 
         async def msg_entry(stream: str, kind: str, msg: Any) -> None:
-            self.inj.add(stream, kind, await self.b.publish(getattr(k, stream), msg))
+            self.inj.add(stream, kind, await self.b.publish(self.key(stream), msg))
 
         async def contradicting() -> None:
             tid = await self.open_ticket()
@@ -589,6 +644,8 @@ class Chaos:
             ("dlq", "duplicate-DeadLetter",
              lambda: self.copy_latest("dlq", "duplicate-DeadLetter", DeadLetter, 2)),
         ]
+        if self.trust is not None:
+            acts += self.trust.actions()
         return acts
 
     async def inject(self) -> None:
@@ -697,6 +754,11 @@ class Chaos:
                      f"{self.watch.last_step}")
 
     # ------------------------------------------------------------------ phases
+
+    @staticmethod
+    def phase_deadline(steps: int) -> float:
+        """A phase of ``steps`` steps that is not done after this long is lost."""
+        return max(PHASE1_DEADLINE_S, 6.0 * steps)
 
     async def wait_phase(self, total: int, deadline_s: float) -> bool:
         """Until RunFinished(total) and every part exited 0 (or gave up); False on timeout."""
@@ -816,21 +878,26 @@ class Chaos:
         """Fold the log and check everything; prints the figures; returns the failures."""
         k = self.keys
         bad_events = Counter[str]()
-        events: list[tuple[str, Any]] = []
-        # The whole log: what retention archived (RUN/events), then the stream.
-        async for entry in read_history(self.b, k.events,
-                                        events_folder(self.out / "run", self.run_id),
-                                        on_bad=lambda b: bad_events.update(["x"])):
-            events.append((entry.id, entry.msg))
-        msgs = [m for _, m in events]
+        # The whole log: every role's stream merged (the trainer's with what retention
+        # archived, RUN/events). The bench's own entries are not facts of the run; a fact
+        # a component wrote to a stream whose role may not state it is a bug.
+        log = await self.read_log(on_bad=lambda b: bad_events.update(["x"]))
         fails: list[str] = list(self.problems)
+        misplaced = [(s, eid, type(m).__name__) for s, eid, m in log
+                     if not self.inj.has(s, eid)
+                     and refusal(k.log_role(k.prefix + ":" + s) or "", m) is not None]
+        if misplaced:
+            fails.append(f"facts written to a stream whose role may not state them: "
+                         f"{misplaced[:5]}")
+        events = [(eid, m) for s, eid, m in log if not self.inj.has(s, eid)]
+        msgs = [m for _, m in events]
         total = steps + 1
 
         # Steps: the last copy counts.
         finished: dict[int, StepFinished] = {}
         finished_ids: dict[int, str] = {}
         for eid, m in events:
-            if isinstance(m, StepFinished) and not self.inj.has("events", eid):
+            if isinstance(m, StepFinished):
                 finished[m.step] = m
                 finished_ids[m.step] = eid
         if sorted(finished) != list(range(1, total + 1)):
@@ -950,7 +1017,7 @@ class Chaos:
                 if g.name == group:
                     last_delivered[stream] = g.last_delivered_id
         for (stream, eid), kind in self.inj.ids.items():
-            key = getattr(k, stream)
+            key = self.key(stream)
             exists = bool(await self.raw("XRANGE", key, eid, eid))
             if key in groups:
                 if (key, eid) in lettered:
@@ -1009,7 +1076,7 @@ class Chaos:
         def ms(eid: str) -> int:
             return int(eid.split("-")[0])
 
-        live = [(eid, m) for eid, m in events if not self.inj.has("events", eid)]
+        live = events
         gap, gap_at = 0.0, ""
         paused = False  # between the two phases (RunFinished .. the trainer's RunStarted)
         for (a, ma), (b_, mb) in itertools.pairwise(live):
@@ -1097,6 +1164,8 @@ class Chaos:
             print(f"  profiling           {note}")
         print(f"  steps               ppo_epochs={self.epochs1} under chaos; the long update's "
               f"epochs from {self.per_epoch_s * 1000:.1f} ms/epoch (a fast update then)")
+        if self.trust is not None:
+            fails += await self.trust.verify(log, set(issued))
         return fails
 
     def profile_notes(self) -> list[str]:
@@ -1150,6 +1219,13 @@ class Chaos:
             ok = await self.phase1(steps)
             phase2: dict[str, Any] = {"failures": [], "unplanned": [], "window": (None, None),
                                       "samples": 0, "missing": Counter()}
+            if ok and self.trust is not None:
+                a = self.args
+                _say(f"trust phase: {a.trust_steps} more steps, forgeries, a dead rollouter "
+                     f"with a fresh key, {a.zombies} zombie trainer(s), Redis SIGSTOP "
+                     f"{a.redis_stop_s:.0f} s")
+                ok = await self.trust.phase(steps, a.trust_steps, a.zombies, a.redis_stop_s)
+                steps += a.trust_steps
             if ok:
                 _say("phase 2: one more step with a long update")
                 phase2 = await self.phase2(steps)
@@ -1209,6 +1285,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: a "
                         "temporary one, removed when every check passed unless --keep)")
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--no-trust", action="store_true", help="leave out issue 22's "
+                        "forgeries and its trust phase (bench/chaos_trust.py)")
+    parser.add_argument("--trust-steps", type=int, default=80,
+                        help="steps of the trust phase (80)")
+    parser.add_argument("--zombies", type=int, default=2,
+                        help="zombie trainers in the trust phase (2)")
+    parser.add_argument("--redis-stop-s", type=float, default=60.0,
+                        help="how long Redis is SIGSTOPped in the trust phase (60 s)")
     args = parser.parse_args(argv)
     logging.getLogger("bus").setLevel(logging.ERROR)  # the readers' notes on our garbage
     out = args.out or Path(tempfile.mkdtemp(prefix="rlbus-chaos-"))

@@ -22,14 +22,18 @@ entries in every stream:
 * rollouter: its ``rollouter`` group reads the tickets and acks them after publishing
   ``rollout.n`` Samples per ticket (~``--sample-bytes`` each: int32 prompt and response token
   ids, float32 log-probs) in one MULTI/EXEC;
-* profiler service: tails the events stream, folds each new entry into its state
+* profiler service: tails the run's log (every role's stream, merged by entry id and checked
+  against its role, as ``runtime.LogFollower`` does), folds each new entry into its state
   (``profiler_service.state.apply``, kept incrementally, never refolded), decides
   (``profiler_service.schedule.decide``) after a batch that changed it and publishes the
-  decisions (the step-1 StartProfile, ProfilerReady); the trainer and the rollouter report
-  the step-1 session (ProfileStarted / ProfileStopped);
+  decisions (the step-1 StartProfile to control, ProfilerReady to ``events:profiler``); the
+  trainer (in its stream) and the rollouter (in ``events:rollouter``) report the step-1
+  session (ProfileStarted / ProfileStopped);
 * liveness: every ``--pulse-every`` steps (one "second" of synthetic time) the three parts
   refresh their TTL keys (``bus.pulse``: SET PX), the trainer renews its lease, and the
-  trainer, the rollouter and the profiler read the new events (and the DLQ / control).
+  trainer (the rollouters' and profiler's streams), the rollouter (the trainer's and the
+  rollouters') and the profiler (all five) read what is new in the log (and the DLQ /
+  control).
 
 Per step: 2 prompts x 4 samples (``trainer.ppo_mini_batch_size=2``,
 ``async_training.require_batches=1``, ``rollout.n=4``; ``trigger_parameter_sync_step=1``:
@@ -136,10 +140,12 @@ from bus import (
     encode,
     pulse,
 )
+from bus.authority import refusal
 from bus.blobs import RedisBlobStore
+from bus.entries import Entry, entry_key
 from bus.files import atomic_write
 from bus.history import events_folder, read_history
-from bus.keys import RUNS_STREAM
+from bus.keys import LOG_ROLES, RUNS_STREAM
 from profiler_service.schedule import decide
 from profiler_service.state import Fact, ServiceState
 from profiler_service.state import apply as service_apply
@@ -284,10 +290,11 @@ class Driver:
         self.version = 0
         self.started_step = 0
         self.control_last = "0"
-        self.events_last = "0"
+        # the trainer reads the rollouters' and the profiler's streams of the log
+        self.events_last = self._cursors("rollouter", "profiler")
         self.dlq_last = "0"
-        # rollouter
-        self.r_events = "0"
+        # rollouter: the trainer's and the rollouters' streams
+        self.r_events = self._cursors("trainer", "rollouter")
         self.r_control = "0"
         self.r_version = 0
         self.r_unacked: list[Delivery] = []
@@ -296,7 +303,7 @@ class Driver:
         self.sessions: dict[str, list[StartProfile]] = {"trainer": [], "rollouter": []}
         # profiler service
         self.prof = ServiceState()
-        self.prof_cursor = "0"
+        self.prof_cursor = self._cursors(*LOG_ROLES)  # every role's stream
         self.prof_own: set[str] = set()
         self.windows: list[Window] = []
         self.done_windows: list[Window] = []
@@ -320,6 +327,26 @@ class Driver:
     def state(self) -> TrainerState:
         """The trainer's state, as its writer folded it."""
         return self.writer.state
+
+    def _cursors(self, *roles: str) -> dict[str, str]:
+        return {self.keys.log(role): "0" for role in roles}
+
+    async def _poll_log(self, cursors: dict[str, str]) -> tuple[list[Entry], bool]:
+        """runtime.LogFollower.poll: one XREAD of the log streams after ``cursors`` (which
+        move on), merged by id (the trainer's facts first within a millisecond), each
+        entry checked against its stream's role (bus.authority); and whether a stream
+        filled the read (more to come)."""
+        read = await self.bus.read_after_many(dict(cursors), count=1000)
+        merged: list[tuple[tuple[int, int], int, Entry]] = []
+        full = False
+        for stream, (entries, cursor, is_full) in read.items():
+            cursors[stream] = cursor
+            full |= is_full
+            role = self.keys.log_role(stream) or ""
+            merged += [(entry_key(e.id), LOG_ROLES.index(role), e) for e in entries
+                       if refusal(role, e.msg) is None]
+        merged.sort(key=lambda t: t[:2])
+        return [e for _, _, e in merged], full
 
     async def _publish(self, items: Sequence[tuple[str, Message]]) -> None:
         """Events through the trainer's writer (one fenced script, folded)."""
@@ -433,12 +460,11 @@ class Driver:
     async def _rollouter_follow(self) -> None:
         """The rollouter's event poll (newest weights) and control read."""
         while True:
-            entries, self.r_events = await self.bus.read_after(
-                self.keys.events, self.r_events, count=1000)
+            entries, more = await self._poll_log(self.r_events)
             for _, msg in entries:
                 if isinstance(msg, WeightsPublished):
                     self.r_version = msg.version
-            if len(entries) < 1000:
+            if not more:
                 break
         commands, self.r_control = await read_commands(self.bus, self.keys.control,
                                                        self.r_control)
@@ -447,9 +473,8 @@ class Driver:
     async def _trainer_follow(self) -> None:
         """trainer.watch.Watch.follow: the events log and the DLQ."""
         while True:
-            entries, self.events_last = await self.bus.read_after(
-                self.keys.events, self.events_last, count=1000)
-            if len(entries) < 1000:
+            _, more = await self._poll_log(self.events_last)
+            if not more:
                 break
         _, self.dlq_last = await self.bus.read_after(self.keys.dlq, self.dlq_last, count=1000)
 
@@ -469,14 +494,13 @@ class Driver:
         state, publish the decisions (folded at once, skipped when read back)."""
         dirty = False
         while True:
-            entries, self.prof_cursor = await self.bus.read_after(
-                self.keys.events, self.prof_cursor, count=1000)
+            entries, more = await self._poll_log(self.prof_cursor)
             for entry_id, msg in entries:
                 if entry_id in self.prof_own:
                     self.prof_own.discard(entry_id)
                     continue
                 dirty |= self._prof_fold(msg, entry_id)
-            if len(entries) < 1000:
+            if not more:
                 break
         if dirty:
             barrier = await self.bus.get_barrier(self.keys.barrier)
@@ -486,7 +510,7 @@ class Driver:
                     await self.bus.publish(self.keys.control, out)
                     self._prof_fold(out, None)
                 else:
-                    entry_id = await self.bus.publish(self.keys.events, out)
+                    entry_id = await self.bus.publish(self.keys.log("profiler"), out)
                     self.prof_own.add(entry_id)
                     self._prof_fold(out, entry_id)
         for w in [w for w in self.windows if len(w.entries) >= self.window_size]:
@@ -544,7 +568,7 @@ class Driver:
         await self.dispatch.issue(self.version)
         started = self._profile_events("rollouter", 1, begin=True)
         if started:
-            await self.bus.publish_many(keys.events, started)
+            await self.bus.publish_many(keys.log("rollouter"), started)
         tickets = await self.rollouter_in.read(count=self.cfg.rollout.prompts_per_batch,
                                                block_ms=None)
         await self.bus.publish_many(keys.samples, self._answers(tickets), atomic=True)
@@ -608,7 +632,7 @@ class Driver:
             await self._publish([(keys.events, m) for m in stopped])
         stopped = self._profile_events("rollouter", k, begin=False)
         if stopped:
-            await self.bus.publish_many(keys.events, stopped)
+            await self.bus.publish_many(keys.log("rollouter"), stopped)
 
     async def _trainer_writes(self, k: int, weights: WeightsPublished,
                               finished: StepFinished) -> None:
@@ -639,7 +663,9 @@ class Driver:
                                       await self._usage(self.keys.samples))
             return
         point.used_memory = used
-        names = {"events": self.keys.events, "samples": self.keys.samples,
+        names = {"events": self.keys.events,
+                 **{f"events:{r}": self.keys.log(r) for r in LOG_ROLES if r != "trainer"},
+                 "samples": self.keys.samples,
                  "prompts": self.keys.prompts, "control": self.keys.control,
                  "dlq": self.keys.dlq, "runs": RUNS_STREAM}
         for name, key in names.items():
