@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     )
     from bus.files import atomic_file, atomic_write, fsync_path
     from bus.keys import (
+        LOG_ROLES,
         RUNS_STREAM,
         RunKeys,
         validate_run_id,
@@ -89,6 +90,8 @@ if TYPE_CHECKING:
         encode,
     )
     from bus.retry import (
+        BUDGET_S,
+        FIRST_CONTACT_S,
         RetryPolicy,
         retry_async,
     )
@@ -128,10 +131,13 @@ __all__ = [
     "AOF_BLOAT",
     "AOF_MIN_REWRITE_BYTES",
     "BINARY_ENV",
+    "BUDGET_S",
     "DEFAULT_CHUNK_SIZE",
     "EXCEEDED_REASON",
     "FIELD",
+    "FIRST_CONTACT_S",
     "LOCK_NAME",
+    "LOG_ROLES",
     "RUNS_STREAM",
     "SCHEMA_VERSION",
     "TRIMMED_REASON",

@@ -25,9 +25,7 @@ __all__ = [
     "RedisBinaryNotFound",
     "RedisStartError",
     "StreamGone",
-    "describe",
     "redact_url",
-    "seconds",
 ]
 
 

@@ -52,7 +52,22 @@ def since(entry_id: str | None) -> str:
     return f"{ms - 1}-{2**64 - 1}" if ms > 0 else "0"
 
 
-class Follower:
+class _Reader:
+    """What both followers share: catching up through their :meth:`history`."""
+
+    def history(self, on_gap: Callable[[str, str], None] | None = None,
+                ) -> AsyncIterator[list[Entry]]:
+        raise NotImplementedError
+
+    async def catch_up(self, on_gap: Callable[[str, str], None] | None = None) -> int:
+        """Fold everything after the position(s) (:meth:`history`); how many entries."""
+        read = 0
+        async for batch in self.history(on_gap):
+            read += len(batch)
+        return read
+
+
+class Follower(_Reader):
     """Reads ``stream`` after ``position`` (``"0"``: from the beginning); ``fold`` gets every
     new entry once, in log order. ``archive``: the folder of the run's archived events
     (:func:`bus.history.events_folder`), read when the stream was trimmed past the position."""
@@ -101,13 +116,6 @@ class Follower:
             yield self._take(batch)
         self.caught_up = True
 
-    async def catch_up(self, on_gap: Callable[[str, str], None] | None = None) -> int:
-        """Fold everything after the position (:meth:`history`); how many entries."""
-        read = 0
-        async for batch in self.history(on_gap):
-            read += len(batch)
-        return read
-
     async def poll(self, block_ms: int | None = None) -> list[Entry]:
         """One read of the stream after the position (wraps XREAD; ``block_ms``: wait at most
         that long for something new): the new entries, folded."""
@@ -118,7 +126,7 @@ class Follower:
         return self._take(entries, cursor)
 
 
-class LogFollower:
+class LogFollower(_Reader):
     """Follows a run's log: the streams of several writing roles (``roles``, each its own
     stream, :meth:`bus.RunKeys.log`), merged by entry id into one sequence; ``fold`` gets
     every new entry once, in that order. Within one millisecond (entry ids of different
@@ -246,13 +254,6 @@ class LogFollower:
             if batch:
                 yield self._take(batch)
         self.caught_up = True
-
-    async def catch_up(self, on_gap: Callable[[str, str], None] | None = None) -> int:
-        """Fold everything after the positions (:meth:`history`); how many entries."""
-        read = 0
-        async for batch in self.history(on_gap):
-            read += len(batch)
-        return read
 
     async def poll(self, block_ms: int | None = None) -> list[Entry]:
         """One read of every stream after its position (wraps XREAD over them all;

@@ -42,6 +42,7 @@ import pytest
 import pytest_asyncio
 
 from bus import Bus, EmbeddedRedis, RunKeys, find_redis_server, redis_server_version
+from tests.procs import Procs
 
 RedisFactory = Callable[..., EmbeddedRedis]
 BusFactory = Callable[..., Awaitable[Bus]]
@@ -155,3 +156,12 @@ def redis7_server(
     )
     with server:
         yield server
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    """The component processes of one test (logs under ``tmp_path/logs``), all killed after
+    it."""
+    p = Procs(tmp_path / "logs")
+    yield p
+    p.kill_all()

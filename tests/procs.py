@@ -15,12 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bus import Bus, Message, RunKeys
+from bus import Bus, Message, RunKeys, StepFinished
 from bus.history import find_archive
 from runtime import LogFollower
 from tests.waits import Watched, wait_exit_blocking
 
-__all__ = ["FAST", "Procs", "events_of", "run_cli"]
+__all__ = ["FAST", "Procs", "assert_every_step_once", "events_of", "run_args", "run_cli"]
 
 # Small, fast runs: a few steps of the default task with short timeouts.
 FAST = (
@@ -104,3 +104,18 @@ def run_cli(*args: str, timeout_s: float = 120, cwd: Path | None = None) -> (
         [sys.executable, "-m", "rlbus", *args], capture_output=True, text=True,
         timeout=timeout_s, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+def run_args(redis_url: str, run_id: str, out: Path, *extra: str) -> list[str]:
+    """The overrides of a test's run: its Redis, run id and output folder, :data:`FAST`,
+    then ``extra``."""
+    return [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={out}", *FAST, *extra]
+
+
+def assert_every_step_once(events: list[Message], steps: int) -> None:
+    """Steps 1..``steps`` finished (the last copy of each counts) and no sample id was
+    trained twice."""
+    finished = {e.step: e for e in events if isinstance(e, StepFinished)}
+    assert sorted(finished) == list(range(1, steps + 1))
+    trained = [sid for e in finished.values() for sid in e.sample_ids]
+    assert len(trained) == len(set(trained)), "a sample was trained twice"

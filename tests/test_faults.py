@@ -37,7 +37,7 @@ from bus.messages import (
     WeightsPublished,
 )
 from tests.aof import aof_path, cut_aof_before
-from tests.procs import FAST, Procs, events_of
+from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.rewards_for_tests import SLOW_REWARD_S
 from tests.waits import event, wait_for
 from trainer.budget import max_staleness, ticket_budget
@@ -45,27 +45,11 @@ from trainer.budget import max_staleness, ticket_budget
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio]
 
 
-def _args(redis_url: str, run_id: str, out: Path, *extra: str) -> list[str]:
-    return [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={out}", *FAST, *extra]
-
-
-@pytest.fixture
-def procs(tmp_path: Path):
-    p = Procs(tmp_path / "logs")
-    yield p
-    p.kill_all()
 
 
 def _finished(events: list) -> list[StepFinished]:
     return [e for e in events if isinstance(e, StepFinished)]
 
-
-def _assert_ledger(events: list, steps: int) -> None:
-    """Every step finished once (the last copy counts) and no sample id was trained twice."""
-    finished = {e.step: e for e in _finished(events)}
-    assert sorted(finished) == list(range(1, steps + 1))
-    trained = [sid for e in finished.values() for sid in e.sample_ids]
-    assert len(trained) == len(set(trained)), "a sample was trained twice"
 
 
 async def test_update_longer_than_the_heartbeat_timeout_is_not_death(
@@ -77,9 +61,9 @@ async def test_update_longer_than_the_heartbeat_timeout_is_not_death(
     steps, timeout_s = 3, 1.5
     model = ["model.d_model=256", "model.n_layers=6", "trainer.ppo_mini_batch_size=8",
              "rollout.prompts_per_batch=8"]
-    epochs = max(1, math.ceil(3 * timeout_s / _epoch_s(_args(redis_url, run_id, tmp_path,
+    epochs = max(1, math.ceil(3 * timeout_s / _epoch_s(run_args(redis_url, run_id, tmp_path,
                                                              *model))))
-    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "heartbeat.interval_s=0.2", f"heartbeat.timeout_s={timeout_s}", *model,
                  f"trainer.ppo_epochs={epochs}")
     procs.spawn("rollouter0", "rollouter", *args)
@@ -87,7 +71,7 @@ async def test_update_longer_than_the_heartbeat_timeout_is_not_death(
     assert procs.wait("trainer", 600) == 0, procs.log("trainer")
     assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
     events = await events_of(bus, run_keys.events)
-    _assert_ledger(events, steps)
+    assert_every_step_once(events, steps)
     longest = max(e.metrics["trainer/update_s"] for e in _finished(events))
     # The point of the test: an update outlasted the timeout, and nobody was declared dead.
     assert longest > timeout_s, f"updates took only {longest:.2f} s ({epochs} epochs)"
@@ -127,7 +111,7 @@ async def test_lost_tickets_are_reissued_and_the_run_finishes(
     """Tickets that vanish from the prompts stream (as with a Redis that lost its tail) come
     back through their lease; the first answer wins."""
     steps = 3
-    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "heartbeat.ticket_lease_s=1.5")
     procs.spawn("trainer", "trainer", *args)
     await wait_for(bus, run_keys.events, event(TicketsIssued), 60, procs.watch("trainer"))
@@ -137,7 +121,7 @@ async def test_lost_tickets_are_reissued_and_the_run_finishes(
     procs.spawn("rollouter0", "rollouter", *args)
     assert procs.wait("trainer", 180) == 0, procs.log("trainer")
     events = await events_of(bus, run_keys.events)
-    _assert_ledger(events, steps)
+    assert_every_step_once(events, steps)
     reissued = [e for e in events if isinstance(e, TicketsIssued) and e.attempt > 0]
     assert reissued and "lease" in reissued[0].reason
 
@@ -147,7 +131,7 @@ async def test_a_run_that_cannot_progress_says_why_then_fails(
 ) -> None:
     """No answer ever comes (every ticket deleted, leases longer than the test): the trainer
     warns what it waits for, then fails naming it; it never waits in silence."""
-    args = _args(redis_url, run_id, tmp_path, "trainer.total_training_steps=2",
+    args = run_args(redis_url, run_id, tmp_path, "trainer.total_training_steps=2",
                  "heartbeat.ticket_lease_s=600", "heartbeat.stall_warn_s=1",
                  "heartbeat.stall_timeout_s=4")
     procs.spawn("trainer", "trainer", *args)
@@ -185,7 +169,7 @@ async def test_duplicated_samples_are_trained_once(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
 ) -> None:
     steps = 5
-    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "trainer.save_freq=2", "run.retention=all")
     stop = asyncio.Event()
     copier = asyncio.create_task(_duplicate_samples(bus, run_keys, stop))
@@ -198,7 +182,7 @@ async def test_duplicated_samples_are_trained_once(
     stop.set()
     assert await copier > 0
     events = await events_of(bus, run_keys.events)
-    _assert_ledger(events, steps)
+    assert_every_step_once(events, steps)
     resumed = [e for e in events if isinstance(e, TrainerResumed)]
     assert resumed and resumed[0].weights_match is True
     # The trained copies are the recorded ones.
@@ -243,7 +227,7 @@ async def test_malformed_entries_are_dead_lettered_and_change_nothing(
     every sample trained once."""
     steps, threshold = 4, 0.5
     # retention=all: the samples are read back below.
-    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  f"async_training.staleness_threshold={threshold}", "run.retention=all")
     procs.spawn("trainer", "trainer", *args)
     await wait_for(bus, run_keys.events, event(TicketsIssued), 60, procs.watch("trainer"))
@@ -257,7 +241,7 @@ async def test_malformed_entries_are_dead_lettered_and_change_nothing(
     assert procs.wait("trainer", 180) == 0, procs.log("trainer")
     assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
     events = await events_of(bus, run_keys.events)
-    _assert_ledger(events, steps)
+    assert_every_step_once(events, steps)
     letters = [m async for _, m in bus.read_all(run_keys.dlq)]
     reasons = " | ".join(m.reason for m in letters if isinstance(m, DeadLetter))
     assert "asked for n=4" in reasons and "never issued" in reasons
@@ -291,7 +275,7 @@ async def test_a_second_trainer_is_refused_and_a_zombie_is_fenced_out(
     steps = 4
     # Profiling on and no profiler service: the first trainer holds the lease while it waits
     # for the handshake, which keeps it alive and busy for as long as the test needs.
-    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "heartbeat.interval_s=0.2", "heartbeat.timeout_s=5",
                  "global_profiler.tool=torch", "global_profiler.steps=[]",
                  "global_profiler.handshake_timeout_s=60")
@@ -313,7 +297,7 @@ async def test_a_second_trainer_is_refused_and_a_zombie_is_fenced_out(
     assert procs.wait("trainer", 120) == 1, procs.log("trainer")
     assert "fenced out" in procs.log("trainer")
     events = await events_of(bus, run_keys.events)
-    _assert_ledger(events, steps)
+    assert_every_step_once(events, steps)
     assert sum(isinstance(e, RunFinished) for e in events) == 1
 
 
@@ -325,7 +309,7 @@ async def test_a_zombie_woken_mid_run_takes_no_sample(
     samples (it once dead-lettered them: "ticket ... was never issued"); the new trainer
     adopts what it held and removes its member."""
     steps = 8
-    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "heartbeat.interval_s=0.2", "heartbeat.timeout_s=5")
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
@@ -342,7 +326,7 @@ async def test_a_zombie_woken_mid_run_takes_no_sample(
     assert procs.wait("trainer", 120) == 1, procs.log("trainer")
     assert "fenced out" in procs.log("trainer")
     events = await events_of(bus, run_keys.events)
-    _assert_ledger(events, steps)
+    assert_every_step_once(events, steps)
     assert sum(isinstance(e, RunFinished) for e in events) == 1
     letters = [m async for _, m in bus.read_all(run_keys.dlq)]
     assert letters == [], letters
@@ -354,7 +338,7 @@ async def test_resumed_trainer_leaves_no_weight_blobs_behind(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
 ) -> None:
     steps = 8
-    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "trainer.save_freq=2")
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
@@ -386,7 +370,7 @@ async def test_a_log_that_lost_its_tail(
     bus = await make_bus(server.url)
     keys = RunKeys(run_id)
     steps = 12
-    args = _args(server.url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+    args = run_args(server.url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "trainer.save_freq=3")
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
@@ -399,7 +383,7 @@ async def test_a_log_that_lost_its_tail(
     assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
     assert "resuming from the log" in procs.log("trainer")
     events = await events_of(bus, keys.events)
-    _assert_ledger(events, steps)
+    assert_every_step_once(events, steps)
     resumed = [e for e in events if isinstance(e, TrainerResumed)]
     assert resumed and all(e.weights_match is not False for e in resumed)
 
@@ -407,7 +391,7 @@ async def test_a_log_that_lost_its_tail(
 async def test_a_finished_run_continues_with_more_steps(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
 ) -> None:
-    args = _args(redis_url, run_id, tmp_path, "trainer.save_freq=2")
+    args = run_args(redis_url, run_id, tmp_path, "trainer.save_freq=2")
     procs.spawn("rollouter0", "rollouter", *args, "trainer.total_training_steps=3")
     procs.spawn("trainer", "trainer", *args, "trainer.total_training_steps=3")
     assert procs.wait("trainer", 180) == 0, procs.log("trainer")
@@ -417,7 +401,7 @@ async def test_a_finished_run_continues_with_more_steps(
     assert procs.wait("trainer2", 180) == 0, procs.log("trainer2")
     assert procs.wait("rollouter0b", 60) == 0, procs.log("rollouter0b")
     events = await events_of(bus, run_keys.events)
-    _assert_ledger(events, 5)
+    assert_every_step_once(events, 5)
     assert [e.steps for e in events if isinstance(e, RunFinished)] == [3, 5]
     resumed = [e for e in events if isinstance(e, TrainerResumed)]
     assert resumed and resumed[0].step == 3 and resumed[0].weights_match is True
@@ -430,7 +414,7 @@ async def test_trim_then_resume_rebuilds_the_same_model(
     right after a trim resumes from the checkpoint's snapshot, reading only the log after
     it, and rebuilds the same model (trimming never removed a sample it needed)."""
     steps = 9
-    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "trainer.save_freq=3")
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
@@ -440,7 +424,7 @@ async def test_trim_then_resume_rebuilds_the_same_model(
     procs.spawn("trainer2", "trainer", *args)
     assert procs.wait("trainer2", 180) == 0, procs.log("trainer2")
     events = await events_of(bus, run_keys.events)
-    _assert_ledger(events, steps)
+    assert_every_step_once(events, steps)
     resumed = [e for e in events if isinstance(e, TrainerResumed)]
     assert resumed and resumed[0].weights_match is True
     assert resumed[0].checkpoint_step == 6
@@ -463,14 +447,14 @@ async def test_a_slow_rollouter_keeps_its_tickets(
     second after it was issued, by Redis's own clock (entry ids), so its lease had expired
     while the trainer, idle, checked leases (after each empty 0.5 s read of samples)."""
     steps, lease_s = 3, 0.05
-    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  f"heartbeat.ticket_lease_s={lease_s}", "rollout.n=16", "run.retention=all",
                  "task.reward_fn=tests.rewards_for_tests:slow_digits")
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
     assert procs.wait("trainer", 180) == 0, procs.log("trainer")
     events = await events_of(bus, run_keys.events)
-    _assert_ledger(events, steps)
+    assert_every_step_once(events, steps)
     assert not [e for e in events if isinstance(e, TicketsIssued) and e.attempt > 0]
     # The slowness happened: each trained ticket's first response came long after its lease.
     issued = {(m.ticket_id, m.attempt): _entry_ms(eid)

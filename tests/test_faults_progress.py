@@ -20,35 +20,18 @@ from bus.messages import (
     Array,
     DeadLetter,
     Sample,
-    StepFinished,
     TicketsIssued,
     WarningRaised,
     decode,
 )
-from tests.procs import FAST, Procs, events_of
+from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.waits import event, wait_for, wait_until
 from trainer.dispatch import ROLLOUTER_GROUP
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio]
 
 
-def _args(redis_url: str, run_id: str, out: Path, *extra: str) -> list[str]:
-    return [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={out}", *FAST, *extra]
 
-
-@pytest.fixture
-def procs(tmp_path: Path):
-    p = Procs(tmp_path / "logs")
-    yield p
-    p.kill_all()
-
-
-def _assert_ledger(events: list, steps: int) -> None:
-    """Every step finished once (the last copy counts) and no sample id was trained twice."""
-    finished = {e.step: e for e in events if isinstance(e, StepFinished)}
-    assert sorted(finished) == list(range(1, steps + 1))
-    trained = [sid for e in finished.values() for sid in e.sample_ids]
-    assert len(trained) == len(set(trained)), "a sample was trained twice"
 
 
 async def test_a_wedged_rollouter_with_a_fresh_pulse_loses_its_tickets(
@@ -60,7 +43,7 @@ async def test_a_wedged_rollouter_with_a_fresh_pulse_loses_its_tickets(
     timeout). rollouter0, started once rollouter1 holds tickets, answers them after the
     reissue, and the run finishes."""
     steps = 3
-    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                  "heartbeat.ticket_lease_s=1", "rollout.reward_timeout_s=5", "rollout.replicas=2")
     procs.spawn("trainer", "trainer", *args)
     procs.spawn("rollouter1", "tests.wedged_rollouter", *args, "rollout.rank=1")
@@ -83,7 +66,7 @@ async def test_a_wedged_rollouter_with_a_fresh_pulse_loses_its_tickets(
     assert await bus.exists(run_keys.alive("rollouter", 1))
 
     events = await events_of(bus, run_keys.events)
-    _assert_ledger(events, steps)
+    assert_every_step_once(events, steps)
     warnings = [e for e in events if isinstance(e, WarningRaised)
                 and e.code == "rollouter_no_progress"]
     assert warnings and all("rollouter1" in w.message for w in warnings), warnings
@@ -115,7 +98,7 @@ async def test_one_invalid_group_gives_one_reissue(
     and dead-lettered (and read back by the trainer's dead-letter follower), and t0 is
     issued again exactly once (attempt 1); no ticket goes further."""
     steps, n = 2, 4  # FAST: rollout.n=4
-    args = _args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}")
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}")
     procs.spawn("trainer", "trainer", *args)
     await wait_for(bus, run_keys.events, event(TicketsIssued), 60, procs.watch("trainer"))
     for i in range(n):
@@ -132,7 +115,7 @@ async def test_one_invalid_group_gives_one_reissue(
     assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
 
     events = await events_of(bus, run_keys.events)
-    _assert_ledger(events, steps)
+    assert_every_step_once(events, steps)
     letters = [m async for _, m in bus.read_all(run_keys.dlq) if isinstance(m, DeadLetter)]
     bad = [decode(m.raw) for m in letters if "not finite" in m.reason]
     assert sorted(s.sample_id for s in bad) == [f"t0/{i}" for i in range(n)]

@@ -163,7 +163,7 @@ async def test_the_trainer_writes_requests_to_the_prompts_stream_and_awaits_thei
     async def check() -> None:
         checks.append(1)
 
-    await bus.publish_many(run_keys.events, [
+    await bus.publish_many(run_keys.log("rollouter"), [
         ValidationFinished(request_id=f"val-v{v}", version=v, step=3 * v, rank=0,
                            metrics={"val-core/s/reward/mean@1": 0.5}) for v in (0, 2)])
     await validations.settle(check)
@@ -381,10 +381,13 @@ async def test_the_logger_writes_validation_metrics_at_the_requested_step(
     cfg = load_config(None, [f"run.id={run_id}", f"run.output_dir={tmp_path}"])
     steps = [StepFinished(step=k, sample_ids=[], duration_s=0.1, metrics={"reward/mean": k})
              for k in (1, 2, 3)]
-    await bus.publish_many(RunKeys(run_id).events, [
-        RunStarted(run_id=run_id, config={}), _finished(0, 0, 0.1), *steps[:2],
-        _finished(1, 1, 0.4), steps[2], _finished(2, 3, 0.9),
-        RunFinished(run_id=run_id, steps=3)])
+    keys = RunKeys(run_id)
+    for msg in [RunStarted(run_id=run_id, config={}), _finished(0, 0, 0.1), *steps[:2],
+                _finished(1, 1, 0.4), steps[2], _finished(2, 3, 0.9),
+                RunFinished(run_id=run_id, steps=3)]:
+        # The answers are the rollouters' facts, the rest the trainer's: one log, two streams.
+        role = "rollouter" if isinstance(msg, ValidationFinished) else "trainer"
+        await bus.publish(keys.log(role), msg)
     logger = MetricsLogger(cfg, bus, [TensorBoardSink(tensorboard_dir(cfg))])
     assert await logger.run() == 0
     acc = EventAccumulator(str(tensorboard_dir(cfg)))
