@@ -1,7 +1,8 @@
 """One-line progress of a run, printed the same way by ``rlbus up`` and by every component.
 
-:func:`step_line` formats a StepFinished; :func:`follow_progress` tails a run's events stream
-(one XREAD BLOCK at a time, from the newest entry: the past is never re-read) and prints one
+:func:`step_line` formats a StepFinished; :func:`follow_progress` tails a run's log (the
+trainer's stream and the rollouters', for the validation answers; one XREAD BLOCK at a time,
+from the newest entry: the past is never re-read) and prints one
 line per finished step for the trainer, and one line every ``every_s`` seconds for the other
 roles. :class:`ProgressThread` runs that follower beside a component's own event loop, so no
 component code has to know about it. No torch here: ``rlbus up`` imports this module.
@@ -18,9 +19,12 @@ from typing import TextIO
 
 import msgspec
 
+from bus.authority import refusal
+from bus.entries import entry_key
 from bus.errors import BusError
+from bus.facts import run_finished_refusal
 from bus.keys import RunKeys
-from bus.messages import RunFinished, StepFinished, ValidationFinished
+from bus.messages import Message, RunFinished, StepFinished, ValidationFinished
 from bus.streams import Bus
 
 __all__ = [
@@ -31,6 +35,24 @@ __all__ = [
     "val_core_reward",
     "validation_line",
 ]
+
+
+async def _read_log(bus: Bus, keys: RunKeys, cursors: dict[str, str],
+                    wait_ms: int) -> list[Message]:
+    """One read of the followed streams after ``cursors`` (which move on): the messages in
+    id order, without any its stream's role may not state (bus.authority)."""
+    read = await bus.read_after_many(cursors, count=500, block_ms=wait_ms)
+    found = []
+    for stream, (entries, cursor, _) in read.items():
+        cursors[stream] = cursor
+        role = keys.log_role(stream) or "trainer"
+        found += [(entry_key(e.id), e.msg) for e in entries if refusal(role, e.msg) is None]
+    return [msg for _, msg in sorted(found, key=lambda pair: pair[0])]
+
+
+def _believed(msg: RunFinished, last: StepFinished | None) -> bool:
+    """A RunFinished ends the lines only when it names the last finished step seen."""
+    return last is None or run_finished_refusal(msg.steps, last.step) is None
 
 
 def step_line(event: StepFinished, total: int) -> str:
@@ -83,21 +105,20 @@ async def follow_progress(
 
     A Redis error ends the follower silently: the component itself reports it.
     """
-    stream = RunKeys(spec.run_id).events
+    keys = RunKeys(spec.run_id)
     per_step = spec.role == "trainer"
     try:
         if after is None:
-            newest = await bus.latest(stream)
-            after = newest.id if newest is not None else "0-0"
-        cursor = after
+            after = await bus.latest_id(keys.events) or "0-0"
+        # Entry ids of different streams compare by Redis's clock: one start for both.
+        cursors = {keys.events: after, keys.log("rollouter"): after}
         last: StepFinished | None = None
         shown: StepFinished | None = None
         next_line = time.monotonic() + spec.every_s
         while True:
             wait_ms = 1000 if per_step else max(1, int((next_line - time.monotonic()) * 1000))
-            entries, cursor = await bus.read_after(stream, cursor, count=500, block_ms=wait_ms)
-            for _, msg in entries:
-                if isinstance(msg, RunFinished):
+            for msg in await _read_log(bus, keys, cursors, wait_ms):
+                if isinstance(msg, RunFinished) and _believed(msg, last):
                     return
                 if isinstance(msg, StepFinished):
                     last = msg

@@ -62,6 +62,7 @@ from bus import (
     ProfilerReady,
     ProfileStarted,
     ProfileStopped,
+    RunFinished,
     StartProfile,
     StopProfile,
     WarningRaised,
@@ -92,6 +93,7 @@ from profiler_service.state import (
     decode_snapshot,
     encode_snapshot,
     report_refusal,
+    run_finished_doubt,
     unchecked_stops,
 )
 from profiling.hook import hook_env
@@ -174,10 +176,13 @@ class ProfilerService(Component):
 
     def _fold(self, msg: Fact, entry_id: str | None = None) -> None:
         """Fold one entry into the state (``entry_id``: its events stream id, if any)."""
+        refused = None
         if isinstance(msg, ProfileStarted | ProfileStopped):
             refused = report_refusal(self.state, msg)
-            if refused is not None:
-                log.warning("ignoring %s", refused)
+        elif isinstance(msg, RunFinished):
+            refused = run_finished_doubt(self.state, msg)
+        if refused is not None:
+            log.warning("ignoring %s", refused)
         state = apply(self.state, msg, entry_id)
         if state is not self.state:
             self.state = state

@@ -38,6 +38,7 @@ from typing import Any
 
 import msgspec
 
+from bus.facts import run_finished_refusal
 from bus.messages import (
     Command,
     ComponentFailed,
@@ -51,6 +52,7 @@ from bus.messages import (
     RunFinished,
     RunStarted,
     StartProfile,
+    StepFinished,
     StepStarted,
     TrainerResumed,
     WarningRaised,
@@ -80,6 +82,7 @@ __all__ = [
     "expected_targets",
     "fold",
     "report_refusal",
+    "run_finished_doubt",
     "stop_is_ok",
     "unchecked_stops",
 ]
@@ -239,6 +242,9 @@ class ServiceState(msgspec.Struct, frozen=True, kw_only=True):
     profiler_finished: bool = False
     last_started_step: int = 0
     """Highest trainer StepStarted seen (0 before step 1)."""
+    last_finished_step: int = 0
+    """Highest trainer StepFinished seen (0 before step 1): a RunFinished that names another
+    step contradicts the log and is not believed (bus.facts)."""
     sessions: PMap[str, Session] = _NO_SESSIONS
     """Every session id the log mentions (sent, started or stopped)."""
     sent: int = 0
@@ -406,9 +412,23 @@ def _profiler_ready(state: ServiceState, msg: ProfilerReady, _: str | None) -> S
 
 
 def _run_finished(state: ServiceState, msg: RunFinished, _: str | None) -> ServiceState:
-    if state.run_started is None:
+    if state.run_started is None or run_finished_doubt(state, msg) is not None:
         return state
     return _replace(state, run_finished=msg, gave_up_waiting=False)
+
+
+def run_finished_doubt(state: ServiceState, msg: RunFinished) -> str | None:
+    """Why a RunFinished is not believed (the service logs it), or None: once the log has
+    StepFinished events, it must name the last finished step."""
+    if state.last_finished_step == 0:
+        return None
+    return run_finished_refusal(msg.steps, state.last_finished_step)
+
+
+def _step_finished(state: ServiceState, msg: StepFinished, _: str | None) -> ServiceState:
+    if msg.step <= state.last_finished_step:
+        return state
+    return _replace(state, last_finished_step=msg.step)
 
 
 def _warning(state: ServiceState, msg: WarningRaised, _: str | None) -> ServiceState:
@@ -602,6 +622,7 @@ _APPLY: dict[type, Callable[[ServiceState, Any, str | None], ServiceState]] = {
     RunStarted: _run_started,
     ProfilerReady: _profiler_ready,
     RunFinished: _run_finished,
+    StepFinished: _step_finished,
     WarningRaised: _warning,
     ProfilerFinished: _profiler_finished,
     StepStarted: _step_started,
@@ -672,6 +693,7 @@ class _SnapshotFile(msgspec.Struct, frozen=True, kw_only=True):
     unchecked: list[tuple[str, str, int]]
     trace_warnings: list[str]
     log_positions: dict[str, str] = {}
+    last_finished_step: int = 0
 
 
 def encode_snapshot(snapshot: Snapshot) -> bytes:
@@ -689,6 +711,7 @@ def encode_snapshot(snapshot: Snapshot) -> bytes:
             gave_up_waiting=state.gave_up_waiting,
             profiler_finished=state.profiler_finished,
             last_started_step=state.last_started_step,
+            last_finished_step=state.last_finished_step,
             sessions=sorted(state.sessions.values(), key=lambda s: s.session_id),
             sent=state.sent,
             stop_reports=state.stop_reports,
@@ -722,6 +745,7 @@ def decode_snapshot(data: bytes) -> Snapshot | None:
         gave_up_waiting=raw.gave_up_waiting,
         profiler_finished=raw.profiler_finished,
         last_started_step=raw.last_started_step,
+        last_finished_step=raw.last_finished_step,
         sessions=sessions,
         sent=raw.sent,
         stop_reports=raw.stop_reports,

@@ -42,6 +42,7 @@ from bus.messages import (
     RunFinished,
     RunStarted,
     StartProfile,
+    StepFinished,
     StepStarted,
     TrainerResumed,
     WarningRaised,
@@ -88,6 +89,18 @@ def _last_index(msgs: Sequence[Fact], kind: type, after: int = -1) -> int | None
     return found
 
 
+def _last_believed_end(msgs: Sequence[Fact], start: int) -> int | None:
+    """Index of the last RunFinished after ``start`` whose steps is the highest StepFinished
+    step before it (any, when there is none)."""
+    found, last_step = None, 0
+    for i, msg in enumerate(msgs):
+        if isinstance(msg, StepFinished):
+            last_step = max(last_step, msg.step)
+        elif i > start and isinstance(msg, RunFinished) and last_step in (0, msg.steps):
+            found = i
+    return found
+
+
 class _Facts:
     """What the whole log says, each fact recomputed by a scan (docs/profiling.md)."""
 
@@ -99,8 +112,9 @@ class _Facts:
         # One ProfilerReady per RunStarted: only one *after the latest* counts.
         self.ready = start is not None and _last_index(msgs, ProfilerReady, start) is not None
         # A RunFinished counts when it follows the latest RunStarted (a resumed run starts
-        # again); the latest such one is the run's end.
-        end = None if start is None else _last_index(msgs, RunFinished, start)
+        # again) and names the last StepFinished before it, if there is any (bus.facts);
+        # the latest such one is the run's end.
+        end = None if start is None else _last_believed_end(msgs, start)
         self.run_finished: RunFinished | None = None if end is None else msgs[end]  # type: ignore[assignment]
         # The give-up warning counts only after that RunFinished.
         self.gave_up = end is not None and any(

@@ -402,9 +402,10 @@ def test_apply_never_changes_the_state_it_is_given(log: list[Item]) -> None:
 
 @given(step=steps_)
 def test_entries_the_service_ignores_return_the_same_state(step: int) -> None:
-    state = fold([run_started(1), StepStarted(step=step, param_version=0)])
+    finished = StepFinished(step=step, sample_ids=[], metrics={}, duration_s=0.1)
+    state = fold([run_started(1), StepStarted(step=step, param_version=0), finished])
     for msg in (
-        StepFinished(step=step, sample_ids=[], metrics={}, duration_s=0.1),
+        finished,  # not past the highest finished step (it is noted: RunFinished names it)
         _weights(step),
         CheckpointSaved(step=step, path="c", param_version=step),
         Heartbeat(role="rollouter", rank=0, pid=1),
@@ -797,3 +798,16 @@ def test_reports_for_a_session_never_sent_or_from_a_process_it_does_not_target_a
     assert [e["id"] for e in build_manifest("r1", fold([run_started(1), S30, unknown,
                                                         stranger]))["sessions"]] == [
         "s30-40", "s30-40"]
+
+
+def test_a_run_finished_naming_another_step_than_the_last_finished_is_not_believed() -> None:
+    """A forged RunFinished(10**9) (or any that contradicts the log's last StepFinished) does
+    not end the service's run: it goes on serving the real one."""
+    steps = [StepFinished(step=k, sample_ids=[], metrics={}, duration_s=0.1) for k in (1, 2)]
+    state = fold([run_started(1), *steps])
+    forged = RunFinished(run_id="r1", steps=10**9)
+    from profiler_service.state import run_finished_doubt
+
+    assert apply(state, forged) is state
+    assert "contradicts the log" in (run_finished_doubt(state, forged) or "")
+    assert apply(state, RunFinished(run_id="r1", steps=2)).run_finished is not None
