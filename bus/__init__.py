@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from bus.files import atomic_file, atomic_write, fsync_path
     from bus.keys import (
         LOG_ROLES,
+        ROLE_LOG_MAXLEN,
         RUNS_STREAM,
         RunKeys,
         validate_run_id,
@@ -138,6 +139,7 @@ __all__ = [
     "FIRST_CONTACT_S",
     "LOCK_NAME",
     "LOG_ROLES",
+    "ROLE_LOG_MAXLEN",
     "RUNS_STREAM",
     "SCHEMA_VERSION",
     "TRIMMED_REASON",

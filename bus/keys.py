@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-__all__ = ["LOG_ROLES", "RUNS_STREAM", "RunKeys", "validate_run_id"]
+__all__ = ["LOG_ROLES", "ROLE_LOG_MAXLEN", "RUNS_STREAM", "RunKeys", "validate_run_id"]
 
 RUNS_STREAM = "rlbus:runs"
 """One entry per run (discovery), written by the trainer."""
@@ -16,6 +16,12 @@ RUNS_STREAM = "rlbus:runs"
 LOG_ROLES = ("trainer", "rollouter", "profiler", "operator", "logger")
 """The writing roles of a run's log, in the order ties are broken when its streams are merged
 (the trainer's facts first): each appends to its own stream (:meth:`RunKeys.log`)."""
+
+ROLE_LOG_MAXLEN = 100_000
+"""About how many entries the stream of a role other than the trainer's keeps (each writer
+appends with ``MAXLEN ~``): warnings, profile sessions, validation answers and requests, far
+fewer than that in a run, but never unbounded. The trainer's stream keeps every fact
+(archived by retention)."""
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 

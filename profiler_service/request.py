@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import msgspec
 
 from bus.errors import BusError
-from bus.keys import RunKeys
+from bus.keys import ROLE_LOG_MAXLEN, RunKeys
 from bus.messages import ProfileRequest, ProfileRequestRefused, StartProfile
 from bus.streams import Bus
 from profiler_service.schedule import MAX_REQUEST_STEPS, ROLES
@@ -157,7 +157,7 @@ async def request_profile(
         roles=list(dict.fromkeys(roles)),
         timeout_s=timeout_s,  # the service never serves it after we stopped waiting
     )
-    await bus.publish(keys.log("operator"), request)
+    await bus.publish(keys.log("operator"), request, maxlen=ROLE_LOG_MAXLEN)
 
     deadline = time.monotonic() + timeout_s
     while True:

@@ -69,7 +69,7 @@ from bus import (
 )
 from bus.files import atomic_write
 from bus.history import events_folder, find_archive
-from bus.keys import LOG_ROLES
+from bus.keys import LOG_ROLES, ROLE_LOG_MAXLEN
 from profiler_service.finish import HOOK_INTERRUPTED_CODE, HOOK_MARKER_NAME, FinishHook
 from profiler_service.manifest import (
     build_manifest,
@@ -277,7 +277,8 @@ class ProfilerService(Component):
             self.control_position = await self.bus.publish(self.keys.control, msg)
             self._fold(msg)
         else:
-            entry_id = await self.bus.publish(self.keys.log(PROFILER_SOURCE), msg)
+            entry_id = await self.bus.publish(self.keys.log(PROFILER_SOURCE), msg,
+                                              maxlen=ROLE_LOG_MAXLEN)
             self._own_event_ids.add(entry_id)
             self._fold(msg, entry_id)
         self._dirty = True

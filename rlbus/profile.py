@@ -14,7 +14,16 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from bus import RUNS_STREAM, Bus, BusError, ProfileRequestRefused, RunKeys, RunStarted, StartProfile
+from bus import (
+    ROLE_LOG_MAXLEN,
+    RUNS_STREAM,
+    Bus,
+    BusError,
+    ProfileRequestRefused,
+    RunKeys,
+    RunStarted,
+    StartProfile,
+)
 from profiler_service.request import (
     EXIT_ACCEPTED,
     EXIT_NO_ANSWER,
@@ -75,10 +84,9 @@ async def _withdraw(
 ) -> StartProfile | None:
     """Append the withdrawal, then look once more for an answer that beat it (None: none)."""
     keys = RunKeys(run_id)
-    await bus.publish(keys.log("operator"), ProfileRequestRefused(
-        request_id=request_id,
-        reason=f"{WITHDRAWN_PREFIX}: no answer within {timeout_s:g} s",
-    ))
+    withdrawn = ProfileRequestRefused(
+        request_id=request_id, reason=f"{WITHDRAWN_PREFIX}: no answer within {timeout_s:g} s")
+    await bus.publish(keys.log("operator"), withdrawn, maxlen=ROLE_LOG_MAXLEN)
     async for _, msg in bus.read_all(keys.control):
         if isinstance(msg, StartProfile) and msg.request_id == request_id:
             return msg

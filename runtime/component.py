@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
 from bus import Bus, RunKeys
+from bus.keys import ROLE_LOG_MAXLEN
 from bus.liveness import pulse_forever
 from bus.messages import Command, ComponentFailed, Event, Heartbeat, StartProfile, StopProfile
 from runconfig import Config
@@ -168,7 +169,8 @@ class Component:
     async def publish(self, *events: Event) -> None:
         """Append events to this role's stream of the run's log (one round trip)."""
         if events:
-            await self.bus.publish_many(self.keys.log(self.role), list(events))
+            await self.bus.publish_many(self.keys.log(self.role), list(events),
+                                        maxlen=ROLE_LOG_MAXLEN)
 
     async def read_commands(self) -> list[Command]:
         """New profiling commands on the run's control stream (one non-blocking XREAD)."""
