@@ -25,6 +25,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from bus import BadEntry, Bus, Entry, RunKeys, entry_key
 from bus.authority import refusal
@@ -53,11 +54,30 @@ def since(entry_id: str | None) -> str:
 
 
 class _Reader:
-    """What both followers share: catching up through their :meth:`history`."""
+    """What both followers share: reading in batches of :attr:`count`, each folded by
+    ``_take``, and catching up through :meth:`history`."""
+
+    count: int
+    caught_up: bool
+
+    def _take(self, items: Sequence[Any]) -> list[Entry]:
+        raise NotImplementedError
 
     def history(self, on_gap: Callable[[str, str], None] | None = None,
                 ) -> AsyncIterator[list[Entry]]:
         raise NotImplementedError
+
+    async def _in_batches(self, items: AsyncIterator[Any]) -> AsyncIterator[list[Entry]]:
+        """``items`` to the end, folded ``count`` at a time; then caught up."""
+        batch: list[Any] = []
+        async for item in items:
+            batch.append(item)
+            if len(batch) >= self.count:
+                yield self._take(batch)
+                batch = []
+        if batch:
+            yield self._take(batch)
+        self.caught_up = True
 
     async def catch_up(self, on_gap: Callable[[str, str], None] | None = None) -> int:
         """Fold everything after the position(s) (:meth:`history`); how many entries."""
@@ -104,17 +124,10 @@ class Follower(_Reader):
         """Everything after the position up to the end of the log, in batches: the archive
         first where the stream was trimmed past the position, then the stream. ``on_gap``
         hears of a trimmed range the archive here does not hold."""
-        batch: list[Entry] = []
-        async for entry in read_history(self.bus, self.stream, self.archive, self.position,
-                                        count=self.count, on_bad=self.on_bad,
-                                        on_gap=on_gap):
-            batch.append(entry)
-            if len(batch) >= self.count:
-                yield self._take(batch)
-                batch = []
-        if batch:
-            yield self._take(batch)
-        self.caught_up = True
+        entries = read_history(self.bus, self.stream, self.archive, self.position,
+                               count=self.count, on_bad=self.on_bad, on_gap=on_gap)
+        async for batch in self._in_batches(entries):
+            yield batch
 
     async def poll(self, block_ms: int | None = None) -> list[Entry]:
         """One read of the stream after the position (wraps XREAD; ``block_ms``: wait at most
@@ -227,6 +240,13 @@ class LogFollower(_Reader):
                       ) -> AsyncIterator[list[Entry]]:
         """Everything after the positions up to the end of each stream, merged, in
         batches (the trainer's archive first where its stream was trimmed)."""
+        async for batch in self._in_batches(self._merged(on_gap)):
+            yield batch
+
+    async def _merged(self, on_gap: Callable[[str, str], None] | None,
+                      ) -> AsyncIterator[tuple[str, Entry]]:
+        """``(stream, entry)`` after the positions, every stream to its end, in log order
+        (a merge of the streams' histories by :meth:`_order`)."""
         async with contextlib.AsyncExitStack() as stack:
             heads: dict[str, tuple[AsyncIterator[Entry], Entry]] = {}
             for stream in self.roles:
@@ -238,22 +258,15 @@ class LogFollower(_Reader):
                 first = await anext(it, None)
                 if first is not None:
                     heads[stream] = (it, first)
-            batch: list[tuple[str, Entry]] = []
             while heads:
                 stream = min(heads, key=lambda s: self._order(s, heads[s][1]))
                 it, entry = heads[stream]
-                batch.append((stream, entry))
+                yield stream, entry
                 following = await anext(it, None)
                 if following is None:
                     del heads[stream]
                 else:
                     heads[stream] = (it, following)
-                if len(batch) >= self.count:
-                    yield self._take(batch)
-                    batch = []
-            if batch:
-                yield self._take(batch)
-        self.caught_up = True
 
     async def poll(self, block_ms: int | None = None) -> list[Entry]:
         """One read of every stream after its position (wraps XREAD over them all;
