@@ -64,32 +64,33 @@ def _trainer(p: str) -> str:
     ])
 
 
+def _component(p: str, role: str, *, position: str, reads: tuple[str, ...],
+               appends: tuple[str, ...], extra: str = "") -> str:
+    """A component other than the trainer: its own liveness keys and position, ``reads``
+    (string keys, read only), XADD to ``appends`` (its log stream first), the whole log."""
+    return " ".join(part for part in [
+        _CONNECTION, _keys(p, f"alive:{role}:*", position),
+        _keys(p, "alive:*", *reads, read_only=True), _LIVENESS,
+        f"({_keys(p, *appends)} +xadd)", extra, _read_log(p), _scripts(p),
+    ] if part)
+
+
 def _rollouter(p: str) -> str:
-    return " ".join([
-        _CONNECTION, _keys(p, "alive:rollouter:*", "position:rollouter*"),
-        _keys(p, "alive:*", "blob:*", "barrier", "trainer-lease", read_only=True), _LIVENESS,
-        f"({_keys(p, 'events:rollouter', 'samples', 'dlq')} +xadd)",
-        f"({_keys(p, 'prompts')} {_GROUP} {_READ_STREAM})",
-        _read_log(p), _scripts(p),
-    ])
+    return _component(p, "rollouter", position="position:rollouter*",
+                      reads=("blob:*", "barrier", "trainer-lease"),
+                      appends=("events:rollouter", "samples", "dlq"),
+                      extra=f"({_keys(p, 'prompts')} {_GROUP} {_READ_STREAM})")
 
 
 def _profiler(p: str) -> str:
-    return " ".join([
-        _CONNECTION, _keys(p, "alive:profiler:*", "position:profiler"),
-        _keys(p, "alive:*", "barrier", "trainer-lease", "archive", read_only=True), _LIVENESS,
-        f"({_keys(p, 'events:profiler', 'control')} +xadd)",
-        _read_log(p), _scripts(p),
-    ])
+    return _component(p, "profiler", position="position:profiler",
+                      reads=("barrier", "trainer-lease", "archive"),
+                      appends=("events:profiler", "control"))
 
 
 def _logger(p: str) -> str:
-    return " ".join([
-        _CONNECTION, _keys(p, "alive:logger:*", "position:logger"),
-        _keys(p, "alive:*", "trainer-lease", "archive", read_only=True), _LIVENESS,
-        f"({_keys(p, 'events:logger')} +xadd)",
-        _read_log(p), _scripts(p),
-    ])
+    return _component(p, "logger", position="position:logger",
+                      reads=("trainer-lease", "archive"), appends=("events:logger",))
 
 
 def _operator(p: str) -> str:
