@@ -257,7 +257,9 @@ def manifest_traces(cfg: Config) -> set[tuple[str, str, int]]:
 
     try:
         data = json.loads((profile_root(cfg) / "manifest.json").read_text())
+        # A partial trace (its process died inside the session, some steps lost) is a
+        # trace written all the same.
         return {(s["id"], s["role"], int(s["rank"])) for s in data.get("sessions", [])
-                if s.get("status") == "ok"}
+                if s.get("status") in ("ok", "partial")}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return set()
