@@ -13,9 +13,12 @@ __all__ = ["LOG_ROLES", "ROLE_LOG_MAXLEN", "RUNS_STREAM", "RunKeys", "validate_r
 RUNS_STREAM = "rlbus:runs"
 """One entry per run (discovery), written by the trainer."""
 
-LOG_ROLES = ("trainer", "rollouter", "profiler", "operator", "logger")
-"""The writing roles of a run's log, in the order ties are broken when its streams are merged
-(the trainer's facts first): each appends to its own stream (:meth:`RunKeys.log`)."""
+LOG_ROLES = ("trainer", "operator", "rollouter", "profiler", "logger")
+"""The writing roles of a run's log, each appending to its own stream (:meth:`RunKeys.log`),
+in the order ties are broken when the streams are merged (entries of one millisecond and
+sequence number): a role before the roles that react to its facts (the profiler service
+answers the operator's requests). The trainer reacts to the others too (validation answers,
+ProfilerReady): its writes take an id after what it read (bus.Lease.write's floor)."""
 
 ROLE_LOG_MAXLEN = 100_000
 """About how many entries the stream of a role other than the trainer's keeps (each writer

@@ -137,9 +137,16 @@ return 1
 # Fenced write. KEYS[1] lease; KEYS[2..n+1] one stream per item; then, optionally, the stream
 # to ack in and the stream that must still hold entry ARGV[4]. ARGV[1] token; ARGV[2] field;
 # ARGV[3] n; ARGV[4] required entry id ('' for none); ARGV[5] ack group ('' for none);
-# ARGV[6..n+5] encoded messages; ARGV[n+6..] entry ids to ack. Returns the new entry ids;
-# false when the token does not hold the lease, -1 when the required entry is gone (nothing
-# is written either way).
+# ARGV[6] floor: an entry id every new entry must come after ('' for none); ARGV[7..n+6]
+# encoded messages; ARGV[n+7..] entry ids to ack. Returns the new entry ids; false when the
+# token does not hold the lease, -1 when the required entry is gone (nothing is written
+# either way).
+#
+# The floor: ids of different streams compare by Redis's clock, so an entry written in the
+# millisecond of one the writer has read (another role's stream) would tie with it; then the
+# new entry takes an explicit id just after the floor (and after its stream's newest), so the
+# merged log puts it after what it answers. A floor over a second ahead of the clock is
+# ignored, so no writer of another stream can push the trainer's ids into the future.
 _WRITE_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
 local n = tonumber(ARGV[3])
@@ -148,12 +155,29 @@ if ARGV[5] ~= '' then k = k + 1 end
 if ARGV[4] ~= '' then
   if #redis.call('XRANGE', KEYS[k], ARGV[4], ARGV[4]) == 0 then return -1 end
 end
+local fms, fseq = string.match(ARGV[6], '^(%d+)-(%d+)$')
+local function next_id(key)
+  if not fms then return '*' end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  -- Past the floor's millisecond: Redis's id is after it. A floor more than a second ahead
+  -- of the clock is nobody's answer (an id forced into the future): not followed.
+  if now > tonumber(fms) or tonumber(fms) > now + 1000 then return '*' end
+  local ms, seq = tonumber(fms), tonumber(fseq) + 1
+  local top = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
+  if top then
+    local lms, lseq = string.match(top[1], '^(%d+)-(%d+)$')
+    lms, lseq = tonumber(lms), tonumber(lseq)
+    if lms > ms or (lms == ms and lseq >= seq) then ms, seq = lms, lseq + 1 end
+  end
+  return string.format('%d-%d', ms, seq)
+end
 local ids = {}
 for i = 1, n do
-  ids[i] = redis.call('XADD', KEYS[i + 1], '*', ARGV[2], ARGV[i + 5])
+  ids[i] = redis.call('XADD', KEYS[i + 1], next_id(KEYS[i + 1]), ARGV[2], ARGV[i + 6])
 end
-if ARGV[5] ~= '' and #ARGV > n + 5 then
-  redis.call('XACK', KEYS[n + 2], ARGV[5], unpack(ARGV, n + 6))
+if ARGV[5] ~= '' and #ARGV > n + 6 then
+  redis.call('XACK', KEYS[n + 2], ARGV[5], unpack(ARGV, n + 7))
 end
 return ids
 """
@@ -220,10 +244,13 @@ class Lease:
         items: Sequence[tuple[str, Message]],
         ack: tuple[str, str, Sequence[str]] | None = None,
         require: tuple[str, str] | None = None,
+        floor: str | None = None,
     ) -> list[str]:
         """Append ``(stream, msg)`` items and XACK ``ack = (stream, group, ids)``, all in one
         script that first checks our token (and, with ``require = (stream, id)``, that this
-        entry is still there): everything lands, in order, or nothing does.
+        entry is still there): everything lands, in order, or nothing does. ``floor``: an
+        entry id (of another stream, read before this write) every new entry's id must
+        exceed (see ``_WRITE_LUA``).
 
         Raises :class:`~bus.errors.Fenced` when another token holds the lease, and
         :class:`~bus.errors.EntryGone` when the required entry is missing (the log lost its
@@ -232,7 +259,7 @@ class Lease:
         keys = [self.key, *(stream for stream, _ in items)]
         acked = ack is not None and bool(ack[2])
         args: list[Any] = [self.token, FIELD, len(items), require[1] if require else "",
-                           ack[1] if ack is not None and acked else ""]
+                           ack[1] if ack is not None and acked else "", floor or ""]
         args += [encode(m) for _, m in items]
         if ack is not None and acked:
             keys.append(ack[0])

@@ -191,6 +191,13 @@ class LogFollower(_Reader):
         if self.keys.events in self.positions:
             self.positions[self.keys.events] = entry_id
 
+    def newest(self) -> str | None:
+        """The newest entry id read from the followed streams other than the trainer's
+        (None: none yet): what a trainer's next write must come after (bus.Lease.write)."""
+        read = [p for s, p in self.positions.items()
+                if s != self.keys.events and p not in ("0", "0-0")]
+        return max(read, key=entry_key) if read else None
+
     def start_at_end(self, positions: Mapping[str, str]) -> None:
         """Start after ``positions`` (e.g. what :meth:`ends` returned): the past is not
         news."""

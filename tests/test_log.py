@@ -13,6 +13,7 @@ from bus import (
     Bus,
     ComponentFailed,
     Entry,
+    Lease,
     ProfileRequest,
     ProfilerReady,
     ProfileStarted,
@@ -128,3 +129,31 @@ async def test_a_reader_starting_after_an_entry_reads_the_others_from_its_millis
     assert ids[5] in [e.id for e in new] and ids[4] not in [e.id for e in new]
     assert all(entry_key(e.id)[0] >= entry_key(ids[3])[0] for e in new)
     assert await log.ends() == {run_keys.log("rollouter"): ids[5]}
+
+
+@pytest.mark.asyncio
+async def test_a_trainer_write_comes_after_what_it_read_even_in_the_same_millisecond(
+        bus: Bus, run_keys: RunKeys) -> None:
+    """The fenced write's floor: an answer read from another role's stream with an id at or
+    after Redis's clock (the same millisecond, here forced by an id ahead of the clock) is
+    followed by an entry with a larger id, so the merged log puts the write after it."""
+    lease = Lease(bus, run_keys.trainer_lease, "tok", 30.0)
+    assert await lease.acquire() is None
+    ahead_ms = int((await bus.server_time()) * 1000) + 400
+    answer = f"{ahead_ms}-5"
+    await bus.command("XADD", run_keys.log("rollouter"), answer, "m", b"x")
+    ids = await lease.write([(run_keys.events, RunFinished(run_id="r", steps=1)),
+                             (run_keys.events, StepStarted(step=2, param_version=1))],
+                            floor=answer)
+    assert entry_key(answer) < entry_key(ids[0]) < entry_key(ids[1])
+    if entry_key(ids[0])[0] == ahead_ms:  # written within the floor's millisecond or before
+        assert [entry_key(i) for i in ids] == [(ahead_ms, 6), (ahead_ms, 7)]
+    # A floor far ahead of the clock is not followed: Redis's own id.
+    far = f"{ahead_ms + 3_600_000}-0"
+    (own,) = await lease.write([(run_keys.events, StepStarted(step=3, param_version=1))],
+                               floor=far)
+    assert entry_key(own) < entry_key(far)
+    # Without a floor (or once the clock is past it) Redis picks the id as usual.
+    (plain,) = await lease.write([(run_keys.log("rollouter"), StepStarted(step=4,
+                                                                          param_version=1))])
+    assert entry_key(plain) > entry_key(answer)

@@ -28,7 +28,7 @@ import secrets
 import time
 from pathlib import Path
 
-from bus import Bus, Consumer, Delivery, Fenced, Lease
+from bus import Bus, Consumer, Delivery, Fenced, Lease, entry_key
 from bus.keys import RUNS_STREAM
 from bus.messages import (
     CheckpointSaved,
@@ -104,6 +104,9 @@ class Trainer(Component):
         self.learner = Learner(cfg)
         self.weights = Weights(bus, self.keys, self.writer, self.run_dir, self.epoch)
         self.validations = Validations(cfg, bus, self.keys, self.writer)
+        # What the trainer writes answers what it read from the other roles' streams: its
+        # entries come after those in the merged log, even within one millisecond.
+        self.writer.floor = self._read_floor
         self.meter = StepMeter()
         # Fenced by the writer: a zombie of this trainer cannot read, ack or dead-letter a
         # sample once another trainer holds the lease.
@@ -126,6 +129,12 @@ class Trainer(Component):
         return Heartbeat(role="trainer", rank=0, pid=os.getpid(),
                          state=self.waiting or f"step {self.writer.state.last_step}",
                          metrics={"trainer/version": float(self.learner.version)})
+
+    def _read_floor(self) -> str | None:
+        """The newest entry the trainer has read from the other roles' streams."""
+        read = [i for i in (self.watch.events.newest(), self.validations.events.newest())
+                if i is not None]
+        return max(read, key=entry_key) if read else None
 
     async def publish(self, *events: Event) -> None:
         """Every event of the trainer goes through its fenced writer."""

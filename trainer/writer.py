@@ -57,6 +57,9 @@ class Writer:
         """Events of the log the fold refused at start (trainer.state.refusal)."""
         self.fenced: str | None = None
         """The holder that took the lease from us (set by a write or a pulse)."""
+        self.floor: Callable[[], str | None] = lambda: None
+        """The newest entry id the trainer has read from the other roles' streams: every
+        write comes after it in the merged log (bus.Lease.write)."""
 
     async def read_log(self, checkpoints: Path, archive: Path | None = None) -> None:
         """Fold the log (from the newest snapshot the log confirms) into :attr:`state`;
@@ -72,7 +75,8 @@ class Writer:
     ) -> list[str]:
         """Append ``(stream, msg)`` items (and XACK ``ack``) in one fenced script, only while
         our last StepFinished is still in the log (see the module docstring)."""
-        ids = await self._checked(lambda require: self.lease.write(items, ack, require))
+        ids = await self._checked(
+            lambda require: self.lease.write(items, ack, require, floor=self.floor()))
         for (stream, _), entry_id in zip(items, ids, strict=True):
             if stream == self.keys.events:
                 self.position = entry_id  # the snapshot's position in the log
