@@ -106,9 +106,8 @@ from bus import (  # noqa: E402
     decode,
 )
 from bus.authority import refusal  # noqa: E402
-from bus.entries import entry_key  # noqa: E402
 from bus.history import events_folder, read_history  # noqa: E402
-from bus.keys import LOG_ROLES  # noqa: E402
+from bus.keys import LOG_ROLES, log_order  # noqa: E402
 from tests.aof import aof_commands, aof_path, cut_aof_before  # noqa: E402
 from trainer.ledger import fold as fold_ledger  # noqa: E402
 from trainer.ledger import ticket_index, ticket_of_sample  # noqa: E402
@@ -349,7 +348,7 @@ class Chaos:
                        ) -> list[tuple[str, str, Any]]:
         """The run's whole log as ``(short stream, entry id, message)``: the trainer's
         stream (its archive, then the stream) and every other role's stream, merged by
-        entry id (the trainer's facts first within a millisecond), nothing refused."""
+        entry id (bus.keys.log_order), nothing refused."""
         tagged: list[tuple[Any, int, str, str, Any]] = []
         for rank, role in enumerate(LOG_ROLES):
             key = self.keys.log(role)
@@ -358,7 +357,8 @@ class Chaos:
                                   on_bad=on_bad)
             else:
                 it = self.b.read_all(key, on_bad=on_bad)
-            tagged += [(entry_key(e.id), rank, self.short(key), e.id, e.msg) async for e in it]
+            tagged += [(log_order(e.id, role), rank, self.short(key), e.id, e.msg)
+                       async for e in it]
         return [(s, i, m) for _, _, s, i, m in sorted(tagged, key=lambda t: t[:2])]
 
     # ------------------------------------------------------------------ calibration
@@ -464,8 +464,7 @@ class Chaos:
             merged = []
             for stream, (entries, cursor, _) in read.items():
                 cursors[stream] = cursor
-                merged += [(entry_key(e.id), LOG_ROLES.index(roles[stream]), stream, e)
-                           for e in entries]
+                merged += [(log_order(e.id, roles[stream]), 0, stream, e) for e in entries]
             for _, _, stream, (eid, msg) in sorted(merged, key=lambda t: t[:2]):
                 if refusal(roles[stream], msg) is not None:
                     continue

@@ -142,10 +142,10 @@ from bus import (
 )
 from bus.authority import refusal
 from bus.blobs import RedisBlobStore
-from bus.entries import Entry, entry_key
+from bus.entries import Entry
 from bus.files import atomic_write
 from bus.history import events_folder, read_history
-from bus.keys import LOG_ROLES, RUNS_STREAM
+from bus.keys import LOG_ROLES, RUNS_STREAM, log_order
 from profiler_service.schedule import decide
 from profiler_service.state import Fact, ServiceState
 from profiler_service.state import apply as service_apply
@@ -337,13 +337,13 @@ class Driver:
         entry checked against its stream's role (bus.authority); and whether a stream
         filled the read (more to come)."""
         read = await self.bus.read_after_many(dict(cursors), count=1000)
-        merged: list[tuple[tuple[int, int], int, Entry]] = []
+        merged: list[tuple[tuple[int, int, int], int, Entry]] = []
         full = False
         for stream, (entries, cursor, is_full) in read.items():
             cursors[stream] = cursor
             full |= is_full
             role = self.keys.log_role(stream) or ""
-            merged += [(entry_key(e.id), LOG_ROLES.index(role), e) for e in entries
+            merged += [(log_order(e.id, role), 0, e) for e in entries
                        if refusal(role, e.msg) is None]
         merged.sort(key=lambda t: t[:2])
         return [e for _, _, e in merged], full

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         ROLE_LOG_MAXLEN,
         RUNS_STREAM,
         RunKeys,
+        log_order,
         validate_run_id,
     )
     from bus.liveness import Lease, peers, pulse, pulse_forever
@@ -220,6 +221,7 @@ __all__ = [
     "find_redis_server",
     "free_port",
     "fsync_path",
+    "log_order",
     "open_store",
     "pdeathsig_hook",
     "peers",

@@ -8,17 +8,27 @@ from collections.abc import Iterable
 
 import msgspec
 
-__all__ = ["LOG_ROLES", "ROLE_LOG_MAXLEN", "RUNS_STREAM", "RunKeys", "validate_run_id"]
+__all__ = ["LOG_ROLES", "ROLE_LOG_MAXLEN", "RUNS_STREAM", "RunKeys", "log_order",
+           "validate_run_id"]
 
 RUNS_STREAM = "rlbus:runs"
 """One entry per run (discovery), written by the trainer."""
 
 LOG_ROLES = ("trainer", "operator", "rollouter", "profiler", "logger")
 """The writing roles of a run's log, each appending to its own stream (:meth:`RunKeys.log`),
-in the order ties are broken when the streams are merged (entries of one millisecond and
-sequence number): a role before the roles that react to its facts (the profiler service
-answers the operator's requests). The trainer reacts to the others too (validation answers,
-ProfilerReady): its writes take an id after what it read (bus.Lease.write's floor)."""
+in the order the streams' entries of one millisecond are merged (:func:`log_order`): a role
+before the roles that react to its facts (the profiler service answers the operator's
+requests). The trainer reacts to the others too (validation answers, ProfilerReady): its
+writes take an id in a millisecond after what it read (bus.Lease.write's floor)."""
+
+
+def log_order(entry_id: str, role: str) -> tuple[int, int, int]:
+    """Where an entry of ``role``'s stream stands in the merged log: its millisecond (Redis's
+    clock), then the role (:data:`LOG_ROLES`), then its sequence number (its stream's own
+    order within that millisecond; sequence numbers of different streams mean nothing to
+    each other)."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), LOG_ROLES.index(role), int(seq or 0)
 
 ROLE_LOG_MAXLEN = 100_000
 """About how many entries the stream of a role other than the trainer's keeps (each writer

@@ -142,10 +142,11 @@ return 1
 # token does not hold the lease, -1 when the required entry is gone (nothing is written
 # either way).
 #
-# The floor: ids of different streams compare by Redis's clock, so an entry written in the
-# millisecond of one the writer has read (another role's stream) would tie with it; then the
-# new entry takes an explicit id just after the floor (and after its stream's newest), so the
-# merged log puts it after what it answers. A floor over a second ahead of the clock is
+# The floor: the merged log orders entries of different streams by millisecond, then role
+# (bus.keys.log_order), and the trainer's role comes first; so while Redis's clock is still
+# in the floor's millisecond (the newest entry the trainer read from another role's stream),
+# a new entry takes an explicit id in the next millisecond (or after its stream's newest), and
+# the merged log puts it after what it answers. A floor over a second ahead of the clock is
 # ignored, so no writer of another stream can push the trainer's ids into the future.
 _WRITE_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
@@ -155,7 +156,7 @@ if ARGV[5] ~= '' then k = k + 1 end
 if ARGV[4] ~= '' then
   if #redis.call('XRANGE', KEYS[k], ARGV[4], ARGV[4]) == 0 then return -1 end
 end
-local fms, fseq = string.match(ARGV[6], '^(%d+)-(%d+)$')
+local fms = string.match(ARGV[6], '^(%d+)-%d+$')
 local function next_id(key)
   if not fms then return '*' end
   local t = redis.call('TIME')
@@ -163,7 +164,7 @@ local function next_id(key)
   -- Past the floor's millisecond: Redis's id is after it. A floor more than a second ahead
   -- of the clock is nobody's answer (an id forced into the future): not followed.
   if now > tonumber(fms) or tonumber(fms) > now + 1000 then return '*' end
-  local ms, seq = tonumber(fms), tonumber(fseq) + 1
+  local ms, seq = tonumber(fms) + 1, 0
   local top = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
   if top then
     local lms, lseq = string.match(top[1], '^(%d+)-(%d+)$')

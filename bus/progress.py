@@ -20,10 +20,9 @@ from typing import TextIO
 import msgspec
 
 from bus.authority import refusal
-from bus.entries import entry_key
 from bus.errors import BusError
 from bus.facts import run_finished_refusal
-from bus.keys import RunKeys
+from bus.keys import RunKeys, log_order
 from bus.messages import Message, RunFinished, StepFinished, ValidationFinished
 from bus.streams import Bus
 
@@ -46,7 +45,8 @@ async def _read_log(bus: Bus, keys: RunKeys, cursors: dict[str, str],
     for stream, (entries, cursor, _) in read.items():
         cursors[stream] = cursor
         role = keys.log_role(stream) or "trainer"
-        found += [(entry_key(e.id), e.msg) for e in entries if refusal(role, e.msg) is None]
+        found += [(log_order(e.id, role), e.msg) for e in entries
+                  if refusal(role, e.msg) is None]
     return [msg for _, msg in sorted(found, key=lambda pair: pair[0])]
 
 

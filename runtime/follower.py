@@ -30,7 +30,7 @@ from typing import Any
 from bus import BadEntry, Bus, Entry, RunKeys, entry_key
 from bus.authority import refusal
 from bus.history import read_history
-from bus.keys import LOG_ROLES
+from bus.keys import LOG_ROLES, log_order
 
 __all__ = ["Follower", "LogFollower", "since"]
 
@@ -165,7 +165,6 @@ class LogFollower(_Reader):
         self.bus = bus
         self.keys = keys
         self.roles = {keys.log(role): role for role in LOG_ROLES if role in roles}
-        self._rank = {stream: i for i, stream in enumerate(self.roles)}
         self.positions = {s: (positions or {}).get(s, "0") for s in self.roles}
         """Per stream: id of the last entry read (or passed over); ``"0"`` before any."""
         self.fold = fold
@@ -240,8 +239,8 @@ class LogFollower(_Reader):
             self.fold(new)
         return new
 
-    def _order(self, stream: str, entry: Entry) -> tuple[tuple[int, int], int]:
-        return entry_key(entry.id), self._rank[stream]
+    def _order(self, stream: str, entry: Entry) -> tuple[int, int, int]:
+        return log_order(entry.id, self.roles[stream])
 
     async def history(self, on_gap: Callable[[str, str], None] | None = None,
                       ) -> AsyncIterator[list[Entry]]:
@@ -283,14 +282,17 @@ class LogFollower(_Reader):
         read, so the merged order never goes back."""
         read = await self.bus.read_after_many(dict(self.positions), count=self.count,
                                               block_ms=block_ms, on_bad=self.on_bad)
-        full = [cursor for _, cursor, is_full in read.values() if is_full]
-        cut = min(full, key=entry_key) if full else None
+        full = [log_order(cursor, self.roles[s]) for s, (_, cursor, is_full) in read.items()
+                if is_full]
+        cut = min(full) if full else None
         self.caught_up = cut is None
         merged: list[tuple[str, Entry]] = []
         passed: dict[str, str] = {}
         for stream, (entries, cursor, _) in read.items():
-            merged.extend((stream, e) for e in entries if cut is None or not _after(e.id, cut))
-            if cut is None or not _after(cursor, cut):
+            role = self.roles[stream]
+            merged.extend((stream, e) for e in entries
+                          if cut is None or log_order(e.id, role) <= cut)
+            if cut is None or log_order(cursor, role) <= cut:
                 passed[stream] = cursor  # garbage passed over: never read twice
         merged.sort(key=lambda pair: self._order(*pair))
         new = self._take(merged)

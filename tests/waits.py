@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bus import Bus, Entry, Heartbeat, Message, RunKeys, entry_key, peers
-from bus.keys import LOG_ROLES
+from bus.keys import LOG_ROLES, log_order
 
 __all__ = [
     "POLL_S",
@@ -203,19 +203,21 @@ async def read_log(bus: Bus, stream: str) -> list[Entry]:
         return [e async for e in bus.read_all(stream)]
     tagged = []
     for rank, role in enumerate(LOG_ROLES):
-        tagged += [(entry_key(e.id), rank, e) async for e in bus.read_all(keys.log(role))]
+        tagged += [(log_order(e.id, role), rank, e) async for e in bus.read_all(keys.log(role))]
     return [e for _, _, e in sorted(tagged, key=lambda t: (t[0], t[1]))]
 
 
 async def _read_after(bus: Bus, stream: str, cursors: dict[str, str]) -> list[Entry]:
     """One blocking read of ``stream`` (of every stream of the run's log, when it is a run's
-    events key) after ``cursors``, which move on."""
+    events key) after ``cursors``, which move on; in the log's order (bus.keys.log_order)."""
     read = await bus.read_after_many(cursors, count=1000, block_ms=200)
-    entries: list[tuple[Any, int, Entry]] = []
+    entries: list[tuple[tuple[int, int, int], Entry]] = []
     for name, (got, cursor, _) in read.items():
         cursors[name] = cursor
-        entries += [(entry_key(e.id), list(cursors).index(name), e) for e in got]
-    return [e for _, _, e in sorted(entries, key=lambda t: (t[0], t[1]))]
+        ms_seq = [(entry_key(e.id), e) for e in got]
+        rank = list(cursors).index(name)
+        entries += [((ms, rank, seq), e) for (ms, seq), e in ms_seq]
+    return [e for _, e in sorted(entries, key=lambda t: t[0])]
 
 
 async def follow(
