@@ -57,7 +57,7 @@ def _trainer(p: str) -> str:
                     "alive:trainer:*")
     return " ".join([
         _CONNECTION, strings, _keys(p, "alive:*", "position:*", read_only=True),
-        _LIVENESS, "+srem +incr",
+        _LIVENESS, "+srem +incr +time",
         f"({_keys(p, 'events', 'prompts', 'samples', 'dlq')} ~rlbus:runs +xadd {_READ_STREAM} "
         f"{_GROUP} +xgroup|delconsumer +xtrim)",
         _read_log(p), _scripts(p),
