@@ -1,0 +1,216 @@
+"""Weight transports: a state dict published tensor by tensor and fetched chunk by chunk comes
+back bit-identical through every transport (any dtype, odd shapes, 0-dim and empty tensors);
+a manifest that contradicts itself or a chunk that does not match its digest is refused; a
+rollouter that cannot read the weights says so at once and fails, named, within its timeout."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from bus import BlobCorrupt, BlobNotFound, Bus, RunKeys
+from bus.messages import BlobRef, WarningRaised, WeightsPublished
+from bus.weights_transport import (
+    Manifest,
+    RedisTransport,
+    StorageTransport,
+    TensorEntry,
+    Transport,
+    TransportUnreachable,
+    check_manifest,
+    manifest_of,
+    weights_digest,
+)
+from rollouter.app import Rollouter
+from rollouter.weights import WeightsLost
+from runconfig import load_config
+from tests.procs import Procs, events_of, run_args
+from tests.waits import event, wait_for
+from trainer.learner import publish_dtype
+
+pytestmark = pytest.mark.asyncio
+
+CHUNK = 1000  # small chunks: many of them, and tensors that straddle chunk boundaries
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(37, 53, generator=g),
+        "bf": torch.randn(17, 3, 5, generator=g).to(torch.bfloat16),
+        "half": torch.randn(101, generator=g).to(torch.float16),
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 7),
+        "ids": torch.arange(-50, 50, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "view": torch.arange(30.0).reshape(5, 6)[:, ::2],  # not contiguous
+    }
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for name, t in a.items():
+        u = b[name]
+        assert (u.dtype, u.shape) == (t.dtype, t.shape), name
+        # Bit-identical: compare the raw bytes, not the values (NaN, -0.0).
+        assert u.contiguous().reshape(-1).view(torch.uint8).tolist() == \
+            t.contiguous().reshape(-1).view(torch.uint8).tolist(), name
+
+
+def _transports(bus: Bus, keys: RunKeys, root: Path) -> dict[str, Callable[[], Transport]]:
+    return {"redis": lambda: RedisTransport(bus, keys, chunk_size=CHUNK, concurrency=3),
+            "storage": lambda: StorageTransport(root, chunk_size=CHUNK, concurrency=3)}
+
+
+@pytest.mark.parametrize("kind", ["redis", "storage"])
+async def test_round_trip_is_bit_identical_and_digests_agree(
+    kind: str, bus: Bus, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    transport = _transports(bus, run_keys, tmp_path)[kind]()
+    state = _state()
+    ref = await transport.publish("weights-v0-e", state)
+    assert ref.chunks > 8 and ref.store == f"weights:{kind}"
+    _same(state, await transport.fetch(ref))
+    # The digest is the content's: what the resume check computes, whatever the transport.
+    assert ref.sha256 == weights_digest(state, CHUNK)
+    await transport.delete(ref)
+    with pytest.raises(BlobNotFound):
+        await transport.fetch(ref)
+
+
+async def test_every_transport_gives_the_same_weights(
+    bus: Bus, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+             for k, v in _state().items()}  # bf16 publishes half the bytes
+    refs, got = {}, {}
+    for kind, make in _transports(bus, run_keys, tmp_path).items():
+        t = make()
+        refs[kind] = await t.publish("weights-v1-e", state)
+        got[kind] = await t.fetch(refs[kind])
+    assert refs["redis"].sha256 == refs["storage"].sha256
+    _same(got["redis"], got["storage"])
+    _same(state, got["redis"])
+
+
+async def test_a_corrupted_chunk_is_refused(bus: Bus, run_keys: RunKeys,
+                                            tmp_path: Path) -> None:
+    redis_t = RedisTransport(bus, run_keys, chunk_size=CHUNK)
+    ref = await redis_t.publish("weights-v2-e", _state())
+    await bus.command("SETRANGE", f"{ref.key}:3", 10, b"\xff\x00")
+    with pytest.raises(BlobCorrupt, match="chunk 3"):
+        await redis_t.fetch(ref)
+    store_t = StorageTransport(tmp_path, chunk_size=CHUNK)
+    ref = await store_t.publish("weights-v2-e", _state())
+    (tmp_path / ref.key / "000004").write_bytes(b"short")
+    with pytest.raises(BlobCorrupt, match="chunk 4"):
+        await store_t.fetch(ref)
+    (tmp_path / ref.key / "000004").unlink()
+    with pytest.raises(BlobCorrupt, match="chunk 4 is missing"):
+        await store_t.fetch(ref)
+
+
+def _forge(m: Manifest, **change: object) -> Manifest:
+    return msgspec.structs.replace(m, **change)
+
+
+async def test_a_manifest_that_contradicts_itself_is_refused() -> None:
+    data, _ = manifest_of({"a": torch.zeros(4, 4), "b": torch.zeros(3)}, CHUNK)
+    m = msgspec.msgpack.decode(data, type=Manifest)
+    check_manifest(m)
+    a = m.tensors[0]
+    forged = [
+        _forge(m, size=m.size + 4),  # size says more than the tensors hold
+        _forge(m, chunks=[*m.chunks, b"\0" * 32]),  # a chunk too many
+        _forge(m, chunks=[b"short"]),  # not a sha256
+        _forge(m, tensors=[a, TensorEntry("b", "float32", [3], a.nbytes + 4, 12)]),  # a gap
+        _forge(m, tensors=[a, TensorEntry("b", "float32", [4], a.nbytes, 12)]),  # shape/size
+        _forge(m, tensors=[a, TensorEntry("b", "object", [3], a.nbytes, 12)]),  # dtype
+        _forge(m, tensors=[a, TensorEntry("a", "float32", [3], a.nbytes, 12)]),  # twice
+        _forge(m, tensors=[a, TensorEntry("b", "float32", [-3], a.nbytes, 12)]),
+        _forge(m, format=99), _forge(m, chunk_size=0),
+    ]
+    for bad in forged:
+        with pytest.raises(BlobCorrupt):
+            check_manifest(bad)
+
+
+async def test_a_forged_manifest_is_refused_on_fetch(bus: Bus, run_keys: RunKeys) -> None:
+    t = RedisTransport(bus, run_keys, chunk_size=CHUNK)
+    ref = await t.publish("weights-v3-e", {"a": torch.ones(10)})
+    m = msgspec.msgpack.decode(await bus.command("GET", f"{ref.key}:m"), type=Manifest)
+    # A forged manifest that matches the forged event's digest: still refused (it claims
+    # a tensor bigger than its bytes).
+    forged = msgspec.msgpack.encode(_forge(m, tensors=[TensorEntry("a", "float32", [1000],
+                                                                   0, 40)]))
+    await bus.command("SET", f"{ref.key}:m", forged)
+    forged_ref = msgspec.structs.replace(ref, sha256=hashlib.sha256(forged).hexdigest())
+    with pytest.raises(BlobCorrupt, match="do not match shape"):
+        await t.fetch(forged_ref)
+    with pytest.raises(BlobCorrupt, match="sha256"):  # the real event's digest: no match
+        await t.fetch(ref)
+
+
+async def test_storage_that_is_not_there_is_unreachable_not_missing(tmp_path: Path) -> None:
+    t = StorageTransport(tmp_path, chunk_size=CHUNK)
+    ref = await t.publish("weights-v4-e", {"a": torch.ones(3)})
+    elsewhere = StorageTransport(tmp_path / "not-mounted")
+    with pytest.raises(TransportUnreachable, match="not-mounted"):
+        await elsewhere.fetch(ref)
+    gone = BlobRef(store=ref.store, key="weights-v5-e", size=ref.size, sha256=ref.sha256)
+    with pytest.raises(BlobNotFound):
+        await t.fetch(gone)
+
+
+async def test_publish_dtype_follows_the_rollouters_model() -> None:
+    def cfg(*o: str) -> object:
+        return load_config(overrides=list(o))
+
+    assert publish_dtype(cfg()) is None  # tiny model, auto: as trained (today's)
+    assert publish_dtype(cfg("rollout.weights_dtype=bf16")) is torch.bfloat16
+    assert publish_dtype(cfg("rollout.weights_dtype=fp32")) is torch.float32
+
+
+async def test_a_rollouter_with_no_loadable_weights_fails_named(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    cfg = load_config(overrides=[f"redis.url={redis_url}", f"run.id={run_id}",
+                                 f"run.output_dir={tmp_path}",
+                                 "rollout.weights_fetch_timeout_s=1"])
+    r = Rollouter(cfg, bus)
+    r._build()
+    t = RedisTransport(bus, run_keys)
+    ref = await t.publish("weights-v0-e", r.policy.state_dict())
+    await t.delete(ref)  # lost before this rollouter read it
+    await bus.publish(run_keys.events,
+                      WeightsPublished(version=0, ref=ref, step=0, manifest=ref))
+    with pytest.raises(WeightsLost, match="v0"):
+        await r._first_weights()
+    r.worker.shutdown()
+
+
+@pytest.mark.e2e
+async def test_a_rollouter_without_access_to_the_weights_fails_fast_named(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    common = (f"redis.url={redis_url}", "rollout.weights_transport=storage",
+              "rollout.weights_fetch_timeout_s=2")
+    trainer_args = run_args(redis_url, run_id, tmp_path / "trainer-node", *common)
+    # The rollouter's node does not have the trainer's run directory.
+    rollouter_args = run_args(redis_url, run_id, tmp_path / "other-node", *common)
+    procs.spawn("trainer", "trainer", *trainer_args)
+    await wait_for(bus, run_keys.events, event(WeightsPublished), 60, procs.watch("trainer"))
+    procs.spawn("rollouter0", "rollouter", *rollouter_args)
+    assert procs.wait("rollouter0", 90) == 1, procs.log("rollouter0")
+    assert "WeightsUnreachable" in procs.log("rollouter0")
+    assert "weights v0" in procs.log("rollouter0")
+    warned = [e for e in await events_of(bus, run_keys.events)
+              if isinstance(e, WarningRaised) and e.code == "weights_unreachable"]
+    assert len(warned) == 1, warned
+    assert "v0" in warned[0].message and str(tmp_path / "other-node") in warned[0].message
+    procs.kill("trainer")
