@@ -5,6 +5,7 @@ rollouter that cannot read the weights says so at once and fails, named, within 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
@@ -96,6 +97,29 @@ async def test_every_transport_gives_the_same_weights(
     assert refs["redis"].sha256 == refs["storage"].sha256
     _same(got["redis"], got["storage"])
     _same(state, got["redis"])
+
+
+class _Counting(StorageTransport):
+    """Counts the chunk reads in flight (each holds its slot for a moment)."""
+
+    in_flight = peak = 0
+
+    async def _get(self, key: str, part: str) -> bytes | None:
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            await asyncio.sleep(0.01)
+            return await super()._get(key, part)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_chunks_are_fetched_in_parallel_within_the_bound(tmp_path: Path) -> None:
+    state = _state()
+    ref = await StorageTransport(tmp_path, chunk_size=CHUNK).publish("weights-v9-e", state)
+    reader = _Counting(tmp_path, chunk_size=CHUNK, concurrency=4)
+    _same(state, await reader.fetch(ref))
+    assert reader.peak == 4, reader.peak  # several at once, never more than asked
 
 
 async def test_a_corrupted_chunk_is_refused(bus: Bus, run_keys: RunKeys,
