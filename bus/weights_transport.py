@@ -324,6 +324,11 @@ class _Chunked:
         async def one(i: int) -> None:
             async with gate:
                 part = await self._get(ref.key, str(i))
+                if part is None and await self._get(ref.key, "m") is None:
+                    # Deleted while we read it (the trainer keeps the newest three only):
+                    # a publication gone, not a corrupt one.
+                    raise BlobNotFound(f"weights {self.location(ref)} were deleted while "
+                                       "being read")
             await asyncio.to_thread(_place, m, buf, i, part, ref.key)
 
         await asyncio.gather(*(one(i) for i in range(len(m.chunks))))

@@ -139,6 +139,26 @@ async def test_a_corrupted_chunk_is_refused(bus: Bus, run_keys: RunKeys,
         await store_t.fetch(ref)
 
 
+
+async def test_a_publication_deleted_while_read_is_missing_not_corrupt(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    t = RedisTransport(bus, run_keys, chunk_size=CHUNK, concurrency=1)
+    ref = await t.publish("weights-v6-e", _state())
+    reads = 0
+
+    async def get(key: str, part: str) -> bytes | None:
+        nonlocal reads
+        reads += 1
+        if reads == 3:  # the manifest and one chunk read, then the trainer deletes it
+            await t.delete(ref)
+        return await RedisTransport._get(t, key, part)
+
+    t._get = get  # type: ignore[method-assign]
+    with pytest.raises(BlobNotFound, match="deleted while"):
+        await t.fetch(ref)
+
+
 def _forge(m: Manifest, **change: object) -> Manifest:
     return msgspec.structs.replace(m, **change)
 
