@@ -46,7 +46,8 @@ from bus.streams import Bus
 __all__ = [
     "CHUNK_SIZE", "DTYPES", "FETCH_CONCURRENCY", "Manifest", "RedisTransport",
     "StorageTransport", "TensorEntry", "Transport", "TransportUnreachable", "check_manifest",
-    "is_manifest_ref", "manifest_of", "open_transport", "weights_digest",
+    "decode_manifest", "encode_manifest", "is_manifest_ref", "manifest_of", "open_transport",
+    "weights_digest",
 ]
 
 CHUNK_SIZE = 4 * 1024 * 1024
@@ -186,6 +187,11 @@ def weights_digest(tensors: Mapping[str, torch.Tensor], chunk_size: int = CHUNK_
     digests = [hashlib.sha256(c).digest() for c in _chunks(tensors, chunk_size)]
     return hashlib.sha256(_ENCODER.encode(
         Manifest(FORMAT, chunk_size, size, entries, digests))).hexdigest()
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    """The manifest's msgpack bytes (deterministic: equal manifests, equal bytes)."""
+    return _ENCODER.encode(m)
 
 
 def decode_manifest(ref: BlobRef, data: bytes) -> Manifest:
