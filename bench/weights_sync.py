@@ -14,6 +14,8 @@ starts serialising until the last reader has copied every tensor into its model:
             the trainer's worker hands over), chunks hashed and written as produced, manifest;
             readers fetch 8 chunks at a time, verify each, copy in
   storage   ``StorageTransport`` under a local temporary directory (the run's storage)
+  collective ``bus.weights_collective.CollectiveTransport``: manifest in Redis, chunks
+            broadcast over a gloo process group of the publisher and the readers
 
 Each transport runs in fp32 and in bf16 (half the bytes; the readers hold a bf16 model then).
 The table shows publish (until the event could be written), publish -> loaded (the slowest
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import multiprocessing as mp
 import tempfile
 import time
@@ -39,10 +42,12 @@ from typing import Any
 
 import msgspec
 import torch
+import torch.distributed as dist
 
 from bus import Bus, EmbeddedRedis, RunKeys
 from bus.blobs import DirBlobStore, RedisBlobStore, open_store
 from bus.messages import BlobRef
+from bus.weights_collective import CollectiveTransport
 from bus.weights_transport import open_transport
 from policy.weights import from_bytes, to_bytes
 
@@ -72,13 +77,28 @@ def model(dims: list[tuple[int, int]], dtype: torch.dtype) -> dict[str, torch.Te
 # --------------------------------------------------------------------------- readers
 
 
+_COLLECTIVE: dict[int, CollectiveTransport] = {}  # one per bus: it holds what it will send
+
+
+def transport(bus: Bus, root: str, path: str) -> Any:
+    keys = RunKeys(RUN)
+    if path == "collective":
+        return _COLLECTIVE.setdefault(id(bus), CollectiveTransport(bus, keys))
+    return open_transport(path, bus=bus, run_keys=keys, root=root)
+
+
+def join_group(rank: int, world: int, init: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+
+
 async def _read(bus: Bus, root: str, path: str, ref: BlobRef) -> dict[str, torch.Tensor]:
     keys = RunKeys(RUN)
     if path == "today":
         store = open_store(ref.store, bus=bus, run_keys=keys, root=root)
         blob = await store.get(ref)
         return await asyncio.to_thread(from_bytes, blob)
-    return await open_transport(ref.store, bus=bus, run_keys=keys, root=root).fetch(ref)
+    return await transport(bus, root, path).fetch(ref)
 
 
 async def _reader(url: str, root: str, dims: list[tuple[int, int]], conn: Connection) -> None:
@@ -98,9 +118,14 @@ async def _reader(url: str, root: str, dims: list[tuple[int, int]], conn: Connec
             conn.send(time.monotonic())
 
 
-def reader_main(url: str, root: str, dims: list[tuple[int, int]], conn: Connection) -> None:
+def reader_main(url: str, root: str, dims: list[tuple[int, int]], conn: Connection,
+                rank: int, world: int, init: str) -> None:
     torch.set_num_threads(1)
-    asyncio.run(_reader(url, root, dims, conn))
+    join_group(rank, world, init)
+    try:
+        asyncio.run(_reader(url, root, dims, conn))
+    finally:
+        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- publisher
@@ -119,7 +144,7 @@ async def publish(bus: Bus, root: str, path: str, state: dict[str, torch.Tensor]
         return {k: t.to(dtype=dtype, copy=True) for k, t in state.items()}
 
     tensors = await asyncio.to_thread(snapshot)
-    return await open_transport(path, bus=bus, run_keys=keys, root=root).publish(name, tensors)
+    return await transport(bus, root, path).publish(name, tensors)
 
 
 async def delete(bus: Bus, root: str, path: str, ref: BlobRef) -> None:
@@ -127,7 +152,7 @@ async def delete(bus: Bus, root: str, path: str, ref: BlobRef) -> None:
     if path == "today":
         await open_store(ref.store, bus=bus, run_keys=keys, root=root).delete(ref)
     else:
-        await open_transport(ref.store, bus=bus, run_keys=keys, root=root).delete(ref)
+        await transport(bus, root, path).delete(ref)
 
 
 async def one_sync(bus: Bus, root: str, conns: list[Connection], path: str,
@@ -140,13 +165,16 @@ async def one_sync(bus: Bus, root: str, conns: list[Connection], path: str,
     job = (path, str(dtype).removeprefix("torch."), msgspec.to_builtins(ref))
     for c in conns:
         c.send(job)
+    if path == "collective":  # after the "event": the readers join the broadcast
+        await transport(bus, root, path).send(ref)
     done = [await asyncio.to_thread(c.recv) for c in conns]
     await delete(bus, root, path, ref)
     return t1 - t0, max(done) - t0
 
 
 MODES = [("today", torch.float32), ("redis", torch.float32), ("redis", torch.bfloat16),
-         ("storage", torch.float32), ("storage", torch.bfloat16)]
+         ("storage", torch.float32), ("storage", torch.bfloat16),
+         ("collective", torch.float32), ("collective", torch.bfloat16)]
 
 
 async def bench_size(url: str, root: str, size: float, readers: int, repeat: int
@@ -155,10 +183,13 @@ async def bench_size(url: str, root: str, size: float, readers: int, repeat: int
     state = model(dims, torch.float32)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in range(readers)]
-    procs = [ctx.Process(target=reader_main, args=(url, root, dims, child), daemon=True)
-             for _, child in pipes]
+    world, init = readers + 1, f"file://{root}/rendezvous-{size}-{readers}"
+    procs = [ctx.Process(target=reader_main, daemon=True,
+                         args=(url, root, dims, child, rank + 1, world, init))
+             for rank, (_, child) in enumerate(pipes)]
     for p in procs:
         p.start()
+    await asyncio.to_thread(join_group, 0, world, init)
     conns = [parent for parent, _ in pipes]
     for c in conns:
         await asyncio.to_thread(c.recv)  # "ready"
@@ -178,23 +209,24 @@ async def bench_size(url: str, root: str, size: float, readers: int, repeat: int
                              "dtype": "bf16" if dtype == torch.bfloat16 else "fp32",
                              "publish_s": pub, "loaded_s": loaded,
                              "mb_s": size * 1e3 / loaded})
-                print(f"  {size:g} GB x{readers} {path:8s} {rows[-1]['dtype']}: publish "
+                print(f"  {size:g} GB x{readers} {path:10s} {rows[-1]['dtype']}: publish "
                       f"{pub:.2f} s, loaded {loaded:.2f} s", flush=True)
     finally:
         for c in conns:
             c.send(None)
         for p in procs:
             p.join(30)
+        dist.destroy_process_group()
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'size':>6s} {'readers':>7s} {'path':8s} {'dtype':5s} {'publish s':>10s} "
+    print(f"\n{'size':>6s} {'readers':>7s} {'path':10s} {'dtype':5s} {'publish s':>10s} "
           f"{'loaded s':>9s} {'MB/s':>8s} {'vs today':>9s}")
     today = {(r["size_gb"], r["readers"]): r["loaded_s"] for r in rows if r["path"] == "today"}
     for r in rows:
         ratio = today[(r["size_gb"], r["readers"])] / r["loaded_s"]
-        print(f"{r['size_gb']:6g} {r['readers']:7d} {r['path']:8s} {r['dtype']:5s} "
+        print(f"{r['size_gb']:6g} {r['readers']:7d} {r['path']:10s} {r['dtype']:5s} "
               f"{r['publish_s']:10.2f} {r['loaded_s']:9.2f} {r['mb_s']:8.0f} {ratio:8.1f}x")
 
 
@@ -208,7 +240,7 @@ def projection(rows: list[dict[str, Any]]) -> None:
         scale = SEVEN_B * width / (biggest * 1e9 * width / 4)
         local = r["loaded_s"] * scale
         link = r["readers"] * SEVEN_B * width / LINK_BPS
-        print(f"  {r['path']:8s} {r['dtype']:5s} x{r['readers']}: {local:7.1f} s here, "
+        print(f"  {r['path']:10s} {r['dtype']:5s} x{r['readers']}: {local:7.1f} s here, "
               f">= {link:6.1f} s over one link -> ~{max(local, link):7.1f} s per sync")
 
 
