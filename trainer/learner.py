@@ -179,7 +179,7 @@ class Learner:
         step updates the policy in place while the copy is chunked and written."""
         dtype = publish_dtype(self.cfg)
         out: dict[str, torch.Tensor] = {}
-        for name, t in self.policy.state_dict().items():
+        for name, t in self.policy.weights().items():
             want = dtype if dtype is not None and t.is_floating_point() else t.dtype
             out[name] = t.detach().to(device="cpu", dtype=want, copy=True).contiguous()
         return out
