@@ -442,7 +442,22 @@ class StorageTransport(_Chunked):
 
     async def delete(self, ref: BlobRef) -> None:
         """Remove the publication's directory (missing is fine)."""
-        path = f"{self.root.rstrip('/')}/{self._key(ref.key)}"
+        await self.delete_name(ref.key)
+
+    async def names(self, prefix: str) -> list[str]:
+        """The publications under the root whose name starts with ``prefix`` (a sweep)."""
+        def ls() -> list[str]:
+            if not self.fs.isdir(self.root):
+                return []
+            found = (str(p).rstrip("/").rsplit("/", 1)[-1]
+                     for p in self.fs.ls(self.root, detail=False))
+            return sorted(n for n in found if n.startswith(prefix))
+
+        return await asyncio.to_thread(ls)
+
+    async def delete_name(self, name: str) -> None:
+        """Remove publication ``name``'s directory (missing is fine)."""
+        path = f"{self.root.rstrip('/')}/{self._key(name)}"
 
         def rm() -> None:
             if self.fs.exists(path):

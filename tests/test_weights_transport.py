@@ -321,3 +321,19 @@ async def test_a_rollouter_without_access_to_the_weights_fails_fast_named(
     assert len(warned) == 1, warned
     assert "v0" in warned[0].message and str(tmp_path / "other-node") in warned[0].message
     procs.kill("trainer")
+
+
+async def test_a_resumed_trainer_sweeps_storage_publications_no_event_names(
+    bus: Bus, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    from types import SimpleNamespace
+
+    from trainer.weights import Weights
+
+    t = StorageTransport(tmp_path / "blobs", chunk_size=CHUNK)
+    kept = await t.publish("weights-v1-old", {"a": torch.ones(3)})
+    await t.publish("weights-v2-old", {"a": torch.ones(3)})  # written, never announced
+    await t.publish("other", {"a": torch.ones(3)})  # not weights: left alone
+    writer = SimpleNamespace(state=SimpleNamespace(weights=((1, kept),)))
+    await Weights(bus, run_keys, writer, tmp_path, "new").sweep()  # type: ignore[arg-type]
+    assert await t.names("") == ["other", "weights-v1-old"]

@@ -24,7 +24,7 @@ import torch
 from bus import Bus, RunKeys
 from bus.blobs import RedisBlobStore, open_store
 from bus.messages import BlobRef, WeightsPublished
-from bus.weights_transport import is_manifest_ref, open_transport
+from bus.weights_transport import StorageTransport, is_manifest_ref, open_transport
 from trainer.writer import Writer
 
 __all__ = ["KEEP_WEIGHTS", "REDIS_BLOB_LIMIT", "Weights", "pick_transport"]
@@ -97,10 +97,15 @@ class Weights:
             await self.delete(ref)
 
     async def sweep(self) -> None:
-        """On resume: delete weight keys in Redis that no kept publication names (written
-        by an earlier incarnation that died before publishing or deleting them)."""
+        """On resume: delete weight keys in Redis, and publications in the storage root,
+        that no kept publication names (written by an earlier incarnation that died before
+        publishing or deleting them)."""
         keep = {ref.key for _, ref in self.writer.state.weights[-KEEP_WEIGHTS:]}
         prefix, store = self.keys.blob("weights-"), RedisBlobStore(self.bus, self.keys)
         await store.delete_chunks([key for key in await store.names()
                                    if key.startswith(prefix)
                                    and key.rsplit(":", 1)[0] not in keep])
+        storage = StorageTransport(self.root)
+        for name in await storage.names("weights-"):
+            if name not in keep:
+                await storage.delete_name(name)
