@@ -37,6 +37,7 @@ from bus.weights_transport import (
     _entries,
     _place,
     _tensors,
+    _unique,
     decode_manifest,
     encode_manifest,
 )
@@ -65,10 +66,11 @@ class CollectiveTransport:
         key = self.run_keys.blob(name)
 
         def build() -> tuple[list[bytes], bytes, int]:
-            entries, size = _entries(tensors)
-            chunks = list(_chunks(tensors, self.chunk_size))
+            unique, aliases = _unique(tensors)
+            entries, size = _entries(unique)
+            chunks = list(_chunks(unique, self.chunk_size))
             m = Manifest(FORMAT, self.chunk_size, size, entries,
-                         [hashlib.sha256(c).digest() for c in chunks])
+                         [hashlib.sha256(c).digest() for c in chunks], aliases)
             return chunks, encode_manifest(m), size
 
         chunks, data, size = await asyncio.to_thread(build)

@@ -85,13 +85,15 @@ class TensorEntry(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_f
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a publication holds; ``chunks``: each chunk's raw sha256 (32 bytes)."""
+    """What a publication holds; ``chunks``: each chunk's raw sha256 (32 bytes);
+    ``aliases``: names whose tensor is another name's (tied weights, sent once)."""
 
     format: int
     chunk_size: int
     size: int
     tensors: list[TensorEntry]
     chunks: list[bytes]
+    aliases: dict[str, str] = {}
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -103,6 +105,22 @@ def _raw(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _unique(tensors: Mapping[str, torch.Tensor]
+            ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors to send, and the names whose tensor is the same object as an earlier
+    name's (tied weights: the trainer's snapshot keeps them one object), sent once."""
+    first: dict[int, str] = {}
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, t in tensors.items():
+        if id(t) in first:
+            aliases[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+            unique[name] = t
+    return unique, aliases
 
 
 def _entries(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
@@ -167,26 +185,32 @@ def _check_tensors(m: Manifest) -> None:
         offset += e.nbytes
     if offset != m.size:
         raise BlobCorrupt(f"manifest tensors cover {offset} bytes, not {m.size}")
+    for alias, target in m.aliases.items():
+        if not alias or alias in names or target not in names:
+            raise BlobCorrupt(f"manifest alias {alias!r} -> {target!r} names no tensor or "
+                              "shadows one")
 
 
 def manifest_of(tensors: Mapping[str, torch.Tensor],
                 chunk_size: int = CHUNK_SIZE) -> tuple[bytes, list[bytes]]:
     """The encoded manifest of ``tensors`` and their chunks (in memory: tests, small
     models and the resume check; publication streams instead)."""
-    entries, size = _entries(tensors)
-    chunks = list(_chunks(tensors, chunk_size))
+    unique, aliases = _unique(tensors)
+    entries, size = _entries(unique)
+    chunks = list(_chunks(unique, chunk_size))
     m = Manifest(FORMAT, chunk_size, size, entries,
-                 [hashlib.sha256(c).digest() for c in chunks])
+                 [hashlib.sha256(c).digest() for c in chunks], aliases)
     return _ENCODER.encode(m), chunks
 
 
 def weights_digest(tensors: Mapping[str, torch.Tensor], chunk_size: int = CHUNK_SIZE) -> str:
     """The digest a publication of ``tensors`` carries (sha256 of its manifest), computed
     chunk by chunk without keeping the chunks (blocking: run it off the event loop)."""
-    entries, size = _entries(tensors)
-    digests = [hashlib.sha256(c).digest() for c in _chunks(tensors, chunk_size)]
+    unique, aliases = _unique(tensors)
+    entries, size = _entries(unique)
+    digests = [hashlib.sha256(c).digest() for c in _chunks(unique, chunk_size)]
     return hashlib.sha256(_ENCODER.encode(
-        Manifest(FORMAT, chunk_size, size, entries, digests))).hexdigest()
+        Manifest(FORMAT, chunk_size, size, entries, digests, aliases))).hexdigest()
 
 
 def encode_manifest(m: Manifest) -> bytes:
@@ -234,6 +258,8 @@ def _tensors(m: Manifest, buf: bytearray) -> dict[str, torch.Tensor]:
             continue
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=e.nbytes, offset=e.offset)
         out[e.name] = raw.view(dtype).reshape(e.shape)
+    for alias, target in m.aliases.items():
+        out[alias] = out[target]
     return out
 
 
@@ -284,6 +310,7 @@ class _Chunked:
         on a worker thread, written as they come (``concurrency`` in flight), then the
         manifest. Returns the reference an event carries (sha256: the weights' digest)."""
         key = self._key(name)
+        tensors, aliases = _unique(tensors)
         entries, size = _entries(tensors)
         await self._start(key, -(-size // self.chunk_size))
         produce = _chunks(tensors, self.chunk_size)
@@ -308,7 +335,8 @@ class _Chunked:
         finally:
             for t in writing:
                 t.cancel()
-        data = _ENCODER.encode(Manifest(FORMAT, self.chunk_size, size, entries, digests))
+        data = _ENCODER.encode(Manifest(FORMAT, self.chunk_size, size, entries, digests,
+                                        aliases))
         await self._put(key, "m", data)
         return BlobRef(store=self.store, key=key, size=size,
                        sha256=hashlib.sha256(data).hexdigest(), chunks=len(digests))

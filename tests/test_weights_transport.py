@@ -87,6 +87,21 @@ async def test_round_trip_is_bit_identical_and_digests_agree(
         await transport.fetch(ref)
 
 
+async def test_tied_weights_are_sent_once(bus: Bus, run_keys: RunKeys) -> None:
+    w = torch.randn(4, 4)
+    state = {"embed": w, "bias": torch.ones(2), "head": w}  # one tensor, two names
+    t = RedisTransport(bus, run_keys, chunk_size=CHUNK)
+    ref = await t.publish("weights-v8-e", state)
+    assert ref.size == w.nbytes + 8
+    _same(state, await t.fetch(ref))
+    data, _ = manifest_of(state, CHUNK)
+    m = msgspec.msgpack.decode(data, type=Manifest)
+    assert m.aliases == {"head": "embed"}
+    for bad in ({"head": "nothing"}, {"bias": "embed"}, {"": "embed"}):
+        with pytest.raises(BlobCorrupt, match="alias"):
+            check_manifest(_forge(m, aliases=bad))
+
+
 async def test_every_transport_gives_the_same_weights(
     bus: Bus, run_keys: RunKeys, tmp_path: Path
 ) -> None:
@@ -212,6 +227,20 @@ async def test_storage_that_is_not_there_is_unreachable_not_missing(tmp_path: Pa
     gone = BlobRef(store=ref.store, key="weights-v5-e", size=ref.size, sha256=ref.sha256)
     with pytest.raises(BlobNotFound):
         await t.fetch(gone)
+
+
+async def test_the_learners_snapshot_is_a_copy_in_the_published_dtype_tied_once() -> None:
+    from trainer.learner import Learner
+
+    learner = Learner(load_config(overrides=["rollout.weights_dtype=bf16"]))
+    learner.build()
+    snap = learner.snapshot()
+    assert snap["head.weight"] is snap["tok_emb.weight"]  # TinyGPT ties them
+    assert all(t.dtype == torch.bfloat16 for t in snap.values() if t.is_floating_point())
+    before = snap["tok_emb.weight"].clone()
+    with torch.no_grad():
+        learner.policy.tok_emb.weight.add_(1.0)  # the next step trains in place
+    assert torch.equal(snap["tok_emb.weight"], before)
 
 
 async def test_publish_dtype_follows_the_rollouters_model() -> None:

@@ -179,9 +179,17 @@ class Learner:
         step updates the policy in place while the copy is chunked and written."""
         dtype = publish_dtype(self.cfg)
         out: dict[str, torch.Tensor] = {}
+        # Tied weights (one tensor under two names) stay one object: published once.
+        seen: dict[tuple[Any, ...], torch.Tensor] = {}
         for name, t in self.policy.weights().items():
+            same = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                    t.device)
+            if t.numel() and same in seen:
+                out[name] = seen[same]
+                continue
             want = dtype if dtype is not None and t.is_floating_point() else t.dtype
-            out[name] = t.detach().to(device="cpu", dtype=want, copy=True).contiguous()
+            out[name] = seen[same] = t.detach().to(device="cpu", dtype=want,
+                                                   copy=True).contiguous()
         return out
 
     def update(self, groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
