@@ -366,3 +366,21 @@ async def test_a_resumed_trainer_sweeps_storage_publications_no_event_names(
     writer = SimpleNamespace(state=SimpleNamespace(weights=((1, kept),)))
     await Weights(bus, run_keys, writer, tmp_path, "new").sweep()  # type: ignore[arg-type]
     assert await t.names("") == ["other", "weights-v1-old"]
+
+
+async def test_weights_that_cannot_be_written_are_a_named_failure(
+    bus: Bus, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    from types import SimpleNamespace
+
+    from trainer.weights import Weights, WeightsUnwritable
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"")  # the storage root is a file: nothing can be written under it
+    writer = SimpleNamespace(state=SimpleNamespace(weights=()))
+    w = Weights(bus, run_keys, writer, tmp_path, "e", transport="storage",  # type: ignore[arg-type]
+                root=blocker)
+    snapshot: asyncio.Future[dict[str, torch.Tensor]] = asyncio.get_running_loop().create_future()
+    snapshot.set_result({"a": torch.ones(3)})
+    with pytest.raises(WeightsUnwritable, match="weights v0 could not be written to"):
+        await w.publish(0, 0, snapshot)

@@ -25,15 +25,20 @@ from bus import Bus, RunKeys
 from bus.blobs import RedisBlobStore, open_store
 from bus.messages import BlobRef, WeightsPublished
 from bus.weights_transport import StorageTransport, is_manifest_ref, open_transport
+from runtime import Failure
 from trainer.writer import Writer
 
-__all__ = ["KEEP_WEIGHTS", "REDIS_BLOB_LIMIT", "Weights", "pick_transport"]
+__all__ = ["KEEP_WEIGHTS", "REDIS_BLOB_LIMIT", "Weights", "WeightsUnwritable", "pick_transport"]
 
 REDIS_BLOB_LIMIT = 64 * 1024 * 1024
 """Above this many bytes ``auto`` sends the weights through the storage transport."""
 
 KEEP_WEIGHTS = 3
 """Weight versions whose blobs stay readable."""
+
+
+class WeightsUnwritable(Failure):
+    """The weights could not be written where the transport puts them."""
 
 
 def pick_transport(setting: str, size: int) -> str:
@@ -67,7 +72,13 @@ class Weights:
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         kind = pick_transport(self.transport, size)
         transport = open_transport(kind, bus=self.bus, run_keys=self.keys, root=self.root)
-        ref = await transport.publish(f"weights-v{version}-{self.epoch}", tensors)
+        name = f"weights-v{version}-{self.epoch}"
+        try:
+            ref = await transport.publish(name, tensors)
+        except OSError as exc:  # the run's storage: full, read-only, gone
+            where = self.root if kind == "storage" else "redis"
+            raise WeightsUnwritable(f"WeightsUnwritable: weights v{version} could not be "
+                                    f"written to {where} ({kind} transport): {exc}") from None
         del tensors
         await self.writer.publish(WeightsPublished(version=version, ref=ref, step=step,
                                                    manifest=ref))
