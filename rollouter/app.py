@@ -668,15 +668,19 @@ class Rollouter(Component):
 
     async def _first_weights(self) -> None:
         """Wait for the trainer's first publication and load it (or the newest loadable
-        one); none loadable for ``rollout.weights_fetch_timeout_s`` is :class:`WeightsLost`
-        (never a silent wait for the trainer's stall timeout)."""
+        one); none loadable for ``rollout.weights_fetch_timeout_s`` since the last
+        publication read is :class:`WeightsLost` (never a silent wait for the trainer's
+        stall timeout)."""
         timeout = self.cfg.rollout.weights_fetch_timeout_s
         lost_since: float | None = None
+        seen = self.weights.seen
         while self.version < 0 and not self.finished:
             if self.newest is not None:
                 await self._swap_weights()
                 if self.version >= 0:
                     return
+            if seen != self.weights.seen:  # a new publication: it may load, wait anew
+                lost_since, seen = None, self.weights.seen
             if self.weights.bad:
                 lost_since = time.monotonic() if lost_since is None else lost_since
                 if time.monotonic() - lost_since >= timeout:

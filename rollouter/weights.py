@@ -97,6 +97,7 @@ class HeldWeights:
         self.published: deque[WeightsPublished] = deque(maxlen=8)
         self.bad: set[str] = set()  # blob keys that failed to load
         self.why: dict[str, str] = {}  # ... and why (for WeightsLost)
+        self.seen = 0  # publications read from the log
         # The newest publication being fetched and decoded (double buffer), if any.
         self.staging: tuple[WeightsPublished, asyncio.Task[State]] | None = None
         # Superseded fetches that found no blob: told at the next swap (stage is not async).
@@ -104,6 +105,7 @@ class HeldWeights:
 
     def saw(self, msg: WeightsPublished) -> None:
         """A publication read from the log (in log order)."""
+        self.seen += 1
         if msg.ref.key not in self.bad:
             self.published.append(msg)
 
