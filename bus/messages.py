@@ -162,12 +162,18 @@ class StepFinished(_Base, frozen=True):
 
 
 class WeightsPublished(_Base, frozen=True):
-    """Weights ``version`` are readable at ``ref``; version 0 is the initial policy."""
+    """Weights ``version`` are readable at ``ref``; version 0 is the initial policy.
+
+    ``manifest``: set when the weights were published tensor by tensor through a weight
+    transport (:mod:`bus.weights_transport`); then it is the same reference as ``ref``,
+    whose ``store`` names the transport and whose sha256 is the weights' digest (the
+    manifest's). None: ``ref`` is one whole ``torch.save`` blob (logs written before)."""
 
     version: int
     ref: BlobRef
     step: int = 0
     ts: float = msgspec.field(default_factory=_now)
+    manifest: BlobRef | None = None
 
 
 class TrainerResumed(_Base, frozen=True):

@@ -94,6 +94,10 @@ class Policy(Protocol):
 
     def state_bytes(self) -> bytes: ...
 
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The tensors as published, named as :meth:`load_state` takes them."""
+        ...
+
     def load_bytes(self, blob: bytes) -> None: ...
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:

@@ -217,6 +217,10 @@ class TinyGPT(nn.Module):
     def state_bytes(self) -> bytes:
         return to_bytes(self.state_dict())
 
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The tensors as published (the names :meth:`load_state` takes)."""
+        return self.state_dict()
+
     def load_bytes(self, blob: bytes) -> None:
         self.load_state(from_bytes(blob))
 

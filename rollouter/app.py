@@ -48,6 +48,7 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
+from bus.weights_transport import is_manifest_ref, open_transport
 from policy import build_policy, decode_steps, resolve_device
 from policy.text import build_tokenizer
 from policy.weights import from_bytes
@@ -56,7 +57,7 @@ from profiling.driver import StepProfiler
 from profiling.steps import StepClock, follow, observe
 from rollouter.scoring import RewardPool, Score, ScoreItem
 from rollouter.validation import Validator, build_validator
-from rollouter.weights import HeldWeights
+from rollouter.weights import HeldWeights, WeightsLost, fetch_within
 from runconfig import Config, ConfigError
 from runtime import Component, Failure, LogFollower, settle_heap
 
@@ -278,9 +279,23 @@ class Rollouter(Component):
     def _stage(self) -> None:
         self.weights.stage()
 
+    def _weights_root(self) -> Path:
+        """Where the storage transport (and the whole blobs of older logs) live."""
+        return Path(self.cfg.run.output_dir) / self.run_id / "blobs"
+
     async def _fetch(self, msg: WeightsPublished) -> dict[str, torch.Tensor]:
+        ref = msg.manifest or msg.ref
+        if is_manifest_ref(ref):
+            # Published tensor by tensor: chunks fetched in parallel, each checked; an
+            # unreachable storage is told at once and fails after the fetch timeout.
+            transport = open_transport(ref.store, bus=self.bus, run_keys=self.keys,
+                                       root=self._weights_root())
+            return await fetch_within(lambda: transport.fetch(ref), msg,
+                                      transport.location(ref),
+                                      self.cfg.rollout.weights_fetch_timeout_s,
+                                      self.weights.source, self.publish)
         store = open_store(msg.ref.store, bus=self.bus, run_keys=self.keys,
-                           root=Path(self.cfg.run.output_dir) / self.run_id / "blobs")
+                           root=self._weights_root())
         blob = await store.get(msg.ref)
         # Decoded on a thread of its own: the generation worker is busy meanwhile.
         return await asyncio.to_thread(from_bytes, blob)
@@ -643,16 +658,38 @@ class Rollouter(Component):
         try:
             # Weights version 0 first: they come after ProfilerReady, so the control stream
             # already holds every command for step 1 when _follow_steps reads it.
-            while self.newest is None and not self.finished:
-                await self._poll_events(block_ms=500)
-                await self._check_trainer()
-            await self._swap_weights()
+            await self._first_weights()
             await self._serve_until_finished()
             await self._delivered()
             self.say(f"run {self.run_id} finished")
             return 0
         finally:
             await self._stop_pipeline()
+
+    async def _first_weights(self) -> None:
+        """Wait for the trainer's first publication and load it (or the newest loadable
+        one); none loadable for ``rollout.weights_fetch_timeout_s`` since the last
+        publication read is :class:`WeightsLost` (never a silent wait for the trainer's
+        stall timeout)."""
+        timeout = self.cfg.rollout.weights_fetch_timeout_s
+        lost_since: float | None = None
+        seen = self.weights.seen
+        while self.version < 0 and not self.finished:
+            if self.newest is not None:
+                await self._swap_weights()
+                if self.version >= 0:
+                    return
+            if seen != self.weights.seen:  # a new publication: it may load, wait anew
+                lost_since, seen = None, self.weights.seen
+            if self.weights.bad:
+                lost_since = time.monotonic() if lost_since is None else lost_since
+                if time.monotonic() - lost_since >= timeout:
+                    raise WeightsLost(
+                        f"WeightsLost: none of the published weights could be loaded for "
+                        f"{timeout:g} s (rollout.weights_fetch_timeout_s): "
+                        f"{self.weights.lost()}")
+            await self._poll_events(block_ms=500)
+            await self._check_trainer()
 
     async def _serve_until_finished(self) -> None:
         last_reclaim = time.monotonic()

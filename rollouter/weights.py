@@ -9,12 +9,20 @@ follow it in the log (the trainer deleted it while this replica was busy), else 
 cannot be loaded (corrupt, not a state dict, another model's) is passed over with that
 warning too. Either way the newest loadable one before it is loaded instead. A fetch that
 is no longer wanted is cancelled and its outcome retrieved: nothing is left to fail unseen.
+
+A publication whose storage cannot be read from here at all (a node without the run's
+storage) is different: :func:`fetch_within` says so at once (a ``weights_unreachable``
+warning naming the version and the location), tries again with backoff, and after
+``rollout.weights_fetch_timeout_s`` fails the rollouter (:class:`WeightsUnreachable`, exit 1).
+A rollouter that has no weights and none of the published ones loadable for as long fails
+too (:class:`WeightsLost`), never waiting in silence for a stall timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,14 +31,53 @@ import torch
 
 from bus import BlobError, BlobNotFound
 from bus.messages import WarningRaised, WeightsPublished
+from bus.weights_transport import TransportUnreachable
+from runtime import Failure
 
-__all__ = ["HeldWeights"]
+__all__ = ["HeldWeights", "WeightsLost", "WeightsUnreachable", "fetch_within"]
 
 State = dict[str, torch.Tensor]
 
 BLOBS_KEPT = 3
 """The trainer deletes a publication's blob only once this many newer ones follow it in the
 log (docs/architecture.md, "Weights"): a blob missing before that is worth a warning."""
+
+
+class WeightsUnreachable(Failure):
+    """A publication's storage stayed unreadable from here for the fetch timeout."""
+
+
+class WeightsLost(Failure):
+    """No weights held, and none of the published ones could be loaded for the timeout."""
+
+
+async def fetch_within(fetch: Callable[[], Awaitable[State]], msg: WeightsPublished,
+                       location: str, timeout_s: float, source: str,
+                       warn: Callable[[WarningRaised], Awaitable[Any]]) -> State:
+    """``fetch()``, tried again with backoff (0.5 s doubling to 5 s) while the storage is
+    unreachable (:class:`TransportUnreachable`): the first failure is told at once
+    (``weights_unreachable``), and one lasting ``timeout_s`` is :class:`WeightsUnreachable`.
+    Other errors (missing, corrupt) are the caller's."""
+    start, delay, told = time.monotonic(), 0.5, False
+    while True:
+        try:
+            return await fetch()
+        except TransportUnreachable as exc:
+            waited = time.monotonic() - start
+            if not told:
+                told = True
+                await warn(WarningRaised(
+                    source=source, code="weights_unreachable",
+                    message=f"weights v{msg.version} unreachable at {location}: {exc}; "
+                            f"trying again for up to {timeout_s:g} s "
+                            "(rollout.weights_fetch_timeout_s)"))
+            if waited >= timeout_s:
+                raise WeightsUnreachable(
+                    f"WeightsUnreachable: weights v{msg.version} at {location} stayed "
+                    f"unreadable for {waited:.0f} s (rollout.weights_fetch_timeout_s="
+                    f"{timeout_s:g}): {exc}") from None
+            await asyncio.sleep(min(delay, max(timeout_s - waited, 0.0)))
+            delay = min(delay * 2, 5.0)
 
 
 class HeldWeights:
@@ -49,6 +96,8 @@ class HeldWeights:
         # Recent publications in log order; the newest loadable one is current.
         self.published: deque[WeightsPublished] = deque(maxlen=8)
         self.bad: set[str] = set()  # blob keys that failed to load
+        self.why: dict[str, str] = {}  # ... and why (for WeightsLost)
+        self.seen = 0  # publications read from the log
         # The newest publication being fetched and decoded (double buffer), if any.
         self.staging: tuple[WeightsPublished, asyncio.Task[State]] | None = None
         # Superseded fetches that found no blob: told at the next swap (stage is not async).
@@ -56,6 +105,7 @@ class HeldWeights:
 
     def saw(self, msg: WeightsPublished) -> None:
         """A publication read from the log (in log order)."""
+        self.seen += 1
         if msg.ref.key not in self.bad:
             self.published.append(msg)
 
@@ -96,8 +146,11 @@ class HeldWeights:
         self.staging = None
         try:
             state = await task
+        except Failure:
+            raise  # the storage stayed unreachable: the rollouter's named end
         except BlobNotFound as exc:
             self.bad.add(newest.ref.key)
+            self.why[newest.ref.key] = f"v{newest.version}: {exc}"
             await self.reread()
             if not self._deleted(newest):
                 await self._unloadable(newest, exc)
@@ -141,10 +194,15 @@ class HeldWeights:
     async def _unloadable(self, msg: WeightsPublished, exc: Exception) -> None:
         self.bad.add(msg.ref.key)
         why = str(exc) if isinstance(exc, BlobError) else f"{type(exc).__name__}: {exc}"
+        self.why[msg.ref.key] = f"v{msg.version}: {why}"
         await self.warn(WarningRaised(
             source=self.source, code="weights_unloadable",
             message=f"weights v{msg.version} ({msg.ref.key}) ignored: {why}",
         ))
+
+    def lost(self) -> str:
+        """The publications that failed to load, newest last, and why."""
+        return "; ".join(self.why.values()) or "no publication"
 
     async def cancel(self) -> None:
         """Stop the fetch in flight, if any."""

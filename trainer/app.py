@@ -102,7 +102,8 @@ class Trainer(Component):
             tc.ppo_mini_batch_size))
         self.watch = Watch(cfg, bus, self.keys)
         self.learner = Learner(cfg)
-        self.weights = Weights(bus, self.keys, self.writer, self.run_dir, self.epoch)
+        self.weights = Weights(bus, self.keys, self.writer, self.run_dir, self.epoch,
+                               transport=cfg.rollout.weights_transport)
         self.validations = Validations(cfg, bus, self.keys, self.writer)
         # What the trainer writes answers what it read from the other roles' streams: its
         # entries come after those in the merged log, even within one millisecond.
@@ -248,7 +249,7 @@ class Trainer(Component):
         # Resumed too: rollouters may hold weights the log no longer vouches for (a lost
         # tail); the newest publication in log order is what they load.
         await self.weights.publish(self.learner.version, self.writer.state.last_step,
-                                   self.submit(self.learner.state_bytes))
+                                   self.submit(self.learner.snapshot))
         await self.dispatch.issue(self.learner.version)
         await self._validate(first - 1)  # after the first tickets: they are generated first
         await self.learner.optimizer_ready()  # the rollouters generate step `first` meanwhile
@@ -285,7 +286,7 @@ class Trainer(Component):
         if step % trigger == 0:
             self.learner.version += 1
             self.meter.synced()
-            serialised = self.submit(self.learner.state_bytes)
+            serialised = self.submit(self.learner.snapshot)
         if self.profiler is None and not save:
             # Off the critical path: the next step's ready mini-batches train (queued behind
             # the weights' serialisation) while this step's weights, StepFinished and tickets

@@ -109,6 +109,17 @@ def _vocab_size(policy: torch.nn.Module) -> int | None:
     return max(sizes) if sizes else None
 
 
+def publish_dtype(cfg: Config) -> torch.dtype | None:
+    """The dtype weights are published in (``rollout.weights_dtype``): ``auto`` is the
+    rollouter's model dtype (bf16 for an HF model of ``model.dtype`` bf16; the trainer's own
+    dtype otherwise, None: unchanged)."""
+    want = cfg.rollout.weights_dtype
+    if want == "auto":
+        hf_bf16 = cfg.model.kind == "hf" and cfg.model.dtype in ("bf16", "bfloat16")
+        return torch.bfloat16 if hf_bf16 else None
+    return torch.bfloat16 if want == "bf16" else torch.float32
+
+
 class Learner:
     """The policy being trained, its optimizer and its weights version."""
 
@@ -158,8 +169,28 @@ class Learner:
             settle_heap()
 
     def state_bytes(self) -> bytes:
-        """The weights as published (blocking)."""
+        """The weights as one ``torch.save`` blob (blocking; the publication before weight
+        transports)."""
         return self.policy.state_bytes()
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The weights as published (blocking, on the worker): a CPU copy of every tensor in
+        :func:`publish_dtype` (floating ones only), contiguous. A copy, because the next
+        step updates the policy in place while the copy is chunked and written."""
+        dtype = publish_dtype(self.cfg)
+        out: dict[str, torch.Tensor] = {}
+        # Tied weights (one tensor under two names) stay one object: published once.
+        seen: dict[tuple[Any, ...], torch.Tensor] = {}
+        for name, t in self.policy.weights().items():
+            same = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                    t.device)
+            if t.numel() and same in seen:
+                out[name] = seen[same]
+                continue
+            want = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            out[name] = seen[same] = t.detach().to(device="cpu", dtype=want,
+                                                   copy=True).contiguous()
+        return out
 
     def update(self, groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
         """One whole step's update on ``groups`` (a resume's replay; blocking)."""

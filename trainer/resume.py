@@ -24,6 +24,7 @@ from bus import Bus, RunKeys
 from bus.files import atomic_file, atomic_write
 from bus.history import read_history
 from bus.messages import Sample, StepFinished, TrainerResumed, WarningRaised
+from bus.weights_transport import is_manifest_ref, weights_digest
 from runtime import Failure
 from trainer.state import StepRecord, TrainerState, take
 
@@ -209,7 +210,12 @@ async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner
     learner.version = state.last_step // trigger
     published = state.weights_of(learner.version)
     match = None
-    if published is not None:
+    if published is not None and is_manifest_ref(published):
+        # Published through a weight transport: the digest of the manifest the same
+        # tensors would have (chunk by chunk, off the loop).
+        tensors = await off(learner.snapshot)
+        match = await asyncio.to_thread(weights_digest, tensors) == published.sha256
+    elif published is not None:
         blob = await off(learner.state_bytes)
         match = hashlib.sha256(blob).hexdigest() == published.sha256
     return TrainerResumed(step=state.last_step, param_version=learner.version,

@@ -1,0 +1,386 @@
+"""Weight transports: a state dict published tensor by tensor and fetched chunk by chunk comes
+back bit-identical through every transport (any dtype, odd shapes, 0-dim and empty tensors);
+a manifest that contradicts itself or a chunk that does not match its digest is refused; a
+rollouter that cannot read the weights says so at once and fails, named, within its timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import multiprocessing as mp
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from bus import BlobCorrupt, BlobNotFound, Bus, RunKeys
+from bus.messages import BlobRef, WarningRaised, WeightsPublished
+from bus.weights_transport import (
+    Manifest,
+    RedisTransport,
+    StorageTransport,
+    TensorEntry,
+    Transport,
+    TransportUnreachable,
+    check_manifest,
+    manifest_of,
+    weights_digest,
+)
+from rollouter.app import Rollouter
+from rollouter.weights import WeightsLost
+from runconfig import load_config
+from tests.procs import Procs, events_of, run_args
+from tests.waits import event, wait_for
+from trainer.learner import publish_dtype
+
+pytestmark = pytest.mark.asyncio
+
+CHUNK = 1000  # small chunks: many of them, and tensors that straddle chunk boundaries
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(37, 53, generator=g),
+        "bf": torch.randn(17, 3, 5, generator=g).to(torch.bfloat16),
+        "half": torch.randn(101, generator=g).to(torch.float16),
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 7),
+        "ids": torch.arange(-50, 50, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "view": torch.arange(30.0).reshape(5, 6)[:, ::2],  # not contiguous
+    }
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for name, t in a.items():
+        u = b[name]
+        assert (u.dtype, u.shape) == (t.dtype, t.shape), name
+        # Bit-identical: compare the raw bytes, not the values (NaN, -0.0).
+        assert u.contiguous().reshape(-1).view(torch.uint8).tolist() == \
+            t.contiguous().reshape(-1).view(torch.uint8).tolist(), name
+
+
+def _transports(bus: Bus, keys: RunKeys, root: Path) -> dict[str, Callable[[], Transport]]:
+    return {"redis": lambda: RedisTransport(bus, keys, chunk_size=CHUNK, concurrency=3),
+            "storage": lambda: StorageTransport(root, chunk_size=CHUNK, concurrency=3)}
+
+
+@pytest.mark.parametrize("kind", ["redis", "storage"])
+async def test_round_trip_is_bit_identical_and_digests_agree(
+    kind: str, bus: Bus, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    transport = _transports(bus, run_keys, tmp_path)[kind]()
+    state = _state()
+    ref = await transport.publish("weights-v0-e", state)
+    assert ref.chunks > 8 and ref.store == f"weights:{kind}"
+    _same(state, await transport.fetch(ref))
+    # The digest is the content's: what the resume check computes, whatever the transport.
+    assert ref.sha256 == weights_digest(state, CHUNK)
+    await transport.delete(ref)
+    with pytest.raises(BlobNotFound):
+        await transport.fetch(ref)
+
+
+async def test_tied_weights_are_sent_once(bus: Bus, run_keys: RunKeys) -> None:
+    w = torch.randn(4, 4)
+    state = {"embed": w, "bias": torch.ones(2), "head": w}  # one tensor, two names
+    t = RedisTransport(bus, run_keys, chunk_size=CHUNK)
+    ref = await t.publish("weights-v8-e", state)
+    assert ref.size == w.nbytes + 8
+    _same(state, await t.fetch(ref))
+    data, _ = manifest_of(state, CHUNK)
+    m = msgspec.msgpack.decode(data, type=Manifest)
+    assert m.aliases == {"head": "embed"}
+    for bad in ({"head": "nothing"}, {"bias": "embed"}, {"": "embed"}):
+        with pytest.raises(BlobCorrupt, match="alias"):
+            check_manifest(_forge(m, aliases=bad))
+
+
+async def test_every_transport_gives_the_same_weights(
+    bus: Bus, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+             for k, v in _state().items()}  # bf16 publishes half the bytes
+    refs, got = {}, {}
+    for kind, make in _transports(bus, run_keys, tmp_path).items():
+        t = make()
+        refs[kind] = await t.publish("weights-v1-e", state)
+        got[kind] = await t.fetch(refs[kind])
+    assert refs["redis"].sha256 == refs["storage"].sha256
+    _same(got["redis"], got["storage"])
+    _same(state, got["redis"])
+
+
+class _Counting(StorageTransport):
+    """Counts the chunk reads in flight (each holds its slot for a moment)."""
+
+    in_flight = peak = 0
+
+    async def _get(self, key: str, part: str) -> bytes | None:
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            await asyncio.sleep(0.01)
+            return await super()._get(key, part)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_chunks_are_fetched_in_parallel_within_the_bound(tmp_path: Path) -> None:
+    state = _state()
+    ref = await StorageTransport(tmp_path, chunk_size=CHUNK).publish("weights-v9-e", state)
+    reader = _Counting(tmp_path, chunk_size=CHUNK, concurrency=4)
+    _same(state, await reader.fetch(ref))
+    assert reader.peak == 4, reader.peak  # several at once, never more than asked
+
+
+async def test_a_corrupted_chunk_is_refused(bus: Bus, run_keys: RunKeys,
+                                            tmp_path: Path) -> None:
+    redis_t = RedisTransport(bus, run_keys, chunk_size=CHUNK)
+    ref = await redis_t.publish("weights-v2-e", _state())
+    await bus.command("SETRANGE", f"{ref.key}:3", 10, b"\xff\x00")
+    with pytest.raises(BlobCorrupt, match="chunk 3"):
+        await redis_t.fetch(ref)
+    store_t = StorageTransport(tmp_path, chunk_size=CHUNK)
+    ref = await store_t.publish("weights-v2-e", _state())
+    (tmp_path / ref.key / "000004").write_bytes(b"short")
+    with pytest.raises(BlobCorrupt, match="chunk 4"):
+        await store_t.fetch(ref)
+    (tmp_path / ref.key / "000004").unlink()
+    with pytest.raises(BlobCorrupt, match="chunk 4 is missing"):
+        await store_t.fetch(ref)
+
+
+
+async def test_a_publication_deleted_while_read_is_missing_not_corrupt(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    t = RedisTransport(bus, run_keys, chunk_size=CHUNK, concurrency=1)
+    ref = await t.publish("weights-v6-e", _state())
+    reads = 0
+
+    async def get(key: str, part: str) -> bytes | None:
+        nonlocal reads
+        reads += 1
+        if reads == 3:  # the manifest and one chunk read, then the trainer deletes it
+            await t.delete(ref)
+        return await RedisTransport._get(t, key, part)
+
+    t._get = get  # type: ignore[method-assign]
+    with pytest.raises(BlobNotFound, match="deleted while"):
+        await t.fetch(ref)
+
+
+def _forge(m: Manifest, **change: object) -> Manifest:
+    return msgspec.structs.replace(m, **change)
+
+
+async def test_a_manifest_that_contradicts_itself_is_refused() -> None:
+    data, _ = manifest_of({"a": torch.zeros(4, 4), "b": torch.zeros(3)}, CHUNK)
+    m = msgspec.msgpack.decode(data, type=Manifest)
+    check_manifest(m)
+    a = m.tensors[0]
+    forged = [
+        _forge(m, size=m.size + 4),  # size says more than the tensors hold
+        _forge(m, chunks=[*m.chunks, b"\0" * 32]),  # a chunk too many
+        _forge(m, chunks=[b"short"]),  # not a sha256
+        _forge(m, tensors=[a, TensorEntry("b", "float32", [3], a.nbytes + 4, 12)]),  # a gap
+        _forge(m, tensors=[a, TensorEntry("b", "float32", [4], a.nbytes, 12)]),  # shape/size
+        _forge(m, tensors=[a, TensorEntry("b", "object", [3], a.nbytes, 12)]),  # dtype
+        _forge(m, tensors=[a, TensorEntry("a", "float32", [3], a.nbytes, 12)]),  # twice
+        _forge(m, tensors=[a, TensorEntry("b", "float32", [-3], a.nbytes, 12)]),
+        _forge(m, format=99), _forge(m, chunk_size=0),
+    ]
+    for bad in forged:
+        with pytest.raises(BlobCorrupt):
+            check_manifest(bad)
+
+
+async def test_a_forged_manifest_is_refused_on_fetch(bus: Bus, run_keys: RunKeys) -> None:
+    t = RedisTransport(bus, run_keys, chunk_size=CHUNK)
+    ref = await t.publish("weights-v3-e", {"a": torch.ones(10)})
+    m = msgspec.msgpack.decode(await bus.command("GET", f"{ref.key}:m"), type=Manifest)
+    # A forged manifest that matches the forged event's digest: still refused (it claims
+    # a tensor bigger than its bytes).
+    forged = msgspec.msgpack.encode(_forge(m, tensors=[TensorEntry("a", "float32", [1000],
+                                                                   0, 40)]))
+    await bus.command("SET", f"{ref.key}:m", forged)
+    forged_ref = msgspec.structs.replace(ref, sha256=hashlib.sha256(forged).hexdigest())
+    with pytest.raises(BlobCorrupt, match="do not match shape"):
+        await t.fetch(forged_ref)
+    with pytest.raises(BlobCorrupt, match="sha256"):  # the real event's digest: no match
+        await t.fetch(ref)
+
+
+async def test_storage_that_is_not_there_is_unreachable_not_missing(tmp_path: Path) -> None:
+    t = StorageTransport(tmp_path, chunk_size=CHUNK)
+    ref = await t.publish("weights-v4-e", {"a": torch.ones(3)})
+    elsewhere = StorageTransport(tmp_path / "not-mounted")
+    with pytest.raises(TransportUnreachable, match="not-mounted"):
+        await elsewhere.fetch(ref)
+    gone = BlobRef(store=ref.store, key="weights-v5-e", size=ref.size, sha256=ref.sha256)
+    with pytest.raises(BlobNotFound):
+        await t.fetch(gone)
+
+
+async def test_the_learners_snapshot_is_a_copy_in_the_published_dtype_tied_once() -> None:
+    from trainer.learner import Learner
+
+    learner = Learner(load_config(overrides=["rollout.weights_dtype=bf16"]))
+    learner.build()
+    snap = learner.snapshot()
+    assert snap["head.weight"] is snap["tok_emb.weight"]  # TinyGPT ties them
+    assert all(t.dtype == torch.bfloat16 for t in snap.values() if t.is_floating_point())
+    before = snap["tok_emb.weight"].clone()
+    with torch.no_grad():
+        learner.policy.tok_emb.weight.add_(1.0)  # the next step trains in place
+    assert torch.equal(snap["tok_emb.weight"], before)
+
+
+async def test_publish_dtype_follows_the_rollouters_model() -> None:
+    def cfg(*o: str) -> object:
+        return load_config(overrides=list(o))
+
+    assert publish_dtype(cfg()) is None  # tiny model, auto: as trained (today's)
+    assert publish_dtype(cfg("rollout.weights_dtype=bf16")) is torch.bfloat16
+    assert publish_dtype(cfg("rollout.weights_dtype=fp32")) is torch.float32
+
+
+async def test_a_rollouter_with_no_loadable_weights_fails_named(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    cfg = load_config(overrides=[f"redis.url={redis_url}", f"run.id={run_id}",
+                                 f"run.output_dir={tmp_path}",
+                                 "rollout.weights_fetch_timeout_s=1"])
+    r = Rollouter(cfg, bus)
+    r._build()
+    t = RedisTransport(bus, run_keys)
+    ref = await t.publish("weights-v0-e", r.policy.state_dict())
+    await t.delete(ref)  # lost before this rollouter read it
+    await bus.publish(run_keys.events,
+                      WeightsPublished(version=0, ref=ref, step=0, manifest=ref))
+    with pytest.raises(WeightsLost, match="v0"):
+        await r._first_weights()
+    r.worker.shutdown()
+
+
+def _summary(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int], str]]:
+    """Per tensor: dtype, shape and the sha256 of its raw bytes."""
+    return {k: (str(v.dtype), list(v.shape), hashlib.sha256(
+        v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest())
+        for k, v in state.items()}
+
+
+async def _member(rank: int, url: str, run_id: str, init: str, conn: Connection) -> None:
+    import torch.distributed as dist
+
+    from bus.weights_collective import CollectiveTransport
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        async with Bus.from_url(url) as bus:
+            t = CollectiveTransport(bus, RunKeys(run_id), chunk_size=CHUNK)
+            if rank == 0:
+                ref = await t.publish("weights-v7-e", _state())
+                conn.send(msgspec.to_builtins(ref))
+                await t.send(ref)
+            else:
+                ref = msgspec.convert(conn.recv(), BlobRef)
+                conn.send(_summary(await t.fetch(ref)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _member_main(rank: int, url: str, run_id: str, init: str, conn: Connection) -> None:
+    asyncio.run(_member(rank, url, run_id, init, conn))
+
+
+async def test_a_broadcast_gives_the_same_weights_as_redis(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    init = f"file://{tmp_path / 'rendezvous'}"
+    members = [ctx.Process(target=_member_main, args=(rank, redis_url, run_id, init, child),
+                           daemon=True) for rank, (_, child) in enumerate(pipes)]
+    for p in members:
+        p.start()
+    try:
+        publisher, reader = pipes[0][0], pipes[1][0]
+        assert await asyncio.to_thread(publisher.poll, 120), "no publication from rank 0"
+        raw = publisher.recv()
+        reader.send(raw)
+        assert await asyncio.to_thread(reader.poll, 120), "rank 1 received nothing"
+        received = reader.recv()
+    finally:
+        for p in members:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in members] == [0, 0]
+    assert msgspec.convert(raw, BlobRef).sha256 == weights_digest(_state(), CHUNK)
+    t = RedisTransport(bus, run_keys, chunk_size=CHUNK)
+    assert received == _summary(await t.fetch(await t.publish("weights-v7-r", _state())))
+
+
+@pytest.mark.e2e
+async def test_a_rollouter_without_access_to_the_weights_fails_fast_named(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    common = (f"redis.url={redis_url}", "rollout.weights_transport=storage",
+              "rollout.weights_fetch_timeout_s=2")
+    trainer_args = run_args(redis_url, run_id, tmp_path / "trainer-node", *common)
+    # The rollouter's node does not have the trainer's run directory.
+    rollouter_args = run_args(redis_url, run_id, tmp_path / "other-node", *common)
+    procs.spawn("trainer", "trainer", *trainer_args)
+    await wait_for(bus, run_keys.events, event(WeightsPublished), 60, procs.watch("trainer"))
+    procs.spawn("rollouter0", "rollouter", *rollouter_args)
+    assert procs.wait("rollouter0", 90) == 1, procs.log("rollouter0")
+    assert "WeightsUnreachable" in procs.log("rollouter0")
+    assert "weights v0" in procs.log("rollouter0")
+    warned = [e for e in await events_of(bus, run_keys.events)
+              if isinstance(e, WarningRaised) and e.code == "weights_unreachable"]
+    assert len(warned) == 1, warned
+    assert "v0" in warned[0].message and str(tmp_path / "other-node") in warned[0].message
+    procs.kill("trainer")
+
+
+async def test_a_resumed_trainer_sweeps_storage_publications_no_event_names(
+    bus: Bus, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    from types import SimpleNamespace
+
+    from trainer.weights import Weights
+
+    t = StorageTransport(tmp_path / "blobs", chunk_size=CHUNK)
+    kept = await t.publish("weights-v1-old", {"a": torch.ones(3)})
+    await t.publish("weights-v2-old", {"a": torch.ones(3)})  # written, never announced
+    await t.publish("other", {"a": torch.ones(3)})  # not weights: left alone
+    writer = SimpleNamespace(state=SimpleNamespace(weights=((1, kept),)))
+    await Weights(bus, run_keys, writer, tmp_path, "new").sweep()  # type: ignore[arg-type]
+    assert await t.names("") == ["other", "weights-v1-old"]
+
+
+async def test_weights_that_cannot_be_written_are_a_named_failure(
+    bus: Bus, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    from types import SimpleNamespace
+
+    from trainer.weights import Weights, WeightsUnwritable
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"")  # the storage root is a file: nothing can be written under it
+    writer = SimpleNamespace(state=SimpleNamespace(weights=()))
+    w = Weights(bus, run_keys, writer, tmp_path, "e", transport="storage",  # type: ignore[arg-type]
+                root=blocker)
+    snapshot: asyncio.Future[dict[str, torch.Tensor]] = asyncio.get_running_loop().create_future()
+    snapshot.set_result({"a": torch.ones(3)})
+    with pytest.raises(WeightsUnwritable, match="weights v0 could not be written to"):
+        await w.publish(0, 0, snapshot)
