@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from bus.errors import BusAuthError, BusUnavailable, redact_url
+from bus.errors import BusAuthError, BusClusterError, BusUnavailable, redact_url
 from runconfig import ConfigError, load_config, parse_config_args
 
 __all__ = ["COMMANDS", "main"]
@@ -298,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(bus_error_line(prog, exc), file=sys.stderr)
         return 1
+    except BusClusterError as exc:
+        return _fail(prog, str(exc))
 
 
 if __name__ == "__main__":
