@@ -78,6 +78,21 @@ async def test_a_plain_url_at_a_cluster_node_is_a_named_error(cluster: LocalClus
         await bus.close()
 
 
+@pytest.mark.asyncio
+async def test_a_moved_reply_to_a_plain_client_is_the_same_named_error(
+    cluster: LocalCluster
+) -> None:
+    """Without the ping's check (a user without CLUSTER MYID), the first key of another
+    master's slot is still the named error, not redis-py's MovedError."""
+    run = next(f"cl-moved-{i}" for i in range(20) if _master(f"cl-moved-{i}") != 0)
+    bus = Bus.from_url(cluster.plain_url(0))
+    try:
+        with pytest.raises(BusClusterError, match="use redis\\+cluster://"):
+            await bus.command("XLEN", RunKeys(run).events)
+    finally:
+        await bus.close()
+
+
 def test_a_component_at_a_cluster_node_with_a_plain_url_exits_2_in_one_line(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
@@ -86,6 +101,7 @@ def test_a_component_at_a_cluster_node_with_a_plain_url_exits_2_in_one_line(
     assert r.returncode == 2, r.stderr
     assert "use redis+cluster:// or redis.cluster: true" in r.stderr
     assert "Traceback" not in r.stderr and "MovedError" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 @pytest.mark.asyncio
