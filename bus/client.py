@@ -56,10 +56,13 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
+    ClusterDownError,
     MovedError,
     NoPermissionError,
     RedisClusterException,
     ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -90,6 +93,11 @@ _RETRY_ON: tuple[type[BaseException], ...] = (
     RedisTimeoutError,
     TimeoutError,
     OSError,
+    # A cluster between a master's failure and its replica's promotion (or a slot moving):
+    # transient, retried within the same budget as an unreachable server.
+    ClusterDownError,
+    TryAgainError,
+    SlotNotCoveredError,
 )
 _NO_RETRY: tuple[type[BaseException], ...] = (AuthenticationError, AuthorizationError)
 
@@ -254,14 +262,14 @@ class BusClient:
             )
         except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
             raise self._refused(op, exc) from exc
-        except (MovedError, RedisClusterException) as exc:
-            raise self._misnamed(exc) from exc
         except _RETRY_ON as exc:
             counted = self.retry.attempts is not None and wait.tries >= self.retry.attempts
             raise BusUnavailable(
                 self.url, op, wait.tries, exc, waited_s=loop.time() - wait.started,
                 budget_s=None if counted else budget_s,
             ) from exc
+        except (MovedError, RedisClusterException) as exc:
+            raise self._misnamed(exc) from exc
         finally:
             if answered:
                 del self._waits[wait]

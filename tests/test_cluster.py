@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from redis.crc import key_slot
+from redis.exceptions import ClusterDownError
 
 from bus import Bus, BusClusterError, RunKeys
 from bus.acl import acl_rules
@@ -195,3 +196,32 @@ def test_acl_users_work_on_a_cluster(cluster: LocalCluster) -> None:
             assert await bus.command("XLEN", RunKeys(run).events) == 2
 
     asyncio.run(work())
+
+
+# --------------------------------------------------------------------------- a master down
+
+
+@pytest.mark.asyncio
+async def test_a_cluster_without_a_master_is_bus_unavailable_after_retries(
+    redis7_binary: str, tmp_path: Path
+) -> None:
+    """CLUSTERDOWN (a master lost, no replica to promote) is retried like an unreachable
+    server and ends as BusUnavailable naming the command, not a redis-py traceback."""
+    from bus import BusUnavailable, RetryPolicy
+
+    with LocalCluster(redis7_binary, tmp_path, extra=("--cluster-node-timeout", "500")) as c:
+        run = next(f"cl-down-{i}" for i in range(20) if _master(f"cl-down-{i}") == 0)
+        bus = Bus.from_url(c.url, retry=RetryPolicy(attempts=3, base_s=0.05, max_s=0.2))
+        try:
+            await bus.ping()
+            c._procs[2].kill()  # the last master: its slots are no longer served
+            c._procs[2].wait()
+            deadline = asyncio.get_running_loop().time() + 30
+            while c.client(0).execute_command("CLUSTER INFO")["cluster_state"] != "fail":
+                assert asyncio.get_running_loop().time() < deadline, "cluster_state never fail"
+                await asyncio.sleep(0.1)
+            with pytest.raises(BusUnavailable, match="XLEN failed after 3 attempt") as err:
+                await bus.command("XLEN", RunKeys(run).events)
+            assert isinstance(err.value.__cause__, ClusterDownError), repr(err.value.__cause__)
+        finally:
+            await bus.close()
