@@ -67,6 +67,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from bus.cluster import SlotPipelines
 from bus.errors import (
     BusAuthError,
     BusClusterError,
@@ -112,6 +113,11 @@ _RAW_COMMANDS = ("XREADGROUP", "XREAD", "XRANGE", "XREVRANGE", "XAUTOCLAIM", "XP
 
 def _raw(response: Any, **options: Any) -> Any:
     return response
+
+
+def _raw_stream_replies(client: aioredis.Redis) -> None:
+    for name in _RAW_COMMANDS:
+        client.set_response_callback(name, _raw)
 
 
 def block_args(block_ms: int | None) -> list[Any]:
@@ -177,9 +183,11 @@ class BusClient:
         self._next_line = float("-inf")  # no new warning line before (loop time)
         for name in _RAW_COMMANDS:
             client.set_response_callback(name, _raw)
+        self._slots: SlotPipelines | None = None
         if isinstance(client, RedisCluster):
             # SCAN goes to one node (_route): its reply as it is, not merged into {node: ...}.
             client.result_callbacks.pop("SCAN", None)
+            self._slots = SlotPipelines(client, _raw_stream_replies)
         self._scripts: dict[str, AsyncScript] = {}
         self.on_retry: Callable[[str, int, BaseException], None] | None = None
         """Optional hook ``(op, attempt, error)`` run before each retry wait (metrics, tests)."""
@@ -373,8 +381,14 @@ class BusClient:
         if not commands:
             return []
         redis_ = self._redis
+        slots = self._slots
 
         async def go() -> list[Any]:
+            if slots is not None:
+                await redis_.initialize()  # the slot table, the first time
+                slot = await slots.slot_of(commands)
+                if slot is not None:  # the bus's case: one run's keys, one slot
+                    return await slots.execute(slot, commands, atomic)
             pipe = redis_.pipeline(transaction=atomic)
             for args in commands:
                 pipe.execute_command(*args)
@@ -451,6 +465,8 @@ class BusClient:
 
     async def close(self) -> None:
         """Close the client and its connections."""
+        if self._slots is not None:
+            await self._slots.close()
         await self._redis.aclose()
 
     async def __aenter__(self) -> Self:

@@ -225,3 +225,30 @@ async def test_a_cluster_without_a_master_is_bus_unavailable_after_retries(
             assert isinstance(err.value.__cause__, ClusterDownError), repr(err.value.__cause__)
         finally:
             await bus.close()
+
+
+# --------------------------------------------------------------------------- a slot moves
+
+
+@pytest.mark.asyncio
+async def test_a_runs_transaction_follows_its_slot_to_another_master(
+    redis7_binary: str, tmp_path: Path
+) -> None:
+    """A pipeline goes to the master of its slot (not through redis-py's cluster pipeline);
+    when the slot has moved, the MOVED answer makes it read the slot table and go again."""
+    with LocalCluster(redis7_binary, tmp_path) as c:
+        run = next(f"cl-move-{i}" for i in range(20) if _master(f"cl-move-{i}") == 0)
+        keys = RunKeys(run)
+        async with Bus.from_url(c.url) as bus:
+            add = [("XADD", keys.events, "*", "f", "v"), ("XADD", keys.samples, "*", "f", "v")]
+            await bus.pipeline(add, atomic=True)
+            # Move the (now empty) slot from master 0 to master 1.
+            await bus.delete(keys.events, keys.samples)
+            slot = key_slot(keys.events.encode())
+            target = c.client(1).execute_command("CLUSTER MYID")
+            target = target.decode() if isinstance(target, bytes) else target
+            for i in (1, 0, 2):
+                c.client(i).execute_command("CLUSTER SETSLOT", slot, "NODE", target)
+            assert len(await bus.pipeline(add, atomic=True)) == 2
+        assert c.client(1).xlen(keys.events) == 1  # on master 1 now (master 0 answers MOVED)
+        assert c.client(0).execute_command("CLUSTER COUNTKEYSINSLOT", slot) == 0
