@@ -32,7 +32,9 @@ Decisions:
 - **Redis Cluster** (``redis+cluster://``, ``rediss+cluster://``): the client is redis-py's
   ``RedisCluster``, which routes each command, script and pipeline by its keys' slot. Every
   key of a run carries ``{RUN}``, so a run's MULTI/EXEC, scripts and multi-stream reads stay
-  in one slot, on one master. Commands without a key (PING, TIME, INFO) go to the node the
+  in one slot, on one master. A pipeline whose commands share one slot goes as a plain
+  pipeline to that slot's master (:mod:`bus.cluster`: redis-py's cluster transaction queues
+  each command through a thread). Commands without a key (PING, TIME, INFO) go to the node the
   URL names; SCAN goes to the node owning its pattern's hash tag (a run's keys are all there).
   A plain URL at a cluster node is :class:`~bus.errors.BusClusterError` at :meth:`ping`, and
   a MOVED reply later is the same error, not a traceback.
