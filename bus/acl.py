@@ -30,7 +30,11 @@ __all__ = ["COMPONENT_USERS", "acl_file", "acl_rules"]
 COMPONENT_USERS = ("trainer", "rollouter", "profiler", "logger", "operator")
 
 _CONNECTION = ("resetchannels -@all +ping +hello +client|setname +select +multi +exec +discard "
-               "+script|load +script|exists")
+               "+script|load +script|exists"
+               # Redis Cluster (bus.client): the slot table and the command table (where each
+               # command's keys are) a cluster client reads at connect, ASKING while a slot
+               # moves; CLUSTER MYID tells a plain URL that names a cluster node.
+               " +cluster|slots +command +asking +cluster|myid")
 _LIVENESS = "+get +mget +set +del +exists +pexpire +pttl +sadd +smembers"
 _READ_STREAM = "+xread +xrange +xrevrange +xlen +exists"
 _GROUP = ("+xreadgroup +xack +xautoclaim +xclaim +xpending +xgroup|create +xinfo|groups "

@@ -29,6 +29,15 @@ Decisions:
   counts as a connection failure (retried, then :class:`~bus.errors.BusUnavailable`).
   ``block_ms=0``/``None`` means *do not block* (unlike Redis, where 0 means forever). One
   deadline per round trip, not per reply, keeps pipelines cheap.
+- **Redis Cluster** (``redis+cluster://``, ``rediss+cluster://``): the client is redis-py's
+  ``RedisCluster``, which routes each command, script and pipeline by its keys' slot. Every
+  key of a run carries ``{RUN}``, so a run's MULTI/EXEC, scripts and multi-stream reads stay
+  in one slot, on one master. A pipeline whose commands share one slot goes as a plain
+  pipeline to that slot's master (:mod:`bus.cluster`: redis-py's cluster transaction queues
+  each command through a thread). Commands without a key (PING, TIME, INFO) go to the node the
+  URL names; SCAN goes to the node owning its pattern's hash tag (a run's keys are all there).
+  A plain URL at a cluster node is :class:`~bus.errors.BusClusterError` at :meth:`ping`, and
+  a MOVED reply later is the same error, not a traceback.
 - **Stream replies stay raw**: redis-py's parsers for the stream commands drop nil entries'
   ids and build a dict per entry (lossy, and slow on the hot path); the bus parses them.
 """
@@ -42,15 +51,28 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissionError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ClusterDownError,
+    MovedError,
+    NoPermissionError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from bus.cluster import SlotPipelines
 from bus.errors import (
     BusAuthError,
+    BusClusterError,
     BusPermissionError,
     BusUnavailable,
     describe,
@@ -58,6 +80,7 @@ from bus.errors import (
     seconds,
 )
 from bus.retry import RetryPolicy, retry_async
+from bus.urls import split_cluster
 
 __all__ = ["SILENCE_REPEAT_S", "SILENCE_WARN_S", "BusClient", "block_args"]
 
@@ -73,6 +96,11 @@ _RETRY_ON: tuple[type[BaseException], ...] = (
     RedisTimeoutError,
     TimeoutError,
     OSError,
+    # A cluster between a master's failure and its replica's promotion (or a slot moving):
+    # transient, retried within the same budget as an unreachable server.
+    ClusterDownError,
+    TryAgainError,
+    SlotNotCoveredError,
 )
 _NO_RETRY: tuple[type[BaseException], ...] = (AuthenticationError, AuthorizationError)
 
@@ -87,6 +115,11 @@ _RAW_COMMANDS = ("XREADGROUP", "XREAD", "XRANGE", "XREVRANGE", "XAUTOCLAIM", "XP
 
 def _raw(response: Any, **options: Any) -> Any:
     return response
+
+
+def _raw_stream_replies(client: aioredis.Redis) -> None:
+    for name in _RAW_COMMANDS:
+        client.set_response_callback(name, _raw)
 
 
 def block_args(block_ms: int | None) -> list[Any]:
@@ -119,7 +152,7 @@ class BusClient:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: aioredis.Redis | RedisCluster,
         url: str,
         *,
         retry: RetryPolicy | None = None,
@@ -132,6 +165,8 @@ class BusClient:
         if silence_warn_s <= 0 or silence_repeat_s <= 0:
             raise ValueError("silence_warn_s and silence_repeat_s must be > 0")
         self._redis = client
+        self.cluster = isinstance(client, RedisCluster)
+        """Whether the client is a Redis Cluster client (``redis+cluster://``)."""
         self.url = redact_url(url)
         """The URL with any password replaced by ``***``."""
         self.retry = retry or RetryPolicy()
@@ -150,6 +185,11 @@ class BusClient:
         self._next_line = float("-inf")  # no new warning line before (loop time)
         for name in _RAW_COMMANDS:
             client.set_response_callback(name, _raw)
+        self._slots: SlotPipelines | None = None
+        if isinstance(client, RedisCluster):
+            # SCAN goes to one node (_route): its reply as it is, not merged into {node: ...}.
+            client.result_callbacks.pop("SCAN", None)
+            self._slots = SlotPipelines(client, _raw_stream_replies)
         self._scripts: dict[str, AsyncScript] = {}
         self.on_retry: Callable[[str, int, BaseException], None] | None = None
         """Optional hook ``(op, attempt, error)`` run before each retry wait (metrics, tests)."""
@@ -166,13 +206,17 @@ class BusClient:
         silence_warn_s: float = SILENCE_WARN_S,
         silence_repeat_s: float = SILENCE_REPEAT_S,
     ) -> Self:
-        """A bus on ``url`` (``redis://``, ``rediss://``, ``unix://``; user/password allowed).
+        """A bus on ``url`` (``redis://``, ``rediss://``, ``unix://``; user/password allowed;
+        ``redis+cluster://``/``rediss+cluster://`` for a Redis Cluster, the URL naming any
+        node of it).
 
         Connects lazily: the first command opens the connection (and is retried).
         ``silence_warn_s``/``silence_repeat_s``: when a silent call logs its WARNINGs.
         """
-        client = aioredis.Redis.from_url(
-            url,
+        plain, is_cluster = split_cluster(url)
+        factory = RedisCluster.from_url if is_cluster else aioredis.Redis.from_url
+        client = factory(
+            plain,
             decode_responses=False,
             protocol=2,  # the reply shapes the bus parses are RESP2's
             # No per-reply socket timeout: _call puts one deadline on the whole round trip
@@ -204,10 +248,7 @@ class BusClient:
         budget_s = self.retry.budget_s if answered else self.retry.first_contact_s
         wait = _Wait(op, loop.time(), block_s, budget_s)
         if answered:
-            self._waits[wait] = None
-            if self._watch is None or self._watch_loop is not loop:
-                self._watch_loop = loop
-                self._watch = loop.call_later(self._tick_s(), self._watch_waits)
+            self._track(wait, loop)
         op_timeout_s = self.op_timeout_s
 
         async def attempt(left_s: float) -> T:
@@ -237,11 +278,30 @@ class BusClient:
                 self.url, op, wait.tries, exc, waited_s=loop.time() - wait.started,
                 budget_s=None if counted else budget_s,
             ) from exc
+        except (MovedError, RedisClusterException) as exc:
+            raise self._misnamed(exc) from exc
         finally:
             if answered:
                 del self._waits[wait]
         self._answered = True
         return result
+
+    def _track(self, wait: _Wait, loop: asyncio.AbstractEventLoop) -> None:
+        """Watch ``wait`` for silence (the client's one timer, started if not running)."""
+        self._waits[wait] = None
+        if self._watch is None or self._watch_loop is not loop:
+            self._watch_loop = loop
+            self._watch = loop.call_later(self._tick_s(), self._watch_waits)
+
+    def _misnamed(self, exc: BaseException) -> BaseException:
+        """:class:`BusClusterError` when ``exc`` says the URL's form is not the server's: a
+        MOVED reply to a plain client (RedisCluster follows them), or a cluster client at a
+        server without cluster mode; else ``exc`` itself."""
+        if isinstance(exc, MovedError):
+            return BusClusterError(self.url, is_cluster=True)
+        if "cluster mode is not enabled" in str(exc).lower():
+            return BusClusterError(self.url, is_cluster=False)
+        return exc
 
     def _refused(self, op: str, exc: BaseException) -> BusAuthError:
         """The bus error for refused credentials, or a right the ACL does not give."""
@@ -297,6 +357,15 @@ class BusClient:
         replies, raw ones for the stream commands. ``block_ms``: how long the command itself
         may block (added to the deadline); ``on_retry`` runs before each retry wait."""
         redis_ = self._redis
+        if isinstance(redis_, RedisCluster):
+            route = self._route
+
+            async def routed() -> Any:
+                await redis_.initialize()  # the slot table, the first time (routing needs it)
+                return await redis_.execute_command(*args, **route(args))
+
+            return await self._call(str(args[0]).upper(), routed, on_retry=on_retry,
+                                    block_ms=block_ms)
         return await self._call(
             str(args[0]).upper(),
             lambda: redis_.execute_command(*args),
@@ -314,8 +383,14 @@ class BusClient:
         if not commands:
             return []
         redis_ = self._redis
+        slots = self._slots
 
         async def go() -> list[Any]:
+            if slots is not None:
+                await redis_.initialize()  # the slot table, the first time
+                slot = await slots.slot_of(commands)
+                if slot is not None:  # the bus's case: one run's keys, one slot
+                    return await slots.execute(slot, commands, atomic)
             pipe = redis_.pipeline(transaction=atomic)
             for args in commands:
                 pipe.execute_command(*args)
@@ -337,11 +412,39 @@ class BusClient:
         keys_, args_ = list(keys), list(args)
         return await self._call(op, lambda: script(keys=keys_, args=args_), on_retry=on_retry)
 
+    def _route(self, args: Sequence[Any]) -> dict[str, Any]:
+        """The node a keyless command goes to on a cluster: SCAN to the master owning its
+        pattern's slot (``rlbus:{RUN}:*`` hashes like every key of the run: the run's keys are
+        all there); the others (PING, TIME, INFO) to the node the URL names."""
+        cluster = self._redis
+        assert isinstance(cluster, RedisCluster)
+        if str(args[0]).upper() == "SCAN" and "MATCH" in args:
+            pattern = args[list(args).index("MATCH") + 1]
+            return {"target_nodes": cluster.get_node_from_key(pattern)}
+        if str(args[0]).upper() in ("PING", "TIME", "INFO", "CLUSTER"):
+            return {"target_nodes": cluster.get_default_node()}
+        return {}
+
     # ------------------------------------------------------------------ server
 
     async def ping(self) -> None:
-        """Wraps PING (raises :class:`BusUnavailable` if Redis stays unreachable)."""
+        """Wraps PING, then INFO cluster: raises :class:`BusUnavailable` if Redis stays
+        unreachable, :class:`BusClusterError` if the URL's form (plain or cluster) is not
+        what the server is."""
         await self.command("PING")
+        if not self.cluster and await self._is_cluster_node():
+            raise BusClusterError(self.url, is_cluster=True)
+
+    async def _is_cluster_node(self) -> bool:
+        """Whether the server is a node of a Redis Cluster. Wraps CLUSTER MYID (an error on a
+        server without cluster support; a user without the right is not asked again)."""
+        try:
+            await self.command("CLUSTER", "MYID")
+        except BusPermissionError:
+            return False  # an ACL of before cluster support: the MOVED reply will say it
+        except ResponseError:
+            return False  # "ERR This instance has cluster support disabled"
+        return True
 
     async def server_time(self) -> float:
         """The Redis server's clock, in seconds since the epoch. Wraps TIME.
@@ -364,6 +467,8 @@ class BusClient:
 
     async def close(self) -> None:
         """Close the client and its connections."""
+        if self._slots is not None:
+            await self._slots.close()
         await self._redis.aclose()
 
     async def __aenter__(self) -> Self:

@@ -14,6 +14,7 @@ __all__ = [
     "BlobError",
     "BlobNotFound",
     "BusAuthError",
+    "BusClusterError",
     "BusError",
     "BusPermissionError",
     "BusUnavailable",
@@ -96,6 +97,22 @@ class BusPermissionError(BusAuthError):
     """Redis's ACL refused a command or key to our user (NOPERM): the user lacks that right
     (retrying cannot help). The message names the command, the key or command refused, and
     the user."""
+
+
+class BusClusterError(BusError):
+    """``redis.url`` and the server disagree about Redis Cluster: a plain URL names a node of a
+    cluster (which would answer MOVED for the keys of other slots), or a cluster URL names a
+    server that is not one. A configuration error: retrying cannot help."""
+
+    def __init__(self, url: str, *, is_cluster: bool) -> None:
+        if is_cluster:
+            what = ("names a node of a Redis Cluster; use redis+cluster:// or "
+                    "redis.cluster: true")
+        else:
+            what = ("is a cluster URL (redis+cluster:// or redis.cluster: true) but the server "
+                    "is not a Redis Cluster node; use redis://")
+        super().__init__(f"redis.url {url} {what}")
+        self.url = url
 
 
 class GoneError(BusError):

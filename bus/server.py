@@ -222,6 +222,7 @@ class EmbeddedRedis:
         appendonly: bool = True,
         password: str | None = None,
         *,
+        bind: str | None = None,
         start_timeout_s: float = 15.0,
         stop_timeout_s: float = 15.0,
         die_with_owner: bool = True,
@@ -230,6 +231,11 @@ class EmbeddedRedis:
         self.binary = find_redis_server(binary)
         self.appendonly = appendonly
         self.password = password
+        if bind is not None and not password:
+            # Beyond loopback anyone who reaches the port could read and write every run.
+            raise ValueError(f"binding {bind} beyond 127.0.0.1 needs a password")
+        self.bind = bind
+        """An address listened on besides 127.0.0.1 (``rlbus redis --bind``), or None."""
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.die_with_owner = die_with_owner
@@ -293,7 +299,7 @@ class EmbeddedRedis:
     def _write_conf(self, port: int) -> Path:
         conf = [
             f"port {port}",
-            f"bind {_HOST}",
+            f"bind {_HOST}" + (f" {self.bind}" if self.bind else ""),
             f"dir {_conf_quote(str(self.dir))}",
             'save ""',
             f"appendonly {'yes' if self.appendonly else 'no'}",
@@ -544,6 +550,15 @@ class EmbeddedRedis:
         return f"EmbeddedRedis(dir={str(self.dir)!r}, port={port}, {state})"
 
 
+def remote_line(bind: str, port: int, password: str) -> str:
+    """The line ``rlbus redis --bind`` prints for other machines: the URL to put in their
+    ``redis.url`` (a wildcard bind address is shown as this host's name)."""
+    host = socket.gethostname() if bind in ("0.0.0.0", "::") else bind
+    host = f"[{host}]" if ":" in host else host
+    return (f"also listening on {bind}:{port}; from other machines: "
+            f"redis.url=redis://:{password}@{host}:{port}/0")
+
+
 def serve_forever(
     dir: str | os.PathLike[str],
     port: int | None = None,
@@ -552,12 +567,17 @@ def serve_forever(
     password: str | None = None,
     appendonly: bool = True,
     out: IO[str] | None = None,
+    bind: str | None = None,
+    shown_password: str | None = None,
 ) -> int:
     """Run an embedded Redis in the foreground (``rlbus redis``).
 
-    Prints its URL (``redis://127.0.0.1:PORT/0``; a password is shown as ``***``) on one line,
-    then blocks until SIGINT/SIGTERM and stops the server cleanly. Returns 0 after a clean
-    stop, 1 if the server died by itself (its log tail goes to stderr). Main thread only.
+    Prints its URL (``redis://127.0.0.1:PORT/0``; a password is shown as ``***``) on one line;
+    with ``bind`` (an address listened on too, which needs ``password``) a second line gives
+    the URL other machines use, with ``shown_password`` in it (the generated password, shown
+    this once, or a ``${VAR}`` placeholder). Then blocks until SIGINT/SIGTERM and stops the
+    server cleanly. Returns 0 after a clean stop, 1 if the server died by itself (its log
+    tail goes to stderr). Main thread only.
     """
     stream = out if out is not None else sys.stdout
     received: list[int] = []
@@ -575,9 +595,12 @@ def serve_forever(
     previous = {s: signal.signal(s, _handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with EmbeddedRedis(
-            dir, port=port, binary=binary, password=password, appendonly=appendonly
+            dir, port=port, binary=binary, password=password, appendonly=appendonly, bind=bind
         ) as server:
             print(redact_url(server.url), file=stream, flush=True)
+            if bind:
+                print(remote_line(bind, server.port, shown_password or "***"), file=stream,
+                      flush=True)
             # Wake twice a second to notice a server that died on its own.
             while not received:
                 if select.select([wake_r], [], [], 0.5)[0]:

@@ -8,7 +8,7 @@ import re
 
 from bus.errors import BusAuthError, BusPermissionError, BusUnavailable, seconds
 
-__all__ = ["bus_error_line", "expand_env"]
+__all__ = ["CLUSTER_SCHEMES", "as_cluster_url", "bus_error_line", "expand_env", "split_cluster"]
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -25,6 +25,32 @@ def expand_env(url: str) -> str:
         return os.environ[name]
 
     return _ENV_REF.sub(sub, url)
+
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+"""The URL schemes naming a Redis Cluster, and the plain scheme each stands for."""
+
+
+def split_cluster(url: str) -> tuple[str, bool]:
+    """``(plain_url, is_cluster)``: ``redis+cluster://H:P/0`` -> ``("redis://H:P/0", True)``
+    (``rediss+cluster`` likewise); any other URL is returned as it is, with ``False``."""
+    scheme, sep, rest = url.partition("://")
+    plain = CLUSTER_SCHEMES.get(scheme.lower()) if sep else None
+    if plain is None:
+        return url, False
+    return f"{plain}://{rest}", True
+
+
+def as_cluster_url(url: str) -> str:
+    """``url`` in its cluster form (``redis.cluster: true``): ``redis://`` becomes
+    ``redis+cluster://``, ``rediss://`` ``rediss+cluster://``; a cluster URL is kept. Raises
+    :class:`ValueError` for a scheme a cluster cannot have (``unix://``)."""
+    scheme, sep, rest = url.partition("://")
+    if scheme.lower() in CLUSTER_SCHEMES:
+        return url
+    if not sep or scheme.lower() not in CLUSTER_SCHEMES.values():
+        raise ValueError(f"a Redis Cluster needs a redis:// or rediss:// URL, not {scheme}://")
+    return f"{scheme.lower()}+cluster://{rest}"
 
 
 def bus_error_line(name: str, exc: BusUnavailable | BusAuthError) -> str:

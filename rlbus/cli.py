@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from bus.errors import BusAuthError, BusUnavailable, redact_url
+from bus.errors import BusAuthError, BusClusterError, BusUnavailable, redact_url
 from runconfig import ConfigError, load_config, parse_config_args
 
 __all__ = ["COMMANDS", "main"]
@@ -47,9 +47,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "Run the metrics logger for run.id: writes StepFinished metrics to TensorBoard\n"
                "files under run.output_dir/RUN/tensorboard (and wandb, offline, when\n"
                "trainer.logger has it and wandb is installed). Restarts continue where it was."),
-    "redis": (f"rlbus redis {COMMON}",
+    "redis": (f"rlbus redis [--bind ADDR] {COMMON}",
               "Run the embedded redis-server in the foreground (data in run.output_dir/redis)\n"
-              "and print its URL on the first line."),
+              "and print its URL on the first line. --bind ADDR listens on ADDR too (other\n"
+              "machines; 0.0.0.0 for all) with a password: $RLBUS_REDIS_PASSWORD, else one\n"
+              "generated and shown once, on the second line (their redis.url)."),
     "profile": (f"rlbus profile --run RUN --steps SPEC [--roles trainer,rollouter] "
                 f"[--timeout S] {COMMON}",
                 "Profile a live run. SPEC is K, A-B or next:N. Exit 0: the session is\n"
@@ -132,11 +134,35 @@ def _redis(argv: list[str]) -> int:
 
     from bus.server import serve_forever
 
-    file, overrides = parse_config_args(argv)
-    cfg = load_config(file, overrides)
+    ns, overrides = _split("rlbus redis", argv, [("--bind", {"default": None})])
+    cfg = load_config(ns.config, overrides)
+    password, shown = _bind_password(ns.bind)
     return serve_forever(
-        Path(cfg.run.output_dir) / "redis", port=cfg.redis.port, binary=cfg.redis.binary
+        Path(cfg.run.output_dir) / "redis", port=cfg.redis.port, binary=cfg.redis.binary,
+        bind=ns.bind, password=password, shown_password=shown,
     )
+
+
+def _bind_password(bind: str | None) -> tuple[str | None, str | None]:
+    """``(password, as shown)`` for ``rlbus redis --bind ADDR``: beyond 127.0.0.1 the server
+    needs one, from ``$RLBUS_REDIS_PASSWORD`` (shown as that placeholder) or generated (shown
+    once, on the URL line); ``(None, None)`` without ``--bind``."""
+    import ipaddress
+    import os
+    import secrets
+
+    if bind is None:
+        return None, None
+    try:
+        ipaddress.ip_address(bind)
+    except ValueError:
+        raise _ArgError(f"--bind: {bind!r} is not an IP address of this host "
+                        "(0.0.0.0 for all)") from None
+    env = os.environ.get("RLBUS_REDIS_PASSWORD")
+    if env:
+        return env, "${RLBUS_REDIS_PASSWORD}"
+    generated = secrets.token_urlsafe(24)
+    return generated, generated
 
 
 def _profile(argv: list[str]) -> int:
@@ -298,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(bus_error_line(prog, exc), file=sys.stderr)
         return 1
+    except BusClusterError as exc:
+        return _fail(prog, str(exc))
 
 
 if __name__ == "__main__":

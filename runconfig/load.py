@@ -500,6 +500,21 @@ def _check_cross_fields(cfg: Config) -> None:
         raise ConfigError("rollout.rank", f"must be < rollout.replicas={cfg.rollout.replicas}")
     _check_profiler(cfg)
     _check_checkpoint_contents(cfg)
+    _check_redis_cluster(cfg)
+
+
+def _check_redis_cluster(cfg: Config) -> None:
+    """A Redis Cluster (``redis.cluster: true``) is reached over TCP: redis:// or rediss://,
+    and there is no embedded one (``rlbus up`` without redis.url starts a single server)."""
+    if not cfg.redis.cluster:
+        return
+    if cfg.redis.url is None:
+        raise ConfigError("redis.cluster", "true needs redis.url naming a node of the cluster "
+                          "(the embedded Redis is a single server)")
+    scheme = cfg.redis.url.partition("://")[0].lower()
+    if scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+        raise ConfigError("redis.url", f"a Redis Cluster (redis.cluster: true) needs a "
+                          f"redis:// or rediss:// URL, not {scheme}://")
 
 
 def _check_checkpoint_contents(cfg: Config) -> None:

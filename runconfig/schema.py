@@ -60,6 +60,7 @@ class RedisConfig(_Section, frozen=True):
     url: str | None = None
     binary: str | None = None
     port: Annotated[int, Meta(ge=1, le=65535)] | None = None
+    cluster: bool = False
 
 
 class RunConfig(_Section, frozen=True):

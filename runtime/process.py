@@ -51,8 +51,14 @@ def expand_or_fail(url: str) -> str:
 
 
 def expanded_url(cfg: Config) -> str | None:
-    """``cfg.redis.url`` ready to connect with (None when it is not set)."""
-    return None if cfg.redis.url is None else expand_or_fail(cfg.redis.url)
+    """``cfg.redis.url`` ready to connect with (None when it is not set); in its cluster form
+    (``redis+cluster://``) when ``redis.cluster`` is true."""
+    from bus.urls import as_cluster_url
+
+    if cfg.redis.url is None:
+        return None
+    url = expand_or_fail(cfg.redis.url)
+    return as_cluster_url(url) if cfg.redis.cluster else url
 
 
 def _required(cfg: Config, prog: str) -> int | None:
@@ -129,7 +135,7 @@ def entry_point(role: str, module: str, name: str, *, heavy: bool = False,
 
 
 async def _serve(cfg: Config, url: str, prog: str, factory: Callable[..., Component]) -> int:
-    from bus import Bus, BusAuthError, BusUnavailable
+    from bus import Bus, BusAuthError, BusClusterError, BusUnavailable
     from bus.progress import ProgressSpec, ProgressThread
     from bus.urls import bus_error_line
 
@@ -145,6 +151,9 @@ async def _serve(cfg: Config, url: str, prog: str, factory: Callable[..., Compon
     except (BusUnavailable, BusAuthError) as exc:
         print(bus_error_line(prog, exc), file=sys.stderr, flush=True)
         return 1
+    except BusClusterError as exc:  # a config error: the URL's form, not the server's state
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     finally:
         if progress is not None:
             progress.stop()
