@@ -22,6 +22,7 @@ log, loads the latest checkpoint and re-applies the steps after it (:func:`train
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
@@ -54,7 +55,14 @@ from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale, Ve
 from trainer.learner import Learner
 from trainer.lease import acquire, token
 from trainer.metrics import StepMeter, verl_step_metrics
-from trainer.resume import rebuild, write_checkpoint
+from trainer.resume import (
+    LogRead,
+    RunNotCovered,
+    missing_checkpoint,
+    not_covered,
+    rebuild,
+    write_checkpoint,
+)
 from trainer.retention import trim_after_checkpoint
 from trainer.stepwork import StepWork, may_stream
 from trainer.validation import Validations, last_version
@@ -154,7 +162,8 @@ class Trainer(Component):
             self.profiler = StepProfiler(agent, self.off)
 
     async def serve(self) -> int:
-        await self.writer.read_log(self.ckpt_dir, self.run_dir / "events")
+        read = await self.writer.read_log(self.ckpt_dir, self.run_dir / "events")
+        await self._check_covered(read)
         await self._report_refused()
         self.watch.follow_from(self.writer.position)  # reports: what comes next only
         state, total = self.writer.state, self.cfg.trainer.total_training_steps
@@ -191,6 +200,17 @@ class Trainer(Component):
                 await self.upcoming.settle()
             if self.hf_export is not None:
                 self.hf_export.close()
+
+    async def _check_covered(self, read: LogRead) -> None:
+        """Never train from scratch inside a run that has steps: steps of the log this
+        storage cannot restore (no checkpoint, no archive of the trimmed log) are a
+        :class:`~trainer.resume.RunNotCovered` (exit 2, naming what is missing)."""
+        why = not_covered(self.run_id, read, str(self.ckpt_dir), str(self.run_dir / "events"))
+        if why is None:
+            why = await asyncio.to_thread(missing_checkpoint, self.run_id, read.state,
+                                          os.path.exists)
+        if why is not None:
+            raise RunNotCovered(why)
 
     async def _report_refused(self) -> None:
         """One line and one ``fact_refused`` warning per event of the log its fold refused
