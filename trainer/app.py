@@ -44,7 +44,7 @@ from bus.messages import (
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from runconfig import Config, config_to_dict
-from runconfig.paths import checkpoint_dir
+from runconfig.paths import blob_root, checkpoint_dir, local_root
 from runconfig.stepunit import is_save_update
 from runtime import Component
 from tasks import build_prompt_source
@@ -93,7 +93,7 @@ class Trainer(Component):
     def __init__(self, cfg: Config, bus: Bus) -> None:
         super().__init__(cfg, bus)
         tc, ac = cfg.trainer, cfg.async_training
-        self.run_dir = Path(cfg.run.output_dir) / self.run_id
+        self.run_dir = local_root(cfg, self.run_id)  # run.storage when local (paths)
         self.ckpt_dir = checkpoint_dir(cfg, self.run_id)  # trainer.default_local_dir
         self.hf_export = HFExport(cfg.model.path) if (
             "hf_model" in tc.checkpoint_contents and cfg.model.path) else None
@@ -111,7 +111,8 @@ class Trainer(Component):
         self.watch = Watch(cfg, bus, self.keys)
         self.learner = Learner(cfg)
         self.weights = Weights(bus, self.keys, self.writer, self.run_dir, self.epoch,
-                               transport=cfg.rollout.weights_transport)
+                               transport=cfg.rollout.weights_transport,
+                               root=blob_root(cfg, self.run_id))
         self.validations = Validations(cfg, bus, self.keys, self.writer)
         # What the trainer writes answers what it read from the other roles' streams: its
         # entries come after those in the merged log, even within one millisecond.
