@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bus import Bus, RunKeys, StepFinished, TrainerResumed
 from bus.storage import PROBE_PREFIX, RunStorage, StorageError
 from runconfig import load_config
 from runconfig.paths import (
@@ -23,6 +24,8 @@ from runconfig.paths import (
     storage_url,
 )
 from runtime.storage import check_storage
+from tests.procs import Procs, assert_every_step_once, events_of, run_args
+from tests.waits import event, wait_for
 
 
 def test_null_storage_keeps_the_output_dir_layout(tmp_path: Path) -> None:
@@ -119,3 +122,34 @@ def test_a_component_on_an_unusable_storage_exits_2_naming_it(tmp_path: Path) ->
         capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "run.storage=nosuchproto://b/runs" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_a_run_on_a_storage_url_keeps_its_files_there(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    """run.storage=file://...: checkpoints, the events archive and the weight files of the
+    storage transport are under STORAGE/RUN/, nothing of them under run.output_dir; a
+    trainer killed mid-run resumes from there."""
+    shared, out = tmp_path / "shared", tmp_path / "out"
+    args = run_args(redis_url, run_id, out, "trainer.total_training_steps=4",
+                    "trainer.save_freq=2", "rollout.weights_transport=storage",
+                    f"run.storage=file://{shared}")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, event(StepFinished, step=3), 180,
+                   procs.watch("trainer"))
+    procs.kill("trainer")
+    procs.spawn("trainer2", "trainer", *args)
+    assert procs.wait("trainer2", 240) == 0, procs.log("trainer2")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    events = await events_of(bus, run_keys.events)
+    assert_every_step_once(events, 4)
+    resumed = [e for e in events if isinstance(e, TrainerResumed)]
+    assert resumed and resumed[0].checkpoint_step == 2 and resumed[0].weights_match is True
+    root = shared / run_id
+    assert (root / "checkpoints" / "step-000004.pt").is_file()
+    assert any((root / "blobs").iterdir())
+    assert any((root / "events").glob("archive-*.rlev"))
+    assert not (out / run_id / "checkpoints").exists() and not (out / run_id / "blobs").exists()
