@@ -21,8 +21,9 @@ def check_storage(cfg: Config, role: str) -> str | None:
     worker thread."""
     url = storage_url(cfg)
     key = "run.storage" if cfg.run.storage else "run.storage (null: run.output_dir)"
+    write = role in WRITERS
     try:
-        RunStorage(url).probe(write=role in WRITERS)
+        RunStorage(url).probe(write=write)
     except StorageError as exc:
-        return f"{key}={url} cannot be used by the {role}: {exc.reason}"
+        return f"{key}={url} cannot be {'written' if write else 'read'}: {exc.reason}"
     return None
