@@ -103,17 +103,17 @@ class RunStorage:
             return
 
     def probe(self, write: bool) -> None:
-        """Check that the storage can be read (its root listed: a missing local root is
-        created) and, with ``write``, that a small file can be written, read back and
-        deleted. Raises :class:`StorageError` naming the URL and the reason."""
+        """Check that the storage can be read (its root listed) and, with ``write``, that a
+        small file can be written, read back and deleted there. A root that does not exist
+        yet holds nothing to read; nothing is created to probe it: a missing local root must
+        lie in a folder that can be written (by ``write``), a remote one is taken as empty.
+        Raises :class:`StorageError` naming the URL and the reason."""
         try:
-            if self.local:
-                os.makedirs(self.root, exist_ok=True)
-            elif not write and not self.fs.exists(self.root):
-                # A reader of a remote storage: a root no one wrote yet holds nothing yet.
+            if not self.fs.exists(self.root):
+                if self.local and write:
+                    _check_creatable(self.root)
                 return
-            if self.local or self.fs.exists(self.root):
-                self.fs.ls(self.root, detail=False)
+            self.fs.ls(self.root, detail=False)
             if write:
                 name = f"{PROBE_PREFIX}{secrets.token_hex(6)}"
                 self.write_bytes(name, b"rlbus")
@@ -124,3 +124,15 @@ class RunStorage:
             raise
         except Exception as exc:  # any backend's error: permission, network, credentials
             raise StorageError(self.url, f"{type(exc).__name__}: {exc}") from exc
+
+
+def _check_creatable(root: str) -> None:
+    """A missing local folder ``root`` can be created: its nearest existing ancestor is a
+    folder this process may write (PermissionError / NotADirectoryError otherwise)."""
+    parent = os.path.dirname(os.path.abspath(root))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(f"{parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{parent} cannot be written")

@@ -78,11 +78,17 @@ def test_run_storage_reads_writes_lists_and_deletes(tmp_path: Path, as_url: bool
         store.write_bytes("../escape", b"x")
 
 
-def test_the_probe_writes_and_removes_its_file(tmp_path: Path) -> None:
-    store = RunStorage(str(tmp_path / "new" / "root"))
-    store.probe(write=True)  # a missing local root is created
-    assert (tmp_path / "new" / "root").is_dir()
-    assert not [n for n in os.listdir(tmp_path / "new" / "root") if n.startswith(PROBE_PREFIX)]
+def test_the_probe_writes_and_removes_its_file_and_creates_nothing(tmp_path: Path) -> None:
+    RunStorage(str(tmp_path / "new" / "root")).probe(write=True)
+    assert not (tmp_path / "new").exists()  # a missing root: its parent can be written
+    store = RunStorage(str(tmp_path))
+    store.probe(write=True)
+    store.probe(write=False)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(PROBE_PREFIX)]
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(StorageError) as err:
+        RunStorage(str(tmp_path / "file" / "root")).probe(write=True)
+    assert "NotADirectoryError" in err.value.reason
 
 
 def test_an_unknown_protocol_is_named() -> None:
