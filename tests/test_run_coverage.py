@@ -88,6 +88,7 @@ async def test_read_log_says_what_another_storage_cannot_restore(
     assert read.archive_missing and read.log_last_step == 30 and read.state.last_step < 30
     why = not_covered(run_keys.run_id, read, str(other / "checkpoints"), str(other / "events"))
     assert why is not None and str(other / "events") in why
+    assert f"written at {(run_dir / 'events').resolve()}" in why  # where the trimmer put it
 
 
 @pytest.mark.e2e

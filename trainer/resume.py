@@ -32,7 +32,7 @@ from trainer.state import StepRecord, TrainerState, take
 if TYPE_CHECKING:
     from trainer.learner import Learner
 
-__all__ = ["LogRead", "Refused", "ResumeFailed", "RunNotCovered", "Snapshot", "archive_missing",
+__all__ = ["LogRead", "Refused", "ResumeFailed", "RunNotCovered", "Snapshot",
            "load_checkpoint", "missing_checkpoint", "not_covered", "pick_checkpoint",
            "read_log", "rebuild", "replay_groups", "snapshots", "write_checkpoint"]
 
@@ -85,6 +85,8 @@ class LogRead(msgspec.Struct):
     archive_missing: bool = False
     """The stream was trimmed (the archive's location is recorded in Redis) and this read,
     from the log's beginning, found nothing in its archive: the trimmed part was not read."""
+    archive_written: str | None = None
+    """Where the trainer that trimmed the stream wrote the archive (as it recorded it)."""
 
 
 def not_covered(run_id: str, read: LogRead, checkpoints: str, archive: str) -> str | None:
@@ -95,9 +97,11 @@ def not_covered(run_id: str, read: LogRead, checkpoints: str, archive: str) -> s
     happened. ``checkpoints``: where the trainer looked for checkpoints."""
     last = max(read.log_last_step, read.state.last_step)
     if read.archive_missing:
+        written = "" if read.archive_written in (None, archive) else (
+            f", it was written at {read.archive_written}")
         return (f"run {run_id}: the events stream was trimmed and its archive {archive} holds "
-                f"nothing (the log reads up to step {last}; checkpoints looked for in "
-                f"{checkpoints}): start the trainer on the run's storage")
+                f"nothing (the log reads up to step {last}{written}; checkpoints looked for "
+                f"in {checkpoints}): start the trainer on the run's storage")
     if read.log_last_step > read.state.last_step:
         return (f"run {run_id}: the log holds steps up to {read.log_last_step} but only "
                 f"{read.state.last_step} could be restored (no checkpoint snapshot in "
@@ -172,7 +176,8 @@ async def read_log(bus: Bus, keys: RunKeys, folder: Path, archive: Path | None =
     refused: list[Refused] = []
     archive = folder.parent / "events" if archive is None else archive
     # From the beginning of a trimmed stream, the archive must supply the trimmed part.
-    missing = start == "0" and await archive_missing(bus, keys, archive)
+    written = await bus.get_text(keys.archive) if start == "0" else None
+    missing = written is not None and await asyncio.to_thread(last_archived, archive) is None
     logged = 0
     async for entry in read_history(bus, keys.events, archive, start):
         read += 1
@@ -185,15 +190,7 @@ async def read_log(bus: Bus, keys: RunKeys, folder: Path, archive: Path | None =
             refused.append(Refused(entry.id, type(entry.msg).__name__, why))
         elif isinstance(entry.msg, StepFinished) and state.last_step > before:
             last_finished = entry.id
-    return LogRead(state, position, last_finished, read, refused, logged, missing)
-
-
-async def archive_missing(bus: Bus, keys: RunKeys, archive: Path) -> bool:
-    """True when the events stream was trimmed (its archive's location is recorded:
-    GET on :attr:`bus.RunKeys.archive`) and ``archive`` holds no archived entry."""
-    if await bus.get_text(keys.archive) is None:
-        return False
-    return await asyncio.to_thread(last_archived, archive) is None
+    return LogRead(state, position, last_finished, read, refused, logged, missing, written)
 
 
 async def replay_groups(bus: Bus, keys: RunKeys, rec: StepRecord) -> list[list[Sample]]:
