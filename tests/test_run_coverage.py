@@ -40,8 +40,14 @@ def test_a_fold_that_holds_every_logged_step_may_start() -> None:
     assert not_covered("r", read, "/c", "/a") is None
 
 
-def test_steps_beyond_the_fold_are_not_covered() -> None:
-    read = LogRead(_state(0), "9-0", None, 12, log_last_step=27)
+def test_a_forged_step_in_a_log_read_whole_does_not_stop_a_resume() -> None:
+    # The fold refused it (and the trainer reports it): the run's own steps are all there.
+    read = LogRead(_state(5), "9-0", "8-0", 40, log_last_step=99)
+    assert not_covered("r", read, "/c", "/a") is None
+
+
+def test_steps_without_their_run_started_are_not_covered() -> None:
+    read = LogRead(TrainerState(), "9-0", None, 12, log_last_step=27)
     why = not_covered("run-7", read, "/other/ckpt", "/other/events")
     assert why is not None
     assert "run-7" in why and "27" in why and "/other/ckpt" in why and "/other/events" in why

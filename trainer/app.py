@@ -57,6 +57,7 @@ from trainer.lease import acquire, token
 from trainer.metrics import StepMeter, verl_step_metrics
 from trainer.resume import (
     LogRead,
+    ResumeFailed,
     RunNotCovered,
     missing_checkpoint,
     not_covered,
@@ -204,14 +205,17 @@ class Trainer(Component):
 
     async def _check_covered(self, read: LogRead) -> None:
         """Never train from scratch inside a run that has steps: steps of the log this
-        storage cannot restore (no checkpoint, no archive of the trimmed log) are a
+        storage cannot restore (no snapshot, no archive of the trimmed log) are a
         :class:`~trainer.resume.RunNotCovered` (exit 2, naming what is missing)."""
         why = not_covered(self.run_id, read, str(self.ckpt_dir), str(self.run_dir / "events"))
-        if why is None:
-            why = await asyncio.to_thread(missing_checkpoint, self.run_id, read.state,
-                                          os.path.exists)
         if why is not None:
             raise RunNotCovered(why)
+        # Checkpoints the log names, none of them here: a ResumeFailed (exit 1 and a
+        # ComponentFailed, as rebuild would say it), before the model is built.
+        why = await asyncio.to_thread(missing_checkpoint, self.run_id, read.state,
+                                      os.path.exists)
+        if why is not None:
+            raise ResumeFailed(why)
 
     async def _report_refused(self) -> None:
         """One line and one ``fact_refused`` warning per event of the log its fold refused

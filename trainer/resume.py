@@ -92,9 +92,9 @@ class LogRead(msgspec.Struct):
 def not_covered(run_id: str, read: LogRead, checkpoints: str, archive: str) -> str | None:
     """Why a trainer must not start on what ``read`` folded (None: it may). The log holds
     steps the fold could not account for when its trimmed part was not read (the archive in
-    ``archive`` is missing or empty) or when a StepFinished beyond the folded state was
-    refused; a resume from scratch would train again, inside the run, steps the log says
-    happened. ``checkpoints``: where the trainer looked for checkpoints."""
+    ``archive`` is missing or empty) or when StepFinished events were read without the
+    RunStarted before them; a resume from scratch would train again, inside the run, steps
+    the log says happened. ``checkpoints``: where the trainer looked for checkpoints."""
     last = max(read.log_last_step, read.state.last_step)
     if read.archive_missing:
         written = "" if read.archive_written in (None, archive) else (
@@ -102,7 +102,9 @@ def not_covered(run_id: str, read: LogRead, checkpoints: str, archive: str) -> s
         return (f"run {run_id}: the events stream was trimmed and its archive {archive} holds "
                 f"nothing (the log reads up to step {last}{written}; checkpoints looked for "
                 f"in {checkpoints}): start the trainer on the run's storage")
-    if read.log_last_step > read.state.last_step:
+    if read.log_last_step > read.state.last_step and not read.state.started:
+        # Steps without the RunStarted before them: the log's beginning was not read. (A
+        # forged StepFinished in a log read whole is refused and reported, not this.)
         return (f"run {run_id}: the log holds steps up to {read.log_last_step} but only "
                 f"{read.state.last_step} could be restored (no checkpoint snapshot in "
                 f"{checkpoints}, no archived events in {archive}): start the trainer on the "
