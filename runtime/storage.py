@@ -22,8 +22,12 @@ def check_storage(cfg: Config, role: str) -> str | None:
     url = storage_url(cfg)
     key = "run.storage" if cfg.run.storage else "run.storage (null: run.output_dir)"
     write = role in WRITERS
-    try:
-        RunStorage(url).probe(write=write)
-    except StorageError as exc:
-        return f"{key}={url} cannot be {'written' if write else 'read'}: {exc.reason}"
+    places = [(key, url)]
+    if write and cfg.trainer.default_local_dir:  # the checkpoints go there instead
+        places.append(("trainer.default_local_dir", cfg.trainer.default_local_dir))
+    for name, where in places:
+        try:
+            RunStorage(where).probe(write=write)
+        except StorageError as exc:
+            return f"{name}={where} cannot be {'written' if write else 'read'}: {exc.reason}"
     return None

@@ -120,6 +120,15 @@ def test_check_storage_names_the_key_and_url(tmp_path: Path) -> None:
     assert why.startswith("run.storage=nosuchproto://b/runs ") and "unknown protocol" in why
 
 
+def test_the_trainer_also_checks_default_local_dir(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    local = tmp_path / "file" / "ckpt"
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", f"trainer.default_local_dir={local}"])
+    why = check_storage(cfg, "trainer")
+    assert why is not None and why.startswith(f"trainer.default_local_dir={local} cannot be")
+    assert check_storage(cfg, "rollouter") is None  # it never reads checkpoints
+
+
 def test_a_component_on_an_unusable_storage_exits_2_naming_it(tmp_path: Path) -> None:
     # Before Redis is contacted: the url names a port nothing listens on.
     res = subprocess.run(
