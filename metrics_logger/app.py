@@ -28,9 +28,10 @@ import msgspec
 from bus import Bus, Entry, Heartbeat, RunFinished, StepFinished
 from bus.facts import run_finished_refusal
 from bus.files import atomic_write
-from bus.history import events_folder, find_archive
+from bus.history import find_archive
 from bus.messages import ValidationFinished
 from runconfig import Config
+from runconfig.paths import events_dir
 from runtime import Component, LogFollower
 from runtime import main as run_main
 
@@ -241,14 +242,14 @@ class MetricsLogger(Component):
     def _gap(self, after: str, first: str) -> None:
         print(f"{PROG}: events after {after} up to {first} were trimmed from the stream "
               f"(run.retention=checkpoint) and their archive is not at "
-              f"{events_folder(self.cfg.run.output_dir, self.run_id)}; "
+              f"{events_dir(self.cfg, self.run_id)}; "
               "skipped the metrics of those steps", file=sys.stderr, flush=True)
 
     async def serve(self) -> int:
         """From the stored position to the end of the log (the archive first when retention
         trimmed what follows it, bus.history), then new entries until RunFinished."""
         self.follower.archive = await find_archive(
-            self.bus, self.keys, events_folder(self.cfg.run.output_dir, self.run_id))
+            self.bus, self.keys, events_dir(self.cfg, self.run_id))
         await self.follower.catch_up(on_gap=self._gap)
         while not self.finished and not self.stopping.is_set():
             await self.follower.poll(block_ms=1000)

@@ -68,7 +68,7 @@ from bus import (
     WarningRaised,
 )
 from bus.files import atomic_write
-from bus.history import events_folder, find_archive
+from bus.history import find_archive
 from bus.keys import LOG_ROLES, ROLE_LOG_MAXLEN
 from profiler_service.finish import HOOK_INTERRUPTED_CODE, HOOK_MARKER_NAME, FinishHook
 from profiler_service.manifest import (
@@ -97,6 +97,7 @@ from profiler_service.state import (
     unchecked_stops,
 )
 from profiling.hook import hook_env
+from runconfig.paths import events_dir
 from runconfig.schema import Config
 from runtime import Component, LogFollower
 
@@ -229,7 +230,7 @@ class ProfilerService(Component):
             self._fold(entry.msg)
         # The archive first when retention trimmed the stream (bus.history), then the stream.
         self.follower.archive = await find_archive(
-            self.bus, self.keys, events_folder(self.cfg.run.output_dir, self.keys.run_id))
+            self.bus, self.keys, events_dir(self.cfg, self.keys.run_id))
         await self.follower.catch_up(on_gap=_log_gap)
         # A stream that holds only garbage still exists; read_all skipped those entries.
         if not self._events_exist and await self.bus.exists(self.keys.events):

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from bus import Bus, RunKeys
-from bus.history import events_folder, find_archive
+from bus.history import find_archive
 from bus.messages import (
     Heartbeat,
     Message,
@@ -32,6 +32,7 @@ from bus.messages import (
 )
 from bus.progress import validation_line
 from runconfig import Config
+from runconfig.paths import events_dir
 from runtime import LogFollower
 
 __all__ = ["event_to_json", "inspect_run", "summary_line", "validations_table"]
@@ -169,7 +170,7 @@ def inspect_run(
         with redis_for_reading(cfg) as url:
             events, samples = asyncio.run(_read(
                 url, run_id, with_samples=trace is not None,
-                archive=events_folder(cfg.run.output_dir, run_id)))
+                archive=events_dir(cfg, run_id)))
     except RunDataMissing as exc:
         print(f"rlbus inspect: error: {exc}", file=sys.stderr)
         return 1

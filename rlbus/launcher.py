@@ -65,8 +65,9 @@ from runconfig import (
     parse_config_args,
     resolve_run_id,
 )
-from runconfig.paths import checkpoint_dir
+from runconfig.paths import checkpoint_dir, events_dir
 from runtime.process import expanded_url
+from runtime.storage import check_storage
 from tasks.verl_data import check_data
 
 if TYPE_CHECKING:
@@ -219,6 +220,10 @@ class _Up:
 
     def _run(self) -> int:
         self.sup.check()
+        why = check_storage(self.cfg, "up")  # run.storage: before anything starts
+        if why is not None:
+            self.console.say(f"error: {why}")
+            return 2
         self._check_ray_address()
         self._connect()
         self.sup.check()
@@ -276,7 +281,7 @@ class _Up:
         self.fresh = self.server is not None and not self.run_dir.exists()
         if self.fresh:
             return None
-        archive = self.run_dir / "events"
+        archive = events_dir(self.cfg, self.run_id)
         self.status = asyncio.run(run_status(self.url, self.run_id, archive))
         if self.status.config is not None:
             self._take_recorded_config(self.status.config)

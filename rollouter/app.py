@@ -59,6 +59,7 @@ from rollouter.scoring import RewardPool, Score, ScoreItem
 from rollouter.validation import Validator, build_validator
 from rollouter.weights import HeldWeights, WeightsLost, fetch_within
 from runconfig import Config, ConfigError
+from runconfig.paths import blob_root
 from runtime import Component, Failure, LogFollower, settle_heap
 
 __all__ = ["Rollouter", "TrainerGone"]
@@ -279,9 +280,10 @@ class Rollouter(Component):
     def _stage(self) -> None:
         self.weights.stage()
 
-    def _weights_root(self) -> Path:
-        """Where the storage transport (and the whole blobs of older logs) live."""
-        return Path(self.cfg.run.output_dir) / self.run_id / "blobs"
+    def _weights_root(self) -> str | Path:
+        """Where the storage transport (and the whole blobs of older logs) live:
+        ``run.storage/RUN/blobs`` (runconfig.paths.blob_root)."""
+        return blob_root(self.cfg, self.run_id)
 
     async def _fetch(self, msg: WeightsPublished) -> dict[str, torch.Tensor]:
         ref = msg.manifest or msg.ref

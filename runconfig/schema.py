@@ -74,6 +74,7 @@ class RunConfig(_Section, frozen=True):
     retention: Literal["checkpoint", "all"] = "checkpoint"
     cpu_affinity: Literal["auto", "none"] = "auto"
     defaults: Literal["auto", "verl", "rlbus"] = "auto"
+    storage: str | None = None
 
 
 # verl's dtype spellings (fsdp_config.model_dtype / rollout.dtype) and torch's.

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from runconfig import Config, ConfigError, load_or_exit
+from runtime.storage import check_storage
 
 if TYPE_CHECKING:
     from bus import Bus
@@ -70,6 +71,15 @@ def _required(cfg: Config, prog: str) -> int | None:
     return None
 
 
+def _storage(cfg: Config, role: str, prog: str) -> int | None:
+    """The run's storage can be read (and by the trainer written): else exit 2 naming it."""
+    why = check_storage(cfg, role)
+    if why is None:
+        return None
+    print(f"{prog}: error: {why}", file=sys.stderr, flush=True)
+    return 2
+
+
 def _logging(prog: str, package: str) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"{prog}: %(message)s", stream=sys.stderr,
                         force=True)
@@ -98,6 +108,8 @@ def main(
     code = _required(cfg, prog)
     if code is None and precheck is not None:
         code = precheck(cfg, prog)
+    if code is None:
+        code = _storage(cfg, role, prog)
     if code is not None:
         return code
     if heavy:

@@ -22,6 +22,7 @@ log, loads the latest checkpoint and re-applies the steps after it (:func:`train
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
@@ -43,7 +44,7 @@ from bus.messages import (
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from runconfig import Config, config_to_dict
-from runconfig.paths import checkpoint_dir
+from runconfig.paths import blob_root, checkpoint_dir, local_root
 from runconfig.stepunit import is_save_update
 from runtime import Component
 from tasks import build_prompt_source
@@ -54,7 +55,15 @@ from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale, Ve
 from trainer.learner import Learner
 from trainer.lease import acquire, token
 from trainer.metrics import StepMeter, verl_step_metrics
-from trainer.resume import rebuild, write_checkpoint
+from trainer.resume import (
+    LogRead,
+    ResumeFailed,
+    RunNotCovered,
+    missing_checkpoint,
+    not_covered,
+    rebuild,
+    write_checkpoint,
+)
 from trainer.retention import trim_after_checkpoint
 from trainer.stepwork import StepWork, may_stream
 from trainer.validation import Validations, last_version
@@ -85,7 +94,7 @@ class Trainer(Component):
     def __init__(self, cfg: Config, bus: Bus) -> None:
         super().__init__(cfg, bus)
         tc, ac = cfg.trainer, cfg.async_training
-        self.run_dir = Path(cfg.run.output_dir) / self.run_id
+        self.run_dir = local_root(cfg, self.run_id)  # run.storage when local (paths)
         self.ckpt_dir = checkpoint_dir(cfg, self.run_id)  # trainer.default_local_dir
         self.hf_export = HFExport(cfg.model.path) if (
             "hf_model" in tc.checkpoint_contents and cfg.model.path) else None
@@ -103,7 +112,8 @@ class Trainer(Component):
         self.watch = Watch(cfg, bus, self.keys)
         self.learner = Learner(cfg)
         self.weights = Weights(bus, self.keys, self.writer, self.run_dir, self.epoch,
-                               transport=cfg.rollout.weights_transport)
+                               transport=cfg.rollout.weights_transport,
+                               root=blob_root(cfg, self.run_id))
         self.validations = Validations(cfg, bus, self.keys, self.writer)
         # What the trainer writes answers what it read from the other roles' streams: its
         # entries come after those in the merged log, even within one millisecond.
@@ -154,7 +164,8 @@ class Trainer(Component):
             self.profiler = StepProfiler(agent, self.off)
 
     async def serve(self) -> int:
-        await self.writer.read_log(self.ckpt_dir, self.run_dir / "events")
+        read = await self.writer.read_log(self.ckpt_dir, self.run_dir / "events")
+        await self._check_covered(read)
         await self._report_refused()
         self.watch.follow_from(self.writer.position)  # reports: what comes next only
         state, total = self.writer.state, self.cfg.trainer.total_training_steps
@@ -191,6 +202,20 @@ class Trainer(Component):
                 await self.upcoming.settle()
             if self.hf_export is not None:
                 self.hf_export.close()
+
+    async def _check_covered(self, read: LogRead) -> None:
+        """Never train from scratch inside a run that has steps: steps of the log this
+        storage cannot restore (no snapshot, no archive of the trimmed log) are a
+        :class:`~trainer.resume.RunNotCovered` (exit 2, naming what is missing)."""
+        why = not_covered(self.run_id, read, str(self.ckpt_dir), str(self.run_dir / "events"))
+        if why is not None:
+            raise RunNotCovered(why)
+        # Checkpoints the log names, none of them here: a ResumeFailed (exit 1 and a
+        # ComponentFailed, as rebuild would say it), before the model is built.
+        why = await asyncio.to_thread(missing_checkpoint, self.run_id, read.state,
+                                      os.path.exists)
+        if why is not None:
+            raise ResumeFailed(why)
 
     async def _report_refused(self) -> None:
         """One line and one ``fact_refused`` warning per event of the log its fold refused

@@ -21,6 +21,7 @@ import msgspec
 import torch
 
 from bus import Bus, RunKeys
+from bus.archive import last_archived
 from bus.files import atomic_file, atomic_write
 from bus.history import read_history
 from bus.messages import Sample, StepFinished, TrainerResumed, WarningRaised
@@ -31,9 +32,9 @@ from trainer.state import StepRecord, TrainerState, take
 if TYPE_CHECKING:
     from trainer.learner import Learner
 
-__all__ = ["LogRead", "Refused", "ResumeFailed", "Snapshot", "load_checkpoint",
-           "pick_checkpoint", "read_log", "rebuild", "replay_groups", "snapshots",
-           "write_checkpoint"]
+__all__ = ["LogRead", "Refused", "ResumeFailed", "RunNotCovered", "Snapshot",
+           "load_checkpoint", "missing_checkpoint", "not_covered", "pick_checkpoint",
+           "read_log", "rebuild", "replay_groups", "snapshots", "write_checkpoint"]
 
 RunOff = Callable[..., Awaitable[Any]]
 
@@ -49,6 +50,17 @@ class Snapshot(msgspec.Struct, frozen=True):
 class ResumeFailed(Failure):
     """The log names what a resume needs and it is not there (a checkpoint file, the samples
     of a step to re-apply): one line and a ComponentFailed, not a traceback."""
+
+
+class RunNotCovered(ResumeFailed):
+    """The log holds steps this trainer cannot restore: the checkpoint or the events archive
+    that covers them is not in its storage (another node's disk, another ``run.output_dir``).
+    A trainer never trains from scratch inside a run that has steps: exit 2, naming the run,
+    the last step of the log and what is missing (:func:`not_covered`). Nothing is written
+    to the run's log: the trainer did not start."""
+
+    code = 2
+    publish = False
 
 
 class Refused(msgspec.Struct, frozen=True):
@@ -68,6 +80,47 @@ class LogRead(msgspec.Struct):
     last_finished_id: str | None
     entries_read: int
     refused: list[Refused] = []
+    log_last_step: int = 0
+    """The newest step a StepFinished read names, folded or not (what the log says happened)."""
+    archive_missing: bool = False
+    """The stream was trimmed (the archive's location is recorded in Redis) and this read,
+    from the log's beginning, found nothing in its archive: the trimmed part was not read."""
+    archive_written: str | None = None
+    """Where the trainer that trimmed the stream wrote the archive (as it recorded it)."""
+
+
+def not_covered(run_id: str, read: LogRead, checkpoints: str, archive: str) -> str | None:
+    """Why a trainer must not start on what ``read`` folded (None: it may). The log holds
+    steps the fold could not account for when its trimmed part was not read (the archive in
+    ``archive`` is missing or empty) or when StepFinished events were read without the
+    RunStarted before them; a resume from scratch would train again, inside the run, steps
+    the log says happened. ``checkpoints``: where the trainer looked for checkpoints."""
+    last = max(read.log_last_step, read.state.last_step)
+    if read.archive_missing:
+        written = "" if read.archive_written in (None, archive) else (
+            f", it was written at {read.archive_written}")
+        return (f"run {run_id}: the events stream was trimmed and its archive {archive} holds "
+                f"nothing (the log reads up to step {last}{written}; checkpoints looked for "
+                f"in {checkpoints}): start the trainer on the run's storage")
+    if read.log_last_step > read.state.last_step and not read.state.started:
+        # Steps without the RunStarted before them: the log's beginning was not read. (A
+        # forged StepFinished in a log read whole is refused and reported, not this.)
+        return (f"run {run_id}: the log holds steps up to {read.log_last_step} but only "
+                f"{read.state.last_step} could be restored (no checkpoint snapshot in "
+                f"{checkpoints}, no archived events in {archive}): start the trainer on the "
+                f"run's storage")
+    return None
+
+
+def missing_checkpoint(run_id: str, state: TrainerState, exists: Callable[[str], bool]
+                       ) -> str | None:
+    """Why a trainer must not start (None: it may): the log names checkpoints and none of
+    them ``exists`` here (pick_checkpoint would fail after the model was built)."""
+    try:
+        pick_checkpoint(state, exists)
+    except ResumeFailed as exc:
+        return f"run {run_id}: the log holds steps up to {state.last_step}; {exc}"
+    return None
 
 
 def write_checkpoint(folder: Path, step: int, version: int, policy: torch.nn.Module,
@@ -124,16 +177,22 @@ async def read_log(bus: Bus, keys: RunKeys, folder: Path, archive: Path | None =
     read = 0
     refused: list[Refused] = []
     archive = folder.parent / "events" if archive is None else archive
+    # From the beginning of a trimmed stream, the archive must supply the trimmed part.
+    written = await bus.get_text(keys.archive) if start == "0" else None
+    missing = written is not None and await asyncio.to_thread(last_archived, archive) is None
+    logged = 0
     async for entry in read_history(bus, keys.events, archive, start):
         read += 1
         before = state.last_step
         state, why = take(state, entry.msg)
         position = entry.id
+        if isinstance(entry.msg, StepFinished):
+            logged = max(logged, entry.msg.step)
         if why is not None:
             refused.append(Refused(entry.id, type(entry.msg).__name__, why))
         elif isinstance(entry.msg, StepFinished) and state.last_step > before:
             last_finished = entry.id
-    return LogRead(state, position, last_finished, read, refused)
+    return LogRead(state, position, last_finished, read, refused, logged, missing, written)
 
 
 async def replay_groups(bus: Bus, keys: RunKeys, rec: StepRecord) -> list[list[Sample]]:

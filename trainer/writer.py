@@ -25,7 +25,7 @@ from bus import Bus, EntryGone, Fenced, Lease, RunKeys
 from bus.client import RetryHook
 from bus.messages import Event, Message, StepFinished
 from runtime import Restart
-from trainer.resume import Refused, Snapshot, read_log
+from trainer.resume import LogRead, Refused, Snapshot, read_log
 from trainer.state import TrainerState, take
 
 __all__ = ["LogBehind", "Writer"]
@@ -61,13 +61,15 @@ class Writer:
         """The newest entry id the trainer has read from the other roles' streams: every
         write comes after it in the merged log (bus.Lease.write)."""
 
-    async def read_log(self, checkpoints: Path, archive: Path | None = None) -> None:
+    async def read_log(self, checkpoints: Path, archive: Path | None = None) -> LogRead:
         """Fold the log (from the newest snapshot the log confirms) into :attr:`state`;
-        ``archive``: the run's archived events (trainer.resume.read_log)."""
+        ``archive``: the run's archived events (trainer.resume.read_log). Returns the read
+        (what the log holds beyond the fold: trainer.resume.not_covered)."""
         read = await read_log(self.bus, self.keys, checkpoints, archive)
         self.state, self.position = read.state, read.position
         self.last_finished_id, self.entries_read = read.last_finished_id, read.entries_read
         self.refused = read.refused
+        return read
 
     async def write(
         self, items: Sequence[tuple[str, Message]],
