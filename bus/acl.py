@@ -79,7 +79,8 @@ def _rollouter(p: str) -> str:
     return _component(p, "rollouter", position="position:rollouter*",
                       reads=("blob:*", "barrier", "trainer-lease"),
                       appends=("events:rollouter", "samples", "dlq"),
-                      extra=f"({_keys(p, 'prompts')} {_GROUP} {_READ_STREAM})")
+                      extra=f"{_keys(p, 'rank:rollouter:*')} "
+                            f"({_keys(p, 'prompts')} {_GROUP} {_READ_STREAM})")
 
 
 def _profiler(p: str) -> str:

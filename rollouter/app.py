@@ -48,6 +48,7 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
+from bus.ranks import RankClaim
 from bus.weights_transport import is_manifest_ref, open_transport
 from policy import build_policy, decode_steps, resolve_device
 from policy.text import build_tokenizer
@@ -60,6 +61,7 @@ from rollouter.validation import Validator, build_validator
 from rollouter.weights import HeldWeights, WeightsLost, fetch_within
 from runconfig import Config, ConfigError
 from runtime import Component, Failure, LogFollower, settle_heap
+from runtime.component import join_rank
 
 __all__ = ["Rollouter", "TrainerGone"]
 
@@ -93,12 +95,23 @@ class _Seq(msgspec.Struct):
 
 
 class Rollouter(Component):
-    """One rollouter replica (``rollout.rank``); :meth:`run` returns the exit code."""
+    """One rollouter replica (``rollout.rank``, claimed at :meth:`join`); :meth:`run` returns
+    the exit code."""
 
     role = "rollouter"
 
+    @classmethod
+    async def join(cls, cfg: Config, bus: Bus) -> tuple[Config, RankClaim | None]:
+        """Claim ``rollout.rank`` on the bus (unset: the lowest rank no live rollouter
+        holds): a replica joins a running run without knowing how many there are, and a
+        second process with a held rank exits 2 naming it and its holder."""
+        claim = await join_rank(cfg, bus, cls.role, cfg.rollout.rank)
+        rollout = msgspec.structs.replace(cfg.rollout, rank=claim.rank)
+        return msgspec.structs.replace(cfg, rollout=rollout), claim
+
     def __init__(self, cfg: Config, bus: Bus) -> None:
-        super().__init__(cfg, bus, rank=cfg.rollout.rank)
+        # Built in-process without joining (tests): rank 0 unless the config names one.
+        super().__init__(cfg, bus, rank=cfg.rollout.rank or 0)
         self.consumer = Consumer(
             bus, self.keys.prompts, GROUP, RunKeys.rollouter_consumer(self.rank),
             dlq_stream=self.keys.dlq,

@@ -1,0 +1,143 @@
+"""Ranks claimed on the bus (bus.ranks) against a real redis-server: the lowest free rank,
+an explicit rank, a held rank refused, a lapsed rank taken again, only the holder extends
+or releases; and the rollouter's ACL user may do all of it, the other roles may not."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from bus import Bus, RunKeys
+from bus.ranks import RankClaim, RankHeld, RankLost, claim_lowest_rank, claim_rank
+from tests.compose_redis import AclRedis
+
+TTL_S = 30.0
+ROLE = "rollouter"
+
+
+async def _until_free(claim: RankClaim, within_s: float = 10.0) -> None:
+    """Wait (bounded) for Redis to expire ``claim``'s key."""
+    deadline = time.monotonic() + within_s
+    while await claim.holder() is not None:
+        assert time.monotonic() < deadline, f"{claim.key} did not expire within {within_s} s"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.asyncio
+async def test_the_lowest_free_rank_is_claimed(bus: Bus, run_keys: RunKeys) -> None:
+    first = await claim_lowest_rank(bus, run_keys, ROLE, TTL_S, token="a")
+    second = await claim_lowest_rank(bus, run_keys, ROLE, TTL_S, token="b")
+    third = await claim_lowest_rank(bus, run_keys, ROLE, TTL_S, token="c")
+    assert (first.rank, second.rank, third.rank) == (0, 1, 2)
+    await second.release()  # a hole: the next joiner fills it
+    again = await claim_lowest_rank(bus, run_keys, ROLE, TTL_S, token="d")
+    assert again.rank == 1
+    assert await bus.command("GET", run_keys.rank_claim(ROLE, 1)) == b"d"
+    # A rank claimed explicitly above the others is skipped by the lowest-free search.
+    await claim_rank(bus, run_keys, ROLE, 3, TTL_S, token="e")
+    assert (await claim_lowest_rank(bus, run_keys, ROLE, TTL_S, token="f")).rank == 4
+    # Another role's ranks are its own.
+    assert (await claim_lowest_rank(bus, run_keys, "trainer", TTL_S, token="g")).rank == 0
+
+
+@pytest.mark.asyncio
+async def test_an_explicit_rank_held_by_another_process_is_refused(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    mine = await claim_rank(bus, run_keys, ROLE, 5, TTL_S)
+    assert mine.rank == 5
+    assert "@" in mine.token and "/" in mine.token  # PID@HOST/NONCE
+    with pytest.raises(RankHeld) as info:
+        await claim_rank(bus, run_keys, ROLE, 5, TTL_S)
+    assert info.value.rank == 5 and info.value.holder == mine.token
+    assert "rank 5" in str(info.value) and mine.token in str(info.value)
+    assert 0 < int(await bus.command("PTTL", mine.key)) <= TTL_S * 1000
+    # All ranks under the limit held: refused too, not a silent overflow.
+    for rank in range(2):
+        await claim_rank(bus, RunKeys(run_keys.run_id + "-x"), ROLE, rank, TTL_S)
+    with pytest.raises(RankHeld):
+        await claim_lowest_rank(bus, RunKeys(run_keys.run_id + "-x"), ROLE, TTL_S, limit=2)
+
+
+@pytest.mark.asyncio
+async def test_a_lapsed_rank_is_claimed_again_and_its_old_holder_lost_it(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    old = await claim_rank(bus, run_keys, ROLE, 0, 0.05, token="old")
+    await _until_free(old)
+    new = await claim_lowest_rank(bus, run_keys, ROLE, TTL_S, token="new")
+    assert new.rank == 0
+    assert not await old.refresh()
+    with pytest.raises(RankLost) as info:
+        await old.check()
+    assert info.value.holder == "new" and "rank 0" in str(info.value)
+    assert await new.holder() == "new"
+
+
+@pytest.mark.asyncio
+async def test_a_lapsed_rank_nobody_took_is_kept_by_its_holder(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    claim = await claim_rank(bus, run_keys, ROLE, 2, 0.05, token="paused")
+    await _until_free(claim)
+    assert await claim.refresh()
+    assert await claim.holder() == "paused"
+
+
+@pytest.mark.asyncio
+async def test_only_the_holder_refreshes_or_releases(bus: Bus, run_keys: RunKeys) -> None:
+    mine = await claim_rank(bus, run_keys, ROLE, 0, TTL_S, token="mine")
+    other = RankClaim(bus, run_keys, ROLE, 0, "other", 60.0)
+    assert not await other.refresh()
+    await other.release()
+    assert await mine.holder() == "mine"
+    assert int(await bus.command("PTTL", mine.key)) <= TTL_S * 1000  # not extended to 60 s
+    await bus.command("PEXPIRE", mine.key, 1000)
+    assert await mine.refresh()
+    assert int(await bus.command("PTTL", mine.key)) > 1000  # extended to the TTL again
+    await mine.release()
+    assert await mine.holder() is None
+    # Free again: an explicit claim succeeds.
+    assert (await claim_rank(bus, run_keys, ROLE, 0, TTL_S)).rank == 0
+
+
+RUN = "ranks-acl"
+
+
+@pytest.fixture(scope="module")
+def acl_server(redis7_binary: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    srv = AclRedis(redis7_binary, tmp_path_factory.mktemp("ranks-acl"), RUN)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.asyncio
+async def test_the_rollouter_user_claims_refreshes_and_releases_ranks(
+    acl_server: AclRedis,
+) -> None:
+    keys = RunKeys(RUN)
+    bus = Bus.from_url(acl_server.url("rollouter"))
+    try:
+        first = await claim_lowest_rank(bus, keys, ROLE, TTL_S)
+        second = await claim_lowest_rank(bus, keys, ROLE, TTL_S)
+        assert (first.rank, second.rank) == (0, 1)
+        with pytest.raises(RankHeld):
+            await claim_rank(bus, keys, ROLE, 1, TTL_S)
+        assert await first.refresh()
+        await first.release()
+        await second.release()
+        assert await first.holder() is None
+    finally:
+        await bus.close()
+    profiler = acl_server.client("profiler")
+    try:
+        from redis.exceptions import NoPermissionError
+
+        with pytest.raises(NoPermissionError):
+            profiler.set(keys.rank_claim(ROLE, 0), "forged", nx=True, px=1000)
+    finally:
+        profiler.close()
