@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from redis.exceptions import NoPermissionError
 
 from bus import Bus, RunKeys
+from bus.messages import ComponentFailed
 from bus.ranks import RankClaim, RankHeld, RankLost, claim_lowest_rank, claim_rank
+from runconfig import load_config
+from runtime import Component
 from tests.compose_redis import AclRedis
+from tests.procs import events_of
 
 TTL_S = 30.0
 ROLE = "rollouter"
@@ -107,7 +114,8 @@ RUN = "ranks-acl"
 
 
 @pytest.fixture(scope="module")
-def acl_server(redis7_binary: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def acl_server(redis7_binary: str,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclRedis]:
     srv = AclRedis(redis7_binary, tmp_path_factory.mktemp("ranks-acl"), RUN)
     try:
         yield srv
@@ -135,9 +143,37 @@ async def test_the_rollouter_user_claims_refreshes_and_releases_ranks(
         await bus.close()
     profiler = acl_server.client("profiler")
     try:
-        from redis.exceptions import NoPermissionError
-
         with pytest.raises(NoPermissionError):
             profiler.set(keys.rank_claim(ROLE, 0), "forged", nx=True, px=1000)
     finally:
         profiler.close()
+
+
+@pytest.mark.asyncio
+async def test_a_component_whose_rank_was_taken_exits_1_naming_it(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    """The pulse refreshes the claim; once another process holds the rank (ours lapsed and
+    was taken), serve is ended and the component exits 1 with a ComponentFailed naming the
+    rank and the new holder."""
+    cfg = load_config(overrides=[f"redis.url={redis_url}", f"run.id={run_id}",
+                                 f"run.output_dir={tmp_path}", "heartbeat.interval_s=0.05"])
+
+    class Forever(Component):
+        role = "rollouter"
+
+        async def serve(self) -> int:
+            await asyncio.Event().wait()
+            return 0
+
+    component = Forever(cfg, bus, rank=0)
+    component.claim = await claim_rank(bus, run_keys, ROLE, 0, TTL_S, token="ours")
+    task = asyncio.create_task(component.run())
+    await bus.command("SET", run_keys.rank_claim(ROLE, 0), "theirs")  # lapsed, then taken
+    async with asyncio.timeout(30):  # bounded: the next pulse (0.05 s) ends it
+        assert await task == 1
+    failed = [e for e in await events_of(bus, run_keys.events)
+              if isinstance(e, ComponentFailed)]
+    assert len(failed) == 1 and failed[0].rank == 0
+    assert "lost rollouter rank 0 to theirs" in failed[0].error
+    assert await bus.command("GET", run_keys.rank_claim(ROLE, 0)) == b"theirs"
