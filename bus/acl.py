@@ -7,7 +7,7 @@ password hashes are put in by deploy/redis/start-redis.sh); a test checks that t
 what this module generates.
 
 How a user is made of parts (Redis 7 ACL selectors): the root permissions hold the string
-keys (liveness, positions, lease, barrier, blobs) and the commands for them; a selector per
+keys (liveness, positions, rank claims, lease, barrier, blobs) and the commands for them; a selector per
 group of streams holds the stream commands for those streams only. A command passes when the
 root or one selector allows it with all its keys, so a user that may XADD to its own log
 stream may not SET, PEXPIRE or DEL it. Lua scripts (the trainer's fenced writes, the
