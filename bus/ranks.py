@@ -16,6 +16,8 @@ extend and compare-and-delete scripts of :class:`bus.liveness.Lease`).
         unclaimed; False when another process holds it now (lost)
     ``RankClaim.release()``           compare-and-DEL (EVAL)
     ``RankClaim.holder() -> str | None``   GET
+    ``RankClaim.steal(holder) -> bool``    compare-and-SET (EVAL), for a holder known dead
+    ``RankClaim.remaining_ms() -> int``    PTTL
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from bus.liveness import Lease
 from bus.streams import Bus
 
 __all__ = ["MAX_RANKS", "RankClaim", "RankHeld", "RankLost", "claim_lowest_rank",
-           "claim_rank", "holder_token"]
+           "claim_rank", "holder_pid_host", "holder_token"]
 
 MAX_RANKS = 1024
 """The highest rank :func:`claim_lowest_rank` tries, plus one: a bound on its loop (a run
@@ -101,6 +103,24 @@ class RankClaim:
     async def holder(self) -> str | None:
         """Who holds the rank now (None: free). Wraps GET."""
         return await self.lease.holder()
+
+    async def steal(self, holder: str) -> bool:
+        """Take the rank from ``holder`` (known dead), only if it still holds it. Wraps EVAL
+        (GET + SET PX)."""
+        return await self.lease.steal(holder)
+
+    async def remaining_ms(self) -> int:
+        """Milliseconds the claim has left, whoever holds it (-2: free). Wraps PTTL."""
+        return await self.lease.remaining_ms()
+
+
+def holder_pid_host(holder: str) -> tuple[int, str] | None:
+    """``(pid, host)`` of a holder token ``PID@HOST/NONCE`` (None: not such a token)."""
+    pid, at, rest = holder.partition("@")
+    host, slash, _ = rest.rpartition("/")
+    if not (at and slash and pid.isdigit()):
+        return None
+    return int(pid), host
 
 
 async def claim_rank(bus: Bus, keys: RunKeys, role: str, rank: int, ttl_s: float,

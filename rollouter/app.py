@@ -61,7 +61,7 @@ from rollouter.validation import Validator, build_validator
 from rollouter.weights import HeldWeights, WeightsLost, fetch_within
 from runconfig import Config, ConfigError
 from runtime import Component, Failure, LogFollower, settle_heap
-from runtime.component import join_rank
+from runtime.ranks import join_rank
 
 __all__ = ["Rollouter", "TrainerGone"]
 
@@ -104,8 +104,11 @@ class Rollouter(Component):
     async def join(cls, cfg: Config, bus: Bus) -> tuple[Config, RankClaim | None]:
         """Claim ``rollout.rank`` on the bus (unset: the lowest rank no live rollouter
         holds): a replica joins a running run without knowing how many there are, and a
-        second process with a held rank exits 2 naming it and its holder."""
-        claim = await join_rank(cfg, bus, cls.role, cfg.rollout.rank)
+        second process with a rank a live process holds exits 2 naming it and its holder
+        (:mod:`runtime.ranks`)."""
+        name = f"{cls.role}{'' if cfg.rollout.rank is None else cfg.rollout.rank}"
+        claim = await join_rank(cfg, bus, cls.role, cfg.rollout.rank,
+                                lambda text: print(f"{name}: {text}", flush=True))
         rollout = msgspec.structs.replace(cfg.rollout, rank=claim.rank)
         return msgspec.structs.replace(cfg, rollout=rollout), claim
 

@@ -45,11 +45,10 @@ from bus import Bus, RunKeys
 from bus.keys import ROLE_LOG_MAXLEN
 from bus.liveness import pulse_forever
 from bus.messages import Command, ComponentFailed, Event, Heartbeat, StartProfile, StopProfile
-from bus.ranks import RankClaim, RankHeld, RankLost, claim_lowest_rank, claim_rank
+from bus.ranks import RankClaim, RankLost
 from runconfig import Config
 
-__all__ = ["ClaimLost", "Component", "Failure", "RankTaken", "Restart", "join_rank",
-           "settle_heap"]
+__all__ = ["ClaimLost", "Component", "Failure", "Restart", "settle_heap"]
 
 T = TypeVar("T")
 
@@ -65,28 +64,8 @@ class Failure(RuntimeError):
     publish = True
 
 
-class RankTaken(Failure):
-    """The rank asked for (``rollout.rank``) is held by another live process: exit 2, as a
-    config value that cannot work; nothing of the run is written."""
-
-    code = 2
-    publish = False
-
-
 class ClaimLost(Failure):
     """This process's rank claim lapsed and another process took it (exit 1)."""
-
-
-async def join_rank(cfg: Config, bus: Bus, role: str, rank: int | None) -> RankClaim:
-    """Claim rank ``rank`` of ``role`` on the bus (None: the lowest free one), for the
-    heartbeat timeout (liveness's TTL); the pulse refreshes it. Raises :class:`RankTaken`."""
-    keys, ttl_s = RunKeys(cfg.run.id or ""), cfg.heartbeat.timeout_s
-    try:
-        if rank is None:
-            return await claim_lowest_rank(bus, keys, role, ttl_s)
-        return await claim_rank(bus, keys, role, rank, ttl_s)
-    except RankHeld as exc:
-        raise RankTaken(str(exc)) from None
 
 
 class Restart(RuntimeError):
@@ -148,9 +127,9 @@ class Component:
     @classmethod
     async def join(cls, cfg: Config, bus: Bus) -> tuple[Config, RankClaim | None]:
         """Once Redis answers, before the component is built: claim what makes this process
-        one of its run's (a rollouter's rank, :func:`join_rank`). Returns the config to build
-        with and the claim (refreshed at every pulse, released at exit by runtime.process);
-        raise :class:`Failure` to exit. By default: nothing to claim."""
+        one of its run's (a rollouter's rank, :func:`runtime.ranks.join_rank`). Returns the
+        config to build with and the claim (refreshed at every pulse, released at exit by
+        runtime.process); raise :class:`Failure` to exit. By default: nothing to claim."""
         return cfg, None
 
     async def setup(self) -> None:

@@ -1,10 +1,17 @@
 """Ranks claimed on the bus (bus.ranks) against a real redis-server: the lowest free rank,
 an explicit rank, a held rank refused, a lapsed rank taken again, only the holder extends
-or releases; and the rollouter's ACL user may do all of it, the other roles may not."""
+or releases; and the rollouter's ACL user may do all of it, the other roles may not. The
+joining policy (runtime.ranks): a gone local holder is replaced at once, a live one refuses
+(exit 2), a silent remote one is replaced once its claim lapsed; a component whose rank was
+taken exits 1."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +22,9 @@ from redis.exceptions import NoPermissionError
 from bus import Bus, RunKeys
 from bus.messages import ComponentFailed
 from bus.ranks import RankClaim, RankHeld, RankLost, claim_lowest_rank, claim_rank
-from runconfig import load_config
+from runconfig import Config, load_config
 from runtime import Component
+from runtime.ranks import RankTaken, join_rank
 from tests.compose_redis import AclRedis
 from tests.procs import events_of
 
@@ -177,3 +185,66 @@ async def test_a_component_whose_rank_was_taken_exits_1_naming_it(
     assert len(failed) == 1 and failed[0].rank == 0
     assert "lost rollouter rank 0 to theirs" in failed[0].error
     assert await bus.command("GET", run_keys.rank_claim(ROLE, 0)) == b"theirs"
+
+
+def _join_cfg(redis_url: str, run_id: str, tmp_path: Path, timeout_s: float = 30.0) -> Config:
+    return load_config(overrides=[f"redis.url={redis_url}", f"run.id={run_id}",
+                                  f"run.output_dir={tmp_path}", "heartbeat.interval_s=0.05",
+                                  f"heartbeat.timeout_s={timeout_s}"])
+
+
+def _dead_pid() -> int:
+    """A pid of this host that no process has (a child that exited and was reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("whose", ["a dead process", "this pid, an earlier incarnation"])
+async def test_an_explicit_rank_of_a_gone_local_process_is_taken_at_once(
+    whose: str, redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    pid = _dead_pid() if whose == "a dead process" else os.getpid()
+    old = f"{pid}@{socket.gethostname()}/0000"
+    await bus.command("SET", run_keys.rank_claim(ROLE, 0), old, "PX", 60_000)
+    said: list[str] = []
+    claim = await join_rank(_join_cfg(redis_url, run_id, tmp_path), bus, ROLE, 0, said.append)
+    assert claim.rank == 0 and await claim.holder() == claim.token != old
+    assert said == []  # no wait: the holder was known gone
+
+
+@pytest.mark.asyncio
+async def test_an_explicit_rank_whose_holder_extends_it_is_refused(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    cfg = _join_cfg(redis_url, run_id, tmp_path, timeout_s=2.0)
+    live = await claim_rank(bus, run_keys, ROLE, 0, 2.0, token="1@elsewhere/live")
+
+    async def pulse() -> None:  # the live holder's pulse
+        while True:
+            await live.refresh()
+            await asyncio.sleep(0.05)
+
+    pulsing = asyncio.create_task(pulse())
+    said: list[str] = []
+    try:
+        with pytest.raises(RankTaken) as info:
+            await join_rank(cfg, bus, ROLE, 0, said.append)
+    finally:
+        pulsing.cancel()
+    assert info.value.code == 2 and "1@elsewhere/live" in str(info.value)
+    assert len(said) == 1 and "checking whether it is alive" in said[0]
+    assert await live.holder() == "1@elsewhere/live"
+
+
+@pytest.mark.asyncio
+async def test_an_explicit_rank_of_a_silent_remote_holder_is_taken_once_it_lapsed(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    cfg = _join_cfg(redis_url, run_id, tmp_path, timeout_s=0.5)
+    await claim_rank(bus, run_keys, ROLE, 0, 0.5, token="1@elsewhere/crashed")
+    said: list[str] = []
+    claim = await join_rank(cfg, bus, ROLE, 0, said.append)
+    assert await claim.holder() == claim.token
+    assert len(said) == 1 and "1@elsewhere/crashed" in said[0]
