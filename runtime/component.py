@@ -279,9 +279,12 @@ class Component:
             if self._worker is not None:
                 self._worker.shutdown(wait=False, cancel_futures=True)
             # Redis may be what failed, or the user may lack DEL: the key lapses by itself.
+            # A lost rank's liveness key is its new holder's: left alone.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.bus.delete(self.keys.alive(self.role, self.rank)),
-                                       ALIVE_DELETE_TIMEOUT_S)
+                if self._lost is None:
+                    await asyncio.wait_for(
+                        self.bus.delete(self.keys.alive(self.role, self.rank)),
+                        ALIVE_DELETE_TIMEOUT_S)
 
 
 async def _cancelled(task: asyncio.Task[Any]) -> None:

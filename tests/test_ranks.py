@@ -178,8 +178,12 @@ async def test_a_component_whose_rank_was_taken_exits_1_naming_it(
     component.claim = await claim_rank(bus, run_keys, ROLE, 0, TTL_S, token="ours")
     task = asyncio.create_task(component.run())
     await bus.command("SET", run_keys.rank_claim(ROLE, 0), "theirs")  # lapsed, then taken
+    await bus.command("SET", run_keys.alive(ROLE, 0), "their pulse")
     async with asyncio.timeout(30):  # bounded: the next pulse (0.05 s) ends it
         assert await task == 1
+    # Its last pulse did not overwrite the new holder's liveness key, nor did its exit
+    # delete it.
+    assert await bus.command("GET", run_keys.alive(ROLE, 0)) == b"their pulse"
     failed = [e for e in await events_of(bus, run_keys.events)
               if isinstance(e, ComponentFailed)]
     assert len(failed) == 1 and failed[0].rank == 0
