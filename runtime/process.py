@@ -146,6 +146,8 @@ async def _serve(cfg: Config, url: str, prog: str, factory: Callable[..., Compon
         cfg, claim = joined
         if claim is not None:  # a rollouter started without a rank has one now
             prog = f"{claim.role}{claim.rank}"
+            for handler in logging.getLogger().handlers:
+                handler.setFormatter(logging.Formatter(f"{prog}: %(message)s"))
         progress = ProgressThread(url, ProgressSpec(
             cfg.run.id or "", cfg.trainer.total_training_steps, prog,
             cfg.run.progress_interval_s)).start()
