@@ -7,10 +7,10 @@ password hashes are put in by deploy/redis/start-redis.sh); a test checks that t
 what this module generates.
 
 How a user is made of parts (Redis 7 ACL selectors): the root permissions hold the string
-keys (liveness, positions, lease, barrier, blobs) and the commands for them; a selector per
-group of streams holds the stream commands for those streams only. A command passes when the
-root or one selector allows it with all its keys, so a user that may XADD to its own log
-stream may not SET, PEXPIRE or DEL it. Lua scripts (the trainer's fenced writes, the
+keys (liveness, positions, rank claims, lease, barrier, blobs) and the commands for them; a
+selector per group of streams holds the stream commands for those streams only. A command
+passes when the root or one selector allows it with all its keys, so a user that may XADD to
+its own log stream may not SET, PEXPIRE or DEL it. Lua scripts (the trainer's fenced writes, the
 profiler's barrier-guarded command) are allowed on the run's keys, and every command a
 script runs is checked against the same permissions. No component user has SCAN: peers are
 found through their role's members set (:func:`bus.liveness.members_key`) and blobs through
@@ -83,7 +83,8 @@ def _rollouter(p: str) -> str:
     return _component(p, "rollouter", position="position:rollouter*",
                       reads=("blob:*", "barrier", "trainer-lease"),
                       appends=("events:rollouter", "samples", "dlq"),
-                      extra=f"({_keys(p, 'prompts')} {_GROUP} {_READ_STREAM})")
+                      extra=f"{_keys(p, 'rank:rollouter:*')} "
+                            f"({_keys(p, 'prompts')} {_GROUP} {_READ_STREAM})")
 
 
 def _profiler(p: str) -> str:

@@ -155,6 +155,11 @@ class RunKeys(msgspec.Struct, frozen=True):
         the trainer and the other replicas match against live replicas' heartbeats."""
         return f"rollouter-{rank}"
 
+    def rank_claim(self, role: str, rank: int) -> str:
+        """Who holds rank ``rank`` of ``role`` (a string key ``PID@HOST/NONCE`` with a TTL,
+        SET NX PX, refreshed with the holder's heartbeat: see :mod:`bus.ranks`)."""
+        return f"{self.prefix}:rank:{role}:{rank}"
+
     def alive_pattern(self, role: str = "*") -> str:
         """SCAN MATCH pattern of the liveness keys of ``role`` (every role by default)."""
         return f"{self.prefix}:alive:{role}:*"

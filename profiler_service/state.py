@@ -81,6 +81,7 @@ __all__ = [
     "expected_ranks",
     "expected_targets",
     "fold",
+    "joined_target",
     "report_refusal",
     "run_finished_doubt",
     "stop_is_ok",
@@ -499,10 +500,19 @@ def report_refusal(state: ServiceState, msg: ProfileStarted | ProfileStopped) ->
     if session is None or session.cmd is None:
         return f"{kind} for session {msg.session_id!r}, which the service never started"
     cmd = session.cmd
-    if (msg.role, msg.rank) not in expected_targets(cmd.roles, state.replicas, cmd.ranks):
+    if ((msg.role, msg.rank) not in expected_targets(cmd.roles, state.replicas, cmd.ranks)
+            and not joined_target(cmd, msg.role, msg.rank)):
         return (f"{kind} for session {msg.session_id!r} from {msg.role}{msg.rank}, which the "
                 f"session does not target")
     return None
+
+
+def joined_target(cmd: StartProfile, role: str, rank: int) -> bool:
+    """Whether rollouter ``rank`` beyond ``rollout.replicas`` (one that joined the running
+    run, docs/operations.md) acts on ``cmd``, as its agent decides: the rollouter role is
+    profiled and ``cmd.ranks`` is empty (every rank) or names it. The service does not wait
+    for such a replica, but counts its reports and lists its traces."""
+    return role == "rollouter" and role in cmd.roles and (not cmd.ranks or rank in cmd.ranks)
 
 
 def unchecked_stops(state: ServiceState) -> list[tuple[str, StopFact, str]]:

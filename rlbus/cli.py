@@ -39,8 +39,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "Run the trainer component (needs redis.url and run.id). Prints one progress\n"
                 "line per step."),
     "rollouter": (f"rlbus rollouter {COMMON}",
-                  "Run one rollouter component (rollout.rank=I selects the replica; needs\n"
-                  "redis.url and run.id). Prints a progress line every run.progress_interval_s."),
+                  "Run one rollouter component (needs redis.url and run.id). It joins the run\n"
+                  "with the lowest free rank, or rollout.rank=I (exit 2 if another process\n"
+                  "holds it). Prints a progress line every run.progress_interval_s."),
     "profiler": (f"rlbus profiler {COMMON}",
                  "Run the standalone profiler service for run.id (needs redis.url)."),
     "logger": (f"rlbus logger {COMMON}",

@@ -48,6 +48,7 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
+from bus.ranks import RankClaim
 from bus.weights_transport import is_manifest_ref, open_transport
 from policy import build_policy, decode_steps, resolve_device
 from policy.text import build_tokenizer
@@ -61,6 +62,7 @@ from rollouter.weights import HeldWeights, WeightsLost, fetch_within
 from runconfig import Config, ConfigError
 from runconfig.paths import blob_root
 from runtime import Component, Failure, LogFollower, settle_heap
+from runtime.ranks import join_rank
 
 __all__ = ["Rollouter", "TrainerGone"]
 
@@ -94,12 +96,26 @@ class _Seq(msgspec.Struct):
 
 
 class Rollouter(Component):
-    """One rollouter replica (``rollout.rank``); :meth:`run` returns the exit code."""
+    """One rollouter replica (``rollout.rank``, claimed at :meth:`join`); :meth:`run` returns
+    the exit code."""
 
     role = "rollouter"
 
+    @classmethod
+    async def join(cls, cfg: Config, bus: Bus) -> tuple[Config, RankClaim | None]:
+        """Claim ``rollout.rank`` on the bus (unset: the lowest rank no live rollouter
+        holds): a replica joins a running run without knowing how many there are, and a
+        second process with a rank a live process holds exits 2 naming it and its holder
+        (:mod:`runtime.ranks`)."""
+        name = f"{cls.role}{'' if cfg.rollout.rank is None else cfg.rollout.rank}"
+        claim = await join_rank(cfg, bus, cls.role, cfg.rollout.rank,
+                                lambda text: print(f"{name}: {text}", flush=True))
+        rollout = msgspec.structs.replace(cfg.rollout, rank=claim.rank)
+        return msgspec.structs.replace(cfg, rollout=rollout), claim
+
     def __init__(self, cfg: Config, bus: Bus) -> None:
-        super().__init__(cfg, bus, rank=cfg.rollout.rank)
+        # Built in-process without joining (tests): rank 0 unless the config names one.
+        super().__init__(cfg, bus, rank=cfg.rollout.rank or 0)
         self.consumer = Consumer(
             bus, self.keys.prompts, GROUP, RunKeys.rollouter_consumer(self.rank),
             dlq_stream=self.keys.dlq,

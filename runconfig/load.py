@@ -496,8 +496,6 @@ def _key_of(message: str) -> str:
 def _check_cross_fields(cfg: Config) -> None:
     _check_model(cfg)
     _check_task(cfg)
-    if cfg.rollout.rank >= cfg.rollout.replicas:
-        raise ConfigError("rollout.rank", f"must be < rollout.replicas={cfg.rollout.replicas}")
     _check_profiler(cfg)
     _check_checkpoint_contents(cfg)
     _check_redis_cluster(cfg)

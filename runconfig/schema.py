@@ -207,7 +207,9 @@ class ValKwargs(_Section, frozen=True):
 class RolloutConfig(_Section, frozen=True):
     n: PosInt = 8
     replicas: PosInt = 1
-    rank: NonNegInt = 0
+    # Elastic replicas (docs/operations.md): null = the lowest rank no live rollouter
+    # holds, claimed on the bus at join; replicas = how many `rlbus up` starts, not a cap.
+    rank: NonNegInt | None = None
     temperature: PosFloat = 1.0
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     top_k: int = -1

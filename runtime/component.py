@@ -20,6 +20,10 @@ the one object that owns its process's life on the bus:
    trace written, ProfileStopped published), :meth:`~Component.teardown`, the worker thread
    shut down, the liveness key taken down (a clean exit is not a silent death).
 
+Before it is built, a component may :meth:`~Component.join` its run (a rollouter claims its
+rank on the bus, :mod:`bus.ranks`); the claim is refreshed at every pulse, and one lost to
+another process ends the component (:class:`ClaimLost`, exit 1).
+
 A :class:`Failure` raised from setup or serve is the component's named error: one line on
 stderr, a ``ComponentFailed`` event (unless the failure says the log must not be written),
 exit code 1.
@@ -41,9 +45,10 @@ from bus import Bus, RunKeys
 from bus.keys import ROLE_LOG_MAXLEN
 from bus.liveness import pulse_forever
 from bus.messages import Command, ComponentFailed, Event, Heartbeat, StartProfile, StopProfile
+from bus.ranks import RankClaim, RankLost
 from runconfig import Config
 
-__all__ = ["Component", "Failure", "Restart", "settle_heap"]
+__all__ = ["ClaimLost", "Component", "Failure", "Restart", "settle_heap"]
 
 T = TypeVar("T")
 
@@ -57,6 +62,10 @@ class Failure(RuntimeError):
 
     code = 1
     publish = True
+
+
+class ClaimLost(Failure):
+    """This process's rank claim lapsed and another process took it (exit 1)."""
 
 
 class Restart(RuntimeError):
@@ -103,6 +112,10 @@ class Component:
         self._pulse_now = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._worker: ThreadPoolExecutor | None = None
+        self.claim: RankClaim | None = None
+        """The rank this process claimed at :meth:`join` (set by runtime.process)."""
+        self._lost: ClaimLost | None = None
+        self._main: asyncio.Task[Any] | None = None
 
     @property
     def name(self) -> str:
@@ -110,6 +123,14 @@ class Component:
         return f"{self.role}{self.rank}" if self.role == "rollouter" else self.role
 
     # ------------------------------------------------------------------ hooks
+
+    @classmethod
+    async def join(cls, cfg: Config, bus: Bus) -> tuple[Config, RankClaim | None]:
+        """Once Redis answers, before the component is built: claim what makes this process
+        one of its run's (a rollouter's rank, :func:`runtime.ranks.join_rank`). Returns the
+        config to build with and the claim (refreshed at every pulse, released at exit by
+        runtime.process); raise :class:`Failure` to exit. By default: nothing to claim."""
+        return cfg, None
 
     async def setup(self) -> None:
         """Before the pulse starts (e.g. the trainer's lease); raise :class:`Failure` to exit."""
@@ -186,6 +207,7 @@ class Component:
     # ------------------------------------------------------------------ lifecycle
 
     async def _pulse_step(self) -> None:
+        await self._keep_claim()
         await self.on_pulse()
         if self.profiler is not None:  # traces written beside the steps since the last pulse
             await self.publish(*self.profiler.exported())
@@ -193,8 +215,22 @@ class Component:
         if position is not None and position != "0":
             await self.bus.set_position(self.keys.position(self.name), position)
 
+    async def _keep_claim(self) -> None:
+        """Refresh the rank claim; lost to another process, end :meth:`serve` (the pulse
+        stops too: the rank's liveness key is the new holder's now)."""
+        if self.claim is None:
+            return
+        try:
+            await self.claim.check()
+        except RankLost as exc:
+            self._lost = ClaimLost(str(exc))
+            if self._main is not None:
+                self._main.cancel()
+            raise self._lost from None
+
     async def run(self) -> int:
         """The whole life of the component; returns the exit code."""
+        self._main = asyncio.current_task()
         try:
             await self.setup()
         except Failure as exc:
@@ -207,14 +243,24 @@ class Component:
         try:
             return await self.serve()
         except Failure as exc:
-            self.say(str(exc), error=True)
-            if exc.publish:
-                with contextlib.suppress(Exception):
-                    await self.publish(ComponentFailed(role=self.role, rank=self.rank,
-                                                       error=str(exc)))
-            return exc.code
+            return await self._failed(exc)
+        except asyncio.CancelledError:
+            if self._lost is None or self._main is None:
+                raise
+            self._main.uncancel()  # not a stop signal: our claim was lost
+            return await self._failed(self._lost)
         finally:
             await self._wind_down()
+
+    async def _failed(self, exc: Failure) -> int:
+        """A named failure: one line, a ComponentFailed event (if it may be written), its
+        exit code."""
+        self.say(str(exc), error=True)
+        if exc.publish:
+            with contextlib.suppress(Exception):
+                await self.publish(ComponentFailed(role=self.role, rank=self.rank,
+                                                   error=str(exc)))
+        return exc.code
 
     async def _wind_down(self) -> None:
         """Background tasks first (the pulse last: closing the agent can take a while), the
@@ -233,9 +279,12 @@ class Component:
             if self._worker is not None:
                 self._worker.shutdown(wait=False, cancel_futures=True)
             # Redis may be what failed, or the user may lack DEL: the key lapses by itself.
+            # A lost rank's liveness key is its new holder's: left alone.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.bus.delete(self.keys.alive(self.role, self.rank)),
-                                       ALIVE_DELETE_TIMEOUT_S)
+                if self._lost is None:
+                    await asyncio.wait_for(
+                        self.bus.delete(self.keys.alive(self.role, self.rank)),
+                        ALIVE_DELETE_TIMEOUT_S)
 
 
 async def _cancelled(task: asyncio.Task[Any]) -> None:

@@ -26,6 +26,7 @@ from runtime.storage import check_storage
 
 if TYPE_CHECKING:
     from bus import Bus
+    from bus.ranks import RankClaim
     from runtime.component import Component
 
 __all__ = ["CLOSE_TIMEOUT_S", "entry_point", "expand_or_fail", "expanded_url", "main"]
@@ -103,8 +104,8 @@ def main(
     args = list(sys.argv[1:] if argv is None else argv)
     prog = role
     cfg = load_or_exit(args, prog)
-    if role == "rollouter":
-        prog = f"rollouter{cfg.rollout.rank}"
+    if role == "rollouter":  # a rollouter without a rank gets one at join (_serve)
+        prog = f"rollouter{'' if cfg.rollout.rank is None else cfg.rollout.rank}"
     code = _required(cfg, prog)
     if code is None and precheck is not None:
         code = precheck(cfg, prog)
@@ -153,13 +154,22 @@ async def _serve(cfg: Config, url: str, prog: str, factory: Callable[..., Compon
 
     bus = Bus.from_url(url, client_name=f"rlbus-{prog}-{cfg.run.id}")
     progress: ProgressThread | None = None
+    claim: RankClaim | None = None
     try:
         # One line if Redis cannot be reached, before the component builds anything.
         await bus.ping()
+        joined = await _join(cfg, bus, prog, factory)
+        if isinstance(joined, int):
+            return joined
+        cfg, claim = joined
+        if claim is not None:  # a rollouter started without a rank has one now
+            prog = f"{claim.role}{claim.rank}"
+            for handler in logging.getLogger().handlers:
+                handler.setFormatter(logging.Formatter(f"{prog}: %(message)s"))
         progress = ProgressThread(url, ProgressSpec(
             cfg.run.id or "", cfg.trainer.total_training_steps, prog,
             cfg.run.progress_interval_s)).start()
-        return await _run_restarting(cfg, bus, prog, factory)
+        return await _run_restarting(cfg, bus, prog, factory, claim)
     except (BusUnavailable, BusAuthError) as exc:
         print(bus_error_line(prog, exc), file=sys.stderr, flush=True)
         return 1
@@ -169,18 +179,40 @@ async def _serve(cfg: Config, url: str, prog: str, factory: Callable[..., Compon
     finally:
         if progress is not None:
             progress.stop()
+        if claim is not None:  # a clean stop frees the rank at once; a crash lets it lapse
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(claim.release(), CLOSE_TIMEOUT_S)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(bus.close(), CLOSE_TIMEOUT_S)
 
 
+async def _join(cfg: Config, bus: Bus, prog: str, factory: Callable[..., Component],
+                ) -> tuple[Config, RankClaim | None] | int:
+    """The component's :meth:`~runtime.Component.join` (a rollouter's rank claimed): the
+    config to build with and the claim, or the exit code of a named failure."""
+    from runtime.component import Failure
+
+    join = getattr(factory, "join", None)
+    if join is None:
+        return cfg, None
+    try:
+        joined: tuple[Config, RankClaim | None] = await join(cfg, bus)
+    except Failure as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return exc.code
+    return joined
+
+
 async def _run_restarting(cfg: Config, bus: Bus, prog: str,
-                          factory: Callable[..., Component]) -> int:
+                          factory: Callable[..., Component],
+                          claim: RankClaim | None = None) -> int:
     """A fresh component after each :class:`runtime.Restart`, a bounded number of times."""
     from runtime.component import Restart
 
     restarts = 0
     while True:
         component = factory(cfg, bus)
+        component.claim = claim
         try:
             return await _run_until_stopped(component, prog, cfg.run.stop_grace_s / 2)
         except Restart as exc:

@@ -247,18 +247,25 @@ def _replicas_before(msgs: Sequence[Fact], i: int) -> int:
     return replicas
 
 
+def _joined(cmd: StartProfile, m: ProfileStarted | ProfileStopped) -> bool:
+    """A rollouter beyond the replicas (it joined the run later) that the command addresses
+    (its role listed, its rank listed or every rank): its reports count too."""
+    return m.role == "rollouter" and "rollouter" in cmd.roles and (
+        len(cmd.ranks) == 0 or m.rank in cmd.ranks)
+
+
 def _counted_reports(msgs: Sequence[Fact]) -> list[bool]:
     """For each position: is it a ProfileStarted/ProfileStopped that counts? Only for a
     session whose StartProfile came earlier, from a process that session targets (with
-    the replicas of the run at that point)."""
+    the replicas of the run at that point) or addresses (a rollouter that joined later)."""
     out = []
     for i, m in enumerate(msgs):
         counts = False
         if isinstance(m, ProfileStarted | ProfileStopped):
             cmd = next((c for c in msgs[:i] if isinstance(c, StartProfile)
                         and c.session_id == m.session_id), None)
-            counts = cmd is not None and (m.role, m.rank) in _targets(
-                cmd.roles, _replicas_before(msgs, i), cmd.ranks)
+            counts = cmd is not None and ((m.role, m.rank) in _targets(
+                cmd.roles, _replicas_before(msgs, i), cmd.ranks) or _joined(cmd, m))
         out.append(counts)
     return out
 

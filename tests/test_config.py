@@ -51,7 +51,7 @@ def test_file_then_overrides(tmp_path: Path) -> None:
         ("model.n_heads=3", "model.n_heads"),
         ("task.min_digits=9", "task.min_digits"),
         ("rollout.max_new_tokens=40", "model.max_len"),
-        ("rollout.rank=1", "rollout.rank"),
+        ("rollout.rank=-1", "rollout.rank"),
         ("run.id=../etc", "run.id"),
         ("no_equals_sign", "no_equals_sign"),
     ],

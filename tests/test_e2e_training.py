@@ -295,7 +295,7 @@ async def test_rlbus_up_and_inspect_json(tmp_path: Path) -> None:
         (["up", "trainer.no_such_key=1"], "trainer.no_such_key"),
         (["up", "--config", "/nonexistent.yaml"], "--config"),
         (["inspect", "--run", "x", "run.output_dir=[1]"], "run.output_dir"),
-        (["up", "rollout.rank=3", "rollout.replicas=2"], "rollout.rank"),
+        (["rollouter", "rollout.rank=-3"], "rollout.rank"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(argv: list[str], key: str) -> None:

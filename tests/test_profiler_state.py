@@ -789,7 +789,7 @@ def test_reports_for_a_session_never_sent_or_from_a_process_it_does_not_target_a
     unknown = msgspec_replace(_stop30("trainer", 30, 40), session_id="s99-99")
     assert "never started" in (report_refusal(state, unknown) or "")
     assert apply(state, unknown) is state
-    stranger = msgspec_replace(_stop30("rollouter", 30, 40), rank=3)
+    stranger = msgspec_replace(_stop30("trainer", 30, 40), rank=3)
     assert "does not target" in (report_refusal(state, stranger) or "")
     assert apply(state, stranger) is state
     started = ProfileStarted(session_id="s99-99", role="trainer", rank=0, step=1, tool="torch")
@@ -811,3 +811,20 @@ def test_a_run_finished_naming_another_step_than_the_last_finished_is_not_believ
     assert apply(state, forged) is state
     assert "contradicts the log" in (run_finished_doubt(state, forged) or "")
     assert apply(state, RunFinished(run_id="r1", steps=2)).run_finished is not None
+
+
+def test_a_rollouter_that_joined_beyond_the_replicas_has_its_traces_listed() -> None:
+    """rollout.replicas is how many rollouters `rlbus up` started, not a cap: a replica that
+    joined later (rank 3 of a run with 1) profiles a session for every rank, and the service
+    counts its report and lists its trace (after the ranks it waits for)."""
+    from profiler_service.state import report_refusal
+
+    state = fold([run_started(1), S30])
+    joined = msgspec_replace(_stop30("rollouter", 30, 40), rank=3)
+    assert report_refusal(state, joined) is None
+    manifest = build_manifest("r1", fold([run_started(1), S30, joined]))
+    assert [(e["role"], e["rank"]) for e in manifest["sessions"]] == [
+        ("trainer", 0), ("rollouter", 0), ("rollouter", 3)]
+    # A session for rank 0 only does not target it.
+    only0 = msgspec_replace(S30, ranks=[0])
+    assert "does not target" in (report_refusal(fold([run_started(1), only0]), joined) or "")
