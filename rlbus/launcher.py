@@ -191,7 +191,7 @@ class _Up:
         self.sup = sup
         self.console = Console(sup)
         # trainer.resume_mode=auto: the run recorded in trainer.default_local_dir
-        self.cfg = resolve_run_id(run_from_local_dir(cfg, self.console.out))
+        self.cfg = _for_launcher(resolve_run_id(run_from_local_dir(cfg, self.console.out)))
         self.run_id = self.cfg.run.id or ""
         self.run_dir = Path(self.cfg.run.output_dir) / self.run_id
         self.url = ""
@@ -305,7 +305,7 @@ class _Up:
                          + (", changed here:" if changes else " (nothing changed)"))
         for key, old, new in changes:
             self.console.out(f"  {key}: {_show_value(old)} -> {_show_value(new)}")
-        self.cfg = merged
+        self.cfg = _for_launcher(merged)
 
     def _write_config(self) -> Path:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -419,6 +419,16 @@ class _Up:
         out(f"  inspect      {_prog()} inspect --run {self.run_id}"
             + (f" --config {self.run_dir / 'config.yaml'}" if cfg.redis.url else "")
             + f" run.output_dir={cfg.run.output_dir}")
+
+
+def _for_launcher(cfg: Config) -> Config:
+    """Under Ray, every path key absolute against this directory (rlbus.abspaths): the
+    components run wherever Ray started its workers."""
+    if cfg.run.launcher != "ray":
+        return cfg
+    from rlbus.abspaths import absolute_paths
+
+    return absolute_paths(cfg, Path.cwd())
 
 
 def _show_value(value: Any) -> str:
