@@ -335,7 +335,7 @@ class _Up:
             self.sup.install()  # ray.init replaced our SIGTERM handler
         self.sup.check()
         gpus = 1.0 if self.cfg.trainer.device.startswith("cuda") else 0.0
-        placed = ray_children(children, trainer_gpus=gpus)
+        placed = ray_children(children, run.ray, trainer_gpus=gpus)
         self.console.out(f"Ray launcher: {len(placed)} tasks")
         return placed
 

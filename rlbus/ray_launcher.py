@@ -27,6 +27,7 @@ import psutil
 
 from bus.server import pdeathsig_hook
 from runconfig import ConfigError
+from runconfig.schema import RayPlacementConfig
 
 __all__ = [
     "RayChild",
@@ -35,6 +36,7 @@ __all__ = [
     "probe_address",
     "ray_children",
     "ray_endpoint",
+    "ray_options",
     "shutdown_ray",
 ]
 
@@ -61,10 +63,12 @@ class RayChild(msgspec.Struct):
     name: str
     argv: list[str]
     log_path: Path
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Its task's Ray options (:func:`ray_options`)."""
     ref: Any = None
     rc: int | None = None
+    lost: str = ""
+    """Why its task ended without an exit code (node or worker lost), named by Ray."""
 
     @property
     def started(self) -> bool:
@@ -75,9 +79,10 @@ class RayChild(msgspec.Struct):
         import ray
 
         task = ray.remote(_run_component).options(
-            name=self.name, num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_retries=0,
+            name=self.name, max_retries=0, **self.options,
             runtime_env={"env_vars": {"PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1")}},
         )
+        self.rc, self.lost = None, ""
         self.ref = task.remote(self.argv, str(self.log_path))
 
     def returncode(self) -> int | None:
@@ -88,8 +93,9 @@ class RayChild(msgspec.Struct):
             if ready:
                 try:
                     self.rc = int(ray.get(ready[0]))
-                except Exception:  # the task itself died (worker killed, node lost)
+                except Exception as exc:  # the task itself died (worker killed, node lost)
                     self.rc = 1
+                    self.lost = lost_reason(exc)
         return self.rc
 
     def stop(self, grace_s: float = 15.0) -> None:
@@ -108,16 +114,36 @@ class RayChild(msgspec.Struct):
         return "\n".join(text.splitlines()[-lines:])
 
 
-def ray_children(children: list[Any], trainer_gpus: float) -> list[RayChild]:
+def lost_reason(exc: BaseException) -> str:
+    """One line naming what Ray says was lost (its first line names the node or worker),
+    instead of the many lines of cluster state Ray appends."""
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+def ray_options(name: str, placement: RayPlacementConfig, trainer_gpus: float) -> dict[str, Any]:
+    """The Ray task options of the component ``name`` (trainer, rollouterN, profiler,
+    logger): its CPUs, GPUs, custom resources and scheduling strategy. Pure.
+
+    The profiler service and the logger only read the log and write files: they ask for no
+    CPU, so a 1-CPU node still runs its trainer or rollouter (a 0.1 CPU logger once took
+    the only slot the trainer needed). The trainer asks for ``run.ray.trainer_resources``
+    (a node label as a custom resource: it lands there), the rollouters for
+    ``run.ray.rollouter_resources``, spread over the nodes by ``run.ray.rollouter_strategy``."""
+    if name in ("profiler", "logger"):
+        return {"num_cpus": 0, "num_gpus": 0}
+    if name == "trainer":
+        return {"num_cpus": 1, "num_gpus": trainer_gpus,
+                "resources": dict(placement.trainer_resources)}
+    return {"num_cpus": 1, "num_gpus": 0, "resources": dict(placement.rollouter_resources),
+            "scheduling_strategy": placement.rollouter_strategy}
+
+
+def ray_children(children: list[Any], placement: RayPlacementConfig,
+                 trainer_gpus: float) -> list[RayChild]:
     """Ray versions of the local launcher's children (same argv and log paths)."""
-    out = []
-    for c in children:
-        gpus = trainer_gpus if c.name == "trainer" else 0.0
-        # The profiler service and the logger are I/O only: they should not hold a CPU slot
-        # a rollouter needs.
-        cpus = 0.1 if c.name in ("profiler", "logger") else 1.0
-        out.append(RayChild(c.name, c.argv, c.log_path, num_cpus=cpus, num_gpus=gpus))
-    return out
+    return [RayChild(c.name, c.argv, c.log_path, ray_options(c.name, placement, trainer_gpus))
+            for c in children]
 
 
 def ray_endpoint(address: str) -> tuple[str, int] | None:
