@@ -57,7 +57,7 @@ from rlbus.localdir import mark_local_dir, run_from_local_dir
 from rlbus.ray_launcher import RayUnavailable
 from rlbus.runlog import RunStatus, config_changes, recorded_config, run_status
 from rlbus.supervise import Interrupted, Supervisor
-from rlbus.watching import Progress, RunWatch, Summary, manifest_traces
+from rlbus.watching import Progress, RestartPolicy, RunWatch, Summary, manifest_traces
 from runconfig import (
     Config,
     config_to_dict,
@@ -203,6 +203,7 @@ class _Up:
         self.status = RunStatus()
         self.summary = Summary()
         self.wall0 = time.monotonic()
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
     def run(self) -> int:
         rc = 1
@@ -340,7 +341,7 @@ class _Up:
         return placed
 
     def _start_children(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = self.env
         if self.status.started:
             self.console.out(f"resuming run {self.run_id} after step {self.status.last_step}")
         for child in self.children:
@@ -366,7 +367,8 @@ class _Up:
         progress = Progress(self.cfg.trainer.total_training_steps, self.status.last_step,
                              self.console)
         watch = RunWatch(self.run_id, self.children, self.sup, progress, self.summary, past,
-                         last_step=self.status.last_step)
+                         last_step=self.status.last_step,
+                         policy=RestartPolicy(self.cfg.run.max_restarts), env=self.env)
         try:
             return asyncio.run(watch.run(self.url, since))
         finally:

@@ -95,7 +95,7 @@ class RayChild(msgspec.Struct):
                     self.rc = int(ray.get(ready[0]))
                 except Exception as exc:  # the task itself died (worker killed, node lost)
                     self.rc = 1
-                    self.lost = lost_reason(exc)
+                    self.lost = lost_reason(exc) + dead_nodes()
         return self.rc
 
     def stop(self, grace_s: float = 15.0) -> None:
@@ -119,6 +119,19 @@ def lost_reason(exc: BaseException) -> str:
     instead of the many lines of cluster state Ray appends."""
     first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
     return f"{type(exc).__name__}: {first}"[:300]
+
+
+def dead_nodes() -> str:
+    """``; dead Ray node(s): IP (node id)`` for every node the cluster lists as dead (a lost
+    task is most often the node's), or nothing."""
+    import ray
+
+    try:
+        dead = [f"{n.get('NodeManagerAddress', '?')} ({str(n.get('NodeID', '?'))[:12]})"
+                for n in ray.nodes() if not n.get("Alive", True)]
+    except Exception:  # the cluster itself is gone: the task's own reason says so
+        return ""
+    return f"; dead Ray node(s): {', '.join(dead)}" if dead else ""
 
 
 def ray_options(name: str, placement: RayPlacementConfig, trainer_gpus: float) -> dict[str, Any]:

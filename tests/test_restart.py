@@ -1,0 +1,60 @@
+"""A lost rollouter is restarted while the run goes on (rlbus.watching.RestartPolicy): the
+loss is named in the run's event log and on the console, the run finishes, no step is lost
+and no sample is trained twice. The trainer is never restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from bus import Bus, RunKeys
+from bus.messages import WarningRaised
+from rlbus.watching import RestartPolicy
+from tests.procs import FAST, assert_every_step_once, events_of
+from tests.test_supervise import Up
+
+
+def test_policy_restarts_rollouters_profiler_logger_within_the_bound() -> None:
+    policy = RestartPolicy(max_restarts=2)
+    assert [policy.restart("rollouter1") for _ in range(3)] == [True, True, False]
+    assert policy.restart("rollouter0") and policy.restart("logger") and policy.restart("profiler")
+    assert not policy.restart("trainer")
+    assert policy.restarts == {"rollouter1": 2, "rollouter0": 1, "logger": 1, "profiler": 1}
+    assert not RestartPolicy(max_restarts=0).restart("rollouter0")
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_a_killed_rollouter_is_restarted_and_the_run_finishes(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    steps = 8
+    up = Up([sys.executable, "-m", "rlbus", "up", f"redis.url={redis_url}", f"run.id={run_id}",
+             f"run.output_dir={tmp_path / 'out'}", *FAST, "trainer.logger=[console]",
+             "rollout.replicas=2", "heartbeat.timeout_s=5",
+             f"trainer.total_training_steps={steps}"], tmp_path)
+    try:
+        pids = up.pids()
+        assert set(pids) == {"rollouter0", "rollouter1", "trainer"}, pids
+        up.wait_line(lambda s: s.startswith("step ") and int(s.split()[1].split("/")[0]) >= 2)
+        os.kill(pids["rollouter1"], signal.SIGKILL)
+        rc, out = up.finish()
+    finally:
+        up.kill()
+    assert rc == 0, out
+    restarted = [s for s in out.splitlines() if s.startswith("warning from rlbus up: ")]
+    assert len(restarted) == 1, out
+    assert "rollouter1 failed (exit code -9); restarted (1 of 3" in restarted[0], out
+    assert "Traceback" not in out, out
+    events = await events_of(bus, run_keys.events)
+    assert_every_step_once(events, steps)
+    warnings = [e for e in events if isinstance(e, WarningRaised) and e.source == "rlbus up"]
+    assert [(w.code, w.message.split(";")[0]) for w in warnings] == [
+        ("component_restarted", "rollouter1 failed (exit code -9)")]
+    # The restarted rollouter ran to the run's end (the killed one could not say this).
+    log = (tmp_path / "out" / run_id / "logs" / "rollouter1.log").read_text()
+    assert f"rollouter1: run {run_id} finished" in log, log[-2000:]
