@@ -219,8 +219,32 @@ def init_ray(address: str | None, num_cpus: int, timeout_s: float = 60.0,
         except Exception as exc:  # whatever ray.init raises: one line naming the address
             raise RayUnavailable(f"cannot connect to Ray at run.ray_address={address}: "
                                  f"{type(exc).__name__}: {exc}") from None
+        _one_line_ray_errors()
         return
     _start_local(num_cpus, timeout_s, cancelled)
+
+
+def _one_line_ray_errors() -> None:
+    """Ray's driver prints each cluster error (a raylet that died: 40 lines of its log and
+    state) on the console; keep the first line of each. The loss itself is named by
+    ``rlbus up`` (the component, the dead node) in the run's log. Ray's printer is private:
+    left alone where it is not found."""
+    try:
+        from ray._private import worker
+    except ImportError:
+        return
+    printer = getattr(worker, "print_to_stdstream", None)
+    if printer is None or getattr(printer, "rlbus_one_line", False):
+        return
+
+    def one_line(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet":
+            lines = [ln for m in data.get("lines", []) for ln in str(m).splitlines()[:1]]
+            data = {**data, "lines": [ln[:300] for ln in lines]}
+        printer(data, ignore_prefix)
+
+    one_line.rlbus_one_line = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = one_line
 
 
 def _start_local(num_cpus: int, timeout_s: float, cancelled: Callable[[], bool]) -> None:
@@ -231,6 +255,7 @@ def _start_local(num_cpus: int, timeout_s: float, cancelled: Callable[[], bool])
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
             ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+            _one_line_ray_errors()
             return
         except Exception as exc:  # e.g. "The current node timed out during startup"
             shutdown_ray()
