@@ -58,3 +58,30 @@ async def test_a_killed_rollouter_is_restarted_and_the_run_finishes(
     # The restarted rollouter ran to the run's end (the killed one could not say this).
     log = (tmp_path / "out" / run_id / "logs" / "rollouter1.log").read_text()
     assert f"rollouter1: run {run_id} finished" in log, log[-2000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_past_the_bound_the_loss_stops_the_run_named_with_the_resume_command(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    """run.max_restarts=0: a lost rollouter stops the run as the trainer's loss does: a
+    component_failed warning in the log, its log tail on the console, the resume command."""
+    up = Up([sys.executable, "-m", "rlbus", "up", f"redis.url={redis_url}", f"run.id={run_id}",
+             f"run.output_dir={tmp_path / 'out'}", *FAST, "trainer.logger=[console]",
+             "run.max_restarts=0", "trainer.total_training_steps=100000"], tmp_path)
+    try:
+        pids = up.pids()
+        up.wait_line(lambda s: s.startswith("step "))
+        os.kill(pids["rollouter0"], signal.SIGKILL)
+        rc, out = up.finish()
+    finally:
+        up.kill()
+    assert rc == 1, out
+    assert "rlbus up: rollouter0 failed (exit code -9); last lines of " in out, out
+    assert any(s.strip().startswith("resume ") and f"run.id={run_id}" in s
+               for s in out.splitlines()), out
+    events = await events_of(bus, run_keys.events)
+    logged = [(e.code, e.message) for e in events
+              if isinstance(e, WarningRaised) and e.source == "rlbus up"]
+    assert logged == [("component_failed", "rollouter0 failed (exit code -9); the run stops")]
