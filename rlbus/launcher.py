@@ -323,22 +323,36 @@ class _Up:
         self.children = children
 
     def _on_ray(self, children: list[Child]) -> list[Any]:
-        from rlbus.ray_launcher import init_ray, ray_children
+        from rlbus.ray_launcher import init_ray, local_resources, ray_children
 
         self.ray = True
         run = self.cfg.run
         try:
             init_ray(run.ray_address, max(2, len(children)), run.ray_connect_timeout_s,
-                     lambda: self.sup.cancelled)
+                     lambda: self.sup.cancelled,
+                     local_resources(run.ray, self.cfg.rollout.replicas))
         except SystemExit:  # Ray's own SIGTERM handler, active during ray.init
             self.sup.signals.append(signal.SIGTERM)
         finally:
             self.sup.install()  # ray.init replaced our SIGTERM handler
         self.sup.check()
+        self._check_resources()
         gpus = 1.0 if self.cfg.trainer.device.startswith("cuda") else 0.0
         placed = ray_children(children, run.ray, trainer_gpus=gpus)
         self.console.out(f"Ray launcher: {len(placed)} tasks")
         return placed
+
+    def _check_resources(self) -> None:
+        """A custom resource no node offers would leave its component waiting forever: one
+        line naming the key, before anything is submitted."""
+        import ray
+
+        from rlbus.ray_launcher import missing_resources
+
+        missing = missing_resources(self.cfg.run.ray, ray.cluster_resources())
+        if missing:
+            raise _Refused(f"no node of the Ray cluster offers {', '.join(missing)} "
+                           "(start a node with `ray start ... --resources '{\"NAME\": N}'`)")
 
     def _start_children(self) -> None:
         env = self.env

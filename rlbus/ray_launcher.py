@@ -33,6 +33,8 @@ __all__ = [
     "RayChild",
     "RayUnavailable",
     "init_ray",
+    "local_resources",
+    "missing_resources",
     "probe_address",
     "ray_children",
     "ray_endpoint",
@@ -152,6 +154,25 @@ def ray_options(name: str, placement: RayPlacementConfig, trainer_gpus: float) -
             "scheduling_strategy": placement.rollouter_strategy}
 
 
+def local_resources(placement: RayPlacementConfig, replicas: int) -> dict[str, float]:
+    """The custom resources a local Ray (no ``run.ray_address``) is started with: what the
+    placement asks for, so one machine holds every role (else a trainer asking for
+    ``{trainer: 1}`` would wait forever for a node that has it). Pure."""
+    out = dict(placement.trainer_resources)
+    for name, amount in placement.rollouter_resources.items():
+        out[name] = out.get(name, 0.0) + amount * replicas
+    return out
+
+
+def missing_resources(placement: RayPlacementConfig, cluster: dict[str, float]) -> list[str]:
+    """``KEY: NAME`` for each custom resource the placement asks for that no node of the
+    cluster offers (``cluster``: ``ray.cluster_resources()``); empty when all are there."""
+    asked = [("run.ray.trainer_resources", placement.trainer_resources),
+             ("run.ray.rollouter_resources", placement.rollouter_resources)]
+    return [f"{key}: {name}" for key, wanted in asked for name, amount in wanted.items()
+            if cluster.get(name, 0.0) < amount]
+
+
 def ray_children(children: list[Any], placement: RayPlacementConfig,
                  trainer_gpus: float) -> list[RayChild]:
     """Ray versions of the local launcher's children (same argv and log paths)."""
@@ -200,7 +221,8 @@ def probe_address(address: str, timeout_s: float,
 
 
 def init_ray(address: str | None, num_cpus: int, timeout_s: float = 60.0,
-             cancelled: Callable[[], bool] = lambda: False) -> None:
+             cancelled: Callable[[], bool] = lambda: False,
+             resources: dict[str, float] | None = None) -> None:
     """Connect to ``address`` (probed first: see :func:`probe_address`) or start a local Ray.
 
     A local start that Ray itself gives up on (its node waits a fixed 30 s for the raylet,
@@ -221,7 +243,7 @@ def init_ray(address: str | None, num_cpus: int, timeout_s: float = 60.0,
                                  f"{type(exc).__name__}: {exc}") from None
         _one_line_ray_errors()
         return
-    _start_local(num_cpus, timeout_s, cancelled)
+    _start_local(num_cpus, timeout_s, cancelled, resources or {})
 
 
 def _one_line_ray_errors() -> None:
@@ -247,14 +269,16 @@ def _one_line_ray_errors() -> None:
     worker.print_to_stdstream = one_line
 
 
-def _start_local(num_cpus: int, timeout_s: float, cancelled: Callable[[], bool]) -> None:
+def _start_local(num_cpus: int, timeout_s: float, cancelled: Callable[[], bool],
+                 resources: dict[str, float]) -> None:
     import ray
 
     deadline = time.monotonic() + timeout_s
     while True:
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                     resources=resources)
             _one_line_ray_errors()
             return
         except Exception as exc:  # e.g. "The current node timed out during startup"

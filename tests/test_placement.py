@@ -51,3 +51,24 @@ def test_bad_strategy_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="rollouter_strategy"):
         _placement("run.ray.rollouter_strategy=PACKED")
+
+
+def test_a_local_ray_offers_what_the_placement_asks_for() -> None:
+    from rlbus.ray_launcher import local_resources
+
+    placement = _placement("run.ray.trainer_resources={trainer: 1}",
+                           "run.ray.rollouter_resources={gen: 0.5, trainer: 0.25}")
+    assert local_resources(placement, replicas=2) == {"trainer": 1.5, "gen": 1.0}
+    assert local_resources(_placement(), replicas=3) == {}
+
+
+def test_missing_resources_name_their_key() -> None:
+    from rlbus.ray_launcher import missing_resources
+
+    placement = _placement("run.ray.trainer_resources={trainer: 1}",
+                           "run.ray.rollouter_resources={gen: 1}")
+    assert missing_resources(placement, {"CPU": 4.0, "trainer": 1.0, "gen": 0.5}) == [
+        "run.ray.rollouter_resources: gen"]
+    assert missing_resources(placement, {"CPU": 4.0}) == [
+        "run.ray.trainer_resources: trainer", "run.ray.rollouter_resources: gen"]
+    assert missing_resources(_placement(), {}) == []
