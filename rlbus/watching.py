@@ -221,7 +221,8 @@ class RunWatch:
         """The exit code once watching is over, else None."""
         if self.sup.signals:
             return self.sup.exit_code
-        for child in self.children:
+        # The trainer first: rollouters that exit because it is gone are not restarted.
+        for child in sorted(self.children, key=lambda c: c.name != "trainer"):
             rc = child.returncode()
             if rc is not None and rc != 0 and not self._restarted(child, rc):
                 return 1
