@@ -48,10 +48,11 @@ class RestartPolicy(msgspec.Struct):
     max_restarts: int
     restarts: dict[str, int] = msgspec.field(default_factory=dict)
 
-    def restart(self, name: str) -> bool:
-        """Whether ``name`` (trainer, rollouterN, profiler, logger) is restarted now; counts
-        the restart. Pure bookkeeping."""
-        if not name.startswith(RESTARTABLE):
+    def restart(self, name: str, rc: int = 1) -> bool:
+        """Whether ``name`` (trainer, rollouterN, profiler, logger), which exited with ``rc``,
+        is restarted now; counts the restart. Exit code 2 is a bad config or an unreadable
+        file (the components' convention): a restart would fail the same way. Pure."""
+        if not name.startswith(RESTARTABLE) or rc == 2:
             return False
         done = self.restarts.get(name, 0)
         if done >= self.max_restarts:
@@ -244,7 +245,7 @@ class RunWatch:
         """A child that failed: restarted (True) when the policy allows and the run is not
         over, else reported as the run's failure (False). Either is one warning in the log."""
         what = _loss(child, rc)
-        if self.finished_at is None and self.policy.restart(child.name):
+        if self.finished_at is None and self.policy.restart(child.name, rc):
             n = self.policy.restarts[child.name]
             self.pending.append(("component_restarted", f"{what}; restarted ({n} of "
                                  f"{self.policy.max_restarts}, run.max_restarts)"))

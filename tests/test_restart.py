@@ -23,6 +23,8 @@ def test_policy_restarts_rollouters_profiler_logger_within_the_bound() -> None:
     assert [policy.restart("rollouter1") for _ in range(3)] == [True, True, False]
     assert policy.restart("rollouter0") and policy.restart("logger") and policy.restart("profiler")
     assert not policy.restart("trainer")
+    assert not policy.restart("rollouter2", rc=2)  # a config error fails again: not restarted
+    assert "rollouter2" not in policy.restarts
     assert policy.restarts == {"rollouter1": 2, "rollouter0": 1, "logger": 1, "profiler": 1}
     assert not RestartPolicy(max_restarts=0).restart("rollouter0")
 
