@@ -60,6 +60,7 @@ class RestartPolicy(msgspec.Struct):
         self.restarts[name] = done + 1
         return True
 
+
 class Summary(msgspec.Struct):
     steps: int = 0
     first_reward: float | None = None
