@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -132,9 +133,9 @@ async def test_two_nodes_placed_as_asked_and_a_lost_node_named_and_survived(
     """A head (the trainer's node: resource `trainer`) and a worker raylet on this machine,
     with token auth (Ray 2.60 clusters use it). The trainer lands on the head, the two
     rollouters spread one per node; killing the worker's raylet loses its rollouter, which is
-    named in the run's log with the dead node and restarted on the head; the run finishes
-    with every step once and no sample twice."""
-    from bus.messages import WarningRaised
+    named in the run's log with the dead node and restarted on the head; the run goes on
+    (then it is stopped) with every step once and no sample twice."""
+    from bus.messages import StepFinished, WarningRaised
     from bus.redisbin import free_port
     from tests.procs import assert_every_step_once, events_of
     from tests.test_supervise import Up
@@ -156,18 +157,21 @@ async def test_two_nodes_placed_as_asked_and_a_lost_node_named_and_survived(
         _ray_start([f"--address=127.0.0.1:{gcs}", "--num-cpus=1", *common, *worker], env)
         # Before the run: a driver of its own takes seconds to connect.
         worker_id = next(n["NodeID"] for n in _nodes(gcs) if n["port"] == _port_of(worker))
-        # Long enough for the loss to be seen while the run goes on (the rollouter's task
-        # fails as soon as its node's connection drops).
-        steps = 60
+        # A run longer than this test: Ray reports the lost task when it declares the node
+        # dead (seconds to tens of seconds); the run goes on meanwhile and after.
+        steps = 100_000
         up = Up([sys.executable, "-m", "rlbus", "up", "run.launcher=ray",
                  f"run.ray_address=127.0.0.1:{gcs}", f"redis.url={redis_url}", f"run.id={run_id}",
-                 f"run.output_dir={tmp_path / 'out'}", *FAST, *PATIENT, "heartbeat.timeout_s=10",
+                 # Relative, as a user types it: Ray's workers run where `ray start` ran
+                 # (not tmp_path): rlbus up makes it absolute before submitting.
+                 "run.output_dir=out", *FAST, *PATIENT, "heartbeat.timeout_s=10",
                  "trainer.logger=[console]", "rollout.replicas=2",
                  "run.ray.trainer_resources={trainer: 1}",
                  f"trainer.total_training_steps={steps}"], tmp_path)
         try:
             up.wait_line(lambda s: s.startswith("step ") and int(s.split()[1].split("/")[0]) >= 2)
             where = _placed(tmp_path / "out" / run_id)
+            assert set(where) == {"trainer", "rollouter0", "rollouter1"}, where
             head_port, worker_port = _port_of(head), _port_of(worker)
             assert where.get("trainer") == head_port, where
             assert sorted([where.get("rollouter0"), where.get("rollouter1")]) == sorted(
@@ -176,16 +180,24 @@ async def test_two_nodes_placed_as_asked_and_a_lost_node_named_and_survived(
             raylet = next(p for p in psutil.process_iter(["cmdline"])
                           if f"--node_manager_port={worker_port}" in (p.info["cmdline"] or []))
             raylet.kill()
+            up.wait_line(lambda s: s.startswith("warning from rlbus up: "))
+            after = int(up.wait_line(lambda s: s.startswith("step ")).split()[1].split("/")[0])
+            # The run goes on: three more steps after the restart, then stop it.
+            up.wait_line(lambda s: s.startswith("step ")
+                         and int(s.split()[1].split("/")[0]) >= after + 3)
+            up.proc.send_signal(signal.SIGTERM)
             rc, out = up.finish()
         finally:
             up.kill()
-        assert rc == 0, out
+        assert rc == 128 + signal.SIGTERM, out
         warned = [s for s in out.splitlines() if s.startswith("warning from rlbus up: ")]
         assert len(warned) == 1 and warned[0].split()[4] == f"{lost}", out
         assert "restarted (1 of 3" in warned[0] and "NodeDiedError" in warned[0], out
         assert "[state-dump]" not in out, out  # Ray's errors: one line each
         events = await events_of(bus, run_keys.events)
-        assert_every_step_once(events, steps)
+        done = max(e.step for e in events if isinstance(e, StepFinished))
+        assert done >= after + 3
+        assert_every_step_once(events, done)
         logged = [e for e in events if isinstance(e, WarningRaised) and e.source == "rlbus up"]
         assert [e.code for e in logged] == ["component_restarted"], logged
         assert logged[0].message.startswith(f"{lost} lost: "), logged[0].message
