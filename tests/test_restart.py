@@ -7,13 +7,16 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from bus import Bus, RunKeys
 from bus.messages import WarningRaised
-from rlbus.watching import RestartPolicy
+from rlbus.children import Console
+from rlbus.supervise import Supervisor
+from rlbus.watching import Progress, RestartPolicy, RunWatch, Summary
 from tests.procs import FAST, assert_every_step_once, events_of
 from tests.test_supervise import Up
 
@@ -87,3 +90,50 @@ async def test_past_the_bound_the_loss_stops_the_run_named_with_the_resume_comma
     logged = [(e.code, e.message) for e in events
               if isinstance(e, WarningRaised) and e.source == "rlbus up"]
     assert logged == [("component_failed", "rollouter0 failed (exit code -9); the run stops")]
+
+
+class _Task:
+    """A component as RunWatch sees it (a Ray task: ``lost`` says what Ray lost)."""
+
+    def __init__(self, name: str, rc: int | None, lost: str = "") -> None:
+        self.name, self.rc, self.lost, self.starts = name, rc, lost, 0
+        self.log_path = Path("/nonexistent") / f"{name}.log"
+
+    def returncode(self) -> int | None:
+        return self.rc
+
+    def start(self, env: dict[str, str]) -> None:
+        self.rc, self.lost, self.starts = None, "", self.starts + 1
+
+    def log_tail(self) -> str:
+        return ""
+
+
+def _watch(*children: _Task, max_restarts: int = 3) -> RunWatch:
+    sup = Supervisor()
+    return RunWatch("r", list(children), sup, Progress(10, 0, Console(sup)), Summary(), set(),
+                    policy=RestartPolicy(max_restarts))
+
+
+def test_a_lost_node_restarts_its_rollouter_and_names_it() -> None:
+    lost = _Task("rollouter1", 1, "NodeDiedError: node ID: abc")
+    watch = _watch(_Task("trainer", None), lost)
+    assert watch._verdict() is None and lost.starts == 1
+    assert watch.pending == [("component_restarted", "rollouter1 lost: NodeDiedError: node ID: "
+                              "abc; restarted (1 of 3, run.max_restarts)")]
+
+
+def test_the_trainer_is_looked_at_first_and_never_restarted() -> None:
+    rollouter, trainer = _Task("rollouter0", 1), _Task("trainer", 1)
+    watch = _watch(rollouter, trainer)
+    assert watch._verdict() == 1
+    assert rollouter.starts == 0 and trainer.starts == 0
+    assert [code for code, _ in watch.pending] == ["component_failed"]
+
+
+def test_a_node_lost_after_the_run_finished_fails_nothing() -> None:
+    lost = _Task("rollouter0", 1, "NodeDiedError: node ID: abc")
+    watch = _watch(_Task("trainer", 0), lost)
+    watch.finished_at = time.monotonic()
+    assert watch._verdict() == 0 and lost.starts == 0
+    assert [code for code, _ in watch.pending] == ["component_lost"]
