@@ -26,9 +26,12 @@ $(RUNTIME): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[logger]" "$(TORCH)"
 	touch $@
 
-# The tests and benchmarks: pytest, ruff, HTA (dev), transformers (hf), ray, matplotlib (plot).
+# The tests and benchmarks: pytest, ruff (dev), transformers (hf), ray, matplotlib (plot),
+# HTA (what it imports: traces; HTA itself --no-deps, else it pulls jupyterlab: pyproject.toml).
+HTA    ?= HolisticTraceAnalysis>=0.5
 $(FULL): $(RUNTIME)
-	$(PY) -m pip install --quiet -e ".[dev,hf,ray,plot,logger]" "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev,hf,ray,plot,logger,traces]" "$(TORCH)"
+	$(PY) -m pip install --quiet --no-deps "$(HTA)"
 	touch $@
 
 # The chat demo's extra: transformers, safetensors, pyarrow (a verl user's model and data).

@@ -57,7 +57,7 @@ from rlbus.localdir import mark_local_dir, run_from_local_dir
 from rlbus.ray_launcher import RayUnavailable
 from rlbus.runlog import RunStatus, config_changes, recorded_config, run_status
 from rlbus.supervise import Interrupted, Supervisor
-from rlbus.watching import Progress, RunWatch, Summary, manifest_traces
+from rlbus.watching import Progress, RestartPolicy, RunWatch, Summary, manifest_traces
 from runconfig import (
     Config,
     config_to_dict,
@@ -192,7 +192,7 @@ class _Up:
         self.sup = sup
         self.console = Console(sup)
         # trainer.resume_mode=auto: the run recorded in trainer.default_local_dir
-        self.cfg = resolve_run_id(run_from_local_dir(cfg, self.console.out))
+        self.cfg = _for_launcher(resolve_run_id(run_from_local_dir(cfg, self.console.out)))
         self.run_id = self.cfg.run.id or ""
         self.run_dir = Path(self.cfg.run.output_dir) / self.run_id
         self.url = ""
@@ -204,6 +204,7 @@ class _Up:
         self.status = RunStatus()
         self.summary = Summary()
         self.wall0 = time.monotonic()
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
     def run(self) -> int:
         rc = 1
@@ -310,7 +311,7 @@ class _Up:
                          + (", changed here:" if changes else " (nothing changed)"))
         for key, old, new in changes:
             self.console.out(f"  {key}: {_show_value(old)} -> {_show_value(new)}")
-        self.cfg = merged
+        self.cfg = _for_launcher(merged)
 
     def _write_config(self) -> Path:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -327,25 +328,39 @@ class _Up:
         self.children = children
 
     def _on_ray(self, children: list[Child]) -> list[Any]:
-        from rlbus.ray_launcher import init_ray, ray_children
+        from rlbus.ray_launcher import init_ray, local_resources, ray_children
 
         self.ray = True
         run = self.cfg.run
         try:
             init_ray(run.ray_address, max(2, len(children)), run.ray_connect_timeout_s,
-                     lambda: self.sup.cancelled)
+                     lambda: self.sup.cancelled,
+                     local_resources(run.ray, self.cfg.rollout.replicas))
         except SystemExit:  # Ray's own SIGTERM handler, active during ray.init
             self.sup.signals.append(signal.SIGTERM)
         finally:
             self.sup.install()  # ray.init replaced our SIGTERM handler
         self.sup.check()
+        self._check_resources()
         gpus = 1.0 if self.cfg.trainer.device.startswith("cuda") else 0.0
-        placed = ray_children(children, trainer_gpus=gpus)
+        placed = ray_children(children, run.ray, trainer_gpus=gpus)
         self.console.out(f"Ray launcher: {len(placed)} tasks")
         return placed
 
+    def _check_resources(self) -> None:
+        """A custom resource no node offers would leave its component waiting forever: one
+        line naming the key, before anything is submitted."""
+        import ray
+
+        from rlbus.ray_launcher import missing_resources
+
+        missing = missing_resources(self.cfg.run.ray, ray.cluster_resources())
+        if missing:
+            raise _Refused(f"no node of the Ray cluster offers {', '.join(missing)} "
+                           "(start a node with `ray start ... --resources '{\"NAME\": N}'`)")
+
     def _start_children(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = self.env
         if self.status.started:
             self.console.out(f"resuming run {self.run_id} after step {self.status.last_step}")
         for child in self.children:
@@ -371,7 +386,8 @@ class _Up:
         progress = Progress(self.cfg.trainer.total_training_steps, self.status.last_step,
                              self.console)
         watch = RunWatch(self.run_id, self.children, self.sup, progress, self.summary, past,
-                         last_step=self.status.last_step)
+                         last_step=self.status.last_step,
+                         policy=RestartPolicy(self.cfg.run.max_restarts), env=self.env)
         try:
             return asyncio.run(watch.run(self.url, since))
         finally:
@@ -424,6 +440,16 @@ class _Up:
         out(f"  inspect      {_prog()} inspect --run {self.run_id}"
             + (f" --config {self.run_dir / 'config.yaml'}" if cfg.redis.url else "")
             + f" run.output_dir={cfg.run.output_dir}")
+
+
+def _for_launcher(cfg: Config) -> Config:
+    """Under Ray, every path key absolute against this directory (rlbus.abspaths): the
+    components run wherever Ray started its workers."""
+    if cfg.run.launcher != "ray":
+        return cfg
+    from rlbus.abspaths import absolute_paths
+
+    return absolute_paths(cfg, Path.cwd())
 
 
 def _show_value(value: Any) -> str:

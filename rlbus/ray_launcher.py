@@ -27,14 +27,18 @@ import psutil
 
 from bus.server import pdeathsig_hook
 from runconfig import ConfigError
+from runconfig.schema import RayPlacementConfig
 
 __all__ = [
     "RayChild",
     "RayUnavailable",
     "init_ray",
+    "local_resources",
+    "missing_resources",
     "probe_address",
     "ray_children",
     "ray_endpoint",
+    "ray_options",
     "shutdown_ray",
 ]
 
@@ -61,10 +65,12 @@ class RayChild(msgspec.Struct):
     name: str
     argv: list[str]
     log_path: Path
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Its task's Ray options (:func:`ray_options`)."""
     ref: Any = None
     rc: int | None = None
+    lost: str = ""
+    """Why its task ended without an exit code (node or worker lost), named by Ray."""
 
     @property
     def started(self) -> bool:
@@ -75,9 +81,10 @@ class RayChild(msgspec.Struct):
         import ray
 
         task = ray.remote(_run_component).options(
-            name=self.name, num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_retries=0,
+            name=self.name, max_retries=0, **self.options,
             runtime_env={"env_vars": {"PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1")}},
         )
+        self.rc, self.lost = None, ""
         self.ref = task.remote(self.argv, str(self.log_path))
 
     def returncode(self) -> int | None:
@@ -88,8 +95,9 @@ class RayChild(msgspec.Struct):
             if ready:
                 try:
                     self.rc = int(ray.get(ready[0]))
-                except Exception:  # the task itself died (worker killed, node lost)
+                except Exception as exc:  # the task itself died (worker killed, node lost)
                     self.rc = 1
+                    self.lost = lost_reason(exc) + dead_nodes()
         return self.rc
 
     def stop(self, grace_s: float = 15.0) -> None:
@@ -108,16 +116,68 @@ class RayChild(msgspec.Struct):
         return "\n".join(text.splitlines()[-lines:])
 
 
-def ray_children(children: list[Any], trainer_gpus: float) -> list[RayChild]:
-    """Ray versions of the local launcher's children (same argv and log paths)."""
-    out = []
-    for c in children:
-        gpus = trainer_gpus if c.name == "trainer" else 0.0
-        # The profiler service and the logger are I/O only: they should not hold a CPU slot
-        # a rollouter needs.
-        cpus = 0.1 if c.name in ("profiler", "logger") else 1.0
-        out.append(RayChild(c.name, c.argv, c.log_path, num_cpus=cpus, num_gpus=gpus))
+def lost_reason(exc: BaseException) -> str:
+    """One line naming what Ray says was lost (its first line names the node or worker),
+    instead of the many lines of cluster state Ray appends."""
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+def dead_nodes() -> str:
+    """``; dead Ray node(s): IP (node id)`` for every node the cluster lists as dead (a lost
+    task is most often the node's), or nothing."""
+    import ray
+
+    try:
+        dead = [f"{n.get('NodeManagerAddress', '?')} ({str(n.get('NodeID', '?'))[:12]})"
+                for n in ray.nodes() if not n.get("Alive", True)]
+    except Exception:  # the cluster itself is gone: the task's own reason says so
+        return ""
+    return f"; dead Ray node(s): {', '.join(dead)}" if dead else ""
+
+
+def ray_options(name: str, placement: RayPlacementConfig, trainer_gpus: float) -> dict[str, Any]:
+    """The Ray task options of the component ``name`` (trainer, rollouterN, profiler,
+    logger): its CPUs, GPUs, custom resources and scheduling strategy. Pure.
+
+    The profiler service and the logger only read the log and write files: they ask for no
+    CPU, so a 1-CPU node still runs its trainer or rollouter (a 0.1 CPU logger once took
+    the only slot the trainer needed). The trainer asks for ``run.ray.trainer_resources``
+    (a node label as a custom resource: it lands there), the rollouters for
+    ``run.ray.rollouter_resources``, spread over the nodes by ``run.ray.rollouter_strategy``."""
+    if name in ("profiler", "logger"):
+        return {"num_cpus": 0, "num_gpus": 0}
+    if name == "trainer":
+        return {"num_cpus": 1, "num_gpus": trainer_gpus,
+                "resources": dict(placement.trainer_resources)}
+    return {"num_cpus": 1, "num_gpus": 0, "resources": dict(placement.rollouter_resources),
+            "scheduling_strategy": placement.rollouter_strategy}
+
+
+def local_resources(placement: RayPlacementConfig, replicas: int) -> dict[str, float]:
+    """The custom resources a local Ray (no ``run.ray_address``) is started with: what the
+    placement asks for, so one machine holds every role (else a trainer asking for
+    ``{trainer: 1}`` would wait forever for a node that has it). Pure."""
+    out = dict(placement.trainer_resources)
+    for name, amount in placement.rollouter_resources.items():
+        out[name] = out.get(name, 0.0) + amount * replicas
     return out
+
+
+def missing_resources(placement: RayPlacementConfig, cluster: dict[str, float]) -> list[str]:
+    """``KEY: NAME`` for each custom resource the placement asks for that no node of the
+    cluster offers (``cluster``: ``ray.cluster_resources()``); empty when all are there."""
+    asked = [("run.ray.trainer_resources", placement.trainer_resources),
+             ("run.ray.rollouter_resources", placement.rollouter_resources)]
+    return [f"{key}: {name}" for key, wanted in asked for name, amount in wanted.items()
+            if cluster.get(name, 0.0) < amount]
+
+
+def ray_children(children: list[Any], placement: RayPlacementConfig,
+                 trainer_gpus: float) -> list[RayChild]:
+    """Ray versions of the local launcher's children (same argv and log paths)."""
+    return [RayChild(c.name, c.argv, c.log_path, ray_options(c.name, placement, trainer_gpus))
+            for c in children]
 
 
 def ray_endpoint(address: str) -> tuple[str, int] | None:
@@ -161,7 +221,8 @@ def probe_address(address: str, timeout_s: float,
 
 
 def init_ray(address: str | None, num_cpus: int, timeout_s: float = 60.0,
-             cancelled: Callable[[], bool] = lambda: False) -> None:
+             cancelled: Callable[[], bool] = lambda: False,
+             resources: dict[str, float] | None = None) -> None:
     """Connect to ``address`` (probed first: see :func:`probe_address`) or start a local Ray.
 
     A local start that Ray itself gives up on (its node waits a fixed 30 s for the raylet,
@@ -180,18 +241,45 @@ def init_ray(address: str | None, num_cpus: int, timeout_s: float = 60.0,
         except Exception as exc:  # whatever ray.init raises: one line naming the address
             raise RayUnavailable(f"cannot connect to Ray at run.ray_address={address}: "
                                  f"{type(exc).__name__}: {exc}") from None
+        _one_line_ray_errors()
         return
-    _start_local(num_cpus, timeout_s, cancelled)
+    _start_local(num_cpus, timeout_s, cancelled, resources or {})
 
 
-def _start_local(num_cpus: int, timeout_s: float, cancelled: Callable[[], bool]) -> None:
+def _one_line_ray_errors() -> None:
+    """Ray's driver prints each cluster error (a raylet that died: 40 lines of its log and
+    state) on the console; keep the first line of each. The loss itself is named by
+    ``rlbus up`` (the component, the dead node) in the run's log. Ray's printer is private:
+    left alone where it is not found."""
+    try:
+        from ray._private import worker
+    except ImportError:
+        return
+    printer = getattr(worker, "print_to_stdstream", None)
+    if printer is None or getattr(printer, "rlbus_one_line", False):
+        return
+
+    def one_line(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet":
+            lines = [ln for m in data.get("lines", []) for ln in str(m).splitlines()[:1]]
+            data = {**data, "lines": [ln[:300] for ln in lines]}
+        printer(data, ignore_prefix)
+
+    one_line.rlbus_one_line = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = one_line
+
+
+def _start_local(num_cpus: int, timeout_s: float, cancelled: Callable[[], bool],
+                 resources: dict[str, float]) -> None:
     import ray
 
     deadline = time.monotonic() + timeout_s
     while True:
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                     resources=resources)
+            _one_line_ray_errors()
             return
         except Exception as exc:  # e.g. "The current node timed out during startup"
             shutdown_ray()

@@ -25,11 +25,41 @@ if TYPE_CHECKING:
     from bus.messages import Message, ProfileStopped, StepFinished, ValidationFinished
 
 __all__ = [
+    "RESTARTABLE",
     "Progress",
+    "RestartPolicy",
     "RunWatch",
     "Summary",
     "manifest_traces",
 ]
+
+RESTARTABLE = ("rollouter", "profiler", "logger")
+"""Components whose loss the run survives (the bus keeps their work: a rollouter's tickets
+are reissued, the profiler and the logger read the log from where they were): restarted."""
+
+WARNING_SOURCE = "rlbus up"
+
+
+class RestartPolicy(msgspec.Struct):
+    """Which lost component is started again: a rollouter, the profiler service or the
+    logger, at most ``max_restarts`` times each (``run.max_restarts``); never the trainer
+    (its loss stops the run: it holds the run's state and fences)."""
+
+    max_restarts: int
+    restarts: dict[str, int] = msgspec.field(default_factory=dict)
+
+    def restart(self, name: str, rc: int = 1) -> bool:
+        """Whether ``name`` (trainer, rollouterN, profiler, logger), which exited with ``rc``,
+        is restarted now; counts the restart. Exit code 2 is a bad config or an unreadable
+        file (the components' convention): a restart would fail the same way. Pure."""
+        if not name.startswith(RESTARTABLE) or rc == 2:
+            return False
+        done = self.restarts.get(name, 0)
+        if done >= self.max_restarts:
+            return False
+        self.restarts[name] = done + 1
+        return True
+
 
 class Summary(msgspec.Struct):
     steps: int = 0
@@ -138,8 +168,13 @@ class RunWatch:
 
     def __init__(self, run_id: str, children: list[Any], sup: Supervisor, progress: Progress,
                  summary: Summary, past_traces: set[tuple[str, str, int]],
-                 last_step: int = 0) -> None:
+                 last_step: int = 0, policy: RestartPolicy | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.keys = RunKeys(run_id)
+        self.policy = policy if policy is not None else RestartPolicy(0)
+        self.env = env if env is not None else {}
+        self.pending: list[tuple[str, str]] = []
+        """(code, message) of warnings to append to the run's log (the operator stream)."""
         self.last_step = last_step
         """The last finished step read (a RunFinished must say it: bus.facts)."""
         self.children = children
@@ -162,21 +197,36 @@ class RunWatch:
             log.start_at_end(dict.fromkeys(log.positions, since(start)))
             log.position = start
             while (rc := self._verdict()) is None:
+                await self._publish_pending(bus)
                 for _, msg in await log.poll(block_ms=int(POLL_S * 1000)):
                     self._show(msg)
+            await self._publish_pending(bus)
             return rc
         finally:
             await bus.close()
+
+    async def _publish_pending(self, bus: Any) -> None:
+        """XADD each pending warning to the operator's log stream (``rlbus up`` states it):
+        a loss and a restart are in the run's event log, not only on this console."""
+        from bus import ROLE_LOG_MAXLEN, BusError
+        from bus.messages import WarningRaised
+
+        while self.pending:
+            code, text = self.pending.pop(0)
+            msg = WarningRaised(source=WARNING_SOURCE, code=code, message=text)
+            try:
+                await bus.publish(self.keys.log("operator"), msg, maxlen=ROLE_LOG_MAXLEN)
+            except BusError as exc:  # Redis gone: the console line is all there is
+                self.progress.say(f"rlbus up: could not log {code}: {exc}", err=True)
 
     def _verdict(self) -> int | None:
         """The exit code once watching is over, else None."""
         if self.sup.signals:
             return self.sup.exit_code
-        for child in self.children:
+        # The trainer first: rollouters that exit because it is gone are not restarted.
+        for child in sorted(self.children, key=lambda c: c.name != "trainer"):
             rc = child.returncode()
-            if rc is not None and rc != 0:
-                self.progress.say(f"rlbus up: {child.name} failed (exit code {rc}); last lines "
-                                  f"of {child.log_path}:\n{child.log_tail()}", err=True)
+            if rc is not None and rc != 0 and not self._restarted(child, rc):
                 return 1
         if all(c.returncode() is not None for c in self.children):
             if self.finished_at is None:
@@ -191,6 +241,31 @@ class RunWatch:
                               f"within {self.LINGER_S:g} s; stopping them", err=True)
             return 0
         return None
+
+    def _restarted(self, child: Any, rc: int) -> bool:
+        """A child that failed: restarted (True) when the policy allows and the run is not
+        over, else reported as the run's failure (False). Either is one warning in the log."""
+        what = _loss(child, rc)
+        if self.finished_at is not None and getattr(child, "lost", "") and \
+                child.name.startswith("rollouter"):
+            # Its node went down, and Ray said so once the run had finished: nothing of the
+            # run is missing (a rollouter has nothing to do after the end).
+            self.pending.append(("component_lost", f"{what}; after the run finished"))
+            self.progress.say(f"rlbus up: {what}; after the run finished", err=True)
+            return True
+        if self.finished_at is None and self.policy.restart(child.name, rc):
+            n = self.policy.restarts[child.name]
+            self.pending.append(("component_restarted", f"{what}; restarted ({n} of "
+                                 f"{self.policy.max_restarts}, run.max_restarts)"))
+            child.start(self.env)
+            return True
+        budget = (f"; restarted {self.policy.restarts[child.name]} time(s) already "
+                  "(run.max_restarts)" if child.name in self.policy.restarts else "")
+        self.pending.append(("component_failed", f"{what}{budget}; the run stops"))
+        lost = getattr(child, "lost", "")
+        detail = "" if lost else f"; last lines of {child.log_path}:\n{child.log_tail()}"
+        self.progress.say(f"rlbus up: {what}{budget}{detail}", err=True)
+        return False
 
     def _show(self, msg: Message) -> None:
         from bus import messages as m
@@ -248,6 +323,12 @@ class RunWatch:
             return
         self.progress.say(f"run {ev.run_id} finished after {ev.steps} steps ({ev.status})")
         self.finished_at = time.monotonic()
+
+
+def _loss(child: Any, rc: int) -> str:
+    """``NAME failed (exit code N)``, or under Ray what was lost (the node, named by Ray)."""
+    lost = getattr(child, "lost", "")
+    return f"{child.name} lost: {lost}" if lost else f"{child.name} failed (exit code {rc})"
 
 
 def manifest_traces(cfg: Config) -> set[tuple[str, str, int]]:

@@ -63,6 +63,14 @@ class RedisConfig(_Section, frozen=True):
     cluster: bool = False
 
 
+class RayPlacementConfig(_Section, frozen=True):
+    """``run.ray``: where Ray places each role (rlbus.ray_launcher.ray_options)."""
+
+    trainer_resources: dict[str, PosFloat] = msgspec.field(default_factory=dict)
+    rollouter_resources: dict[str, PosFloat] = msgspec.field(default_factory=dict)
+    rollouter_strategy: Literal["SPREAD", "DEFAULT"] = "SPREAD"
+
+
 class RunConfig(_Section, frozen=True):
     id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")] | None = None
     output_dir: str = "outputs"
@@ -75,6 +83,8 @@ class RunConfig(_Section, frozen=True):
     cpu_affinity: Literal["auto", "none"] = "auto"
     defaults: Literal["auto", "verl", "rlbus"] = "auto"
     storage: str | None = None
+    max_restarts: NonNegInt = 3
+    ray: RayPlacementConfig = RayPlacementConfig()
 
 
 # verl's dtype spellings (fsdp_config.model_dtype / rollout.dtype) and torch's.

@@ -152,7 +152,7 @@ def test_known_keys_are_the_dotted_leaves_of_the_config() -> None:
             node = node[part]
         # Open mappings (nsys options, kwargs passed on, a model's config overrides).
         assert not isinstance(node, dict) or key.endswith(
-            ("_options", "_kwargs", "override_config")), key
+            ("_options", "_kwargs", "override_config", "_resources")), key
 
 
 # --------------------------------------------------------------------------- YAML 1.2, Hydra

@@ -7,13 +7,16 @@ heartbeat.timeout_s (the trainer imports torch inside a Ray worker first)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -56,4 +59,153 @@ def test_rlbus_up_on_ray_trains_and_profiles_step_1(tmp_path: Path) -> None:
         assert {("trainer", 1), ("rollouter", 1)} <= ok
         assert _using(ray_tmp) == []  # the local Ray it started is gone with it
     finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- two nodes
+
+def _ray_cli() -> str:
+    return str(Path(sys.executable).parent / "ray")
+
+
+def _node_ports(worker_base: int) -> list[str]:
+    """Ports of one raylet of its own: two Ray nodes share this machine (and other Ray
+    users may run beside them)."""
+    from bus.redisbin import free_port
+
+    return [f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+            f"--metrics-export-port={free_port()}", f"--min-worker-port={worker_base}",
+            f"--max-worker-port={worker_base + 40}"]
+
+
+def _raylet_port(proc: psutil.Process) -> str | None:
+    """The node manager port of the raylet ``proc`` descends from (its Ray node), or None."""
+    for parent in proc.parents():
+        with contextlib.suppress(psutil.Error):
+            for part in parent.cmdline():
+                if part.startswith("--node_manager_port="):
+                    return part.split("=", 1)[1]
+    return None
+
+
+def _placed(run_dir: Path) -> dict[str, str | None]:
+    """Component name -> the node manager port of the raylet it runs under."""
+    out = {}
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "rlbus" in cmd and any(str(run_dir) in part for part in cmd):
+            role = cmd[cmd.index("rlbus") + 1]
+            rank = next((a.split("=")[1] for a in cmd if a.startswith("rollout.rank=")), "")
+            out[f"{role}{rank}"] = _raylet_port(p)
+    return out
+
+
+def _nodes(gcs: int) -> list[dict[str, Any]]:
+    """The cluster's nodes (``ray list nodes``-like, through a short driver)."""
+    code = (f"import json, ray; ray.init(address='127.0.0.1:{gcs}', log_to_driver=False); "
+            "print(json.dumps([{'NodeID': n['NodeID'], 'port': str(n['NodeManagerPort'])} "
+            "for n in ray.nodes()]))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _ray_start(args: list[str], env: dict[str, str]) -> None:
+    res = subprocess.run([_ray_cli(), "start", *args], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, f"ray start {' '.join(args)}:\n{res.stdout}\n{res.stderr}"
+
+
+def _port_of(args: list[str]) -> str:
+    return next(a.split("=")[1] for a in args if a.startswith("--node-manager-port="))
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+@pytest.mark.timeout(1500)
+async def test_two_nodes_placed_as_asked_and_a_lost_node_named_and_survived(
+    redis_url: str, bus: Any, run_id: str, run_keys: Any, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A head (the trainer's node: resource `trainer`) and a worker raylet on this machine,
+    with token auth (Ray 2.60 clusters use it). The trainer lands on the head, the two
+    rollouters spread one per node; killing the worker's raylet loses its rollouter, which is
+    named in the run's log with the dead node and restarted on the head; the run goes on
+    (then it is stopped) with every step once and no sample twice."""
+    from bus.messages import StepFinished, WarningRaised
+    from bus.redisbin import free_port
+    from tests.procs import assert_every_step_once, events_of
+    from tests.test_supervise import Up
+
+    ray_tmp = tempfile.mkdtemp(prefix="rl2n")
+    # Every Ray process of the test and rlbus up's driver: the same token.
+    for name, value in {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex(),
+                        "RAY_TMPDIR": ray_tmp}.items():
+        monkeypatch.setenv(name, value)
+    env = dict(os.environ)
+    gcs = free_port()
+    base = 30000 + (os.getpid() % 200) * 100
+    head, worker = _node_ports(base), _node_ports(base + 50)
+    common = ["--disable-usage-stats", "--num-gpus=0", "--node-ip-address=127.0.0.1"]
+    try:
+        _ray_start(["--head", f"--port={gcs}", f"--temp-dir={ray_tmp}", "--num-cpus=3",
+                    '--resources={"trainer": 1}', "--include-dashboard=false",
+                    f"--ray-client-server-port={free_port()}", *common, *head], env)
+        _ray_start([f"--address=127.0.0.1:{gcs}", "--num-cpus=1", *common, *worker], env)
+        # Before the run: a driver of its own takes seconds to connect.
+        worker_id = next(n["NodeID"] for n in _nodes(gcs) if n["port"] == _port_of(worker))
+        # A run longer than this test: Ray reports the lost task when it declares the node
+        # dead (seconds to tens of seconds); the run goes on meanwhile and after.
+        steps = 100_000
+        up = Up([sys.executable, "-m", "rlbus", "up", "run.launcher=ray",
+                 f"run.ray_address=127.0.0.1:{gcs}", f"redis.url={redis_url}", f"run.id={run_id}",
+                 # Relative, as a user types it: Ray's workers run where `ray start` ran
+                 # (not tmp_path): rlbus up makes it absolute before submitting.
+                 "run.output_dir=out", *FAST, *PATIENT, "heartbeat.timeout_s=10",
+                 "trainer.logger=[console]", "rollout.replicas=2",
+                 "run.ray.trainer_resources={trainer: 1}",
+                 f"trainer.total_training_steps={steps}"], tmp_path)
+        try:
+            up.wait_line(lambda s: s.startswith("step ") and int(s.split()[1].split("/")[0]) >= 2)
+            where = _placed(tmp_path / "out" / run_id)
+            assert set(where) == {"trainer", "rollouter0", "rollouter1"}, where
+            head_port, worker_port = _port_of(head), _port_of(worker)
+            assert where.get("trainer") == head_port, where
+            assert sorted([where.get("rollouter0"), where.get("rollouter1")]) == sorted(
+                [head_port, worker_port]), where
+            lost = next(n for n in ("rollouter0", "rollouter1") if where[n] == worker_port)
+            raylet = next(p for p in psutil.process_iter(["cmdline"])
+                          if f"--node_manager_port={worker_port}" in (p.info["cmdline"] or []))
+            raylet.kill()
+            up.wait_line(lambda s: s.startswith("warning from rlbus up: "))
+            after = int(up.wait_line(lambda s: s.startswith("step ")).split()[1].split("/")[0])
+            # The run goes on: three more steps after the restart, then stop it.
+            up.wait_line(lambda s: s.startswith("step ")
+                         and int(s.split()[1].split("/")[0]) >= after + 3)
+            up.proc.send_signal(signal.SIGTERM)
+            rc, out = up.finish()
+        finally:
+            up.kill()
+        assert rc == 128 + signal.SIGTERM, out
+        warned = [s for s in out.splitlines() if s.startswith("warning from rlbus up: ")]
+        assert len(warned) == 1 and warned[0].split()[4] == f"{lost}", out
+        assert "restarted (1 of 3" in warned[0] and "NodeDiedError" in warned[0], out
+        assert "[state-dump]" not in out, out  # Ray's errors: one line each
+        events = await events_of(bus, run_keys.events)
+        done = max(e.step for e in events if isinstance(e, StepFinished))
+        assert done >= after + 3
+        assert_every_step_once(events, done)
+        logged = [e for e in events if isinstance(e, WarningRaised) and e.source == "rlbus up"]
+        assert [e.code for e in logged] == ["component_restarted"], logged
+        assert logged[0].message.startswith(f"{lost} lost: "), logged[0].message
+        assert worker_id in logged[0].message, logged[0].message  # the dead node, named
+    finally:
+        for p in psutil.process_iter(["cmdline"]):  # only this test's Ray processes
+            if any(ray_tmp in part or f"127.0.0.1:{gcs}" in part
+                   for part in p.info["cmdline"] or ()):
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
         shutil.rmtree(ray_tmp, ignore_errors=True)
