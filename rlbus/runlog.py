@@ -36,10 +36,12 @@ __all__ = [
 ]
 
 HERE_AND_NOW = ("redis", "run.id", "run.output_dir", "run.launcher", "run.ray_address",
-                 "run.ray_connect_timeout_s")
+                 "run.ray_connect_timeout_s", "rollout.rank")
 """Keys a continued run takes from the command given now, never from its recorded config:
 where its data lives and how this command places the components (the recorded
-``redis.url`` may name an embedded server that is gone)."""
+``redis.url`` may name an embedded server that is gone), and ``rollout.rank``, which is one
+process's (a run recorded with ``rank: 0`` must not make every rollouter started from its
+config.yaml ask for rank 0)."""
 
 
 class RunStatus(msgspec.Struct):

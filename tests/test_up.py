@@ -130,3 +130,12 @@ def test_recorded_config_keeps_recorded_keys_and_takes_location_keys_from_now() 
     assert len(warnings) == 1 and "'trainer.retired_key'" in warnings[0]
     merged: Any = config_to_dict(load_config(None, ["trainer.lr=0.5"], base=base))
     assert config_changes(base, merged) == [("trainer.lr", 0.001, 0.5)]
+
+
+def test_a_recorded_rollout_rank_is_not_the_run_s() -> None:
+    # rollout.rank is one process's: a run recorded with rank 0 (the old default) must not
+    # make a rollouter started from the continued run's config.yaml ask for rank 0.
+    recorded = config_to_dict(load_config(None, ["rollout.rank=0", "run.id=r"]))
+    base = recorded_config(recorded, load_config(None, ["run.id=r"]), lambda _: None)
+    assert base["rollout"]["rank"] is None
+    assert config_changes(recorded, base) == []
