@@ -23,7 +23,7 @@ from bus.ranks import RankClaim, RankHeld, claim_lowest_rank, holder_pid_host, h
 from runconfig import Config, HeartbeatConfig
 from runtime.component import Failure
 
-__all__ = ["RankTaken", "join_rank", "local_holder_gone"]
+__all__ = ["RankTaken", "join_rank", "local_holder_gone", "pid_dead"]
 
 RENEWED_MARGIN_MS = 250
 """How far a claim's TTL may sit above its run-down (PTTL's rounding, a round trip's delay)
@@ -45,15 +45,19 @@ def local_holder_gone(holder: str) -> bool:
     if parsed is None or parsed[1] != socket.gethostname():
         return False
     pid = parsed[0]
-    if pid == os.getpid():
-        return True
+    return pid == os.getpid() or pid_dead(pid)
+
+
+def pid_dead(pid: int) -> bool:
+    """Whether local process ``pid`` is gone (a zombie counts as gone). Shared with the
+    trainer's lease, which decides the same question about a local holder."""
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether the pid exists
     except ProcessLookupError:
         return True
     except PermissionError:
         return False
-    try:  # a zombie is gone too
+    try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False

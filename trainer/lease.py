@@ -11,13 +11,13 @@ import os
 import socket
 import sys
 import time
-from pathlib import Path
 
 from bus import Lease
 from runconfig import HeartbeatConfig
 from runtime import Failure
+from runtime.ranks import pid_dead
 
-__all__ = ["TrainerConflict", "acquire", "pid_dead", "token"]
+__all__ = ["TrainerConflict", "acquire", "token"]
 
 
 class TrainerConflict(Failure):
@@ -30,21 +30,6 @@ class TrainerConflict(Failure):
 def token(epoch: str) -> str:
     """This process's lease token: ``host:pid:epoch``."""
     return f"{socket.gethostname()}:{os.getpid()}:{epoch}"
-
-
-def pid_dead(pid: int) -> bool:
-    """Whether local process ``pid`` is gone (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
 
 
 async def acquire(lease: Lease, run_id: str, hb: HeartbeatConfig) -> None:
