@@ -191,6 +191,11 @@ class BusClient:
             client.result_callbacks.pop("SCAN", None)
             self._slots = SlotPipelines(client, _raw_stream_replies)
         self._scripts: dict[str, AsyncScript] = {}
+        self.home_key: str | None = None
+        """A key of the run this client serves (the runtime sets it). On a cluster, the
+        server-wide commands (PING, TIME, INFO) go to the master owning its slot: the node
+        whose clock stamps the run's entry ids and whose memory holds its keys. None: the
+        node the URL names."""
         self.on_retry: Callable[[str, int, BaseException], None] | None = None
         """Optional hook ``(op, attempt, error)`` run before each retry wait (metrics, tests)."""
 
@@ -415,13 +420,17 @@ class BusClient:
     def _route(self, args: Sequence[Any]) -> dict[str, Any]:
         """The node a keyless command goes to on a cluster: SCAN to the master owning its
         pattern's slot (``rlbus:{RUN}:*`` hashes like every key of the run: the run's keys are
-        all there); the others (PING, TIME, INFO) to the node the URL names."""
+        all there); PING, TIME and INFO to the master of :attr:`home_key` when set (else, and
+        CLUSTER always, to the node the URL names)."""
         cluster = self._redis
         assert isinstance(cluster, RedisCluster)
         if str(args[0]).upper() == "SCAN" and "MATCH" in args:
             pattern = args[list(args).index("MATCH") + 1]
             return {"target_nodes": cluster.get_node_from_key(pattern)}
-        if str(args[0]).upper() in ("PING", "TIME", "INFO", "CLUSTER"):
+        name = str(args[0]).upper()
+        if name in ("PING", "TIME", "INFO") and self.home_key is not None:
+            return {"target_nodes": cluster.get_node_from_key(self.home_key)}
+        if name in ("PING", "TIME", "INFO", "CLUSTER"):
             return {"target_nodes": cluster.get_default_node()}
         return {}
 

@@ -148,11 +148,13 @@ def entry_point(role: str, module: str, name: str, *, heavy: bool = False,
 
 
 async def _serve(cfg: Config, url: str, prog: str, factory: Callable[..., Component]) -> int:
-    from bus import Bus, BusAuthError, BusClusterError, BusUnavailable
+    from bus import Bus, BusAuthError, BusClusterError, BusUnavailable, RunKeys
     from bus.progress import ProgressSpec, ProgressThread
     from bus.urls import bus_error_line
 
     bus = Bus.from_url(url, client_name=f"rlbus-{prog}-{cfg.run.id}")
+    if cfg.run.id:  # on a cluster, TIME and INFO ask the master holding the run's keys
+        bus.home_key = RunKeys(cfg.run.id).events
     progress: ProgressThread | None = None
     claim: RankClaim | None = None
     try:

@@ -252,3 +252,22 @@ async def test_a_runs_transaction_follows_its_slot_to_another_master(
             assert len(await bus.pipeline(add, atomic=True)) == 2
         assert c.client(1).xlen(keys.events) == 1  # on master 1 now (master 0 answers MOVED)
         assert c.client(0).execute_command("CLUSTER COUNTKEYSINSLOT", slot) == 0
+
+
+@pytest.mark.asyncio
+async def test_server_wide_commands_ask_the_master_holding_the_run(cluster: LocalCluster) -> None:
+    # The URL names node 0; the run's keys live on another master, whose clock stamps its
+    # entry ids (the profiler compares TIME with them) and whose memory holds them.
+    run = next(f"home-{i}" for i in range(50)
+               if cluster.node_of(RunKeys(f"home-{i}").events) != cluster.ports[0])
+    home = cluster.node_of(RunKeys(run).events)
+    bus = Bus.from_url(cluster.url)
+    try:
+        info = await bus.command("INFO", "server")
+        assert int(info["tcp_port"]) == cluster.ports[0]  # no home key: the URL's node
+        bus.home_key = RunKeys(run).events
+        info = await bus.command("INFO", "server")
+        assert int(info["tcp_port"]) == home
+        assert await bus.server_time() > 0
+    finally:
+        await bus.close()
