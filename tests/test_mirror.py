@@ -1,0 +1,149 @@
+"""Checkpoints on a remote run storage (trainer.mirror): what is uploaded, fetched and
+deleted, the mirror on a storage that is not local to runconfig.paths (the ``rlbustest``
+protocol: a LocalFileSystem under another name), and a trainer restarted on another node
+that resumes from the storage's copy."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import fsspec
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+from bus import Bus, RunKeys, RunStarted, StepFinished, TrainerResumed
+from bus.storage import RunStorage
+from runconfig import load_config
+from runconfig.paths import checkpoint_dir, local_path
+from tests.procs import Procs, assert_every_step_once, events_of, run_args
+from tests.waits import event, wait_for
+from trainer.mirror import (
+    CheckpointMirror,
+    checkpoint_mirror,
+    remote_names,
+    to_download,
+    upload_order,
+)
+
+PROTOCOL = "rlbustest"
+
+# The same class in this process and (through sitecustomize) in the component processes.
+_FS_SOURCE = textwrap.dedent('''
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    class RlbusTestFileSystem(LocalFileSystem):
+        """Local files under a protocol that runconfig.paths does not take as local."""
+
+        protocol = ("rlbustest",)
+
+        def __init__(self, **kwargs):
+            super().__init__(**{**kwargs, "auto_mkdir": True})  # an object store's puts
+
+    fsspec.register_implementation("rlbustest", RlbusTestFileSystem, clobber=True)
+''')
+
+
+class RlbusTestFileSystem(LocalFileSystem):
+    """Local files under a protocol that runconfig.paths does not take as local."""
+
+    protocol = (PROTOCOL,)
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**{**kwargs, "auto_mkdir": True})  # an object store's puts
+
+
+fsspec.register_implementation(PROTOCOL, RlbusTestFileSystem, clobber=True)
+
+
+def test_a_checkpoint_uploads_its_pt_before_its_state() -> None:
+    assert upload_order(Path("/c/step-000004.pt")) == [Path("/c/step-000004.pt"),
+                                                       Path("/c/step-000004.state")]
+
+
+def test_only_whole_remote_pairs_the_local_folder_lacks_are_fetched() -> None:
+    remote = ["step-000002.pt", "step-000002.state", "step-000004.pt", "step-000004.state",
+              "step-000006.pt", "other.txt"]  # step 6: an upload cut short
+    assert to_download(remote, []) == ["step-000002.pt", "step-000002.state",
+                                       "step-000004.pt", "step-000004.state"]
+    assert to_download(remote, ["step-000002.pt", "step-000002.state", "step-000004.state"]
+                       ) == ["step-000004.pt"]
+    assert to_download(remote, remote) == []
+
+
+def test_remote_copies_are_deleted_snapshot_first() -> None:
+    assert remote_names([4, 2]) == ["step-000002.state", "step-000002.pt",
+                                    "step-000004.state", "step-000004.pt"]
+
+
+def test_the_test_protocol_is_remote_to_the_paths(tmp_path: Path) -> None:
+    url = f"{PROTOCOL}://{tmp_path}"
+    assert local_path(url) is None and not RunStorage(url).local
+    cfg = load_config(None, [f"run.output_dir={tmp_path / 'out'}", f"run.storage={url}"])
+    mirror = checkpoint_mirror(cfg, "r1")
+    assert mirror is not None and mirror.folder == checkpoint_dir(cfg, "r1")
+    assert checkpoint_mirror(load_config(None, [f"run.storage=file://{tmp_path}"]), "r1") is None
+
+
+def test_the_mirror_uploads_fetches_and_deletes(tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    storage = RunStorage(f"{PROTOCOL}://{remote}")
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    for step in (2, 4):
+        (a / f"step-{step:06d}.pt").write_bytes(b"model %d" % step)
+        (a / f"step-{step:06d}.state").write_bytes(b"state %d" % step)
+        CheckpointMirror(storage, a, "r1/checkpoints").upload(a / f"step-{step:06d}.pt")
+    assert storage.list("r1/checkpoints") == ["step-000002.pt", "step-000002.state",
+                                              "step-000004.pt", "step-000004.state"]
+    on_b = CheckpointMirror(storage, b, "r1/checkpoints")
+    assert on_b.download_missing() == ["step-000002.pt", "step-000002.state",
+                                       "step-000004.pt", "step-000004.state"]
+    assert (b / "step-000004.pt").read_bytes() == b"model 4"
+    assert sorted(p.name for p in b.iterdir()) == storage.list("r1/checkpoints")  # no .part
+    assert on_b.download_missing() == []
+    assert on_b.locate(str(a / "step-000004.pt")) == str(b / "step-000004.pt")
+    on_b.delete([2])
+    assert storage.list("r1/checkpoints") == ["step-000004.pt", "step-000004.state"]
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_a_trainer_on_another_node_resumes_from_the_remote_checkpoint(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """run.storage=rlbustest://...: the trainer on node A uploads its checkpoints; killed,
+    a trainer on node B (another run.output_dir, node A's disk gone) fetches them and
+    resumes, every step once."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FS_SOURCE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    remote, node_a, node_b = tmp_path / "remote", tmp_path / "nodeA", tmp_path / "nodeB"
+    more = ("trainer.total_training_steps=4", "trainer.save_freq=2", "run.retention=all",
+            f"run.storage={PROTOCOL}://{remote}")
+    procs.spawn("rollouter0", "rollouter", *run_args(redis_url, run_id, node_a, *more))
+    procs.spawn("trainer", "trainer", *run_args(redis_url, run_id, node_a, *more))
+    await wait_for(bus, run_keys.events, event(StepFinished, step=3), 180,
+                   procs.watch("trainer"))
+    procs.kill("trainer")
+    mirrored = remote / run_id / "checkpoints"
+    assert (mirrored / "step-000002.pt").is_file() and (mirrored / "step-000002.state").is_file()
+    # Node A's disk is not on node B: the log names its checkpoints by their paths there.
+    away = tmp_path / "nodeA-away"
+    node_a.rename(away)
+    procs.spawn("trainer_b", "trainer", *run_args(redis_url, run_id, node_b, *more))
+    assert procs.wait("trainer_b", 240) == 0, procs.log("trainer_b")
+    away.rename(node_a)
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    events = await events_of(bus, run_keys.events)
+    assert_every_step_once(events, 4)
+    assert [e.resumed for e in events if isinstance(e, RunStarted)] == [False, True]
+    resumed = [e for e in events if isinstance(e, TrainerResumed)]
+    assert resumed and resumed[0].checkpoint_step == 2 and resumed[0].weights_match is True
+    assert (node_b / run_id / "checkpoints" / "step-000002.pt").is_file()  # fetched
+    assert (mirrored / "step-000004.pt").is_file() and (mirrored / "step-000004.state").is_file()
