@@ -21,6 +21,7 @@ from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.waits import event, wait_for
 from trainer.mirror import (
     CheckpointMirror,
+    archive_elsewhere,
     checkpoint_mirror,
     remote_names,
     to_download,
@@ -78,6 +79,14 @@ def test_remote_copies_are_deleted_snapshot_first() -> None:
                                     "step-000004.state", "step-000004.pt"]
 
 
+def test_a_trimming_trainer_away_from_the_runs_archive_may_not_start(tmp_path: Path) -> None:
+    own = tmp_path / "b" / "r1" / "events"
+    assert archive_elsewhere("r1", None, own, "s3://x") is None  # nothing archived yet
+    assert archive_elsewhere("r1", str(own), own, "s3://x") is None
+    why = archive_elsewhere("r1", "/a/r1/events", own, "s3://x")
+    assert why is not None and "/a/r1/events" in why and "run.storage=s3://x" in why
+
+
 def test_the_test_protocol_is_remote_to_the_paths(tmp_path: Path) -> None:
     url = f"{PROTOCOL}://{tmp_path}"
     assert local_path(url) is None and not RunStorage(url).local
@@ -109,6 +118,15 @@ def test_the_mirror_uploads_fetches_and_deletes(tmp_path: Path) -> None:
     assert storage.list("r1/checkpoints") == ["step-000004.pt", "step-000004.state"]
 
 
+def _sitecustomize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The component processes know the test protocol (registered at interpreter start)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FS_SOURCE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
 @pytest.mark.e2e
 @pytest.mark.asyncio
 async def test_a_trainer_on_another_node_resumes_from_the_remote_checkpoint(
@@ -118,11 +136,7 @@ async def test_a_trainer_on_another_node_resumes_from_the_remote_checkpoint(
     """run.storage=rlbustest://...: the trainer on node A uploads its checkpoints; killed,
     a trainer on node B (another run.output_dir, node A's disk gone) fetches them and
     resumes, every step once."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(_FS_SOURCE)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    _sitecustomize(tmp_path, monkeypatch)
     remote, node_a, node_b = tmp_path / "remote", tmp_path / "nodeA", tmp_path / "nodeB"
     more = ("trainer.total_training_steps=4", "trainer.save_freq=2", "run.retention=all",
             f"run.storage={PROTOCOL}://{remote}")
@@ -147,3 +161,43 @@ async def test_a_trainer_on_another_node_resumes_from_the_remote_checkpoint(
     assert resumed and resumed[0].checkpoint_step == 2 and resumed[0].weights_match is True
     assert (node_b / run_id / "checkpoints" / "step-000002.pt").is_file()  # fetched
     assert (mirrored / "step-000004.pt").is_file() and (mirrored / "step-000004.state").is_file()
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_retention_deletes_the_remote_copies_of_dropped_checkpoints(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _sitecustomize(tmp_path, monkeypatch)
+    remote, out = tmp_path / "remote", tmp_path / "out"
+    args = run_args(redis_url, run_id, out, "trainer.total_training_steps=4",
+                    "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=1",
+                    "run.retention=checkpoint", f"run.storage={PROTOCOL}://{remote}")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    assert procs.wait("trainer", 240) == 0, procs.log("trainer")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    assert_every_step_once(await events_of(bus, run_keys.events), 4)
+    local = sorted(p.name for p in (out / run_id / "checkpoints").glob("step-*"))
+    mirrored = sorted(p.name for p in (remote / run_id / "checkpoints").glob("step-*"))
+    assert "step-000004.pt" in local and "step-000001.pt" not in local, local
+    assert mirrored == local
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_a_trimming_trainer_away_from_the_archive_exits_2_naming_it(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _sitecustomize(tmp_path, monkeypatch)
+    elsewhere = tmp_path / "nodeA" / run_id / "events"
+    await bus.set_text(run_keys.archive, str(elsewhere))  # what node A's trainer recorded
+    procs.spawn("trainer", "trainer", *run_args(
+        redis_url, run_id, tmp_path / "nodeB", "run.retention=checkpoint",
+        f"run.storage={PROTOCOL}://{tmp_path / 'remote'}"))
+    assert procs.wait("trainer", 120) == 2, procs.log("trainer")
+    said = procs.log("trainer")
+    assert str(elsewhere) in said and "Traceback" not in said, said
+    assert not [e for e in await events_of(bus, run_keys.events) if isinstance(e, RunStarted)]

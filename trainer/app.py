@@ -55,7 +55,7 @@ from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale, Ve
 from trainer.learner import Learner
 from trainer.lease import acquire, token
 from trainer.metrics import StepMeter, verl_step_metrics
-from trainer.mirror import checkpoint_mirror
+from trainer.mirror import archive_elsewhere, checkpoint_mirror
 from trainer.resume import (
     LogRead,
     ResumeFailed,
@@ -230,6 +230,10 @@ class Trainer(Component):
         storage cannot restore (no snapshot, no archive of the trimmed log) are a
         :class:`~trainer.resume.RunNotCovered` (exit 2, naming what is missing)."""
         why = not_covered(self.run_id, read, str(self.ckpt_dir), str(self.run_dir / "events"))
+        if why is None and self.mirror is not None and self.cfg.run.retention == "checkpoint":
+            own = await asyncio.to_thread((self.run_dir / "events").resolve)
+            why = archive_elsewhere(self.run_id, await self.bus.get_text(self.keys.archive),
+                                    own, self.mirror.storage.url)
         if why is not None:
             raise RunNotCovered(why)
         # Checkpoints the log names, none of them here: a ResumeFailed (exit 1 and a

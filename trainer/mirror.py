@@ -11,6 +11,10 @@ storage) and mirrored to ``STORAGE/RUN/checkpoints/``; the local folder is a cac
   remote pair the local folder lacks, so a trainer started on another node finds them;
 - retention deletes a dropped checkpoint's remote copies too (the snapshot first).
 
+The events archive is not mirrored: with ``run.retention=checkpoint`` a trainer whose
+``run.output_dir`` is not where the run's archive was written (:func:`archive_elsewhere`)
+is refused, since its trims would start a second archive that no reader joins to the first.
+
 The log names a checkpoint by its path on the node that wrote it: :meth:`locate` finds it
 by name in this node's folder. Every method blocks (network I/O): call it on a worker
 thread. On a local storage there is no mirror (:func:`checkpoint_mirror` is None): the
@@ -27,8 +31,8 @@ from bus.storage import RunStorage
 from runconfig.paths import checkpoint_dir, local_path, storage_url
 from runconfig.schema import Config
 
-__all__ = ["CheckpointMirror", "checkpoint_mirror", "remote_names", "to_download",
-           "upload_order"]
+__all__ = ["CheckpointMirror", "archive_elsewhere", "checkpoint_mirror", "remote_names",
+           "to_download", "upload_order"]
 
 _PAIR = re.compile(r"^step-(\d+)\.(pt|state)$")
 
@@ -113,3 +117,16 @@ def checkpoint_mirror(cfg: Config, run_id: str) -> CheckpointMirror | None:
         return None
     return CheckpointMirror(RunStorage(url), checkpoint_dir(cfg, run_id),
                             f"{run_id}/checkpoints")
+
+
+def archive_elsewhere(run_id: str, recorded: str | None, own: Path, url: str) -> str | None:
+    """Why a trainer that trims the log (``run.retention=checkpoint``) on the remote
+    storage ``url`` must not start (None: it may): the run's events archive was written at
+    ``recorded`` (the path its trainer stored, bus.keys.RunKeys.archive), not in this
+    trainer's archive folder ``own`` (both absolute)."""
+    if recorded is None or Path(recorded) == own:
+        return None
+    return (f"run {run_id}: its events archive is at {recorded}, not in this trainer's "
+            f"{own}, and run.storage={url} holds no copy of it (only checkpoints are "
+            f"mirrored there): with run.retention=checkpoint start the trainer with the "
+            f"run.output_dir that holds it, or put run.storage on a folder every node mounts")
