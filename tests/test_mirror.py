@@ -18,7 +18,7 @@ from bus.storage import RunStorage
 from runconfig import load_config
 from runconfig.paths import checkpoint_dir, local_path
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
-from tests.waits import event, wait_for
+from tests.waits import event, wait_for, wait_until
 from trainer.mirror import (
     CheckpointMirror,
     archive_elsewhere,
@@ -191,13 +191,23 @@ async def test_a_trimming_trainer_away_from_the_archive_exits_2_naming_it(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """run.retention=checkpoint: node A's trainer archived and trimmed the log; on node B
+    the snapshot is fetched, but its trims would start a second archive: exit 2 naming
+    node A's, nothing written to the log."""
     _sitecustomize(tmp_path, monkeypatch)
-    elsewhere = tmp_path / "nodeA" / run_id / "events"
-    await bus.set_text(run_keys.archive, str(elsewhere))  # what node A's trainer recorded
-    procs.spawn("trainer", "trainer", *run_args(
-        redis_url, run_id, tmp_path / "nodeB", "run.retention=checkpoint",
-        f"run.storage={PROTOCOL}://{tmp_path / 'remote'}"))
-    assert procs.wait("trainer", 120) == 2, procs.log("trainer")
-    said = procs.log("trainer")
-    assert str(elsewhere) in said and "Traceback" not in said, said
-    assert not [e for e in await events_of(bus, run_keys.events) if isinstance(e, RunStarted)]
+    node_a, node_b = tmp_path / "nodeA", tmp_path / "nodeB"
+    more = ("trainer.total_training_steps=8", "trainer.save_freq=2",
+            "run.retention=checkpoint", f"run.storage={PROTOCOL}://{tmp_path / 'remote'}")
+    procs.spawn("rollouter0", "rollouter", *run_args(redis_url, run_id, node_a, *more))
+    procs.spawn("trainer", "trainer", *run_args(redis_url, run_id, node_a, *more))
+    archived = await wait_until(lambda: bus.get_text(run_keys.archive),
+                                "the trainer on node A archiving trimmed events", 180,
+                                procs.watch("trainer"))
+    procs.kill("trainer")
+    before = await bus.length(run_keys.events)  # the trainer's stream: its writer only
+    procs.spawn("trainer_b", "trainer", *run_args(redis_url, run_id, node_b, *more))
+    assert procs.wait("trainer_b", 120) == 2, procs.log("trainer_b")
+    said = procs.log("trainer_b")
+    assert archived in said and "Traceback" not in said, said
+    assert "fetched" in said, said  # the snapshot was there: only the archive is missing
+    assert await bus.length(run_keys.events) == before
