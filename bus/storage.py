@@ -7,8 +7,8 @@ Every call blocks (file or network I/O): components call them on a worker thread
 old bytes or the new ones, never a torn file); on an object store a put is atomic by itself.
 
 Class
-    ``RunStorage(url)``: ``exists``, ``read_bytes``, ``write_bytes``, ``list``, ``delete``,
-    ``upload``, ``download``, ``probe``; :class:`StorageError` names the URL and why it
+    ``RunStorage(url)``: ``exists``, ``read_bytes``, ``write_bytes``, ``list``, ``sizes``,
+    ``delete``, ``upload``, ``download``, ``probe``; :class:`StorageError` names the URL and why it
     cannot be used.
 """
 
@@ -118,6 +118,17 @@ class RunStorage:
         names = [str(f["name"]).rstrip("/").rsplit("/", 1)[-1] for f in found
                  if f.get("type") == "file"]
         return sorted(names)
+
+    def sizes(self, folder: str = "") -> dict[str, int]:
+        """The files directly in ``folder`` and their sizes in bytes ({} when it does not
+        exist)."""
+        base = self.root.rstrip("/") + ("/" + _check_name(folder) if folder else "")
+        try:
+            found = self.fs.ls(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {str(f["name"]).rstrip("/").rsplit("/", 1)[-1]: int(f.get("size") or 0)
+                for f in found if f.get("type") == "file"}
 
     def delete(self, name: str) -> None:
         """Remove ``name`` (nothing when it is already gone)."""

@@ -21,9 +21,11 @@ from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.waits import event, wait_for, wait_until
 from trainer.mirror import (
     CheckpointMirror,
-    archive_elsewhere,
+    EventsMirror,
     checkpoint_mirror,
     remote_names,
+    segments_to_fetch,
+    segments_to_push,
     to_download,
     upload_order,
 )
@@ -79,12 +81,40 @@ def test_remote_copies_are_deleted_snapshot_first() -> None:
                                     "step-000004.state", "step-000004.pt"]
 
 
-def test_a_trimming_trainer_away_from_the_runs_archive_may_not_start(tmp_path: Path) -> None:
-    own = tmp_path / "b" / "r1" / "events"
-    assert archive_elsewhere("r1", None, own, "s3://x") is None  # nothing archived yet
-    assert archive_elsewhere("r1", str(own), own, "s3://x") is None
-    why = archive_elsewhere("r1", "/a/r1/events", own, "s3://x")
-    assert why is not None and "/a/r1/events" in why and "run.storage=s3://x" in why
+def test_the_storages_archive_replaces_a_stale_local_one() -> None:
+    remote = {"archive-000001.rlev": 100, "archive-000002.rlev": 50, ".lock": 0}
+    assert segments_to_fetch(remote, {}) == (["archive-000001.rlev", "archive-000002.rlev"], [])
+    local = {"archive-000001.rlev": 100, "archive-000002.rlev": 20, "archive-000003.rlev": 9,
+             ".lock": 0}
+    assert segments_to_fetch(remote, local) == (["archive-000002.rlev"], ["archive-000003.rlev"])
+    assert segments_to_fetch({}, local) == ([], [])  # nothing mirrored yet: keep local
+
+
+def test_a_push_sends_what_changed_and_drops_what_was_truncated() -> None:
+    sent = {"archive-000001.rlev": 100, "archive-000002.rlev": 50}
+    local = {"archive-000001.rlev": 100, "archive-000002.rlev": 80, ".lock": 0}
+    assert segments_to_push(local, sent) == (["archive-000002.rlev"], [])
+    assert segments_to_push({"archive-000001.rlev": 60}, sent) == (
+        ["archive-000001.rlev"], ["archive-000002.rlev"])
+    assert segments_to_push(local, {}) == (["archive-000001.rlev", "archive-000002.rlev"], [])
+
+
+def test_the_events_mirror_pushes_and_fetches(tmp_path: Path) -> None:
+    storage = RunStorage(f"{PROTOCOL}://{tmp_path / 'remote'}")
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (a / "archive-000001.rlev").write_bytes(b"one")
+    (a / ".lock").write_bytes(b"")
+    on_a = EventsMirror(storage, a, "r1/events")
+    on_a.push()
+    (a / "archive-000001.rlev").write_bytes(b"one more")
+    on_a.push()
+    assert storage.sizes("r1/events") == {"archive-000001.rlev": 8}
+    b.mkdir()
+    (b / "archive-000007.rlev").write_bytes(b"stale")
+    assert EventsMirror(storage, b, "r1/events").fetch() == ["archive-000001.rlev"]
+    assert sorted(p.name for p in b.iterdir()) == ["archive-000001.rlev"]
+    assert (b / "archive-000001.rlev").read_bytes() == b"one more"
 
 
 def test_the_test_protocol_is_remote_to_the_paths(tmp_path: Path) -> None:
@@ -187,27 +217,35 @@ async def test_retention_deletes_the_remote_copies_of_dropped_checkpoints(
 
 @pytest.mark.e2e
 @pytest.mark.asyncio
-async def test_a_trimming_trainer_away_from_the_archive_exits_2_naming_it(
+async def test_a_trimming_trainer_on_another_node_resumes_with_the_whole_log(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """run.retention=checkpoint: node A's trainer archived and trimmed the log; on node B
-    the snapshot is fetched, but its trims would start a second archive: exit 2 naming
-    node A's, nothing written to the log."""
+    (node A's disk gone) the checkpoints and the archive are fetched from the storage, and
+    the run's whole log (archive + stream) still holds every step once."""
     _sitecustomize(tmp_path, monkeypatch)
     node_a, node_b = tmp_path / "nodeA", tmp_path / "nodeB"
+    remote = tmp_path / "remote"
     more = ("trainer.total_training_steps=8", "trainer.save_freq=2",
-            "run.retention=checkpoint", f"run.storage={PROTOCOL}://{tmp_path / 'remote'}")
+            "run.retention=checkpoint", f"run.storage={PROTOCOL}://{remote}")
     procs.spawn("rollouter0", "rollouter", *run_args(redis_url, run_id, node_a, *more))
     procs.spawn("trainer", "trainer", *run_args(redis_url, run_id, node_a, *more))
-    archived = await wait_until(lambda: bus.get_text(run_keys.archive),
-                                "the trainer on node A archiving trimmed events", 180,
-                                procs.watch("trainer"))
+    await wait_until(lambda: bus.get_text(run_keys.archive),
+                     "the trainer on node A archiving trimmed events", 180,
+                     procs.watch("trainer"))
     procs.kill("trainer")
-    before = await bus.length(run_keys.events)  # the trainer's stream: its writer only
+    assert list((remote / run_id / "events").glob("archive-*.rlev"))  # copied before the trim
+    away = tmp_path / "nodeA-away"
+    node_a.rename(away)
     procs.spawn("trainer_b", "trainer", *run_args(redis_url, run_id, node_b, *more))
-    assert procs.wait("trainer_b", 120) == 2, procs.log("trainer_b")
+    assert procs.wait("trainer_b", 240) == 0, procs.log("trainer_b")
+    away.rename(node_a)
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
     said = procs.log("trainer_b")
-    assert archived in said and "Traceback" not in said, said
-    assert "fetched" in said, said  # the snapshot was there: only the archive is missing
-    assert await bus.length(run_keys.events) == before
+    assert "events archive segments" in said, said
+    # The log as a reader finds it: node B's archive (recorded last) and the stream.
+    assert await bus.get_text(run_keys.archive) == str((node_b / run_id / "events").resolve())
+    events = await events_of(bus, run_keys.events)
+    assert_every_step_once(events, 8)
+    assert [e.resumed for e in events if isinstance(e, RunStarted)] == [False, True]

@@ -55,7 +55,7 @@ from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale, Ve
 from trainer.learner import Learner
 from trainer.lease import acquire, token
 from trainer.metrics import StepMeter, verl_step_metrics
-from trainer.mirror import archive_elsewhere, checkpoint_mirror
+from trainer.mirror import checkpoint_mirror, events_mirror
 from trainer.resume import (
     LogRead,
     ResumeFailed,
@@ -99,6 +99,7 @@ class Trainer(Component):
         self.ckpt_dir = checkpoint_dir(cfg, self.run_id)  # trainer.default_local_dir
         # On a remote run.storage the local checkpoint folder is a cache of the storage's.
         self.mirror = checkpoint_mirror(cfg, self.run_id)
+        self.events_mirror = events_mirror(cfg, self.run_id)  # its events archive too
         self.hf_export = HFExport(cfg.model.path) if (
             "hf_model" in tc.checkpoint_contents and cfg.model.path) else None
         self.need = ac.require_batches * tc.ppo_mini_batch_size
@@ -208,14 +209,18 @@ class Trainer(Component):
                 self.hf_export.close()
 
     async def _fetch_checkpoints(self) -> None:
-        """On a remote storage, the checkpoints this node lacks (another node wrote them),
-        before the log looks for snapshots (trainer.mirror)."""
-        if self.mirror is None:
-            return
-        fetched = await asyncio.to_thread(self.mirror.download_missing)
-        if fetched:
-            self.say(f"fetched {len(fetched)} checkpoint files from {self.mirror.where()} "
-                     f"into {self.ckpt_dir}")
+        """On a remote storage, the checkpoints and the archived events this node lacks
+        (another node wrote them), before the log is read (trainer.mirror)."""
+        if self.mirror is not None:
+            fetched = await asyncio.to_thread(self.mirror.download_missing)
+            if fetched:
+                self.say(f"fetched {len(fetched)} checkpoint files from "
+                         f"{self.mirror.where()} into {self.ckpt_dir}")
+        if self.events_mirror is not None:
+            segments = await asyncio.to_thread(self.events_mirror.fetch)
+            if segments:
+                self.say(f"fetched {len(segments)} events archive segments from "
+                         f"{self.events_mirror.where()} into {self.events_mirror.folder}")
 
     def _locate(self, path: str) -> str:
         """The local file of a checkpoint the log names (by its path on the node that
@@ -230,10 +235,6 @@ class Trainer(Component):
         storage cannot restore (no snapshot, no archive of the trimmed log) are a
         :class:`~trainer.resume.RunNotCovered` (exit 2, naming what is missing)."""
         why = not_covered(self.run_id, read, str(self.ckpt_dir), str(self.run_dir / "events"))
-        if why is None and self.mirror is not None and self.cfg.run.retention == "checkpoint":
-            own = await asyncio.to_thread((self.run_dir / "events").resolve)
-            why = archive_elsewhere(self.run_id, await self.bus.get_text(self.keys.archive),
-                                    own, self.mirror.storage.url)
         if why is not None:
             raise RunNotCovered(why)
         # Checkpoints the log names, none of them here: a ResumeFailed (exit 1 and a
@@ -408,7 +409,7 @@ class Trainer(Component):
         """Retention after a durable checkpoint (trainer.retention)."""
         warning = await trim_after_checkpoint(
             self.bus, self.keys, self.run_dir, trained, keep_weights=KEEP_WEIGHTS,
-            checkpoints=self.ckpt_dir, mirror=self.mirror,
+            checkpoints=self.ckpt_dir, mirror=self.mirror, events_mirror=self.events_mirror,
             keep_checkpoints=self.cfg.trainer.max_actor_ckpt_to_keep,
             last_step=self.writer.state.last_step, current=self.writer.state.checkpoint()[1],
             fence=(self.keys.trainer_lease, self.lease.token),

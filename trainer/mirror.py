@@ -11,9 +11,11 @@ storage) and mirrored to ``STORAGE/RUN/checkpoints/``; the local folder is a cac
   remote pair the local folder lacks, so a trainer started on another node finds them;
 - retention deletes a dropped checkpoint's remote copies too (the snapshot first).
 
-The events archive is not mirrored: with ``run.retention=checkpoint`` a trainer whose
-``run.output_dir`` is not where the run's archive was written (:func:`archive_elsewhere`)
-is refused, since its trims would start a second archive that no reader joins to the first.
+The events archive (``run.retention=checkpoint``: bus.archive segments under
+``run.output_dir/RUN/events``) is mirrored to ``STORAGE/RUN/events/`` the same way
+(:class:`EventsMirror`): the segments that changed are uploaded after the archive is
+written and before the stream is trimmed (the storage's copy holds everything trimmed),
+and at start the local folder is made equal to the storage's copy when it has one.
 
 The log names a checkpoint by its path on the node that wrote it: :meth:`locate` finds it
 by name in this node's folder. Every method blocks (network I/O): call it on a worker
@@ -28,13 +30,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from bus.storage import RunStorage
-from runconfig.paths import checkpoint_dir, local_path, storage_url
+from runconfig.paths import checkpoint_dir, events_dir, local_path, storage_url
 from runconfig.schema import Config
 
-__all__ = ["CheckpointMirror", "archive_elsewhere", "checkpoint_mirror", "remote_names",
-           "to_download", "upload_order"]
+__all__ = ["SEGMENT", "CheckpointMirror", "EventsMirror", "checkpoint_mirror", "events_mirror",
+           "remote_names", "segments_to_fetch", "segments_to_push", "to_download",
+           "upload_order"]
 
 _PAIR = re.compile(r"^step-(\d+)\.(pt|state)$")
+SEGMENT = re.compile(r"^archive-\d{6,}\.rlev$")
+"""The name of an events archive segment (bus.archive)."""
 
 
 def _pair(step: int) -> tuple[str, str]:
@@ -119,14 +124,73 @@ def checkpoint_mirror(cfg: Config, run_id: str) -> CheckpointMirror | None:
                             f"{run_id}/checkpoints")
 
 
-def archive_elsewhere(run_id: str, recorded: str | None, own: Path, url: str) -> str | None:
-    """Why a trainer that trims the log (``run.retention=checkpoint``) on the remote
-    storage ``url`` must not start (None: it may): the run's events archive was written at
-    ``recorded`` (the path its trainer stored, bus.keys.RunKeys.archive), not in this
-    trainer's archive folder ``own`` (both absolute)."""
-    if recorded is None or Path(recorded) == own:
+def segments_to_fetch(remote: dict[str, int], local: dict[str, int]) -> tuple[list[str], list[str]]:
+    """``(fetch, remove)`` at start: the remote archive segments (name: size) whose local
+    copy is missing or of another size, and the local segments the storage does not hold
+    (a stale copy: the storage's is the run's, uploaded before every trim). A storage
+    without segments changes nothing."""
+    there = {n: size for n, size in remote.items() if SEGMENT.match(n)}
+    if not there:
+        return [], []
+    fetch = [n for n in sorted(there) if local.get(n) != there[n]]
+    return fetch, sorted(n for n in local if SEGMENT.match(n) and n not in there)
+
+
+def segments_to_push(local: dict[str, int], sent: dict[str, int]
+                     ) -> tuple[list[str], list[str]]:
+    """``(upload, delete)`` before a trim: the local segments whose size differs from what
+    was last sent (``sent``), and the sent ones no longer here (truncated away)."""
+    here = {n: size for n, size in local.items() if SEGMENT.match(n)}
+    return ([n for n in sorted(here) if sent.get(n) != here[n]],
+            sorted(n for n in sent if n not in here))
+
+
+def _local_sizes(folder: Path) -> dict[str, int]:
+    if not folder.is_dir():
+        return {}
+    return {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
+
+
+class EventsMirror:
+    """The events archive folder ``folder`` mirrored to ``prefix/`` in ``storage``."""
+
+    def __init__(self, storage: RunStorage, folder: Path, prefix: str) -> None:
+        self.storage = storage
+        self.folder = folder
+        self.prefix = prefix.strip("/")
+        self.sent: dict[str, int] = {}  # what the storage holds, as this process knows it
+
+    def where(self) -> str:
+        """The remote folder, as a URL (what a message names)."""
+        return f"{self.storage.url.rstrip('/')}/{self.prefix}"
+
+    def fetch(self) -> list[str]:
+        """Make the local archive the storage's copy (:func:`segments_to_fetch`); returns
+        the segments fetched (blocking)."""
+        remote = self.storage.sizes(self.prefix)
+        fetch, remove = segments_to_fetch(remote, _local_sizes(self.folder))
+        for name in fetch:
+            self.storage.download(f"{self.prefix}/{name}", self.folder / name)
+        for name in remove:
+            (self.folder / name).unlink(missing_ok=True)
+        self.sent = {n: size for n, size in remote.items() if SEGMENT.match(n)}
+        return fetch
+
+    def push(self) -> None:
+        """Upload the segments that changed since the last push (blocking)."""
+        local = _local_sizes(self.folder)
+        upload, delete = segments_to_push(local, self.sent)
+        for name in upload:
+            self.storage.upload(self.folder / name, f"{self.prefix}/{name}")
+            self.sent[name] = local[name]
+        for name in delete:
+            self.storage.delete(f"{self.prefix}/{name}")
+            self.sent.pop(name, None)
+
+
+def events_mirror(cfg: Config, run_id: str) -> EventsMirror | None:
+    """The mirror of run ``run_id``'s events archive, None when the storage is local."""
+    url = storage_url(cfg)
+    if local_path(url) is not None:
         return None
-    return (f"run {run_id}: its events archive is at {recorded}, not in this trainer's "
-            f"{own}, and run.storage={url} holds no copy of it (only checkpoints are "
-            f"mirrored there): with run.retention=checkpoint start the trainer with the "
-            f"run.output_dir that holds it, or put run.storage on a folder every node mounts")
+    return EventsMirror(RunStorage(url), events_dir(cfg, run_id), f"{run_id}/events")
