@@ -168,7 +168,7 @@ class Trainer(Component):
             self.profiler = StepProfiler(agent, self.off)
 
     async def serve(self) -> int:
-        await self._fetch_checkpoints()
+        await self._fetch_from_storage()
         read = await self.writer.read_log(self.ckpt_dir, self.run_dir / "events")
         await self._check_covered(read)
         await self._report_refused()
@@ -208,7 +208,7 @@ class Trainer(Component):
             if self.hf_export is not None:
                 self.hf_export.close()
 
-    async def _fetch_checkpoints(self) -> None:
+    async def _fetch_from_storage(self) -> None:
         """On a remote storage, the checkpoints and the archived events this node lacks
         (another node wrote them), before the log is read (trainer.mirror)."""
         if self.mirror is not None:
