@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
 from typing import NamedTuple
@@ -143,13 +143,16 @@ async def archive_below(
     fence: tuple[str, str] | None = None,
     count: int = 1000,
     location_key: str | None = None,
+    before_trim: Callable[[], Awaitable[None]] | None = None,
 ) -> Archived:
     """Move the entries before ``below`` (never past a live reader's stored position, see
     :meth:`bus.Bus.trim_log`) from ``stream`` to the archive in ``folder``: append them
     (fsynced, on a worker thread), then trim them (XTRIM MINID). A crash in between leaves
     them in both; the next call rewrites them from the stream, never twice. With
     ``location_key`` the folder's absolute path is stored there first (SET), for readers that
-    do not know it (:func:`find_archive`)."""
+    do not know it (:func:`find_archive`). ``before_trim``: awaited once the archive holds
+    the entries and before they are trimmed (a copy of the archive elsewhere, kept as
+    complete as the trim assumes)."""
     floor = await bus.reader_floor(readers)
     cut = below if floor is None or entry_key(below) <= entry_key(floor) else floor
     first, page = await bus.read_page(stream, "0", f"({cut}", count=count)
@@ -166,5 +169,7 @@ async def archive_below(
         if len(page) < count:
             break
         _, page = await bus.read_page(stream, page[-1][0], f"({cut}", count=count)
+    if before_trim is not None:
+        await before_trim()
     trimmed = await bus.trim_log(stream, cut, readers=readers, fence=fence)
     return Archived(archived, trimmed, cut if trimmed else None)

@@ -7,18 +7,20 @@ Every call blocks (file or network I/O): components call them on a worker thread
 old bytes or the new ones, never a torn file); on an object store a put is atomic by itself.
 
 Class
-    ``RunStorage(url)``: ``exists``, ``read_bytes``, ``write_bytes``, ``list``, ``delete``,
-    ``probe``; :class:`StorageError` names the URL and why it cannot be used.
+    ``RunStorage(url)``: ``exists``, ``read_bytes``, ``write_bytes``, ``list``, ``sizes``,
+    ``delete``, ``upload``, ``download``, ``probe``; :class:`StorageError` names the URL and why it
+    cannot be used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from bus.files import atomic_write
+from bus.files import atomic_write, fsync_path
 
 __all__ = ["PROBE_PREFIX", "RunStorage", "StorageError"]
 
@@ -83,6 +85,28 @@ class RunStorage:
         else:
             self.fs.pipe_file(path, data)
 
+    def upload(self, local: str | os.PathLike[str], name: str) -> None:
+        """Copy the local file ``local`` to ``name`` (streamed, never whole in memory)."""
+        path = self.path(name)
+        if self.local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.fs.put_file(os.fspath(local), path)
+
+    def download(self, name: str, local: str | os.PathLike[str]) -> None:
+        """Copy ``name`` to the local file ``local``, atomically and durably: a crash leaves
+        no torn file under that name (FileNotFoundError when ``name`` does not exist)."""
+        target = os.fspath(local)
+        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+        tmp = f"{target}.part-{secrets.token_hex(4)}"
+        try:
+            self.fs.get_file(self.path(name), tmp)
+            fsync_path(tmp)
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        fsync_path(os.path.dirname(os.path.abspath(target)))
+
     def list(self, folder: str = "") -> list[str]:
         """The names of the files directly in ``folder`` (sorted; [] when it does not
         exist), relative to it."""
@@ -94,6 +118,17 @@ class RunStorage:
         names = [str(f["name"]).rstrip("/").rsplit("/", 1)[-1] for f in found
                  if f.get("type") == "file"]
         return sorted(names)
+
+    def sizes(self, folder: str = "") -> dict[str, int]:
+        """The files directly in ``folder`` and their sizes in bytes ({} when it does not
+        exist)."""
+        base = self.root.rstrip("/") + ("/" + _check_name(folder) if folder else "")
+        try:
+            found = self.fs.ls(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {str(f["name"]).rstrip("/").rsplit("/", 1)[-1]: int(f.get("size") or 0)
+                for f in found if f.get("type") == "file"}
 
     def delete(self, name: str) -> None:
         """Remove ``name`` (nothing when it is already gone)."""

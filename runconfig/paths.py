@@ -5,7 +5,8 @@
 one machine). The run's files live under ``STORAGE/RUN/``: ``checkpoints/``, ``events/`` (the
 archive of the trimmed events log) and ``blobs/`` (weight files of the storage transport).
 Checkpoints and the events archive are files a process opens locally: on a remote storage
-they stay under ``run.output_dir/RUN/`` (:func:`local_root`), while weights go to the storage.
+they stay under ``run.output_dir/RUN/`` (:func:`local_root`), while weights go to the storage
+and the trainer copies its checkpoints and events archive there (trainer.mirror).
 
 ``trainer.default_local_dir`` (verl's key) is the checkpoint folder of one run, as in verl:
 a fixed folder that a launch line names, so that the same line finds its run again

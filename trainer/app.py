@@ -55,6 +55,7 @@ from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale, Ve
 from trainer.learner import Learner
 from trainer.lease import acquire, token
 from trainer.metrics import StepMeter, verl_step_metrics
+from trainer.mirror import checkpoint_mirror, events_mirror
 from trainer.resume import (
     LogRead,
     ResumeFailed,
@@ -96,6 +97,9 @@ class Trainer(Component):
         tc, ac = cfg.trainer, cfg.async_training
         self.run_dir = local_root(cfg, self.run_id)  # run.storage when local (paths)
         self.ckpt_dir = checkpoint_dir(cfg, self.run_id)  # trainer.default_local_dir
+        # On a remote run.storage the local checkpoint folder is a cache of the storage's.
+        self.mirror = checkpoint_mirror(cfg, self.run_id)
+        self.events_mirror = events_mirror(cfg, self.run_id)  # its events archive too
         self.hf_export = HFExport(cfg.model.path) if (
             "hf_model" in tc.checkpoint_contents and cfg.model.path) else None
         self.need = ac.require_batches * tc.ppo_mini_batch_size
@@ -164,6 +168,7 @@ class Trainer(Component):
             self.profiler = StepProfiler(agent, self.off)
 
     async def serve(self) -> int:
+        await self._fetch_from_storage()
         read = await self.writer.read_log(self.ckpt_dir, self.run_dir / "events")
         await self._check_covered(read)
         await self._report_refused()
@@ -203,6 +208,28 @@ class Trainer(Component):
             if self.hf_export is not None:
                 self.hf_export.close()
 
+    async def _fetch_from_storage(self) -> None:
+        """On a remote storage, the checkpoints and the archived events this node lacks
+        (another node wrote them), before the log is read (trainer.mirror)."""
+        if self.mirror is not None:
+            fetched = await asyncio.to_thread(self.mirror.download_missing)
+            if fetched:
+                self.say(f"fetched {len(fetched)} checkpoint files from "
+                         f"{self.mirror.where()} into {self.ckpt_dir}")
+        if self.events_mirror is not None:
+            segments = await asyncio.to_thread(self.events_mirror.fetch)
+            if segments:
+                self.say(f"fetched {len(segments)} events archive segments from "
+                         f"{self.events_mirror.where()} into {self.events_mirror.folder}")
+
+    def _locate(self, path: str) -> str:
+        """The local file of a checkpoint the log names (by its path on the node that
+        wrote it; on a remote storage, the copy of that name here)."""
+        return path if self.mirror is None else self.mirror.locate(path)
+
+    def _exists(self, path: str) -> bool:
+        return os.path.exists(self._locate(path))
+
     async def _check_covered(self, read: LogRead) -> None:
         """Never train from scratch inside a run that has steps: steps of the log this
         storage cannot restore (no snapshot, no archive of the trimmed log) are a
@@ -213,7 +240,7 @@ class Trainer(Component):
         # Checkpoints the log names, none of them here: a ResumeFailed (exit 1 and a
         # ComponentFailed, as rebuild would say it), before the model is built.
         why = await asyncio.to_thread(missing_checkpoint, self.run_id, read.state,
-                                      os.path.exists)
+                                      self._exists)
         if why is not None:
             raise ResumeFailed(why)
 
@@ -250,7 +277,8 @@ class Trainer(Component):
         """Rebuild the model the trainer had (checkpoint, then the steps after it)."""
         resumed = await rebuild(self.bus, self.keys, self.writer.state, self.learner, self.off,
                                 self.cfg.async_training.trigger_parameter_sync_step,
-                                self.writer.entries_read, warn=self._warn)
+                                self.writer.entries_read, warn=self._warn,
+                                locate=self._locate)
         await self.publish(resumed)
         if resumed.weights_match is False:
             await self.publish(WarningRaised(
@@ -358,6 +386,8 @@ class Trainer(Component):
         saved = await self.off(write_checkpoint, self.ckpt_dir, step,
                                self.learner.version, self.learner.policy,
                                self.learner.optimizer, self.writer.snapshot())
+        if self.mirror is not None:  # in the storage before the log names it
+            await asyncio.to_thread(self.mirror.upload, saved)
         hf_path = None
         if self.hf_export is not None:
             target, warning = await self.hf_export.start(self.off, self.learner.policy,
@@ -379,7 +409,7 @@ class Trainer(Component):
         """Retention after a durable checkpoint (trainer.retention)."""
         warning = await trim_after_checkpoint(
             self.bus, self.keys, self.run_dir, trained, keep_weights=KEEP_WEIGHTS,
-            checkpoints=self.ckpt_dir,
+            checkpoints=self.ckpt_dir, mirror=self.mirror, events_mirror=self.events_mirror,
             keep_checkpoints=self.cfg.trainer.max_actor_ckpt_to_keep,
             last_step=self.writer.state.last_step, current=self.writer.state.checkpoint()[1],
             fence=(self.keys.trainer_lease, self.lease.token),

@@ -242,15 +242,19 @@ def pick_checkpoint(state: TrainerState, exists: Callable[[str], bool]
 async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner,
                   off: RunOff, trigger: int, events_read: int,
                   warn: Callable[[WarningRaised], Awaitable[Any]] | None = None,
+                  locate: Callable[[str], str] | None = None,
                   ) -> TrainerResumed:
     """Rebuild the model the trainer had: load the newest checkpoint of a finished step
     whose file exists (pick_checkpoint; a missing newer one is told to ``warn``), re-apply
     the finished steps after it from the entries their StepFinished recorded, and check the
     result against the weights the trainer had published (``weights_match``). ``off`` runs
-    blocking work on the trainer's worker thread."""
+    blocking work on the trainer's worker thread; ``locate``: the local file of a checkpoint
+    the log names (trainer.mirror; default: that path)."""
     await learner.optimizer_ready()
-    ckpt_step, ckpt_path, missing = await asyncio.to_thread(pick_checkpoint, state,
-                                                            os.path.exists)
+    where = (lambda path: path) if locate is None else locate
+    ckpt_step, named, missing = await asyncio.to_thread(
+        pick_checkpoint, state, lambda path: os.path.exists(where(path)))
+    ckpt_path = None if named is None else where(named)
     if missing and warn is not None:
         await warn(WarningRaised(
             source="trainer", code="checkpoint_missing",

@@ -28,7 +28,7 @@ import asyncio
 import os
 import re
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -39,6 +39,7 @@ from bus.history import Archived, archive_below, events_folder
 from bus.messages import WarningRaised, WeightsPublished
 from bus.streams import entry_key
 from trainer.export import step_folder
+from trainer.mirror import CheckpointMirror, EventsMirror
 from trainer.resume import Snapshot
 
 __all__ = ["Retained", "checkpoints_to_drop", "events_safe_point", "newest_snapshot",
@@ -144,6 +145,14 @@ def _needed(current: str | None, found: tuple[Path, Snapshot] | None) -> set[int
     return needed
 
 
+def _pusher(mirror: EventsMirror | None) -> Callable[[], Awaitable[None]] | None:
+    """What :func:`bus.history.archive_below` awaits before the trim: the archive's copy
+    in the storage brought up to date, on a worker thread."""
+    if mirror is None:
+        return None
+    return lambda: asyncio.to_thread(mirror.push)
+
+
 class Retained(msgspec.Struct, frozen=True):
     """What one :func:`retain` did."""
 
@@ -155,7 +164,8 @@ async def retain(
     bus: Bus, keys: RunKeys, run_dir: Path, *, keep_weights: int,
     keep_checkpoints: int | None, last_step: int, current: str | None,
     fence: tuple[str, str] | None = None, rollouter_ranks: Sequence[int] = (),
-    checkpoints: Path | None = None,
+    checkpoints: Path | None = None, mirror: CheckpointMirror | None = None,
+    events_mirror: EventsMirror | None = None,
 ) -> Retained:
     """After a durable checkpoint: archive then trim the events before the safe point, and
     (``keep_checkpoints``, verl's ``trainer.max_actor_ckpt_to_keep``; None keeps all)
@@ -163,7 +173,9 @@ async def retain(
     one a resume may load (``current``: the trainer's state's checkpoint path), each with
     its Hugging Face directory (``global_step_K``). ``checkpoints``: the checkpoint folder
     (runconfig.paths.checkpoint_dir; default ``run_dir/checkpoints``). Without a snapshot
-    the log confirms, nothing is trimmed or deleted. File work runs on worker threads."""
+    the log confirms, nothing is trimmed or deleted. ``mirror``: on a remote storage, its
+    copies of the dropped checkpoints are deleted too, and ``events_mirror`` gets the archive
+    before the trim (trainer.mirror). File work runs on worker threads."""
     folder = run_dir / "checkpoints" if checkpoints is None else checkpoints
     found = await newest_snapshot(bus, keys, folder)
     if found is None:
@@ -171,11 +183,14 @@ async def retain(
     below = await events_safe_point(bus, keys, found[1], keep_weights)
     events = await archive_below(bus, keys.events, events_folder(run_dir.parent, keys.run_id),
                                  below, readers=keys.events_readers(rollouter_ranks), fence=fence,
-                                 location_key=keys.archive)
+                                 location_key=keys.archive,
+                                 before_trim=_pusher(events_mirror))
     dropped: list[int] = []
     if keep_checkpoints is not None:
         dropped = await asyncio.to_thread(_drop, folder, keep_checkpoints, last_step,
                                           _needed(current, found))
+        if dropped and mirror is not None:
+            await asyncio.to_thread(mirror.delete, dropped)
     return Retained(events, tuple(dropped))
 
 
@@ -183,6 +198,7 @@ async def trim_after_checkpoint(
     bus: Bus, keys: RunKeys, run_dir: Path, trained: Sequence[str], *, keep_weights: int,
     keep_checkpoints: int | None, last_step: int, current: str | None,
     fence: tuple[str, str], rollouter_ranks: Sequence[int], checkpoints: Path | None = None,
+    mirror: CheckpointMirror | None = None, events_mirror: EventsMirror | None = None,
 ) -> WarningRaised | None:
     """Retention (``run.retention=checkpoint``) after the durable checkpoint of the step that
     trained the samples ``trained``: samples before the newest of them, tickets before the
@@ -196,7 +212,8 @@ async def trim_after_checkpoint(
     try:
         await retain(bus, keys, run_dir, keep_weights=keep_weights,
                      keep_checkpoints=keep_checkpoints, last_step=last_step, current=current,
-                     fence=fence, rollouter_ranks=rollouter_ranks, checkpoints=checkpoints)
+                     fence=fence, rollouter_ranks=rollouter_ranks, checkpoints=checkpoints,
+                     mirror=mirror, events_mirror=events_mirror)
     except OSError as exc:
         return WarningRaised(source="trainer", code="events_not_archived",
                              message=f"events stream not trimmed: the archive failed: {exc}")

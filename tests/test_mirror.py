@@ -1,0 +1,251 @@
+"""Checkpoints on a remote run storage (trainer.mirror): what is uploaded, fetched and
+deleted, the mirror on a storage that is not local to runconfig.paths (the ``rlbustest``
+protocol: a LocalFileSystem under another name), and a trainer restarted on another node
+that resumes from the storage's copy."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import fsspec
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+from bus import Bus, RunKeys, RunStarted, StepFinished, TrainerResumed
+from bus.storage import RunStorage
+from runconfig import load_config
+from runconfig.paths import checkpoint_dir, local_path
+from tests.procs import Procs, assert_every_step_once, events_of, run_args
+from tests.waits import event, wait_for, wait_until
+from trainer.mirror import (
+    CheckpointMirror,
+    EventsMirror,
+    checkpoint_mirror,
+    remote_names,
+    segments_to_fetch,
+    segments_to_push,
+    to_download,
+    upload_order,
+)
+
+PROTOCOL = "rlbustest"
+
+# The same class in this process and (through sitecustomize) in the component processes.
+_FS_SOURCE = textwrap.dedent('''
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    class RlbusTestFileSystem(LocalFileSystem):
+        """Local files under a protocol that runconfig.paths does not take as local."""
+
+        protocol = ("rlbustest",)
+
+        def __init__(self, **kwargs):
+            super().__init__(**{**kwargs, "auto_mkdir": True})  # an object store's puts
+
+    fsspec.register_implementation("rlbustest", RlbusTestFileSystem, clobber=True)
+''')
+
+
+class RlbusTestFileSystem(LocalFileSystem):
+    """Local files under a protocol that runconfig.paths does not take as local."""
+
+    protocol = (PROTOCOL,)
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**{**kwargs, "auto_mkdir": True})  # an object store's puts
+
+
+fsspec.register_implementation(PROTOCOL, RlbusTestFileSystem, clobber=True)
+
+
+def test_a_checkpoint_uploads_its_pt_before_its_state() -> None:
+    assert upload_order(Path("/c/step-000004.pt")) == [Path("/c/step-000004.pt"),
+                                                       Path("/c/step-000004.state")]
+
+
+def test_only_whole_remote_pairs_the_local_folder_lacks_are_fetched() -> None:
+    remote = ["step-000002.pt", "step-000002.state", "step-000004.pt", "step-000004.state",
+              "step-000006.pt", "other.txt"]  # step 6: an upload cut short
+    assert to_download(remote, []) == ["step-000002.pt", "step-000002.state",
+                                       "step-000004.pt", "step-000004.state"]
+    assert to_download(remote, ["step-000002.pt", "step-000002.state", "step-000004.state"]
+                       ) == ["step-000004.pt"]
+    assert to_download(remote, remote) == []
+
+
+def test_remote_copies_are_deleted_snapshot_first() -> None:
+    assert remote_names([4, 2]) == ["step-000002.state", "step-000002.pt",
+                                    "step-000004.state", "step-000004.pt"]
+
+
+def test_the_storages_archive_replaces_a_stale_local_one() -> None:
+    remote = {"archive-000001.rlev": 100, "archive-000002.rlev": 50, ".lock": 0}
+    assert segments_to_fetch(remote, {}) == (["archive-000001.rlev", "archive-000002.rlev"], [])
+    local = {"archive-000001.rlev": 100, "archive-000002.rlev": 20, "archive-000003.rlev": 9,
+             ".lock": 0}
+    assert segments_to_fetch(remote, local) == (["archive-000002.rlev"], ["archive-000003.rlev"])
+    assert segments_to_fetch({}, local) == ([], [])  # nothing mirrored yet: keep local
+
+
+def test_a_push_sends_what_changed_and_drops_what_was_truncated() -> None:
+    sent = {"archive-000001.rlev": 100, "archive-000002.rlev": 50}
+    local = {"archive-000001.rlev": 100, "archive-000002.rlev": 80, ".lock": 0}
+    assert segments_to_push(local, sent) == (["archive-000002.rlev"], [])
+    assert segments_to_push({"archive-000001.rlev": 60}, sent) == (
+        ["archive-000001.rlev"], ["archive-000002.rlev"])
+    assert segments_to_push(local, {}) == (["archive-000001.rlev", "archive-000002.rlev"], [])
+
+
+def test_the_events_mirror_pushes_and_fetches(tmp_path: Path) -> None:
+    storage = RunStorage(f"{PROTOCOL}://{tmp_path / 'remote'}")
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (a / "archive-000001.rlev").write_bytes(b"one")
+    (a / ".lock").write_bytes(b"")
+    on_a = EventsMirror(storage, a, "r1/events")
+    on_a.push()
+    (a / "archive-000001.rlev").write_bytes(b"one more")
+    on_a.push()
+    assert storage.sizes("r1/events") == {"archive-000001.rlev": 8}
+    b.mkdir()
+    (b / "archive-000007.rlev").write_bytes(b"stale")
+    assert EventsMirror(storage, b, "r1/events").fetch() == ["archive-000001.rlev"]
+    assert sorted(p.name for p in b.iterdir()) == ["archive-000001.rlev"]
+    assert (b / "archive-000001.rlev").read_bytes() == b"one more"
+
+
+def test_the_test_protocol_is_remote_to_the_paths(tmp_path: Path) -> None:
+    url = f"{PROTOCOL}://{tmp_path}"
+    assert local_path(url) is None and not RunStorage(url).local
+    cfg = load_config(None, [f"run.output_dir={tmp_path / 'out'}", f"run.storage={url}"])
+    mirror = checkpoint_mirror(cfg, "r1")
+    assert mirror is not None and mirror.folder == checkpoint_dir(cfg, "r1")
+    assert checkpoint_mirror(load_config(None, [f"run.storage=file://{tmp_path}"]), "r1") is None
+
+
+def test_the_mirror_uploads_fetches_and_deletes(tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    storage = RunStorage(f"{PROTOCOL}://{remote}")
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    for step in (2, 4):
+        (a / f"step-{step:06d}.pt").write_bytes(b"model %d" % step)
+        (a / f"step-{step:06d}.state").write_bytes(b"state %d" % step)
+        CheckpointMirror(storage, a, "r1/checkpoints").upload(a / f"step-{step:06d}.pt")
+    assert storage.list("r1/checkpoints") == ["step-000002.pt", "step-000002.state",
+                                              "step-000004.pt", "step-000004.state"]
+    on_b = CheckpointMirror(storage, b, "r1/checkpoints")
+    assert on_b.download_missing() == ["step-000002.pt", "step-000002.state",
+                                       "step-000004.pt", "step-000004.state"]
+    assert (b / "step-000004.pt").read_bytes() == b"model 4"
+    assert sorted(p.name for p in b.iterdir()) == storage.list("r1/checkpoints")  # no .part
+    assert on_b.download_missing() == []
+    assert on_b.locate(str(a / "step-000004.pt")) == str(b / "step-000004.pt")
+    on_b.delete([2])
+    assert storage.list("r1/checkpoints") == ["step-000004.pt", "step-000004.state"]
+
+
+def _sitecustomize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The component processes know the test protocol (registered at interpreter start)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FS_SOURCE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_a_trainer_on_another_node_resumes_from_the_remote_checkpoint(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """run.storage=rlbustest://...: the trainer on node A uploads its checkpoints; killed,
+    a trainer on node B (another run.output_dir, node A's disk gone) fetches them and
+    resumes, every step once."""
+    _sitecustomize(tmp_path, monkeypatch)
+    remote, node_a, node_b = tmp_path / "remote", tmp_path / "nodeA", tmp_path / "nodeB"
+    more = ("trainer.total_training_steps=4", "trainer.save_freq=2", "run.retention=all",
+            f"run.storage={PROTOCOL}://{remote}")
+    procs.spawn("rollouter0", "rollouter", *run_args(redis_url, run_id, node_a, *more))
+    procs.spawn("trainer", "trainer", *run_args(redis_url, run_id, node_a, *more))
+    await wait_for(bus, run_keys.events, event(StepFinished, step=3), 180,
+                   procs.watch("trainer"))
+    procs.kill("trainer")
+    mirrored = remote / run_id / "checkpoints"
+    assert (mirrored / "step-000002.pt").is_file() and (mirrored / "step-000002.state").is_file()
+    # Node A's disk is not on node B: the log names its checkpoints by their paths there.
+    away = tmp_path / "nodeA-away"
+    node_a.rename(away)
+    procs.spawn("trainer_b", "trainer", *run_args(redis_url, run_id, node_b, *more))
+    assert procs.wait("trainer_b", 240) == 0, procs.log("trainer_b")
+    away.rename(node_a)
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    events = await events_of(bus, run_keys.events)
+    assert_every_step_once(events, 4)
+    assert [e.resumed for e in events if isinstance(e, RunStarted)] == [False, True]
+    resumed = [e for e in events if isinstance(e, TrainerResumed)]
+    assert resumed and resumed[0].checkpoint_step == 2 and resumed[0].weights_match is True
+    assert (node_b / run_id / "checkpoints" / "step-000002.pt").is_file()  # fetched
+    assert (mirrored / "step-000004.pt").is_file() and (mirrored / "step-000004.state").is_file()
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_retention_deletes_the_remote_copies_of_dropped_checkpoints(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _sitecustomize(tmp_path, monkeypatch)
+    remote, out = tmp_path / "remote", tmp_path / "out"
+    args = run_args(redis_url, run_id, out, "trainer.total_training_steps=4",
+                    "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=1",
+                    "run.retention=checkpoint", f"run.storage={PROTOCOL}://{remote}")
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    assert procs.wait("trainer", 240) == 0, procs.log("trainer")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    assert_every_step_once(await events_of(bus, run_keys.events), 4)
+    local = sorted(p.name for p in (out / run_id / "checkpoints").glob("step-*"))
+    mirrored = sorted(p.name for p in (remote / run_id / "checkpoints").glob("step-*"))
+    assert "step-000004.pt" in local and "step-000001.pt" not in local, local
+    assert mirrored == local
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_a_trimming_trainer_on_another_node_resumes_with_the_whole_log(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """run.retention=checkpoint: node A's trainer archived and trimmed the log; on node B
+    (node A's disk gone) the checkpoints and the archive are fetched from the storage, and
+    the run's whole log (archive + stream) still holds every step once."""
+    _sitecustomize(tmp_path, monkeypatch)
+    node_a, node_b = tmp_path / "nodeA", tmp_path / "nodeB"
+    remote = tmp_path / "remote"
+    more = ("trainer.total_training_steps=8", "trainer.save_freq=2",
+            "run.retention=checkpoint", f"run.storage={PROTOCOL}://{remote}")
+    procs.spawn("rollouter0", "rollouter", *run_args(redis_url, run_id, node_a, *more))
+    procs.spawn("trainer", "trainer", *run_args(redis_url, run_id, node_a, *more))
+    await wait_until(lambda: bus.get_text(run_keys.archive),
+                     "the trainer on node A archiving trimmed events", 180,
+                     procs.watch("trainer"))
+    procs.kill("trainer")
+    assert list((remote / run_id / "events").glob("archive-*.rlev"))  # copied before the trim
+    away = tmp_path / "nodeA-away"
+    node_a.rename(away)
+    procs.spawn("trainer_b", "trainer", *run_args(redis_url, run_id, node_b, *more))
+    assert procs.wait("trainer_b", 240) == 0, procs.log("trainer_b")
+    away.rename(node_a)
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    said = procs.log("trainer_b")
+    assert "events archive segments" in said, said
+    # The log as a reader finds it: node B's archive (recorded last) and the stream.
+    assert await bus.get_text(run_keys.archive) == str((node_b / run_id / "events").resolve())
+    events = await events_of(bus, run_keys.events)
+    assert_every_step_once(events, 8)
+    assert [e.resumed for e in events if isinstance(e, RunStarted)] == [False, True]

@@ -1,0 +1,196 @@
+"""Checkpoints on a remote run storage (``run.storage`` an fsspec URL such as ``s3://...``).
+
+A checkpoint is a file the trainer opens locally, so it is written to the local checkpoint
+folder (:func:`runconfig.paths.checkpoint_dir`, under ``run.output_dir/RUN`` on a remote
+storage) and mirrored to ``STORAGE/RUN/checkpoints/``; the local folder is a cache:
+
+- after ``write_checkpoint``, :meth:`CheckpointMirror.upload` copies ``step-K.pt`` and then
+  ``step-K.state`` (a remote snapshot never lacks its checkpoint), before the
+  CheckpointSaved that names them is published;
+- at start, before the log is read, :meth:`CheckpointMirror.download_missing` fetches every
+  remote pair the local folder lacks, so a trainer started on another node finds them;
+- retention deletes a dropped checkpoint's remote copies too (the snapshot first).
+
+The events archive (``run.retention=checkpoint``: bus.archive segments under
+``run.output_dir/RUN/events``) is mirrored to ``STORAGE/RUN/events/`` the same way
+(:class:`EventsMirror`): the segments that changed are uploaded after the archive is
+written and before the stream is trimmed (the storage's copy holds everything trimmed),
+and at start the local folder is made equal to the storage's copy when it has one.
+
+The log names a checkpoint by its path on the node that wrote it: :meth:`locate` finds it
+by name in this node's folder. Every method blocks (network I/O): call it on a worker
+thread. On a local storage there is no mirror (:func:`checkpoint_mirror` is None): the
+checkpoint folder is already the storage.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from bus.storage import RunStorage
+from runconfig.paths import checkpoint_dir, events_dir, local_path, storage_url
+from runconfig.schema import Config
+
+__all__ = ["SEGMENT", "CheckpointMirror", "EventsMirror", "checkpoint_mirror", "events_mirror",
+           "remote_names", "segments_to_fetch", "segments_to_push", "to_download",
+           "upload_order"]
+
+_PAIR = re.compile(r"^step-(\d+)\.(pt|state)$")
+SEGMENT = re.compile(r"^archive-\d{6,}\.rlev$")
+"""The name of an events archive segment (bus.archive)."""
+
+
+def _pair(step: int) -> tuple[str, str]:
+    return f"step-{step:06d}.pt", f"step-{step:06d}.state"
+
+
+def upload_order(pt: Path) -> list[Path]:
+    """The files of the checkpoint ``pt`` in upload order: the ``.pt``, then its
+    ``.state`` (a snapshot found remotely always has its checkpoint there)."""
+    return [pt, pt.with_suffix(".state")]
+
+
+def to_download(remote: Iterable[str], local: Iterable[str]) -> list[str]:
+    """The remote files to fetch: of each pair whole in ``remote`` and not whole in
+    ``local``, the files ``local`` lacks, oldest step first and the ``.pt`` before its
+    ``.state`` (a snapshot found locally always has its checkpoint). A remote ``.pt``
+    without its ``.state`` (an upload cut short) is not fetched."""
+    there, here = set(remote), set(local)
+    steps = sorted({int(m[1]) for name in there if (m := _PAIR.match(name))})
+    wanted: list[str] = []
+    for step in steps:
+        pair = _pair(step)
+        if all(n in there for n in pair):
+            wanted.extend(n for n in pair if n not in here)
+    return wanted
+
+
+def remote_names(steps: Iterable[int]) -> list[str]:
+    """The remote files of the dropped checkpoints ``steps``, in deletion order: each
+    ``.state`` before its ``.pt`` (a snapshot never names a deleted checkpoint)."""
+    return [name for step in sorted(steps) for name in reversed(_pair(step))]
+
+
+class CheckpointMirror:
+    """The checkpoint folder ``folder`` mirrored to ``prefix/`` in ``storage``."""
+
+    def __init__(self, storage: RunStorage, folder: Path, prefix: str) -> None:
+        self.storage = storage
+        self.folder = folder
+        self.prefix = prefix.strip("/")
+
+    def _name(self, file: str) -> str:
+        return f"{self.prefix}/{file}"
+
+    def where(self) -> str:
+        """The remote folder, as a URL (what a message names)."""
+        return f"{self.storage.url.rstrip('/')}/{self.prefix}"
+
+    def upload(self, pt: Path) -> None:
+        """Copy the checkpoint ``pt`` and its snapshot to the storage (blocking)."""
+        for path in upload_order(pt):
+            self.storage.upload(path, self._name(path.name))
+
+    def download_missing(self) -> list[str]:
+        """Fetch the remote checkpoints the local folder lacks (:func:`to_download`);
+        returns the names fetched (blocking)."""
+        here = [p.name for p in self.folder.iterdir()] if self.folder.is_dir() else []
+        wanted = to_download(self.storage.list(self.prefix), here)
+        for name in wanted:
+            self.storage.download(self._name(name), self.folder / name)
+        return wanted
+
+    def delete(self, steps: Iterable[int]) -> None:
+        """Remove the remote copies of the checkpoints ``steps`` (blocking)."""
+        for name in remote_names(steps):
+            self.storage.delete(self._name(name))
+
+    def locate(self, path: str) -> str:
+        """The local copy of the checkpoint the log names as ``path`` (written on any
+        node): the file of that name in this node's folder."""
+        return str(self.folder / Path(path).name)
+
+
+def checkpoint_mirror(cfg: Config, run_id: str) -> CheckpointMirror | None:
+    """The mirror of run ``run_id``'s checkpoints, None when the storage is local (the
+    checkpoint folder is in it). Raises bus.storage.StorageError for an unusable URL
+    (runtime.storage.check_storage said so at start)."""
+    url = storage_url(cfg)
+    if local_path(url) is not None:
+        return None
+    return CheckpointMirror(RunStorage(url), checkpoint_dir(cfg, run_id),
+                            f"{run_id}/checkpoints")
+
+
+def segments_to_fetch(remote: dict[str, int], local: dict[str, int]) -> tuple[list[str], list[str]]:
+    """``(fetch, remove)`` at start: the remote archive segments (name: size) whose local
+    copy is missing or of another size, and the local segments the storage does not hold
+    (a stale copy: the storage's is the run's, uploaded before every trim). A storage
+    without segments changes nothing."""
+    there = {n: size for n, size in remote.items() if SEGMENT.match(n)}
+    if not there:
+        return [], []
+    fetch = [n for n in sorted(there) if local.get(n) != there[n]]
+    return fetch, sorted(n for n in local if SEGMENT.match(n) and n not in there)
+
+
+def segments_to_push(local: dict[str, int], sent: dict[str, int]
+                     ) -> tuple[list[str], list[str]]:
+    """``(upload, delete)`` before a trim: the local segments whose size differs from what
+    was last sent (``sent``), and the sent ones no longer here (truncated away)."""
+    here = {n: size for n, size in local.items() if SEGMENT.match(n)}
+    return ([n for n in sorted(here) if sent.get(n) != here[n]],
+            sorted(n for n in sent if n not in here))
+
+
+def _local_sizes(folder: Path) -> dict[str, int]:
+    if not folder.is_dir():
+        return {}
+    return {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
+
+
+class EventsMirror:
+    """The events archive folder ``folder`` mirrored to ``prefix/`` in ``storage``."""
+
+    def __init__(self, storage: RunStorage, folder: Path, prefix: str) -> None:
+        self.storage = storage
+        self.folder = folder
+        self.prefix = prefix.strip("/")
+        self.sent: dict[str, int] = {}  # what the storage holds, as this process knows it
+
+    def where(self) -> str:
+        """The remote folder, as a URL (what a message names)."""
+        return f"{self.storage.url.rstrip('/')}/{self.prefix}"
+
+    def fetch(self) -> list[str]:
+        """Make the local archive the storage's copy (:func:`segments_to_fetch`); returns
+        the segments fetched (blocking)."""
+        remote = self.storage.sizes(self.prefix)
+        fetch, remove = segments_to_fetch(remote, _local_sizes(self.folder))
+        for name in fetch:
+            self.storage.download(f"{self.prefix}/{name}", self.folder / name)
+        for name in remove:
+            (self.folder / name).unlink(missing_ok=True)
+        self.sent = {n: size for n, size in remote.items() if SEGMENT.match(n)}
+        return fetch
+
+    def push(self) -> None:
+        """Upload the segments that changed since the last push (blocking)."""
+        local = _local_sizes(self.folder)
+        upload, delete = segments_to_push(local, self.sent)
+        for name in upload:
+            self.storage.upload(self.folder / name, f"{self.prefix}/{name}")
+            self.sent[name] = local[name]
+        for name in delete:
+            self.storage.delete(f"{self.prefix}/{name}")
+            self.sent.pop(name, None)
+
+
+def events_mirror(cfg: Config, run_id: str) -> EventsMirror | None:
+    """The mirror of run ``run_id``'s events archive, None when the storage is local."""
+    url = storage_url(cfg)
+    if local_path(url) is not None:
+        return None
+    return EventsMirror(RunStorage(url), events_dir(cfg, run_id), f"{run_id}/events")
