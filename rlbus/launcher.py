@@ -387,7 +387,8 @@ class _Up:
                              self.console)
         watch = RunWatch(self.run_id, self.children, self.sup, progress, self.summary, past,
                          last_step=self.status.last_step,
-                         policy=RestartPolicy(self.cfg.run.max_restarts), env=self.env)
+                         policy=RestartPolicy(self.cfg.run.max_restarts), env=self.env,
+                         placement_timeout_s=self.cfg.run.ray.placement_timeout_s)
         try:
             return asyncio.run(watch.run(self.url, since))
         finally:

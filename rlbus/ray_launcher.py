@@ -17,7 +17,7 @@ import contextlib
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -50,13 +50,17 @@ class RayUnavailable(Exception):
     """Ray could not be reached (``run.ray_address``) or started (a local Ray) in time."""
 
 
-def _run_component(argv: list[str], log_path: str) -> int:
-    """Body of the Ray task: run one component to completion; its exit code is the result."""
+def _run_component(argv: list[str], log_path: str) -> Iterator[str | int]:
+    """Body of the Ray task: first its node's id (the driver learns that Ray placed and
+    started it: :attr:`RayChild.placed`), then the component's exit code, run to completion."""
+    import ray
+
+    yield ray.get_runtime_context().get_node_id()
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                 preexec_fn=pdeathsig_hook())
-        return proc.wait()
+        yield proc.wait()
 
 
 class RayChild(msgspec.Struct):
@@ -68,14 +72,30 @@ class RayChild(msgspec.Struct):
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     """Its task's Ray options (:func:`ray_options`)."""
     ref: Any = None
+    """The task's generator of results (its node's id, then the exit code)."""
     rc: int | None = None
     lost: str = ""
     """Why its task ended without an exit code (node or worker lost), named by Ray."""
+    node: str = ""
+    """The id of the Ray node it runs on, once Ray placed and started it."""
+    submitted_at: float = 0.0
+    """``time.monotonic()`` of its latest submission (the wait to be placed counts from it)."""
 
     @property
     def started(self) -> bool:
         """Whether its task was submitted (a child never started has nothing to stop)."""
         return self.ref is not None
+
+    @property
+    def placed(self) -> bool:
+        """Whether Ray started its task on a node (a submitted task may wait for room)."""
+        self.returncode()
+        return bool(self.node)
+
+    def asks(self) -> str:
+        """What its task asks Ray for (``num_cpus=1, num_gpus=0, resources={...}``)."""
+        return ", ".join(f"{k}={v}" for k, v in self.options.items()
+                         if k != "scheduling_strategy")
 
     def start(self, env: dict[str, str]) -> None:
         import ray
@@ -84,20 +104,27 @@ class RayChild(msgspec.Struct):
             name=self.name, max_retries=0, **self.options,
             runtime_env={"env_vars": {"PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1")}},
         )
-        self.rc, self.lost = None, ""
+        self.rc, self.lost, self.node = None, "", ""
+        self.submitted_at = time.monotonic()
         self.ref = task.remote(self.argv, str(self.log_path))
 
     def returncode(self) -> int | None:
         import ray
 
-        if self.rc is None and self.ref is not None:
-            ready, _ = ray.wait([self.ref], timeout=0)
-            if ready:
-                try:
-                    self.rc = int(ray.get(ready[0]))
-                except Exception as exc:  # the task itself died (worker killed, node lost)
-                    self.rc = 1
-                    self.lost = lost_reason(exc) + dead_nodes()
+        # Each result the task yielded so far: its node's id, then its exit code.
+        while self.rc is None and self.ref is not None and ray.wait([self.ref], timeout=0)[0]:
+            try:
+                item = ray.get(next(self.ref))
+            except StopIteration:  # ended without an exit code (cannot happen but by Ray)
+                self.rc, self.lost = 1, "its Ray task ended without an exit code"
+            except Exception as exc:  # the task itself died (worker killed, node lost)
+                self.rc = 1
+                self.lost = lost_reason(exc) + dead_nodes()
+            else:
+                if self.node:
+                    self.rc = int(item)
+                else:
+                    self.node = str(item)
         return self.rc
 
     def stop(self, grace_s: float = 15.0) -> None:

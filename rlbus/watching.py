@@ -31,6 +31,7 @@ __all__ = [
     "RunWatch",
     "Summary",
     "manifest_traces",
+    "placement_verdict",
 ]
 
 RESTARTABLE = ("rollouter", "profiler", "logger")
@@ -38,6 +39,22 @@ RESTARTABLE = ("rollouter", "profiler", "logger")
 are reissued, the profiler and the logger read the log from where they were): restarted."""
 
 WARNING_SOURCE = "rlbus up"
+
+PLACEMENT_WARN_S = 30.0
+"""How long a Ray task may wait to be placed before ``rlbus up`` says so (once); half the
+bound (``run.ray.placement_timeout_s``) when that is shorter."""
+
+
+def placement_verdict(waited_s: float, bound_s: float, warned: bool) -> str:
+    """What to do about a Ray task submitted ``waited_s`` seconds ago that no node has
+    started yet (``warned``: whether that was already said): ``wait``; ``warn`` (once, past
+    :data:`PLACEMENT_WARN_S` or half the bound, then wait on); ``fail`` past ``bound_s``
+    (``run.ray.placement_timeout_s``): no node has had room for it that long. Pure."""
+    if waited_s >= bound_s:
+        return "fail"
+    if not warned and waited_s >= min(PLACEMENT_WARN_S, bound_s / 2):
+        return "warn"
+    return "wait"
 
 
 class RestartPolicy(msgspec.Struct):
@@ -169,8 +186,13 @@ class RunWatch:
     def __init__(self, run_id: str, children: list[Any], sup: Supervisor, progress: Progress,
                  summary: Summary, past_traces: set[tuple[str, str, int]],
                  last_step: int = 0, policy: RestartPolicy | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 placement_timeout_s: float = float("inf")) -> None:
         self.keys = RunKeys(run_id)
+        self.placement_timeout_s = placement_timeout_s
+        """How long a Ray task may wait for a node with room (``run.ray.placement_timeout_s``)."""
+        self.unplaced_warned: set[str] = set()
+        """Children whose wait to be placed was already said (once per submission)."""
         self.policy = policy if policy is not None else RestartPolicy(0)
         self.env = env if env is not None else {}
         self.pending: list[tuple[str, str]] = []
@@ -228,6 +250,8 @@ class RunWatch:
             rc = child.returncode()
             if rc is not None and rc != 0 and not self._restarted(child, rc):
                 return 1
+            if rc is None and not self._placed_in_time(child):
+                return 1
         if all(c.returncode() is not None for c in self.children):
             if self.finished_at is None:
                 self.progress.say("rlbus up: every component exited but the run did not "
@@ -266,6 +290,31 @@ class RunWatch:
         detail = "" if lost else f"; last lines of {child.log_path}:\n{child.log_tail()}"
         self.progress.say(f"rlbus up: {what}{budget}{detail}", err=True)
         return False
+
+    def _placed_in_time(self, child: Any) -> bool:
+        """False once a Ray task has waited past ``run.ray.placement_timeout_s`` for a node
+        with room (named: ``component_failed``, the run stops, as a loss past
+        ``run.max_restarts`` does); a long wait is said once (``component_unplaced``)."""
+        if not getattr(child, "started", True) or getattr(child, "placed", True):
+            self.unplaced_warned.discard(child.name)
+            return True
+        waited = time.monotonic() - child.submitted_at
+        verdict = placement_verdict(waited, self.placement_timeout_s,
+                                    child.name in self.unplaced_warned)
+        what = (f"{child.name} not placed by Ray after {waited:.0f} s: no live node has room "
+                f"for what it asks ({child.asks()})")
+        if verdict == "warn":
+            self.unplaced_warned.add(child.name)
+            text = (f"{what}; still waiting (up to {self.placement_timeout_s:g} s, "
+                    "run.ray.placement_timeout_s)")
+            self.pending.append(("component_unplaced", text))
+            self.progress.say(f"rlbus up: {text}", err=True)
+        elif verdict == "fail":
+            text = f"{what}; gave up (run.ray.placement_timeout_s); the run stops"
+            self.pending.append(("component_failed", text))
+            self.progress.say(f"rlbus up: {text}", err=True)
+            return False
+        return True
 
     def _show(self, msg: Message) -> None:
         from bus import messages as m

@@ -69,6 +69,7 @@ class RayPlacementConfig(_Section, frozen=True):
     trainer_resources: dict[str, PosFloat] = msgspec.field(default_factory=dict)
     rollouter_resources: dict[str, PosFloat] = msgspec.field(default_factory=dict)
     rollouter_strategy: Literal["SPREAD", "DEFAULT"] = "SPREAD"
+    placement_timeout_s: PosFloat = 300.0
 
 
 class RunConfig(_Section, frozen=True):

@@ -209,3 +209,63 @@ async def test_two_nodes_placed_as_asked_and_a_lost_node_named_and_survived(
                 with contextlib.suppress(psutil.Error):
                     p.kill()
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- placement wait
+
+def _until(what: str, cond: Any, timeout_s: float = 180.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(600)
+def test_a_task_no_node_has_room_for_is_named_then_stops_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A local Ray whose one node offers {slot: 1}; two rollouters each ask for {slot: 1}.
+    The first is placed and runs; the second waits unplaced (Ray holds it pending): RunWatch
+    says so once (component_unplaced, naming the slot), then past run.ray.placement_timeout_s
+    names it component_failed and stops the run. Stopping cancels the pending task."""
+    from rlbus.children import Console
+    from rlbus.ray_launcher import RayChild, init_ray, shutdown_ray
+    from rlbus.supervise import Supervisor
+    from rlbus.watching import Progress, RestartPolicy, RunWatch, Summary
+
+    ray_tmp = tempfile.mkdtemp(prefix="rlpl")
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    asks = {"num_cpus": 0, "num_gpus": 0, "resources": {"slot": 1.0}}
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    children = [RayChild(f"rollouter{i}", sleeper, tmp_path / f"rollouter{i}.log", dict(asks))
+                for i in range(2)]
+    try:
+        init_ray(None, 2, timeout_s=300, resources={"slot": 1.0})
+        for child in children:
+            child.start({})
+        first, second = children
+        _until("rollouter0 to be placed", lambda: first.placed)
+        sup = Supervisor()
+        watch = RunWatch("r", children, sup, Progress(10, 0, Console(sup)), Summary(), set(),
+                         policy=RestartPolicy(3), placement_timeout_s=4.0)
+        _until("a component_unplaced warning",
+               lambda: watch._verdict() is None and bool(watch.pending), 60)
+        assert not second.placed and second.returncode() is None
+        code, text = watch.pending[0]
+        assert code == "component_unplaced" and text.startswith("rollouter1 not placed by Ray")
+        assert "resources={'slot': 1.0}" in text, text
+        _until("the placement bound to pass", lambda: watch._verdict() == 1, 60)
+        assert [c for c, _ in watch.pending] == ["component_unplaced", "component_failed"]
+        assert watch.pending[1][1].startswith("rollouter1 not placed by Ray after ")
+        assert first.placed and first.returncode() is None  # the placed one runs on
+        for child in children:
+            child.stop()
+        assert second.returncode() is not None and first.returncode() is not None
+    finally:
+        for child in children:
+            with contextlib.suppress(Exception):
+                child.stop()
+        shutdown_ray()
+        shutil.rmtree(ray_tmp, ignore_errors=True)

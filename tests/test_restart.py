@@ -137,3 +137,49 @@ def test_a_node_lost_after_the_run_finished_fails_nothing() -> None:
     watch.finished_at = time.monotonic()
     assert watch._verdict() == 0 and lost.starts == 0
     assert [code for code, _ in watch.pending] == ["component_lost"]
+
+
+def test_placement_verdict_waits_warns_once_then_gives_up_at_the_bound() -> None:
+    from rlbus.watching import placement_verdict
+
+    assert placement_verdict(5, 300, warned=False) == "wait"
+    assert placement_verdict(30, 300, warned=False) == "warn"  # said at 30 s ...
+    assert placement_verdict(200, 300, warned=True) == "wait"  # ... once, then waits on
+    assert placement_verdict(300, 300, warned=True) == "fail"
+    assert placement_verdict(301, 300, warned=False) == "fail"
+    assert placement_verdict(1, 2, warned=False) == "warn"  # a short bound: at its half
+
+
+class _Unplaced(_Task):
+    """A Ray task no node has started yet (submitted ``waited`` seconds ago)."""
+
+    def __init__(self, name: str, waited: float) -> None:
+        super().__init__(name, None)
+        self.placed, self.started = False, True
+        self.submitted_at = time.monotonic() - waited
+
+    def asks(self) -> str:
+        return "num_cpus=1, resources={'slot': 1.0}"
+
+
+def test_an_unplaced_task_is_named_once_then_stops_the_run_at_the_bound() -> None:
+    unplaced = _Unplaced("rollouter1", waited=40)
+    watch = _watch(_Task("trainer", None), _Task("rollouter0", None), unplaced)
+    watch.placement_timeout_s = 300
+    assert watch._verdict() is None and watch._verdict() is None  # said once, then waits
+    assert [code for code, _ in watch.pending] == ["component_unplaced"]
+    assert watch.pending[0][1].startswith("rollouter1 not placed by Ray after 40 s: ")
+    assert "{'slot': 1.0}" in watch.pending[0][1]
+    assert "run.ray.placement_timeout_s" in watch.pending[0][1]
+    unplaced.submitted_at -= 300
+    assert watch._verdict() == 1
+    assert watch.pending[-1][0] == "component_failed"
+    assert watch.pending[-1][1].endswith("gave up (run.ray.placement_timeout_s); the run stops")
+
+
+def test_a_placed_task_and_a_local_child_have_no_placement_wait() -> None:
+    placed = _Unplaced("trainer", waited=1000)
+    placed.placed = True
+    watch = _watch(placed, _Task("rollouter0", None))
+    watch.placement_timeout_s = 1
+    assert watch._verdict() is None and watch.pending == []
