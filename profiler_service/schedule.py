@@ -144,10 +144,13 @@ def step_runs(steps: Iterable[int]) -> list[tuple[int, int]]:
 
 
 def _profiled_roles(roles: Iterable[str], replicas: int, ranks: Sequence[int]) -> list[str]:
-    """``roles`` de-duplicated, in order, keeping only roles that have a rank to profile."""
+    """``roles`` de-duplicated, in order, keeping only roles that have a rank to profile.
+    The rollouter always has one: a rank past ``rollout.replicas`` names a rollouter that may
+    join the running run; nothing waits for it, but its reports count (:func:`joined_target`)."""
     kept: list[str] = []
     for role in roles:
-        if role in ROLES and role not in kept and expected_ranks(role, replicas, ranks):
+        has_rank = role == "rollouter" or expected_ranks(role, replicas, ranks)
+        if role in ROLES and role not in kept and has_rank:
             kept.append(role)
     return kept
 

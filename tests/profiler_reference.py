@@ -273,7 +273,9 @@ def _counted_reports(msgs: Sequence[Fact]) -> list[bool]:
 def _roles_with_ranks(roles: Sequence[str], replicas: int, ranks: Sequence[int]) -> list[str]:
     out: list[str] = []
     for role in roles:
-        if role in ROLES and role not in out and _ranks_of(role, replicas, ranks):
+        # A rollouter rank past the replicas may join later: the role stays (not waited for).
+        if role in ROLES and role not in out and (role == "rollouter"
+                                                  or _ranks_of(role, replicas, ranks)):
             out.append(role)
     return out
 

@@ -46,6 +46,7 @@ def test_file_then_overrides(tmp_path: Path) -> None:
         ("global_profiler.steps=[2,2]", "global_profiler.steps"),
         ("global_profiler.tool=foo", "global_profiler.tool"),
         ("global_profiler.roles=[x]", "global_profiler.roles"),
+        ("global_profiler.ranks=[-1]", "global_profiler.ranks"),
         ("trainer.bogus=1", "trainer.bogus"),
         ("bogus.key=1", "bogus"),
         ("model.n_heads=3", "model.n_heads"),
@@ -61,6 +62,14 @@ def test_bad_values_name_the_key(override: str, key: str) -> None:
         load_config(None, [override])
     assert info.value.key == key
     assert f"'{key}'" in str(info.value)
+
+
+def test_profiler_ranks_may_name_rollouters_past_the_replicas() -> None:
+    # rollout.replicas is what `rlbus up` starts, not a cap: rank 3 may join the running run.
+    cfg = load_config(None, ["global_profiler.tool=torch", "global_profiler.steps=[1]",
+                             "global_profiler.roles=[rollouter]", "global_profiler.ranks=[3]",
+                             "rollout.replicas=2"])
+    assert cfg.global_profiler.ranks == [3]
 
 
 @pytest.mark.parametrize("tool", [["global_profiler.tool=torch"], []], ids=["torch", "off"])

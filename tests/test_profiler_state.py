@@ -309,7 +309,7 @@ configs = st.builds(
     st.lists(steps_, max_size=6, unique=True),
     st.booleans(),
     roles_,
-    st.sampled_from([[], [], [0], [1], [0, 1]]),
+    st.sampled_from([[], [], [0], [1], [0, 1], [3]]),  # 3: past the replicas (may join)
 )
 
 
@@ -828,3 +828,34 @@ def test_a_rollouter_that_joined_beyond_the_replicas_has_its_traces_listed() -> 
     # A session for rank 0 only does not target it.
     only0 = msgspec_replace(S30, ranks=[0])
     assert "does not target" in (report_refusal(fold([run_started(1), only0]), joined) or "")
+
+
+def test_ranks_past_the_replicas_are_counted_when_they_report_and_never_waited_for() -> None:
+    """global_profiler.ranks=[3] with rollout.replicas=2 (rank 3 may join the running run):
+    the session is sent, a report from rank 3 counts and is listed, one from rank 2 does
+    not, and once the run finishes the service does not wait for a rank that never joined."""
+    from profiler_service.schedule import outstanding_targets
+    from profiler_service.state import report_refusal
+
+    cfg = cfg_of([1], False, ["trainer", "rollouter"], ranks=[3])
+    sent = [m for m in decide(cfg, fold([run_started(2)])) if isinstance(m, StartProfile)]
+    assert [(s.session_id, s.roles, s.ranks) for s in sent] == [("s1-1", ["rollouter"], [3])]
+    assert sent == [m for m in reference_decide(cfg, [run_started(2)])
+                    if isinstance(m, StartProfile)]
+    stop3 = ProfileStopped(session_id="s1-1", role="rollouter", rank=3, first_step=1,
+                           last_step=1, tool="torch", path="rollouter3-s1-1.json.gz", bytes=5,
+                           duration_s=0.1, ts=3.0)
+    log: list[Fact] = [run_started(2), *sent]
+    assert "does not target" in (report_refusal(fold(log), msgspec_replace(stop3, rank=2)) or "")
+    assert report_refusal(fold(log), stop3) is None
+    joined = [*log, stop3, _checked(stop3)]
+    manifest = build_manifest("r1", fold(joined))
+    assert [(e["role"], e["rank"], e["status"]) for e in manifest["sessions"]] == [
+        ("rollouter", 3, "ok")]
+    assert manifest == reference_manifest("r1", joined)
+    # Rank 3 never joined: nothing is outstanding, ProfilerFinished follows RunFinished at once.
+    for run in (log, joined):
+        ended = fold([*run, StepFinished(step=1, sample_ids=[], metrics={}, duration_s=0.1),
+                      RunFinished(run_id="r1", steps=1)])
+        assert outstanding_targets(ended) == []
+        assert [type(m) for m in decide(cfg, ended)] == [ProfilerFinished]
