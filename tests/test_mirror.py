@@ -18,7 +18,7 @@ from bus import Bus, RunKeys, RunStarted, StepFinished, TrainerResumed
 from bus.storage import RunStorage
 from runconfig import load_config
 from runconfig.paths import checkpoint_dir, local_path
-from runtime.events_archive import segments_to_read
+from runtime.events_archive import fetch_for_reading, segments_to_read
 from tests.procs import Procs, assert_every_step_once, events_of, run_args, run_cli
 from tests.waits import event, wait_for, wait_until
 from trainer.mirror import (
@@ -99,6 +99,26 @@ def test_a_reader_only_adds_what_the_storage_holds_more_of() -> None:
     # this node appended to it) is kept; a local one the storage lacks (9) is not removed.
     assert segments_to_read(remote, {seg(1): 70, seg(2): 10, seg(9): 4}) == [seg(2), seg(3)]
     assert segments_to_read({}, {seg(1): 7}) == []
+
+
+def test_a_reader_fetches_from_a_remote_storage_only(tmp_path: Path) -> None:
+    seg = "archive-{:06d}.rlev".format
+    remote = tmp_path / "remote" / "r1" / "events"
+    remote.mkdir(parents=True)
+    for name, data in ((seg(1), b"a" * 5), (seg(2), b"b" * 3)):
+        (remote / name).write_bytes(data)
+    here = tmp_path / "out" / "r1" / "events"
+    here.mkdir(parents=True)
+    (here / seg(1)).write_bytes(b"x" * 9)  # appended to since the last upload: kept
+    (here / seg(7)).write_bytes(b"y")  # not uploaded yet: kept
+    cfg = load_config(None, [f"run.output_dir={tmp_path / 'out'}",
+                            f"run.storage={PROTOCOL}://{tmp_path / 'remote'}"])
+    assert fetch_for_reading(cfg, "r1") == [seg(2)]
+    assert (here / seg(2)).read_bytes() == b"bbb" and (here / seg(1)).read_bytes() == b"x" * 9
+    assert (here / seg(7)).exists() and sorted(p.name for p in remote.iterdir()) == [seg(1), seg(2)]
+    local = load_config(None, [f"run.output_dir={tmp_path / 'out'}",
+                               f"run.storage={tmp_path / 'remote'}"])
+    assert fetch_for_reading(local, "r1") == []  # a local storage is read in place
 
 
 def test_a_push_sends_what_changed_and_drops_what_was_truncated() -> None:

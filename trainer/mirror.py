@@ -15,7 +15,9 @@ The events archive (``run.retention=checkpoint``: bus.archive segments under
 ``run.output_dir/RUN/events``) is mirrored to ``STORAGE/RUN/events/`` the same way
 (:class:`EventsMirror`): the segments that changed are uploaded after the archive is
 written and before the stream is trimmed (the storage's copy holds everything trimmed),
-and at start the local folder is made equal to the storage's copy when it has one.
+and at start the local folder is made equal to the storage's copy when it has one. The
+segment decisions and the fetch are runtime.events_archive's, shared with the other readers
+of the archive (which only download).
 
 The log names a checkpoint by its path on the node that wrote it: :meth:`locate` finds it
 by name in this node's folder. Every method blocks (network I/O): call it on a worker
