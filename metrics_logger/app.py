@@ -14,6 +14,7 @@ was skipped. Exit code 0 when the run finished
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import math
@@ -30,10 +31,12 @@ from bus.facts import run_finished_refusal
 from bus.files import atomic_write
 from bus.history import find_archive
 from bus.messages import ValidationFinished
+from bus.storage import StorageError
 from runconfig import Config
 from runconfig.paths import events_dir
 from runtime import Component, LogFollower
 from runtime import main as run_main
+from runtime.events_archive import fetch_for_reading
 
 __all__ = [
     "LOGGER_NAMES_WRITTEN",
@@ -245,9 +248,20 @@ class MetricsLogger(Component):
               f"{events_dir(self.cfg, self.run_id)}; "
               "skipped the metrics of those steps", file=sys.stderr, flush=True)
 
+    async def _fetch_archive(self) -> None:
+        """On a remote run.storage, the archive segments the trainer mirrored there, into
+        this node's events folder (download only); a storage that fails is a warning (the
+        trimmed steps are then skipped, :meth:`_gap` says so)."""
+        try:
+            await asyncio.to_thread(fetch_for_reading, self.cfg, self.run_id)
+        except StorageError as exc:
+            print(f"{PROG}: warning: the events archive could not be fetched from "
+                  f"run.storage ({exc})", file=sys.stderr, flush=True)
+
     async def serve(self) -> int:
         """From the stored position to the end of the log (the archive first when retention
         trimmed what follows it, bus.history), then new entries until RunFinished."""
+        await self._fetch_archive()
         self.follower.archive = await find_archive(
             self.bus, self.keys, events_dir(self.cfg, self.run_id))
         await self.follower.catch_up(on_gap=self._gap)

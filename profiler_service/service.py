@@ -70,6 +70,7 @@ from bus import (
 from bus.files import atomic_write
 from bus.history import find_archive
 from bus.keys import LOG_ROLES, ROLE_LOG_MAXLEN
+from bus.storage import StorageError
 from profiler_service.finish import HOOK_INTERRUPTED_CODE, HOOK_MARKER_NAME, FinishHook
 from profiler_service.manifest import (
     build_manifest,
@@ -100,6 +101,7 @@ from profiling.hook import hook_env
 from runconfig.paths import events_dir
 from runconfig.schema import Config
 from runtime import Component, LogFollower
+from runtime.events_archive import fetch_for_reading
 
 __all__ = [
     "SNAPSHOT_NAME",
@@ -228,7 +230,12 @@ class ProfilerService(Component):
         async for entry in self.bus.read_all(self.keys.control, count=READ_COUNT):
             self.control_position = entry.id
             self._fold(entry.msg)
-        # The archive first when retention trimmed the stream (bus.history), then the stream.
+        # The archive first when retention trimmed the stream (bus.history), then the stream;
+        # on a remote run.storage its segments are fetched to this node first.
+        try:
+            await asyncio.to_thread(fetch_for_reading, self.cfg, self.keys.run_id)
+        except StorageError as exc:
+            log.warning("the events archive could not be fetched from run.storage (%s)", exc)
         self.follower.archive = await find_archive(
             self.bus, self.keys, events_dir(self.cfg, self.keys.run_id))
         await self.follower.catch_up(on_gap=_log_gap)

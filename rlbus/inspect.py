@@ -31,9 +31,11 @@ from bus.messages import (
     ValidationFinished,
 )
 from bus.progress import validation_line
+from bus.storage import StorageError
 from runconfig import Config
 from runconfig.paths import events_dir
 from runtime import LogFollower
+from runtime.events_archive import fetch_for_reading
 
 __all__ = ["event_to_json", "inspect_run", "summary_line", "validations_table"]
 
@@ -166,6 +168,7 @@ def inspect_run(
             print(f"rlbus inspect: error: {problem}", file=sys.stderr)
             return 2
     run_id = cfg.run.id or ""
+    _fetch_archive(cfg, run_id)
     try:
         with redis_for_reading(cfg) as url:
             events, samples = asyncio.run(_read(
@@ -185,6 +188,17 @@ def inspect_run(
             _write_trace(cfg, run_id, events, samples, trace)
         return 0
     return _print_events(run_id, events, as_json, heartbeats)
+
+
+def _fetch_archive(cfg: Config, run_id: str) -> None:
+    """On a remote run.storage, the archive segments the trainer mirrored there, into this
+    node's events folder (download only, before the event loop starts); a storage that
+    fails is a warning (the trimmed events are then not shown, and inspect says so)."""
+    try:
+        fetch_for_reading(cfg, run_id)
+    except StorageError as exc:
+        print(f"rlbus inspect: warning: the events archive could not be fetched from "
+              f"run.storage ({exc})", file=sys.stderr)
 
 
 def _write_trace(cfg: Config, run_id: str, events: list[tuple[str, Message]],

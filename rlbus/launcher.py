@@ -52,6 +52,7 @@ from bus.server import (
     RedisStartCancelled,
     dir_owner,
 )
+from bus.storage import StorageError
 from rlbus.children import Child, Console, build_children, stop_children, wants_logger
 from rlbus.localdir import mark_local_dir, run_from_local_dir
 from rlbus.ray_launcher import RayUnavailable
@@ -66,6 +67,7 @@ from runconfig import (
     resolve_run_id,
 )
 from runconfig.paths import checkpoint_dir, events_dir
+from runtime.events_archive import fetch_for_reading
 from runtime.process import expanded_url
 from runtime.storage import check_storage
 from tasks.verl_data import check_data
@@ -274,6 +276,15 @@ class _Up:
         self.url = self.server.url
         self.console.out(f"embedded Redis at {self.url} (data in {data})")
 
+    def _fetch_archive(self) -> None:
+        """On a remote run.storage, the archive segments the trainer mirrored there, into
+        this node's events folder (download only), before the log is consulted."""
+        try:
+            fetch_for_reading(self.cfg, self.run_id)
+        except StorageError as exc:
+            self.console.say(f"warning: the events archive could not be fetched from "
+                             f"run.storage ({exc})")
+
     def _consult_log(self) -> int | None:
         """Read the run's log: a continued run takes its recorded config (with this
         command's on top); a finished one ends here (the exit code), else None."""
@@ -283,6 +294,7 @@ class _Up:
         if self.fresh:
             return None
         archive = events_dir(self.cfg, self.run_id)
+        self._fetch_archive()
         self.status = asyncio.run(run_status(self.url, self.run_id, archive))
         if self.status.config is not None:
             self._take_recorded_config(self.status.config)

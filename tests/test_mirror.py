@@ -5,6 +5,7 @@ that resumes from the storage's copy."""
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 from pathlib import Path
@@ -17,7 +18,8 @@ from bus import Bus, RunKeys, RunStarted, StepFinished, TrainerResumed
 from bus.storage import RunStorage
 from runconfig import load_config
 from runconfig.paths import checkpoint_dir, local_path
-from tests.procs import Procs, assert_every_step_once, events_of, run_args
+from runtime.events_archive import fetch_for_reading, segments_to_read
+from tests.procs import Procs, assert_every_step_once, events_of, run_args, run_cli
 from tests.waits import event, wait_for, wait_until
 from trainer.mirror import (
     CheckpointMirror,
@@ -88,6 +90,35 @@ def test_the_storages_archive_replaces_a_stale_local_one() -> None:
              ".lock": 0}
     assert segments_to_fetch(remote, local) == (["archive-000002.rlev"], ["archive-000003.rlev"])
     assert segments_to_fetch({}, local) == ([], [])  # nothing mirrored yet: keep local
+
+
+def test_a_reader_only_adds_what_the_storage_holds_more_of() -> None:
+    seg = "archive-{:06d}.rlev".format
+    remote = {seg(1): 50, seg(2): 30, seg(3): 20, "other.txt": 5}
+    # Missing (3) and shorter here (2) are fetched; a longer local one (1, the trainer of
+    # this node appended to it) is kept; a local one the storage lacks (9) is not removed.
+    assert segments_to_read(remote, {seg(1): 70, seg(2): 10, seg(9): 4}) == [seg(2), seg(3)]
+    assert segments_to_read({}, {seg(1): 7}) == []
+
+
+def test_a_reader_fetches_from_a_remote_storage_only(tmp_path: Path) -> None:
+    seg = "archive-{:06d}.rlev".format
+    remote = tmp_path / "remote" / "r1" / "events"
+    remote.mkdir(parents=True)
+    for name, data in ((seg(1), b"a" * 5), (seg(2), b"b" * 3)):
+        (remote / name).write_bytes(data)
+    here = tmp_path / "out" / "r1" / "events"
+    here.mkdir(parents=True)
+    (here / seg(1)).write_bytes(b"x" * 9)  # appended to since the last upload: kept
+    (here / seg(7)).write_bytes(b"y")  # not uploaded yet: kept
+    cfg = load_config(None, [f"run.output_dir={tmp_path / 'out'}",
+                            f"run.storage={PROTOCOL}://{tmp_path / 'remote'}"])
+    assert fetch_for_reading(cfg, "r1") == [seg(2)]
+    assert (here / seg(2)).read_bytes() == b"bbb" and (here / seg(1)).read_bytes() == b"x" * 9
+    assert (here / seg(7)).exists() and sorted(p.name for p in remote.iterdir()) == [seg(1), seg(2)]
+    local = load_config(None, [f"run.output_dir={tmp_path / 'out'}",
+                               f"run.storage={tmp_path / 'remote'}"])
+    assert fetch_for_reading(local, "r1") == []  # a local storage is read in place
 
 
 def test_a_push_sends_what_changed_and_drops_what_was_truncated() -> None:
@@ -213,6 +244,20 @@ async def test_retention_deletes_the_remote_copies_of_dropped_checkpoints(
     mirrored = sorted(p.name for p in (remote / run_id / "checkpoints").glob("step-*"))
     assert "step-000004.pt" in local and "step-000001.pt" not in local, local
     assert mirrored == local
+    # Another node (another empty run.output_dir, this node's disk gone) inspects the run:
+    # the trimmed beginning of the log comes from the storage's copy of the archive.
+    assert await bus.get_text(run_keys.archive), "the trainer never trimmed the stream"
+    assert list((remote / run_id / "events").glob("archive-*.rlev"))
+    away, other = tmp_path / "out-away", tmp_path / "other"
+    out.rename(away)
+    shown = run_cli("inspect", "--run", run_id, "--json", f"redis.url={redis_url}",
+                    f"run.output_dir={other}", f"run.storage={PROTOCOL}://{remote}")
+    away.rename(out)
+    assert shown.returncode == 0, shown.stderr
+    steps = [e["step"] for line in shown.stdout.splitlines()
+             if (e := json.loads(line)).get("type") == "StepFinished"]
+    assert sorted(set(steps)) == [1, 2, 3, 4], shown.stderr
+    assert list((other / run_id / "events").glob("archive-*.rlev"))  # fetched there
 
 
 @pytest.mark.e2e

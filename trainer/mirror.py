@@ -15,7 +15,9 @@ The events archive (``run.retention=checkpoint``: bus.archive segments under
 ``run.output_dir/RUN/events``) is mirrored to ``STORAGE/RUN/events/`` the same way
 (:class:`EventsMirror`): the segments that changed are uploaded after the archive is
 written and before the stream is trimmed (the storage's copy holds everything trimmed),
-and at start the local folder is made equal to the storage's copy when it has one.
+and at start the local folder is made equal to the storage's copy when it has one. The
+segment decisions and the fetch are runtime.events_archive's, shared with the other readers
+of the archive (which only download).
 
 The log names a checkpoint by its path on the node that wrote it: :meth:`locate` finds it
 by name in this node's folder. Every method blocks (network I/O): call it on a worker
@@ -32,14 +34,13 @@ from pathlib import Path
 from bus.storage import RunStorage
 from runconfig.paths import checkpoint_dir, events_dir, local_path, storage_url
 from runconfig.schema import Config
+from runtime.events_archive import SEGMENT, fetch_segments, local_sizes, segments_to_fetch
 
 __all__ = ["SEGMENT", "CheckpointMirror", "EventsMirror", "checkpoint_mirror", "events_mirror",
            "remote_names", "segments_to_fetch", "segments_to_push", "to_download",
            "upload_order"]
 
 _PAIR = re.compile(r"^step-(\d+)\.(pt|state)$")
-SEGMENT = re.compile(r"^archive-\d{6,}\.rlev$")
-"""The name of an events archive segment (bus.archive)."""
 
 
 def _pair(step: int) -> tuple[str, str]:
@@ -124,18 +125,6 @@ def checkpoint_mirror(cfg: Config, run_id: str) -> CheckpointMirror | None:
                             f"{run_id}/checkpoints")
 
 
-def segments_to_fetch(remote: dict[str, int], local: dict[str, int]) -> tuple[list[str], list[str]]:
-    """``(fetch, remove)`` at start: the remote archive segments (name: size) whose local
-    copy is missing or of another size, and the local segments the storage does not hold
-    (a stale copy: the storage's is the run's, uploaded before every trim). A storage
-    without segments changes nothing."""
-    there = {n: size for n, size in remote.items() if SEGMENT.match(n)}
-    if not there:
-        return [], []
-    fetch = [n for n in sorted(there) if local.get(n) != there[n]]
-    return fetch, sorted(n for n in local if SEGMENT.match(n) and n not in there)
-
-
 def segments_to_push(local: dict[str, int], sent: dict[str, int]
                      ) -> tuple[list[str], list[str]]:
     """``(upload, delete)`` before a trim: the local segments whose size differs from what
@@ -143,12 +132,6 @@ def segments_to_push(local: dict[str, int], sent: dict[str, int]
     here = {n: size for n, size in local.items() if SEGMENT.match(n)}
     return ([n for n in sorted(here) if sent.get(n) != here[n]],
             sorted(n for n in sent if n not in here))
-
-
-def _local_sizes(folder: Path) -> dict[str, int]:
-    if not folder.is_dir():
-        return {}
-    return {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
 
 
 class EventsMirror:
@@ -168,9 +151,8 @@ class EventsMirror:
         """Make the local archive the storage's copy (:func:`segments_to_fetch`); returns
         the segments fetched (blocking)."""
         remote = self.storage.sizes(self.prefix)
-        fetch, remove = segments_to_fetch(remote, _local_sizes(self.folder))
-        for name in fetch:
-            self.storage.download(f"{self.prefix}/{name}", self.folder / name)
+        fetch, remove = segments_to_fetch(remote, local_sizes(self.folder))
+        fetch_segments(self.storage, self.prefix, self.folder, fetch)
         for name in remove:
             (self.folder / name).unlink(missing_ok=True)
         self.sent = {n: size for n, size in remote.items() if SEGMENT.match(n)}
@@ -178,7 +160,7 @@ class EventsMirror:
 
     def push(self) -> None:
         """Upload the segments that changed since the last push (blocking)."""
-        local = _local_sizes(self.folder)
+        local = local_sizes(self.folder)
         upload, delete = segments_to_push(local, self.sent)
         for name in upload:
             self.storage.upload(self.folder / name, f"{self.prefix}/{name}")
