@@ -187,6 +187,17 @@ def _sitecustomize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
+def _finish_on_node_b(procs: Procs, node_a: Path, node_b: Path, args: list[str]) -> None:
+    """Node A's disk is away while trainer B (on ``node_b``) finishes the run from the
+    storage; then the rollouter (on node A) finishes too."""
+    away = node_a.with_name(node_a.name + "-away")
+    node_a.rename(away)
+    procs.spawn("trainer_b", "trainer", *args)
+    assert procs.wait("trainer_b", 240) == 0, procs.log("trainer_b")
+    away.rename(node_a)
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+
+
 
 @pytest.mark.e2e
 @pytest.mark.asyncio
@@ -209,12 +220,7 @@ async def test_a_trainer_on_another_node_resumes_from_the_remote_checkpoint(
     mirrored = remote / run_id / "checkpoints"
     assert (mirrored / "step-000002.pt").is_file() and (mirrored / "step-000002.state").is_file()
     # Node A's disk is not on node B: the log names its checkpoints by their paths there.
-    away = tmp_path / "nodeA-away"
-    node_a.rename(away)
-    procs.spawn("trainer_b", "trainer", *run_args(redis_url, run_id, node_b, *more))
-    assert procs.wait("trainer_b", 240) == 0, procs.log("trainer_b")
-    away.rename(node_a)
-    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    _finish_on_node_b(procs, node_a, node_b, run_args(redis_url, run_id, node_b, *more))
     events = await events_of(bus, run_keys.events)
     assert_every_step_once(events, 4)
     assert [e.resumed for e in events if isinstance(e, RunStarted)] == [False, True]
@@ -281,12 +287,7 @@ async def test_a_trimming_trainer_on_another_node_resumes_with_the_whole_log(
                      procs.watch("trainer"))
     procs.kill("trainer")
     assert list((remote / run_id / "events").glob("archive-*.rlev"))  # copied before the trim
-    away = tmp_path / "nodeA-away"
-    node_a.rename(away)
-    procs.spawn("trainer_b", "trainer", *run_args(redis_url, run_id, node_b, *more))
-    assert procs.wait("trainer_b", 240) == 0, procs.log("trainer_b")
-    away.rename(node_a)
-    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    _finish_on_node_b(procs, node_a, node_b, run_args(redis_url, run_id, node_b, *more))
     said = procs.log("trainer_b")
     assert "events archive segments" in said, said
     # The log as a reader finds it: node B's archive (recorded last) and the stream.
