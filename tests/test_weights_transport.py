@@ -364,7 +364,7 @@ async def test_a_resumed_trainer_sweeps_storage_publications_no_event_names(
     await t.publish("weights-v2-old", {"a": torch.ones(3)})  # written, never announced
     await t.publish("other", {"a": torch.ones(3)})  # not weights: left alone
     writer = SimpleNamespace(state=SimpleNamespace(weights=((1, kept),)))
-    await Weights(bus, run_keys, writer, tmp_path, "new").sweep()  # type: ignore[arg-type]
+    await Weights(bus, run_keys, writer, tmp_path / "blobs", "new").sweep()  # type: ignore[arg-type]
     assert await t.names("") == ["other", "weights-v1-old"]
 
 
@@ -378,8 +378,8 @@ async def test_weights_that_cannot_be_written_are_a_named_failure(
     blocker = tmp_path / "not-a-dir"
     blocker.write_bytes(b"")  # the storage root is a file: nothing can be written under it
     writer = SimpleNamespace(state=SimpleNamespace(weights=()))
-    w = Weights(bus, run_keys, writer, tmp_path, "e", transport="storage",  # type: ignore[arg-type]
-                root=blocker)
+    w = Weights(bus, run_keys, writer, blocker, "e",  # type: ignore[arg-type]
+                transport="storage")
     snapshot: asyncio.Future[dict[str, torch.Tensor]] = asyncio.get_running_loop().create_future()
     snapshot.set_result({"a": torch.ones(3)})
     with pytest.raises(WeightsUnwritable, match="weights v0 could not be written to"):

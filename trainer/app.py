@@ -115,9 +115,8 @@ class Trainer(Component):
             tc.ppo_mini_batch_size))
         self.watch = Watch(cfg, bus, self.keys)
         self.learner = Learner(cfg)
-        self.weights = Weights(bus, self.keys, self.writer, self.run_dir, self.epoch,
-                               transport=cfg.rollout.weights_transport,
-                               root=blob_root(cfg, self.run_id))
+        self.weights = Weights(bus, self.keys, self.writer, blob_root(cfg, self.run_id),
+                               self.epoch, transport=cfg.rollout.weights_transport)
         self.validations = Validations(cfg, bus, self.keys, self.writer)
         # What the trainer writes answers what it read from the other roles' streams: its
         # entries come after those in the merged log, even within one millisecond.

@@ -50,16 +50,16 @@ def pick_transport(setting: str, size: int) -> str:
 
 class Weights:
     """Publishes the trainer's weights through ``writer``; keeps the newest publications only.
-    ``root``: the storage transport's root (a directory or an fsspec URL; default
-    ``run_dir/blobs``); ``transport``: ``rollout.weights_transport``."""
+    ``root``: the storage transport's root, also where whole blobs of older logs lie (a
+    directory or an fsspec URL: runconfig.paths.blob_root); ``transport``:
+    ``rollout.weights_transport``."""
 
-    def __init__(self, bus: Bus, keys: RunKeys, writer: Writer, run_dir: Path,
-                 epoch: str, *, transport: str = "auto",
-                 root: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, bus: Bus, keys: RunKeys, writer: Writer, root: str | os.PathLike[str],
+                 epoch: str, *, transport: str = "auto") -> None:
         self.bus = bus
         self.keys = keys
         self.writer = writer
-        self.root = run_dir / "blobs" if root is None else root
+        self.root = root
         self.epoch = epoch
         self.transport = transport
 
