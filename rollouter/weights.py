@@ -163,7 +163,7 @@ class HeldWeights:
             await self.swap(wait)
             return
         try:
-            await self.load(state)
+            await self.load(state, newest.version)
         except Exception as exc:  # a state dict of some other model
             await self._unloadable(newest, exc)
             await self.swap(wait)
