@@ -364,6 +364,9 @@ class Rollouter(Component):
         idle = max(0.0, 1.0 - self.busy_s / window)
         self.busy_s, self.window_start = 0.0, now
         metrics = {"rollouter/idle_ratio": idle, "rollouter/version": float(self.version)}
+        if self.weights.load_s is not None and self.weights.sync_s is not None:
+            metrics["rollouter/weights_load_s"] = self.weights.load_s
+            metrics["rollouter/weights_sync_s"] = self.weights.sync_s
         if self.rewards is not None:
             metrics["reward/failed_count"] = float(self.rewards.failures)
             metrics["reward/timeout_count"] = float(self.rewards.timeouts)

@@ -127,6 +127,9 @@ async def test_two_rollouters_train_every_sample_once_within_staleness(
         # Where the step's time went: the worker's update and the event loop's CPU.
         assert e.metrics["trainer/update_s"] > 0
         assert 0 < e.metrics["trainer/loop_cpu_s"] < 60
+    # Weight sync into the rollouters' engines, timed (after several loads, a pulse told it).
+    last = finished[-1].metrics
+    assert 0 <= last["rollouter/weights_load_s"] <= last["rollouter/weights_sync_s"] < 60
     # Both replicas generated.
     assert {samples[sid].rank for sid in trained} == {0, 1}
     # No more tickets were ever issued than the budget allows beyond what was trained.
