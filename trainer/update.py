@@ -167,7 +167,12 @@ class GrpoStep:
 
     :meth:`add` prepares a mini-batch, :meth:`train` runs the first epoch of those not yet
     trained, :meth:`finish` runs what is left (the first epoch of the rest, then epochs 2..)
-    and returns the step's metrics. Epoch order is the order of :meth:`add`."""
+    and returns the step's metrics. Epoch order is the order of :meth:`add`.
+
+    The metrics include verl's ``training/rollout_probs_diff_{max,mean,std}``: |p_rollout -
+    p_trainer| per response token, p_trainer on the weights the step starts from, over the
+    mini-batches whose log-probs on those weights the step computes anyway
+    (:meth:`_rollout_gap`; docs/training.md)."""
 
     def __init__(
         self,
