@@ -188,8 +188,8 @@ def probs_diff(logp_trainer: torch.Tensor, logp_rollout: torch.Tensor, mask: tor
 
     The gap between the probability the rollout gave each sampled token and the one the
     trainer gives it (verl's ``training/rollout_probs_diff_*`` with
-    ``calculate_log_probs``). In probabilities, not log-probs: a rare token's log-prob can
-    differ a lot with next to no weight in the loss; a probability gap is what moves it."""
+    ``calculate_log_probs``). In probabilities, as verl: a rare token's log-probs can differ
+    a lot while its probabilities barely do, and such a token would swamp the max."""
     gap = (logp_rollout.detach().float().exp() - logp_trainer.detach().float().exp()).abs()
     return gap[mask.bool()]
 
