@@ -384,6 +384,7 @@ class VllmEngine:
             core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
             if core is not None:
                 core.shutdown()
+                _close_zmq(core)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -397,6 +398,18 @@ def _sampled_logprobs(lp: Any, toks: list[int]) -> np.ndarray:
     else:
         vals = [pos[t].logprob for pos, t in zip(lp, toks, strict=True)]
     return np.asarray(vals, dtype=np.float32)
+
+
+def _close_zmq(core: Any) -> None:
+    """End the engine client's ZMQ context, which vLLM's shutdown leaves to the garbage
+    collector (a ResourceWarning then, at some later point of the process). Its output thread
+    closes its own socket on shutdown: wait for it first, then nothing uses the context."""
+    thread = getattr(core, "output_queue_thread", None)
+    if thread is not None:
+        thread.join(timeout=10)
+    ctx = getattr(getattr(core, "resources", None), "ctx", None)
+    if ctx is not None and not ctx.closed:
+        ctx.destroy(linger=0)
 
 
 def _is_cpu() -> bool:
