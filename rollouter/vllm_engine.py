@@ -237,18 +237,12 @@ class VllmEngine:
         self.max_model_len = _max_model_len(opts, max_pos)
         self.version = -1
         self._vllm = vllm
-        # One private directory per engine for the weights it loads (tmpfs when there is one).
-        shm = Path("/dev/shm")
-        self._dir = Path(tempfile.mkdtemp(prefix="rlbus-vllm-",
-                                          dir=str(shm) if shm.is_dir() else None))
+        self._dirs: dict[str, Path] = {}  # private weight directories, by the base they are in
+        self.load_s = 0.0  # the last load_state's seconds (write + reload), for metrics
         t0 = time.perf_counter()
-        try:
-            with _environ(_engine_env(opts)):
-                self._llm = vllm.LLM(**self._llm_kwargs())
-            self.full_vocab = all(self._llm.collective_rpc("rlbus_full_vocab_logprobs"))
-        except BaseException:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            raise
+        with _environ(_engine_env(opts)):
+            self._llm = vllm.LLM(**self._llm_kwargs())
+        self.full_vocab = all(self._llm.collective_rpc("rlbus_full_vocab_logprobs"))
         self.startup_s = time.perf_counter() - t0
         if not self.full_vocab:
             log.warning("vLLM's sampler could not be patched for whole-vocabulary log-probs: "
@@ -360,7 +354,8 @@ class VllmEngine:
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """New weights in place (no restart). ``version`` is recorded only once every worker
         reports it holds it, and the prefix cache (KV of the old weights) is dropped."""
-        path = self._dir / _WEIGHTS_FILE
+        t0 = time.perf_counter()
+        path = self._weights_dir(_nbytes(state)) / _WEIGHTS_FILE
         _write_state(state, path)
         try:
             got = self._llm.collective_rpc("rlbus_load_weights",
@@ -371,6 +366,18 @@ class VllmEngine:
         if any(int(v) != int(version) for v in got):
             raise RuntimeError(f"vLLM workers report weights versions {got}, not {version}")
         self.version = int(version)
+        self.load_s = time.perf_counter() - t0
+
+    def _weights_dir(self, nbytes: int) -> Path:
+        """A private directory with room for ``nbytes`` of weights: tmpfs (/dev/shm) when it
+        has twice that free (a container's is often 64 MiB), else the temporary directory."""
+        shm = Path("/dev/shm")
+        base = ""
+        if shm.is_dir() and shutil.disk_usage(shm).free >= 2 * nbytes:
+            base = str(shm)
+        if base not in self._dirs:
+            self._dirs[base] = Path(tempfile.mkdtemp(prefix="rlbus-vllm-", dir=base or None))
+        return self._dirs[base]
 
     def worker_versions(self) -> list[int]:
         """The weights version each worker reports it holds (tests, diagnostics)."""
@@ -385,7 +392,13 @@ class VllmEngine:
             if core is not None:
                 core.shutdown()
                 _close_zmq(core)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        for d in self._dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
+        self._dirs.clear()
+
+
+def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 def _sampled_logprobs(lp: Any, toks: list[int]) -> np.ndarray:
