@@ -239,6 +239,7 @@ class VllmEngine:
         self._vllm = vllm
         self._dirs: dict[str, Path] = {}  # private weight directories, by the base they are in
         self.load_s = 0.0  # the last load_state's seconds (write + reload), for metrics
+        self.steps = 0  # engine steps run so far (progress; see _run)
         t0 = time.perf_counter()
         with _environ(_engine_env(opts)):
             self._llm = vllm.LLM(**self._llm_kwargs())
@@ -339,7 +340,7 @@ class VllmEngine:
         eos = eos_set(self.eos_ids if eos_id is None else eos_id)
         params = self._params(n, max_new_tokens, temperature, eos, top_p, top_k, generator)
         reqs = [self._vllm.TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
-        outs = self._llm.generate(reqs, params, use_tqdm=False)
+        outs = self._run(reqs, params)
         tokens, logps, finished = [], [], []
         for out in outs:
             c = out.outputs[0]
@@ -348,6 +349,21 @@ class VllmEngine:
             logps.append(_sampled_logprobs(c.logprobs, toks))
             finished.append(bool(toks) and toks[-1] in eos)
         return Generation(tokens=tokens, logprobs=logps, finished=finished)
+
+    def _run(self, reqs: list[Any], params: list[Any]) -> list[Any]:
+        """``LLM.generate``'s loop, stepping the engine here: :attr:`steps` counts every
+        engine step (a batch's prefill or one decode step), so a rollouter's heartbeat shows
+        a long generate as progress, as ``policy.decode_steps`` does for the HF loop."""
+        self._llm.enqueue(reqs, params, use_tqdm=False)
+        engine = self._llm.llm_engine
+        done: list[Any] = []
+        while engine.has_unfinished_requests():
+            done.extend(out for out in engine.step() if out.finished)
+            self.steps += 1  # only ever grows; read from other threads without a lock
+        if len(done) != len(reqs):
+            raise RuntimeError(f"vLLM finished {len(done)} of {len(reqs)} requests")
+        # Request ids are the LLM's counter, in the order enqueued (as LLM.generate sorts).
+        return sorted(done, key=lambda out: int(out.request_id))
 
     # ------------------------------------------------------------------ weights
 

@@ -145,9 +145,11 @@ def test_load_state_in_place(engine: VllmEngine, hf: HFPolicy, model_dir: Path) 
 @pytest.mark.vllm
 def test_eos_and_max_new_tokens(engine: VllmEngine, hf: HFPolicy) -> None:
     """An eos id ends a response (finished, eos last); without one, max_new_tokens does."""
+    steps = engine.steps
     capped = engine.generate(PROMPTS, 7, temperature=1.0, eos_id=[],
                              generator=torch.Generator().manual_seed(1))
     assert [len(t) for t in capped.tokens] == [7] * len(PROMPTS)
+    assert engine.steps - steps >= 7  # progress: a prefill step, then one per token
     assert capped.finished == [False] * len(PROMPTS)
     greedy = engine.generate(PROMPTS, 6, temperature=0.0, eos_id=[])
     # Each prompt's own greedy third token as its eos: the response stops right there.
