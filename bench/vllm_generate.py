@@ -85,7 +85,7 @@ def run_size(size: str, args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
         policy = HFPolicy.from_pretrained(path, device="cpu").eval()
         t0 = time.perf_counter()
-        engine = VllmEngine(path, VllmOptions(
+        engine = VllmEngine.open(path, VllmOptions(
             max_new_tokens=args.new_tokens, prompt_room=args.prompt_len + 8,
             threads=args.threads, kv_cache_gib=args.kv_cache_gib,
             max_num_seqs=max(args.batches)))

@@ -36,7 +36,8 @@ import torch
 
 from policy import EosIds, Generation, eos_set
 
-__all__ = ["RlbusWorker", "VllmEngine", "VllmOptions", "build", "vllm_available"]
+__all__ = ["RlbusWorker", "VllmEngine", "VllmOptions", "build", "options_from_config",
+           "vllm_available"]
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +226,20 @@ class VllmEngine:
 
     name = "vllm"
 
-    def __init__(self, path: str | Path, opts: VllmOptions | None = None) -> None:
-        opts = opts or VllmOptions()
+    def __init__(self, cfg: Any, device: torch.device | None = None) -> None:
+        """The engine a run's config asks for (``model.*``, ``rollout.*``, ``data``'s prompt
+        room: :func:`options_from_config`). ``device`` is vLLM's choice (its platform): it is
+        not used. :meth:`open` takes a model directory and options instead."""
+        self._start(*options_from_config(cfg))
+
+    @classmethod
+    def open(cls, path: str | Path, opts: VllmOptions | None = None) -> VllmEngine:
+        """An engine on the model directory ``path`` (tests, benchmarks: no run config)."""
+        engine = cls.__new__(cls)
+        engine._start(Path(path), opts or VllmOptions())
+        return engine
+
+    def _start(self, path: Path, opts: VllmOptions) -> None:
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
             raise ValueError(f"invalid config key 'model.path': {self.path} is not a local "
@@ -271,36 +284,6 @@ class VllmEngine:
             worker_extension_cls=f"{__name__}.RlbusWorker",
         )
 
-    @classmethod
-    def from_config(cls, cfg: Any, device: torch.device | None = None) -> VllmEngine:
-        """The engine a run's config asks for (``model.*``, ``rollout.*``, ``data``'s prompt
-        room). ``device`` is vLLM's choice (its platform), so it is not used."""
-        model, rc = cfg.model, cfg.rollout
-        if model.kind != "hf":
-            raise ValueError("invalid config key 'model.kind': rollout.name=vllm needs "
-                             f"model.kind=hf (a local HF model directory), got {model.kind!r}")
-        if not model.path:
-            raise ValueError("invalid config key 'model.path': rollout.name=vllm needs "
-                             "a local model directory")
-        data = getattr(cfg, "data", None)
-        opts = VllmOptions(
-            dtype=model.dtype,
-            seed=rc.seed,
-            max_model_len=getattr(rc, "max_model_len", None),
-            prompt_room=getattr(data, "max_prompt_length", _DEFAULT_PROMPT_ROOM),
-            max_new_tokens=rc.max_new_tokens,
-            gpu_memory_utilization=getattr(rc, "gpu_memory_utilization", 0.5),
-            max_num_seqs=getattr(rc, "max_num_seqs", 1024),
-            max_num_batched_tokens=getattr(rc, "max_num_batched_tokens", 8192),
-            enforce_eager=getattr(rc, "enforce_eager", True),
-            tensor_model_parallel_size=getattr(rc, "tensor_model_parallel_size", 1),
-            enable_prefix_caching=getattr(rc, "enable_prefix_caching", True),
-            enable_chunked_prefill=getattr(rc, "enable_chunked_prefill", True),
-            threads=getattr(rc, "threads", None),
-            kv_cache_gib=1 if _is_cpu() else None,
-        )
-        return cls(model.path, opts)
-
     # ------------------------------------------------------------------ generation
 
     def _params(self, n: int, max_new_tokens: int, temperature: float, eos: tuple[int, ...],
@@ -327,9 +310,10 @@ class VllmEngine:
             for s in seeds
         ]
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                 temperature: float = 1.0, eos_id: EosIds = None, top_p: float = 1.0,
-                 top_k: int = -1, generator: torch.Generator | None = None) -> Generation:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 temperature: float = 1.0, eos_id: EosIds = None, *,
+                 generator: torch.Generator | None = None, top_p: float = 1.0,
+                 top_k: int = -1) -> Generation:
         """One response per prompt, in prompt order (see :class:`policy.Generation`)."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token (e.g. bos)")
@@ -408,13 +392,44 @@ class VllmEngine:
             if core is not None:
                 core.shutdown()
                 _close_zmq(core)
-        for d in self._dirs.values():
+        dirs = getattr(self, "_dirs", {})
+        for d in dirs.values():
             shutil.rmtree(d, ignore_errors=True)
-        self._dirs.clear()
+        dirs.clear()
 
 
 def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def options_from_config(cfg: Any) -> tuple[Path, VllmOptions]:
+    """(model directory, options) from a run's config; ValueError naming the key at fault
+    when the config cannot run on vLLM."""
+    model, rc = cfg.model, cfg.rollout
+    if model.kind != "hf":
+        raise ValueError("invalid config key 'model.kind': rollout.name=vllm needs "
+                         f"model.kind=hf (a local HF model directory), got {model.kind!r}")
+    if not model.path:
+        raise ValueError("invalid config key 'model.path': rollout.name=vllm needs "
+                         "a local model directory")
+    data = getattr(cfg, "data", None)
+    return Path(model.path), VllmOptions(
+        dtype=model.dtype,
+        seed=rc.seed,
+        max_model_len=getattr(rc, "max_model_len", None),
+        prompt_room=getattr(data, "max_prompt_length", _DEFAULT_PROMPT_ROOM),
+        max_new_tokens=rc.max_new_tokens,
+        gpu_memory_utilization=getattr(rc, "gpu_memory_utilization", 0.5),
+        max_num_seqs=getattr(rc, "max_num_seqs", 1024),
+        max_num_batched_tokens=getattr(rc, "max_num_batched_tokens", 8192),
+        enforce_eager=getattr(rc, "enforce_eager", True),
+        tensor_model_parallel_size=getattr(rc, "tensor_model_parallel_size", 1),
+        enable_prefix_caching=getattr(rc, "enable_prefix_caching", True),
+        enable_chunked_prefill=getattr(rc, "enable_chunked_prefill", True),
+        threads=getattr(rc, "threads", None),
+        # On a CPU, vLLM sizes its KV cache from this (GiB), not from gpu_memory_utilization.
+        kv_cache_gib=1 if _is_cpu() else None,
+    )
 
 
 def _sampled_logprobs(lp: Any, toks: list[int]) -> np.ndarray:
@@ -447,4 +462,4 @@ def _is_cpu() -> bool:
 
 def build(cfg: Any, device: torch.device | None = None) -> VllmEngine:
     """What ``rollouter.engine.build_engine`` calls for ``rollout.name=vllm``."""
-    return VllmEngine.from_config(cfg, device)
+    return VllmEngine(cfg, device)

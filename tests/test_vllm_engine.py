@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from rollouter.vllm_engine import VllmEngine, VllmOptions
+from rollouter.vllm_engine import VllmEngine, VllmOptions, _max_model_len, options_from_config
 from runconfig.schema import Config, ModelConfig
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
@@ -61,7 +61,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Iterator[VllmEngine]:
     _needs_vllm()
-    eng = VllmEngine(model_dir, VllmOptions(max_new_tokens=16, prompt_room=32, threads=1,
+    eng = VllmEngine.open(model_dir, VllmOptions(max_new_tokens=16, prompt_room=32, threads=1,
                                             kv_cache_gib=1))
     print(f"vLLM engine ready in {eng.startup_s:.1f} s")
     yield eng
@@ -183,7 +183,7 @@ def test_close_leaves_no_process(model_dir: Path) -> None:
     _needs_vllm()
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    eng = VllmEngine(model_dir, VllmOptions(max_new_tokens=4, prompt_room=8, threads=1,
+    eng = VllmEngine.open(model_dir, VllmOptions(max_new_tokens=4, prompt_room=8, threads=1,
                                             kv_cache_gib=1))
     # multiprocessing's resource tracker outlives any one engine (one per interpreter)
     kids = [p for p in me.children(recursive=True) if p.pid not in before
@@ -196,10 +196,24 @@ def test_close_leaves_no_process(model_dir: Path) -> None:
     eng.close()  # idempotent
 
 
+def test_options_from_config(model_dir: Path) -> None:
+    """The rollout.* keys reach the engine; the window is the prompt's room plus the
+    response's, within the model's positions (128 here)."""
+    cfg = Config(model=ModelConfig(kind="hf", path=str(model_dir), dtype="bf16"))
+    path, opts = options_from_config(cfg)
+    assert path == model_dir and opts.dtype == "bf16" and opts.seed == cfg.rollout.seed
+    assert (opts.prompt_room, opts.max_new_tokens) == (cfg.data.max_prompt_length,
+                                                       cfg.rollout.max_new_tokens)
+    assert opts.threads == cfg.rollout.threads
+    assert _max_model_len(opts, 128) == 128
+    assert _max_model_len(opts, None) == opts.prompt_room + opts.max_new_tokens
+    assert _max_model_len(VllmOptions(max_model_len=64), 128) == 64
+
+
 def test_config_errors(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The keys at fault are named: a tiny model, or no vllm installed."""
     with pytest.raises(ValueError, match=r"model\.kind"):
-        VllmEngine.from_config(Config(model=ModelConfig(kind="tiny")))
+        VllmEngine(Config(model=ModelConfig(kind="tiny")))
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     with pytest.raises(ValueError, match=r"rollout\.name.*make vllm"):
-        VllmEngine.from_config(Config(model=ModelConfig(kind="hf", path=str(model_dir))))
+        VllmEngine(Config(model=ModelConfig(kind="hf", path=str(model_dir))))
