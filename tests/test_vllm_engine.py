@@ -46,7 +46,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = transformers.Qwen2Config(
         vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-        bos_token_id=1, eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=False,
+        # Tied like Qwen2's small models: the published state names the shared tensor twice
+        # (embed_tokens and lm_head), which safetensors refuses unless written apart.
+        bos_token_id=1, eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=True,
     )
     model = transformers.Qwen2ForCausalLM(cfg)
     with torch.no_grad():  # peakier logits than the init's, so a wrong layout shows up
