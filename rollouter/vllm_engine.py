@@ -153,6 +153,19 @@ def _model_facts(path: Path) -> tuple[tuple[int, ...], int | None]:
     return eos, (int(max_pos) if max_pos else None)
 
 
+def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the directory's safetensors files (what vLLM loaded
+    at start); empty when there are none."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+    return shapes
+
+
 def _max_model_len(opts: VllmOptions, max_pos: int | None) -> int:
     """rollout.max_model_len, or the prompt's room plus the response's, within the model's
     positions (a longer window would only reserve KV cache no request can use)."""
@@ -247,6 +260,7 @@ class VllmEngine:
         vllm = _import_vllm()
         self.opts = opts
         self.eos_ids, max_pos = _model_facts(self.path)
+        self._shapes = _checkpoint_shapes(self.path)
         self.max_model_len = _max_model_len(opts, max_pos)
         self.version = -1
         self._vllm = vllm
@@ -355,18 +369,41 @@ class VllmEngine:
         """New weights in place (no restart). ``version`` is recorded only once every worker
         reports it holds it, and the prefix cache (KV of the old weights) is dropped."""
         t0 = time.perf_counter()
+        state = self._checked(state)
         path = self._weights_dir(_nbytes(state)) / _WEIGHTS_FILE
         _write_state(state, path)
         try:
             got = self._llm.collective_rpc("rlbus_load_weights",
                                            kwargs={"path": str(path), "version": int(version)})
+            self._llm.reset_prefix_cache()
+            if any(int(v) != int(version) for v in got):
+                raise RuntimeError(f"vLLM workers report weights versions {got}, not {version}")
+        except BaseException:
+            # A reload that failed in the worker leaves weights no version describes (and,
+            # in vLLM 0.32, a dead engine core): no version, then.
+            self.version = -1
+            raise
         finally:
             path.unlink(missing_ok=True)
-        self._llm.reset_prefix_cache()
-        if any(int(v) != int(version) for v in got):
-            raise RuntimeError(f"vLLM workers report weights versions {got}, not {version}")
         self.version = int(version)
         self.load_s = time.perf_counter() - t0
+
+    def _checked(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """``state`` restricted to the checkpoint's names, or ValueError before the engine is
+        touched: a tensor vLLM cannot take fails inside its worker, and that kills the engine
+        core. A name missing or of another shape is refused (it would leave old weights
+        mixed in); another name the checkpoint does not have is dropped, except the output
+        head: save_pretrained leaves a tied ``lm_head.weight`` out, yet vLLM's in-place reload
+        needs it (without it the head keeps the old weights: measured, tests)."""
+        if not self._shapes:  # a .bin checkpoint: nothing to check against
+            return state
+        missing = sorted(set(self._shapes) - set(state))
+        wrong = sorted(n for n, shape in self._shapes.items()
+                       if n in state and tuple(state[n].shape) != shape)
+        if missing or wrong:
+            raise ValueError(f"weights do not fit {self.path}: missing {missing[:5]}, "
+                             f"other shapes {wrong[:5]}")
+        return {n: t for n, t in state.items() if n in self._shapes or n == "lm_head.weight"}
 
     def _weights_dir(self, nbytes: int) -> Path:
         """A private directory with room for ``nbytes`` of weights: tmpfs (/dev/shm) when it

@@ -136,6 +136,18 @@ def test_load_state_in_place(engine: VllmEngine, hf: HFPolicy, model_dir: Path) 
     new, old = _recomputed(other, PROMPTS, sampled, 1.0)
     torch.testing.assert_close(old, new, atol=1e-3, rtol=0)
 
+    # A state that does not fit is refused before the engine sees it (a bad tensor inside
+    # vLLM's worker kills the engine core): the engine keeps its weights and its version.
+    bad = dict(other.weights())
+    bad["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="up_proj"):
+        engine.load_state(bad, 6)
+    del bad["model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match="missing"):
+        engine.load_state(bad, 6)
+    assert engine.version == 5
+    assert engine.generate(PROMPTS, 10, temperature=0.0, eos_id=[]).tokens == after.tokens
+
     # bf16 tensors (rollout.weights_dtype=bf16) load too; then the original weights again.
     engine.load_state({k: v.to(torch.bfloat16) for k, v in other.weights().items()}, 6)
     assert engine.version == 6
