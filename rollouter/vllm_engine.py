@@ -308,7 +308,8 @@ class VllmEngine:
             raise ValueError("invalid config key 'rollout.top_k': top-k / top-p need the "
                              "whole-vocabulary log-prob patch, which this vLLM refused")
         seeds: list[int | None] = (
-            torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
+            torch.randint(0, 2**31 - 1, (n,), generator=generator,
+                          device=generator.device).tolist()
             if generator is not None and temperature > 0 else [None] * n)
         greedy = temperature <= 0
         return [
