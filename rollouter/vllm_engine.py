@@ -1,0 +1,503 @@
+"""The rollouter's vLLM engine (``rollout.name=vllm``): generation on ``vllm.LLM`` instead of
+our own decode loop, behind the same :class:`rollouter.engine.Engine` boundary.
+
+What it guarantees, the same as the HF engine:
+- each response token's log-prob is log softmax(logits / temperature) over the *whole*
+  vocabulary, whatever top-k / top-p drew it from, because the trainer recomputes exactly that
+  (``policy.logprobs_from_logits``). vLLM's own ``processed_logprobs`` is taken after the
+  top-k / top-p filter (log of the kept mass off); a worker extension (:class:`RlbusWorker`)
+  makes the sampler return the unfiltered one. With the filters off both are the same.
+- new weights go in place (no engine restart): the state is written once per load as one
+  safetensors file in a private directory, and each worker reads it and reloads its model
+  through vLLM's in-place reload, then reports the version it now holds. ``version`` is only
+  ever what the workers reported, so samples are never tagged ahead of the weights.
+- the engine core is a separate process that :meth:`VllmEngine.close` shuts down.
+
+vLLM is an optional extra (``make vllm``): importing this module does not import it; the
+engine does, with a clear error when it is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from policy import EosIds, Generation, eos_set
+
+__all__ = ["RlbusWorker", "VllmEngine", "VllmOptions", "build", "options_from_config",
+           "vllm_available"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+           "fp16": "float16", "float16": "float16"}
+# Room the prompt may take when rollout.max_model_len is not set and the data section does
+# not say (data.max_prompt_length's default).
+_DEFAULT_PROMPT_ROOM = 512
+_WEIGHTS_FILE = "model.safetensors"
+
+
+def vllm_available() -> bool:
+    """Whether ``import vllm`` works here (the ``vllm`` extra is installed)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class RlbusWorker:
+    """Methods mixed into every vLLM worker (``worker_extension_cls``), called by name through
+    ``LLM.collective_rpc``: a named method needs no pickled callables (vLLM's insecure
+    serialisation stays off) and runs where the model lives."""
+
+    def rlbus_load_weights(self, path: str, version: int) -> int:
+        """Reload the model in place from the safetensors file at ``path``; returns the version
+        this worker now holds. The tensors are read here, in the worker: an RPC argument would
+        be re-serialised (lists, not tensors), and a directory reload would repoint the
+        model config at a temporary path."""
+        from safetensors import safe_open
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+        self.reload_weights(weights_iterator=tensors())  # type: ignore[attr-defined]
+        self.rlbus_version = int(version)
+        return self.rlbus_version
+
+    def rlbus_weights_version(self) -> int:
+        """The version of the last :meth:`rlbus_load_weights` (-1: the weights it started with)."""
+        return int(getattr(self, "rlbus_version", -1))
+
+    def rlbus_full_vocab_logprobs(self) -> bool:
+        """Make the sampler return log softmax(logits / temperature) over the whole vocabulary
+        (taken before top-k / top-p filter it) as the sampled token's log-prob; True once done.
+        The engine runs with logprobs_mode=processed_logprobs, whose value is the same thing
+        after the filter; when this patch cannot be made, the engine refuses top-k / top-p."""
+        sampler = getattr(getattr(self, "model_runner", None), "sampler", None)
+        tts = getattr(sampler, "topk_topp_sampler", None)
+        if tts is None or not callable(getattr(tts, "forward", None)):
+            return False
+        if getattr(tts, "rlbus_full_vocab", False):
+            return True
+        inner = tts.forward
+        # The inner sampler needs no log-probs of its own any more (one log_softmax, not two).
+        tts.logprobs_mode = "raw_logprobs"
+
+        def forward(logits: torch.Tensor, generators: Any, k: Any, p: Any) -> tuple[Any, Any]:
+            # Before the filter: it may write -inf into ``logits`` in place.
+            full = logits.log_softmax(dim=-1, dtype=torch.float32)
+            sampled, _ = inner(logits, generators, k, p)
+            return sampled, full
+
+        tts.forward = forward
+        tts.rlbus_full_vocab = True
+        return True
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """The engine's settings (``rollout.*`` keys of the same names, verl's meanings).
+
+    ``max_model_len`` None: room for the prompt plus ``max_new_tokens``, capped by the model's
+    ``max_position_embeddings``. ``threads``: the OpenMP threads of the CPU worker
+    (rollout.threads). ``kv_cache_gib``: the CPU KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE);
+    None: ``gpu_memory_utilization`` decides, as on a GPU."""
+
+    dtype: str = "fp32"
+    seed: int = 0
+    max_model_len: int | None = None
+    prompt_room: int = _DEFAULT_PROMPT_ROOM
+    max_new_tokens: int = 512
+    gpu_memory_utilization: float = 0.5
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 8192
+    enforce_eager: bool = True
+    tensor_model_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    threads: int | None = None
+    kv_cache_gib: int | None = None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _model_facts(path: Path) -> tuple[tuple[int, ...], int | None]:
+    """(eos ids, max_position_embeddings) from the model directory: the ids config.json and
+    generation_config.json list, as HFPolicy takes them (vLLM, too, stops at every id the
+    generation_config lists)."""
+    cfg = _read_json(path / "config.json")
+    gen = _read_json(path / "generation_config.json")
+    text = cfg.get("text_config") or {}
+    eos = eos_set(cfg.get("eos_token_id", text.get("eos_token_id")), gen.get("eos_token_id"))
+    max_pos = cfg.get("max_position_embeddings", text.get("max_position_embeddings"))
+    return eos, (int(max_pos) if max_pos else None)
+
+
+def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the directory's safetensors files (what vLLM loaded
+    at start); empty when there are none."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+    return shapes
+
+
+def _max_model_len(opts: VllmOptions, max_pos: int | None) -> int:
+    """rollout.max_model_len, or the prompt's room plus the response's, within the model's
+    positions (a longer window would only reserve KV cache no request can use)."""
+    if opts.max_model_len is not None:
+        return int(opts.max_model_len)
+    want = opts.prompt_room + opts.max_new_tokens
+    return min(want, max_pos) if max_pos else want
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables while the engine starts (its processes inherit them), then
+    put back what was there: the rollouter's own threads are not to change."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _engine_env(opts: VllmOptions) -> dict[str, str]:
+    """What vLLM's CPU backend reads from the environment; a value the user set wins."""
+    env: dict[str, str] = {}
+    if opts.kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(opts.kv_cache_gib))
+    if opts.threads is not None:
+        # vLLM binds one OpenMP thread per physical core by default: on a shared machine,
+        # rollout.threads is the budget instead, unbound.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        env["OMP_NUM_THREADS"] = str(int(opts.threads))
+    return {k: v for k, v in env.items() if k not in os.environ}
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as e:
+        raise ValueError(
+            "invalid config key 'rollout.name': rollout.name=vllm needs the vllm extra "
+            f"(make vllm): {e}") from e
+    return vllm
+
+
+def _write_state(state: Mapping[str, torch.Tensor], path: Path) -> None:
+    """``state`` as one safetensors file (write then rename: a worker never reads half a
+    file). Tensors that share storage (tied embeddings) are written once each, cloned."""
+    from safetensors.torch import save_file
+
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        t = t.detach().to("cpu")
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen or not t.is_contiguous():
+            t = t.contiguous().clone()
+        seen.add(key)
+        out[name] = t
+    tmp = path.with_suffix(".tmp")
+    save_file(out, str(tmp))
+    tmp.replace(path)
+
+
+class VllmEngine:
+    """:class:`rollouter.engine.Engine` on a ``vllm.LLM`` (the synchronous API). Every method
+    runs on one thread (the rollouter's worker thread)."""
+
+    name = "vllm"
+
+    def __init__(self, cfg: Any, device: torch.device | None = None) -> None:
+        """The engine a run's config asks for (``model.*``, ``rollout.*``, ``data``'s prompt
+        room: :func:`options_from_config`). ``device`` is vLLM's choice (its platform): it is
+        not used. :meth:`open` takes a model directory and options instead."""
+        self._start(*options_from_config(cfg))
+
+    @classmethod
+    def open(cls, path: str | Path, opts: VllmOptions | None = None) -> VllmEngine:
+        """An engine on the model directory ``path`` (tests, benchmarks: no run config)."""
+        engine = cls.__new__(cls)
+        engine._start(Path(path), opts or VllmOptions())
+        return engine
+
+    def _start(self, path: Path, opts: VllmOptions) -> None:
+        self.path = Path(path)
+        if not (self.path / "config.json").is_file():
+            raise ValueError(f"invalid config key 'model.path': {self.path} is not a local "
+                             "model directory (no config.json); models are never downloaded")
+        vllm = _import_vllm()
+        self.opts = opts
+        self.eos_ids, max_pos = _model_facts(self.path)
+        self._shapes = _checkpoint_shapes(self.path)
+        self.max_model_len = _max_model_len(opts, max_pos)
+        self.version = -1
+        self._vllm = vllm
+        self._dirs: dict[str, Path] = {}  # private weight directories, by the base they are in
+        self.load_s = 0.0  # the last load_state's seconds (write + reload), for metrics
+        self.steps = 0  # engine steps run so far (progress; see _run)
+        t0 = time.perf_counter()
+        with _environ(_engine_env(opts)):
+            self._llm = vllm.LLM(**self._llm_kwargs())
+        self.full_vocab = all(self._llm.collective_rpc("rlbus_full_vocab_logprobs"))
+        self.startup_s = time.perf_counter() - t0
+        if not self.full_vocab:
+            log.warning("vLLM's sampler could not be patched for whole-vocabulary log-probs: "
+                        "rollout.top_k / rollout.top_p are refused with rollout.name=vllm")
+
+    def _llm_kwargs(self) -> dict[str, Any]:
+        o = self.opts
+        return dict(
+            model=str(self.path),
+            dtype=_DTYPES.get(o.dtype, o.dtype),
+            seed=o.seed,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=o.gpu_memory_utilization,
+            max_num_seqs=o.max_num_seqs,
+            max_num_batched_tokens=max(o.max_num_batched_tokens,
+                                       0 if o.enable_chunked_prefill else self.max_model_len),
+            enforce_eager=o.enforce_eager,
+            tensor_parallel_size=o.tensor_model_parallel_size,
+            enable_prefix_caching=o.enable_prefix_caching,
+            enable_chunked_prefill=o.enable_chunked_prefill,
+            # We send and take token ids: no tokenizer (the model directory need not have one).
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=0,
+            worker_extension_cls=f"{__name__}.RlbusWorker",
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    def _params(self, n: int, max_new_tokens: int, temperature: float, eos: tuple[int, ...],
+                top_p: float, top_k: int, generator: torch.Generator | None) -> list[Any]:
+        """One SamplingParams per prompt; per-request seeds drawn from ``generator`` make a
+        seeded run reproducible (vLLM's own seed would give every prompt the same draws)."""
+        if (top_k > 0 or top_p < 1.0) and temperature > 0 and not self.full_vocab:
+            raise ValueError("invalid config key 'rollout.top_k': top-k / top-p need the "
+                             "whole-vocabulary log-prob patch, which this vLLM refused")
+        seeds: list[int | None] = (
+            torch.randint(0, 2**31 - 1, (n,), generator=generator,
+                          device=generator.device).tolist()
+            if generator is not None and temperature > 0 else [None] * n)
+        greedy = temperature <= 0
+        return [
+            self._vllm.SamplingParams(
+                n=1, max_tokens=max_new_tokens, seed=s,
+                temperature=0.0 if greedy else float(temperature),
+                top_p=1.0 if greedy else float(top_p),
+                top_k=-1 if greedy or top_k <= 0 else int(top_k),
+                # Exactly the caller's ids end a response (vLLM would add the model's own).
+                ignore_eos=True, stop_token_ids=list(eos),
+                logprobs=0, detokenize=False, flat_logprobs=True,
+            )
+            for s in seeds
+        ]
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 temperature: float = 1.0, eos_id: EosIds = None, *,
+                 generator: torch.Generator | None = None, top_p: float = 1.0,
+                 top_k: int = -1) -> Generation:
+        """One response per prompt, in prompt order (see :class:`policy.Generation`)."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token (e.g. bos)")
+        n = len(prompts)
+        if n == 0 or max_new_tokens <= 0:
+            return Generation([[] for _ in range(n)], [np.zeros(0, np.float32)] * n,
+                              [False] * n)
+        eos = eos_set(self.eos_ids if eos_id is None else eos_id)
+        params = self._params(n, max_new_tokens, temperature, eos, top_p, top_k, generator)
+        reqs = [self._vllm.TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        outs = self._run(reqs, params)
+        tokens, logps, finished = [], [], []
+        for out in outs:
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            tokens.append(toks)
+            logps.append(_sampled_logprobs(c.logprobs, toks))
+            finished.append(bool(toks) and toks[-1] in eos)
+        return Generation(tokens=tokens, logprobs=logps, finished=finished)
+
+    def _run(self, reqs: list[Any], params: list[Any]) -> list[Any]:
+        """``LLM.generate``'s loop, stepping the engine here: :attr:`steps` counts every
+        engine step (a batch's prefill or one decode step), so a rollouter's heartbeat shows
+        a long generate as progress, as ``policy.decode_steps`` does for the HF loop."""
+        self._llm.enqueue(reqs, params, use_tqdm=False)
+        engine = self._llm.llm_engine
+        done: list[Any] = []
+        while engine.has_unfinished_requests():
+            done.extend(out for out in engine.step() if out.finished)
+            self.steps += 1  # only ever grows; read from other threads without a lock
+        if len(done) != len(reqs):
+            raise RuntimeError(f"vLLM finished {len(done)} of {len(reqs)} requests")
+        # Request ids are the LLM's counter, in the order enqueued (as LLM.generate sorts).
+        return sorted(done, key=lambda out: int(out.request_id))
+
+    # ------------------------------------------------------------------ weights
+
+    def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """New weights in place (no restart). ``version`` is recorded only once every worker
+        reports it holds it, and the prefix cache (KV of the old weights) is dropped."""
+        t0 = time.perf_counter()
+        state = self._checked(state)
+        path = self._weights_dir(_nbytes(state)) / _WEIGHTS_FILE
+        _write_state(state, path)
+        try:
+            got = self._llm.collective_rpc("rlbus_load_weights",
+                                           kwargs={"path": str(path), "version": int(version)})
+            self._llm.reset_prefix_cache()
+            if any(int(v) != int(version) for v in got):
+                raise RuntimeError(f"vLLM workers report weights versions {got}, not {version}")
+        except BaseException:
+            # A reload that failed in the worker leaves weights no version describes (and,
+            # in vLLM 0.32, a dead engine core): no version, then.
+            self.version = -1
+            raise
+        finally:
+            path.unlink(missing_ok=True)
+        self.version = int(version)
+        self.load_s = time.perf_counter() - t0
+
+    def _checked(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """``state`` restricted to the checkpoint's names, or ValueError before the engine is
+        touched: a tensor vLLM cannot take fails inside its worker, and that kills the engine
+        core. A name missing or of another shape is refused (it would leave old weights
+        mixed in); another name the checkpoint does not have is dropped, except the output
+        head: save_pretrained leaves a tied ``lm_head.weight`` out, yet vLLM's in-place reload
+        needs it (without it the head keeps the old weights: measured, tests)."""
+        if not self._shapes:  # a .bin checkpoint: nothing to check against
+            return state
+        missing = sorted(set(self._shapes) - set(state))
+        wrong = sorted(n for n, shape in self._shapes.items()
+                       if n in state and tuple(state[n].shape) != shape)
+        if missing or wrong:
+            raise ValueError(f"weights do not fit {self.path}: missing {missing[:5]}, "
+                             f"other shapes {wrong[:5]}")
+        return {n: t for n, t in state.items() if n in self._shapes or n == "lm_head.weight"}
+
+    def _weights_dir(self, nbytes: int) -> Path:
+        """A private directory with room for ``nbytes`` of weights: tmpfs (/dev/shm) when it
+        has twice that free (a container's is often 64 MiB), else the temporary directory."""
+        shm = Path("/dev/shm")
+        base = ""
+        if shm.is_dir() and shutil.disk_usage(shm).free >= 2 * nbytes:
+            base = str(shm)
+        if base not in self._dirs:
+            self._dirs[base] = Path(tempfile.mkdtemp(prefix="rlbus-vllm-", dir=base or None))
+        return self._dirs[base]
+
+    def worker_versions(self) -> list[int]:
+        """The weights version each worker reports it holds (tests, diagnostics)."""
+        return [int(v) for v in self._llm.collective_rpc("rlbus_weights_version")]
+
+    def close(self) -> None:
+        """Shut the engine core (and its workers) down and remove the weights directory."""
+        llm = getattr(self, "_llm", None)
+        if llm is not None:
+            self._llm = None
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if core is not None:
+                core.shutdown()
+                _close_zmq(core)
+        dirs = getattr(self, "_dirs", {})
+        for d in dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
+        dirs.clear()
+
+
+def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def options_from_config(cfg: Any) -> tuple[Path, VllmOptions]:
+    """(model directory, options) from a run's config; ValueError naming the key at fault
+    when the config cannot run on vLLM."""
+    model, rc = cfg.model, cfg.rollout
+    if model.kind != "hf":
+        raise ValueError("invalid config key 'model.kind': rollout.name=vllm needs "
+                         f"model.kind=hf (a local HF model directory), got {model.kind!r}")
+    if not model.path:
+        raise ValueError("invalid config key 'model.path': rollout.name=vllm needs "
+                         "a local model directory")
+    data = getattr(cfg, "data", None)
+    return Path(model.path), VllmOptions(
+        dtype=model.dtype,
+        seed=rc.seed,
+        max_model_len=getattr(rc, "max_model_len", None),
+        prompt_room=getattr(data, "max_prompt_length", _DEFAULT_PROMPT_ROOM),
+        max_new_tokens=rc.max_new_tokens,
+        gpu_memory_utilization=getattr(rc, "gpu_memory_utilization", 0.5),
+        max_num_seqs=getattr(rc, "max_num_seqs", 1024),
+        max_num_batched_tokens=getattr(rc, "max_num_batched_tokens", 8192),
+        enforce_eager=getattr(rc, "enforce_eager", True),
+        tensor_model_parallel_size=getattr(rc, "tensor_model_parallel_size", 1),
+        enable_prefix_caching=getattr(rc, "enable_prefix_caching", True),
+        enable_chunked_prefill=getattr(rc, "enable_chunked_prefill", True),
+        threads=getattr(rc, "threads", None),
+        # On a CPU, vLLM sizes its KV cache from this (GiB), not from gpu_memory_utilization.
+        kv_cache_gib=1 if _is_cpu() else None,
+    )
+
+
+def _sampled_logprobs(lp: Any, toks: list[int]) -> np.ndarray:
+    """The sampled token's log-prob at each position (logprobs=0 returns just that one)."""
+    if lp is None:
+        raise RuntimeError("vLLM returned no log-probs (SamplingParams.logprobs=0 was set)")
+    flat = getattr(lp, "logprobs", None)
+    if flat is not None and hasattr(lp, "start_indices"):  # FlatLogprobs
+        vals = [flat[s] for s in lp.start_indices]
+    else:
+        vals = [pos[t].logprob for pos, t in zip(lp, toks, strict=True)]
+    return np.asarray(vals, dtype=np.float32)
+
+
+def _close_zmq(core: Any) -> None:
+    """End the engine client's ZMQ context, which vLLM's shutdown leaves to the garbage
+    collector (a ResourceWarning then, at some later point of the process). Its output thread
+    closes its own socket on shutdown: wait for it first, then nothing uses the context."""
+    thread = getattr(core, "output_queue_thread", None)
+    if thread is not None:
+        thread.join(timeout=10)
+    ctx = getattr(getattr(core, "resources", None), "ctx", None)
+    if ctx is not None and not ctx.closed:
+        ctx.destroy(linger=0)
+
+
+def _is_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def build(cfg: Any, device: torch.device | None = None) -> VllmEngine:
+    """What ``rollouter.engine.build_engine`` calls for ``rollout.name=vllm``."""
+    return VllmEngine(cfg, device)
