@@ -52,12 +52,13 @@ def _up(demo: Path, cwd: Path, *extra: str) -> list[dict[str, Any]]:
         "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[console]",
         "trainer.checkpoint_contents=[model]", f"trainer.default_local_dir={cwd / 'ckpt'}",
         "async_training.require_batches=1", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.rollout.n=4", *extra,
+        "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.enforce_eager=true",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1", *extra,
         cwd=cwd, timeout_s=900,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "generating with the vllm engine" in done.stdout + done.stderr
     (run_dir,) = [p.parent for p in (cwd / "outputs").glob("*/config.yaml")]
+    assert "generating with the vllm engine" in (run_dir / "logs" / "rollouter0.log").read_text()
     shown = run_cli("inspect", "--run", run_dir.name, "--json", cwd=cwd, timeout_s=120)
     assert shown.returncode == 0, shown.stderr
     return [json.loads(line) for line in shown.stdout.splitlines()]
