@@ -15,6 +15,9 @@ stopped before the next starts:
 Prints both times, the version/step each needed, and the ratio rlbus / in-process.
 
     .venv/bin/python bench/time_to_reward_chat.py [--target 0.9] [--seeds 0 1 2] [--every 5]
+
+``--engines``: instead, ``rlbus up`` with ``rollout.name=vllm`` against the built-in engine
+(needs ``make vllm``), each timed from launch and from its first step.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ VAL_LINE = re.compile(r"validation v(\d+) \(step \d+\): val-core/\S+/reward/mean
 REACHED = re.compile(r"reached [0-9.]+ at step (\d+)")
 
 
-def _rlbus(root: Path, seed: int, target: float, every: int, out: Path) -> tuple:
+def _rlbus(root: Path, seed: int, target: float, every: int, out: Path,
+           engine: str = "hf") -> tuple:
     def found(line: str) -> int | None:
         m = VAL_LINE.search(line)
         return int(m.group(1)) if m and float(m.group(2)) >= target else None
@@ -49,7 +53,8 @@ def _rlbus(root: Path, seed: int, target: float, every: int, out: Path) -> tuple
            f"trainer.default_local_dir={out / 'ckpt'}", "trainer.save_freq=0",
            "trainer.total_training_steps=400", f"trainer.test_freq={every}",
            "trainer.checkpoint_contents=[model,optimizer,extra]", "trainer.logger=[console]",
-           f"trainer.seed={seed}", f"rollout.seed={seed}"]
+           f"trainer.seed={seed}", f"rollout.seed={seed}",
+           f"actor_rollout_ref.rollout.name={engine}"]
     return _watch(cmd, found, 900)
 
 
@@ -69,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--every", type=int, default=5, help="validation every N versions/steps")
+    p.add_argument("--engines", action="store_true",
+                   help="rlbus up with rollout.name=vllm vs the built-in engine instead")
     args = p.parse_args(argv)
+    if args.engines:
+        return _engines(args.seeds, args.target, args.every)
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
@@ -85,6 +94,30 @@ def main(argv: list[str] | None = None) -> int:
     if ratios:
         print(f"median ratio rlbus / in-process: {statistics.median(ratios):.2f} "
               f"over {len(ratios)} seed(s)")
+    return 0 if ratios else 1
+
+
+def _engines(seeds: list[int], target: float, every: int) -> int:
+    """The same job through ``rlbus up`` with vLLM and with the built-in engine, one after
+    the other: seconds to the target (from launch, the engine's start-up included) and from
+    the first step line (generation and training alone)."""
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            root = build_demo(Path(tmp) / f"files-{seed}", seed=seed)
+            got = {engine: _rlbus(root, seed, target, every, Path(tmp) / f"{engine}{seed}",
+                                  engine) for engine in ("vllm", "hf")}
+            for engine, (secs, version, first) in got.items():
+                after = secs - first if secs and first else None
+                print(f"seed {seed}: {engine}: {secs and round(secs, 1)} s to {target} "
+                      f"(version {version}); first step at {first and round(first, 1)} s, "
+                      f"{after and round(after, 1)} s after it", flush=True)
+            (v, _, vf), (h, _, hf) = got["vllm"], got["hf"]
+            if v and h and vf and hf:
+                ratios.append((v - vf) / (h - hf))
+                print(f"seed {seed}: vllm / built-in after the first step: {ratios[-1]:.2f}")
+    if ratios:
+        print(f"median vllm / built-in: {statistics.median(ratios):.2f} over {len(ratios)}")
     return 0 if ratios else 1
 
 

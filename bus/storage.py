@@ -8,8 +8,8 @@ old bytes or the new ones, never a torn file); on an object store a put is atomi
 
 Class
     ``RunStorage(url)``: ``exists``, ``read_bytes``, ``write_bytes``, ``list``, ``sizes``,
-    ``delete``, ``upload``, ``download``, ``probe``; :class:`StorageError` names the URL and why it
-    cannot be used.
+    ``delete``, ``delete_folder``, ``upload``, ``download``, ``probe``; :class:`StorageError`
+    names the URL and why it cannot be used.
 """
 
 from __future__ import annotations
@@ -135,6 +135,17 @@ class RunStorage:
         try:
             self.fs.rm_file(self.path(name))
         except FileNotFoundError:
+            return
+
+    def delete_folder(self, folder: str) -> None:
+        """Remove ``folder`` and every file under it (nothing when it is already gone).
+        No order among its files: a folder with a completion marker deletes the marker
+        first (:meth:`delete`), so no reader trusts what is left half way."""
+        path = self.path(folder)
+        try:
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=True)
+        except FileNotFoundError:  # deleted meanwhile by another node's retention
             return
 
     def probe(self, write: bool) -> None:

@@ -25,7 +25,8 @@ Session life cycle (one active session per agent at a time)::
     on_command(StartProfile) -> armed -> step_begin(first..last) -> active -> step_end(last)
                                                                             -> ProfileStopped
 
-Traces carry ``distributedInfo.rank`` (trainer 0, rollouter replica ``r`` 1 + r), the role,
+Traces carry ``distributedInfo.rank`` (trainer 0, rollouter replica ``r`` 1 + r) below its
+``world_size`` (:func:`~profiling.paths.trace_world_size`, a joined rank too), the role,
 run and session in an ``"rlbus"`` object, and their own path as ``traceName``; each is also
 linked from ``sessions/SESSION/{role}{rank}.json.gz``, a folder of one trace per rank that
 Holistic Trace Analysis loads (see :mod:`profiling.traces`).
@@ -119,7 +120,7 @@ def create_agent(
         device,
         after_step=after_step,
         run_id=rid or "",
-        world_size=trace_world_size(cfg.rollout.replicas),
+        world_size=trace_world_size(cfg.rollout.replicas, trace_rank(role, rank)),
         tools=prof.global_tool_config,
         # Traces are written beside the next step, not before it (profiling.export).
         exporter=BackgroundExporter(),
@@ -166,8 +167,10 @@ class ProfilerAgent:
     ``"auto"``); CUDA activity, NVTX and memory history are used only when it is a CUDA device
     and CUDA is available. ``after_step`` marks steps ``<= after_step`` as past, so a resumed
     component that re-reads old commands reports them ``missed`` instead of profiling them.
-    ``run_id`` goes into the traces' metadata; ``world_size`` (default: this trace rank + 1)
-    and the trace rank (:func:`~profiling.paths.trace_rank`) into their ``distributedInfo``;
+    ``run_id`` goes into the traces' metadata; ``world_size`` (at least this trace rank + 1,
+    and widened per session to the ranks its command names:
+    :func:`~profiling.paths.trace_world_size`) and the trace rank
+    (:func:`~profiling.paths.trace_rank`) into their ``distributedInfo``;
     ``tools`` are verl's ``global_tool_config`` (torch_memory history, nsys ranges).
     ``exporter`` writes a stopped session's files (:mod:`profiling.export`): inline by default
     (the call that ends a session returns its ProfileStopped); :func:`create_agent` gives a

@@ -34,7 +34,7 @@ from typing import Any
 
 from bus.files import atomic_file
 from bus.messages import ProfileStarted, ProfileStopped, StartProfile, WarningRaised
-from profiling.paths import session_view_path, trace_path
+from profiling.paths import session_view_path, trace_path, trace_world_size
 from profiling.traces import finish_trace, link_session_view, top_ops
 
 __all__ = [
@@ -88,6 +88,7 @@ class TraceWriter:
     run_id: str
     trace_rank: int
     world_size: int
+    """The run's (profiling.paths.trace_world_size); a trace widens it to its session's ranks."""
     stack_depth: int = 0
     """Cut a memory snapshot's stacks to this many frames (0: keep them)."""
 
@@ -148,8 +149,11 @@ class TraceWriter:
                 "session_id": sid, "first_step": done.first_step,
                 "last_step": done.last_step, "tool": done.cmd.tool,
             }
+            # The session's own ranks may lie beyond the run's replicas (joined rollouters).
+            world = max(self.world_size,
+                        trace_world_size(0, self.trace_rank, done.cmd.ranks))
             size = finish_trace(
-                Path(raw_name), final, self.trace_rank, self.world_size, metadata, _GZIP_LEVEL
+                Path(raw_name), final, self.trace_rank, world, metadata, _GZIP_LEVEL
             )
         finally:
             Path(raw_name).unlink(missing_ok=True)

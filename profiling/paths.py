@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from runconfig.schema import Config
@@ -93,9 +94,19 @@ def trace_rank(role: str, rank: int) -> int:
     return int(rank)
 
 
-def trace_world_size(replicas: int) -> int:
-    """How many trace ranks a run has: the trainer plus ``replicas`` rollouters."""
-    return 1 + int(replicas)
+def trace_world_size(replicas: int, trace_rank: int = 0, ranks: Iterable[int] = ()) -> int:
+    """The ``world_size`` a trace carries in ``distributedInfo``: always above its rank.
+
+    The trainer plus ``replicas`` rollouters (``1 + rollout.replicas``), widened to hold this
+    trace's own rank (``trace_rank + 1``) and every rollouter the session names (``ranks``:
+    its StartProfile's, i.e. ``global_profiler.ranks``; rollouter ``r`` is trace rank
+    ``1 + r``). A rollouter that joined a running run takes a rank at or above ``replicas``
+    (``rollout.rank`` null: the lowest free one), and tools that read several traces as one
+    job (Holistic Trace Analysis) reject or misplace a rank not below its world size. Every
+    process of a session that names the joined ranks computes the same value.
+    """
+    named = max((2 + int(r) for r in ranks), default=0)
+    return max(1 + int(replicas), int(trace_rank) + 1, named)
 
 
 def session_view_path(run_dir: Path, session_id: str, role: str, rank: int) -> Path:

@@ -50,12 +50,13 @@ from bus.messages import (
 )
 from bus.ranks import RankClaim
 from bus.weights_transport import is_manifest_ref, open_transport
-from policy import build_policy, decode_steps, resolve_device
+from policy import decode_steps, resolve_device
 from policy.text import build_tokenizer
 from policy.weights import from_bytes
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from profiling.steps import StepClock, follow, observe
+from rollouter.engine import Engine, build_engine
 from rollouter.scoring import RewardPool, Score, ScoreItem
 from rollouter.validation import Validator, build_validator
 from rollouter.weights import HeldWeights, WeightsLost, fetch_within
@@ -68,6 +69,7 @@ __all__ = ["Rollouter", "TrainerGone"]
 
 GROUP = "rollouter"
 MAX_ATTEMPTS = 3  # tries of one ticket before it goes to the dead-letter stream
+ENGINE_CLOSE_S = 30.0  # the longest an engine's shutdown may hold the exit
 MAX_N = 4096  # responses one ticket may ask for; more is not a ticket we wrote
 
 
@@ -125,9 +127,11 @@ class Rollouter(Component):
         self.rewards: RewardPool | None = None  # setup(): a bad reward file is exit 2
         self.weights = HeldWeights(
             f"rollouter{self.rank}", fetch=self._fetch,
-            load=lambda state: self.off(self.policy.load_state, state),
+            load=lambda state, version: self.off(self.engine.load_state, state, version),
             warn=self.publish, reread=self._poll_events)
         self.finished = False
+        self.engine: Engine | None = None  # _build(), on the worker thread
+        self.engine_warnings: list[str] = []
         # One reader of the log (the trainer's facts, and the replicas' validation answers)
         # for the ticket loop and the step watcher alike.
         self.follower = LogFollower(bus, self.keys, ("trainer", "rollouter"), fold=self._fold,
@@ -168,17 +172,30 @@ class Rollouter(Component):
     async def teardown(self) -> None:
         if self.rewards is not None:
             self.rewards.close()
+        if self.engine is not None:
+            # Its own thread: the worker may still be inside a generate call, and a vLLM
+            # engine's core process must not outlive this one.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.to_thread(self.engine.close), ENGINE_CLOSE_S)
 
     def _build(self) -> None:
         """On the worker thread (generation and every profiler call run there: the loop
         stays free for liveness, and torch.profiler records the thread it was started on)."""
         torch.set_num_threads(self.cfg.rollout.threads)
-        self.policy = build_policy(msgspec.to_builtins(self.cfg.model), self.device)
-        self.policy.eval()
+        self.engine = build_engine(self.cfg, self.device, self.engine_warnings.append)
         # None when profiling is off: then no profiler object exists at all.
         agent = create_agent(self.cfg, "rollouter", self.rank, str(self.device))
         if agent is not None:
             self.profiler = StepProfiler(agent, self.off)
+
+    async def _tell_engine(self) -> None:
+        """Say which engine generates, and publish what its build warned about."""
+        self.say(f"generating with the {self.engine.name} engine")
+        for text in self.engine_warnings:
+            self.say(text, error=True)
+            await self.publish(WarningRaised(source=self.name, code="engine_fallback",
+                                             message=text))
+        self.engine_warnings.clear()
 
     # ------------------------------------------------------------------ the log
 
@@ -347,6 +364,9 @@ class Rollouter(Component):
         idle = max(0.0, 1.0 - self.busy_s / window)
         self.busy_s, self.window_start = 0.0, now
         metrics = {"rollouter/idle_ratio": idle, "rollouter/version": float(self.version)}
+        if self.weights.load_s is not None and self.weights.sync_s is not None:
+            metrics["rollouter/weights_load_s"] = self.weights.load_s
+            metrics["rollouter/weights_sync_s"] = self.weights.sync_s
         if self.rewards is not None:
             metrics["reward/failed_count"] = float(self.rewards.failures)
             metrics["reward/timeout_count"] = float(self.rewards.timeouts)
@@ -366,8 +386,8 @@ class Rollouter(Component):
         if not live:
             return
         # A response ends at the tokenizer's eos or any the model's generation_config lists.
-        eos = [i for i in (self.tokenizer.eos_id, *self.policy.eos_ids) if i is not None]
-        out = self.policy.generate(
+        eos = [i for i in (self.tokenizer.eos_id, *self.engine.eos_ids) if i is not None]
+        out = self.engine.generate(
             [s.prompt + s.tokens for s in live], max_new_tokens=max_tokens,
             temperature=rc.temperature, eos_id=eos, generator=self.generator,
             top_p=rc.top_p, top_k=rc.top_k,
@@ -377,9 +397,10 @@ class Rollouter(Component):
             s.tokens.extend(toks)
             s.logprobs.extend(float(x) for x in logps)
             s.finished = done or len(s.tokens) >= rc.max_new_tokens
+            # The version the engine says it generated with, not the one asked of it.
             if s.min_version < 0:
-                s.min_version = self.version
-            s.max_version = self.version
+                s.min_version = self.engine.version
+            s.max_version = self.engine.version
 
     async def _generate_all(self, seqs: list[_Seq]) -> None:
         """Every sequence to its end; with ``partial_rollout``, in chunks between which new
@@ -652,7 +673,7 @@ class Rollouter(Component):
                 # Scored by this rollouter's reward pool (validation runs between batches).
                 self.validator = await asyncio.to_thread(build_validator, self.cfg,
                                                          self.tokenizer, self._score_items)
-            return await self.validator.run(request, policy=self.policy, off=self.off,
+            return await self.validator.run(request, policy=self.engine, off=self.off,
                                             version=self.version, rank=self.rank)
         except Exception as exc:  # a failed validation is an answer, never a dead rollouter
             return self._val_failed(request, f"{type(exc).__name__}: {exc}")
@@ -671,6 +692,7 @@ class Rollouter(Component):
         # Kineto on the thread that imported torch, before the worker's agent warms up.
         prepare_main_thread(self.cfg, str(self.device))
         await self.off(self._build)
+        await self._tell_engine()
         settle_heap()
         await self.consumer.ensure_group()
         try:

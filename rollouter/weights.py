@@ -102,6 +102,9 @@ class HeldWeights:
         self.staging: tuple[WeightsPublished, asyncio.Task[State]] | None = None
         # Superseded fetches that found no blob: told at the next swap (stage is not async).
         self.missing: list[tuple[WeightsPublished, BlobNotFound]] = []
+        # The last load: seconds copying into the engine, and from publication to loaded.
+        self.load_s: float | None = None
+        self.sync_s: float | None = None
 
     def saw(self, msg: WeightsPublished) -> None:
         """A publication read from the log (in log order)."""
@@ -162,12 +165,16 @@ class HeldWeights:
             await self._unloadable(newest, exc)
             await self.swap(wait)
             return
+        began = time.monotonic()
         try:
-            await self.load(state)
+            await self.load(state, newest.version)
         except Exception as exc:  # a state dict of some other model
             await self._unloadable(newest, exc)
             await self.swap(wait)
             return
+        self.load_s = time.monotonic() - began
+        # Publication to engine, by the two machines' clocks (the publisher's ts).
+        self.sync_s = max(0.0, time.time() - newest.ts)
         self.loaded = newest
         self.version = newest.version
 

@@ -495,10 +495,18 @@ def _key_of(message: str) -> str:
 
 def _check_cross_fields(cfg: Config) -> None:
     _check_model(cfg)
+    _check_engine(cfg)
     _check_task(cfg)
     _check_profiler(cfg)
     _check_checkpoint_contents(cfg)
     _check_redis_cluster(cfg)
+
+
+def _check_engine(cfg: Config) -> None:
+    """vLLM loads a Hugging Face model directory, not the built-in toy model."""
+    if cfg.rollout.name == "vllm" and cfg.model.kind != "hf":
+        raise ConfigError("rollout.name", f"vllm generates with a Hugging Face model "
+                          f"(model.kind: hf and model.path), not model.kind {cfg.model.kind}")
 
 
 def _check_redis_cluster(cfg: Config) -> None:

@@ -239,6 +239,18 @@ class RolloutConfig(_Section, frozen=True):
     weights_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     weights_transport: Literal["auto", "redis", "storage"] = "auto"
     weights_fetch_timeout_s: PosFloat = 60.0
+    # The engine (docs/engines.md): hf = the built-in decode loop, vllm = vLLM in the
+    # rollouter's process. The vLLM limits are verl's keys with verl's defaults, except
+    # tensor_model_parallel_size (verl: 2; here 1, which every machine has; docs/config.md).
+    name: Literal["hf", "vllm"] = "hf"
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.5
+    max_num_seqs: PosInt = 256
+    max_num_batched_tokens: PosInt = 8192
+    max_model_len: PosInt | None = None
+    enforce_eager: bool = False
+    tensor_model_parallel_size: PosInt = 1
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
 
 
 class AsyncTrainingConfig(_Section, frozen=True):

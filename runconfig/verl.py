@@ -100,6 +100,7 @@ def _top_k(key: str, value: Any) -> Any:
 
 
 _INFRA = "infrastructure rlbus does not have (one process per role, placed by rlbus up)"
+_VLLM = "a vLLM engine limit (rollout.name=vllm; the built-in engine has none)"
 _CKPT = "rlbus checkpoints to trainer.default_local_dir (trainer.checkpoint_contents)"
 _OPTIM = "rlbus's optimiser is torch.optim.AdamW with verl's schedule keys"
 _PROF_ROLE = "rlbus profiles the roles of global_profiler.roles and ranks global_profiler.ranks"
@@ -202,21 +203,20 @@ TABLE: tuple[VerlKey, ...] = (
            "a rollouter always returns the sampling log-probs"),
     _ignored("actor_rollout_ref.rollout.prompt_length",
              "prompts are cut to data.max_prompt_length (verl's default for this key)"),
-    _ignored("actor_rollout_ref.rollout.name", _INFRA),
+    _alias("actor_rollout_ref.rollout.name", "rollout.name",
+           "the engine: hf (the built-in decode loop) or vllm"),
     _ignored("actor_rollout_ref.rollout.mode", _INFRA),
     _alias("actor_rollout_ref.rollout.seed", "rollout.seed", "the sampling seed"),
-    _ignored("actor_rollout_ref.rollout.gpu_memory_utilization", _INFRA),
+    *(
+        _alias(f"actor_rollout_ref.rollout.{leaf}", f"rollout.{leaf}", _VLLM)
+        for leaf in ("gpu_memory_utilization", "tensor_model_parallel_size", "max_num_seqs",
+                     "max_num_batched_tokens", "max_model_len", "enforce_eager",
+                     "enable_chunked_prefill", "enable_prefix_caching")
+    ),
     _ignored("actor_rollout_ref.rollout.standalone_gpu_memory_utilization", _INFRA),
-    _ignored("actor_rollout_ref.rollout.tensor_model_parallel_size", _INFRA),
     _ignored("actor_rollout_ref.rollout.data_parallel_size", _INFRA),
     _ignored("actor_rollout_ref.rollout.expert_parallel_size", _INFRA),
     _ignored("actor_rollout_ref.rollout.pipeline_model_parallel_size", _INFRA),
-    _ignored("actor_rollout_ref.rollout.enable_chunked_prefill", _INFRA),
-    _ignored("actor_rollout_ref.rollout.enable_prefix_caching", _INFRA),
-    _ignored("actor_rollout_ref.rollout.max_num_batched_tokens", _INFRA),
-    _ignored("actor_rollout_ref.rollout.max_num_seqs", _INFRA),
-    _ignored("actor_rollout_ref.rollout.max_model_len", _INFRA),
-    _ignored("actor_rollout_ref.rollout.enforce_eager", _INFRA),
     _ignored("actor_rollout_ref.rollout.free_cache_engine", _INFRA),
     _ignored("actor_rollout_ref.rollout.load_format", _INFRA),
     _ignored("actor_rollout_ref.rollout.disable_log_stats", _INFRA),

@@ -391,16 +391,17 @@ def test_verl_keys_rlbus_does_one_way(override: str, ok: bool) -> None:
 def test_ignored_verl_keys_warn_once_each_naming_the_key(tmp_path: Path) -> None:
     f = tmp_path / "verl.yaml"
     f.write_text("trainer:\n  nnodes: 2\n  n_gpus_per_node: 8\n"
-                 "actor_rollout_ref:\n  rollout:\n    gpu_memory_utilization: 0.8\n")
+                 "actor_rollout_ref:\n  rollout:\n    free_cache_engine: true\n")
     warnings: list[str] = []
     load_config(f, ["trainer.nnodes=4", "+actor_rollout_ref.model.override_config.x=1",
                     "trainer.test_freq=10", "reward_model.model.path=/rm",
                     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", RLBUS],
                 on_warning=warnings.append)
     named = [w.split("'")[1] for w in warnings]
-    assert sorted(named) == sorted([  # override_config and test_freq mean something now
+    # override_config, test_freq and the vLLM limits mean something now
+    assert sorted(named) == sorted([
         "trainer.nnodes", "trainer.n_gpus_per_node",
-        "actor_rollout_ref.rollout.gpu_memory_utilization", "reward_model.model.path",
+        "actor_rollout_ref.rollout.free_cache_engine", "reward_model.model.path",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
     ])
 

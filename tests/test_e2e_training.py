@@ -42,6 +42,9 @@ REQUIRED_METRICS = (
     "rollouter/idle_ratio",
     "samples/queue_depth",
     "throughput/samples_per_s",
+    "training/rollout_probs_diff_max",
+    "training/rollout_probs_diff_mean",
+    "training/rollout_probs_diff_std",
 )
 
 
@@ -111,6 +114,7 @@ async def test_two_rollouters_train_every_sample_once_within_staleness(
     samples = await _samples(bus, run_keys)
     bound = max_staleness(threshold, 1, 1, 4)
     budget = ticket_budget(threshold, 1, 1, 4)
+    fresh = 0
     for e in finished:
         version = e.step - 1  # trigger_parameter_sync_step=1: step k trains with version k-1
         for sid in e.sample_ids:
@@ -124,9 +128,18 @@ async def test_two_rollouters_train_every_sample_once_within_staleness(
             assert math.isfinite(e.metrics[key]), (key, e.metrics[key])
         assert e.metrics["tickets/outstanding"] <= budget
         assert e.metrics["staleness/max"] <= bound
+        if e.metrics["staleness/max"] == 0:
+            # Every sample from the weights the step starts from: the rollout's and the
+            # trainer's probabilities differ by float noise only.
+            fresh += 1
+            assert e.metrics["training/rollout_probs_diff_max"] < 1e-4, e.metrics
         # Where the step's time went: the worker's update and the event loop's CPU.
         assert e.metrics["trainer/update_s"] > 0
         assert 0 < e.metrics["trainer/loop_cpu_s"] < 60
+    assert fresh >= 1  # step 1 at least: its samples all come from version 0
+    # Weight sync into the rollouters' engines, timed (after several loads, a pulse told it).
+    last = finished[-1].metrics
+    assert 0 <= last["rollouter/weights_load_s"] <= last["rollouter/weights_sync_s"] < 60
     # Both replicas generated.
     assert {samples[sid].rank for sid in trained} == {0, 1}
     # No more tickets were ever issued than the budget allows beyond what was trained.

@@ -1,8 +1,10 @@
 """The Hugging Face directory of a checkpoint (``trainer.checkpoint_contents`` with
 ``hf_model``, verl's ``global_step_K/actor/huggingface``): it loads with
 ``AutoModelForCausalLM.from_pretrained``, holds the trained weights, has the tokenizer and
-generation config of ``model.path``, and goes with its checkpoint under retention. The
-model is the chat demo's tiny Qwen2 (built here, nothing downloaded)."""
+generation config of ``model.path``, and goes with its checkpoint under retention. On a
+remote run.storage (the ``rlbustest`` protocol of tests.test_mirror) it is uploaded whole,
+its completion marker last, and retention deletes the remote copy too. The model is the
+chat demo's tiny Qwen2 (built here, nothing downloaded)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,12 @@ import torch
 
 from bus import Bus, RunKeys
 from bus.messages import CheckpointSaved, RunFinished, StepFinished
+from bus.storage import RunStorage
 from runconfig import ConfigError, load_config
 from tests.procs import FAST, Procs, events_of
+from tests.test_mirror import PROTOCOL, _sitecustomize
 from trainer.export import HFExport, hf_dir, step_folder, write_hf_dir
+from trainer.mirror import HF_COMPLETE, CheckpointMirror
 from trainer.resume import write_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
@@ -200,3 +205,140 @@ async def test_a_run_exports_each_checkpoint_and_retention_deletes_them(
         assert m["timing_s/update_actor"] == m["trainer/update_s"] > 0
         assert 1 <= m["response_length/mean"] <= m["response_length/max"] <= 5
         assert 0 <= m["response_length/clip_ratio"] <= 1 and m["prompt_length/mean"] >= 1
+
+
+class _Recorded(RunStorage):
+    """The test storage, recording the names written to it in order."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.written: list[str] = []
+
+    def upload(self, local: Any, name: str) -> None:
+        super().upload(local, name)
+        self.written.append(name)
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        super().write_bytes(name, data)
+        self.written.append(name)
+
+
+def _export(export: HFExport, policy: Any, folder: Path, step: int) -> Any:
+    async def run() -> Any:
+        await export.start(_on_thread, policy, folder, step)
+        return await export.wait()
+
+    return asyncio.run(run())
+
+
+def test_on_a_remote_storage_the_directory_is_uploaded_whole_marker_last(
+    qwen: Path, tmp_path: Path
+) -> None:
+    policy = _policy(qwen)
+    opt = _train_a_little(policy)
+    folder, remote = tmp_path / "ckpt", tmp_path / "remote"
+    storage = _Recorded(f"{PROTOCOL}://{remote}")
+    mirror = CheckpointMirror(storage, folder, "r1/checkpoints")
+    write_checkpoint(folder, 3, 3, policy, opt, b"state")
+    assert _export(HFExport(str(qwen), mirror), policy, folder, 3) is None
+    there = remote / "r1" / "checkpoints" / "global_step_3" / "actor" / "huggingface"
+    local = {p.name for p in hf_dir(folder, 3).iterdir()}
+    assert {p.name for p in there.iterdir()} == local | {HF_COMPLETE}
+    assert {"config.json", "model.safetensors"} <= local
+    prefix = "r1/checkpoints/global_step_3/actor/huggingface/"
+    assert storage.written[-1] == prefix + HF_COMPLETE  # after every file
+    assert sorted(storage.written[:-1]) == sorted(prefix + n for n in local)
+    marker = json.loads((there / HF_COMPLETE).read_text())
+    assert marker["step"] == 3
+    assert marker["files"] == {n: (there / n).stat().st_size for n in local}
+    # Another node fetches it and loads it: the trained weights.
+    fetched = tmp_path / "fetched"
+    other = CheckpointMirror(RunStorage(f"{PROTOCOL}://{remote}"), tmp_path / "b",
+                             "r1/checkpoints")
+    assert other.download_hf(3, fetched)
+    assert other.download_hf(5, tmp_path / "none") is False  # none there
+    trained = dict(policy.model.state_dict())
+    loaded = _weights(fetched)
+    assert loaded.keys() == trained.keys()
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.items())
+    # Retention's delete of checkpoint 3 removes the remote directory (marker first).
+    other.delete([3])
+    assert not (remote / "r1" / "checkpoints" / "global_step_3").exists()
+    assert other.download_hf(3, tmp_path / "gone") is False
+
+
+def test_a_remote_directory_written_again_loses_the_old_files(qwen: Path, tmp_path: Path) -> None:
+    policy = _policy(qwen)
+    storage = RunStorage(f"{PROTOCOL}://{tmp_path / 'remote'}")
+    mirror = CheckpointMirror(storage, tmp_path / "ckpt", "r1/checkpoints")
+    target = hf_dir(tmp_path / "ckpt", 2)
+    write_hf_dir(policy, dict(policy.model.state_dict()), str(qwen), target)
+    (target / "stray").write_text("from the first export")
+    mirror.upload_hf(target, 2)
+    write_hf_dir(policy, dict(policy.model.state_dict()), str(qwen), target)
+    mirror.upload_hf(target, 2)
+    prefix = "r1/checkpoints/global_step_2/actor/huggingface"
+    assert "stray" not in storage.list(prefix) and HF_COMPLETE in storage.list(prefix)
+    assert "stray" not in json.loads(storage.read_bytes(f"{prefix}/{HF_COMPLETE}"))["files"]
+
+
+def test_a_remote_export_of_a_dropped_checkpoint_leaves_nothing(qwen: Path, tmp_path: Path) -> None:
+    """Retention deleted step-K.pt while the export was writing: nothing is uploaded."""
+    policy = _policy(qwen)
+    remote = tmp_path / "remote"
+    mirror = CheckpointMirror(RunStorage(f"{PROTOCOL}://{remote}"), tmp_path, "r1/checkpoints")
+    assert _export(HFExport(str(qwen), mirror), policy, tmp_path, 1) is None  # no .pt
+    assert not (remote / "r1" / "checkpoints" / "global_step_1").exists()
+
+
+def test_a_storage_that_refuses_the_upload_is_a_warning(qwen: Path, tmp_path: Path) -> None:
+    policy = _policy(qwen)
+    blocker = tmp_path / "remote"
+    blocker.write_text("a file where the storage's folder should be")
+    mirror = CheckpointMirror(RunStorage(f"{PROTOCOL}://{blocker}"), tmp_path / "ckpt",
+                              "r1/checkpoints")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "step-000001.pt").write_bytes(b"")
+    warning = _export(HFExport(str(qwen), mirror), policy, tmp_path / "ckpt", 1)
+    assert warning is not None and warning.code == "hf_export_failed"
+    assert "written, but not copied to" in warning.message and "step 1" in warning.message
+    assert (hf_dir(tmp_path / "ckpt", 1) / "config.json").is_file()  # the local copy is whole
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
+async def test_a_run_on_a_remote_storage_mirrors_its_hf_directories(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, qwen: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """run.storage=rlbustest://...: each kept checkpoint's HF directory is in the storage,
+    complete; retention deleted the dropped ones there as here."""
+    _sitecustomize(tmp_path, monkeypatch)
+    out, remote = tmp_path / "out", tmp_path / "remote"
+    args = [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={out}",
+            *FAST, "model.kind=hf", f"model.path={qwen}", "rollout.max_new_tokens=5",
+            "trainer.total_training_steps=3", "trainer.save_freq=1",
+            "trainer.max_actor_ckpt_to_keep=1", "run.retention=checkpoint",
+            f"run.storage={PROTOCOL}://{remote}",
+            "trainer.checkpoint_contents=[model,optimizer,extra,hf_model]"]
+    procs = Procs(tmp_path / "logs")
+    try:
+        procs.spawn("rollouter0", "rollouter", *args)
+        procs.spawn("trainer", "trainer", *args)
+        assert procs.wait("trainer", 300) == 0, procs.log("trainer")
+        assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    finally:
+        procs.kill_all()
+    events = await events_of(bus, run_keys.events)
+    assert not any(getattr(e, "code", "") == "hf_export_failed" for e in events)
+    local = out / run_id / "checkpoints"
+    kept = sorted(p.name for p in local.glob("global_step_*"))
+    mirrored = remote / run_id / "checkpoints"
+    assert "global_step_3" in kept and "global_step_1" not in kept, kept
+    assert sorted(p.name for p in mirrored.glob("global_step_*")) == kept
+    storage = CheckpointMirror(RunStorage(f"{PROTOCOL}://{remote}"), tmp_path / "b",
+                               f"{run_id}/checkpoints")
+    assert storage.download_hf(3, tmp_path / "fetched")
+    ckpt = torch.load(local / "step-000003.pt", weights_only=True)
+    for key, value in _weights(tmp_path / "fetched").items():
+        assert torch.equal(ckpt["model"][f"model.{key}"], value), key

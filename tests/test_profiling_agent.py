@@ -16,7 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bus.messages import ProfileStarted, ProfileStopped, StartProfile, StopProfile, WarningRaised
-from profiling import ProfilerAgent, create_agent, profile_root, safe_name, trace_path
+from profiling import (
+    ProfilerAgent,
+    create_agent,
+    profile_root,
+    safe_name,
+    trace_path,
+    trace_rank,
+    trace_world_size,
+)
 from profiling import agent as agent_module
 from profiling.agent import AgentEvent
 from profiling.export import cut_frames
@@ -588,6 +596,48 @@ def test_traces_carry_a_distinct_rank_per_role_and_replica(tmp_path: Path) -> No
         "rollouter0.json.gz", "rollouter2.json.gz", "trainer0.json.gz"]
     for (role, rank), trace in traces.items():
         assert trace["traceName"] == str((view / f"{role}{rank}.json.gz").resolve())
+
+
+def test_the_world_size_is_above_every_rank_a_joined_rollouter_included() -> None:
+    assert trace_world_size(2) == 3  # the trainer and two rollouters
+    # Rollouter 5 joined a run of 2 replicas (rollout.rank null: the lowest free rank).
+    assert trace_world_size(2, trace_rank("rollouter", 5)) == 7
+    # A session naming rank 5: every process of it, rollouter 0 and the trainer too.
+    assert trace_world_size(2, trace_rank("trainer", 0), [0, 5]) == 7
+    assert trace_world_size(2, trace_rank("rollouter", 0), [5]) == 7
+    assert trace_world_size(4, trace_rank("rollouter", 1), [1]) == 5  # within replicas
+    for replicas in range(1, 4):
+        for r in range(8):
+            for ranks in ([], [r], [0, 7]):
+                for role, rank in (("trainer", 0), ("rollouter", r)):
+                    tr = trace_rank(role, rank)
+                    assert tr < trace_world_size(replicas, tr, ranks)
+
+
+def test_a_joined_rollouters_trace_has_its_rank_below_the_world_size(tmp_path: Path) -> None:
+    """rollout.replicas=2, rollouter rank 5 joined: the trace written by the agent the
+    rollouter holds (create_agent) says rank 6 of a world of 7, and with a session naming
+    rank 5 the trainer's trace says the same world size."""
+    cfg = Config(
+        run=RunConfig(id="r1", output_dir=str(tmp_path)),
+        global_profiler=ProfilerConfig(tool="torch"),
+        rollout=RolloutConfig(replicas=2),
+    )
+    infos = {}
+    # global_profiler.ranks filters every role: [0, 5] is the trainer, rollouters 0 and 5.
+    for sid, role, rank, ranks in (("every", "rollouter", 5, []),
+                                   ("named", "trainer", 0, [0, 5]),
+                                   ("named", "rollouter", 5, [0, 5]),
+                                   ("base", "trainer", 0, [])):
+        agent = create_agent(cfg, role, rank, DEVICE)
+        assert agent is not None
+        agent.on_command(start(sid, 1, 1, ranks=ranks))
+        stopped = only_stopped(step(agent, 1) + agent.close())
+        infos[(sid, role)] = load_trace(agent.run_dir / stopped.path)["distributedInfo"]
+    assert infos[("every", "rollouter")] == {"rank": 6, "world_size": 7}
+    assert infos[("named", "rollouter")] == {"rank": 6, "world_size": 7}
+    assert infos[("named", "trainer")] == {"rank": 0, "world_size": 7}
+    assert infos[("base", "trainer")] == {"rank": 0, "world_size": 3}
 
 
 def test_create_agent_warms_the_profiler_up_on_its_thread(tmp_path: Path) -> None:

@@ -238,7 +238,7 @@ class _Weights:
             raise BlobNotFound(f"blob {msg.ref.key} not found")
         return self.blobs[msg.ref.key]
 
-    async def load(self, state: Any) -> None:
+    async def load(self, state: Any, version: int) -> None:
         self.loaded.append(state)
 
     async def warn(self, w: WarningRaised) -> None:

@@ -34,11 +34,11 @@ async def test_staged_weights_swap_in_only_when_ready_or_needed(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
 ) -> None:
     r = _rollouter(redis_url, run_id, tmp_path, bus)
-    trained = _rollouter(redis_url, run_id, tmp_path, bus).policy
+    trained = _rollouter(redis_url, run_id, tmp_path, bus).engine.policy
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(0.5)
-    await _publish(bus, run_keys, 0, r.policy.state_bytes())
+    await _publish(bus, run_keys, 0, r.engine.policy.state_bytes())
     await r._poll_events()
     await r._swap_weights()
     assert r.version == 0
@@ -49,7 +49,7 @@ async def test_staged_weights_swap_in_only_when_ready_or_needed(
     await r.staging[1]  # fetched and decoded while "generation" would go on
     await r._swap_weights(wait=False)
     assert r.version == 1 and r.staging is None
-    assert r.policy.state_bytes() == trained.state_bytes()
+    assert r.engine.policy.state_bytes() == trained.state_bytes()
     r.worker.shutdown()
 
 
@@ -57,13 +57,13 @@ async def test_an_unloadable_publication_is_skipped_with_a_warning(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
 ) -> None:
     r = _rollouter(redis_url, run_id, tmp_path, bus)
-    good = r.policy.state_bytes()
+    good = r.engine.policy.state_bytes()
     await _publish(bus, run_keys, 0, good)
     await _publish(bus, run_keys, 1, b"not a state dict")  # intact blob, wrong content
     await r._poll_events()
     await r._swap_weights()
     assert r.version == 0, "fell back to the newest loadable publication"
-    assert r.policy.state_bytes() == good
+    assert r.engine.policy.state_bytes() == good
     warnings = [e for e in await events_of(bus, run_keys.events)
                 if isinstance(e, WarningRaised) and e.code == "weights_unloadable"]
     assert len(warnings) == 1 and "v1" in warnings[0].message

@@ -76,6 +76,11 @@ def test_run_storage_reads_writes_lists_and_deletes(tmp_path: Path, as_url: bool
         store.read_bytes("ckpt/a")
     with pytest.raises(ValueError):
         store.write_bytes("../escape", b"x")
+    store.write_bytes("tree/sub/c", b"c")
+    store.write_bytes("tree/d", b"d")
+    store.delete_folder("tree")
+    store.delete_folder("tree")  # already gone: nothing
+    assert not (root / "tree").exists() and store.list("ckpt") == ["b"]
 
 
 def test_the_probe_writes_and_removes_its_file_and_creates_nothing(tmp_path: Path) -> None:

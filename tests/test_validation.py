@@ -214,11 +214,11 @@ async def test_a_rollouter_serves_a_request_between_batches_once(
     r = _rollouter(cfg, bus)
     scorer = _Scorer()
     r.validator = Validator(_records(r), scorer, cfg, r.tokenizer, item=_Item)
-    newer = _rollouter(cfg, bus).policy
+    newer = _rollouter(cfg, bus).engine.policy
     with torch.no_grad():
         for p in newer.parameters():
             p.add_(0.3)
-    await _publish_weights(bus, run_keys, 0, r.policy.state_bytes())
+    await _publish_weights(bus, run_keys, 0, r.engine.policy.state_bytes())
     await _publish_weights(bus, run_keys, 1, newer.state_bytes())
     await r.consumer.ensure_group()
     await bus.publish(run_keys.prompts, PromptTicket(
@@ -267,7 +267,7 @@ async def test_a_failed_validation_is_an_answer_never_a_dead_rollouter(
     cfg = _cfg(tmp_path, redis_url=redis_url, run_id=run_id)
     r = _rollouter(cfg, bus)
     await bus.command("SET", run_keys.trainer_lease, "tok", "PX", 60_000)  # a live trainer
-    await _publish_weights(bus, run_keys, 0, r.policy.state_bytes())
+    await _publish_weights(bus, run_keys, 0, r.engine.policy.state_bytes())
 
     async def broken(items: list[_Item]) -> list[_Score]:
         raise RuntimeError("the scorer is down")

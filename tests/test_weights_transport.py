@@ -261,7 +261,7 @@ async def test_a_rollouter_with_no_loadable_weights_fails_named(
     r = Rollouter(cfg, bus)
     r._build()
     t = RedisTransport(bus, run_keys)
-    ref = await t.publish("weights-v0-e", r.policy.state_dict())
+    ref = await t.publish("weights-v0-e", r.engine.policy.state_dict())
     await t.delete(ref)  # lost before this rollouter read it
     await bus.publish(run_keys.events,
                       WeightsPublished(version=0, ref=ref, step=0, manifest=ref))

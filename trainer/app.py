@@ -100,7 +100,7 @@ class Trainer(Component):
         # On a remote run.storage the local checkpoint folder is a cache of the storage's.
         self.mirror = checkpoint_mirror(cfg, self.run_id)
         self.events_mirror = events_mirror(cfg, self.run_id)  # its events archive too
-        self.hf_export = HFExport(cfg.model.path) if (
+        self.hf_export = HFExport(cfg.model.path, self.mirror) if (
             "hf_model" in tc.checkpoint_contents and cfg.model.path) else None
         self.need = ac.require_batches * tc.ppo_mini_batch_size
         self.epoch = secrets.token_hex(4)

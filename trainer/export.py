@@ -17,6 +17,12 @@ Retention deletes ``global_step_K`` with its checkpoint (trainer.retention). An 
 finishes after its checkpoint was deleted removes what it wrote: it renames into place
 first, then checks that ``step-K.pt`` still exists, while retention deletes the ``.pt``
 first and then the folder; in either order nothing is left behind.
+
+On a remote ``run.storage`` (trainer.mirror) the same thread then uploads the directory to
+the storage's checkpoint folder, every file and then a completion marker, so a checkpoint's
+Hugging Face directory survives the trainer's node like the checkpoint does. The upload
+races retention the same way: after it, the exporter checks ``step-K.pt`` again and deletes
+the remote copy when it is gone (retention deletes the remote copies after the local files).
 """
 
 from __future__ import annotations
@@ -28,14 +34,18 @@ import shutil
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from bus.files import fsync_path
 from bus.messages import WarningRaised
 
-__all__ = ["HFExport", "capture_state", "hf_dir", "step_folder", "write_hf_dir"]
+if TYPE_CHECKING:  # trainer.mirror imports this module's layout
+    from trainer.mirror import CheckpointMirror
+
+__all__ = ["HFExport", "NotUploaded", "capture_state", "hf_dir", "step_folder",
+           "write_hf_dir"]
 
 RunOff = Callable[..., Awaitable[Any]]
 _TMP = ".tmp-huggingface."
@@ -75,6 +85,17 @@ def capture_state(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
                 copies[key] = tensor.detach().to("cpu", copy=True)
             out[name] = copies[key]
     return out
+
+
+def _checkpoint(folder: Path, step: int) -> Path:
+    return folder / f"step-{step:06d}.pt"
+
+
+class NotUploaded(Exception):
+    """The directory was written locally but not copied to the storage at ``where``."""
+
+    def __init__(self, where: str, cause: BaseException) -> None:
+        super().__init__(f"written, but not copied to {where}: {type(cause).__name__}: {cause}")
 
 
 def _fsync_tree(root: Path) -> None:
@@ -128,10 +149,12 @@ def write_hf_dir(policy: torch.nn.Module, state: dict[str, torch.Tensor], model_
 
 
 class HFExport:
-    """The trainer's exporter: one export at a time, on a thread of its own."""
+    """The trainer's exporter: one export at a time, on a thread of its own; with a
+    ``mirror`` (a remote run.storage), each directory is uploaded there too."""
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, mirror: CheckpointMirror | None = None) -> None:
         self.model_path = model_path
+        self.mirror = mirror
         self.pending: asyncio.Future[Path] | None = None
         self._step = 0
         self._pool: ThreadPoolExecutor | None = None
@@ -162,10 +185,25 @@ class HFExport:
                                                             local_files_only=True)
         target = write_hf_dir(policy, state, self.model_path, hf_dir(folder, step),
                               self._tokenizer)
-        if not (folder / f"step-{step:06d}.pt").exists():
+        if not _checkpoint(folder, step).exists():
             # Retention deleted this checkpoint while we wrote (see the module docstring).
             shutil.rmtree(step_folder(folder, step), ignore_errors=True)
+        elif self.mirror is not None:
+            self._upload(self.mirror, target, folder, step)
         return target
+
+    @staticmethod
+    def _upload(mirror: CheckpointMirror, target: Path, folder: Path, step: int) -> None:
+        """Copy ``target`` to the storage; when retention dropped the checkpoint
+        meanwhile (its local files may vanish under the upload), remove the remote copy
+        instead of failing."""
+        try:
+            mirror.upload_hf(target, step)
+        except Exception as exc:  # any backend's error: a dropped checkpoint is no failure
+            if _checkpoint(folder, step).exists():
+                raise NotUploaded(mirror.hf_where(step), exc) from exc
+        if not _checkpoint(folder, step).exists():
+            mirror.delete_hf([step])
 
     async def wait(self) -> WarningRaised | None:
         """Wait for the export in flight; a failed one becomes a warning (training goes on:
@@ -175,6 +213,10 @@ class HFExport:
             return None
         try:
             await pending
+        except NotUploaded as exc:  # the storage refused it: the local copy is whole
+            return WarningRaised(
+                source="trainer", code="hf_export_failed",
+                message=f"the Hugging Face directory of checkpoint step {self._step} was {exc}")
         except Exception as exc:  # disk full, a tokenizer that will not load: say so
             return WarningRaised(
                 source="trainer", code="hf_export_failed",

@@ -24,6 +24,7 @@ __all__ = [
     "masked_mean",
     "micro_batches",
     "ppo_clip_loss",
+    "probs_diff",
     "tis_weights",
 ]
 
@@ -179,6 +180,18 @@ def ppo_clip_loss(
     loss = masked_mean(per_token, mask)
     clipfrac = masked_mean((clipped > unclipped).to(logp_new.dtype), mask).detach()
     return loss, clipfrac
+
+
+def probs_diff(logp_trainer: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor
+               ) -> torch.Tensor:
+    """|exp(logp_rollout) - exp(logp_trainer)| of every masked token, flattened [N], detached.
+
+    The gap between the probability the rollout gave each sampled token and the one the
+    trainer gives it (verl's ``training/rollout_probs_diff_*`` with
+    ``calculate_log_probs``). In probabilities, as verl: a rare token's log-probs can differ
+    a lot while its probabilities barely do, and such a token would swamp the max."""
+    gap = (logp_rollout.detach().float().exp() - logp_trainer.detach().float().exp()).abs()
+    return gap[mask.bool()]
 
 
 def approx_kl(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,7 @@ class StepMeter:
             "samples/refused": float(intake.refused),
             "rollout/failures": float(watch.rollout_failures),
             "staleness/discarded_groups": float(intake.discarded),
+            **watch.weights_sync(),
         }
 
 

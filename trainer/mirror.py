@@ -9,7 +9,16 @@ storage) and mirrored to ``STORAGE/RUN/checkpoints/``; the local folder is a cac
   CheckpointSaved that names them is published;
 - at start, before the log is read, :meth:`CheckpointMirror.download_missing` fetches every
   remote pair the local folder lacks, so a trainer started on another node finds them;
-- retention deletes a dropped checkpoint's remote copies too (the snapshot first).
+- retention deletes a dropped checkpoint's remote copies too (the snapshot first, its
+  Hugging Face directory last).
+
+The Hugging Face directory of a checkpoint (``hf_model`` in trainer.checkpoint_contents,
+trainer.export) is mirrored to ``STORAGE/RUN/checkpoints/global_step_K/actor/huggingface/``
+by the exporter's thread once it is written locally (:meth:`CheckpointMirror.upload_hf`):
+every file, then the completion marker :data:`HF_COMPLETE` last, which lists them. A reader
+(:meth:`CheckpointMirror.download_hf`) takes a remote directory only with its marker, so it
+never sees half a directory: an upload cut short, or one being replaced, has none (the
+marker is deleted first, also when retention deletes the directory).
 
 The events archive (``run.retention=checkpoint``: bus.archive segments under
 ``run.output_dir/RUN/events``) is mirrored to ``STORAGE/RUN/events/`` the same way
@@ -27,6 +36,7 @@ checkpoint folder is already the storage.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,10 +45,15 @@ from bus.storage import RunStorage
 from runconfig.paths import checkpoint_dir, events_dir, local_path, storage_url
 from runconfig.schema import Config
 from runtime.events_archive import SEGMENT, fetch_segments, local_sizes, segments_to_fetch
+from trainer.export import hf_dir, step_folder
 
-__all__ = ["SEGMENT", "CheckpointMirror", "EventsMirror", "checkpoint_mirror", "events_mirror",
-           "remote_names", "segments_to_fetch", "segments_to_push", "to_download",
-           "upload_order"]
+__all__ = ["HF_COMPLETE", "SEGMENT", "CheckpointMirror", "EventsMirror", "checkpoint_mirror",
+           "events_mirror", "hf_files", "remote_names", "segments_to_fetch", "segments_to_push",
+           "to_download", "upload_order"]
+
+HF_COMPLETE = ".rlbus-complete"
+"""The marker written last into a remote Hugging Face directory: JSON ``{"step": K,
+"files": {name: size}}``; without it the directory is incomplete."""
 
 _PAIR = re.compile(r"^step-(\d+)\.(pt|state)$")
 
@@ -74,6 +89,18 @@ def remote_names(steps: Iterable[int]) -> list[str]:
     return [name for step in sorted(steps) for name in reversed(_pair(step))]
 
 
+def hf_files(target: Path) -> list[str]:
+    """The files of the local Hugging Face directory ``target``, as names relative to it
+    (``/``-separated, sorted), in upload order; never a marker of ours."""
+    return sorted(p.relative_to(target).as_posix() for p in target.rglob("*")
+                  if p.is_file() and p.name != HF_COMPLETE)
+
+
+def _rel(path: Path) -> str:
+    """A layout path of trainer.export (built on ``Path()``) as a storage name."""
+    return path.as_posix()
+
+
 class CheckpointMirror:
     """The checkpoint folder ``folder`` mirrored to ``prefix/`` in ``storage``."""
 
@@ -104,9 +131,54 @@ class CheckpointMirror:
         return wanted
 
     def delete(self, steps: Iterable[int]) -> None:
-        """Remove the remote copies of the checkpoints ``steps`` (blocking)."""
+        """Remove the remote copies of the checkpoints ``steps``, each with its Hugging
+        Face directory, in the local folder's order (trainer.retention) (blocking)."""
+        steps = sorted(steps)
         for name in remote_names(steps):
             self.storage.delete(self._name(name))
+        self.delete_hf(steps)
+
+    def _hf(self, step: int) -> str:
+        return self._name(_rel(hf_dir(Path(), step)))
+
+    def hf_where(self, step: int) -> str:
+        """The remote Hugging Face directory of checkpoint ``step``, as a URL."""
+        return f"{self.where()}/{_rel(hf_dir(Path(), step))}"
+
+    def upload_hf(self, target: Path, step: int) -> None:
+        """Copy the local Hugging Face directory ``target`` of checkpoint ``step`` to the
+        storage, replacing a copy there (a step trained again): the old marker and files
+        first, then every file, then the marker (blocking)."""
+        remote = self._hf(step)
+        self.storage.delete(f"{remote}/{HF_COMPLETE}")
+        self.storage.delete_folder(remote)  # files an older export of this step had
+        files: dict[str, int] = {}
+        for name in hf_files(target):
+            path = target / name
+            files[name] = path.stat().st_size
+            self.storage.upload(path, f"{remote}/{name}")
+        marker = json.dumps({"step": step, "files": files}, sort_keys=True)
+        self.storage.write_bytes(f"{remote}/{HF_COMPLETE}", marker.encode())
+
+    def download_hf(self, step: int, target: Path) -> bool:
+        """Copy the remote Hugging Face directory of checkpoint ``step`` into ``target``:
+        False (nothing copied) when it is not complete there, i.e. has no marker (blocking;
+        FileNotFoundError when retention deletes it meanwhile)."""
+        remote = self._hf(step)
+        try:
+            marker = json.loads(self.storage.read_bytes(f"{remote}/{HF_COMPLETE}"))
+        except FileNotFoundError:
+            return False
+        for name in sorted(marker["files"]):
+            self.storage.download(f"{remote}/{name}", target / name)
+        return True
+
+    def delete_hf(self, steps: Iterable[int]) -> None:
+        """Remove the remote Hugging Face directories (``global_step_K``) of ``steps``:
+        each marker first (blocking)."""
+        for step in sorted(steps):
+            self.storage.delete(f"{self._hf(step)}/{HF_COMPLETE}")
+            self.storage.delete_folder(self._name(_rel(step_folder(Path(), step))))
 
     def locate(self, path: str) -> str:
         """The local copy of the checkpoint the log names as ``path`` (written on any

@@ -28,6 +28,7 @@ from trainer.grpo import (
     masked_mean,
     micro_batches,
     ppo_clip_loss,
+    probs_diff,
 )
 
 __all__ = ["GrpoStep", "LateStaleMiniBatch", "grpo_update", "guarded_step"]
@@ -42,6 +43,19 @@ _GUARD_TRIES = 6  # shrinks per optimizer step before the guard gives up (each >
 
 def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def _probs_diff_metrics(diffs: Sequence[torch.Tensor]) -> dict[str, float]:
+    """verl's ``training/rollout_probs_diff_{max,mean,std}`` over every token in ``diffs``
+    (std with Bessel's correction, as torch.std in verl; 0 below two tokens, where verl's
+    would be NaN, and all 0 with no token, so every step carries the same keys)."""
+    gaps = torch.cat([d.reshape(-1) for d in diffs]) if diffs else torch.zeros(0)
+    n = gaps.numel()
+    return {
+        "training/rollout_probs_diff_max": float(gaps.max()) if n else 0.0,
+        "training/rollout_probs_diff_mean": float(gaps.mean()) if n else 0.0,
+        "training/rollout_probs_diff_std": float(gaps.std()) if n > 1 else 0.0,
+    }
 
 
 @torch.no_grad()
@@ -153,7 +167,12 @@ class GrpoStep:
 
     :meth:`add` prepares a mini-batch, :meth:`train` runs the first epoch of those not yet
     trained, :meth:`finish` runs what is left (the first epoch of the rest, then epochs 2..)
-    and returns the step's metrics. Epoch order is the order of :meth:`add`."""
+    and returns the step's metrics. Epoch order is the order of :meth:`add`.
+
+    The metrics include verl's ``training/rollout_probs_diff_{max,mean,std}``: |p_rollout -
+    p_trainer| per response token, p_trainer on the weights the step starts from, over the
+    mini-batches whose log-probs on those weights the step computes anyway
+    (:meth:`_rollout_gap`; docs/training.md)."""
 
     def __init__(
         self,
@@ -179,6 +198,10 @@ class GrpoStep:
         self.stats: dict[str, list[float]] = {
             k: [] for k in ("loss", "clip", "ent", "gn", "kl", "ukl", "guard", "zero", "kll")
         }
+        self.moved = False  # an optimizer step of this step has changed the weights
+        # |p_rollout - p_trainer| per response token of the mini-batches whose log-probs on
+        # the step's starting weights were computed anyway (see _rollout_gap), by index.
+        self.gaps: dict[int, torch.Tensor] = {}
 
     def add(self, groups: Sequence[Sequence[Sample]]) -> None:
         """Prepare one mini-batch: ``groups``, each the ``n`` responses of one prompt."""
@@ -212,6 +235,8 @@ class GrpoStep:
                     batch.input_ids, batch.attention_mask, batch.response_len,
                     temperature=self.temperature,
                 )
+            # No optimizer step yet (checked above): the step's starting weights.
+            self._rollout_gap(len(self.minibatches), old, batch)
         adv_g = group_advantages(rewards)
         live = (adv_g != 0).any(dim=1, keepdim=True).expand_as(adv_g).reshape(-1)
         adv = adv_g.reshape(-1).to(self.device)
@@ -267,6 +292,8 @@ class GrpoStep:
             # full-size step).
             logp, entropy = self._logprobs(self.policy, mb)
             mb = self._proximal(i, logp)
+            if not self.moved:
+                self._rollout_gap(i, logp, mb.batch)
             self._record(mb, logp, entropy, _Acc(), grad_norm=0.0, update_kl=0.0,
                          shrunk=False)
             return
@@ -280,6 +307,9 @@ class GrpoStep:
         bonus = bool(tc.entropy_coeff) and not (dead and mode == "no_entropy")
         logp, entropy, acc = self._backward(mb, mask, ref, bonus)
         mb = self._proximal(i, logp)
+        if not self.moved:
+            self._rollout_gap(i, logp, mb.batch)
+        self.moved = True  # the step below changes the weights (the guard never undoes it all)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), tc.grad_clip)
         measure = (None if len(mb.micro) == 1 else
                    lambda: self._logprobs(self.policy, self.minibatches[i])[0])
@@ -345,6 +375,19 @@ class GrpoStep:
             mb = self.minibatches[i] = mb._replace(old=logp.detach())
         return mb
 
+    def _rollout_gap(self, i: int, logp: torch.Tensor, batch: Batch) -> None:
+        """Keep mini-batch ``i``'s |p_rollout - p_trainer| over its response tokens, once,
+        from ``logp``: its log-probs on the weights the step started from.
+
+        Only where those are computed anyway: the forward of every mini-batch trained before
+        the step's first optimizer step (the first one at least) and the proximal log-probs
+        of stale mini-batches (decoupled PPO, taken in :meth:`add`). A later mini-batch's
+        step-start log-probs would cost a forward of their own, and a streamed step no
+        longer has those weights when the mini-batch arrives; which mini-batches are covered
+        depends only on their order, so a streamed step and :func:`grpo_update` agree."""
+        if i not in self.gaps:
+            self.gaps[i] = probs_diff(logp, batch.old_logprobs, batch.response_mask)
+
     def _record(self, mb: _MiniBatch, logp: torch.Tensor, entropy: torch.Tensor, acc: _Acc,
                 *, grad_norm: float, update_kl: float, shrunk: bool) -> None:
         """One optimizer step's stats; entropy and KL over the whole mini-batch."""
@@ -396,6 +439,7 @@ class GrpoStep:
                if self.reference is not None else {}),
             "actor/lr": lr,
             "response/length_mean": _mean(lengths),
+            **_probs_diff_metrics([self.gaps[i] for i in sorted(self.gaps)]),
             **extra_metrics(s.reward_extra for s in flat_all),
         }
 

@@ -213,6 +213,17 @@ class Watch:
                 if "rollouter/idle_ratio" in hb.metrics]
         return sum(idle) / len(idle) if idle else float("nan")
 
+    def weights_sync(self) -> dict[str, float]:
+        """The slowest rollouter's last weights load, from their latest pulses: seconds
+        copying into its engine (``rollouter/weights_load_s``) and from the publication to
+        the engine holding it (``rollouter/weights_sync_s``); absent until one loaded."""
+        out: dict[str, float] = {}
+        for key in ("rollouter/weights_load_s", "rollouter/weights_sync_s"):
+            seen = [hb.metrics[key] for hb in self.rollouters if key in hb.metrics]
+            if seen:
+                out[key] = max(seen)
+        return out
+
     # ------------------------------------------------------------------ progress
 
     async def check_stall(self, waiting_for: Callable[[], str]) -> WarningRaised | None:

@@ -1,0 +1,128 @@
+"""The engine boundary: what the rollouter generates with, chosen by ``rollout.name`` (verl's
+``actor_rollout_ref.rollout.name``).
+
+``hf`` (the default) is the built-in decode loop on the policy (:class:`PolicyEngine`);
+``vllm`` is vLLM in the rollouter's process (:mod:`rollouter.vllm_engine`, imported only
+when asked for, so a venv without vLLM runs everything else). Both take token-id prompts and
+give token ids, each token's log-prob under softmax(logits / temperature) of the whole
+vocabulary (what the trainer recomputes) and whether an eos id ended the response, and both
+load each published weights version in place and say which one they hold: the rollouter tags
+a sample with :attr:`Engine.version`, never with the version it asked for.
+
+Every method runs on the rollouter's worker thread (``Component.off``), never on its event
+loop: generation and weight loads are the heavy work of the process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+import torch
+
+from policy import EosIds, Generation, Policy, build_policy
+from runconfig import Config
+
+__all__ = ["ENGINES", "Engine", "PolicyEngine", "build_engine", "vllm_installed"]
+
+ENGINES = ("hf", "vllm")
+"""The values of ``rollout.name``."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the rollouter generates with."""
+
+    name: str
+    eos_ids: tuple[int, ...]
+    """Every id that ends a response by default (the model's generation_config lists)."""
+    version: int
+    """The weights version the engine holds now (-1: none loaded yet)."""
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        eos_id: EosIds = None,
+        *,
+        generator: torch.Generator | None = None,
+        top_p: float = 1.0,
+        top_k: int = -1,
+    ) -> Generation:
+        """One response per prompt (``policy.Generation``); temperature <= 0 is greedy."""
+        ...
+
+    def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Hold the weights ``state`` (the trainer's publication, HF ``state_dict`` names)
+        as ``version`` from now on, without restarting the engine."""
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds (an engine process, its cache)."""
+        ...
+
+
+class PolicyEngine:
+    """The built-in engine: :func:`policy.decode_loop` on the rollouter's own copy of the
+    policy (a static batch per call; rows that finish early idle until the batch ends)."""
+
+    name = "hf"
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.policy.eval()
+        self.version = -1
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.policy.eos_ids
+
+    @property
+    def device(self) -> torch.device:
+        return self.policy.device
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        eos_id: EosIds = None,
+        *,
+        generator: torch.Generator | None = None,
+        top_p: float = 1.0,
+        top_k: int = -1,
+    ) -> Generation:
+        return self.policy.generate(prompts, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, eos_id=eos_id,
+                                    generator=generator, top_p=top_p, top_k=top_k)
+
+    def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        self.policy.load_state(state)
+        self.version = version
+
+    def close(self) -> None:
+        """Nothing to free: the policy goes with the process."""
+
+
+def vllm_installed() -> bool:
+    """Whether this venv has vLLM (``make vllm``), without importing it (that takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def build_engine(cfg: Config, device: torch.device, warn: Callable[[str], None]) -> Engine:
+    """The engine ``rollout.name`` names (on the worker thread: building one loads weights,
+    and vLLM's starts its engine core). A verl line says ``rollout.name=vllm`` as a matter of
+    course: in a venv without vLLM the job still runs, on the built-in engine, and ``warn``
+    says so once (the rollouter publishes it as a WarningRaised)."""
+    if cfg.rollout.name == "vllm" and vllm_installed():
+        from rollouter.vllm_engine import VllmEngine
+
+        engine: Any = VllmEngine(cfg, device)
+        return engine
+    if cfg.rollout.name == "vllm":
+        warn("rollout.name=vllm, but vLLM is not installed in this venv (make vllm): "
+             "generating with the built-in engine")
+    return PolicyEngine(build_policy(msgspec.to_builtins(cfg.model), device))

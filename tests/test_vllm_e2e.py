@@ -1,0 +1,101 @@
+"""A run whose rollouter generates with vLLM (``rollout.name=vllm``), end to end: the chat
+demo's model and data (``tasks.chatdemo``), trainer and rollouter as processes under
+``rlbus up``, embedded Redis.
+
+What would go wrong if the engine kept old weights after a sync: the trainer's log-probs on
+the weights a step starts from would drift away from the rollout's, so
+``training/rollout_probs_diff_max`` on a step whose samples were generated with exactly those
+weights stays at float noise only when every publication reached the engine. The learning
+rate is large on purpose: one step moves the probabilities far beyond that noise.
+
+Skipped, with the reason printed, in a venv without vLLM (``make vllm`` installs it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollouter.engine import vllm_installed
+from tests.procs import run_cli
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.e2e,
+    pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (make vllm)"),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+NOISE = 2e-3  # |p_rollout - p_trainer| on equal weights: vLLM's kernels vs torch's, fp32
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tasks.chatdemo import build_demo
+
+    return build_demo(tmp_path_factory.mktemp("vllm-demo"), n_train=64, n_val=8)
+
+
+def _up(demo: Path, cwd: Path, *extra: str) -> list[dict[str, Any]]:
+    """``rlbus up`` on the chat demo with vLLM; the run's events (``rlbus inspect --json``)."""
+    done = run_cli(
+        "up", "--config", str(ROOT / "configs" / "chat_demo.yaml"),
+        f"data.train_files={demo / 'train.parquet'}", f"data.val_files={demo / 'val.parquet'}",
+        f"actor_rollout_ref.model.path={demo / 'model'}",
+        f"custom_reward_function.path={demo / 'reward.py'}",
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.optim.lr=0.02",
+        f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false",
+        "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[console]",
+        "trainer.checkpoint_contents=[model]", f"trainer.default_local_dir={cwd / 'ckpt'}",
+        "async_training.require_batches=1", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=4", *extra,
+        cwd=cwd, timeout_s=900,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "generating with the vllm engine" in done.stdout + done.stderr
+    (run_dir,) = [p.parent for p in (cwd / "outputs").glob("*/config.yaml")]
+    shown = run_cli("inspect", "--run", run_dir.name, "--json", cwd=cwd, timeout_s=120)
+    assert shown.returncode == 0, shown.stderr
+    return [json.loads(line) for line in shown.stdout.splitlines()]
+
+
+def _steps(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {e["step"]: e for e in events if e.get("type") == "StepFinished"}
+
+
+@pytest.mark.parametrize("trigger", [1, 2])
+def test_a_vllm_run_trains_on_samples_from_the_weights_it_was_sent(
+    demo: Path, tmp_path: Path, trigger: int,
+) -> None:
+    # Synchronous (staleness 0): each sample was generated with the newest weights; with
+    # trigger 2 a version spans two steps, and the second trains on from moved weights.
+    events = _up(demo, tmp_path, "async_training.staleness_threshold=0",
+                 f"async_training.trigger_parameter_sync_step={trigger}")
+    steps = _steps(events)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    published = [e["version"] for e in events if e.get("type") == "WeightsPublished"]
+    assert published == list(range(STEPS // trigger + 1))
+    for step, e in steps.items():
+        metrics = e["metrics"]
+        assert metrics["staleness/max"] == 0, (step, metrics)
+        if (step - 1) % trigger == 0:  # the step starts from the weights its samples used
+            assert metrics["training/rollout_probs_diff_max"] < NOISE, (step, metrics)
+        else:  # one update away from them: the figure sees it
+            assert metrics["training/rollout_probs_diff_max"] > 5 * NOISE, (step, metrics)
+    assert steps[STEPS]["metrics"]["rollouter/weights_load_s"] >= 0
+
+
+def test_partial_rollout_with_vllm_spans_versions_and_stays_consistent(
+    demo: Path, tmp_path: Path,
+) -> None:
+    events = _up(demo, tmp_path, "async_training.partial_rollout=true",
+                 "async_training.staleness_threshold=0.5",
+                 "actor_rollout_ref.rollout.response_length=5", "rollout.partial_chunk_tokens=2")
+    steps = _steps(events)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    for step, e in steps.items():
+        assert e["metrics"]["staleness/max"] <= 1, (step, e["metrics"])
