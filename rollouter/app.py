@@ -50,7 +50,7 @@ from bus.messages import (
 )
 from bus.ranks import RankClaim
 from bus.weights_transport import is_manifest_ref, open_transport
-from policy import decode_steps, resolve_device
+from policy import resolve_device
 from policy.text import build_tokenizer
 from policy.weights import from_bytes
 from profiling import create_agent, prepare_main_thread
@@ -349,12 +349,13 @@ class Rollouter(Component):
         return self.follower.position
 
     def progress(self) -> int:
-        """What this process has done, as one counter that only grows: decode steps (a
+        """What this process has done, as one counter that only grows: engine steps (a
         long generation moves it at every token), reward calls ended and samples published.
         The pulse runs whatever generation does, so the trainer judges a wedged rollouter
         by this counter, not by its liveness key (trainer.dispatch)."""
         scored = self.rewards.scored if self.rewards is not None else 0
-        return decode_steps() + scored + self.published
+        steps = self.engine.steps if self.engine is not None else 0
+        return steps + scored + self.published
 
     def heartbeat(self) -> Heartbeat:
         """This replica's pulse: its weights, the share of the time since the last pulse

@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 import torch
 
-from policy import EosIds, Generation, Policy, build_policy
+from policy import EosIds, Generation, Policy, build_policy, decode_steps
 from runconfig import Config
 
 __all__ = ["ENGINES", "Engine", "PolicyEngine", "build_engine", "vllm_installed"]
@@ -40,6 +40,9 @@ class Engine(Protocol):
     """Every id that ends a response by default (the model's generation_config lists)."""
     version: int
     """The weights version the engine holds now (-1: none loaded yet)."""
+    steps: int
+    """Engine steps run so far (a prefill or a decode step): only grows; the heartbeat's
+    progress, so a long generate shows as progress and a wedged one as none."""
 
     def generate(
         self,
@@ -83,6 +86,11 @@ class PolicyEngine:
     @property
     def device(self) -> torch.device:
         return self.policy.device
+
+    @property
+    def steps(self) -> int:
+        """Forward passes of the decode loop in this process (``policy.decode_steps``)."""
+        return decode_steps()
 
     def generate(
         self,

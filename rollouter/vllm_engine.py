@@ -194,6 +194,11 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
 def _engine_env(opts: VllmOptions) -> dict[str, str]:
     """What vLLM's CPU backend reads from the environment; a value the user set wins."""
     env: dict[str, str] = {}
+    if opts.tensor_model_parallel_size == 1:
+        # The engine core in this process, on the calling thread: the rollouter's profiler
+        # (torch.profiler on its worker thread) records the engine's kernels, and a killed
+        # rollouter leaves no engine process behind.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if opts.kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(opts.kv_cache_gib))
     if opts.threads is not None:
