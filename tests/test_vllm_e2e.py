@@ -13,6 +13,7 @@ Skipped, with the reason printed, in a venv without vLLM (``make vllm`` installs
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -90,13 +91,21 @@ def test_a_vllm_run_trains_on_samples_from_the_weights_it_was_sent(
     assert steps[STEPS]["metrics"]["rollouter/weights_load_s"] >= 0
 
 
-def test_partial_rollout_with_vllm_spans_versions_and_stays_consistent(
-    demo: Path, tmp_path: Path,
-) -> None:
+def test_partial_rollout_and_profiling_with_vllm(demo: Path, tmp_path: Path) -> None:
+    """Partial rollout (responses resumed across syncs, chunk by chunk, from the tokens so
+    far) within the staleness bound, and step 1 profiled on both roles: the rollouter's trace
+    holds vLLM's own kernels (its engine core runs on the rollouter's worker thread)."""
     events = _up(demo, tmp_path, "async_training.partial_rollout=true",
-                 "async_training.staleness_threshold=0.5",
-                 "actor_rollout_ref.rollout.response_length=5", "rollout.partial_chunk_tokens=2")
+                 "async_training.staleness_threshold=0.5", "rollout.partial_chunk_tokens=2",
+                 "global_profiler.tool=torch", "global_profiler.steps=[1]")
     steps = _steps(events)
     assert sorted(steps) == list(range(1, STEPS + 1))
     for step, e in steps.items():
         assert e["metrics"]["staleness/max"] <= 1, (step, e["metrics"])
+    (folder,) = [p.parent for p in (tmp_path / "outputs" / "profiles").glob("*/manifest.json")]
+    sessions = json.loads((folder / "manifest.json").read_text())["sessions"]
+    done = {(s["role"], s["first_step"]): s for s in sessions if s["status"] == "ok"}
+    assert {("trainer", 1), ("rollouter", 1)} <= set(done), sessions
+    with gzip.open(folder / done[("rollouter", 1)]["path"], "rt") as f:
+        trace = f.read()
+    assert "cpu_attention" in trace and "step:1" in trace
