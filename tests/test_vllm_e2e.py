@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import gzip
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bus import Bus, RunKeys
+from bus.messages import StepStarted
 from rollouter.engine import vllm_installed
-from tests.procs import run_cli
+from tests.procs import Procs, assert_every_step_once, events_of, run_cli
+from tests.waits import event, wait_for
 
 pytestmark = [
     pytest.mark.vllm,
@@ -31,6 +35,7 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
+CHAOS_STEPS = 12
 NOISE = 2e-3  # |p_rollout - p_trainer| on equal weights: vLLM's kernels vs torch's, fp32
 
 
@@ -41,22 +46,27 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_demo(tmp_path_factory.mktemp("vllm-demo"), n_train=64, n_val=8)
 
 
-def _up(demo: Path, cwd: Path, *extra: str) -> list[dict[str, Any]]:
-    """``rlbus up`` on the chat demo with vLLM; the run's events (``rlbus inspect --json``)."""
-    done = run_cli(
-        "up", "--config", str(ROOT / "configs" / "chat_demo.yaml"),
+def _demo_args(demo: Path, cwd: Path) -> list[str]:
+    """The chat demo's files, vLLM (eager, one device), a short run with a large lr."""
+    return [
         f"data.train_files={demo / 'train.parquet'}", f"data.val_files={demo / 'val.parquet'}",
         f"actor_rollout_ref.model.path={demo / 'model'}",
         f"custom_reward_function.path={demo / 'reward.py'}",
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.optim.lr=0.02",
         f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false",
-        "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[console]",
+        "trainer.test_freq=-1", "trainer.save_freq=-1",
         "trainer.checkpoint_contents=[model]", f"trainer.default_local_dir={cwd / 'ckpt'}",
         "async_training.require_batches=1", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.enforce_eager=true",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=1", *extra,
-        cwd=cwd, timeout_s=900,
-    )
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    ]
+
+
+def _up(demo: Path, cwd: Path, *extra: str) -> list[dict[str, Any]]:
+    """``rlbus up`` on the chat demo with vLLM; the run's events (``rlbus inspect --json``)."""
+    done = run_cli("up", "--config", str(ROOT / "configs" / "chat_demo.yaml"),
+                   *_demo_args(demo, cwd), "trainer.logger=[console]", *extra,
+                   cwd=cwd, timeout_s=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     (run_dir,) = [p.parent for p in (cwd / "outputs").glob("*/config.yaml")]
     assert "generating with the vllm engine" in (run_dir / "logs" / "rollouter0.log").read_text()
@@ -109,3 +119,34 @@ def test_partial_rollout_and_profiling_with_vllm(demo: Path, tmp_path: Path) -> 
     with gzip.open(folder / done[("rollouter", 1)]["path"], "rt") as f:
         trace = f.read()
     assert "cpu_attention" in trace and "step:1" in trace
+
+
+@pytest.mark.chaos
+@pytest.mark.asyncio
+async def test_a_killed_vllm_rollouter_is_replaced_and_nothing_is_lost_or_trained_twice(
+    demo: Path, tmp_path: Path, redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys,
+) -> None:
+    """kill -9 of the rollouter in step 2; a new one (another vLLM engine) joins; the dead
+    one's tickets are reissued once its lease runs out, and every step trains each sample
+    once."""
+    args = ["--config", str(ROOT / "configs" / "chat_demo.yaml"), *_demo_args(demo, tmp_path),
+            f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={tmp_path / 'out'}",
+            "trainer.logger=[console]", "async_training.staleness_threshold=0.5",
+            "heartbeat.timeout_s=6", "heartbeat.interval_s=0.5",
+            f"trainer.total_training_steps={CHAOS_STEPS}"]
+    procs = Procs(tmp_path / "logs")
+    try:
+        procs.spawn("rollouter", "rollouter", *args)
+        procs.spawn("trainer", "trainer", *args)
+        await wait_for(bus, run_keys.events, event(StepStarted, step=2), 600,
+                       procs.watch("trainer"))
+        procs.kill("rollouter", signal.SIGKILL)
+        procs.spawn("rollouter-new", "rollouter", *args)
+        assert procs.wait("trainer", 600) == 0, procs.log("trainer")
+        assert procs.wait("rollouter-new", 120) == 0, procs.log("rollouter-new")
+    finally:
+        procs.kill_all()
+    assert "generating with the vllm engine" in procs.log("rollouter-new")
+    # Staleness 0.5 lets the killed one generate at most 1.5 steps ahead: the new one made
+    # the rest.
+    assert_every_step_once(await events_of(bus, run_keys.events), CHAOS_STEPS)
