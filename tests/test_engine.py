@@ -40,6 +40,20 @@ def test_vllm_with_the_builtin_toy_model_is_refused_naming_the_key() -> None:
     assert info.value.key == "rollout.name" and "model.kind" in str(info.value)
 
 
+def test_an_engine_step_smaller_than_its_sequences_is_refused_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    from tasks.chatdemo import build_model
+
+    model = build_model(tmp_path / "m", arch="gpt2", hidden=64)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["rollout.name=vllm", "model.kind=hf", f"model.path={model}",
+                           "rollout.max_num_batched_tokens=64", "rollout.max_num_seqs=256"])
+    assert info.value.key == "rollout.max_num_batched_tokens"
+    load_config(None, ["rollout.name=vllm", "model.kind=hf", f"model.path={model}",
+                       "rollout.max_num_batched_tokens=64", "rollout.max_num_seqs=64"])
+
+
 def test_the_builtin_engine_generates_as_its_policy_and_holds_the_version_it_loaded() -> None:
     cfg = load_config(None, [])
     engine = build_engine(cfg, DEVICE, _no_warning)
