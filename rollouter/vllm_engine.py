@@ -283,6 +283,10 @@ class VllmEngine:
 
     def _llm_kwargs(self) -> dict[str, Any]:
         o = self.opts
+        # On a CPU, a prompt split across engine steps (chunked prefill) makes vLLM rewind
+        # its request's seeded generator, which a CPU generator cannot do ("CPU Generator
+        # does not use offset", every seeded request failing): there, prompts prefill whole.
+        chunked = o.enable_chunked_prefill and not _is_cpu()
         return dict(
             model=str(self.path),
             dtype=_DTYPES.get(o.dtype, o.dtype),
@@ -291,11 +295,11 @@ class VllmEngine:
             gpu_memory_utilization=o.gpu_memory_utilization,
             max_num_seqs=o.max_num_seqs,
             max_num_batched_tokens=max(o.max_num_batched_tokens,
-                                       0 if o.enable_chunked_prefill else self.max_model_len),
+                                       0 if chunked else self.max_model_len),
             enforce_eager=o.enforce_eager,
             tensor_parallel_size=o.tensor_model_parallel_size,
             enable_prefix_caching=o.enable_prefix_caching,
-            enable_chunked_prefill=o.enable_chunked_prefill,
+            enable_chunked_prefill=chunked,
             # We send and take token ids: no tokenizer (the model directory need not have one).
             skip_tokenizer_init=True,
             logprobs_mode="processed_logprobs",

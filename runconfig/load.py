@@ -504,14 +504,14 @@ def _check_cross_fields(cfg: Config) -> None:
 
 def _check_engine(cfg: Config) -> None:
     """vLLM loads a Hugging Face model directory, not the built-in toy model, and refuses
-    an engine step smaller than its batch of sequences (chunked prefill on)."""
+    an engine step smaller than its batch of sequences."""
     rc = cfg.rollout
     if rc.name != "vllm":
         return
     if cfg.model.kind != "hf":
         raise ConfigError("rollout.name", f"vllm generates with a Hugging Face model "
                           f"(model.kind: hf and model.path), not model.kind {cfg.model.kind}")
-    if rc.enable_chunked_prefill and rc.max_num_batched_tokens < rc.max_num_seqs:
+    if rc.max_num_batched_tokens < rc.max_num_seqs:
         raise ConfigError("rollout.max_num_batched_tokens",
                           f"{rc.max_num_batched_tokens} is below rollout.max_num_seqs="
                           f"{rc.max_num_seqs}: vLLM needs room for one token of every "

@@ -213,6 +213,21 @@ def test_the_engine_core_runs_in_this_process_and_close_frees_it(model_dir: Path
     eng.close()  # idempotent
 
 
+def test_seeded_prompts_wider_than_an_engine_step_generate(model_dir: Path) -> None:
+    """20 seeded prompts of 13 tokens in steps of 64 tokens: split prefills would make a CPU
+    vLLM rewind a CPU generator and fail every request; prompts prefill whole there."""
+    _needs_vllm()
+    eng = VllmEngine.open(model_dir, VllmOptions(max_new_tokens=5, prompt_room=16, threads=1,
+                                            kv_cache_gib=1, max_num_batched_tokens=64,
+                                            max_num_seqs=64))
+    try:
+        out = eng.generate([list(range(3, 16))] * 20, 5, temperature=1.0, eos_id=[],
+                           generator=torch.Generator().manual_seed(1))
+        assert [len(t) for t in out.tokens] == [5] * 20
+    finally:
+        eng.close()
+
+
 def test_options_from_config(model_dir: Path) -> None:
     """The rollout.* keys reach the engine; the window is the prompt's room plus the
     response's, within the model's positions (128 here)."""
