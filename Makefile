@@ -78,7 +78,8 @@ shim: $(RUNTIME)
 	@echo "linked $(SHIM_DIR)/rlbus -> $(CURDIR)/$(VENV)/bin/rlbus"
 	@case ":$$PATH:" in *":$(SHIM_DIR):"*) ;; *) echo "add $(SHIM_DIR) to PATH";; esac
 
-test: $(FULL)
+# vLLM too (`make vllm`), so that the rollout.name=vllm tests run rather than skip.
+test: $(FULL) $(VLLM)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(FULL)
