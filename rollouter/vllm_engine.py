@@ -132,6 +132,7 @@ class VllmOptions:
     enable_chunked_prefill: bool = True
     threads: int | None = None
     kv_cache_gib: int | None = None
+    hf_overrides: dict[str, Any] | None = None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -265,6 +266,7 @@ class VllmEngine:
         vllm = _import_vllm()
         self.opts = opts
         self.eos_ids, max_pos = _model_facts(self.path)
+        max_pos = (opts.hf_overrides or {}).get("max_position_embeddings", max_pos)
         self._shapes = _checkpoint_shapes(self.path)
         self.max_model_len = _max_model_len(opts, max_pos)
         self.version = -1
@@ -305,6 +307,7 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             max_logprobs=0,
             worker_extension_cls=f"{__name__}.RlbusWorker",
+            **({"hf_overrides": o.hf_overrides} if o.hf_overrides else {}),
         )
 
     # ------------------------------------------------------------------ generation
@@ -476,7 +479,18 @@ def options_from_config(cfg: Any) -> tuple[Path, VllmOptions]:
         threads=getattr(rc, "threads", None),
         # On a CPU, vLLM sizes its KV cache from this (GiB), not from gpu_memory_utilization.
         kv_cache_gib=1 if _is_cpu() else None,
+        hf_overrides=_hf_overrides(model.override_config),
     )
+
+
+def _hf_overrides(override: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``model.override_config`` as vLLM's ``hf_overrides``: what HFPolicy sets on the model's
+    config (``policy.hf.apply_override_config``): verl's ``model_config`` spelling stands for
+    the whole override, and ``attn_implementation`` is a loading option, not config."""
+    if isinstance(override.get("model_config"), Mapping):
+        override = override["model_config"]
+    out = {k: v for k, v in override.items() if k != "attn_implementation"}
+    return out or None
 
 
 def _sampled_logprobs(lp: Any, toks: list[int]) -> np.ndarray:

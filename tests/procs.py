@@ -96,6 +96,19 @@ async def events_of(bus: Bus, stream: str) -> list[Message]:
     return [msg async for batch in log.history() for _, msg in batch]
 
 
+def run_rollouter_and_trainer(log_dir: Path, args: list[str], timeout_s: float = 300) -> None:
+    """rollouter0 and the trainer as processes on ``args``, to the run's end: both exit 0,
+    else the test fails with the log of the one that did not."""
+    procs = Procs(log_dir)
+    try:
+        procs.spawn("rollouter0", "rollouter", *args)
+        procs.spawn("trainer", "trainer", *args)
+        assert procs.wait("trainer", timeout_s) == 0, procs.log("trainer")
+        assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    finally:
+        procs.kill_all()
+
+
 def run_cli(*args: str, timeout_s: float = 120, cwd: Path | None = None) -> (
     subprocess.CompletedProcess[str]
 ):

@@ -20,7 +20,7 @@ from bus import Bus, RunKeys
 from bus.messages import CheckpointSaved, RunFinished, StepFinished
 from bus.storage import RunStorage
 from runconfig import ConfigError, load_config
-from tests.procs import FAST, Procs, events_of
+from tests.procs import FAST, events_of, run_rollouter_and_trainer
 from tests.test_mirror import PROTOCOL, _sitecustomize
 from trainer.export import HFExport, hf_dir, step_folder, write_hf_dir
 from trainer.mirror import HF_COMPLETE, CheckpointMirror
@@ -170,14 +170,7 @@ async def test_a_run_exports_each_checkpoint_and_retention_deletes_them(
             "trainer.total_training_steps=4", "trainer.save_freq=1",
             "trainer.max_actor_ckpt_to_keep=1", f"trainer.default_local_dir={local}",
             "trainer.checkpoint_contents=[model,optimizer,extra,hf_model]"]
-    procs = Procs(tmp_path / "logs")
-    try:
-        procs.spawn("rollouter0", "rollouter", *args)
-        procs.spawn("trainer", "trainer", *args)
-        assert procs.wait("trainer", 300) == 0, procs.log("trainer")
-        assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
-    finally:
-        procs.kill_all()
+    run_rollouter_and_trainer(tmp_path / "logs", args)
     events = await events_of(bus, run_keys.events)
     assert any(isinstance(e, RunFinished) for e in events)
     saved = [e for e in events if isinstance(e, CheckpointSaved)]
@@ -321,14 +314,7 @@ async def test_a_run_on_a_remote_storage_mirrors_its_hf_directories(
             "trainer.max_actor_ckpt_to_keep=1", "run.retention=checkpoint",
             f"run.storage={PROTOCOL}://{remote}",
             "trainer.checkpoint_contents=[model,optimizer,extra,hf_model]"]
-    procs = Procs(tmp_path / "logs")
-    try:
-        procs.spawn("rollouter0", "rollouter", *args)
-        procs.spawn("trainer", "trainer", *args)
-        assert procs.wait("trainer", 300) == 0, procs.log("trainer")
-        assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
-    finally:
-        procs.kill_all()
+    run_rollouter_and_trainer(tmp_path / "logs", args)
     events = await events_of(bus, run_keys.events)
     assert not any(getattr(e, "code", "") == "hf_export_failed" for e in events)
     local = out / run_id / "checkpoints"

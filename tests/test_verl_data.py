@@ -424,7 +424,7 @@ async def test_trainer_and_rollouter_run_on_verl_data(
     ticket carries its record, the rollouter generates from its token ids as given, each
     epoch visits every prompt once, and nothing is issued past the data's end."""
     from bus.messages import RunFinished, Sample, StepFinished, TicketsIssued
-    from tests.procs import FAST, Procs, events_of
+    from tests.procs import FAST, events_of, run_rollouter_and_trainer
 
     rows = _rows(8)
     train = write_parquet(rows, tmp_path / "train.parquet")
@@ -433,14 +433,7 @@ async def test_trainer_and_rollouter_run_on_verl_data(
             f"custom_reward_function.path={model_dir / 'reward.py'}", "trainer.total_epochs=2",
             "trainer.total_training_steps=4",
             "async_training.staleness_threshold=1"]
-    procs = Procs(tmp_path / "logs")
-    try:
-        procs.spawn("rollouter0", "rollouter", *args)
-        procs.spawn("trainer", "trainer", *args)
-        assert procs.wait("trainer", 300) == 0, procs.log("trainer")
-        assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
-    finally:
-        procs.kill_all()
+    run_rollouter_and_trainer(tmp_path / "logs", args)
     events = await events_of(bus, run_keys.events)
     assert [e.step for e in events if isinstance(e, StepFinished)] == [1, 2, 3, 4]
     assert any(isinstance(e, RunFinished) for e in events)

@@ -240,6 +240,9 @@ def test_options_from_config(model_dir: Path) -> None:
     assert _max_model_len(opts, 128) == 128
     assert _max_model_len(opts, None) == opts.prompt_room + opts.max_new_tokens
     assert _max_model_len(VllmOptions(max_model_len=64), 128) == 64
+    over = Config(model=ModelConfig(kind="hf", path=str(model_dir), override_config={
+        "model_config": {"max_position_embeddings": 32, "attn_implementation": "sdpa"}}))
+    assert options_from_config(over)[1].hf_overrides == {"max_position_embeddings": 32}
 
 
 def test_config_errors(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
