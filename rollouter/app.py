@@ -174,7 +174,8 @@ class Rollouter(Component):
             self.rewards.close()
         if self.engine is not None:
             # Its own thread: the worker may still be inside a generate call, and a vLLM
-            # engine's core process must not outlive this one.
+            # engine with processes of its own (tensor_model_parallel_size > 1) must not
+            # outlive this one.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.to_thread(self.engine.close), ENGINE_CLOSE_S)
 

@@ -25,11 +25,7 @@ import torch
 from policy import EosIds, Generation, Policy, build_policy, decode_steps
 from runconfig import Config
 
-__all__ = ["ENGINES", "Engine", "PolicyEngine", "build_engine", "vllm_installed"]
-
-ENGINES = ("hf", "vllm")
-"""The values of ``rollout.name``."""
-
+__all__ = ["Engine", "PolicyEngine", "build_engine", "vllm_installed"]
 
 @runtime_checkable
 class Engine(Protocol):

@@ -36,8 +36,7 @@ import torch
 
 from policy import EosIds, Generation, eos_set
 
-__all__ = ["RlbusWorker", "VllmEngine", "VllmOptions", "build", "options_from_config",
-           "vllm_available"]
+__all__ = ["RlbusWorker", "VllmEngine", "VllmOptions", "options_from_config"]
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +46,6 @@ _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat1
 # not say (data.max_prompt_length's default).
 _DEFAULT_PROMPT_ROOM = 512
 _WEIGHTS_FILE = "model.safetensors"
-
-
-def vllm_available() -> bool:
-    """Whether ``import vllm`` works here (the ``vllm`` extra is installed)."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class RlbusWorker:
@@ -519,8 +509,3 @@ def _close_zmq(core: Any) -> None:
 
 def _is_cpu() -> bool:
     return not torch.cuda.is_available()
-
-
-def build(cfg: Any, device: torch.device | None = None) -> VllmEngine:
-    """What ``rollouter.engine.build_engine`` calls for ``rollout.name=vllm``."""
-    return VllmEngine(cfg, device)
