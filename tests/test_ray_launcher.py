@@ -68,16 +68,23 @@ def _ray_cli() -> str:
     return str(Path(sys.executable).parent / "ray")
 
 
-def _node_ports(worker_base: int) -> list[str]:
-    """Ports of one raylet of its own: two Ray nodes share this machine (and other Ray
-    users may run beside them)."""
+def _free_port_outside(reserved: range) -> int:
+    """A free port outside ``reserved`` (the nodes' worker port ranges): Ray refuses a node
+    whose component port falls in a worker range ("is used by other components")."""
     from bus.redisbin import free_port
 
-    return [f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-            f"--metrics-export-port={free_port()}", f"--min-worker-port={worker_base}",
-            f"--max-worker-port={worker_base + 40}"]
+    while (port := free_port()) in reserved:
+        pass
+    return port
+
+
+def _node_ports(worker_base: int, reserved: range) -> list[str]:
+    """Ports of one raylet of its own: two Ray nodes share this machine (and other Ray
+    users may run beside them); none inside ``reserved``, where the worker ports are."""
+    names = ("node-manager", "object-manager", "dashboard-agent-listen",
+             "dashboard-agent-grpc", "runtime-env-agent", "metrics-export")
+    return [*(f"--{name}-port={_free_port_outside(reserved)}" for name in names),
+            f"--min-worker-port={worker_base}", f"--max-worker-port={worker_base + 40}"]
 
 
 def _raylet_port(proc: psutil.Process) -> str | None:
@@ -136,7 +143,6 @@ async def test_two_nodes_placed_as_asked_and_a_lost_node_named_and_survived(
     named in the run's log with the dead node and restarted on the head; the run goes on
     (then it is stopped) with every step once and no sample twice."""
     from bus.messages import StepFinished, WarningRaised
-    from bus.redisbin import free_port
     from tests.procs import assert_every_step_once, events_of
     from tests.test_supervise import Up
 
@@ -146,14 +152,16 @@ async def test_two_nodes_placed_as_asked_and_a_lost_node_named_and_survived(
                         "RAY_TMPDIR": ray_tmp}.items():
         monkeypatch.setenv(name, value)
     env = dict(os.environ)
-    gcs = free_port()
     base = 30000 + (os.getpid() % 200) * 100
-    head, worker = _node_ports(base), _node_ports(base + 50)
+    reserved = range(base, base + 91)  # both nodes' worker ports
+    gcs = _free_port_outside(reserved)
+    head, worker = _node_ports(base, reserved), _node_ports(base + 50, reserved)
     common = ["--disable-usage-stats", "--num-gpus=0", "--node-ip-address=127.0.0.1"]
     try:
         _ray_start(["--head", f"--port={gcs}", f"--temp-dir={ray_tmp}", "--num-cpus=3",
                     '--resources={"trainer": 1}', "--include-dashboard=false",
-                    f"--ray-client-server-port={free_port()}", *common, *head], env)
+                    f"--ray-client-server-port={_free_port_outside(reserved)}", *common, *head],
+                   env)
         _ray_start([f"--address=127.0.0.1:{gcs}", "--num-cpus=1", *common, *worker], env)
         # Before the run: a driver of its own takes seconds to connect.
         worker_id = next(n["NodeID"] for n in _nodes(gcs) if n["port"] == _port_of(worker))
