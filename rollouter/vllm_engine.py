@@ -262,7 +262,6 @@ class VllmEngine:
         self.version = -1
         self._vllm = vllm
         self._dirs: dict[str, Path] = {}  # private weight directories, by the base they are in
-        self.load_s = 0.0  # the last load_state's seconds (write + reload), for metrics
         self.steps = 0  # engine steps run so far (progress; see _run)
         t0 = time.perf_counter()
         with _environ(_engine_env(opts)):
@@ -371,7 +370,6 @@ class VllmEngine:
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """New weights in place (no restart). ``version`` is recorded only once every worker
         reports it holds it, and the prefix cache (KV of the old weights) is dropped."""
-        t0 = time.perf_counter()
         state = self._checked(state)
         path = self._weights_dir(_nbytes(state)) / _WEIGHTS_FILE
         _write_state(state, path)
@@ -389,7 +387,6 @@ class VllmEngine:
         finally:
             path.unlink(missing_ok=True)
         self.version = int(version)
-        self.load_s = time.perf_counter() - t0
 
     def _checked(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """``state`` restricted to the checkpoint's names, or ValueError before the engine is
