@@ -802,7 +802,8 @@ class Driver:
         torch.set_num_threads(1)
         policy = build_policy(msgspec.to_builtins(self.cfg.model), "cpu")
         optimizer = torch.optim.Adam(policy.parameters(), lr=self.cfg.trainer.lr)
-        path = write_checkpoint(self.ckpt_dir, k, self.version, policy, optimizer,
+        path = write_checkpoint(self.ckpt_dir, k, self.version,
+                                lambda: (policy.state_dict(), optimizer.state_dict()),
                                 self.last_snapshot)
         if path != self.ckpt_path(k):
             raise RuntimeError(f"the trainer writes {path}, CheckpointSaved names "

@@ -500,6 +500,25 @@ def _check_cross_fields(cfg: Config) -> None:
     _check_profiler(cfg)
     _check_checkpoint_contents(cfg)
     _check_redis_cluster(cfg)
+    _check_ranks(cfg)
+
+
+def _check_ranks(cfg: Config) -> None:
+    """Trainer ranks (trainer.ranks): every rank needs rows of each mini-batch, a node's
+    place among the nodes, and a meeting port known to every node."""
+    tc = cfg.trainer
+    world = tc.nnodes * tc.n_gpus_per_node
+    if tc.node_rank >= tc.nnodes:
+        raise ConfigError("trainer.node_rank", f"{tc.node_rank} is not below trainer.nnodes="
+                          f"{tc.nnodes}")
+    if tc.nnodes > 1 and tc.master_port is None:
+        raise ConfigError("trainer.master_port", f"needed with trainer.nnodes={tc.nnodes}: "
+                          "every node's ranks meet rank 0 there")
+    rows = tc.ppo_mini_batch_size * cfg.rollout.n
+    if world > 1 and rows < world:
+        raise ConfigError("trainer.n_gpus_per_node", f"{world} trainer ranks, but a "
+                          f"mini-batch has {rows} responses (ppo_mini_batch_size x rollout.n): "
+                          "every rank needs at least one")
 
 
 def _check_engine(cfg: Config) -> None:

@@ -203,6 +203,18 @@ class TrainerConfig(_Section, frozen=True):
     checkpoint_contents: list[CheckpointContent] = msgspec.field(
         default_factory=lambda: ["model", "optimizer", "extra"]
     )
+    # Data-parallel ranks (docs/training.md, "Trainer ranks"): nnodes x n_gpus_per_node
+    # processes in one torch.distributed group (CPU ranks on a machine without GPUs); rank 0
+    # is the trainer that owns the lease and writes to the bus.
+    nnodes: PosInt = 1
+    n_gpus_per_node: PosInt = 1
+    node_rank: NonNegInt = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
+    strategy: Literal["fsdp", "fsdp2", "ddp"] = "fsdp"
+    fsdp_reshard_after_forward: bool = True
+    fsdp_offload_policy: bool = False
+    dist_timeout_s: PosFloat = 600.0
 
 
 class ValKwargs(_Section, frozen=True):

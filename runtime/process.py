@@ -94,16 +94,20 @@ def main(
     *,
     heavy: bool = False,
     precheck: Callable[[Config, str], int | None] | None = None,
+    divert: Callable[[Config], int | None] | None = None,
 ) -> int:
     """Run one component process; returns its exit code.
 
     ``load()`` imports and returns the component class (``cls(cfg, bus)``), only after the
     config is valid and, for a ``heavy`` component, the collector is off. ``precheck(cfg,
     prog)`` may end the process before Redis is contacted (an exit code) or let it go on
-    (None)."""
+    (None). ``divert(cfg)`` may run the process as something else than the component
+    (an exit code: a trainer node without rank 0, trainer.rank), before any check."""
     args = list(sys.argv[1:] if argv is None else argv)
     prog = role
     cfg = load_or_exit(args, prog)
+    if divert is not None and (diverted := divert(cfg)) is not None:
+        return diverted
     if role == "rollouter":  # a rollouter without a rank gets one at join (_serve)
         prog = f"rollouter{'' if cfg.rollout.rank is None else cfg.rollout.rank}"
     code = _required(cfg, prog)
@@ -130,6 +134,7 @@ def main(
 
 def entry_point(role: str, module: str, name: str, *, heavy: bool = False,
                 precheck: Callable[[Config, str], int | None] | None = None,
+                divert: Callable[[Config], int | None] | None = None,
                 ) -> Callable[[Sequence[str] | None], int]:
     """A component package's ``main(argv)``: :func:`main` for the class ``name`` of
     ``module``, imported (with torch) only once the config is valid (and ``precheck``
@@ -140,7 +145,7 @@ def entry_point(role: str, module: str, name: str, *, heavy: bool = False,
         return component
 
     def component_main(argv: Sequence[str] | None = None) -> int:
-        return main(role, load, argv, heavy=heavy, precheck=precheck)
+        return main(role, load, argv, heavy=heavy, precheck=precheck, divert=divert)
 
     component_main.__doc__ = (f"``rlbus {role}`` / ``python -m {module.split('.')[0]}``; "
                               "returns the exit code.")

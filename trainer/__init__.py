@@ -29,5 +29,16 @@ def _precheck(cfg: Config, prog: str) -> int | None:
     return None
 
 
-main = entry_point("trainer", "trainer.app", "Trainer", heavy=True, precheck=_precheck)
+def _other_node(cfg: Config) -> int | None:
+    """``trainer.node_rank`` > 0: this node runs trainer ranks only (trainer.rank), no
+    component: rank 0's node talks to Redis."""
+    if cfg.trainer.node_rank == 0:
+        return None
+    from trainer.rank import run_node
+
+    return run_node(cfg)
+
+
+main = entry_point("trainer", "trainer.app", "Trainer", heavy=True, precheck=_precheck,
+                   divert=_other_node)
 """``rlbus trainer [--config FILE] [KEY=VALUE ...]``; returns the exit code."""

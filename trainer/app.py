@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import subprocess
 import time
 from pathlib import Path
 
@@ -56,6 +57,8 @@ from trainer.learner import Learner
 from trainer.lease import acquire, token
 from trainer.metrics import StepMeter, verl_step_metrics
 from trainer.mirror import checkpoint_mirror, events_mirror
+from trainer.rank import wait_ranks
+from trainer.ranks import RankFailed, rank_zero_group, spawn_ranks
 from trainer.resume import (
     LogRead,
     ResumeFailed,
@@ -76,6 +79,7 @@ __all__ = ["GROUP", "Trainer", "consumer_name"]
 
 GROUP = "trainer"
 MAX_LOG_RESTARTS = 5  # starts over from the log after it was found behind (a lost tail)
+STOP_RANKS_S = 30.0  # the longest the trainer waits for its other ranks to stop
 MAX_REFUSED_WARNINGS = 16  # fact_refused warnings at start; the rest are counted in one
 
 
@@ -114,7 +118,11 @@ class Trainer(Component):
             ac.staleness_threshold, ac.trigger_parameter_sync_step, ac.require_batches,
             tc.ppo_mini_batch_size))
         self.watch = Watch(cfg, bus, self.keys)
-        self.learner = Learner(cfg)
+        # Trainer ranks (trainer.ranks): this process is rank 0; the others run what its
+        # learner tells them.
+        self.ranks = rank_zero_group(tc)
+        self.rank_procs: list[subprocess.Popen[bytes]] = []
+        self.learner = Learner(cfg, self.ranks)
         self.weights = Weights(bus, self.keys, self.writer, blob_root(cfg, self.run_id),
                                self.epoch, transport=cfg.rollout.weights_transport)
         self.validations = Validations(cfg, bus, self.keys, self.writer)
@@ -129,6 +137,7 @@ class Trainer(Component):
         self.upcoming: StepWork | None = None  # the next step, started early (_loop)
         self.update_s = 0.0  # the worker's compute time in the last step
         self.waiting: str | None = None  # what start-up waits for, told by the heartbeat
+        self._pinging: asyncio.Future[None] | None = None  # a keepalive to the ranks
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -138,6 +147,21 @@ class Trainer(Component):
 
     async def on_pulse(self) -> None:
         await self.writer.renew()
+        self._keep_ranks()
+
+    def _keep_ranks(self) -> None:
+        """The other ranks wait for rank 0's next operation at most trainer.dist_timeout_s:
+        when the worker has told them nothing for a quarter of that, tell them it lives."""
+        idle_s = time.monotonic() - self.ranks.sent_at
+        if (self.ranks.active and self.learner.building is None and self._pinging is None
+                and idle_s > self.ranks.timeout_s / 4):
+            self._pinging = self.submit(self.learner.keepalive)
+            self._pinging.add_done_callback(self._pinged)
+
+    def _pinged(self, future: asyncio.Future[None]) -> None:
+        self._pinging = None
+        if not future.cancelled():
+            future.exception()  # a failed ping fails the next operation, which says why
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(role="trainer", rank=0, pid=os.getpid(),
@@ -159,7 +183,12 @@ class Trainer(Component):
             await self.lease.release()
 
     def _build(self) -> None:
-        """The model, and the profiler agent when profiling is on (worker thread)."""
+        """The ranks joined, the model, and the profiler agent when profiling is on (worker
+        thread)."""
+        if self.ranks.active:
+            self.ranks.open()
+            self.ranks.send("config", config_to_dict(self.cfg))
+            self.waiting = None
         self.learner.build()
         agent = create_agent(self.cfg, "trainer", 0, str(self.learner.device),
                              after_step=self.writer.state.last_step)
@@ -167,6 +196,50 @@ class Trainer(Component):
             self.profiler = StepProfiler(agent, self.off)
 
     async def serve(self) -> int:
+        try:
+            self._start_ranks()
+            return await self._serve()
+        except Exception as exc:
+            dead = self._dead_ranks()
+            if dead:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise RankFailed(f"{dead} ({type(exc).__name__}: {first[:300]})") from exc
+            raise
+        finally:
+            await self._stop_ranks()
+
+    def _start_ranks(self) -> None:
+        """This node's other ranks (1 .. n_gpus_per_node - 1), as processes."""
+        spec, tc = self.ranks.spec, self.cfg.trainer
+        if spec is None:
+            return
+        self.rank_procs = spawn_ranks(range(1, tc.n_gpus_per_node), tc.n_gpus_per_node,
+                                      spec.world, spec.addr, spec.port, device=tc.device,
+                                      timeout_s=tc.dist_timeout_s)
+        self.waiting = (f"waiting for {spec.world - 1} trainer rank(s) to join at "
+                        f"{spec.addr}:{spec.port}")
+        self.say(f"{spec.world} trainer ranks ({tc.strategy}); ranks 1.."
+                 f"{tc.n_gpus_per_node - 1} here (pids "
+                 f"{', '.join(str(p.pid) for p in self.rank_procs) or 'none'})")
+
+    def _dead_ranks(self) -> str | None:
+        """The local ranks that exited, in words (None: all alive)."""
+        dead = [f"trainer rank {i} (pid {p.pid}) exited with code {p.returncode}"
+                for i, p in enumerate(self.rank_procs, start=1) if p.poll() is not None]
+        return "; ".join(dead) or None
+
+    async def _stop_ranks(self) -> None:
+        """Tell the other ranks to stop (bounded: a broken group is moot), wait for this
+        node's, kill what is left, leave the group."""
+        if not self.ranks.active:
+            return
+        if not self._dead_ranks():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.off(self.learner.stop_ranks), STOP_RANKS_S)
+        await asyncio.to_thread(wait_ranks, self.rank_procs, STOP_RANKS_S)
+        self.ranks.close()
+
+    async def _serve(self) -> int:
         await self._fetch_from_storage()
         read = await self.writer.read_log(self.ckpt_dir, self.run_dir / "events")
         await self._check_covered(read)
@@ -383,14 +456,15 @@ class Trainer(Component):
         ``hf_model`` in trainer.checkpoint_contents, the HF directory written beside it
         while training goes on (trainer.export)."""
         saved = await self.off(write_checkpoint, self.ckpt_dir, step,
-                               self.learner.version, self.learner.policy,
-                               self.learner.optimizer, self.writer.snapshot())
+                               self.learner.version, self.learner.checkpoint_state,
+                               self.writer.snapshot())
         if self.mirror is not None:  # in the storage before the log names it
             await asyncio.to_thread(self.mirror.upload, saved)
         hf_path = None
         if self.hf_export is not None:
             target, warning = await self.hf_export.start(self.off, self.learner.policy,
-                                                         self.ckpt_dir, step)
+                                                         self.ckpt_dir, step,
+                                                         self.learner.hf_state)
             hf_path = str(target)
             if warning is not None:
                 await self.publish(warning)

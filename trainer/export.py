@@ -160,14 +160,16 @@ class HFExport:
         self._pool: ThreadPoolExecutor | None = None
         self._tokenizer: Any = None
 
-    async def start(self, off: RunOff, policy: torch.nn.Module, folder: Path,
-                    step: int) -> tuple[Path, WarningRaised | None]:
+    async def start(self, off: RunOff, policy: torch.nn.Module, folder: Path, step: int,
+                    capture: Callable[[], dict[str, torch.Tensor]] | None = None,
+                    ) -> tuple[Path, WarningRaised | None]:
         """Export the policy's weights as of now for checkpoint ``step`` of ``folder``:
-        wait for the previous export, copy the weights on the worker (``off``), write them
-        on the exporter's thread. Returns the directory it will be and the warning of a
+        wait for the previous export, copy the weights on the worker (``off``; ``capture``,
+        by default :func:`capture_state`: trainer ranks gather them whole), write them on
+        the exporter's thread. Returns the directory it will be and the warning of a
         previous export that failed (to publish)."""
         warning = await self.wait()
-        state = await off(capture_state, policy)
+        state = await (off(capture) if capture is not None else off(capture_state, policy))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-export")
         target = hf_dir(folder, step)

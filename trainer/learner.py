@@ -4,6 +4,11 @@ the KL loss, and the weights version they hold.
 Every method that touches torch is blocking: the trainer calls them on its worker thread
 (:meth:`runtime.Component.off`), so its event loop stays free for the lease and the pulse, and
 torch.profiler sees every profiled call on the thread it was started on.
+
+With several trainer ranks (trainer.ranks) every rank has a Learner. Rank 0's public methods
+first tell the other ranks the operation (``_tell``: one broadcast on the op channel), then
+run it; the other ranks run :meth:`Learner.follow`, which runs each operation they are told.
+An operation is one ``_op_*`` method, the same code on every rank.
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ import msgspec
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from bus.messages import Sample
+from bus.messages import Sample, decode, encode
 from policy import build_policy, resolve_device
 from runconfig import Config, TrainerConfig
 from runtime import settle_heap
+from trainer.ranks import RankGroup
+from trainer.sharding import gather_state, scatter_state, shard_policy, skeleton
 from trainer.update import GrpoStep, grpo_update
 
-__all__ = ["Learner", "frozen_copy", "lr_factor", "make_optimizer", "warmup_steps"]
+__all__ = ["Learner", "RankedStep", "frozen_copy", "lr_factor", "make_optimizer", "warmup_steps"]
 
 _SCHEDULER_KEY = "lr_scheduler"
 """Where the lr schedule's state rides in the optimizer's state dict (so in checkpoints)."""
@@ -120,12 +127,42 @@ def publish_dtype(cfg: Config) -> torch.dtype | None:
     return torch.bfloat16 if want == "bf16" else torch.float32
 
 
+def _encode_groups(groups: Sequence[Sequence[Sample]]) -> list[list[bytes]]:
+    return [[encode(s) for s in g] for g in groups]
+
+
+def _decode_groups(blobs: list[list[bytes]]) -> list[list[Sample]]:
+    return [[decode(b) for b in g] for g in blobs]  # type: ignore[misc]
+
+
+class RankedStep:
+    """A :class:`~trainer.update.GrpoStep` run by every rank: each call is told to the
+    other ranks before rank 0 runs it (trainer.stepwork calls these on the worker)."""
+
+    def __init__(self, learner: Learner, version: int) -> None:
+        self.learner, self.version = learner, version
+
+    def add(self, groups: Sequence[Sequence[Sample]]) -> None:
+        self.learner._tell("add", (self.version, _encode_groups(groups)))
+        self.learner._op_add((self.version, groups))
+
+    def train(self) -> None:
+        self.learner._tell("train", self.version)
+        self.learner._op_train(self.version)
+
+    def finish(self) -> dict[str, float]:
+        self.learner._tell("finish", self.version)
+        return self.learner._op_finish(self.version)
+
+
 class Learner:
     """The policy being trained, its optimizer and its weights version."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, group: RankGroup | None = None) -> None:
         self.cfg = cfg
-        self.device = resolve_device(cfg.trainer.device)
+        self.group = group or RankGroup(None, resolve_device(cfg.trainer.device),
+                                        cfg.trainer.dist_timeout_s)
+        self.device = self.group.device
         self.version = 0
         """The weights version the policy holds (one more after every sync)."""
         self.vocab_size: int | None = None
@@ -134,6 +171,7 @@ class Learner:
         self.reference: torch.nn.Module | None = None
         """use_kl_loss: the initial weights, frozen (see :meth:`build`)."""
         self.scheduler: LambdaLR | None = None
+        self._step: GrpoStep | None = None  # the step being trained (RankedStep)
 
     def build(self) -> None:
         """The policy, and with ``use_kl_loss`` its frozen reference (blocking).
@@ -149,6 +187,9 @@ class Learner:
         self.policy.train()
         self.reference = frozen_copy(self.policy) if tc.use_kl_loss else None
         self.vocab_size = _vocab_size(self.policy)
+        shard_policy(self.policy, tc, self.group)
+        if self.reference is not None:
+            shard_policy(self.reference, tc, self.group)
 
     def build_optimizer(self) -> None:
         """Start building the optimizer on a thread of its own: the first torch optimizer of a
@@ -168,20 +209,70 @@ class Learner:
             await task
             settle_heap()
 
+    # ------------------------------------------------------------------ ranks
+
+    def _tell(self, op: str, payload: Any = None) -> None:
+        """Rank 0: the other ranks run ``op`` next (nothing with one rank)."""
+        self.group.send(op, payload)
+
+    def keepalive(self) -> None:
+        """Rank 0, when idle: tell the other ranks it is alive (their wait for the next
+        operation is bounded by trainer.dist_timeout_s)."""
+        self._tell("ping")
+
+    def stop_ranks(self) -> None:
+        """Rank 0: the other ranks leave :meth:`follow` and exit."""
+        self._tell("stop")
+
+    def follow(self) -> None:
+        """Ranks > 0: run what rank 0 tells, until it says stop."""
+        while True:
+            op, payload = self.group.receive()
+            if op == "stop":
+                return
+            if op == "ping":
+                continue
+            if op == "add":
+                version, blobs = payload
+                payload = (version, _decode_groups(blobs))
+            elif op == "update":
+                version, blobs = payload
+                payload = (version, _decode_groups(blobs))
+            getattr(self, f"_op_{op}")(payload)
+
+    # ------------------------------------------------------------------ operations
+
     def state_bytes(self) -> bytes:
         """The weights as one ``torch.save`` blob (blocking; the publication before weight
         transports)."""
-        return self.policy.state_bytes()
+        if not self.group.active:
+            return self.policy.state_bytes()
+        from policy.weights import to_bytes
+
+        self._tell("weights")
+        return to_bytes(self._op_weights())
+
+    def _op_weights(self, _: Any = None) -> dict[str, torch.Tensor]:
+        return gather_state(self.policy.weights(), self.group)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """The weights as published (blocking, on the worker): a CPU copy of every tensor in
         :func:`publish_dtype` (floating ones only), contiguous. A copy, because the next
-        step updates the policy in place while the copy is chunked and written."""
+        step updates the policy in place while the copy is chunked and written. With
+        several ranks, gathered whole on rank 0 one tensor at a time (the others get
+        ``{}``)."""
+        self._tell("snapshot")
+        return self._op_snapshot()
+
+    def _op_snapshot(self, _: Any = None) -> dict[str, torch.Tensor]:
         dtype = publish_dtype(self.cfg)
         out: dict[str, torch.Tensor] = {}
         # Tied weights (one tensor under two names) stay one object: published once.
         seen: dict[tuple[Any, ...], torch.Tensor] = {}
-        for name, t in self.policy.weights().items():
+        weights = self.policy.weights()
+        if self.group.active:
+            weights = gather_state(weights, self.group)
+        for name, t in weights.items():
             same = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
                     t.device)
             if t.numel() and same in seen:
@@ -194,14 +285,101 @@ class Learner:
 
     def update(self, groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
         """One whole step's update on ``groups`` (a resume's replay; blocking)."""
-        return grpo_update(self.policy, self.optimizer, groups, self.cfg.trainer,
-                           temperature=self.cfg.rollout.temperature, version=self.version,
-                           device=self.device, reference=self.reference,
-                           scheduler=self.scheduler)
+        if self.group.active:
+            self._tell("update", (self.version, _encode_groups(groups)))
+        return self._op_update((self.version, groups))
 
-    def step(self) -> GrpoStep:
-        """A step trained as its mini-batches arrive (trainer.update.GrpoStep)."""
-        return GrpoStep(self.policy, self.optimizer, self.cfg.trainer,
-                        temperature=self.cfg.rollout.temperature, version=self.version,
-                        device=self.device, reference=self.reference,
-                        scheduler=self.scheduler)
+    def _op_update(self, payload: tuple[int, Sequence[Sequence[Sample]]]) -> dict[str, float]:
+        version, groups = payload
+        return grpo_update(self.policy, self.optimizer, groups, self.cfg.trainer,
+                           temperature=self.cfg.rollout.temperature, version=version,
+                           device=self.device, reference=self.reference,
+                           scheduler=self.scheduler, group=self.group)
+
+    def step(self) -> RankedStep:
+        """A step trained as its mini-batches arrive (trainer.update.GrpoStep, on every
+        rank)."""
+        return RankedStep(self, self.version)
+
+    def _grpo_step(self, version: int) -> GrpoStep:
+        if self._step is None:
+            self._step = GrpoStep(self.policy, self.optimizer, self.cfg.trainer,
+                                  temperature=self.cfg.rollout.temperature, version=version,
+                                  device=self.device, reference=self.reference,
+                                  scheduler=self.scheduler, group=self.group)
+        return self._step
+
+    def _op_add(self, payload: tuple[int, Sequence[Sequence[Sample]]]) -> None:
+        version, groups = payload
+        self._grpo_step(version).add(groups)
+
+    def _op_train(self, version: int) -> None:
+        self._grpo_step(version).train()
+
+    def _op_finish(self, version: int) -> dict[str, float]:
+        step, self._step = self._grpo_step(version), None
+        return step.finish()
+
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model's and the optimizer's state dicts as a one-rank trainer has them (rank
+        0; every tensor whole and on the CPU with several ranks)."""
+        if not self.group.active:
+            return self.policy.state_dict(), self.optimizer.state_dict()
+        self._tell("checkpoint_state")
+        return self._op_checkpoint_state()
+
+    def _op_checkpoint_state(self, _: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        return (gather_state(self.policy.state_dict(), self.group),
+                gather_state(self.optimizer.state_dict(), self.group))
+
+    def load_checkpoint(self, path: str) -> None:
+        """Model and optimizer from the checkpoint file ``path`` (read by rank 0 alone; the
+        other ranks get their shards from it)."""
+        ckpt = torch.load(path, map_location=self.device if not self.group.active else "cpu",
+                          weights_only=True)
+        if not self.group.active:
+            self.policy.load_state_dict(ckpt["model"])
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+            return
+        state = {"model": ckpt["model"], "optimizer": ckpt["optimizer"]}
+        self._tell("load", skeleton(state))
+        self._op_load(skeleton(state), state)
+
+    def _op_load(self, shape: dict[str, Any], full: dict[str, Any] | None = None) -> None:
+        model = scatter_state(None if full is None else full["model"], shape["model"],
+                              self.policy.state_dict(), self.group)
+        with torch.no_grad():
+            for name, t in self.policy.state_dict().items():
+                local = model[name].to_local() if hasattr(model[name], "to_local") else model[name]
+                mine = t.to_local() if hasattr(t, "to_local") else t
+                mine.copy_(local)
+        like = _optimizer_like(self.optimizer, shape["optimizer"])
+        optim = scatter_state(None if full is None else full["optimizer"], shape["optimizer"],
+                              like, self.group)
+        self.optimizer.load_state_dict(optim)
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the Hugging Face model's state dict for an HF export (rank 0;
+        gathered whole with several ranks)."""
+        from trainer.export import capture_state
+
+        if not self.group.active:
+            return capture_state(self.policy)
+        self._tell("hf_state")
+        return self._op_hf_state()
+
+    def _op_hf_state(self, _: Any = None) -> dict[str, torch.Tensor]:
+        model = getattr(self.policy, "model", None)
+        if model is None:
+            raise TypeError(f"{type(self.policy).__name__} holds no Hugging Face model")
+        return gather_state(model.state_dict(), self.group)
+
+
+def _optimizer_like(optimizer: torch.optim.Optimizer, shape: dict[str, Any]) -> dict[str, Any]:
+    """For each optimizer state tensor of a checkpoint (``shape``), the parameter it
+    belongs to (its shard layout): params are numbered in param-group order, as in
+    ``Optimizer.state_dict``."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {i: {k: params[int(i)] for k in v} for i, v in shape.get("state", {}).items()
+             if int(i) < len(params)}
+    return {"state": state}

@@ -123,17 +123,20 @@ def missing_checkpoint(run_id: str, state: TrainerState, exists: Callable[[str],
     return None
 
 
-def write_checkpoint(folder: Path, step: int, version: int, policy: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer, snapshot: bytes) -> Path:
+def write_checkpoint(folder: Path, step: int, version: int,
+                     states: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+                     snapshot: bytes) -> Path:
     """Write ``step-K.pt`` (fsynced, atomic) then its ``step-K.state``; blocking (run it on
-    the worker thread)."""
+    the worker thread). ``states()``: the model's and the optimizer's state dicts
+    (trainer.learner.Learner.checkpoint_state, gathered from every rank)."""
+    model, optimizer = states()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step:06d}.pt"
     # Durable before the log says it exists (retention trims); atomic: a crash leaves the
     # old checkpoint or the new one.
     with atomic_file(path) as fh:
-        torch.save({"step": step, "version": version, "model": policy.state_dict(),
-                    "optimizer": optimizer.state_dict()}, fh)
+        torch.save({"step": step, "version": version, "model": model,
+                    "optimizer": optimizer}, fh)
     atomic_write(path.with_suffix(".state"), snapshot)
     return path
 
@@ -261,8 +264,7 @@ async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner
             message=f"checkpoint {missing[0]} named in the log is missing; resuming from "
                     f"{ckpt_path} (step {ckpt_step}) and re-applying the steps after it"))
     if ckpt_path is not None:
-        await off(load_checkpoint, ckpt_path, learner.policy, learner.optimizer,
-                  learner.device)
+        await off(learner.load_checkpoint, ckpt_path)
     replay = state.steps_after_checkpoint(ckpt_step)
     for rec in replay:
         groups = await replay_groups(bus, keys, rec)

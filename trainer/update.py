@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from bus.messages import Sample
 from runconfig import TrainerConfig
@@ -30,6 +31,8 @@ from trainer.grpo import (
     ppo_clip_loss,
     probs_diff,
 )
+from trainer.ranks import RankGroup
+from trainer.sharding import reduce_gradients
 
 __all__ = ["GrpoStep", "LateStaleMiniBatch", "grpo_update", "guarded_step"]
 
@@ -77,6 +80,7 @@ def guarded_step(
     *,
     temperature: float,
     measure: Callable[[], torch.Tensor] | None = None,
+    group: RankGroup | None = None,
 ) -> tuple[float, bool]:
     """``optimizer.step()`` with a KL guard (``trainer.kl_guard``): if the step moved the
     policy by more than ``max_kl`` (approx KL, token mean over ``batch``, against ``logp``,
@@ -88,7 +92,9 @@ def guarded_step(
     momentum keeps moving the same way on the next mini-batches even when their gradient
     is ~0. Returns (the step's KL, whether it was shrunk); max_kl None: a plain step.
     ``measure``: the policy's log-probs on ``batch`` now, without grad (default: one forward
-    of the whole batch; micro-batched steps pass theirs)."""
+    of the whole batch; micro-batched steps pass theirs). ``group``: the trainer's ranks,
+    each holding its share of the mini-batch; the KL is then the token mean over all of
+    them, so every rank decides alike."""
     if max_kl is None:
         optimizer.step()
         return 0.0, False
@@ -106,13 +112,30 @@ def guarded_step(
                     batch.input_ids, batch.attention_mask, batch.response_len,
                     temperature=temperature,
                 )
-        kl = float(approx_kl(new, logp, batch.response_mask))
+        kl = _global_kl(new, logp, batch.response_mask, group)
         if kl <= max_kl:
             break
         # KL grows about quadratically with the step: aim just inside the bound.
         _shrink(params, before, optimizer, min(0.5, (max_kl / kl) ** 0.5))
         shrunk = True
     return kl, shrunk
+
+
+def _kl_sums(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor
+             ) -> torch.Tensor:
+    """[sum over masked tokens of approx_kl's k3 estimate, their count]."""
+    d = (logp_old - logp_new).detach()
+    m = mask.to(d.dtype)
+    return torch.stack([((torch.exp(-d) - 1 + d) * m).sum(), m.sum()]).cpu()
+
+
+def _global_kl(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor,
+               group: RankGroup | None) -> float:
+    """approx_kl over the masked tokens of every rank (one rank: approx_kl itself)."""
+    if group is None or not group.active:
+        return float(approx_kl(logp_new, logp_old, mask))
+    total, count = group.sum(_kl_sums(logp_new, logp_old, mask)).tolist()
+    return total / max(count, 1.0)
 
 
 class LateStaleMiniBatch(RuntimeError):
@@ -128,19 +151,34 @@ class _MiniBatch(NamedTuple):
     stale: bool
     live: torch.Tensor  # [B] bool: the sample's group has unequal rewards (non-zero advantages)
     micro: list[Rows]  # its micro-batches (gradient accumulation)
+    # The whole mini-batch's (all ranks' rows): every group of equal rewards / none; its
+    # response tokens, and those of groups with unequal rewards (token-mean denominators).
+    dead: bool
+    all_live: bool
+    tokens: float
+    live_tokens: float
+    # Micro-batches every rank runs (the most any rank has): a rank with fewer runs its last
+    # one again, weighted 0, so FSDP's collectives pair up.
+    n_micro: int
     ref: torch.Tensor | None = None  # [B, R] the reference's log-probs (use_kl_loss), once
 
 
 class _Micro(NamedTuple):
-    """One micro-batch: its rows of the mini-batch and their (trimmed) batch."""
+    """One micro-batch: its rows of the mini-batch and their (trimmed) batch; ``pad``: a
+    repeat that only keeps the ranks' collectives paired (weighted 0, results unused)."""
 
     rows: Rows
     batch: Batch
+    pad: bool = False
 
     def cut(self, x: torch.Tensor) -> torch.Tensor:
         """The micro-batch's part of a mini-batch tensor [B] or [B, R]."""
         x = x[self.rows]
         return x[:, : self.batch.response_len] if x.dim() == 2 else x
+
+
+_STATS = ("loss", "clip", "kll", "ent_sum", "ent_n", "kl_sum", "kl_n")
+"""Per-rank sums in a step's stats, added up over the ranks at its end."""
 
 
 class _Acc(NamedTuple):
@@ -185,8 +223,10 @@ class GrpoStep:
         device: torch.device | str,
         reference: torch.nn.Module | None = None,
         scheduler: Any = None,
+        group: RankGroup | None = None,
     ) -> None:
         self.policy, self.optimizer, self.tc = policy, optimizer, tc
+        self.group = group or RankGroup(None, torch.device(device), 0.0)
         self.temperature, self.version, self.device = temperature, version, device
         self.reference = reference if tc.use_kl_loss else None
         if tc.use_kl_loss and reference is None:
@@ -196,7 +236,7 @@ class GrpoStep:
         self.minibatches: list[_MiniBatch] = []
         self.trained = 0  # mini-batches whose first epoch is done
         self.stats: dict[str, list[float]] = {
-            k: [] for k in ("loss", "clip", "ent", "gn", "kl", "ukl", "guard", "zero", "kll")
+            k: [] for k in (*_STATS, "gn", "ukl", "guard", "zero")
         }
         self.moved = False  # an optimizer step of this step has changed the weights
         # |p_rollout - p_trainer| per response token of the mini-batches whose log-probs on
@@ -216,13 +256,25 @@ class GrpoStep:
                 f"{self.trained} optimizer step(s): its proximal log-probs need the weights "
                 "the step started from")
         rewards = torch.tensor([[s.reward for s in group] for group in groups])
-        batch = build_batch(
+        whole = build_batch(
             # Views on the message bytes: build_batch copies them into its tensors.
             [(s.prompt_tokens.numpy(), s.response_tokens.numpy(), s.logprobs.numpy())
              for s in flat],
             pad_id=self.policy.pad_id,  # type: ignore[arg-type]
             device=self.device,
         )
+        adv_g = group_advantages(rewards)
+        live = (adv_g != 0).any(dim=1, keepdim=True).expand_as(adv_g).reshape(-1)
+        adv = adv_g.reshape(-1).to(self.device)
+        live = live.to(self.device)
+        tokens = whole.response_mask.sum()
+        live_tokens = (whole.response_mask * live[:, None].to(whole.response_mask.dtype)).sum()
+        dead, all_live = not bool(live.any()), bool(live.all())
+        batch = whole
+        if self.group.active:  # this rank's share of the rows (the same split on a replay)
+            rows = self.group.rows(len(flat))
+            batch = whole.select(torch.tensor(rows, device=whole.input_ids.device))
+            adv, live = adv[rows], live[rows]
         old: torch.Tensor | None = batch.old_logprobs
         if use_tis and not self.minibatches:
             old = None  # the first mini-batch: its training forward gives them, for free
@@ -237,12 +289,12 @@ class GrpoStep:
                 )
             # No optimizer step yet (checked above): the step's starting weights.
             self._rollout_gap(len(self.minibatches), old, batch)
-        adv_g = group_advantages(rewards)
-        live = (adv_g != 0).any(dim=1, keepdim=True).expand_as(adv_g).reshape(-1)
-        adv = adv_g.reshape(-1).to(self.device)
+        micro = self._split(batch)
         self.groups.extend(groups)
-        self.minibatches.append(_MiniBatch(batch, old, adv, stale, live.to(self.device),
-                                           self._split(batch)))
+        self.minibatches.append(_MiniBatch(
+            batch, old, adv, stale, live, micro, dead=dead, all_live=all_live,
+            tokens=float(tokens), live_tokens=float(live_tokens),
+            n_micro=self.group.max_int(len(micro))))
 
     def _split(self, batch: Batch) -> list[Rows]:
         """The micro-batches of ``batch``: the whole of it unless micro_batch_size or
@@ -256,8 +308,9 @@ class GrpoStep:
         return [slice(None)] if len(parts) == 1 else list(parts)
 
     def _micros(self, mb: _MiniBatch) -> list[_Micro]:
-        return [_Micro(rows, mb.batch if isinstance(rows, slice) else mb.batch.select(rows))
-                for rows in mb.micro]
+        micros = [_Micro(rows, mb.batch if isinstance(rows, slice) else mb.batch.select(rows))
+                  for rows in mb.micro]
+        return micros + [micros[-1]._replace(pad=True)] * (mb.n_micro - len(micros))
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, mb: _MiniBatch
@@ -267,6 +320,7 @@ class GrpoStep:
         parts = [(m, *model.logprobs_and_entropy(  # type: ignore[operator]
             m.batch.input_ids, m.batch.attention_mask, m.batch.response_len,
             temperature=self.temperature)) for m in self._micros(mb)]
+        parts = [p for p in parts if not p[0].pad]
         if len(parts) == 1 and isinstance(parts[0][0].rows, slice):
             return parts[0][1], parts[0][2]
         return _scatter(mb.batch.response_mask, parts)
@@ -283,7 +337,7 @@ class GrpoStep:
     def _optimize(self, i: int) -> None:
         mb, tc = self.minibatches[i], self.tc
         mode = tc.zero_adv
-        dead = not bool(mb.live.any())  # every group of equal rewards: advantages all 0
+        dead = mb.dead  # every group of equal rewards (on every rank): advantages all 0
         self.stats["zero"].append(float(dead))
         if dead and mode in ("skip", "drop"):
             # No policy-gradient signal: no optimizer step at all (Adam's moments and step
@@ -297,33 +351,39 @@ class GrpoStep:
             self._record(mb, logp, entropy, _Acc(), grad_norm=0.0, update_kl=0.0,
                          shrunk=False)
             return
-        mask = mb.batch.response_mask
-        if mode == "drop" and not bool(mb.live.all()):
+        mask, total = mb.batch.response_mask, mb.tokens
+        if mode == "drop" and not mb.all_live:
             # DAPO-style: groups of equal rewards leave the token mean (their policy-gradient
             # term is 0; they would only dilute the others' and add entropy pressure).
-            mask = mask * mb.live[:, None].to(mask.dtype)
+            mask, total = mask * mb.live[:, None].to(mask.dtype), mb.live_tokens
         ref = self._reference(i) if self.reference is not None else None
         self.optimizer.zero_grad(set_to_none=True)
         bonus = bool(tc.entropy_coeff) and not (dead and mode == "no_entropy")
-        logp, entropy, acc = self._backward(mb, mask, ref, bonus)
+        logp, entropy, acc = self._backward(mb, mask, total, ref, bonus)
         mb = self._proximal(i, logp)
         if not self.moved:
             self._rollout_gap(i, logp, mb.batch)
         self.moved = True  # the step below changes the weights (the guard never undoes it all)
+        reduce_gradients(self.policy, tc, self.group)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), tc.grad_clip)
-        measure = (None if len(mb.micro) == 1 else
+        if isinstance(grad_norm, DTensor):  # FSDP2: the norm over every rank's shard
+            grad_norm = grad_norm.full_tensor()
+        measure = (None if mb.n_micro == 1 else
                    lambda: self._logprobs(self.policy, self.minibatches[i])[0])
         update_kl, shrunk = guarded_step(self.policy, self.optimizer, mb.batch, logp,
                                          tc.kl_guard, temperature=self.temperature,
-                                         measure=measure)
+                                         measure=measure, group=self.group)
         self._record(mb, logp, entropy, acc, grad_norm=float(grad_norm), update_kl=update_kl,
                      shrunk=shrunk)
 
-    def _backward(self, mb: _MiniBatch, mask: torch.Tensor, ref: torch.Tensor | None,
-                  bonus: bool) -> tuple[torch.Tensor, torch.Tensor, _Acc]:
+    def _backward(self, mb: _MiniBatch, mask: torch.Tensor, total: float,
+                  ref: torch.Tensor | None, bonus: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, _Acc]:
         """Gradients of the mini-batch's loss, accumulated micro-batch by micro-batch; its
-        log-probs and entropies [B, R] (detached) and summed losses."""
-        total = mask.sum().clamp(min=1.0)
+        log-probs and entropies [B, R] (detached) and summed losses. ``total``: the tokens
+        of ``mask`` on every rank (each rank's gradient is its share of the mean; the ranks'
+        gradients are summed)."""
+        total_t = torch.tensor(max(total, 1.0), device=mask.device)
         parts, acc = [], _Acc()
         for m in self._micros(mb):
             logp, entropy = self.policy.logprobs_and_entropy(  # type: ignore[operator]
@@ -333,8 +393,11 @@ class GrpoStep:
             sub = m.cut(mask)
             # Token-mean of the whole mini-batch: each micro-batch's mean weighted by its
             # share of the tokens (exactly 1.0 for a single micro-batch: same numbers).
-            share = sub.sum() / total
+            share = sub.sum() / total_t
             loss, clipfrac, kl_loss = self._loss(mb, m, logp, entropy, sub, ref, bonus)
+            if m.pad:  # only FSDP's collectives: no gradient, no figures
+                (loss * 0.0).backward()
+                continue
             (loss * share).backward()
             w = float(share)
             acc = _Acc(acc.loss + loss.item() * w, acc.clipfrac + clipfrac.item() * w,
@@ -390,15 +453,41 @@ class GrpoStep:
 
     def _record(self, mb: _MiniBatch, logp: torch.Tensor, entropy: torch.Tensor, acc: _Acc,
                 *, grad_norm: float, update_kl: float, shrunk: bool) -> None:
-        """One optimizer step's stats; entropy and KL over the whole mini-batch."""
-        self.stats["ukl"].append(update_kl)
-        self.stats["guard"].append(float(shrunk))
-        self.stats["loss"].append(acc.loss)
-        self.stats["clip"].append(acc.clipfrac)
-        self.stats["kll"].append(acc.kl_loss)
-        self.stats["ent"].append(masked_mean(entropy.detach(), mb.batch.response_mask).item())
-        self.stats["gn"].append(grad_norm)
-        self.stats["kl"].append(float(approx_kl(logp, mb.old, mb.batch.response_mask)))
+        """One optimizer step's stats; entropy and KL over the whole mini-batch (this
+        rank's sums and token counts: :meth:`_reduced` adds up the ranks')."""
+        mask = mb.batch.response_mask
+        assert mb.old is not None
+        m = mask.to(entropy.dtype)
+        kl_sum, kl_count = _kl_sums(logp, mb.old, mask).tolist()
+        st = self.stats
+        st["ukl"].append(update_kl)
+        st["guard"].append(float(shrunk))
+        st["gn"].append(grad_norm)
+        for key, value in (("loss", acc.loss), ("clip", acc.clipfrac), ("kll", acc.kl_loss),
+                           ("ent_sum", float((entropy.detach() * m).sum())),
+                           ("ent_n", float(m.sum())), ("kl_sum", kl_sum), ("kl_n", kl_count)):
+            st[key].append(value)
+
+    def _reduced(self) -> dict[str, list[float]]:
+        """The step's per-rank stats summed over the ranks (one all_reduce), and the
+        per-optimizer-step entropy and KL means from them."""
+        st = dict(self.stats)
+        k = len(st["loss"])
+        if self.group.active and k:
+            flat = torch.tensor([v for key in _STATS for v in st[key]], dtype=torch.float64)
+            summed = self.group.sum(flat).tolist()
+            for j, key in enumerate(_STATS):
+                st[key] = summed[j * k:(j + 1) * k]
+        st["ent"] = [s / max(n, 1.0) for s, n in zip(st["ent_sum"], st["ent_n"], strict=True)]
+        st["kl"] = [s / max(n, 1.0) for s, n in zip(st["kl_sum"], st["kl_n"], strict=True)]
+        return st
+
+    def _gaps(self) -> list[torch.Tensor]:
+        """Every rank's |p_rollout - p_trainer| tokens, in rank order."""
+        mine = [self.gaps[i].cpu() for i in sorted(self.gaps)]
+        if not self.group.active:
+            return mine
+        return [t for rank in self.group.gather(mine) for t in rank]
 
     def train(self) -> None:
         """First epoch of every mini-batch added and not yet trained."""
@@ -420,7 +509,7 @@ class GrpoStep:
         rewards = [s.reward for s in flat_all]
         staleness = [self.version - s.min_version for s in flat_all]
         lengths = [len(s.response_tokens) for s in flat_all]
-        st, tc = self.stats, self.tc
+        st, tc = self._reduced(), self.tc
         return {
             "reward/mean": _mean(rewards),
             "reward/max": float(max(rewards)) if rewards else 0.0,
@@ -439,7 +528,7 @@ class GrpoStep:
                if self.reference is not None else {}),
             "actor/lr": lr,
             "response/length_mean": _mean(lengths),
-            **_probs_diff_metrics([self.gaps[i] for i in sorted(self.gaps)]),
+            **_probs_diff_metrics(self._gaps()),
             **extra_metrics(s.reward_extra for s in flat_all),
         }
 
@@ -455,12 +544,13 @@ def grpo_update(
     device: torch.device | str,
     reference: torch.nn.Module | None = None,
     scheduler: Any = None,
+    group: RankGroup | None = None,
 ) -> dict[str, float]:
     """Train on ``groups`` (each the ``n`` responses of one prompt, in index order) as one
     :class:`GrpoStep`, every mini-batch added before the first optimizer step. Returns the
     step's metrics."""
     step = GrpoStep(policy, optimizer, tc, temperature=temperature, version=version,
-                    device=device, reference=reference, scheduler=scheduler)
+                    device=device, reference=reference, scheduler=scheduler, group=group)
     mb = tc.ppo_mini_batch_size
     for start in range(0, len(groups), mb):
         step.add(groups[start : start + mb])

@@ -1,0 +1,231 @@
+"""Trainer ranks: ``trainer.nnodes x trainer.n_gpus_per_node`` processes in one
+``torch.distributed`` group (docs/training.md, "Trainer ranks").
+
+Rank 0 is the trainer component: it holds the run's lease, reads the samples and is the only
+one that writes to the bus. The other ranks know nothing of Redis: rank 0 drives them through
+an *op channel*, one ``broadcast`` from rank 0 per model operation (a mini-batch added, an
+epoch trained, the weights gathered, a checkpoint loaded), sent from its worker thread just
+before it runs the same operation itself. Every rank therefore runs the same operations in
+the same order, so their collectives (FSDP2's all-gathers and reduce-scatters, the metric
+reductions) always pair up, and a replay of the log drives the ranks exactly as the first run
+did.
+
+Gloo on CPUs, NCCL on GPUs (``cuda:<local rank>``). A rank that dies fails the next
+collective of the others (a closed connection, or ``trainer.dist_timeout_s``); rank 0 names it
+and exits, and the run resumes as after a trainer kill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from policy import resolve_device
+from runconfig import TrainerConfig
+from runtime.component import Failure
+
+__all__ = [
+    "RankFailed",
+    "RankGroup",
+    "RankSpec",
+    "free_port",
+    "rank_device",
+    "rank_zero_group",
+    "spawn_ranks",
+    "world_size",
+]
+
+
+class RankFailed(Failure):
+    """A trainer rank died or stopped answering (its collective failed): one line naming
+    it, a ComponentFailed, exit 1; the run resumes from the log as after a trainer kill."""
+
+
+def world_size(tc: TrainerConfig) -> int:
+    """How many trainer ranks the run has."""
+    return tc.nnodes * tc.n_gpus_per_node
+
+
+def rank_device(tc: TrainerConfig, local_rank: int) -> torch.device:
+    """The device of the rank ``local_rank`` of its node: ``cuda:<local rank>`` when the
+    trainer's device is CUDA, else the CPU."""
+    device = resolve_device(tc.device)
+    if device.type == "cuda":
+        return torch.device("cuda", local_rank)
+    return device
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the rendezvous of a one-node group)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where a rank stands in the group and where the group meets."""
+
+    rank: int
+    world: int
+    local_rank: int
+    addr: str
+    port: int
+
+
+class RankGroup:
+    """This process's membership of the trainer's group: the op channel and the reductions.
+
+    A group of one never touches torch.distributed: every method is then the identity, so a
+    one-rank trainer computes exactly what it did before ranks existed."""
+
+    def __init__(self, spec: RankSpec | None, device: torch.device, timeout_s: float) -> None:
+        self.spec = spec
+        self.device = device
+        self.timeout_s = timeout_s
+        self.rank = spec.rank if spec is not None else 0
+        self.world = spec.world if spec is not None else 1
+        self.sent_at = time.monotonic()  # the last op rank 0 sent (keepalive)
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def open(self) -> None:
+        """``init_process_group`` over TCP at the spec's address (blocking until every rank
+        joined, at most ``timeout_s``)."""
+        if not self.active:
+            return
+        assert self.spec is not None
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        try:
+            dist.init_process_group(
+                backend, init_method=f"tcp://{self.spec.addr}:{self.spec.port}",
+                rank=self.rank, world_size=self.world,
+                timeout=timedelta(seconds=self.timeout_s))
+        except (RuntimeError, TimeoutError) as exc:
+            raise RankFailed(f"trainer ranks did not all join at {self.spec.addr}:"
+                             f"{self.spec.port} within {self.timeout_s:g} s "
+                             f"(trainer.dist_timeout_s): {exc}") from exc
+
+    def close(self) -> None:
+        if self.active and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ the op channel
+
+    def send(self, op: str, payload: Any = None) -> None:
+        """Rank 0: tell every rank the next operation (``broadcast_object_list``)."""
+        if not self.active:
+            return
+        self.sent_at = time.monotonic()
+        self._broadcast([op, payload])
+
+    def receive(self) -> tuple[str, Any]:
+        """Ranks > 0: the next operation rank 0 sent (blocks up to ``timeout_s``)."""
+        box: list[Any] = [None, None]
+        self._broadcast(box)
+        return box[0], box[1]
+
+    def _broadcast(self, box: list[Any]) -> None:
+        try:
+            dist.broadcast_object_list(box, src=0, device=self._comm_device())
+        except (RuntimeError, ValueError) as exc:
+            raise RankFailed(f"the trainer ranks' op channel broke: {exc}") from exc
+
+    def _comm_device(self) -> torch.device | None:
+        return self.device if self.device.type == "cuda" else None
+
+    # ------------------------------------------------------------------ reductions
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``all_reduce(SUM)`` of a float tensor across ranks (a new CPU tensor)."""
+        if not self.active:
+            return values.detach().clone().cpu()
+        t = values.detach().to(device=self._reduce_device(), dtype=torch.float64).clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.cpu()
+
+    def max_int(self, value: int) -> int:
+        """The largest ``value`` of all ranks."""
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self._reduce_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (``all_gather_object``)."""
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_(self, t: torch.Tensor) -> None:
+        """Rank 0's ``t`` into every rank's ``t`` (in place)."""
+        if not self.active:
+            return
+        if t.device.type == self.device.type:
+            dist.broadcast(t, src=0)
+            return
+        moved = t.to(self.device)
+        dist.broadcast(moved, src=0)
+        t.copy_(moved)
+
+    def _reduce_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def rows(self, n: int) -> list[int]:
+        """This rank's share of ``n`` rows: every ``world``-th, from its rank (a split that
+        depends only on the mini-batch, so a replay splits it the same way)."""
+        return list(range(self.rank, n, self.world))
+
+
+def _die_with_parent() -> None:
+    """Linux: the rank gets SIGKILL when the process that spawned it dies (no orphan rank
+    waits on a trainer that is gone)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def spawn_ranks(ranks: range, per_node: int, world: int, addr: str, port: int, *,
+                device: str, timeout_s: float) -> list[subprocess.Popen[bytes]]:
+    """Start ``ranks`` of this node as processes (``python -m trainer.rank``), each on local
+    rank ``rank % per_node``; their output goes where this process's goes."""
+    procs = []
+    for rank in ranks:
+        local = rank % per_node
+        cmd = [sys.executable, "-m", "trainer.rank", "--rank", str(rank), "--world",
+               str(world), "--local-rank", str(local), "--addr", addr, "--port", str(port),
+               "--device", device, "--timeout", str(timeout_s)]
+        env = dict(os.environ, RLBUS_TRAINER_RANK=str(rank))
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+    return procs
+
+
+def rank_zero_group(tc: TrainerConfig) -> RankGroup:
+    """Rank 0's membership (a group of one when the run has one rank): the rendezvous at
+    ``trainer.master_addr``, on ``trainer.master_port`` or, on one node, a free port."""
+    device = rank_device(tc, 0)
+    world = world_size(tc)
+    if world == 1:
+        return RankGroup(None, device, tc.dist_timeout_s)
+    port = tc.master_port if tc.master_port is not None else free_port(tc.master_addr)
+    return RankGroup(RankSpec(0, world, 0, tc.master_addr, port), device, tc.dist_timeout_s)
