@@ -1,0 +1,128 @@
+"""Trainer ranks (trainer.nnodes x n_gpus_per_node, gloo on CPU): 2 ranks train what 1 rank
+trains, FSDP2 and ddp; a checkpoint written by 2 ranks resumes with 1 and with 2; a rank
+killed mid-run fails the trainer naming it, and the run resumes with the weights it had.
+
+Equality is to float tolerance, not bitwise: each rank sums its rows' token-weighted loss
+and the ranks' gradients are summed (FSDP2's reduce-scatter, ddp's all_reduce), so the
+gradient is added in a different order than one rank's backward over all rows."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from runconfig import ConfigError, load_config
+from tests.procs import FAST, run_cli
+from tests.test_supervise import Up
+
+HARNESS = str(Path(__file__).with_name("ranks_harness.py"))
+# Adam divides by the gradient's scale: a 1e-7 difference in a tiny gradient moves a weight
+# by up to ~lr; after 3 steps at lr 0.01 the ranks' weights agree to < 1e-3 (7.6e-5 seen).
+WEIGHTS_TOL = 1e-3
+
+
+def _harness(out: Path, *args: str) -> dict[str, Any]:
+    res = subprocess.run([sys.executable, HARNESS, str(out), *args], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert res.returncode == 0, res.stdout + res.stderr[-4000:]
+    loaded: dict[str, Any] = torch.load(out, weights_only=False)
+    return loaded
+
+
+def _max_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _harness(tmp_path_factory.mktemp("r1") / "r1.pt", "trainer.n_gpus_per_node=1")
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_two_ranks_train_what_one_rank_trains(one_rank: dict[str, Any], strategy: str,
+                                              tmp_path: Path) -> None:
+    two = _harness(tmp_path / "r2.pt", "trainer.n_gpus_per_node=2",
+                   f"trainer.strategy={strategy}")
+    assert _max_gap(one_rank["model"], two["model"]) < WEIGHTS_TOL
+    assert _max_gap(one_rank["snapshot"], two["snapshot"]) < WEIGHTS_TOL
+    # The same checkpoint format: index-keyed optimizer state, the lr schedule inside.
+    assert sorted(two["optimizer"]["state"]) == sorted(one_rank["optimizer"]["state"])
+    assert "lr_scheduler" in two["optimizer"]
+    for m1, m2 in zip(one_rank["metrics"], two["metrics"], strict=True):
+        assert sorted(m1) == sorted(m2)
+        for key in m1:  # losses, entropies, KL, probs diff: reduced over the ranks
+            assert m2[key] == pytest.approx(m1[key], rel=1e-3, abs=1e-4), key
+    # The last step had stale samples (decoupled PPO): its metrics differ from the first's.
+    assert two["metrics"][-1]["staleness/max"] == 1.0
+
+
+def test_a_checkpoint_of_two_ranks_resumes_with_one_and_with_two(
+        one_rank: dict[str, Any], tmp_path: Path) -> None:
+    two = tmp_path / "two.pt"
+    _harness(two, "trainer.n_gpus_per_node=2")
+    ckpt = str(two) + ".ckpt"
+    for ranks in (1, 2):
+        resumed = _harness(tmp_path / f"resumed{ranks}.pt", "--resume", ckpt,
+                           f"trainer.n_gpus_per_node={ranks}")
+        assert _max_gap(one_rank["model"], resumed["model"]) < WEIGHTS_TOL
+        assert resumed["metrics"][0]["actor/loss"] == pytest.approx(
+            one_rank["metrics"][-1]["actor/loss"], rel=1e-3, abs=1e-4)
+    # And one rank's checkpoint resumes with two.
+    one = tmp_path / "one.pt"
+    _harness(one, "trainer.n_gpus_per_node=1")
+    resumed = _harness(tmp_path / "resumed_12.pt", "--resume", str(one) + ".ckpt",
+                       "trainer.n_gpus_per_node=2")
+    assert _max_gap(one_rank["model"], resumed["model"]) < WEIGHTS_TOL
+
+
+@pytest.mark.parametrize(("args", "key"), [
+    (["trainer.n_gpus_per_node=64", "trainer.ppo_mini_batch_size=2", "rollout.n=4"],
+     "trainer.n_gpus_per_node"),
+    (["trainer.nnodes=2"], "trainer.master_port"),
+    (["trainer.node_rank=1"], "trainer.node_rank"),
+])
+def test_rank_keys_are_checked_before_anything_starts(args: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, args)
+    assert err.value.key == key
+
+
+def _rank_pids(trainer_pid: int) -> list[int]:
+    kids = psutil.Process(trainer_pid).children()
+    return [k.pid for k in kids if "trainer.rank" in " ".join(k.cmdline())]
+
+
+def test_a_killed_rank_fails_the_trainer_by_name_and_the_run_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = [f"run.output_dir={out}", "run.id=ranks", *FAST, "trainer.logger=[console]",
+            "heartbeat.timeout_s=600", "trainer.n_gpus_per_node=2", "trainer.save_freq=2",
+            "trainer.total_training_steps=12"]
+    first = Up([sys.executable, "-m", "rlbus", "up", *args], tmp_path)
+    try:
+        line = first.wait_line(lambda s: "trainer (pid " in s)
+        trainer_pid = int(line.split("trainer (pid ")[1].split(")")[0])
+        first.wait_line(lambda s: s.startswith("step ") and int(s.split()[1].split("/")[0]) >= 3)
+        ranks = _rank_pids(trainer_pid)
+        assert len(ranks) == 1, ranks  # rank 1, started by the trainer (rank 0)
+        os.kill(ranks[0], signal.SIGKILL)
+        rc, text = first.finish()
+    finally:
+        first.kill()
+    assert rc == 1, text
+    log = (out / "ranks" / "logs" / "trainer.log").read_text()
+    assert f"trainer rank 1 (pid {ranks[0]}) exited with code -9" in log, log[-3000:]
+    res = run_cli("up", *args, timeout_s=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "finished after 12 steps" in res.stdout, res.stdout
+    inspect = run_cli("inspect", "--run", "ranks", f"run.output_dir={out}", timeout_s=120)
+    resumed = [s for s in inspect.stdout.splitlines() if "TrainerResumed" in s]
+    assert resumed and "weights_match=True" in resumed[-1], inspect.stdout
