@@ -65,6 +65,22 @@ def test_two_ranks_train_what_one_rank_trains(one_rank: dict[str, Any], strategy
     assert two["metrics"][-1]["staleness/max"] == 1.0
 
 
+@pytest.mark.parametrize("extra", [
+    ["trainer.micro_batch_size=3"],  # 8 rows: ranks of 4 rows in 2 micro-batches each
+    ["trainer.use_dynamic_bsz=true", "trainer.max_token_len=12"],  # uneven micro counts
+    ["trainer.use_kl_loss=true", "trainer.kl_loss_coef=0.5", "trainer.kl_guard=0.05",
+     "trainer.zero_adv=drop", "trainer.ppo_epochs=2"],
+], ids=["micro", "dynamic_bsz", "kl_guard_epochs"])
+def test_two_ranks_match_one_with_micro_batches_kl_and_epochs(extra: list[str],
+                                                               tmp_path: Path) -> None:
+    one = _harness(tmp_path / "one.pt", "trainer.n_gpus_per_node=1", *extra)
+    two = _harness(tmp_path / "two.pt", "trainer.n_gpus_per_node=2", *extra)
+    assert _max_gap(one["model"], two["model"]) < WEIGHTS_TOL
+    for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
+        for key in m1:
+            assert m2[key] == pytest.approx(m1[key], rel=1e-3, abs=1e-4), key
+
+
 def test_a_checkpoint_of_two_ranks_resumes_with_one_and_with_two(
         one_rank: dict[str, Any], tmp_path: Path) -> None:
     two = tmp_path / "two.pt"
