@@ -56,12 +56,14 @@ def _believed(msg: RunFinished, last: StepFinished | None) -> bool:
 
 
 def step_line(event: StepFinished, total: int) -> str:
-    """``step   12/300  reward 0.412  staleness 0.50 (max 1)  123.4 samples/s  0.31s``."""
+    """``step   12/300  reward 0.412  staleness 0.50 (max 1)  123.4 samples/s  0.31s``, and
+    ``  2 ranks`` when several trainer ranks trained it."""
     m = event.metrics
     return (
         f"step {event.step:>4}/{total}  reward {m.get('reward/mean', float('nan')):.3f}  "
         f"staleness {m.get('staleness/mean', 0.0):.2f} (max {m.get('staleness/max', 0.0):.0f})  "
         f"{m.get('throughput/samples_per_s', 0.0):6.1f} samples/s  {event.duration_s:5.2f}s"
+        + (f"  {ranks} ranks" if (ranks := int(m.get("trainer/ranks", 1))) > 1 else "")
     )
 
 

@@ -53,6 +53,12 @@ def _entry_time(entry_id: str) -> float:
     return int(entry_id.split("-", 1)[0]) / 1000.0
 
 
+def _ranks(metrics: dict[str, float]) -> str:
+    """`` ranks=N`` for a step trained by several trainer ranks (``trainer/ranks``)."""
+    ranks = int(metrics.get("trainer/ranks", 1))
+    return f" ranks={ranks}" if ranks > 1 else ""
+
+
 def summary_line(entry_id: str, msg: Message, t0: float | None = None) -> str:
     """One line: ``HH:MM:SS.mmm  +SECONDS  TYPE  fields`` (time from the entry id)."""
     when = _entry_time(entry_id)
@@ -63,7 +69,8 @@ def summary_line(entry_id: str, msg: Message, t0: float | None = None) -> str:
         m = msg.metrics
         text = (f"step={msg.step} samples={len(msg.sample_ids)} "
                 f"reward={m.get('reward/mean', float('nan')):.3f} "
-                f"staleness={m.get('staleness/mean', 0.0):.2f} {msg.duration_s:.2f}s")
+                f"staleness={m.get('staleness/mean', 0.0):.2f} {msg.duration_s:.2f}s"
+                f"{_ranks(m)}")
     elif isinstance(msg, ValidationFinished):
         text = f"{msg.request_id} rank={msg.rank} {validation_line(msg)}"
     else:

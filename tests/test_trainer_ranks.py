@@ -9,6 +9,7 @@ gradient is added in a different order than one rank's backward over all rows.""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,6 +140,8 @@ def test_a_killed_rank_fails_the_trainer_by_name_and_the_run_resumes(tmp_path: P
     res = run_cli("up", *args, timeout_s=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "finished after 12 steps" in res.stdout, res.stdout
+    assert re.search(r"^step +12/12 .* 2 ranks$", res.stdout, re.M), res.stdout  # progress
     inspect = run_cli("inspect", "--run", "ranks", f"run.output_dir={out}", timeout_s=120)
     resumed = [s for s in inspect.stdout.splitlines() if "TrainerResumed" in s]
     assert resumed and "weights_match=True" in resumed[-1], inspect.stdout
+    assert any("step=12 " in s and s.endswith(" ranks=2") for s in inspect.stdout.splitlines())

@@ -426,6 +426,7 @@ class Trainer(Component):
         trained = [pair for g in groups for pair in g.ordered()]
         duration = time.monotonic() - t0
         metrics.update(self._run_metrics(duration, len(trained)))
+        metrics["trainer/ranks"] = float(self.ranks.world)
         metrics.update(verl_step_metrics([s for _, s in trained], self.cfg.rollout.max_new_tokens,
                                          self.update_s))
         entry_ids = [eid for eid, _ in trained]
