@@ -66,7 +66,7 @@ def child(ranks: int, steps: int, model: str, overrides: list[str]) -> None:
         procs = spawn_ranks(range(1, ranks), ranks, ranks, group.spec.addr, group.spec.port,
                             device=tc.device, timeout_s=tc.dist_timeout_s)
         group.open()
-        group.send("config", config_to_dict(cfg))
+        group.send("config", (config_to_dict(cfg), 0))
     learner = Learner(cfg, group)
     learner.build()
     learner.optimizer, learner.scheduler = make_optimizer(learner.policy.parameters(), tc)

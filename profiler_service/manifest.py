@@ -235,7 +235,8 @@ def build_manifest(run_id: str, state: ServiceState, final: bool = False) -> dic
     entries: dict[tuple[str, str, int], dict[str, Any]] = {}
     for cmd in state.sent_sessions():
         session = state.sessions[cmd.session_id]
-        for role, rank in expected_targets(cmd.roles, state.replicas, cmd.ranks):
+        for role, rank in expected_targets(cmd.roles, state.replicas, cmd.ranks,
+                                           trainers=state.trainers):
             if (cmd.session_id, role, rank) in entries:
                 continue
             entry: dict[str, Any] = {

@@ -143,13 +143,15 @@ def step_runs(steps: Iterable[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _profiled_roles(roles: Iterable[str], replicas: int, ranks: Sequence[int]) -> list[str]:
+def _profiled_roles(roles: Iterable[str], replicas: int, ranks: Sequence[int],
+                    trainers: int = 1) -> list[str]:
     """``roles`` de-duplicated, in order, keeping only roles that have a rank to profile.
     The rollouter always has one: a rank past ``rollout.replicas`` names a rollouter that may
     join the running run; nothing waits for it, but its reports count (:func:`joined_target`)."""
     kept: list[str] = []
     for role in roles:
-        has_rank = role == "rollouter" or expected_ranks(role, replicas, ranks)
+        has_rank = role == "rollouter" or expected_ranks(role, replicas, ranks,
+                                                         trainers=trainers)
         if role in ROLES and role not in kept and has_rank:
             kept.append(role)
     return kept
@@ -161,6 +163,7 @@ def plan_sessions(
     total_steps: int | None = None,
     ts: float = 0.0,
     trigger: int = 1,
+    trainers: int = 1,
 ) -> list[StartProfile]:
     """The sessions scheduled by ``global_profiler.*``, ascending by step.
 
@@ -180,7 +183,7 @@ def plan_sessions(
     """
     if cfg.tool is None:
         return []
-    roles = _profiled_roles(cfg.roles, replicas, cfg.ranks)
+    roles = _profiled_roles(cfg.roles, replicas, cfg.ranks, trainers)
     if not roles:
         return []
     last = None if total_steps is None else last_version(total_steps, trigger)
@@ -216,6 +219,7 @@ def _plan_cached(
     total_steps: int | None,
     ts: float,
     trigger: int,
+    trainers: int,
 ) -> tuple[StartProfile, ...]:
     cfg = ProfilerConfig(
         tool=tool,  # type: ignore[arg-type]
@@ -225,17 +229,18 @@ def _plan_cached(
         ranks=list(ranks),
         contents=list(contents),  # type: ignore[arg-type]
     )
-    return tuple(plan_sessions(cfg, replicas, total_steps, ts, trigger))
+    return tuple(plan_sessions(cfg, replicas, total_steps, ts, trigger, trainers))
 
 
 def _plan(
-    cfg: ProfilerConfig, replicas: int, total_steps: int | None, ts: float, trigger: int = 1
+    cfg: ProfilerConfig, replicas: int, total_steps: int | None, ts: float, trigger: int = 1,
+    trainers: int = 1,
 ) -> tuple[StartProfile, ...]:
     """:func:`plan_sessions`, computed once per distinct input (``decide`` runs after every
     new entry; the plan changes only with the config or the latest RunStarted)."""
     return _plan_cached(
         cfg.tool, tuple(cfg.steps), cfg.profile_continuous_steps, tuple(cfg.roles),
-        tuple(cfg.ranks), tuple(cfg.contents), replicas, total_steps, ts, trigger,
+        tuple(cfg.ranks), tuple(cfg.contents), replicas, total_steps, ts, trigger, trainers,
     )
 
 
@@ -263,7 +268,8 @@ def outstanding_targets(
     for session in sessions:
         if last_step is not None and session.first_step > last_step:
             continue
-        for role, rank in expected_targets(session.roles, state.replicas, session.ranks):
+        for role, rank in expected_targets(session.roles, state.replicas, session.ranks,
+                                           trainers=state.trainers):
             if not state.stopped(session.session_id, role, rank):
                 missing.append((session.session_id, role, rank))
     return missing
@@ -317,7 +323,7 @@ def _answer_request(
     assert cfg.tool is not None  # _unservable_reason refused a service with profiling off
     candidate = StartProfile(
         session_id=session_id_for(steps[0], steps[-1], req.request_id),
-        roles=_profiled_roles(req.roles, state.replicas, cfg.ranks),
+        roles=_profiled_roles(req.roles, state.replicas, cfg.ranks, state.trainers),
         tool=cfg.tool,
         first_step=steps[0],
         last_step=steps[-1],
@@ -344,7 +350,7 @@ def _unservable_reason(cfg: ProfilerConfig, state: ServiceState, req: ProfileReq
         return f"the run has finished (after step {state.run_finished.steps})"
     if not req.roles or any(r not in ROLES for r in req.roles):
         return f"roles must be a non-empty subset of {list(ROLES)}, got {req.roles}"
-    if not _profiled_roles(req.roles, state.replicas, cfg.ranks):
+    if not _profiled_roles(req.roles, state.replicas, cfg.ranks, state.trainers):
         return f"no rank of roles {req.roles} is selected by global_profiler.ranks={cfg.ranks}"
     return None
 
@@ -495,7 +501,8 @@ def _send_plan(
     A session overlapping one already armed (a restart with a changed config) is left out."""
     out: list[Command | Event] = []
     planned_ids: list[str] = []
-    for session in _plan(cfg, state.replicas, state.total_steps, started.ts, state.trigger):
+    for session in _plan(cfg, state.replicas, state.total_steps, started.ts, state.trigger,
+                         state.trainers):
         if state.is_sent(session.session_id):
             planned_ids.append(session.session_id)
         elif state.run_finished is None and not any(

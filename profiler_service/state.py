@@ -128,11 +128,13 @@ def stop_is_ok(stopped: ProfileStopped) -> bool:
     return (stopped.status or "ok") == "ok"
 
 
-def expected_ranks(role: str, replicas: int, ranks: Sequence[int] = ()) -> list[int]:
-    """Ranks of ``role`` that profile a session: trainer 0, rollouter ``0..replicas-1``,
-    kept only if listed in ``ranks`` (empty = every rank)."""
+def expected_ranks(role: str, replicas: int, ranks: Sequence[int] = (), *,
+                   trainers: int = 1) -> list[int]:
+    """Ranks of ``role`` that profile a session: trainer ``0..trainers-1`` (its ranks,
+    trainer.nnodes x n_gpus_per_node), rollouter ``0..replicas-1``, kept only if listed in
+    ``ranks`` (empty = every rank)."""
     if role == "trainer":
-        all_ranks = [0]
+        all_ranks = list(range(max(1, trainers)))
     elif role == "rollouter":
         all_ranks = list(range(max(1, replicas)))
     else:
@@ -141,10 +143,11 @@ def expected_ranks(role: str, replicas: int, ranks: Sequence[int] = ()) -> list[
 
 
 def expected_targets(
-    roles: Sequence[str], replicas: int, ranks: Sequence[int] = ()
+    roles: Sequence[str], replicas: int, ranks: Sequence[int] = (), *, trainers: int = 1
 ) -> list[Target]:
     """Every ``(role, rank)`` that is expected to profile a session on ``roles``."""
-    return [(role, rank) for role in roles for rank in expected_ranks(role, replicas, ranks)]
+    return [(role, rank) for role in roles
+            for rank in expected_ranks(role, replicas, ranks, trainers=trainers)]
 
 
 class Run(msgspec.Struct, frozen=True):
@@ -285,6 +288,13 @@ class ServiceState(msgspec.Struct, frozen=True, kw_only=True):
     def replicas(self) -> int:
         """``rollout.replicas`` of the run's config (1 when it does not say)."""
         return _config_int(self.run_started, "rollout", "replicas") or 1
+
+    @property
+    def trainers(self) -> int:
+        """The run's trainer ranks, ``trainer.nnodes x trainer.n_gpus_per_node`` (1 when its
+        config does not say)."""
+        nodes = _config_int(self.run_started, "trainer", "nnodes") or 1
+        return nodes * (_config_int(self.run_started, "trainer", "n_gpus_per_node") or 1)
 
     @property
     def run_profiling_off(self) -> bool:
@@ -500,7 +510,8 @@ def report_refusal(state: ServiceState, msg: ProfileStarted | ProfileStopped) ->
     if session is None or session.cmd is None:
         return f"{kind} for session {msg.session_id!r}, which the service never started"
     cmd = session.cmd
-    if ((msg.role, msg.rank) not in expected_targets(cmd.roles, state.replicas, cmd.ranks)
+    if ((msg.role, msg.rank) not in expected_targets(cmd.roles, state.replicas, cmd.ranks,
+                                                     trainers=state.trainers)
             and not joined_target(cmd, msg.role, msg.rank)):
         return (f"{kind} for session {msg.session_id!r} from {msg.role}{msg.rank}, which the "
                 f"session does not target")

@@ -112,6 +112,7 @@ def create_agent(
     prof = cfg.global_profiler
     if prof.tool is None:
         return None
+    trainers = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     rid = run_id if run_id is not None else cfg.run.id
     agent = ProfilerAgent(
         role,
@@ -120,7 +121,9 @@ def create_agent(
         device,
         after_step=after_step,
         run_id=rid or "",
-        world_size=trace_world_size(cfg.rollout.replicas, trace_rank(role, rank)),
+        world_size=trace_world_size(cfg.rollout.replicas, trace_rank(role, rank, trainers),
+                                    trainers=trainers),
+        trainers=trainers,
         tools=prof.global_tool_config,
         # Traces are written beside the next step, not before it (profiling.export).
         exporter=BackgroundExporter(),
@@ -191,11 +194,13 @@ class ProfilerAgent:
         world_size: int | None = None,
         tools: GlobalToolConfig | None = None,
         exporter: Exporter | None = None,
+        trainers: int = 1,
     ) -> None:
         self.role = role
         self.rank = int(rank)
         self.run_id = run_id
-        self.trace_rank = trace_rank(role, self.rank)
+        self.trainers = int(trainers)
+        self.trace_rank = trace_rank(role, self.rank, self.trainers)
         self.world_size = max(int(world_size or 0), self.trace_rank + 1)
         self.tools = tools if tools is not None else GlobalToolConfig()
         self.nsys_command: list[str] = []  # shown when nsys is not attached (create_agent)
@@ -221,7 +226,7 @@ class ProfilerAgent:
             self.run_dir, role, self.rank, run_id, self.trace_rank, self.world_size,
             # torch cuts the stacks itself where _record_memory_history takes a depth.
             stack_depth=0 if "stack_depth" in _history_params()
-            else self.tools.torch_memory.stack_depth,
+            else self.tools.torch_memory.stack_depth, trainers=self.trainers,
         )
 
     # ------------------------------------------------------------------ public API

@@ -91,6 +91,8 @@ class TraceWriter:
     """The run's (profiling.paths.trace_world_size); a trace widens it to its session's ranks."""
     stack_depth: int = 0
     """Cut a memory snapshot's stacks to this many frames (0: keep them)."""
+    trainers: int = 1
+    """The run's trainer ranks (profiling.paths.trace_rank)."""
 
     def write(self, done: FinishedSession) -> list[AgentEvent]:
         """Write ``done``'s files; the warnings, then its ProfileStopped. Never raises."""
@@ -151,7 +153,7 @@ class TraceWriter:
             }
             # The session's own ranks may lie beyond the run's replicas (joined rollouters).
             world = max(self.world_size,
-                        trace_world_size(0, self.trace_rank, done.cmd.ranks))
+                        trace_world_size(0, self.trace_rank, done.cmd.ranks, self.trainers))
             size = finish_trace(
                 Path(raw_name), final, self.trace_rank, world, metadata, _GZIP_LEVEL
             )

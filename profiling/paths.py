@@ -80,33 +80,36 @@ def trace_path(run_dir: Path, role: str, rank: int, session_id: str, suffix: str
     return path
 
 
-def trace_rank(role: str, rank: int) -> int:
+def trace_rank(role: str, rank: int, trainers: int = 1) -> int:
     """The rank a trace carries in ``distributedInfo``: distinct per role and replica.
 
-    The trainer is 0 and rollouter replica ``r`` is ``1 + r``, so the traces of one session
-    (a trainer and every rollouter) are ranks ``0..replicas`` of one job for tools such as
-    Holistic Trace Analysis. Another role gets ``rank`` unchanged.
+    Trainer rank ``t`` is ``t`` and rollouter replica ``r`` is ``trainers + r`` (``trainers``:
+    the trainer's ranks, trainer.nnodes x n_gpus_per_node), so the traces of one session (every
+    trainer rank and every rollouter) are ranks ``0..trainers + replicas - 1`` of one job for
+    tools such as Holistic Trace Analysis. Another role gets ``rank`` unchanged.
     """
     if role == "trainer":
-        return 0
+        return int(rank)
     if role == "rollouter":
-        return 1 + int(rank)
+        return int(trainers) + int(rank)
     return int(rank)
 
 
-def trace_world_size(replicas: int, trace_rank: int = 0, ranks: Iterable[int] = ()) -> int:
+def trace_world_size(replicas: int, trace_rank: int = 0, ranks: Iterable[int] = (),
+                     trainers: int = 1) -> int:
     """The ``world_size`` a trace carries in ``distributedInfo``: always above its rank.
 
-    The trainer plus ``replicas`` rollouters (``1 + rollout.replicas``), widened to hold this
-    trace's own rank (``trace_rank + 1``) and every rollouter the session names (``ranks``:
-    its StartProfile's, i.e. ``global_profiler.ranks``; rollouter ``r`` is trace rank
-    ``1 + r``). A rollouter that joined a running run takes a rank at or above ``replicas``
-    (``rollout.rank`` null: the lowest free one), and tools that read several traces as one
-    job (Holistic Trace Analysis) reject or misplace a rank not below its world size. Every
-    process of a session that names the joined ranks computes the same value.
+    The trainer's ``trainers`` ranks plus ``replicas`` rollouters (``trainers +
+    rollout.replicas``), widened to hold this trace's own rank (``trace_rank + 1``) and every
+    rollouter the session names (``ranks``: its StartProfile's, i.e. ``global_profiler.ranks``;
+    rollouter ``r`` is trace rank ``trainers + r``). A rollouter that joined a running run
+    takes a rank at or above ``replicas`` (``rollout.rank`` null: the lowest free one), and
+    tools that read several traces as one job (Holistic Trace Analysis) reject or misplace a
+    rank not below its world size. Every process of a session that names the joined ranks
+    computes the same value.
     """
-    named = max((2 + int(r) for r in ranks), default=0)
-    return max(1 + int(replicas), int(trace_rank) + 1, named)
+    named = max((int(trainers) + 1 + int(r) for r in ranks), default=0)
+    return max(int(trainers) + int(replicas), int(trace_rank) + 1, named)
 
 
 def session_view_path(run_dir: Path, session_id: str, role: str, rank: int) -> Path:

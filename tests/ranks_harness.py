@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
                             group.spec.addr, group.spec.port, device=tc.device,
                             timeout_s=tc.dist_timeout_s)
         group.open()
-        group.send("config", config_to_dict(cfg))
+        group.send("config", (config_to_dict(cfg), 0))
     learner = Learner(cfg, group)
     learner.build()
     learner.optimizer, learner.scheduler = make_optimizer(learner.policy.parameters(), tc)

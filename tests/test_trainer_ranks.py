@@ -8,6 +8,8 @@ gradient is added in a different order than one rank's backward over all rows.""
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import re
 import signal
@@ -145,3 +147,25 @@ def test_a_killed_rank_fails_the_trainer_by_name_and_the_run_resumes(tmp_path: P
     resumed = [s for s in inspect.stdout.splitlines() if "TrainerResumed" in s]
     assert resumed and "weights_match=True" in resumed[-1], inspect.stdout
     assert any("step=12 " in s and s.endswith(" ranks=2") for s in inspect.stdout.splitlines())
+
+
+def test_profiling_step_1_writes_one_trace_per_trainer_rank(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    res = run_cli("up", f"run.output_dir={out}", "run.id=prof", *FAST, "trainer.logger=[console]",
+                  "trainer.n_gpus_per_node=2", "trainer.total_training_steps=3",
+                  "global_profiler.tool=torch", "global_profiler.steps=[1]", timeout_s=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    root = out / "profiles" / "prof"
+    manifest = json.loads((root / "manifest.json").read_text())
+    ok = {(e["role"], e["rank"]) for e in manifest["sessions"] if e["status"] == "ok"}
+    assert ok == {("trainer", 0), ("trainer", 1), ("rollouter", 0)}, manifest
+    session = root / "sessions" / "s1-1"
+    ranks = {}
+    for name in ("trainer0", "trainer1", "rollouter0"):
+        trace = json.loads(gzip.decompress((session / f"{name}.json.gz").read_bytes()))
+        ranks[name] = trace["distributedInfo"]
+        assert any(e.get("name") == "step:1" for e in trace["traceEvents"]), name
+    # One job for HTA: trainer ranks 0 and 1, then the rollouter, all below world_size 3.
+    assert ranks == {"trainer0": {"rank": 0, "world_size": 3},
+                     "trainer1": {"rank": 1, "world_size": 3},
+                     "rollouter0": {"rank": 2, "world_size": 3}}, ranks

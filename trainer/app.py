@@ -58,6 +58,7 @@ from trainer.lease import acquire, token
 from trainer.metrics import StepMeter, verl_step_metrics
 from trainer.mirror import checkpoint_mirror, events_mirror
 from trainer.rank import wait_ranks
+from trainer.rankprofile import RankedAgent
 from trainer.ranks import RankFailed, rank_zero_group, spawn_ranks
 from trainer.resume import (
     LogRead,
@@ -187,11 +188,13 @@ class Trainer(Component):
         thread)."""
         if self.ranks.active:
             self.ranks.open()
-            self.ranks.send("config", config_to_dict(self.cfg))
+            self.ranks.send("config", (config_to_dict(self.cfg), self.writer.state.last_step))
             self.waiting = None
         self.learner.build()
         agent = create_agent(self.cfg, "trainer", 0, str(self.learner.device),
                              after_step=self.writer.state.last_step)
+        if agent is not None and self.ranks.active:  # every rank profiles (trainer.rankprofile)
+            agent = RankedAgent(agent, self.learner)
         if agent is not None:
             self.profiler = StepProfiler(agent, self.off)
 

@@ -172,6 +172,7 @@ class Learner:
         """use_kl_loss: the initial weights, frozen (see :meth:`build`)."""
         self.scheduler: LambdaLR | None = None
         self._step: GrpoStep | None = None  # the step being trained (RankedStep)
+        self.agent: Any = None  # ranks > 0: this rank's profiler agent (trainer.rankprofile)
 
     def build(self) -> None:
         """The policy, and with ``use_kl_loss`` its frozen reference (blocking).
@@ -367,6 +368,11 @@ class Learner:
             return capture_state(self.policy)
         self._tell("hf_state")
         return self._op_hf_state()
+
+    def _op_profile(self, payload: tuple[str, tuple[Any, ...], list[Any]]) -> None:
+        from trainer.rankprofile import follow_profile
+
+        follow_profile(self.agent, self, payload)
 
     def _op_hf_state(self, _: Any = None) -> dict[str, torch.Tensor]:
         model = getattr(self.policy, "model", None)

@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from policy import resolve_device
+    from profiling import create_agent, prepare_main_thread
     from runconfig import Config
     from trainer.learner import Learner, make_optimizer
     from trainer.ranks import RankFailed, RankGroup, RankSpec
@@ -50,14 +51,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     group = RankGroup(spec, device, args.timeout)
     try:
         group.open()
-        op, tree = group.receive()
+        op, payload = group.receive()
         if op != "config":
             raise RankFailed(f"rank 0 sent {op!r} before the run's config")
+        tree, after_step = payload
         cfg = msgspec.convert(tree, type=Config)
         learner = Learner(cfg, group)
+        prepare_main_thread(cfg, str(device))
         learner.build()
         learner.optimizer, learner.scheduler = make_optimizer(learner.policy.parameters(),
                                                               cfg.trainer)
+        # Its own traces, at the steps rank 0 relays (trainer.rankprofile).
+        learner.agent = create_agent(cfg, "trainer", args.rank, str(device),
+                                     after_step=after_step)
         learner.follow()
         return 0
     except RankFailed as exc:
