@@ -614,6 +614,17 @@ def test_the_world_size_is_above_every_rank_a_joined_rollouter_included() -> Non
                     assert tr < trace_world_size(replicas, tr, ranks)
 
 
+def test_trainer_ranks_come_first_then_the_rollouters() -> None:
+    """trainer.n_gpus_per_node=4: trainer ranks 0..3 keep their rank, rollouter r is
+    4 + r, and every process's world holds them all (one HTA job)."""
+    got = [trace_rank("trainer", t, 4) for t in range(4)] + [
+        trace_rank("rollouter", r, 4) for r in range(2)]
+    assert got == [0, 1, 2, 3, 4, 5]
+    assert trace_world_size(2, 0, trainers=4) == 6
+    assert trace_world_size(2, trace_rank("rollouter", 5, 4), trainers=4) == 10
+    assert trace_world_size(2, 3, [5], trainers=4) == 10
+
+
 def test_a_joined_rollouters_trace_has_its_rank_below_the_world_size(tmp_path: Path) -> None:
     """rollout.replicas=2, rollouter rank 5 joined: the trace written by the agent the
     rollouter holds (create_agent) says rank 6 of a world of 7, and with a session naming

@@ -660,3 +660,10 @@ def test_guarded_answers_never_for_a_begun_step_and_replay_is_idempotent(
     restarted, _ = serve_guarded(cfg, inputs[cut:], barriers[cut:], moves[cut:], log=first)
     straight, _ = serve_guarded(cfg, inputs, barriers, moves)
     assert restarted == straight
+
+
+def test_every_trainer_rank_is_expected_and_global_profiler_ranks_picks_among_them() -> None:
+    assert expected_targets(["trainer", "rollouter"], 1, trainers=2) == [
+        ("trainer", 0), ("trainer", 1), ("rollouter", 0)]
+    assert expected_targets(["trainer"], 1, [1], trainers=2) == [("trainer", 1)]
+    assert expected_targets(["trainer"], 1, [1]) == []  # one trainer rank: rank 0 only
