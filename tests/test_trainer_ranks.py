@@ -22,6 +22,7 @@ import psutil
 import pytest
 import torch
 
+from bus.redisbin import free_port
 from runconfig import ConfigError, load_config
 from tests.procs import FAST, run_cli
 from tests.test_supervise import Up
@@ -169,3 +170,25 @@ def test_profiling_step_1_writes_one_trace_per_trainer_rank(tmp_path: Path) -> N
     assert ranks == {"trainer0": {"rank": 0, "world_size": 3},
                      "trainer1": {"rank": 1, "world_size": 3},
                      "rollouter0": {"rank": 2, "world_size": 3}}, ranks
+
+
+def test_a_second_node_joins_with_rlbus_trainer_and_node_rank(tmp_path: Path) -> None:
+    """Two "nodes" on one machine: ``rlbus trainer trainer.node_rank=1`` starts node 1's
+    rank (no Redis, no run id) and waits for rank 0, which `rlbus up` starts."""
+    port = str(free_port())
+    nodes = ["trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.master_addr=127.0.0.1",
+             f"trainer.master_port={port}"]
+    node1 = subprocess.Popen([sys.executable, "-m", "rlbus", "trainer", "trainer.node_rank=1",
+                              *nodes], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        res = run_cli("up", f"run.output_dir={tmp_path / 'out'}", "run.id=nodes", *FAST,
+                      "trainer.logger=[console]", "trainer.total_training_steps=3", *nodes,
+                      timeout_s=600)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert re.search(r"^step +3/3 .* 2 ranks$", res.stdout, re.M), res.stdout
+        out, _ = node1.communicate(timeout=120)
+    finally:
+        node1.kill()
+    assert node1.returncode == 0, out
+    assert f"node 1: ranks 1..1 joining 127.0.0.1:{port}" in out, out
