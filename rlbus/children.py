@@ -236,10 +236,11 @@ def cpu_plan(
 
 
 def pin(cfg: Config, children: Sequence[Child]) -> None:
-    """run.cpu_affinity=auto: the trainer, then each rollouter, on CPUs of their own."""
+    """run.cpu_affinity=auto: the trainer, then each rollouter, on CPUs of their own (the
+    trainer's for all its ranks on this node: they inherit its CPUs)."""
     if cfg.run.cpu_affinity != "auto" or not hasattr(os, "sched_getaffinity"):
         return
-    demands = [("trainer", cfg.trainer.threads)] + [
+    demands = [("trainer", cfg.trainer.threads * cfg.trainer.n_gpus_per_node)] + [
         (f"rollouter{rank}", cfg.rollout.threads) for rank in range(cfg.rollout.replicas)]
     plan = cpu_plan(list(os.sched_getaffinity(0)), demands)
     for child in children:

@@ -340,12 +340,20 @@ class _Up:
         self.children = children
 
     def _on_ray(self, children: list[Child]) -> list[Any]:
-        from rlbus.ray_launcher import init_ray, local_resources, ray_children
+        from rlbus.ray_launcher import (
+            init_ray,
+            local_resources,
+            place_trainer_nodes,
+            ray_children,
+            trainer_nodes,
+        )
 
         self.ray = True
-        run = self.cfg.run
+        run, tc = self.cfg.run, self.cfg.trainer
         try:
-            init_ray(run.ray_address, max(2, len(children)), run.ray_connect_timeout_s,
+            # A local Ray: one CPU per component, and one per trainer rank beyond the first.
+            init_ray(run.ray_address, max(2, len(children)) + tc.n_gpus_per_node - 1,
+                     run.ray_connect_timeout_s,
                      lambda: self.sup.cancelled,
                      local_resources(run.ray, self.cfg.rollout.replicas))
         except SystemExit:  # Ray's own SIGTERM handler, active during ray.init
@@ -354,8 +362,17 @@ class _Up:
             self.sup.install()  # ray.init replaced our SIGTERM handler
         self.sup.check()
         self._check_resources()
-        gpus = 1.0 if self.cfg.trainer.device.startswith("cuda") else 0.0
-        placed = ray_children(children, run.ray, trainer_gpus=gpus)
+        # The trainer's task holds its node's ranks: a CPU, and on CUDA a GPU, each.
+        gpus = float(tc.n_gpus_per_node) if tc.device.startswith("cuda") else 0.0
+        if tc.nnodes > 1:
+            children = trainer_nodes(children, tc)
+        placed = ray_children(children, run.ray, trainer_gpus=gpus,
+                              trainer_cpus=tc.n_gpus_per_node)
+        if tc.nnodes > 1:
+            addr = place_trainer_nodes(placed, tc, tc.n_gpus_per_node, gpus,
+                                       run.ray.placement_timeout_s)
+            self.console.out(f"Ray launcher: {tc.nnodes} trainer nodes, rank 0 at {addr}:"
+                             f"{tc.master_port}")
         self.console.out(f"Ray launcher: {len(placed)} tasks")
         return placed
 

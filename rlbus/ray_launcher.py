@@ -27,7 +27,7 @@ import psutil
 
 from bus.server import pdeathsig_hook
 from runconfig import ConfigError
-from runconfig.schema import RayPlacementConfig
+from runconfig.schema import RayPlacementConfig, TrainerConfig
 
 __all__ = [
     "RayChild",
@@ -35,11 +35,13 @@ __all__ = [
     "init_ray",
     "local_resources",
     "missing_resources",
+    "place_trainer_nodes",
     "probe_address",
     "ray_children",
     "ray_endpoint",
     "ray_options",
     "shutdown_ray",
+    "trainer_nodes",
 ]
 
 _PROBE_EVERY_S = 0.5
@@ -163,7 +165,8 @@ def dead_nodes() -> str:
     return f"; dead Ray node(s): {', '.join(dead)}" if dead else ""
 
 
-def ray_options(name: str, placement: RayPlacementConfig, trainer_gpus: float) -> dict[str, Any]:
+def ray_options(name: str, placement: RayPlacementConfig, trainer_gpus: float,
+                trainer_cpus: int = 1) -> dict[str, Any]:
     """The Ray task options of the component ``name`` (trainer, rollouterN, profiler,
     logger): its CPUs, GPUs, custom resources and scheduling strategy. Pure.
 
@@ -171,11 +174,14 @@ def ray_options(name: str, placement: RayPlacementConfig, trainer_gpus: float) -
     CPU, so a 1-CPU node still runs its trainer or rollouter (a 0.1 CPU logger once took
     the only slot the trainer needed). The trainer asks for ``run.ray.trainer_resources``
     (a node label as a custom resource: it lands there), the rollouters for
-    ``run.ray.rollouter_resources``, spread over the nodes by ``run.ray.rollouter_strategy``."""
+    ``run.ray.rollouter_resources``, spread over the nodes by ``run.ray.rollouter_strategy``.
+    The trainer's task holds its node's ranks (``trainer_cpus`` CPUs, ``trainer_gpus``
+    GPUs); with several nodes each node's task (``trainer-nodeK``) is one bundle of the
+    trainer's placement group (:func:`trainer_nodes`)."""
     if name in ("profiler", "logger"):
         return {"num_cpus": 0, "num_gpus": 0}
-    if name == "trainer":
-        return {"num_cpus": 1, "num_gpus": trainer_gpus,
+    if name == "trainer" or name.startswith("trainer-node"):
+        return {"num_cpus": trainer_cpus, "num_gpus": trainer_gpus,
                 "resources": dict(placement.trainer_resources)}
     return {"num_cpus": 1, "num_gpus": 0, "resources": dict(placement.rollouter_resources),
             "scheduling_strategy": placement.rollouter_strategy}
@@ -201,10 +207,56 @@ def missing_resources(placement: RayPlacementConfig, cluster: dict[str, float]) 
 
 
 def ray_children(children: list[Any], placement: RayPlacementConfig,
-                 trainer_gpus: float) -> list[RayChild]:
+                 trainer_gpus: float, trainer_cpus: int = 1) -> list[RayChild]:
     """Ray versions of the local launcher's children (same argv and log paths)."""
-    return [RayChild(c.name, c.argv, c.log_path, ray_options(c.name, placement, trainer_gpus))
+    return [RayChild(c.name, c.argv, c.log_path,
+                     ray_options(c.name, placement, trainer_gpus, trainer_cpus))
             for c in children]
+
+
+def trainer_nodes(children: list[Any], tc: TrainerConfig) -> list[Any]:
+    """With ``trainer.nnodes`` > 1, a ``trainer-nodeK`` child for each node but rank 0's
+    (``rlbus trainer trainer.node_rank=K``, the trainer's argv otherwise), after the trainer.
+    Pure: the meeting address is set by :func:`place_trainer_nodes`."""
+    trainer = next(c for c in children if c.name == "trainer")
+    nodes = [msgspec.structs.replace(trainer, name=f"trainer-node{k}",
+                                     argv=[*trainer.argv, f"trainer.node_rank={k}"],
+                                     log_path=trainer.log_path.with_name(f"trainer-node{k}.log"))
+             for k in range(1, tc.nnodes)]
+    return [*children, *nodes]
+
+
+def place_trainer_nodes(placed: list[RayChild], tc: TrainerConfig, cpus: int, gpus: float,
+                        timeout_s: float) -> str:
+    """Reserve one bundle per trainer node (a placement group, ``STRICT_SPREAD``: one node
+    each), pin the trainer to bundle 0 and ``trainer-nodeK`` to bundle K, and point every
+    rank at bundle 0's node (``trainer.master_addr``); that address. Waits up to
+    ``timeout_s`` for the cluster to hold the group (RayUnavailable naming it)."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle: dict[str, float] = {"CPU": float(cpus), **({"GPU": gpus} if gpus else {})}
+    pg = placement_group([dict(bundle) for _ in range(tc.nnodes)], strategy="STRICT_SPREAD",
+                         name="rlbus-trainer")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        raise RayUnavailable(
+            f"no {tc.nnodes} Ray nodes with {bundle} each for the trainer's ranks within "
+            f"{timeout_s:g} s (trainer.nnodes, trainer.n_gpus_per_node; "
+            "run.ray.placement_timeout_s)")
+    table = ray.util.placement_group_table(pg)
+    node_of = table["bundles_to_node_id"]
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    addr = str(ips[node_of[0]])
+    for child in placed:
+        if child.name == "trainer" or child.name.startswith("trainer-node"):
+            index = 0 if child.name == "trainer" else int(child.name.removeprefix("trainer-node"))
+            child.options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=index)
+            child.options.pop("resources", None)  # the bundle holds what it needs
+            child.argv = [*child.argv, f"trainer.master_addr={addr}"]
+    return addr
 
 
 def ray_endpoint(address: str) -> tuple[str, int] | None:

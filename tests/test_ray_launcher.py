@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -47,7 +48,8 @@ def test_rlbus_up_on_ray_trains_and_profiles_step_1(tmp_path: Path) -> None:
         res = subprocess.run(
             [sys.executable, "-m", "rlbus", "up", "run.launcher=ray", f"run.output_dir={tmp_path}",
              "run.id=ray-e2e", *FAST, *PATIENT, "trainer.total_training_steps=3",
-             "global_profiler.tool=torch", "global_profiler.steps=[1]"],
+             "global_profiler.tool=torch", "global_profiler.steps=[1]",
+             "trainer.n_gpus_per_node=2"],  # two trainer ranks in the trainer's task
             capture_output=True, text=True, timeout=1400,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "RAY_TMPDIR": ray_tmp},
         )
@@ -55,8 +57,10 @@ def test_rlbus_up_on_ray_trains_and_profiles_step_1(tmp_path: Path) -> None:
         assert "Ray launcher" in res.stdout and "step    3/3" in res.stdout
         assert "Traceback" not in res.stderr, res.stderr
         manifest = json.loads((tmp_path / "profiles" / "ray-e2e" / "manifest.json").read_text())
-        ok = {(s["role"], s["first_step"]) for s in manifest["sessions"] if s["status"] == "ok"}
-        assert {("trainer", 1), ("rollouter", 1)} <= ok
+        ok = {(s["role"], s["rank"], s["first_step"]) for s in manifest["sessions"]
+              if s["status"] == "ok"}
+        assert ok == {("trainer", 0, 1), ("trainer", 1, 1), ("rollouter", 0, 1)}, manifest
+        assert re.search(r"^step +3/3 .* 2 ranks$", res.stdout, re.M), res.stdout
         assert _using(ray_tmp) == []  # the local Ray it started is gone with it
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -277,3 +281,24 @@ def test_a_task_no_node_has_room_for_is_named_then_stops_the_run(
                 child.stop()
         shutdown_ray()
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_trainer_nodes_are_tasks_of_their_own_asking_for_their_ranks() -> None:
+    """trainer.nnodes=3 on Ray: trainer-node1 and trainer-node2 run `rlbus trainer` with
+    their node_rank; each trainer task asks for one CPU per rank (and a GPU each on CUDA)."""
+    from rlbus.children import Child
+    from rlbus.ray_launcher import ray_options, trainer_nodes
+    from runconfig import load_config
+    from runconfig.schema import RayPlacementConfig
+
+    tc = load_config(None, ["trainer.nnodes=3", "trainer.n_gpus_per_node=2",
+                            "trainer.master_port=29500"]).trainer
+    logs = Path("/logs")
+    children = [Child("rollouter0", ["rollouter"], logs / "rollouter0.log"),
+                Child("trainer", ["python", "-m", "rlbus", "trainer"], logs / "trainer.log")]
+    out = trainer_nodes(children, tc)
+    assert [c.name for c in out] == ["rollouter0", "trainer", "trainer-node1", "trainer-node2"]
+    assert out[2].argv == ["python", "-m", "rlbus", "trainer", "trainer.node_rank=1"]
+    assert out[3].log_path == logs / "trainer-node2.log"
+    opts = ray_options("trainer-node1", RayPlacementConfig(), trainer_gpus=2.0, trainer_cpus=2)
+    assert (opts["num_cpus"], opts["num_gpus"]) == (2, 2.0)
