@@ -302,3 +302,49 @@ def test_trainer_nodes_are_tasks_of_their_own_asking_for_their_ranks() -> None:
     assert out[3].log_path == logs / "trainer-node2.log"
     opts = ray_options("trainer-node1", RayPlacementConfig(), trainer_gpus=2.0, trainer_cpus=2)
     assert (opts["num_cpus"], opts["num_gpus"]) == (2, 2.0)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1500)
+def test_trainer_ranks_on_two_ray_nodes_meet_on_the_first(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """trainer.nnodes=2 on a two-node Ray cluster (two raylets on this machine): rank 0's
+    task and trainer-node1's land on different nodes (STRICT_SPREAD), rank 1 meets rank 0
+    at bundle 0's node, and the run trains with 2 ranks."""
+    ray_tmp = tempfile.mkdtemp(prefix="rl2t")
+    for name, value in {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex(),
+                        "RAY_TMPDIR": ray_tmp}.items():
+        monkeypatch.setenv(name, value)
+    env = dict(os.environ)
+    base = 30000 + ((os.getpid() + 97) % 200) * 100
+    reserved = range(base, base + 91)
+    gcs = _free_port_outside(reserved)
+    head, worker = _node_ports(base, reserved), _node_ports(base + 50, reserved)
+    common = ["--disable-usage-stats", "--num-gpus=0", "--node-ip-address=127.0.0.1"]
+    try:
+        _ray_start(["--head", f"--port={gcs}", f"--temp-dir={ray_tmp}", "--num-cpus=3",
+                    "--include-dashboard=false",
+                    f"--ray-client-server-port={_free_port_outside(reserved)}", *common, *head],
+                   env)
+        _ray_start([f"--address=127.0.0.1:{gcs}", "--num-cpus=2", *common, *worker], env)
+        res = subprocess.run(
+            [sys.executable, "-m", "rlbus", "up", "run.launcher=ray",
+             f"run.ray_address=127.0.0.1:{gcs}", "run.output_dir=out", "run.id=two-nodes",
+             *FAST, *PATIENT, "trainer.logger=[console]", "trainer.total_training_steps=3",
+             "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+             f"trainer.master_port={_free_port_outside(reserved)}"],
+            capture_output=True, text=True, timeout=1400, cwd=tmp_path, env=env)
+        assert res.returncode == 0, res.stdout + res.stderr
+        addr = re.search(r"Ray launcher: 2 trainer nodes, rank 0 at (\S+):\d+$", res.stdout, re.M)
+        assert addr, res.stdout  # bundle 0's node, as Ray names it
+        assert re.search(r"^step +3/3 .* 2 ranks$", res.stdout, re.M), res.stdout
+        logs = tmp_path / "out" / "two-nodes" / "logs"
+        node1 = (logs / "trainer-node1.log").read_text()
+        assert f"node 1: ranks 1..1 joining {addr.group(1)}:" in node1, node1
+    finally:
+        for p in psutil.process_iter(["cmdline"]):  # only this test's Ray processes
+            if any(ray_tmp in part or f"127.0.0.1:{gcs}" in part
+                   for part in p.info["cmdline"] or ()):
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
