@@ -803,7 +803,8 @@ class Driver:
         policy = build_policy(msgspec.to_builtins(self.cfg.model), "cpu")
         optimizer = torch.optim.Adam(policy.parameters(), lr=self.cfg.trainer.lr)
         path = write_checkpoint(self.ckpt_dir, k, self.version,
-                                lambda: (policy.state_dict(), optimizer.state_dict()),
+                                lambda _: {"model": policy.state_dict(),
+                                           "optimizer": optimizer.state_dict()},
                                 self.last_snapshot)
         if path != self.ckpt_path(k):
             raise RuntimeError(f"the trainer writes {path}, CheckpointSaved names "

@@ -215,6 +215,7 @@ class TrainerConfig(_Section, frozen=True):
     fsdp_reshard_after_forward: bool = True
     fsdp_offload_policy: bool = False
     dist_timeout_s: PosFloat = 600.0
+    checkpoint_format: Literal["auto", "full", "dcp"] = "auto"
 
 
 class ValKwargs(_Section, frozen=True):

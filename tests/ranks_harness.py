@@ -6,13 +6,14 @@ started as ``python -m trainer.rank`` processes), trains a fixed sequence of ste
 synthetic groups through the same RankedStep calls trainer.stepwork makes (mini-batches
 added one by one, the first epoch streamed), then saves the gathered weights, checkpoint
 state, snapshot and every step's metrics to OUT.pt, and the checkpoint after the step
-before the last to OUT.pt.ckpt. With ``--resume CKPT`` it loads such a checkpoint first
-(the trainer's resume path) and trains the last step only.
+before the last to OUT.pt.ckpt/step-000002.pt. With ``--resume CKPT`` it loads such a
+checkpoint first (the trainer's resume path) and trains the last step only.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from runconfig import config_to_dict, load_config
 from trainer.learner import Learner, make_optimizer
 from trainer.rank import wait_ranks
 from trainer.ranks import rank_zero_group, spawn_ranks
+from trainer.resume import write_checkpoint
 
 STEPS = 3
 
@@ -88,10 +90,9 @@ def main(argv: list[str]) -> int:
             if step != STEPS:  # fresh samples stream; the stale step trains at the end
                 ranked.train()
         metrics.append(ranked.finish())
-        if step == STEPS - 1:  # the trainer's checkpoint format, gathered from every rank
-            model, optim = learner.checkpoint_state()
-            if group.rank == 0:
-                torch.save({"model": model, "optimizer": optim}, out + ".ckpt")
+        if step == STEPS - 1:  # as the trainer writes it (trainer.checkpoint_format)
+            write_checkpoint(Path(out + ".ckpt"), step, learner.version,
+                             learner.checkpoint_payload, b"")
     model, optim = learner.checkpoint_state()
     snapshot = learner.snapshot()
     torch.save({"model": model, "optimizer": optim, "snapshot": snapshot,

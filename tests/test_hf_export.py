@@ -65,7 +65,7 @@ def test_the_exported_directory_loads_with_the_trained_weights(qwen: Path, tmp_p
     policy = _policy(qwen)
     opt = _train_a_little(policy)
     folder = tmp_path / "ckpt"
-    write_checkpoint(folder, 3, 3, lambda: (policy.state_dict(), opt.state_dict()), b"state")
+    write_checkpoint(folder, 3, 3, _whole(policy, opt), b"state")
     export = HFExport(str(qwen))
 
     async def run() -> Path:
@@ -232,7 +232,7 @@ def test_on_a_remote_storage_the_directory_is_uploaded_whole_marker_last(
     folder, remote = tmp_path / "ckpt", tmp_path / "remote"
     storage = _Recorded(f"{PROTOCOL}://{remote}")
     mirror = CheckpointMirror(storage, folder, "r1/checkpoints")
-    write_checkpoint(folder, 3, 3, lambda: (policy.state_dict(), opt.state_dict()), b"state")
+    write_checkpoint(folder, 3, 3, _whole(policy, opt), b"state")
     assert _export(HFExport(str(qwen), mirror), policy, folder, 3) is None
     there = remote / "r1" / "checkpoints" / "global_step_3" / "actor" / "huggingface"
     local = {p.name for p in hf_dir(folder, 3).iterdir()}
@@ -328,3 +328,8 @@ async def test_a_run_on_a_remote_storage_mirrors_its_hf_directories(
     ckpt = torch.load(local / "step-000003.pt", weights_only=True)
     for key, value in _weights(tmp_path / "fetched").items():
         assert torch.equal(ckpt["model"][f"model.{key}"], value), key
+
+
+def _whole(policy: Any, opt: Any) -> Any:
+    """A one-rank checkpoint's payload (trainer.learner.Learner.checkpoint_payload)."""
+    return lambda _path: {"model": policy.state_dict(), "optimizer": opt.state_dict()}

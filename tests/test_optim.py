@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -124,7 +125,7 @@ def test_the_schedule_survives_a_checkpoint(tmp_path: Path) -> None:
     policy = build_policy(MODEL, "cpu")
     opt, sched = make_optimizer(policy.parameters(), tc)
     _train(policy, opt, sched, tc, range(3))
-    path = write_checkpoint(tmp_path, 3, 3, lambda: (policy.state_dict(), opt.state_dict()),
+    path = write_checkpoint(tmp_path, 3, 3, _whole(policy, opt),
                             b"state")
     expected = _train(policy, opt, sched, tc, range(3, 6))
 
@@ -139,3 +140,8 @@ def test_the_schedule_survives_a_checkpoint(tmp_path: Path) -> None:
     # A fresh schedule, not loaded, would have started again from the warm-up.
     fresh_opt, fresh = make_optimizer(build_policy(MODEL, "cpu").parameters(), tc)
     assert fresh.last_epoch == 0 and fresh_opt.param_groups[0]["lr"] == 0.0
+
+
+def _whole(policy: Any, opt: Any) -> Any:
+    """A one-rank checkpoint's payload (trainer.learner.Learner.checkpoint_payload)."""
+    return lambda _path: {"model": policy.state_dict(), "optimizer": opt.state_dict()}

@@ -85,22 +85,36 @@ def test_two_ranks_match_one_with_micro_batches_kl_and_epochs(extra: list[str],
             assert m2[key] == pytest.approx(m1[key], rel=1e-3, abs=1e-4), key
 
 
+@pytest.mark.parametrize("fmt", ["dcp", "full"])
 def test_a_checkpoint_of_two_ranks_resumes_with_one_and_with_two(
-        one_rank: dict[str, Any], tmp_path: Path) -> None:
+        one_rank: dict[str, Any], tmp_path: Path, fmt: str) -> None:
+    """dcp: each rank writes its shard (step-K.dcp beside step-K.pt, which names it); full:
+    rank 0 writes every tensor whole into step-K.pt. Either resumes with 1 rank or with 2."""
     two = tmp_path / "two.pt"
-    _harness(two, "trainer.n_gpus_per_node=2")
-    ckpt = str(two) + ".ckpt"
+    _harness(two, "trainer.n_gpus_per_node=2", f"trainer.checkpoint_format={fmt}")
+    ckpt = Path(f"{two}.ckpt") / "step-000002.pt"
+    index = torch.load(ckpt, weights_only=True)
+    shards = sorted(p.name for p in ckpt.with_suffix(".dcp").glob("*.distcp"))
+    if fmt == "dcp":
+        assert index["format"] == "dcp" and "model" not in index
+        assert shards == ["__0_0.distcp", "__1_0.distcp"], shards  # one per rank
+    else:
+        assert "model" in index and shards == []
     for ranks in (1, 2):
-        resumed = _harness(tmp_path / f"resumed{ranks}.pt", "--resume", ckpt,
+        resumed = _harness(tmp_path / f"resumed{ranks}.pt", "--resume", str(ckpt),
                            f"trainer.n_gpus_per_node={ranks}")
         assert _max_gap(one_rank["model"], resumed["model"]) < WEIGHTS_TOL
         assert resumed["metrics"][0]["actor/loss"] == pytest.approx(
             one_rank["metrics"][-1]["actor/loss"], rel=1e-3, abs=1e-4)
-    # And one rank's checkpoint resumes with two.
+        assert resumed["metrics"][0]["actor/lr"] == one_rank["metrics"][-1]["actor/lr"]
+
+
+def test_a_checkpoint_of_one_rank_resumes_with_two(one_rank: dict[str, Any],
+                                                    tmp_path: Path) -> None:
     one = tmp_path / "one.pt"
     _harness(one, "trainer.n_gpus_per_node=1")
-    resumed = _harness(tmp_path / "resumed_12.pt", "--resume", str(one) + ".ckpt",
-                       "trainer.n_gpus_per_node=2")
+    resumed = _harness(tmp_path / "resumed.pt", "--resume",
+                       str(Path(f"{one}.ckpt") / "step-000002.pt"), "trainer.n_gpus_per_node=2")
     assert _max_gap(one_rank["model"], resumed["model"]) < WEIGHTS_TOL
 
 
@@ -125,7 +139,8 @@ def test_a_killed_rank_fails_the_trainer_by_name_and_the_run_resumes(tmp_path: P
     out = tmp_path / "out"
     args = [f"run.output_dir={out}", "run.id=ranks", *FAST, "trainer.logger=[console]",
             "heartbeat.timeout_s=600", "trainer.n_gpus_per_node=2", "trainer.save_freq=2",
-            "trainer.total_training_steps=12"]
+            "trainer.total_training_steps=12", "run.retention=checkpoint",
+            "trainer.max_actor_ckpt_to_keep=2"]
     first = Up([sys.executable, "-m", "rlbus", "up", *args], tmp_path)
     try:
         line = first.wait_line(lambda s: "trainer (pid " in s)
@@ -148,6 +163,11 @@ def test_a_killed_rank_fails_the_trainer_by_name_and_the_run_resumes(tmp_path: P
     resumed = [s for s in inspect.stdout.splitlines() if "TrainerResumed" in s]
     assert resumed and "weights_match=True" in resumed[-1], inspect.stdout
     assert any("step=12 " in s and s.endswith(" ranks=2") for s in inspect.stdout.splitlines())
+    # Sharded checkpoints (trainer.checkpoint_format auto: dcp with 2 ranks): each step-K.pt
+    # names the folder of shards beside it, and retention kept them in pairs.
+    ckpts = out / "ranks" / "checkpoints"
+    pts = sorted(p.stem for p in ckpts.glob("step-*.pt"))
+    assert pts and pts == sorted(p.stem for p in ckpts.glob("step-*.dcp")), list(ckpts.iterdir())
 
 
 def test_profiling_step_1_writes_one_trace_per_trainer_rank(tmp_path: Path) -> None:

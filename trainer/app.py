@@ -460,7 +460,7 @@ class Trainer(Component):
         ``hf_model`` in trainer.checkpoint_contents, the HF directory written beside it
         while training goes on (trainer.export)."""
         saved = await self.off(write_checkpoint, self.ckpt_dir, step,
-                               self.learner.version, self.learner.checkpoint_state,
+                               self.learner.version, self.learner.checkpoint_payload,
                                self.writer.snapshot())
         if self.mirror is not None:  # in the storage before the log names it
             await asyncio.to_thread(self.mirror.upload, saved)

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
+import shutil
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -321,6 +323,62 @@ class Learner:
         step, self._step = self._grpo_step(version), None
         return step.finish()
 
+    def checkpoint_format(self) -> str:
+        """``trainer.checkpoint_format``, ``auto`` resolved: ``dcp`` with several ranks (the
+        config check refused dcp on a remote run.storage), ``full`` with one."""
+        want = self.cfg.trainer.checkpoint_format
+        if want != "auto":
+            return want
+        from runconfig.paths import local_path, storage_url
+
+        local = local_path(storage_url(self.cfg)) is not None
+        return "dcp" if self.group.active and local else "full"
+
+    def checkpoint_payload(self, pt: Path) -> dict[str, Any]:
+        """What the checkpoint file ``pt`` (``step-K.pt``) holds besides its step and
+        version: the whole model and optimizer (format full), or (dcp) the name of the
+        folder beside it (``step-K.dcp``) every rank has just written its shard into, and
+        the lr schedule. Blocking; every rank takes part."""
+        if self.checkpoint_format() != "dcp":
+            model, optimizer = self.checkpoint_state()
+            return {"model": model, "optimizer": optimizer}
+        shards = pt.with_suffix(".dcp")
+        shutil.rmtree(shards, ignore_errors=True)  # an earlier attempt at this step
+        self._tell("save_dcp", str(shards))
+        self._op_save_dcp(str(shards))
+        check_shards(shards)
+        return {"format": "dcp", "shards": shards.name,
+                "lr_scheduler": self.scheduler.state_dict() if self.scheduler else None}
+
+    def _dcp_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        return {"model": get_model_state_dict(self.policy),
+                "optimizer": get_optimizer_state_dict(self.policy, self.optimizer)}
+
+    def _op_save_dcp(self, folder: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._dcp_state(), checkpoint_id=folder)
+
+    def _op_load_dcp(self, payload: tuple[str, dict[str, Any] | None]) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        folder, schedule = payload
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=folder)
+        set_model_state_dict(self.policy, state["model"])
+        set_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"])
+        if schedule is not None and self.scheduler is not None:
+            self.scheduler.load_state_dict(schedule)
+
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's and the optimizer's state dicts as a one-rank trainer has them (rank
         0; every tensor whole and on the CPU with several ranks)."""
@@ -338,6 +396,11 @@ class Learner:
         other ranks get their shards from it)."""
         ckpt = torch.load(path, map_location=self.device if not self.group.active else "cpu",
                           weights_only=True)
+        if ckpt.get("format") == "dcp":  # every rank reads its shard of the folder beside it
+            payload = (str(Path(path).with_name(ckpt["shards"])), ckpt.get("lr_scheduler"))
+            self._tell("load_dcp", payload)
+            self._op_load_dcp(payload)
+            return
         if not self.group.active:
             self.policy.load_state_dict(ckpt["model"])
             self.optimizer.load_state_dict(ckpt["optimizer"])
@@ -379,6 +442,22 @@ class Learner:
         if model is None:
             raise TypeError(f"{type(self.policy).__name__} holds no Hugging Face model")
         return gather_state(model.state_dict(), self.group)
+
+
+def check_shards(folder: Path) -> None:
+    """Every file a DCP checkpoint's metadata names is in ``folder`` (rank 0, after a save):
+    ranks on other nodes write theirs on their own disk unless the folder is shared."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    storage = meta.storage_data or {}
+    names = {getattr(info, "relative_path", None) for info in storage.values()}
+    missing = sorted(n for n in names if n and not (folder / n).is_file())
+    if missing:
+        raise RuntimeError(
+            f"checkpoint shards {', '.join(missing)} are not in {folder}: the other nodes' "
+            "ranks wrote them on their own disks; trainer.default_local_dir must be a folder "
+            "every trainer node shares (or trainer.checkpoint_format=full)")
 
 
 def _optimizer_like(optimizer: torch.optim.Optimizer, shape: dict[str, Any]) -> dict[str, Any]:

@@ -124,19 +124,18 @@ def missing_checkpoint(run_id: str, state: TrainerState, exists: Callable[[str],
 
 
 def write_checkpoint(folder: Path, step: int, version: int,
-                     states: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
-                     snapshot: bytes) -> Path:
+                     payload: Callable[[Path], dict[str, Any]], snapshot: bytes) -> Path:
     """Write ``step-K.pt`` (fsynced, atomic) then its ``step-K.state``; blocking (run it on
-    the worker thread). ``states()``: the model's and the optimizer's state dicts
-    (trainer.learner.Learner.checkpoint_state, gathered from every rank)."""
-    model, optimizer = states()
+    the worker thread). ``payload(path)``: what the ``.pt`` holds besides step and version
+    (trainer.learner.Learner.checkpoint_payload: the model and optimizer gathered whole, or
+    the shards every rank wrote beside it first, so the ``.pt`` is the commit point)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step:06d}.pt"
+    contents = payload(path)
     # Durable before the log says it exists (retention trims); atomic: a crash leaves the
     # old checkpoint or the new one.
     with atomic_file(path) as fh:
-        torch.save({"step": step, "version": version, "model": model,
-                    "optimizer": optimizer}, fh)
+        torch.save({"step": step, "version": version, **contents}, fh)
     atomic_write(path.with_suffix(".state"), snapshot)
     return path
 

@@ -122,8 +122,9 @@ def _drop(folder: Path, keep: int, last_step: int, needed: set[int]) -> list[int
                 path.unlink()
             except FileNotFoundError:
                 pass
-        # Its Hugging Face directory last: an export still writing it checks for the .pt
-        # after its rename (trainer.export).
+        # Its shards (trainer.checkpoint_format dcp), then its Hugging Face directory: an
+        # export still writing it checks for the .pt after its rename (trainer.export).
+        shutil.rmtree(folder / f"step-{step:06d}.dcp", ignore_errors=True)
         shutil.rmtree(step_folder(folder, step), ignore_errors=True)
     if dropped:
         fsync_path(folder)
