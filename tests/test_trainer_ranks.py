@@ -212,3 +212,45 @@ def test_a_second_node_joins_with_rlbus_trainer_and_node_rank(tmp_path: Path) ->
         node1.kill()
     assert node1.returncode == 0, out
     assert f"node 1: ranks 1..1 joining 127.0.0.1:{port}" in out, out
+
+
+def _lone_follower(timeout_s: float, pings: int, every_s: float) -> int:
+    """Rank 0 played by this test: a follower rank (``python -m trainer.rank``) gets the
+    config, then ``pings`` keepalives ``every_s`` apart, then silence until it gives up
+    (``timeout_s``, trainer.dist_timeout_s) or, after the pings, stop when pings > 0; its
+    exit code."""
+    import time
+
+    from runconfig import config_to_dict
+    from trainer.rank import wait_ranks
+    from trainer.ranks import RankGroup, RankSpec, spawn_ranks
+
+    port = free_port()
+    cfg = load_config(None, ["trainer.n_gpus_per_node=2", "model.d_model=16",
+                             "model.n_layers=1", "model.n_heads=2"])
+    (proc,) = spawn_ranks(range(1, 2), 2, 2, "127.0.0.1", port, device="cpu",
+                          timeout_s=timeout_s)
+    group = RankGroup(RankSpec(0, 2, 0, "127.0.0.1", port), torch.device("cpu"), timeout_s)
+    try:
+        group.open()
+        group.send("config", (config_to_dict(cfg), 0))
+        from trainer.learner import Learner
+
+        Learner(cfg, group).build()  # the follower builds too: ddp/FSDP wrap has no collective
+        for _ in range(pings):
+            time.sleep(every_s)
+            group.send("ping")
+        if pings:
+            group.send("stop")
+        return wait_ranks([proc], timeout_s * 4 + 60)[0]
+    finally:
+        proc.kill()
+        proc.wait()
+        group.close()
+
+
+def test_a_rank_waits_as_long_as_rank_0_says_it_lives_and_gives_up_when_it_stops() -> None:
+    # The timeout also bounds the join, which waits for the rank's imports (seconds on a
+    # loaded machine): 8 s. Then 10 pings 2 s apart: 20 s of idle rank 0, 2.5 timeouts.
+    assert _lone_follower(8.0, pings=10, every_s=2.0) == 0
+    assert _lone_follower(8.0, pings=0, every_s=0.0) == 1  # silence: it gives up
