@@ -158,8 +158,11 @@ MAPPED = {
     "trainer.zero_adv": "keep",
     "rollout.reward_workers": 8,
     "model.enable_gradient_checkpointing": True,
+    # The trainer's ranks: one, as the line says (trainer.nnodes=1, n_gpus_per_node=1).
+    "trainer.nnodes": 1,
+    "trainer.n_gpus_per_node": 1,
 }
-IGNORED = ("trainer.nnodes", "actor_rollout_ref.rollout.mode",
+IGNORED = ("rollout.nnodes", "actor_rollout_ref.rollout.mode",
            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "reward.reward_kwargs.max_resp_len")
 
 

@@ -224,6 +224,10 @@ class Trainer(Component):
         self.say(f"{spec.world} trainer ranks ({tc.strategy}); ranks 1.."
                  f"{tc.n_gpus_per_node - 1} here (pids "
                  f"{', '.join(str(p.pid) for p in self.rank_procs) or 'none'})")
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        if self.ranks.device.type == "cpu" and tc.n_gpus_per_node * tc.threads > cpus:
+            self.say(f"{tc.n_gpus_per_node} CPU ranks of {tc.threads} thread(s) share {cpus} "
+                     "CPU(s): without GPUs trainer.n_gpus_per_node counts CPU processes")
 
     def _dead_ranks(self) -> str | None:
         """The local ranks that exited, in words (None: all alive)."""
