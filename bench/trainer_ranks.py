@@ -52,8 +52,7 @@ def _groups(step: int, n_groups: int, n: int, prompt: int, response: int, vocab:
 def child(ranks: int, steps: int, model: str, overrides: list[str]) -> None:
     from runconfig import config_to_dict, load_config
     from trainer.learner import Learner, make_optimizer
-    from trainer.rank import wait_ranks
-    from trainer.ranks import rank_zero_group, spawn_ranks
+    from trainer.ranks import rank_zero_group, spawn_ranks, wait_ranks
 
     cfg = load_config(None, ["model.kind=hf", f"model.path={model}", "trainer.threads=1",
                              "trainer.ppo_mini_batch_size=8", "rollout.n=8",

@@ -21,8 +21,7 @@ import torch
 from bus.messages import Array, Sample
 from runconfig import config_to_dict, load_config
 from trainer.learner import Learner, make_optimizer
-from trainer.rank import wait_ranks
-from trainer.ranks import rank_zero_group, spawn_ranks
+from trainer.ranks import rank_zero_group, spawn_ranks, wait_ranks
 from trainer.resume import write_checkpoint
 
 STEPS = 3

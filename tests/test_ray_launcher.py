@@ -130,6 +130,17 @@ def _ray_start(args: list[str], env: dict[str, str]) -> None:
     assert res.returncode == 0, f"ray start {' '.join(args)}:\n{res.stdout}\n{res.stderr}"
 
 
+def _remove_cluster(ray_tmp: str, gcs: int) -> None:
+    """Kill this test's Ray processes (its temp dir or its GCS port in their command line,
+    never another Ray user's) and remove its temp dir."""
+    for p in psutil.process_iter(["cmdline"]):
+        if any(ray_tmp in part or f"127.0.0.1:{gcs}" in part
+               for part in p.info["cmdline"] or ()):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 def _port_of(args: list[str]) -> str:
     return next(a.split("=")[1] for a in args if a.startswith("--node-manager-port="))
 
@@ -215,12 +226,7 @@ async def test_two_nodes_placed_as_asked_and_a_lost_node_named_and_survived(
         assert logged[0].message.startswith(f"{lost} lost: "), logged[0].message
         assert worker_id in logged[0].message, logged[0].message  # the dead node, named
     finally:
-        for p in psutil.process_iter(["cmdline"]):  # only this test's Ray processes
-            if any(ray_tmp in part or f"127.0.0.1:{gcs}" in part
-                   for part in p.info["cmdline"] or ()):
-                with contextlib.suppress(psutil.Error):
-                    p.kill()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        _remove_cluster(ray_tmp, gcs)
 
 
 # --------------------------------------------------------------------------- placement wait
@@ -342,9 +348,4 @@ def test_trainer_ranks_on_two_ray_nodes_meet_on_the_first(tmp_path: Path,
         node1 = (logs / "trainer-node1.log").read_text()
         assert f"node 1: ranks 1..1 joining {addr.group(1)}:" in node1, node1
     finally:
-        for p in psutil.process_iter(["cmdline"]):  # only this test's Ray processes
-            if any(ray_tmp in part or f"127.0.0.1:{gcs}" in part
-                   for part in p.info["cmdline"] or ()):
-                with contextlib.suppress(psutil.Error):
-                    p.kill()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        _remove_cluster(ray_tmp, gcs)

@@ -222,8 +222,7 @@ def _lone_follower(timeout_s: float, pings: int, every_s: float) -> int:
     import time
 
     from runconfig import config_to_dict
-    from trainer.rank import wait_ranks
-    from trainer.ranks import RankGroup, RankSpec, spawn_ranks
+    from trainer.ranks import RankGroup, RankSpec, spawn_ranks, wait_ranks
 
     port = free_port()
     cfg = load_config(None, ["trainer.n_gpus_per_node=2", "model.d_model=16",

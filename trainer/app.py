@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import subprocess
 import time
 from pathlib import Path
 
@@ -57,9 +56,8 @@ from trainer.learner import Learner
 from trainer.lease import acquire, token
 from trainer.metrics import StepMeter, verl_step_metrics
 from trainer.mirror import checkpoint_mirror, events_mirror
-from trainer.rank import wait_ranks
 from trainer.rankprofile import RankedAgent
-from trainer.ranks import RankFailed, rank_zero_group, spawn_ranks
+from trainer.ranks import LocalRanks
 from trainer.resume import (
     LogRead,
     ResumeFailed,
@@ -121,8 +119,8 @@ class Trainer(Component):
         self.watch = Watch(cfg, bus, self.keys)
         # Trainer ranks (trainer.ranks): this process is rank 0; the others run what its
         # learner tells them.
-        self.ranks = rank_zero_group(tc)
-        self.rank_procs: list[subprocess.Popen[bytes]] = []
+        self.local_ranks = LocalRanks(tc)
+        self.ranks = self.local_ranks.group
         self.learner = Learner(cfg, self.ranks)
         self.weights = Weights(bus, self.keys, self.writer, blob_root(cfg, self.run_id),
                                self.epoch, transport=cfg.rollout.weights_transport)
@@ -199,52 +197,30 @@ class Trainer(Component):
             self.profiler = StepProfiler(agent, self.off)
 
     async def serve(self) -> int:
+        """The run, with this node's other trainer ranks around it: one that died turns
+        whatever failed into a RankFailed naming it."""
         try:
-            self._start_ranks()
+            for line in self.local_ranks.start():
+                self.say(line)
+            self.waiting = self.local_ranks.joining()
             return await self._serve()
         except Exception as exc:
-            dead = self._dead_ranks()
-            if dead:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                raise RankFailed(f"{dead} ({type(exc).__name__}: {first[:300]})") from exc
+            failure = self.local_ranks.failure(exc)
+            if failure is not None:
+                raise failure from exc
             raise
         finally:
             await self._stop_ranks()
-
-    def _start_ranks(self) -> None:
-        """This node's other ranks (1 .. n_gpus_per_node - 1), as processes."""
-        spec, tc = self.ranks.spec, self.cfg.trainer
-        if spec is None:
-            return
-        self.rank_procs = spawn_ranks(range(1, tc.n_gpus_per_node), tc.n_gpus_per_node,
-                                      spec.world, spec.addr, spec.port, device=tc.device,
-                                      timeout_s=tc.dist_timeout_s)
-        self.waiting = (f"waiting for {spec.world - 1} trainer rank(s) to join at "
-                        f"{spec.addr}:{spec.port}")
-        self.say(f"{spec.world} trainer ranks ({tc.strategy}); ranks 1.."
-                 f"{tc.n_gpus_per_node - 1} here (pids "
-                 f"{', '.join(str(p.pid) for p in self.rank_procs) or 'none'})")
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        if self.ranks.device.type == "cpu" and tc.n_gpus_per_node * tc.threads > cpus:
-            self.say(f"{tc.n_gpus_per_node} CPU ranks of {tc.threads} thread(s) share {cpus} "
-                     "CPU(s): without GPUs trainer.n_gpus_per_node counts CPU processes")
-
-    def _dead_ranks(self) -> str | None:
-        """The local ranks that exited, in words (None: all alive)."""
-        dead = [f"trainer rank {i} (pid {p.pid}) exited with code {p.returncode}"
-                for i, p in enumerate(self.rank_procs, start=1) if p.poll() is not None]
-        return "; ".join(dead) or None
 
     async def _stop_ranks(self) -> None:
         """Tell the other ranks to stop (bounded: a broken group is moot), wait for this
         node's, kill what is left, leave the group."""
         if not self.ranks.active:
             return
-        if not self._dead_ranks():
+        if self.local_ranks.dead() is None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.off(self.learner.stop_ranks), STOP_RANKS_S)
-        await asyncio.to_thread(wait_ranks, self.rank_procs, STOP_RANKS_S)
-        self.ranks.close()
+        await asyncio.to_thread(self.local_ranks.close, STOP_RANKS_S)
 
     async def _serve(self) -> int:
         await self._fetch_from_storage()

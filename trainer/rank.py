@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import signal
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 
-__all__ = ["main", "run_node", "wait_ranks"]
+__all__ = ["main", "run_node"]
 
 
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -73,20 +71,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         group.close()
-
-
-def wait_ranks(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> list[int]:
-    """Wait up to ``timeout_s`` for ``procs`` to exit, then kill what is left; their exit
-    codes."""
-    deadline = time.monotonic() + timeout_s
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(max(0.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append(p.wait())
-    return codes
 
 
 def run_node(cfg: object) -> int:

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -37,6 +38,7 @@ from runconfig import TrainerConfig
 from runtime.component import Failure
 
 __all__ = [
+    "LocalRanks",
     "RankFailed",
     "RankGroup",
     "RankSpec",
@@ -44,6 +46,7 @@ __all__ = [
     "rank_device",
     "rank_zero_group",
     "spawn_ranks",
+    "wait_ranks",
     "world_size",
 ]
 
@@ -229,3 +232,73 @@ def rank_zero_group(tc: TrainerConfig) -> RankGroup:
         return RankGroup(None, device, tc.dist_timeout_s)
     port = tc.master_port if tc.master_port is not None else free_port(tc.master_addr)
     return RankGroup(RankSpec(0, world, 0, tc.master_addr, port), device, tc.dist_timeout_s)
+
+
+def wait_ranks(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> list[int]:
+    """Wait up to ``timeout_s`` for ``procs`` to exit, then kill what is left; their exit
+    codes."""
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    return codes
+
+
+class LocalRanks:
+    """Rank 0's side of the group: its membership and this node's other ranks, as
+    processes started, watched and stopped by the trainer (trainer.app)."""
+
+    def __init__(self, tc: TrainerConfig) -> None:
+        self.tc = tc
+        self.group = rank_zero_group(tc)
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> list[str]:
+        """Start ranks ``1 .. n_gpus_per_node - 1``; the lines to say about them."""
+        spec, tc = self.group.spec, self.tc
+        if spec is None:
+            return []
+        self.procs = spawn_ranks(range(1, tc.n_gpus_per_node), tc.n_gpus_per_node,
+                                 spec.world, spec.addr, spec.port, device=tc.device,
+                                 timeout_s=tc.dist_timeout_s)
+        pids = ", ".join(str(p.pid) for p in self.procs) or "none"
+        lines = [f"{spec.world} trainer ranks ({tc.strategy}); ranks 1.."
+                 f"{tc.n_gpus_per_node - 1} here (pids {pids})"]
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        if self.group.device.type == "cpu" and tc.n_gpus_per_node * tc.threads > cpus:
+            lines.append(f"{tc.n_gpus_per_node} CPU ranks of {tc.threads} thread(s) share "
+                         f"{cpus} CPU(s): without GPUs trainer.n_gpus_per_node counts CPU "
+                         "processes")
+        return lines
+
+    def joining(self) -> str | None:
+        """What rank 0 waits for until the group is whole (None: a group of one)."""
+        spec = self.group.spec
+        if spec is None:
+            return None
+        return f"waiting for {spec.world - 1} trainer rank(s) to join at {spec.addr}:{spec.port}"
+
+    def dead(self) -> str | None:
+        """This node's ranks that exited, in words (None: all alive)."""
+        gone = [f"trainer rank {i} (pid {p.pid}) exited with code {p.returncode}"
+                for i, p in enumerate(self.procs, start=1) if p.poll() is not None]
+        return "; ".join(gone) or None
+
+    def failure(self, exc: BaseException) -> RankFailed | None:
+        """``exc`` as the failure of the ranks that died (None when none did)."""
+        dead = self.dead()
+        if dead is None:
+            return None
+        text = str(exc).strip()
+        first = text.splitlines()[0][:300] if text else ""
+        return RankFailed(f"{dead} ({type(exc).__name__}: {first})")
+
+    def close(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for this node's ranks to exit (killing what is left),
+        then leave the group (blocking)."""
+        wait_ranks(self.procs, timeout_s)
+        self.group.close()
