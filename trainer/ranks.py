@@ -21,7 +21,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,7 +41,6 @@ __all__ = [
     "RankFailed",
     "RankGroup",
     "RankSpec",
-    "free_port",
     "rank_device",
     "rank_zero_group",
     "spawn_ranks",
@@ -70,13 +68,6 @@ def rank_device(tc: TrainerConfig, local_rank: int) -> torch.device:
     return device
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the rendezvous of a one-node group)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class RankSpec:
     """Where a rank stands in the group and where the group meets."""
@@ -94,8 +85,10 @@ class RankGroup:
     A group of one never touches torch.distributed: every method is then the identity, so a
     one-rank trainer computes exactly what it did before ranks existed."""
 
-    def __init__(self, spec: RankSpec | None, device: torch.device, timeout_s: float) -> None:
+    def __init__(self, spec: RankSpec | None, device: torch.device, timeout_s: float,
+                 store: Any = None) -> None:
         self.spec = spec
+        self.store = store  # rank 0's rendezvous, already listening (rank_zero_group)
         self.device = device
         self.timeout_s = timeout_s
         self.rank = spec.rank if spec is not None else 0
@@ -115,11 +108,14 @@ class RankGroup:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        timeout = timedelta(seconds=self.timeout_s)
         try:
-            dist.init_process_group(
-                backend, init_method=f"tcp://{self.spec.addr}:{self.spec.port}",
-                rank=self.rank, world_size=self.world,
-                timeout=timedelta(seconds=self.timeout_s))
+            if self.store is None:  # rank 0 listens there, the others connect
+                self.store = dist.TCPStore(self.spec.addr, self.spec.port, self.world,
+                                           is_master=self.rank == 0, timeout=timeout,
+                                           wait_for_workers=False)
+            dist.init_process_group(backend, store=self.store, rank=self.rank,
+                                    world_size=self.world, timeout=timeout)
         except (RuntimeError, TimeoutError) as exc:
             raise RankFailed(f"trainer ranks did not all join at {self.spec.addr}:"
                              f"{self.spec.port} within {self.timeout_s:g} s "
@@ -129,6 +125,7 @@ class RankGroup:
         if self.active and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        self.store = None  # its listening socket goes with it
 
     # ------------------------------------------------------------------ the op channel
 
@@ -230,8 +227,15 @@ def rank_zero_group(tc: TrainerConfig) -> RankGroup:
     world = world_size(tc)
     if world == 1:
         return RankGroup(None, device, tc.dist_timeout_s)
-    port = tc.master_port if tc.master_port is not None else free_port(tc.master_addr)
-    return RankGroup(RankSpec(0, world, 0, tc.master_addr, port), device, tc.dist_timeout_s)
+    if tc.master_port is not None:
+        spec = RankSpec(0, world, 0, tc.master_addr, tc.master_port)
+        return RankGroup(spec, device, tc.dist_timeout_s)
+    # No port given (one node): the rendezvous listens now, on a port the OS picks, so no
+    # other process can take it between choosing it and the ranks meeting there.
+    store = dist.TCPStore(tc.master_addr, 0, world, is_master=True,
+                          timeout=timedelta(seconds=tc.dist_timeout_s), wait_for_workers=False)
+    spec = RankSpec(0, world, 0, tc.master_addr, int(store.port))
+    return RankGroup(spec, device, tc.dist_timeout_s, store)
 
 
 def wait_ranks(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> list[int]:
