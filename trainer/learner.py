@@ -30,7 +30,7 @@ from policy import build_policy, resolve_device
 from runconfig import Config, TrainerConfig
 from runtime import settle_heap
 from trainer.ranks import RankGroup
-from trainer.sharding import gather_state, scatter_state, shard_policy, skeleton
+from trainer.sharding import gather_state, local_part, scatter_state, shard_policy, skeleton
 from trainer.update import GrpoStep, grpo_update
 
 __all__ = ["Learner", "RankedStep", "frozen_copy", "lr_factor", "make_optimizer", "warmup_steps"]
@@ -235,10 +235,7 @@ class Learner:
                 return
             if op == "ping":
                 continue
-            if op == "add":
-                version, blobs = payload
-                payload = (version, _decode_groups(blobs))
-            elif op == "update":
+            if op in ("add", "update"):  # a mini-batch / a step's groups, msgpack-encoded
                 version, blobs = payload
                 payload = (version, _decode_groups(blobs))
             getattr(self, f"_op_{op}")(payload)
@@ -410,13 +407,12 @@ class Learner:
         self._op_load(skeleton(state), state)
 
     def _op_load(self, shape: dict[str, Any], full: dict[str, Any] | None = None) -> None:
+        current = self.policy.state_dict()
         model = scatter_state(None if full is None else full["model"], shape["model"],
-                              self.policy.state_dict(), self.group)
+                              current, self.group)
         with torch.no_grad():
-            for name, t in self.policy.state_dict().items():
-                local = model[name].to_local() if hasattr(model[name], "to_local") else model[name]
-                mine = t.to_local() if hasattr(t, "to_local") else t
-                mine.copy_(local)
+            for name, t in current.items():
+                local_part(t).copy_(local_part(model[name]))
         like = _optimizer_like(self.optimizer, shape["optimizer"])
         optim = scatter_state(None if full is None else full["optimizer"], shape["optimizer"],
                               like, self.group)

@@ -30,6 +30,7 @@ from trainer.ranks import RankGroup
 __all__ = [
     "TensorSpec",
     "gather_state",
+    "local_part",
     "reduce_gradients",
     "scatter_state",
     "shard_policy",
@@ -104,6 +105,12 @@ def reduce_gradients(policy: nn.Module, tc: TrainerConfig, group: RankGroup) -> 
         n = g.numel()
         g.copy_(summed[at:at + n].view_as(g).to(g.dtype))
         at += n
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: its shard of a DTensor (the parameter's own storage),
+    ``t`` itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
