@@ -216,6 +216,7 @@ class TrainerConfig(_Section, frozen=True):
     fsdp_offload_policy: bool = False
     dist_timeout_s: PosFloat = 600.0
     checkpoint_format: Literal["auto", "full", "dcp"] = "auto"
+    balance_batch: bool = True  # split a mini-batch over the ranks by tokens (trainer.rowsplit)
 
 
 class ValKwargs(_Section, frozen=True):

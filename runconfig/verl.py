@@ -361,7 +361,6 @@ TABLE: tuple[VerlKey, ...] = (
                                          "trainer.default_local_dir; see run.id"),
     _ignored("trainer.max_critic_ckpt_to_keep", "rlbus has no critic"),
     _ignored("trainer.esi_redundant_time", _CKPT),
-    _ignored("trainer.balance_batch", _INFRA),
     _ignored("trainer.critic_warmup", "rlbus has no critic"),
     _ignored("trainer.rollout_data_dir", "every sample is in the run's samples stream"),
     _ignored("trainer.ray_wait_register_center_timeout", _INFRA),

@@ -390,17 +390,17 @@ def test_verl_keys_rlbus_does_one_way(override: str, ok: bool) -> None:
 
 def test_ignored_verl_keys_warn_once_each_naming_the_key(tmp_path: Path) -> None:
     f = tmp_path / "verl.yaml"
-    f.write_text("trainer:\n  balance_batch: true\n  use_legacy_worker_impl: auto\n"
+    f.write_text("trainer:\n  critic_warmup: 0\n  use_legacy_worker_impl: auto\n"
                  "actor_rollout_ref:\n  rollout:\n    free_cache_engine: true\n")
     warnings: list[str] = []
-    load_config(f, ["trainer.balance_batch=false", "+actor_rollout_ref.model.override_config.x=1",
+    load_config(f, ["trainer.critic_warmup=1", "+actor_rollout_ref.model.override_config.x=1",
                     "trainer.test_freq=10", "reward_model.model.path=/rm",
                     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", RLBUS],
                 on_warning=warnings.append)
     named = [w.split("'")[1] for w in warnings]
     # override_config, test_freq, the vLLM limits and the trainer's ranks mean something now
     assert sorted(named) == sorted([
-        "trainer.balance_batch", "trainer.use_legacy_worker_impl",
+        "trainer.critic_warmup", "trainer.use_legacy_worker_impl",
         "actor_rollout_ref.rollout.free_cache_engine", "reward_model.model.path",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
     ])

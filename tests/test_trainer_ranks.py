@@ -51,18 +51,27 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _harness(tmp_path_factory.mktemp("r1") / "r1.pt", "trainer.n_gpus_per_node=1")
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+SEQLEN = ["global_seqlen/min", "global_seqlen/max", "global_seqlen/minmax_diff",
+          "global_seqlen/balanced_min", "global_seqlen/balanced_max", "global_seqlen/mean"]
+
+
+# fsdp2 with trainer.balance_batch (the default: rows split by tokens), ddp without it.
+@pytest.mark.parametrize(("strategy", "balance"), [("fsdp2", True), ("ddp", False)])
 def test_two_ranks_train_what_one_rank_trains(one_rank: dict[str, Any], strategy: str,
-                                              tmp_path: Path) -> None:
+                                              balance: bool, tmp_path: Path) -> None:
     two = _harness(tmp_path / "r2.pt", "trainer.n_gpus_per_node=2",
-                   f"trainer.strategy={strategy}")
+                   f"trainer.strategy={strategy}", f"trainer.balance_batch={balance}")
     assert _max_gap(one_rank["model"], two["model"]) < WEIGHTS_TOL
     assert _max_gap(one_rank["snapshot"], two["snapshot"]) < WEIGHTS_TOL
     # The same checkpoint format: index-keyed optimizer state, the lr schedule inside.
     assert sorted(two["optimizer"]["state"]) == sorted(one_rank["optimizer"]["state"])
     assert "lr_scheduler" in two["optimizer"]
     for m1, m2 in zip(one_rank["metrics"], two["metrics"], strict=True):
-        assert sorted(m1) == sorted(m2)
+        assert sorted(m2) == sorted([*m1, *(SEQLEN if balance else [])])
+        if balance:  # verl's: tokens per rank, split strided vs balanced
+            assert m2["global_seqlen/balanced_max"] <= m2["global_seqlen/max"]
+            assert m2["global_seqlen/balanced_min"] >= m2["global_seqlen/min"]
+            assert m2["global_seqlen/balanced_max"] >= m2["global_seqlen/mean"]
         for key in m1:  # losses, entropies, KL, probs diff: reduced over the ranks
             assert m2[key] == pytest.approx(m1[key], rel=1e-3, abs=1e-4), key
     # The last step had stale samples (decoupled PPO): its metrics differ from the first's.

@@ -191,11 +191,6 @@ class RankGroup:
     def _reduce_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
-    def rows(self, n: int) -> list[int]:
-        """This rank's share of ``n`` rows: every ``world``-th, from its rank (a split that
-        depends only on the mini-batch, so a replay splits it the same way)."""
-        return list(range(self.rank, n, self.world))
-
 
 def _die_with_parent() -> None:
     """Linux: the rank gets SIGKILL when the process that spawned it dies (no orphan rank

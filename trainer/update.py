@@ -32,6 +32,7 @@ from trainer.grpo import (
     probs_diff,
 )
 from trainer.ranks import RankGroup
+from trainer.rowsplit import balanced_rows, rank_loads, seqlen_metrics, strided_rows
 from trainer.sharding import reduce_gradients
 
 __all__ = ["GrpoStep", "LateStaleMiniBatch", "grpo_update", "guarded_step"]
@@ -235,6 +236,8 @@ class GrpoStep:
         self.groups: list[Sequence[Sample]] = []
         self.minibatches: list[_MiniBatch] = []
         self.trained = 0  # mini-batches whose first epoch is done
+        # Tokens per rank over the step: split as balance_batch=false would, and as trained.
+        self.seqlen = ([0] * self.group.world, [0] * self.group.world)
         self.stats: dict[str, list[float]] = {
             k: [] for k in (*_STATS, "gn", "ukl", "guard", "zero")
         }
@@ -272,7 +275,7 @@ class GrpoStep:
         dead, all_live = not bool(live.any()), bool(live.all())
         batch = whole
         if self.group.active:  # this rank's share of the rows (the same split on a replay)
-            rows = self.group.rows(len(flat))
+            rows = self._share(whole)
             batch = whole.select(torch.tensor(rows, device=whole.input_ids.device))
             adv, live = adv[rows], live[rows]
         old: torch.Tensor | None = batch.old_logprobs
@@ -295,6 +298,18 @@ class GrpoStep:
             batch, old, adv, stale, live, micro, dead=dead, all_live=all_live,
             tokens=float(tokens), live_tokens=float(live_tokens),
             n_micro=self.group.max_int(len(micro))))
+
+    def _share(self, whole: Batch) -> list[int]:
+        """This rank's rows of a mini-batch (trainer.rowsplit: balanced by tokens with
+        trainer.balance_batch), counting every rank's tokens for ``global_seqlen/*``."""
+        world = self.group.world
+        tokens = whole.token_counts().tolist()
+        strided = strided_rows(len(tokens), world)
+        parts = balanced_rows(tokens, world) if self.tc.balance_batch else strided
+        for totals, split in zip(self.seqlen, (strided, parts), strict=True):
+            for rank, load in enumerate(rank_loads(tokens, split)):
+                totals[rank] += load
+        return parts[self.group.rank]
 
     def _split(self, batch: Batch) -> list[Rows]:
         """The micro-batches of ``batch``: the whole of it unless micro_batch_size or
@@ -529,6 +544,7 @@ class GrpoStep:
             "actor/lr": lr,
             "response/length_mean": _mean(lengths),
             **_probs_diff_metrics(self._gaps()),
+            **(seqlen_metrics(*self.seqlen) if self.group.active and tc.balance_batch else {}),
             **extra_metrics(s.reward_extra for s in flat_all),
         }
 
