@@ -56,7 +56,7 @@ from policy.weights import from_bytes
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from profiling.steps import StepClock, follow, observe
-from rollouter.engine import Engine, PolicyEngine, build_engine
+from rollouter.engine import Engine, build_engine
 from rollouter.scoring import RewardPool, Score, ScoreItem
 from rollouter.validation import Validator, build_validator
 from rollouter.weights import HeldWeights, WeightsLost, fetch_within
@@ -389,15 +389,9 @@ class Rollouter(Component):
             return
         # A response ends at the tokenizer's eos or any the model's generation_config lists.
         eos = [i for i in (self.tokenizer.eos_id, *self.engine.eos_ids) if i is not None]
-        # The built-in loop draws from the rollouter's generator (a seeded run repeats).
-        # vLLM's requests stay unseeded and draw from its engine seed (rollout.seed), as verl
-        # runs it: over 12 seeds of the chat demo, per-request seeds took 97 versions on
-        # average to validation 0.9, unseeded requests 72 (docs/engines.md).
-        seeded = isinstance(self.engine, PolicyEngine)
         out = self.engine.generate(
             [s.prompt + s.tokens for s in live], max_new_tokens=max_tokens,
-            temperature=rc.temperature, eos_id=eos,
-            generator=self.generator if seeded else None,
+            temperature=rc.temperature, eos_id=eos, generator=self.generator,
             top_p=rc.top_p, top_k=rc.top_k,
         )
         for s, toks, logps, done in zip(live, out.tokens, out.logprobs, out.finished,
