@@ -107,7 +107,7 @@ def _exit(code: int) -> None:
     """Leave without the interpreter's teardown. The group is closed and every file written
     by then; what is left is torch's C++ state (the sharded model still refers to the closed
     group), whose destructors at exit now and then abort the process with ``terminate called
-    without an active exception`` (2 of 40 runs of the resume test here), turning a clean
+    without an active exception`` (3 of 44 resumes of the resume test here), turning a clean
     exit into SIGABRT."""
     sys.stdout.flush()
     sys.stderr.flush()
