@@ -574,6 +574,9 @@ def _check_model(cfg: Config) -> None:
         raise ConfigError("model.path", "model.kind=hf needs a local model directory")
     if m.kind == "hf":
         _check_hf_context(cfg)
+    elif cfg.trainer.fsdp_param_dtype not in ("auto", "fp32", "float32"):
+        raise ConfigError("trainer.fsdp_param_dtype", f"{cfg.trainer.fsdp_param_dtype} needs "
+                          f"model.kind=hf: the built-in model.kind={m.kind} computes in fp32")
     if m.kind == "tiny" and t.kind == "digits":
         # Learned absolute positions: a prompt (bos, digits, separator) plus its response
         # (continuations re-enter as prompts) must fit in model.max_len.

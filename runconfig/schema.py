@@ -214,6 +214,12 @@ class TrainerConfig(_Section, frozen=True):
     strategy: Literal["fsdp", "fsdp2", "ddp"] = "fsdp"
     fsdp_reshard_after_forward: bool = True
     fsdp_offload_policy: bool = False
+    # The trainer's compute dtype (verl's fsdp_config.mixed_precision.param_dtype): auto
+    # follows model.dtype; FSDP2 all-gathers parameters in it (MixedPrecisionPolicy), one
+    # rank and ddp compute in it under autocast. Master weights stay float32.
+    fsdp_param_dtype: Literal["auto", "fp32", "float32", "bf16", "bfloat16"] = "auto"
+    # The dtype gradients are summed across ranks in (mixed_precision.reduce_dtype).
+    fsdp_reduce_dtype: DType = "fp32"
     dist_timeout_s: PosFloat = 600.0
     checkpoint_format: Literal["auto", "full", "dcp"] = "auto"
     balance_batch: bool = True  # split a mini-batch over the ranks by tokens (trainer.rowsplit)

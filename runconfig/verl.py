@@ -180,6 +180,13 @@ TABLE: tuple[VerlKey, ...] = (
            "seconds a rank waits in one collective"),
     _alias("actor_rollout_ref.actor.fsdp_config.model_dtype", "model.dtype",
            "the weights' dtype (fp32 or bf16); one dtype for trainer and rollouter"),
+    _alias("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
+           "trainer.fsdp_param_dtype", "the dtype the trainer computes and FSDP2 gathers in"),
+    _alias("actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype",
+           "trainer.fsdp_reduce_dtype", "the dtype gradients are summed across ranks in"),
+    _ignored("actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype",
+             "FSDP2 has no buffer dtype (verl's fsdp2 path does not pass it either): buffers "
+             "keep the model's dtype"),
     _ignored("actor_rollout_ref.actor.fsdp_config.*", _INFRA),
     _ignored("actor_rollout_ref.actor.megatron.*", _INFRA),
     _ignored("actor_rollout_ref.actor.checkpoint.*", _CKPT),

@@ -55,6 +55,16 @@ def msgspec_replace(s: Sample, **kw: float) -> Sample:
     return msgspec.structs.replace(s, **kw)
 
 
+def mixed_precision(policy: torch.nn.Module) -> tuple[str, str] | None:
+    """FSDP2's (param_dtype, reduce_dtype) on the root unit; None unsharded. (Private torch
+    API, read by a test only: torch is pinned.)"""
+    state = getattr(policy, "_get_fsdp_state", None)
+    if state is None:
+        return None
+    mp = state()._mp_policy
+    return str(mp.param_dtype), str(mp.reduce_dtype)
+
+
 def main(argv: list[str]) -> int:
     out, rest = argv[0], argv[1:]
     resume = None
@@ -95,7 +105,8 @@ def main(argv: list[str]) -> int:
     model, optim = learner.checkpoint_state()
     snapshot = learner.snapshot()
     torch.save({"model": model, "optimizer": optim, "snapshot": snapshot,
-                "metrics": metrics, "version": learner.version}, out)
+                "metrics": metrics, "version": learner.version,
+                "mixed_precision": mixed_precision(learner.policy)}, out)
     learner.stop_ranks()
     codes = wait_ranks(procs, 60)
     group.close()

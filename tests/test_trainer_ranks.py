@@ -95,6 +95,68 @@ def test_two_ranks_match_one_with_micro_batches_kl_and_epochs(extra: list[str],
             assert m2[key] == pytest.approx(m1[key], rel=1e-3, abs=1e-4), key
 
 
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Qwen2 (the ranks' FSDP2 units are its decoder layers)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = tmp_path_factory.mktemp("qwen2")
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _hf_keys(model: Path) -> list[str]:
+    return ["run.defaults=rlbus", "rollout.max_new_tokens=16", "model.kind=hf",
+            f"model.path={model}"]
+
+
+@pytest.fixture(scope="module")
+def hf_one_rank(hf_model: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> dict[str, dict[str, Any]]:
+    """One rank of the HF model, in float32 and in bf16 (autocast)."""
+    out = tmp_path_factory.mktemp("hf1")
+    return {dtype: _harness(out / f"{dtype}.pt", "trainer.n_gpus_per_node=1",
+                            *_hf_keys(hf_model), f"model.dtype={dtype}")
+            for dtype in ("fp32", "bf16")}
+
+
+def _mean_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return (sum(float((a[k].float() - b[k].float()).abs().sum()) for k in a)
+            / sum(a[k].numel() for k in a))
+
+
+# bf16 compute (model.dtype=bf16, so fsdp_param_dtype auto is bf16): one rank runs in
+# autocast, two ranks in FSDP2's MixedPrecisionPolicy (bf16 all-gathers: embeddings and norms
+# in bf16 too, as verl's FSDP runs) or ddp (autocast); gradients summed in float32 (the
+# default) or bf16 (verl's mixed_precision.reduce_dtype).
+@pytest.mark.parametrize(("strategy", "reduce"), [("fsdp2", "fp32"), ("fsdp2", "bf16"),
+                                                  ("ddp", "bf16")])
+def test_two_ranks_in_bf16_train_what_one_rank_trains(
+        hf_model: Path, hf_one_rank: dict[str, dict[str, Any]], strategy: str, reduce: str,
+        tmp_path: Path) -> None:
+    two = _harness(tmp_path / "two.pt", "trainer.n_gpus_per_node=2", *_hf_keys(hf_model),
+                   "model.dtype=bf16", f"trainer.strategy={strategy}",
+                   f"actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype={reduce}")
+    fp32, one = hf_one_rank["fp32"], hf_one_rank["bf16"]
+    assert one["mixed_precision"] is None
+    reduced = "torch.float32" if reduce == "fp32" else "torch.bfloat16"
+    assert two["mixed_precision"] == (("torch.bfloat16", reduced) if strategy == "fsdp2"
+                                      else None)
+    assert {t.dtype for t in two["model"].values()} == {torch.float32}  # master weights
+    # Adam moves a weight by ~lr whatever its gradient's size, so bf16 rounding that flips a
+    # tiny gradient's sign shows up in single weights: compare the mean gap, which must stay
+    # within what bf16 itself does to one rank (measured: 1.5e-3 and 3e-4 against 1.3e-3).
+    assert _mean_gap(one["model"], two["model"]) < 2 * _mean_gap(fp32["model"], one["model"])
+    for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
+        for key in ("actor/grad_norm", "actor/entropy", "actor/loss"):
+            assert m2[key] == pytest.approx(m1[key], rel=0.02, abs=1e-3), key
+
+
 @pytest.mark.parametrize("fmt", ["dcp", "full"])
 def test_a_checkpoint_of_two_ranks_resumes_with_one_and_with_two(
         one_rank: dict[str, Any], tmp_path: Path, fmt: str) -> None:
@@ -135,11 +197,22 @@ def test_a_checkpoint_of_one_rank_resumes_with_two(one_rank: dict[str, Any],
      "trainer.n_gpus_per_node"),
     (["trainer.nnodes=2"], "trainer.master_port"),
     (["trainer.node_rank=1"], "trainer.node_rank"),
+    (["trainer.fsdp_param_dtype=bf16"], "trainer.fsdp_param_dtype"),  # the built-in model
+    (["trainer.fsdp_reduce_dtype=fp16"], "trainer.fsdp_reduce_dtype"),
 ])
 def test_rank_keys_are_checked_before_anything_starts(args: list[str], key: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, args)
     assert err.value.key == key
+
+
+def test_verls_mixed_precision_keys_set_the_trainers_dtypes(hf_model: Path) -> None:
+    cfg = load_config(None, [*_hf_keys(hf_model),
+                             "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+                             "actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=bf16",
+                             "actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=fp32"])
+    assert (cfg.trainer.fsdp_param_dtype, cfg.trainer.fsdp_reduce_dtype) == ("bf16", "bf16")
+    assert cfg.model.dtype == "fp32"  # the rollouter's weights keep model.dtype
 
 
 def _rank_pids(trainer_pid: int) -> list[int]:

@@ -30,7 +30,14 @@ from policy import build_policy, resolve_device
 from runconfig import Config, TrainerConfig
 from runtime import settle_heap
 from trainer.ranks import RankGroup
-from trainer.sharding import gather_state, local_part, scatter_state, shard_policy, skeleton
+from trainer.sharding import (
+    compute_dtype,
+    gather_state,
+    local_part,
+    scatter_state,
+    shard_policy,
+    skeleton,
+)
 from trainer.update import GrpoStep, grpo_update
 
 __all__ = ["Learner", "RankedStep", "frozen_copy", "lr_factor", "make_optimizer", "warmup_steps"]
@@ -185,8 +192,9 @@ class Learner:
         tc = self.cfg.trainer
         torch.set_num_threads(tc.threads)
         torch.manual_seed(tc.seed)
-        self.policy = build_policy(msgspec.to_builtins(self.cfg.model), self.device,
-                                   training=True)
+        model = msgspec.to_builtins(self.cfg.model)
+        model["dtype"] = compute_dtype(self.cfg.model.dtype, tc.fsdp_param_dtype)
+        self.policy = build_policy(model, self.device, training=True)
         self.policy.train()
         self.reference = frozen_copy(self.policy) if tc.use_kl_loss else None
         self.vocab_size = _vocab_size(self.policy)

@@ -161,6 +161,18 @@ class RankGroup:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.cpu()
 
+    def sum_(self, t: torch.Tensor) -> None:
+        """``all_reduce(SUM)`` of ``t`` in place, in its own dtype (gradients: no copy off
+        the device, no widening)."""
+        if not self.active:
+            return
+        if t.device.type == self.device.type:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            return
+        moved = t.to(self.device)
+        dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+        t.copy_(moved)
+
     def max_int(self, value: int) -> int:
         """The largest ``value`` of all ranks."""
         if not self.active:

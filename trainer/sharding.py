@@ -8,6 +8,13 @@ already its share of the mini-batch's token mean. ``ddp`` keeps a whole replica 
 rank (rank 0's weights broadcast at start) and sums the gradients with one ``all_reduce``
 per optimizer step.
 
+Mixed precision (verl's ``fsdp_config.mixed_precision``): the master weights and the
+optimizer state are float32 on every strategy. The policy computes in
+:func:`compute_dtype` (``trainer.fsdp_param_dtype``; an HF policy runs its forward in
+autocast of it); FSDP2 all-gathers the parameters in that dtype (``MixedPrecisionPolicy``:
+half the bytes of a float32 gather for bf16), and gradients are summed across ranks in
+``trainer.fsdp_reduce_dtype`` (float32 by default, as in verl), ddp's ``all_reduce`` too.
+
 The checkpoint format does not depend on the number of ranks: rank 0 gathers every tensor
 whole, one at a time (:func:`gather_state`), and writes what a one-rank trainer writes; a
 load sends each tensor from rank 0 and every rank keeps its shard (:func:`scatter_state`).
@@ -29,6 +36,7 @@ from trainer.ranks import RankGroup
 
 __all__ = [
     "TensorSpec",
+    "compute_dtype",
     "gather_state",
     "local_part",
     "reduce_gradients",
@@ -37,6 +45,27 @@ __all__ = [
     "skeleton",
     "unit_layers",
 ]
+
+
+_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def compute_dtype(model_dtype: str, param_dtype: str) -> str:
+    """The trainer's compute dtype, ``fp32`` or ``bf16``: ``trainer.fsdp_param_dtype``, whose
+    ``auto`` follows ``model.dtype``."""
+    return _DTYPE_NAMES[model_dtype if param_dtype == "auto" else param_dtype]
+
+
+def _mixed_precision(policy: nn.Module, tc: TrainerConfig) -> Any:
+    """FSDP2's MixedPrecisionPolicy: parameters gathered in the dtype the policy computes in
+    (an HF policy's autocast dtype; None, their own, for one without), gradients reduced in
+    ``trainer.fsdp_reduce_dtype``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    compute = getattr(policy, "autocast", None)
+    return MixedPrecisionPolicy(param_dtype=compute,
+                                reduce_dtype=_TORCH_DTYPES[_DTYPE_NAMES[tc.fsdp_reduce_dtype]])
 
 
 def unit_layers(policy: nn.Module) -> list[nn.Module]:
@@ -67,7 +96,8 @@ def shard_policy(policy: nn.Module, tc: TrainerConfig, group: RankGroup) -> None
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
     mesh = init_device_mesh(group.device.type, (group.world,))
     kwargs: dict[str, Any] = {"mesh": mesh,
-                              "reshard_after_forward": tc.fsdp_reshard_after_forward}
+                              "reshard_after_forward": tc.fsdp_reshard_after_forward,
+                              "mp_policy": _mixed_precision(policy, tc)}
     if tc.fsdp_offload_policy and group.device.type == "cuda":
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in unit_layers(policy):
@@ -91,15 +121,17 @@ def _unique(tensors: Any) -> Iterator[torch.Tensor]:
 
 
 def reduce_gradients(policy: nn.Module, tc: TrainerConfig, group: RankGroup) -> None:
-    """``ddp``: sum every gradient across ranks (one flat ``all_reduce``). FSDP2 has
-    reduce-scattered them in the backward already."""
+    """``ddp``: sum every gradient across ranks (one flat ``all_reduce`` in
+    ``trainer.fsdp_reduce_dtype``). FSDP2 has reduce-scattered them in the backward
+    already."""
     if not group.active or tc.strategy != "ddp":
         return
     grads = [p.grad for p in policy.parameters() if p.grad is not None]
     if not grads:
         return
-    flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
-    summed = group.sum(flat)
+    reduce = _TORCH_DTYPES[_DTYPE_NAMES[tc.fsdp_reduce_dtype]]
+    summed = torch.cat([g.reshape(-1).to(reduce) for g in grads])
+    group.sum_(summed)
     at = 0
     for g in grads:
         n = g.numel()
