@@ -16,8 +16,10 @@ The parts: :class:`~trainer.writer.Writer` (the only one that writes; the state 
 the log), :class:`~trainer.dispatch.Dispatch` (tickets, leases, budget),
 :class:`~trainer.intake.Intake` (verdicts on samples), :class:`~trainer.watch.Watch` (peers,
 stalls, reports), :class:`~trainer.learner.Learner` (model, optimizer, version),
-:class:`~trainer.weights.Weights` (publication, blob retention). A restarted trainer folds the
-log, loads the latest checkpoint and re-applies the steps after it (:func:`trainer.resume.rebuild`).
+:class:`~trainer.weights.Weights` (publication, blob retention),
+:class:`~trainer.runfiles.RunFiles` (checkpoints and archive, here and on the storage). A
+restarted trainer folds the log, loads the latest checkpoint and re-applies the steps after
+it (:func:`trainer.resume.rebuild`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from bus.messages import (
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from runconfig import Config, config_to_dict
-from runconfig.paths import blob_root, checkpoint_dir, local_root
+from runconfig.paths import blob_root
 from runconfig.stepunit import is_save_update
 from runtime import Component
 from tasks import build_prompt_source
@@ -55,19 +57,11 @@ from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale, Ve
 from trainer.learner import Learner
 from trainer.lease import acquire, token
 from trainer.metrics import StepMeter, verl_step_metrics
-from trainer.mirror import checkpoint_mirror, events_mirror
 from trainer.rankprofile import RankedAgent
 from trainer.ranks import LocalRanks
-from trainer.resume import (
-    LogRead,
-    ResumeFailed,
-    RunNotCovered,
-    missing_checkpoint,
-    not_covered,
-    rebuild,
-    write_checkpoint,
-)
+from trainer.resume import rebuild, write_checkpoint
 from trainer.retention import trim_after_checkpoint
+from trainer.runfiles import RunFiles
 from trainer.stepwork import StepWork, may_stream
 from trainer.validation import Validations, last_version
 from trainer.watch import Watch
@@ -98,12 +92,8 @@ class Trainer(Component):
     def __init__(self, cfg: Config, bus: Bus) -> None:
         super().__init__(cfg, bus)
         tc, ac = cfg.trainer, cfg.async_training
-        self.run_dir = local_root(cfg, self.run_id)  # run.storage when local (paths)
-        self.ckpt_dir = checkpoint_dir(cfg, self.run_id)  # trainer.default_local_dir
-        # On a remote run.storage the local checkpoint folder is a cache of the storage's.
-        self.mirror = checkpoint_mirror(cfg, self.run_id)
-        self.events_mirror = events_mirror(cfg, self.run_id)  # its events archive too
-        self.hf_export = HFExport(cfg.model.path, self.mirror) if (
+        self.files = RunFiles(cfg, self.run_id)
+        self.hf_export = HFExport(cfg.model.path, self.files.mirror) if (
             "hf_model" in tc.checkpoint_contents and cfg.model.path) else None
         self.need = ac.require_batches * tc.ppo_mini_batch_size
         self.epoch = secrets.token_hex(4)
@@ -223,9 +213,10 @@ class Trainer(Component):
         await asyncio.to_thread(self.local_ranks.close, STOP_RANKS_S)
 
     async def _serve(self) -> int:
-        await self._fetch_from_storage()
-        read = await self.writer.read_log(self.ckpt_dir, self.run_dir / "events")
-        await self._check_covered(read)
+        for line in await self.files.fetch():
+            self.say(line)
+        read = await self.writer.read_log(self.files.ckpt_dir, self.files.events_dir)
+        await self.files.check_covered(read)
         await self._report_refused()
         self.watch.follow_from(self.writer.position)  # reports: what comes next only
         state, total = self.writer.state, self.cfg.trainer.total_training_steps
@@ -263,42 +254,6 @@ class Trainer(Component):
             if self.hf_export is not None:
                 self.hf_export.close()
 
-    async def _fetch_from_storage(self) -> None:
-        """On a remote storage, the checkpoints and the archived events this node lacks
-        (another node wrote them), before the log is read (trainer.mirror)."""
-        if self.mirror is not None:
-            fetched = await asyncio.to_thread(self.mirror.download_missing)
-            if fetched:
-                self.say(f"fetched {len(fetched)} checkpoint files from "
-                         f"{self.mirror.where()} into {self.ckpt_dir}")
-        if self.events_mirror is not None:
-            segments = await asyncio.to_thread(self.events_mirror.fetch)
-            if segments:
-                self.say(f"fetched {len(segments)} events archive segments from "
-                         f"{self.events_mirror.where()} into {self.events_mirror.folder}")
-
-    def _locate(self, path: str) -> str:
-        """The local file of a checkpoint the log names (by its path on the node that
-        wrote it; on a remote storage, the copy of that name here)."""
-        return path if self.mirror is None else self.mirror.locate(path)
-
-    def _exists(self, path: str) -> bool:
-        return os.path.exists(self._locate(path))
-
-    async def _check_covered(self, read: LogRead) -> None:
-        """Never train from scratch inside a run that has steps: steps of the log this
-        storage cannot restore (no snapshot, no archive of the trimmed log) are a
-        :class:`~trainer.resume.RunNotCovered` (exit 2, naming what is missing)."""
-        why = not_covered(self.run_id, read, str(self.ckpt_dir), str(self.run_dir / "events"))
-        if why is not None:
-            raise RunNotCovered(why)
-        # Checkpoints the log names, none of them here: a ResumeFailed (exit 1 and a
-        # ComponentFailed, as rebuild would say it), before the model is built.
-        why = await asyncio.to_thread(missing_checkpoint, self.run_id, read.state,
-                                      self._exists)
-        if why is not None:
-            raise ResumeFailed(why)
-
     async def _report_refused(self) -> None:
         """One line and one ``fact_refused`` warning per event of the log its fold refused
         (trainer.state.refusal: facts that contradict the log), at most
@@ -333,7 +288,7 @@ class Trainer(Component):
         resumed = await rebuild(self.bus, self.keys, self.writer.state, self.learner, self.off,
                                 self.cfg.async_training.trigger_parameter_sync_step,
                                 self.writer.entries_read, warn=self._warn,
-                                locate=self._locate)
+                                locate=self.files.locate)
         await self.publish(resumed)
         if resumed.weights_match is False:
             await self.publish(WarningRaised(
@@ -439,15 +394,14 @@ class Trainer(Component):
         """Model, optimizer and the folded state, durable before the log says so; with
         ``hf_model`` in trainer.checkpoint_contents, the HF directory written beside it
         while training goes on (trainer.export)."""
-        saved = await self.off(write_checkpoint, self.ckpt_dir, step,
+        saved = await self.off(write_checkpoint, self.files.ckpt_dir, step,
                                self.learner.version, self.learner.checkpoint_payload,
                                self.writer.snapshot())
-        if self.mirror is not None:  # in the storage before the log names it
-            await asyncio.to_thread(self.mirror.upload, saved)
+        await self.files.upload(saved)  # in the storage before the log names it
         hf_path = None
         if self.hf_export is not None:
             target, warning = await self.hf_export.start(self.off, self.learner.policy,
-                                                         self.ckpt_dir, step,
+                                                         self.files.ckpt_dir, step,
                                                          self.learner.hf_state)
             hf_path = str(target)
             if warning is not None:
@@ -465,8 +419,9 @@ class Trainer(Component):
     async def _trim(self, trained: list[str]) -> None:
         """Retention after a durable checkpoint (trainer.retention)."""
         warning = await trim_after_checkpoint(
-            self.bus, self.keys, self.run_dir, trained, keep_weights=KEEP_WEIGHTS,
-            checkpoints=self.ckpt_dir, mirror=self.mirror, events_mirror=self.events_mirror,
+            self.bus, self.keys, self.files.run_dir, trained, keep_weights=KEEP_WEIGHTS,
+            checkpoints=self.files.ckpt_dir, mirror=self.files.mirror,
+            events_mirror=self.files.events_mirror,
             keep_checkpoints=self.cfg.trainer.max_actor_ckpt_to_keep,
             last_step=self.writer.state.last_step, current=self.writer.state.checkpoint()[1],
             fence=(self.keys.trainer_lease, self.lease.token),
