@@ -94,8 +94,9 @@ class Policy(Protocol):
 
     def state_bytes(self) -> bytes: ...
 
-    def weights(self) -> Mapping[str, torch.Tensor]:
-        """The tensors as published, named as :meth:`load_state` takes them."""
+    def weights(self, keep_vars: bool = False) -> Mapping[str, torch.Tensor]:
+        """The tensors as published, named as :meth:`load_state` takes them; ``keep_vars``:
+        the parameters themselves (tied ones one object), as ``state_dict(keep_vars=True)``."""
         ...
 
     def load_bytes(self, blob: bytes) -> None: ...

@@ -230,9 +230,10 @@ class HFPolicy(nn.Module):
     def state_bytes(self) -> bytes:
         return to_bytes(self.model.state_dict())
 
-    def weights(self) -> Mapping[str, torch.Tensor]:
-        """The tensors as published (the names :meth:`load_state` takes)."""
-        return self.model.state_dict()
+    def weights(self, keep_vars: bool = False) -> Mapping[str, torch.Tensor]:
+        """The tensors as published (the names :meth:`load_state` takes); ``keep_vars``:
+        the parameters themselves, so tied ones are one object under two names."""
+        return self.model.state_dict(keep_vars=keep_vars)
 
     def load_bytes(self, blob: bytes) -> None:
         self.load_state(from_bytes(blob))

@@ -97,14 +97,15 @@ def test_two_ranks_match_one_with_micro_batches_kl_and_epochs(extra: list[str],
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random 2-layer Qwen2 (the ranks' FSDP2 units are its decoder layers)."""
+    """A random 2-layer Qwen2 with tied embeddings (the ranks' FSDP2 units are its decoder
+    layers)."""
     import transformers
 
     torch.manual_seed(0)
     cfg = transformers.Qwen2Config(
         vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
     path = tmp_path_factory.mktemp("qwen2")
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
     return path
@@ -148,6 +149,13 @@ def test_two_ranks_in_bf16_train_what_one_rank_trains(
     assert two["mixed_precision"] == (("torch.bfloat16", reduced) if strategy == "fsdp2"
                                       else None)
     assert {t.dtype for t in two["model"].values()} == {torch.float32}  # master weights
+    # Published in bf16 (rollout.weights_dtype auto), each tensor cast as it was gathered;
+    # the tied head is the embedding, published once.
+    snap = two["snapshot"]
+    assert {t.dtype for t in snap.values()} == {torch.bfloat16}
+    assert snap["lm_head.weight"].data_ptr() == snap["model.embed_tokens.weight"].data_ptr()
+    for name, t in snap.items():  # the master weights, rounded once
+        assert torch.equal(t, two["model"][f"model.{name}"].to(torch.bfloat16)), name
     # Adam moves a weight by ~lr whatever its gradient's size, so bf16 rounding that flips a
     # tiny gradient's sign shows up in single weights: compare the mean gap, which must stay
     # within what bf16 itself does to one rank (measured: 1.5e-3 and 3e-4 against 1.3e-3).

@@ -274,21 +274,25 @@ class Learner:
 
     def _op_snapshot(self, _: Any = None) -> dict[str, torch.Tensor]:
         dtype = publish_dtype(self.cfg)
+
+        def published(t: torch.Tensor) -> torch.Tensor:
+            want = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            return t.detach().to(device="cpu", dtype=want, copy=True).contiguous()
+
+        if self.group.active:  # each tensor cast as soon as it is whole (ties kept)
+            return gather_state(self.policy.weights(keep_vars=True), self.group,
+                                cast=published)
+        weights = self.policy.weights()
         out: dict[str, torch.Tensor] = {}
         # Tied weights (one tensor under two names) stay one object: published once.
         seen: dict[tuple[Any, ...], torch.Tensor] = {}
-        weights = self.policy.weights()
-        if self.group.active:
-            weights = gather_state(weights, self.group)
         for name, t in weights.items():
             same = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
                     t.device)
             if t.numel() and same in seen:
                 out[name] = seen[same]
                 continue
-            want = dtype if dtype is not None and t.is_floating_point() else t.dtype
-            out[name] = seen[same] = t.detach().to(device="cpu", dtype=want,
-                                                   copy=True).contiguous()
+            out[name] = seen[same] = published(t)
         return out
 
     def update(self, groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
@@ -445,7 +449,13 @@ class Learner:
         model = getattr(self.policy, "model", None)
         if model is None:
             raise TypeError(f"{type(self.policy).__name__} holds no Hugging Face model")
-        return gather_state(model.state_dict(), self.group)
+        # Copies: the export's thread writes them while the next step trains (a ddp replica's
+        # tensors are whole already, and would be the live ones).
+        return gather_state(model.state_dict(), self.group, cast=_cpu_copy)
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
 
 
 def check_shards(folder: Path) -> None:

@@ -24,7 +24,7 @@ So a checkpoint written with 2 ranks resumes with 1, and the other way round.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -150,26 +150,48 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def gather_state(state: Mapping[str, Any], group: RankGroup) -> dict[str, Any]:
-    """``state`` (a state dict, nested dicts and lists allowed) with every tensor whole and
-    on the CPU, on rank 0 (every rank calls this; the others get ``{}``). Tensors are
-    gathered one at a time, in the dict's order, so no rank holds more than one whole
-    tensor that is not its own."""
-    out = _gather_tree(dict(state), group)
+def gather_state(state: Mapping[str, Any], group: RankGroup,
+                 cast: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
+    """``state`` (a state dict, nested dicts and lists allowed) with every tensor whole, on
+    rank 0 (every rank calls this; the others get ``{}``). Tensors are gathered one at a
+    time, in the dict's order, and each goes through ``cast`` as soon as it is whole (by
+    default moved to the CPU; one that is whole there already is returned as is, the live
+    tensor: pass a copying ``cast`` to keep it), so rank 0 never holds more than the result
+    plus one whole tensor:
+    a publication in bf16 never needs the float32 model whole. One tensor object named
+    twice (tied weights in a ``state_dict(keep_vars=True)``) is gathered once and stays one
+    object."""
+    out = _gather_tree(dict(state), group, cast, {})
     return out if group.rank == 0 else {}
 
 
-def _gather_tree(node: Any, group: RankGroup) -> Any:
+def _gather_tree(node: Any, group: RankGroup,
+                 cast: Callable[[torch.Tensor], torch.Tensor] | None, done: dict[int, Any]
+                 ) -> Any:
     if isinstance(node, torch.Tensor):
-        full = _full(node).detach()
-        if group.rank != 0:
-            return None
-        return full.to("cpu", copy=True) if full.device.type != "cpu" or full is node else full
+        # Every rank holds the same objects in the same places (one model, sharded): the
+        # memo skips the same collectives on every rank.
+        if id(node) not in done:
+            done[id(node)] = _whole(node, group, cast)
+        return done[id(node)]
     if isinstance(node, dict):
-        return {k: _gather_tree(v, group) for k, v in node.items()}
+        return {k: _gather_tree(v, group, cast, done) for k, v in node.items()}
     if isinstance(node, list | tuple):
-        return type(node)(_gather_tree(v, group) for v in node)
+        return type(node)(_gather_tree(v, group, cast, done) for v in node)
     return node
+
+
+def _whole(t: torch.Tensor, group: RankGroup,
+           cast: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor | None:
+    full = _full(t).detach()
+    if group.rank != 0:
+        return None
+    if cast is not None:
+        return cast(full)
+    # A tensor whole and on the CPU already comes back as is (its live storage): a
+    # checkpoint is written before training goes on, and a copy of the model and its Adam
+    # state would double rank 0's memory. Callers that keep it longer pass a copying cast.
+    return full if full.device.type == "cpu" else full.to("cpu")
 
 
 class TensorSpec:
