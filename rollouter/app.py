@@ -19,11 +19,9 @@ import contextlib
 import os
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 import torch
 
 from bus import (
@@ -32,11 +30,9 @@ from bus import (
     Entry,
     RunKeys,
 )
-from bus.blobs import open_store
 from bus.facts import run_finished_refusal
 from bus.liveness import peers
 from bus.messages import (
-    Array,
     Heartbeat,
     PromptTicket,
     RolloutFailed,
@@ -49,17 +45,17 @@ from bus.messages import (
     WeightsPublished,
 )
 from bus.ranks import RankClaim
-from bus.weights_transport import is_manifest_ref, open_transport
 from policy import resolve_device
 from policy.text import build_tokenizer
-from policy.weights import from_bytes
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
-from profiling.steps import StepClock, follow, observe
+from rollouter.answers import Seq, to_samples
 from rollouter.engine import Engine, build_engine
+from rollouter.presence import TrainerGone, TrainerPresence
 from rollouter.scoring import RewardPool, Score, ScoreItem
+from rollouter.stepwatch import StepWatch
 from rollouter.validation import Validator, build_validator
-from rollouter.weights import HeldWeights, WeightsLost, fetch_within
+from rollouter.weights import HeldWeights, WeightsLost, fetch_published
 from runconfig import Config, ConfigError
 from runconfig.paths import blob_root
 from runtime import Component, Failure, LogFollower, settle_heap
@@ -73,28 +69,11 @@ ENGINE_CLOSE_S = 30.0  # the longest an engine's shutdown may hold the exit
 MAX_N = 4096  # responses one ticket may ask for; more is not a ticket we wrote
 
 
-class TrainerGone(Failure):
-    """The trainer never appeared or went silent; the message says which and for how long."""
-
-
 class BadRewardConfig(Failure):
     """The reward settings cannot work (a missing or broken reward file, ...): exit 2."""
 
     code = 2
     publish = False
-
-
-class _Seq(msgspec.Struct):
-    """One response being generated (possibly across weight versions)."""
-
-    ticket: PromptTicket
-    index: int
-    prompt: list[int]
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    finished: bool = False
-    min_version: int = -1
-    max_version: int = -1
 
 
 class Rollouter(Component):
@@ -136,12 +115,11 @@ class Rollouter(Component):
         # for the ticket loop and the step watcher alike.
         self.follower = LogFollower(bus, self.keys, ("trainer", "rollouter"), fold=self._fold,
                                     count=1000)
-        self.trainer_absent_since: float | None = time.monotonic()
-        self.trainer_seen = False
+        self.trainer = TrainerPresence(bus, self.keys.trainer_lease, self.run_id,
+                                       cfg.heartbeat.timeout_s)
         # The trainer's step boundaries read from the log: this rollouter's profiling steps.
-        self.clock = StepClock()
-        self.steps_lock = asyncio.Lock()  # one move of the agent's steps at a time, in order
-        self.steps_task: asyncio.Task[None] | None = None  # _watch_steps, with an agent only
+        self.steps = StepWatch(cfg.trainer.total_training_steps, commands=self.apply_commands,
+                               publish=self.publish, poll=self._poll_events)
         self.attempts: dict[str, int] = {}
         self.retry: list[Any] = []
         # A pipeline around the worker: the next tickets are read, and the last batch's
@@ -206,8 +184,8 @@ class Rollouter(Component):
         the current one), the trainer's step boundaries and the run's end."""
         total = self.cfg.trainer.total_training_steps
         for entry_id, msg in entries:
-            last_step = self.clock.finished
-            self.clock = observe(self.clock, msg)
+            last_step = self.steps.finished
+            self.steps.observe(msg)
             match msg:
                 case WeightsPublished():
                     self.weights.saw(msg)
@@ -229,72 +207,9 @@ class Rollouter(Component):
         the trainer's. Returns whether it has read the whole log."""
         await self.follower.poll(block_ms=block_ms)
         caught_up = self.follower.caught_up
-        if caught_up:
-            await self._follow_steps()
+        if caught_up:  # this rollouter's profiling steps follow the trainer's
+            await self.steps.follow(self.profiler)
         return caught_up
-
-    async def _follow_steps(self) -> None:
-        """Bring the profiler agent to the trainer's current step (profiling.steps): end the
-        step it was in, begin each step since, in order. Commands are read first, so a step
-        never begins before the commands for it; the agent's calls run on the worker thread,
-        between generation batches (or partial-rollout chunks), in one hop."""
-        if self.profiler is None:
-            self.clock, _ = follow(self.clock, self.cfg.trainer.total_training_steps)
-            return
-        if self.steps_task is None:
-            self.steps_task = asyncio.create_task(self._watch_steps())
-        async with self.steps_lock:
-            self.clock, moves = follow(self.clock, self.cfg.trainer.total_training_steps)
-            if not moves:
-                return
-            if any(kind == "begin" for kind, _ in moves):
-                await self.apply_commands()
-            await self.publish(*(await self.profiler.moves(moves)))
-
-    async def _watch_steps(self) -> None:
-        """Background, with a profiler agent: follow the trainer's step boundaries as they
-        are written (a blocking read of the events log), so that the steps of a rollouter
-        that waits for tickets move at once, not after its ticket read; those of a busy one
-        move as soon as its current generation batch ends (the moves queue on the worker
-        thread behind it)."""
-        while True:
-            await self._poll_events(block_ms=1000)
-
-    async def _stop_watching_steps(self) -> None:
-        """End _watch_steps between two moves (a move cut short would lose its events)."""
-        task, self.steps_task = self.steps_task, None
-        if task is None:
-            return
-        async with self.steps_lock:
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-
-    async def _check_trainer(self) -> None:
-        """Raise TrainerGone when the trainer's lease key has been absent for the heartbeat
-        timeout: the key's TTL is judged by Redis's clock, and the trainer renews it from a
-        loop that its updates never block, so a long step is not silence."""
-        timeout = self.cfg.heartbeat.timeout_s
-        now = time.monotonic()
-        if await self.bus.exists(self.keys.trainer_lease):
-            self.trainer_absent_since = None
-            self.trainer_seen = True
-            return
-        if self.trainer_absent_since is None:
-            self.trainer_absent_since = now
-        waited = now - self.trainer_absent_since
-        if waited <= timeout:
-            return
-        if not self.trainer_seen:
-            raise TrainerGone(
-                f"no trainer: no trainer lease ({self.keys.trainer_lease}) for run "
-                f"{self.run_id!r} in {waited:.0f} s (heartbeat.timeout_s={timeout}); is the "
-                "trainer running?"
-            )
-        raise TrainerGone(
-            f"trainer is gone: its lease {self.keys.trainer_lease} lapsed and stayed absent "
-            f"for {waited:.0f} s (heartbeat.timeout_s={timeout})"
-        )
 
     # ------------------------------------------------------------------ weights
 
@@ -314,31 +229,15 @@ class Rollouter(Component):
     def _stage(self) -> None:
         self.weights.stage()
 
-    def _weights_root(self) -> str | Path:
-        """Where the storage transport (and the whole blobs of older logs) live:
-        ``run.storage/RUN/blobs`` (runconfig.paths.blob_root)."""
-        return blob_root(self.cfg, self.run_id)
-
     async def _fetch(self, msg: WeightsPublished) -> dict[str, torch.Tensor]:
-        ref = msg.manifest or msg.ref
-        if is_manifest_ref(ref):
-            # Published tensor by tensor: chunks fetched in parallel, each checked; an
-            # unreachable storage is told at once and fails after the fetch timeout.
-            transport = open_transport(ref.store, bus=self.bus, run_keys=self.keys,
-                                       root=self._weights_root())
-            return await fetch_within(lambda: transport.fetch(ref), msg,
-                                      transport.location(ref),
-                                      self.cfg.rollout.weights_fetch_timeout_s,
-                                      self.weights.source, self.publish)
-        store = open_store(msg.ref.store, bus=self.bus, run_keys=self.keys,
-                           root=self._weights_root())
-        blob = await store.get(msg.ref)
-        # Decoded on a thread of its own: the generation worker is busy meanwhile.
-        return await asyncio.to_thread(from_bytes, blob)
+        return await fetch_published(
+            msg, bus=self.bus, keys=self.keys, root=blob_root(self.cfg, self.run_id),
+            timeout_s=self.cfg.rollout.weights_fetch_timeout_s, source=self.weights.source,
+            warn=self.publish)
 
     async def _swap_weights(self, wait: bool = True) -> None:
         """Load the newest published weights (rollouter.weights.HeldWeights.swap). Profiling
-        steps follow the trainer's StepFinished events, not weight versions (_follow_steps):
+        steps follow the trainer's StepFinished events, not weight versions (rollouter.stepwatch):
         with trigger_parameter_sync_step > 1 a version spans several steps."""
         await self.weights.swap(wait)
 
@@ -381,7 +280,7 @@ class Rollouter(Component):
 
     # ------------------------------------------------------------------ generation
 
-    def _generate(self, seqs: list[_Seq], max_tokens: int) -> None:
+    def _generate(self, seqs: list[Seq], max_tokens: int) -> None:
         """Extend every unfinished sequence by up to ``max_tokens`` with the current weights."""
         rc = self.cfg.rollout
         live = [s for s in seqs if not s.finished]
@@ -404,7 +303,7 @@ class Rollouter(Component):
                 s.min_version = self.engine.version
             s.max_version = self.engine.version
 
-    async def _generate_all(self, seqs: list[_Seq]) -> None:
+    async def _generate_all(self, seqs: list[Seq]) -> None:
         """Every sequence to its end; with ``partial_rollout``, in chunks between which new
         weights are picked up mid-sequence."""
         rc = self.cfg.rollout
@@ -421,31 +320,18 @@ class Rollouter(Component):
         self, tickets: Sequence[PromptTicket]
     ) -> tuple[dict[str, list[Sample]], dict[str, str]]:
         """Generate every ticket's responses: (samples by ticket id, errors by ticket id)."""
-        # A ticket's n responses share its prompt: encoded (and packed, below) once.
+        # A ticket's n responses share its prompt: encoded once.
         # verl data carry their token ids (chat template applied, truncated): used as given.
         prompts = {t.ticket_id: list(t.prompt_ids) if t.prompt_ids is not None
                    else self.tokenizer.encode(t.prompt, bos=True) for t in tickets}
-        seqs = [_Seq(t, i, prompts[t.ticket_id], [], []) for t in tickets for i in range(t.n)]
+        seqs = [Seq(t, i, prompts[t.ticket_id], [], []) for t in tickets for i in range(t.n)]
         t0 = time.monotonic()
         await self._generate_all(seqs)
         gen_s = time.monotonic() - t0
         self.busy_s += gen_s
         scores = await self._score(seqs)
-        samples: dict[str, list[Sample]] = {}
-        failed: dict[str, str] = {}
-        packed = {tid: Array.of(np.asarray(p, dtype=np.int32)) for tid, p in prompts.items()}
-        for s, score in zip(seqs, scores, strict=True):
-            tid = s.ticket.ticket_id
-            if tid in failed:
-                continue
-            if score.failed and self._fails_ticket(s.ticket):
-                # rlbus's own task.reward_fn: one prompt's bad reward fails its ticket (retried,
-                # then dead-lettered) without sinking its batch-mates.
-                failed[tid] = f"reward function failed: {score.error}"
-                samples.pop(tid, None)
-                continue
-            samples.setdefault(tid, []).append(self._sample(s, packed[tid], score, gen_s))
-        return samples, failed
+        return to_samples(seqs, scores, prompts, gen_s=gen_s, rank=self.rank,
+                          eos_id=self.tokenizer.eos_id, fails_ticket=self._fails_ticket)
 
     async def _score_items(self, items: list[ScoreItem]) -> list[Score]:
         """Score ``items`` in the reward pool; the one warning about failed scoring is
@@ -460,7 +346,7 @@ class Rollouter(Component):
                                              message=warning))
         return scores
 
-    async def _score(self, seqs: list[_Seq]) -> list[Score]:
+    async def _score(self, seqs: list[Seq]) -> list[Score]:
         """Every response's reward from the reward pool (off the loop, a batch at once)."""
         texts = await self.off(lambda: [self.tokenizer.decode(s.tokens) for s in seqs])
         items = [ScoreItem(
@@ -473,21 +359,6 @@ class Rollouter(Component):
 
     def _fails_ticket(self, ticket: PromptTicket) -> bool:
         return self.rewards is not None and self.rewards.fails_ticket(ticket.data_source)
-
-    def _sample(self, s: _Seq, prompt: Array, score: Score, gen_s: float) -> Sample:
-        tid = s.ticket.ticket_id
-        return Sample(
-            sample_id=f"{tid}/{s.index}", ticket_id=tid,
-            prompt_id=s.ticket.prompt_id, index=s.index, n=s.ticket.n,
-            prompt_tokens=prompt,
-            response_tokens=Array.of(np.asarray(s.tokens, dtype=np.int32)),
-            logprobs=Array.of(np.asarray(s.logprobs, dtype=np.float32)),
-            reward=score.reward, reward_s=score.seconds, reward_extra=score.extra,
-            min_version=s.min_version, max_version=s.max_version, rank=self.rank,
-            gen_time_s=gen_s, attempt=s.ticket.attempt,
-            finish_reason="eos" if s.tokens and s.tokens[-1] == self.tokenizer.eos_id
-            else "length",
-        )
 
     # ------------------------------------------------------------------ serving tickets
 
@@ -523,7 +394,7 @@ class Rollouter(Component):
                 break
             caught_up = await self._poll_events(block_ms=500)
             await self._swap_weights()
-            await self._check_trainer()
+            await self.trainer.check()
             newest = self.newest
             if caught_up and newest is not None and need > newest.version:
                 # The trainer publishes weights before the tickets that need them, so once
@@ -664,7 +535,7 @@ class Rollouter(Component):
         while self.version < request.version and not self.finished:
             caught_up = await self._poll_events(block_ms=500)
             await self._swap_weights()
-            await self._check_trainer()
+            await self.trainer.check()
             newest = self.newest
             if caught_up and self.version < request.version and (
                     newest is None or newest.version < request.version):
@@ -699,7 +570,7 @@ class Rollouter(Component):
         await self.consumer.ensure_group()
         try:
             # Weights version 0 first: they come after ProfilerReady, so the control stream
-            # already holds every command for step 1 when _follow_steps reads it.
+            # already holds every command for step 1 when the step watch reads it.
             await self._first_weights()
             await self._serve_until_finished()
             await self._delivered()
@@ -731,7 +602,7 @@ class Rollouter(Component):
                         f"{timeout:g} s (rollout.weights_fetch_timeout_s): "
                         f"{self.weights.lost()}")
             await self._poll_events(block_ms=500)
-            await self._check_trainer()
+            await self.trainer.check()
 
     async def _serve_until_finished(self) -> None:
         last_reclaim = time.monotonic()
@@ -743,7 +614,7 @@ class Rollouter(Component):
                 await self._swap_weights(wait=False)
                 if self.finished:
                     break
-                await self._check_trainer()
+                await self.trainer.check()
                 if time.monotonic() - last_reclaim > self.cfg.heartbeat.interval_s:
                     last_reclaim = time.monotonic()
                     deliveries, polled = await self._reclaim_from_dead_replicas(), False
@@ -762,5 +633,5 @@ class Rollouter(Component):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        await self._stop_watching_steps()
+        await self.steps.stop()
 

@@ -25,16 +25,19 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from bus import BlobError, BlobNotFound
+from bus import BlobError, BlobNotFound, Bus, RunKeys
+from bus.blobs import open_store
 from bus.messages import WarningRaised, WeightsPublished
-from bus.weights_transport import TransportUnreachable
+from bus.weights_transport import TransportUnreachable, is_manifest_ref, open_transport
+from policy.weights import from_bytes
 from runtime import Failure
 
-__all__ = ["HeldWeights", "WeightsLost", "WeightsUnreachable", "fetch_within"]
+__all__ = ["HeldWeights", "WeightsLost", "WeightsUnreachable", "fetch_published", "fetch_within"]
 
 State = dict[str, torch.Tensor]
 
@@ -78,6 +81,24 @@ async def fetch_within(fetch: Callable[[], Awaitable[State]], msg: WeightsPublis
                     f"{timeout_s:g}): {exc}") from None
             await asyncio.sleep(min(delay, max(timeout_s - waited, 0.0)))
             delay = min(delay * 2, 5.0)
+
+
+async def fetch_published(msg: WeightsPublished, *, bus: Bus, keys: RunKeys,
+                          root: str | Path, timeout_s: float, source: str,
+                          warn: Callable[[WarningRaised], Awaitable[Any]]) -> State:
+    """The tensors of publication ``msg``. One published tensor by tensor (a transport's
+    manifest): chunks fetched in parallel, each checked, an unreachable storage told at once
+    and a failure after ``timeout_s`` (:func:`fetch_within`). A whole blob (an older log's):
+    read, then decoded on a thread of its own (the generation worker is busy meanwhile).
+    ``root``: the storage transport's root, ``run.storage/RUN/blobs``."""
+    ref = msg.manifest or msg.ref
+    if is_manifest_ref(ref):
+        transport = open_transport(ref.store, bus=bus, run_keys=keys, root=root)
+        return await fetch_within(lambda: transport.fetch(ref), msg, transport.location(ref),
+                                  timeout_s, source, warn)
+    store = open_store(msg.ref.store, bus=bus, run_keys=keys, root=root)
+    blob = await store.get(msg.ref)
+    return await asyncio.to_thread(from_bytes, blob)
 
 
 class HeldWeights:

@@ -17,7 +17,8 @@ from bus import Bus
 from bus.messages import PromptTicket
 from policy import Generation, build_policy
 from rollouter import engine as engine_mod
-from rollouter.app import Rollouter, _Seq
+from rollouter.answers import Seq
+from rollouter.app import Rollouter
 from rollouter.engine import Engine, PolicyEngine, build_engine
 from runconfig import ConfigError, load_config
 
@@ -114,7 +115,7 @@ async def test_samples_carry_the_version_the_engine_holds(
     r.weights.version = 5  # what the rollouter's bookkeeping says
     ticket = PromptTicket(ticket_id="t", prompt_id="p", prompt="12", answer="21", n=2,
                           min_version=0)
-    seqs = [_Seq(ticket, i, [1, 4, 5], [], []) for i in range(2)]
+    seqs = [Seq(ticket, i, [1, 4, 5], [], []) for i in range(2)]
     r._generate(seqs, 2)
     assert [(s.min_version, s.max_version, s.tokens) for s in seqs] == [(3, 3, [9, 9])] * 2
 

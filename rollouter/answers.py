@@ -1,0 +1,67 @@
+"""A batch's responses as they are generated (:class:`Seq`), and the samples they become
+once scored (:func:`to_samples`): pure, no engine, no bus."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import msgspec
+import numpy as np
+
+from bus.messages import Array, PromptTicket, Sample
+from rollouter.scoring import Score
+
+__all__ = ["Seq", "to_samples"]
+
+
+class Seq(msgspec.Struct):
+    """One response being generated (possibly across weight versions)."""
+
+    ticket: PromptTicket
+    index: int
+    prompt: list[int]
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    finished: bool = False
+    min_version: int = -1
+    max_version: int = -1
+
+
+def to_samples(seqs: Sequence[Seq], scores: Sequence[Score], prompts: Mapping[str, list[int]],
+               *, gen_s: float, rank: int, eos_id: int | None,
+               fails_ticket: Callable[[PromptTicket], bool]
+               ) -> tuple[dict[str, list[Sample]], dict[str, str]]:
+    """(samples by ticket id, errors by ticket id) for scored ``seqs``. A failed score fails
+    its whole ticket where ``fails_ticket`` says so (rlbus's own reward function: the ticket
+    is retried, then dead-lettered, without sinking its batch-mates); elsewhere a failed
+    score is a sample like any other (verl's reward functions: reward 0)."""
+    samples: dict[str, list[Sample]] = {}
+    failed: dict[str, str] = {}
+    # A ticket's n responses share its prompt: packed once.
+    packed = {tid: Array.of(np.asarray(p, dtype=np.int32)) for tid, p in prompts.items()}
+    for s, score in zip(seqs, scores, strict=True):
+        tid = s.ticket.ticket_id
+        if tid in failed:
+            continue
+        if score.failed and fails_ticket(s.ticket):
+            failed[tid] = f"reward function failed: {score.error}"
+            samples.pop(tid, None)
+            continue
+        samples.setdefault(tid, []).append(_sample(s, packed[tid], score, gen_s, rank, eos_id))
+    return samples, failed
+
+
+def _sample(s: Seq, prompt: Array, score: Score, gen_s: float, rank: int,
+            eos_id: int | None) -> Sample:
+    tid = s.ticket.ticket_id
+    return Sample(
+        sample_id=f"{tid}/{s.index}", ticket_id=tid,
+        prompt_id=s.ticket.prompt_id, index=s.index, n=s.ticket.n,
+        prompt_tokens=prompt,
+        response_tokens=Array.of(np.asarray(s.tokens, dtype=np.int32)),
+        logprobs=Array.of(np.asarray(s.logprobs, dtype=np.float32)),
+        reward=score.reward, reward_s=score.seconds, reward_extra=score.extra,
+        min_version=s.min_version, max_version=s.max_version, rank=rank,
+        gen_time_s=gen_s, attempt=s.ticket.attempt,
+        finish_reason="eos" if s.tokens and s.tokens[-1] == eos_id else "length",
+    )

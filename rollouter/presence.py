@@ -1,0 +1,53 @@
+"""Whether the run's trainer is there, judged from its fencing lease key.
+
+The key's TTL is judged by Redis's clock, and the trainer renews it from a loop its updates
+never block, so a long training step is not silence: only a key absent for
+``heartbeat.timeout_s`` is. A trainer never seen and one that went away are told apart.
+"""
+
+from __future__ import annotations
+
+import time
+
+from bus import Bus
+from runtime import Failure
+
+__all__ = ["TrainerGone", "TrainerPresence"]
+
+
+class TrainerGone(Failure):
+    """The trainer never appeared or went silent; the message says which and for how long."""
+
+
+class TrainerPresence:
+    """The trainer lease ``lease_key`` of run ``run_id``, watched by a rollouter."""
+
+    def __init__(self, bus: Bus, lease_key: str, run_id: str, timeout_s: float) -> None:
+        self.bus = bus
+        self.lease_key = lease_key
+        self.run_id = run_id
+        self.timeout_s = timeout_s
+        self.absent_since: float | None = time.monotonic()  # judged from construction on
+        self.seen = False
+
+    async def check(self) -> None:
+        """Raise :class:`TrainerGone` once the lease key has been absent for longer than
+        the timeout (Redis ``EXISTS``)."""
+        now = time.monotonic()
+        if await self.bus.exists(self.lease_key):
+            self.absent_since = None
+            self.seen = True
+            return
+        if self.absent_since is None:
+            self.absent_since = now
+        waited = now - self.absent_since
+        if waited <= self.timeout_s:
+            return
+        if not self.seen:
+            raise TrainerGone(
+                f"no trainer: no trainer lease ({self.lease_key}) for run {self.run_id!r} in "
+                f"{waited:.0f} s (heartbeat.timeout_s={self.timeout_s}); is the trainer "
+                "running?")
+        raise TrainerGone(
+            f"trainer is gone: its lease {self.lease_key} lapsed and stayed absent for "
+            f"{waited:.0f} s (heartbeat.timeout_s={self.timeout_s})")
