@@ -10,6 +10,13 @@ always precede it.
 
 New weights are loaded between batches, or between chunks of tokens when
 ``async_training.partial_rollout`` is on (then a sample's min and max versions differ).
+
+The parts: :class:`~rollouter.tickets.TicketDesk` (tickets read ahead, retried, answered),
+:class:`~rollouter.weights.HeldWeights` (the weights held and staged),
+:class:`~rollouter.stepwatch.StepWatch` (profiling steps after the trainer's),
+:class:`~rollouter.presence.TrainerPresence` (the trainer's lease), the engine
+(:mod:`rollouter.engine`), the reward pool (:mod:`rollouter.scoring`) and the samples a
+batch becomes (:mod:`rollouter.answers`).
 """
 
 from __future__ import annotations
@@ -31,11 +38,9 @@ from bus import (
     RunKeys,
 )
 from bus.facts import run_finished_refusal
-from bus.liveness import peers
 from bus.messages import (
     Heartbeat,
     PromptTicket,
-    RolloutFailed,
     RunFinished,
     RunStarted,
     Sample,
@@ -54,6 +59,7 @@ from rollouter.engine import Engine, build_engine
 from rollouter.presence import TrainerGone, TrainerPresence
 from rollouter.scoring import RewardPool, Score, ScoreItem
 from rollouter.stepwatch import StepWatch
+from rollouter.tickets import GROUP, TicketDesk
 from rollouter.validation import Validator, build_validator
 from rollouter.weights import HeldWeights, WeightsLost, fetch_published
 from runconfig import Config, ConfigError
@@ -63,10 +69,7 @@ from runtime.ranks import join_rank
 
 __all__ = ["Rollouter", "TrainerGone"]
 
-GROUP = "rollouter"
-MAX_ATTEMPTS = 3  # tries of one ticket before it goes to the dead-letter stream
 ENGINE_CLOSE_S = 30.0  # the longest an engine's shutdown may hold the exit
-MAX_N = 4096  # responses one ticket may ask for; more is not a ticket we wrote
 
 
 class BadRewardConfig(Failure):
@@ -101,6 +104,9 @@ class Rollouter(Component):
             bus, self.keys.prompts, GROUP, RunKeys.rollouter_consumer(self.rank),
             dlq_stream=self.keys.dlq,
         )
+        self.tickets = TicketDesk(bus, self.keys, self.consumer, rank=self.rank,
+                                  batch=cfg.rollout.prompts_per_batch, poll=self._poll_events,
+                                  publish=self.publish, validates=bool(cfg.data.val_files))
         self.device = resolve_device(cfg.rollout.device)
         self.tokenizer = build_tokenizer(cfg.model)
         self.rewards: RewardPool | None = None  # setup(): a bad reward file is exit 2
@@ -120,21 +126,12 @@ class Rollouter(Component):
         # The trainer's step boundaries read from the log: this rollouter's profiling steps.
         self.steps = StepWatch(cfg.trainer.total_training_steps, commands=self.apply_commands,
                                publish=self.publish, poll=self._poll_events)
-        self.attempts: dict[str, int] = {}
-        self.retry: list[Any] = []
-        # A pipeline around the worker: the next tickets are read, and the last batch's
-        # samples published (and its tickets acked), while a batch generates; at most one
-        # of each in flight.
-        self.prefetch: asyncio.Task[list[Any]] | None = None
-        self.delivering: asyncio.Future[list[str]] | None = None
         self.busy_s = 0.0
         self.window_start = time.monotonic()
-        self.published = 0  # samples handed to the bus: part of the heartbeat's progress
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(cfg.rollout.seed * 1000 + self.rank)
-        # Validation (data.val_files): requests to serve between batches, those the log
-        # has answered, and the validator, built at the first request.
-        self.val_requests: list[Any] = []
+        # Validation (data.val_files): the requests the log has answered (those to serve
+        # wait in self.tickets), and the validator, built at the first request.
         self.validated: set[str] = set()
         self.validator: Validator | None = None
         self.validating: str | None = None  # the request being served (heartbeat state)
@@ -255,7 +252,7 @@ class Rollouter(Component):
         by this counter, not by its liveness key (trainer.dispatch)."""
         scored = self.rewards.scored if self.rewards is not None else 0
         steps = self.engine.steps if self.engine is not None else 0
-        return steps + scored + self.published
+        return steps + scored + self.tickets.published
 
     def heartbeat(self) -> Heartbeat:
         """This replica's pulse: its weights, the share of the time since the last pulse
@@ -362,22 +359,6 @@ class Rollouter(Component):
 
     # ------------------------------------------------------------------ serving tickets
 
-    async def _accept(self, deliveries: list[Any]) -> list[tuple[str, PromptTicket]]:
-        """The tickets among ``deliveries``; anything else is dead-lettered with a reason."""
-        tickets = []
-        for d in deliveries:
-            if isinstance(d.msg, PromptTicket) and 1 <= d.msg.n <= MAX_N:
-                tickets.append((d.id, d.msg))
-            elif isinstance(d.msg, PromptTicket):
-                await self.consumer.dead_letter(d, f"ticket asks for n={d.msg.n} responses "
-                                                   f"(1..{MAX_N})")
-            elif isinstance(d.msg, ValidationRequested) and self.cfg.data.val_files:
-                self.val_requests.append(d)  # served after this batch (_serve_validations)
-            else:
-                await self.consumer.dead_letter(d, f"expected a PromptTicket, got "
-                                                   f"{type(d.msg).__name__}")
-        return tickets
-
     async def _weights_for(
         self, deliveries: list[Any], tickets: list[tuple[str, PromptTicket]]
     ) -> list[tuple[str, PromptTicket]]:
@@ -400,14 +381,13 @@ class Rollouter(Component):
                 # The trainer publishes weights before the tickets that need them, so once
                 # we have read the whole log, a ticket asking for more than its newest
                 # weights was issued in a stretch of log that Redis lost (or was forged).
-                await self._drop_unservable(deliveries, tickets, newest.version)
-                tickets = [(i, t) for i, t in tickets if t.min_version <= newest.version]
+                tickets = await self.tickets.drop_unservable(deliveries, tickets, newest.version)
         return tickets
 
     async def _serve(self, deliveries: list[Any], polled: bool = False) -> None:
         """Generate for ``deliveries``' tickets and publish the answers; ``polled``: the
-        events stream was read after these tickets were (by :meth:`_read_ahead`)."""
-        tickets = await self._weights_for(deliveries, await self._accept(deliveries))
+        events stream was read after these tickets were (rollouter.tickets)."""
+        tickets = await self._weights_for(deliveries, await self.tickets.accept(deliveries))
         if not tickets:
             return
         # These tickets were issued after the StepFinished that begins the step they belong
@@ -417,105 +397,24 @@ class Rollouter(Component):
         if self.finished:
             return
         await self._swap_weights(wait=False)
-        self._prefetch()
+        if not self.finished:
+            self.tickets.prefetch()
         try:
             samples, failed = await self._rollout([t for _, t in tickets])
         except Exception as exc:  # a failed rollout is an event, never "end of data"
             error = f"generation failed: {type(exc).__name__}: {exc}"
             samples, failed = {}, {t.ticket_id: error for _, t in tickets}
-        await self._retry_or_give_up(deliveries, failed)
-        await self._deliver([(entry_id, t) for entry_id, t in tickets if t.ticket_id in samples],
-                            samples)
-
-    async def _retry_or_give_up(self, deliveries: list[Any], failed: dict[str, str]) -> None:
-        """A failed ticket is an event; it is retried here, then dead-lettered after
-        MAX_ATTEMPTS (counting the deliveries before ours); the trainer then frees its
-        budget slot."""
-        for ticket_id, error in failed.items():
-            await self.publish(RolloutFailed(ticket_id=ticket_id, rank=self.rank, error=error))
-        for d in deliveries:
-            tid = getattr(d.msg, "ticket_id", None)
-            if tid not in failed:
-                continue
-            self.attempts[tid] = self.attempts.get(tid, d.deliveries - 1) + 1
-            if self.attempts[tid] >= MAX_ATTEMPTS:
-                del self.attempts[tid]
-                await self.consumer.dead_letter(
-                    d, f"rollout failed {MAX_ATTEMPTS} times; last: {failed[tid]}"
-                )
-            else:
-                self.retry.append(d)
-
-    async def _deliver(self, done: list[tuple[str, PromptTicket]],
-                       samples: dict[str, list[Sample]]) -> None:
-        """All responses of these tickets land together with the acks of their tickets, in
-        the background: the next batch generates meanwhile."""
-        if not done:
-            return
-        batch = [sample for _, t in done for sample in samples[t.ticket_id]]
-        await self._delivered()
-        self.published += len(batch)
-        publish = self.consumer.publish_and_ack(self.keys.samples, batch,
-                                                *(entry_id for entry_id, _ in done))
-        self.delivering = asyncio.ensure_future(publish)
-
-    async def _delivered(self) -> None:
-        """Wait for the batch being published (if any); its failure is raised here."""
-        task, self.delivering = self.delivering, None
-        if task is not None:
-            await task
-
-    def _prefetch(self) -> None:
-        """Start reading the next tickets while this batch generates (:meth:`_read_ahead`)."""
-        if self.prefetch is None and not self.retry and not self.finished:
-            self.prefetch = asyncio.create_task(self._read_ahead())
-
-    async def _read_ahead(self) -> list[Any]:
-        """The next tickets (a blocking XREADGROUP, at most 200 ms), then the events after
-        them: the StepFinished that begins their step precedes them in the log."""
-        deliveries = await self.consumer.read(count=self.cfg.rollout.prompts_per_batch,
-                                              block_ms=200)
-        if deliveries:
-            await self._poll_events()
-        return deliveries
-
-    async def _next_deliveries(self) -> tuple[list[Any], bool]:
-        """Tickets to serve next (retries first, then the read ahead, else a read now, each
-        followed by the events after it) and whether the events were read after them."""
-        if self.retry:
-            deliveries, self.retry = self.retry, []
-            return deliveries, False
-        task, self.prefetch = self.prefetch, None
-        return await (task if task is not None else self._read_ahead()), True
-
-    async def _reclaim_from_dead_replicas(self) -> list[Any]:
-        """Tickets pending on replicas whose liveness key has lapsed (by Redis's clock): a
-        slow replica generating for minutes keeps its tickets; a dead one's come back."""
-        members = await self.bus.consumers(self.keys.prompts, GROUP)
-        if not members:
-            return []
-        alive = {RunKeys.rollouter_consumer(hb.rank)
-                 for hb in await peers(self.bus, self.keys.alive_pattern("rollouter"))}
-        dead = [m for m in members if m not in alive and m != self.consumer.name]
-        return await self.consumer.reclaim_from(dead) if dead else []
-
-    async def _drop_unservable(
-        self, deliveries: list[Any], tickets: list[tuple[str, PromptTicket]], newest: int
-    ) -> None:
-        ids = {i for i, t in tickets if t.min_version > newest}
-        for d in deliveries:
-            if d.id in ids:
-                await self.consumer.dead_letter(
-                    d, f"ticket asks for weights v{d.msg.min_version} but the newest in the "
-                       f"log is v{newest}: issued in a stretch of log Redis lost")
+        await self.tickets.retry_or_give_up(deliveries, failed)
+        await self.tickets.deliver([(i, t) for i, t in tickets if t.ticket_id in samples],
+                                   samples)
 
     # ------------------------------------------------------------------ validation
 
     async def _serve_validations(self) -> None:
         """Serve the validation requests read with the last batch (rollouter.validation);
         one already answered in the log (a redelivery) is acked without work."""
-        while self.val_requests and not self.finished:
-            d = self.val_requests.pop(0)
+        while self.tickets.val_requests and not self.finished:
+            d = self.tickets.val_requests.pop(0)
             await self._poll_events()
             if d.msg.request_id in self.validated:
                 await self.consumer.ack(d)
@@ -573,7 +472,7 @@ class Rollouter(Component):
             # already holds every command for step 1 when the step watch reads it.
             await self._first_weights()
             await self._serve_until_finished()
-            await self._delivered()
+            await self.tickets.delivered()
             self.say(f"run {self.run_id} finished")
             return 0
         finally:
@@ -607,7 +506,7 @@ class Rollouter(Component):
     async def _serve_until_finished(self) -> None:
         last_reclaim = time.monotonic()
         while not self.finished:
-            deliveries, polled = await self._next_deliveries()
+            deliveries, polled = await self.tickets.next()
             if not deliveries:
                 # Nothing to do: the run's end, new weights and the trainer's health.
                 await self._poll_events()
@@ -617,7 +516,8 @@ class Rollouter(Component):
                 await self.trainer.check()
                 if time.monotonic() - last_reclaim > self.cfg.heartbeat.interval_s:
                     last_reclaim = time.monotonic()
-                    deliveries, polled = await self._reclaim_from_dead_replicas(), False
+                    deliveries = await self.tickets.reclaim_from_dead_replicas()
+                    polled = False
                 if not deliveries:
                     continue
             await self._serve(deliveries, polled)
@@ -626,12 +526,7 @@ class Rollouter(Component):
     async def _stop_pipeline(self) -> None:
         """The read ahead, the publication in flight and the staged weights, then the step
         watcher between two moves (the runtime closes the agent after this)."""
-        pipeline = (self.prefetch, self.delivering)
-        self.prefetch = self.delivering = None
+        await self.tickets.stop()
         await self.weights.cancel()
-        for task in (t for t in pipeline if t is not None):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
         await self.steps.stop()
 

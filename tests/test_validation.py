@@ -199,10 +199,10 @@ async def _serve_all(r: Rollouter) -> None:
     """What the ticket loop does with one read: the batch, then the requests read with it."""
     deliveries: list[Any] = []
     while not deliveries:  # the read ahead of the last batch may hold them
-        deliveries, polled = await r._next_deliveries()
+        deliveries, polled = await r.tickets.next()
     await r._serve(deliveries, polled)
     await r._serve_validations()
-    await r._delivered()
+    await r.tickets.delivered()
 
 
 @pytest.mark.asyncio

@@ -1,0 +1,156 @@
+"""A rollouter replica's side of the prompts stream: the tickets it reads, retries and
+answers.
+
+A pipeline around the generation worker: the next tickets are read (:meth:`TicketDesk.prefetch`)
+and the last batch's samples published with the acks of their tickets
+(:meth:`TicketDesk.deliver`) while a batch generates; at most one of each in flight. A failed
+ticket is retried, then dead-lettered after :data:`MAX_ATTEMPTS`; tickets pending on replicas
+whose liveness key lapsed come back to the live ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from bus import Bus, Consumer, RunKeys
+from bus.liveness import peers
+from bus.messages import PromptTicket, RolloutFailed, Sample, ValidationRequested
+
+__all__ = ["GROUP", "MAX_ATTEMPTS", "MAX_N", "TicketDesk"]
+
+GROUP = "rollouter"
+MAX_ATTEMPTS = 3  # tries of one ticket before it goes to the dead-letter stream
+MAX_N = 4096  # responses one ticket may ask for; more is not a ticket we wrote
+
+Ticket = tuple[str, PromptTicket]  # (entry id, ticket)
+
+
+class TicketDesk:
+    """Replica ``rank``'s tickets, read through ``consumer`` (its member of the rollouters'
+    group) ``batch`` at a time. ``poll``: read the events after the tickets (the
+    StepFinished that begins their step precedes them in the log); ``publish``: the
+    replica's events; ``validates``: validation requests are served (data.val_files), else
+    dead-lettered."""
+
+    def __init__(self, bus: Bus, keys: RunKeys, consumer: Consumer, *, rank: int, batch: int,
+                 poll: Callable[[], Awaitable[Any]],
+                 publish: Callable[..., Awaitable[None]], validates: bool) -> None:
+        self.bus, self.keys, self.consumer = bus, keys, consumer
+        self.rank, self.batch, self.validates = rank, batch, validates
+        self._poll, self._publish = poll, publish
+        self.attempts: dict[str, int] = {}
+        self.retry: list[Any] = []
+        self.prefetching: asyncio.Task[list[Any]] | None = None
+        self.delivering: asyncio.Future[list[str]] | None = None
+        self.published = 0  # samples handed to the bus: part of the heartbeat's progress
+        self.val_requests: list[Any] = []  # served between batches, in order
+
+    async def accept(self, deliveries: list[Any]) -> list[Ticket]:
+        """The tickets among ``deliveries``; validation requests are kept for after the
+        batch; anything else is dead-lettered with a reason."""
+        tickets = []
+        for d in deliveries:
+            if isinstance(d.msg, PromptTicket) and 1 <= d.msg.n <= MAX_N:
+                tickets.append((d.id, d.msg))
+            elif isinstance(d.msg, PromptTicket):
+                await self.consumer.dead_letter(d, f"ticket asks for n={d.msg.n} responses "
+                                                   f"(1..{MAX_N})")
+            elif isinstance(d.msg, ValidationRequested) and self.validates:
+                self.val_requests.append(d)
+            else:
+                await self.consumer.dead_letter(d, f"expected a PromptTicket, got "
+                                                   f"{type(d.msg).__name__}")
+        return tickets
+
+    async def retry_or_give_up(self, deliveries: list[Any], failed: dict[str, str]) -> None:
+        """A failed ticket is an event; it is retried here, then dead-lettered after
+        MAX_ATTEMPTS (counting the deliveries before ours); the trainer then frees its
+        budget slot."""
+        for ticket_id, error in failed.items():
+            await self._publish(RolloutFailed(ticket_id=ticket_id, rank=self.rank, error=error))
+        for d in deliveries:
+            tid = getattr(d.msg, "ticket_id", None)
+            if tid not in failed:
+                continue
+            self.attempts[tid] = self.attempts.get(tid, d.deliveries - 1) + 1
+            if self.attempts[tid] >= MAX_ATTEMPTS:
+                del self.attempts[tid]
+                await self.consumer.dead_letter(
+                    d, f"rollout failed {MAX_ATTEMPTS} times; last: {failed[tid]}")
+            else:
+                self.retry.append(d)
+
+    async def deliver(self, done: list[Ticket], samples: dict[str, list[Sample]]) -> None:
+        """All responses of these tickets land together with the acks of their tickets, in
+        the background: the next batch generates meanwhile."""
+        if not done:
+            return
+        batch = [sample for _, t in done for sample in samples[t.ticket_id]]
+        await self.delivered()
+        self.published += len(batch)
+        publish = self.consumer.publish_and_ack(self.keys.samples, batch,
+                                                *(entry_id for entry_id, _ in done))
+        self.delivering = asyncio.ensure_future(publish)
+
+    async def delivered(self) -> None:
+        """Wait for the batch being published (if any); its failure is raised here."""
+        task, self.delivering = self.delivering, None
+        if task is not None:
+            await task
+
+    def prefetch(self) -> None:
+        """Start reading the next tickets while this batch generates (retries go first)."""
+        if self.prefetching is None and not self.retry:
+            self.prefetching = asyncio.create_task(self._read_ahead())
+
+    async def _read_ahead(self) -> list[Any]:
+        """The next tickets (a blocking XREADGROUP, at most 200 ms), then the events after
+        them."""
+        deliveries = await self.consumer.read(count=self.batch, block_ms=200)
+        if deliveries:
+            await self._poll()
+        return deliveries
+
+    async def next(self) -> tuple[list[Any], bool]:
+        """Tickets to serve next (retries first, then the read ahead, else a read now, each
+        followed by the events after it) and whether the events were read after them."""
+        if self.retry:
+            deliveries, self.retry = self.retry, []
+            return deliveries, False
+        task, self.prefetching = self.prefetching, None
+        return await (task if task is not None else self._read_ahead()), True
+
+    async def reclaim_from_dead_replicas(self) -> list[Any]:
+        """Tickets pending on replicas whose liveness key has lapsed (by Redis's clock): a
+        slow replica generating for minutes keeps its tickets; a dead one's come back."""
+        members = await self.bus.consumers(self.keys.prompts, GROUP)
+        if not members:
+            return []
+        alive = {RunKeys.rollouter_consumer(hb.rank)
+                 for hb in await peers(self.bus, self.keys.alive_pattern("rollouter"))}
+        dead = [m for m in members if m not in alive and m != self.consumer.name]
+        return await self.consumer.reclaim_from(dead) if dead else []
+
+    async def drop_unservable(self, deliveries: list[Any], tickets: list[Ticket],
+                              newest: int) -> list[Ticket]:
+        """Dead-letter the tickets asking for weights newer than ``newest``, the newest in
+        the whole log (issued in a stretch of log Redis lost, or forged); the rest."""
+        ids = {i for i, t in tickets if t.min_version > newest}
+        for d in deliveries:
+            if d.id in ids:
+                await self.consumer.dead_letter(
+                    d, f"ticket asks for weights v{d.msg.min_version} but the newest in the "
+                       f"log is v{newest}: issued in a stretch of log Redis lost")
+        return [(i, t) for i, t in tickets if i not in ids]
+
+    async def stop(self) -> None:
+        """Cancel the read ahead and the publication in flight."""
+        pipeline = (self.prefetching, self.delivering)
+        self.prefetching = self.delivering = None
+        for task in (t for t in pipeline if t is not None):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
