@@ -1,5 +1,6 @@
 """The config of a run: defaults, loading with overrides, validation (exit 2 naming the key)."""
 
+from runconfig.cli import load_or_exit, parse_config_args
 from runconfig.load import (
     PRESET,
     Assignment,
@@ -9,8 +10,6 @@ from runconfig.load import (
     default_dict,
     known_keys,
     load_config,
-    load_or_exit,
-    parse_config_args,
     parse_override,
     resolve_run_id,
     suggest_key,

@@ -1,15 +1,15 @@
 """Load a config: package defaults, then a user YAML file, then dotted ``KEY=VALUE`` overrides.
 
 Every error is a :class:`ConfigError` that names the offending key; command-line entry points
-turn it into exit code 2 (see :func:`load_or_exit`).
+turn it into exit code 2 (:func:`runconfig.cli.load_or_exit`). The checks across keys are
+:mod:`runconfig.checks`; the schema's keys and the suggestions for misspelt ones are
+:mod:`runconfig.keys`.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 import functools
-import json
 import re
 import sys
 import time
@@ -24,7 +24,9 @@ import yaml
 
 from runconfig import verl as verl_table
 from runconfig import yaml12
-from runconfig.paths import local_path, storage_url
+from runconfig.checks import check_cross_fields
+from runconfig.errors import ConfigError
+from runconfig.keys import config_shape, known_keys, suggest_key
 from runconfig.schema import Config
 
 __all__ = [
@@ -36,8 +38,6 @@ __all__ = [
     "default_dict",
     "known_keys",
     "load_config",
-    "load_or_exit",
-    "parse_config_args",
     "parse_override",
     "resolve_run_id",
     "suggest_key",
@@ -46,80 +46,6 @@ __all__ = [
     "verl_heads",
     "verl_preset",
 ]
-
-
-class ConfigError(ValueError):
-    """An invalid config or argument; ``key`` is the dotted key at fault.
-
-    ``suggestion`` is the closest known dotted key for an unknown one (else None); the message
-    then ends with ``; did you mean 'x.y'?``.
-    """
-
-    def __init__(self, key: str, message: str, suggestion: str | None = None) -> None:
-        text = f"invalid config key '{key}': {message}"
-        if suggestion:
-            text += f"; did you mean '{suggestion}'?"
-        super().__init__(text)
-        self.key = key
-        self.message = message
-        self.suggestion = suggestion
-
-
-class _Keys(msgspec.Struct, frozen=True):
-    """The shape of the config: dotted leaves, mapping-valued leaves, sections."""
-
-    leaves: tuple[str, ...]
-    mappings: frozenset[str]  # leaves whose value is an open mapping (nsys options)
-    sections: frozenset[str]  # dotted prefixes of leaves ("trainer", "global_profiler...")
-
-
-def _walk(info: msgspec.inspect.StructType, prefix: str, out: list[tuple[str, bool]]) -> None:
-    for field in info.fields:
-        dotted = f"{prefix}{field.name}"
-        if isinstance(field.type, msgspec.inspect.StructType):
-            _walk(field.type, f"{dotted}.", out)
-        else:
-            out.append((dotted, isinstance(field.type, msgspec.inspect.DictType)))
-
-
-@functools.cache
-def _shape() -> _Keys:
-    info = msgspec.inspect.type_info(Config)
-    assert isinstance(info, msgspec.inspect.StructType)
-    found: list[tuple[str, bool]] = []
-    _walk(info, "", found)
-    leaves = tuple(k for k, _ in found)
-    sections = {k.rsplit(".", i)[0] for k in leaves for i in range(1, k.count(".") + 1)}
-    return _Keys(leaves, frozenset(k for k, m in found if m), frozenset(sections))
-
-
-def known_keys(verl: bool = False) -> list[str]:
-    """Every dotted key of rlbus's config (``trainer.lr``, ``global_profiler.steps``, ...).
-
-    With ``verl=True`` also verl's spellings that rlbus accepts (see
-    :mod:`runconfig.verl`; a subtree is listed as ``prefix.*``).
-    """
-    keys = list(_shape().leaves)
-    return keys + [k for k in verl_table.verl_keys() if k not in keys] if verl else keys
-
-
-def suggest_key(key: str, candidates: list[str] | tuple[str, ...] | None = None) -> str | None:
-    """The known dotted key closest to ``key`` (difflib), or None when nothing is close.
-
-    Candidates default to rlbus's keys and verl's exact spellings.
-    """
-    if candidates is None:
-        exact = [k for k in verl_table.verl_keys() if not k.endswith(".*")]
-        candidates = [*_shape().leaves, *exact]
-    pool = list(candidates)
-    match = difflib.get_close_matches(key, pool, n=1, cutoff=0.75)
-    if match:
-        return match[0]
-    # A misspelt section with a right leaf (``trainr.lr``): compare within that leaf name.
-    leaf = key.rsplit(".", 1)[-1]
-    same_leaf = [k for k in pool if k.rsplit(".", 1)[-1] == leaf]
-    match = difflib.get_close_matches(key, same_leaf, n=1, cutoff=0.4)
-    return match[0] if match else None
 
 
 def default_dict() -> dict[str, Any]:
@@ -160,7 +86,7 @@ def verl_default_dict() -> dict[str, Any]:
 def verl_heads() -> frozenset[str]:
     """Sections only verl has (``actor_rollout_ref``, ``algorithm``, ``critic``, ...): a key
     in one of them makes a line a verl line."""
-    own = {k.split(".", 1)[0] for k in _shape().leaves}
+    own = {k.split(".", 1)[0] for k in config_shape().leaves}
     return frozenset({k.split(".", 1)[0] for k in verl_table.verl_keys()} - own)
 
 
@@ -215,7 +141,7 @@ def parse_override(text: str) -> Assignment:
 
 def _flatten(user: dict[str, Any]) -> list[Assignment]:
     """A config file's nested mapping as dotted assignments, in file order."""
-    shape = _shape()
+    shape = config_shape()
     out: list[Assignment] = []
 
     def walk(node: dict[str, Any], prefix: str) -> None:
@@ -299,7 +225,7 @@ class _Builder:
 
     # ---- one assignment
     def apply(self, a: Assignment) -> None:
-        shape = _shape()
+        shape = config_shape()
         if a.key.rsplit(".", 1)[-1] == "_target_":
             return  # Hydra's instantiation target in a verl YAML file: no meaning here
         if a.key in shape.leaves:
@@ -494,207 +420,6 @@ def _key_of(message: str) -> str:
     return re.sub(r"\[[^\]]*\]", "", match.group(1)) or "<config>"
 
 
-def _check_cross_fields(cfg: Config) -> None:
-    _check_model(cfg)
-    _check_engine(cfg)
-    _check_task(cfg)
-    _check_profiler(cfg)
-    _check_checkpoint_contents(cfg)
-    _check_redis_cluster(cfg)
-    _check_ranks(cfg)
-
-
-def _check_ranks(cfg: Config) -> None:
-    """Trainer ranks (trainer.ranks): every rank needs rows of each mini-batch, a node's
-    place among the nodes, and a meeting port known to every node."""
-    tc = cfg.trainer
-    world = tc.nnodes * tc.n_gpus_per_node
-    if tc.node_rank >= tc.nnodes:
-        raise ConfigError("trainer.node_rank", f"{tc.node_rank} is not below trainer.nnodes="
-                          f"{tc.nnodes}")
-    if tc.nnodes > 1 and tc.master_port is None:
-        raise ConfigError("trainer.master_port", f"needed with trainer.nnodes={tc.nnodes}: "
-                          "every node's ranks meet rank 0 there")
-    if tc.checkpoint_format == "dcp" and local_path(storage_url(cfg)) is None:
-        raise ConfigError("trainer.checkpoint_format", "dcp needs a local run.storage (a "
-                          "folder every trainer node reads): a remote one is mirrored from "
-                          "rank 0's node, which holds only its own ranks' shards; use full")
-    rows = tc.ppo_mini_batch_size * cfg.rollout.n
-    if world > 1 and rows < world:
-        raise ConfigError("trainer.n_gpus_per_node", f"{world} trainer ranks, but a "
-                          f"mini-batch has {rows} responses (ppo_mini_batch_size x rollout.n): "
-                          "every rank needs at least one")
-
-
-def _check_engine(cfg: Config) -> None:
-    """vLLM loads a Hugging Face model directory, not the built-in toy model, and refuses
-    an engine step smaller than its batch of sequences."""
-    rc = cfg.rollout
-    if rc.name != "vllm":
-        return
-    if cfg.model.kind != "hf":
-        raise ConfigError("rollout.name", f"vllm generates with a Hugging Face model "
-                          f"(model.kind: hf and model.path), not model.kind {cfg.model.kind}")
-    if rc.max_num_batched_tokens < rc.max_num_seqs:
-        raise ConfigError("rollout.max_num_batched_tokens",
-                          f"{rc.max_num_batched_tokens} is below rollout.max_num_seqs="
-                          f"{rc.max_num_seqs}: vLLM needs room for one token of every "
-                          "sequence in an engine step")
-
-
-def _check_redis_cluster(cfg: Config) -> None:
-    """A Redis Cluster (``redis.cluster: true``) is reached over TCP: redis:// or rediss://,
-    and there is no embedded one (``rlbus up`` without redis.url starts a single server)."""
-    if not cfg.redis.cluster:
-        return
-    if cfg.redis.url is None:
-        raise ConfigError("redis.cluster", "true needs redis.url naming a node of the cluster "
-                          "(the embedded Redis is a single server)")
-    scheme = cfg.redis.url.partition("://")[0].lower()
-    if scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
-        raise ConfigError("redis.url", f"a Redis Cluster (redis.cluster: true) needs a "
-                          f"redis:// or rediss:// URL, not {scheme}://")
-
-
-def _check_checkpoint_contents(cfg: Config) -> None:
-    """``hf_model`` (verl's save_contents) writes a Hugging Face directory per checkpoint:
-    only a Hugging Face model has one."""
-    if "hf_model" in cfg.trainer.checkpoint_contents and cfg.model.kind != "hf":
-        raise ConfigError(
-            "trainer.checkpoint_contents",
-            f"hf_model needs model.kind=hf (a Hugging Face model from model.path); the "
-            f"built-in model.kind={cfg.model.kind} has no Hugging Face form")
-
-
-def _check_model(cfg: Config) -> None:
-    m, t = cfg.model, cfg.task
-    if m.d_model % m.n_heads:
-        raise ConfigError("model.n_heads", f"must divide model.d_model={m.d_model}")
-    if m.kind == "hf" and not m.path:
-        raise ConfigError("model.path", "model.kind=hf needs a local model directory")
-    if m.kind == "hf":
-        _check_hf_context(cfg)
-    elif cfg.trainer.fsdp_param_dtype not in ("auto", "fp32", "float32"):
-        raise ConfigError("trainer.fsdp_param_dtype", f"{cfg.trainer.fsdp_param_dtype} needs "
-                          f"model.kind=hf: the built-in model.kind={m.kind} computes in fp32")
-    if m.kind == "tiny" and t.kind == "digits":
-        # Learned absolute positions: a prompt (bos, digits, separator) plus its response
-        # (continuations re-enter as prompts) must fit in model.max_len.
-        need = t.max_digits + 2 + cfg.rollout.max_new_tokens
-        if need > m.max_len:
-            raise ConfigError("model.max_len", f"{m.max_len} is too short: prompts of "
-                              f"{t.max_digits + 2} tokens plus rollout.max_new_tokens="
-                              f"{cfg.rollout.max_new_tokens} need model.max_len >= {need}")
-
-
-# Where a config.json keeps the context length (GPT-2's is n_positions, others' their own).
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
-
-
-def _hf_config_json(path: str) -> dict[str, Any]:
-    """``path/config.json`` as JSON (no transformers, no torch: config time stays fast)."""
-    file = Path(path) / "config.json"
-    try:
-        data = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise ConfigError("model.path", f"{path} has no config.json: model.kind=hf needs a "
-                          "local Hugging Face model directory (nothing is downloaded)") from None
-    except OSError as exc:
-        raise ConfigError("model.path", f"cannot read {file}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError("model.path", f"{file} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError("model.path", f"{file} does not hold a JSON object")
-    return data
-
-
-def _overlay(config: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """``config`` with ``override`` set on it as verl's override_config does (nested
-    mappings update sub-configs; a ``model_config`` mapping stands for the whole)."""
-    if isinstance(override.get("model_config"), dict):
-        override = override["model_config"]
-    out = dict(config)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _overlay(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _context_length(config: dict[str, Any]) -> tuple[int, str] | None:
-    """The model's context length and the key holding it (a VL model's in text_config)."""
-    text = config.get("text_config")
-    for scope, prefix in ((config, ""), (text if isinstance(text, dict) else {}, "text_config.")):
-        for key in _CONTEXT_KEYS:
-            value = scope.get(key)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value, prefix + key
-    return None
-
-
-def _check_hf_context(cfg: Config) -> None:
-    """The longest prompt plus the longest response must fit the model's context: a longer
-    sequence fails deep in the model ("index out of range") after many rollouts."""
-    m = cfg.model
-    assert m.path is not None
-    found = _context_length(_overlay(_hf_config_json(m.path), dict(m.override_config)))
-    if found is None:
-        return
-    limit, key = found
-    if cfg.data.train_files:
-        prompt, what = cfg.data.max_prompt_length, "data.max_prompt_length"
-    elif cfg.task.kind == "digits":
-        prompt, what = cfg.task.max_digits + 2, "the digits task's longest prompt"
-    else:
-        prompt, what = 1, "a one-token prompt"
-    need = prompt + cfg.rollout.max_new_tokens
-    if need > limit:
-        by = " with model.override_config" if m.override_config else ""
-        raise ConfigError("rollout.max_new_tokens",
-                          f"{what} ({prompt} tokens) + rollout.max_new_tokens "
-                          f"({cfg.rollout.max_new_tokens}) = {need} tokens exceed the model's "
-                          f"context: {key}={limit} in {m.path}/config.json{by}")
-
-
-def _check_task(cfg: Config) -> None:
-    t = cfg.task
-    if t.min_digits > t.max_digits:
-        raise ConfigError("task.min_digits", f"must be <= task.max_digits={t.max_digits}")
-    if t.kind == "jsonl" and not t.path:
-        raise ConfigError("task.path", "task.kind=jsonl needs a JSONL file")
-
-
-def _check_profiler(cfg: Config) -> None:
-    p = cfg.global_profiler
-    total = cfg.trainer.total_training_steps
-    trigger = cfg.async_training.trigger_parameter_sync_step
-    # verl's unit: a step is a parameter version (trigger updates), and the run's last one is
-    # its last full sync. Refused with the tool off too: a run that never reaches a step
-    # cannot profile it once the tool is turned on (a resume keeps the steps it recorded).
-    from runconfig.stepunit import last_version  # here: this check is its only user in load
-
-    last = last_version(total, trigger)
-    late = [s for s in p.steps if s > last]
-    if late and trigger == 1:
-        raise ConfigError(
-            "global_profiler.steps", f"steps {late} are past trainer.total_training_steps={total}"
-        )
-    if late:
-        raise ConfigError(
-            "global_profiler.steps",
-            f"steps {late} are past the run's last step {last}: steps count parameter versions "
-            f"as in verl, one per async_training.trigger_parameter_sync_step={trigger} "
-            f"updates, and trainer.total_training_steps={total} updates make {last}",
-        )
-    if len(set(p.steps)) != len(p.steps):
-        raise ConfigError("global_profiler.steps", f"steps {p.steps} repeat a step")
-    if p.tool is not None and not p.roles:
-        raise ConfigError("global_profiler.roles", "profiling needs at least one role")
-    # global_profiler.ranks may name rollouters past rollout.replicas: rollouters join a running
-    # run (docs/operations.md); the service counts their traces and never waits for them.
-
-
 def _warn_profiling_off(builder: _Builder, cfg: Config) -> None:
     """Steps given without a tool profile nothing: say so (once, naming both keys)."""
     p = cfg.global_profiler
@@ -759,7 +484,7 @@ def load_config(
             field = re.search(r"`([^`]*)`", text)
             key = f"{key}.{field.group(1)}" if field and key != "<config>" else key
         raise builder.error(key, text.split(" - at ")[0]) from None
-    _check_cross_fields(cfg)
+    check_cross_fields(cfg)
     _warn_profiling_off(builder, cfg)
     return cfg
 
@@ -827,7 +552,7 @@ def verl_differences(cfg: Config) -> list[tuple[str, Any, Any, str]]:
     except ConfigError:  # experiment_name null here: verl's own names
         _interpolate(verl_tree, {})
     out: list[tuple[str, Any, Any, str]] = []
-    for key in _shape().leaves:
+    for key in config_shape().leaves:
         verl_key = verl_table.counterpart(key)
         if verl_key is None or key in _PLACEHOLDERS:
             continue
@@ -843,44 +568,3 @@ def resolve_run_id(cfg: Config) -> Config:
         return cfg
     run_id = time.strftime("run-%Y%m%d-%H%M%S")
     return msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, id=run_id))
-
-
-def parse_config_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    """Split ``[--config FILE] KEY=VALUE ...`` into the file and the overrides."""
-    config_file: str | None = None
-    overrides: list[str] = []
-    it = iter(argv)
-    for arg in it:
-        if arg == "--config":
-            config_file = next(it, None)
-            if config_file is None:
-                raise ConfigError("--config", "needs a file")
-        elif arg.startswith("--config="):
-            config_file = arg.split("=", 1)[1]
-        elif arg.startswith("-"):
-            raise ConfigError(arg, "unknown option")
-        else:
-            overrides.append(arg)
-    return config_file, overrides
-
-
-def load_or_exit(argv: list[str], prog: str) -> Config:
-    """Load the config from command-line arguments; on error print it and exit with code 2.
-    ``-h``/``--help`` prints the usage and exits 0."""
-    if "-h" in argv or "--help" in argv:
-        print(f"usage: {prog} [--config FILE] [KEY=VALUE ...]\n\n"
-              "KEY=VALUE: a dotted config override (YAML value; Hydra's +KEY=, ++KEY=, ~KEY\n"
-              "and verl's spellings accepted; --config verl: verl's defaults). Every key, its\n"
-              "default and meaning: runconfig/"
-              "defaults.yaml and docs/config.md;\n`rlbus config [--show KEY]` prints the "
-              "effective config.")
-        raise SystemExit(0)
-    try:
-        file, overrides = parse_config_args(argv)
-        return load_config(
-            file, overrides, on_warning=lambda m: print(f"{prog}: warning: {m}", file=sys.stderr),
-            on_note=lambda m: print(f"{prog}: {m}", file=sys.stderr),
-        )
-    except ConfigError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None

@@ -456,3 +456,20 @@ def test_a_written_config_reads_back_unchanged(tmp_path: Path) -> None:
     f = tmp_path / "config.yaml"
     f.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     assert load_config(f) == cfg
+
+
+def test_every_key_has_a_package_default() -> None:
+    """runconfig/defaults.yaml lists every key of the schema (a reset to the default, and
+    `rlbus config --verl-diff`, read it there)."""
+    from runconfig import default_dict, known_keys
+
+    tree = default_dict()
+    missing = []
+    for key in known_keys():
+        node = tree
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                missing.append(key)
+                break
+            node = node[part]
+    assert missing == []
