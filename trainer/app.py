@@ -17,24 +17,24 @@ the log), :class:`~trainer.dispatch.Dispatch` (tickets, leases, budget),
 :class:`~trainer.intake.Intake` (verdicts on samples), :class:`~trainer.watch.Watch` (peers,
 stalls, reports), :class:`~trainer.learner.Learner` (model, optimizer, version),
 :class:`~trainer.weights.Weights` (publication, blob retention),
-:class:`~trainer.runfiles.RunFiles` (checkpoints and archive, here and on the storage). A
+:class:`~trainer.runfiles.RunFiles` (checkpoints and archive, here and on the storage),
+:class:`~trainer.checkpoints.Checkpoints` (written, exported, the log trimmed after one),
+:class:`~trainer.collect.Collector` (a step's groups gathered and trained as they come),
+:class:`~trainer.ranks.LocalRanks` (this node's other ranks, kept alive and stopped). A
 restarted trainer folds the log, loads the latest checkpoint and re-applies the steps after
 it (:func:`trainer.resume.rebuild`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import secrets
 import time
-from pathlib import Path
 
-from bus import Bus, Consumer, Delivery, Fenced, Lease, entry_key
+from bus import Bus, Consumer, Fenced, Lease, entry_key
 from bus.keys import RUNS_STREAM
 from bus.messages import (
-    CheckpointSaved,
     Event,
     Heartbeat,
     RunFinished,
@@ -51,21 +51,21 @@ from runconfig.stepunit import is_save_update
 from runtime import Component
 from tasks import build_prompt_source
 from trainer.budget import max_staleness
+from trainer.checkpoints import Checkpoints
+from trainer.collect import Collector
 from trainer.dispatch import ROLLOUTER_GROUP, Dispatch
-from trainer.export import HFExport
-from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale, Verdict
+from trainer.intake import Intake
 from trainer.learner import Learner
 from trainer.lease import acquire, token
 from trainer.metrics import StepMeter, verl_step_metrics
 from trainer.rankprofile import RankedAgent
 from trainer.ranks import LocalRanks
-from trainer.resume import rebuild, write_checkpoint
-from trainer.retention import trim_after_checkpoint
+from trainer.resume import rebuild
 from trainer.runfiles import RunFiles
-from trainer.stepwork import StepWork, may_stream
+from trainer.stepwork import StepWork
 from trainer.validation import Validations, last_version
 from trainer.watch import Watch
-from trainer.weights import KEEP_WEIGHTS, Weights
+from trainer.weights import Weights
 from trainer.writer import Writer
 
 __all__ = ["GROUP", "Trainer", "consumer_name"]
@@ -93,13 +93,11 @@ class Trainer(Component):
         super().__init__(cfg, bus)
         tc, ac = cfg.trainer, cfg.async_training
         self.files = RunFiles(cfg, self.run_id)
-        self.hf_export = HFExport(cfg.model.path, self.files.mirror) if (
-            "hf_model" in tc.checkpoint_contents and cfg.model.path) else None
-        self.need = ac.require_batches * tc.ppo_mini_batch_size
         self.epoch = secrets.token_hex(4)
         self.lease = Lease(bus, self.keys.trainer_lease, token(self.epoch),
                            cfg.heartbeat.timeout_s)
         self.writer = Writer(bus, self.keys, self.lease)
+        self.checkpoints = Checkpoints(cfg, bus, self.keys, self.files, self.lease, self.off)
         # verl data (data.train_files) were loaded and checked by the precheck: cached.
         prompts = build_prompt_source(cfg)
         self.dispatch = Dispatch(cfg, bus, self.keys, self.writer, prompts)
@@ -123,10 +121,12 @@ class Trainer(Component):
         # sample once another trainer holds the lease.
         self.consumer = Consumer(bus, self.keys.samples, GROUP, consumer_name(self.epoch),
                                  dlq_stream=self.keys.dlq, fence=self.writer)
+        self.collector = Collector(cfg, consumer=self.consumer, writer=self.writer,
+                                   intake=self.intake, dispatch=self.dispatch,
+                                   watch=self.watch, meter=self.meter, learner=self.learner,
+                                   submit=self.submit, publish=self.publish)
         self.upcoming: StepWork | None = None  # the next step, started early (_loop)
-        self.update_s = 0.0  # the worker's compute time in the last step
         self.waiting: str | None = None  # what start-up waits for, told by the heartbeat
-        self._pinging: asyncio.Future[None] | None = None  # a keepalive to the ranks
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -136,21 +136,8 @@ class Trainer(Component):
 
     async def on_pulse(self) -> None:
         await self.writer.renew()
-        self._keep_ranks()
-
-    def _keep_ranks(self) -> None:
-        """The other ranks wait for rank 0's next operation at most trainer.dist_timeout_s:
-        when the worker has told them nothing for a quarter of that, tell them it lives."""
-        idle_s = time.monotonic() - self.ranks.sent_at
-        if (self.ranks.active and self.learner.building is None and self._pinging is None
-                and idle_s > self.ranks.timeout_s / 4):
-            self._pinging = self.submit(self.learner.keepalive)
-            self._pinging.add_done_callback(self._pinged)
-
-    def _pinged(self, future: asyncio.Future[None]) -> None:
-        self._pinging = None
-        if not future.cancelled():
-            future.exception()  # a failed ping fails the next operation, which says why
+        self.local_ranks.keep_alive(self.submit, self.learner.keepalive,
+                                    busy=self.learner.building is not None)
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(role="trainer", rank=0, pid=os.getpid(),
@@ -200,17 +187,7 @@ class Trainer(Component):
                 raise failure from exc
             raise
         finally:
-            await self._stop_ranks()
-
-    async def _stop_ranks(self) -> None:
-        """Tell the other ranks to stop (bounded: a broken group is moot), wait for this
-        node's, kill what is left, leave the group."""
-        if not self.ranks.active:
-            return
-        if self.local_ranks.dead() is None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.off(self.learner.stop_ranks), STOP_RANKS_S)
-        await asyncio.to_thread(self.local_ranks.close, STOP_RANKS_S)
+            await self.local_ranks.stop(lambda: self.off(self.learner.stop_ranks), STOP_RANKS_S)
 
     async def _serve(self) -> int:
         for line in await self.files.fetch():
@@ -251,8 +228,7 @@ class Trainer(Component):
                     await self.learner.building
             if self.upcoming is not None:
                 await self.upcoming.settle()
-            if self.hf_export is not None:
-                self.hf_export.close()
+            self.checkpoints.close()
 
     async def _report_refused(self) -> None:
         """One line and one ``fact_refused`` warning per event of the log its fold refused
@@ -323,7 +299,8 @@ class Trainer(Component):
         if self.profiler is not None:
             await self.publish(*(await self.profiler.close()))
             self.profiler = None
-        await self._hf_written()
+        if (warning := await self.checkpoints.exported()) is not None:  # before RunFinished
+            await self.publish(warning)
         # The steps the log holds (a run resumed with fewer total steps has more).
         await self.publish(RunFinished(run_id=self.run_id, steps=self.writer.state.last_step))
         self.say(f"run {self.run_id} finished ({total} steps)")
@@ -339,7 +316,7 @@ class Trainer(Component):
             await self.publish(*(await self.profiler.begin(step)))
         await self.publish(StepStarted(step=step, param_version=self.learner.version))
         work, self.upcoming = self.upcoming, None
-        groups, metrics = await self._gather(work)
+        groups, metrics = await self.collector.gather(work)
         metrics["staleness/window_stale_share"] = self.meter.window_stale_share(
             groups, self.learner.version)
         # Close step+1 to commands before its weights (or our next control read) exist.
@@ -355,18 +332,21 @@ class Trainer(Component):
             # the weights' serialisation) while this step's weights, StepFinished and tickets
             # go out. Profiled runs keep the boundary serial (the agent's step_end/step_begin
             # bracket each step's work), and so do checkpoint steps.
-            self.upcoming = self._begin_step()
+            self.upcoming = self.collector.begin()
         if serialised is not None:
             await self.weights.publish(self.learner.version, step, serialised)
             await self._validate(step)
-        saved = await self._checkpoint(step) if save else None
+        saved = None
+        if save:
+            saved, events = await self.checkpoints.save(step, self.learner, self.writer)
+            await self.publish(*events)
         await self.watch.fresh_peers()  # for rollouter/idle_ratio: as fresh as their pulses
         trained = [pair for g in groups for pair in g.ordered()]
         duration = time.monotonic() - t0
         metrics.update(self._run_metrics(duration, len(trained)))
         metrics["trainer/ranks"] = float(self.ranks.world)
         metrics.update(verl_step_metrics([s for _, s in trained], self.cfg.rollout.max_new_tokens,
-                                         self.update_s))
+                                         self.collector.update_s))
         entry_ids = [eid for eid, _ in trained]
         await self.writer.finish_step(StepFinished(
             step=step, sample_ids=[s.sample_id for _, s in trained], metrics=metrics,
@@ -383,51 +363,21 @@ class Trainer(Component):
         if saved is not None and self.cfg.run.retention == "checkpoint":
             await self._trim(entry_ids)  # after the step: off its critical path
 
+    async def _trim(self, trained: list[str]) -> None:
+        """Retention after a durable checkpoint (trainer.checkpoints)."""
+        warning = await self.checkpoints.trim(
+            trained, last_step=self.writer.state.last_step,
+            current=self.writer.state.checkpoint()[1],
+            rollouter_ranks=[hb.rank for hb in self.watch.rollouters])
+        if warning is not None:
+            await self.publish(warning)
+
     async def _validate(self, step: int) -> None:
         """Request the validation of the weights just published after ``step`` updates when
         it is due (trainer.validation); never waited for here."""
         await self.validations.published(self.learner.version, step, last_version(
             step, self.cfg.async_training.trigger_parameter_sync_step,
             self.cfg.trainer.total_training_steps))
-
-    async def _checkpoint(self, step: int) -> Path:
-        """Model, optimizer and the folded state, durable before the log says so; with
-        ``hf_model`` in trainer.checkpoint_contents, the HF directory written beside it
-        while training goes on (trainer.export)."""
-        saved = await self.off(write_checkpoint, self.files.ckpt_dir, step,
-                               self.learner.version, self.learner.checkpoint_payload,
-                               self.writer.snapshot())
-        await self.files.upload(saved)  # in the storage before the log names it
-        hf_path = None
-        if self.hf_export is not None:
-            target, warning = await self.hf_export.start(self.off, self.learner.policy,
-                                                         self.files.ckpt_dir, step,
-                                                         self.learner.hf_state)
-            hf_path = str(target)
-            if warning is not None:
-                await self.publish(warning)
-        await self.publish(CheckpointSaved(step=step, path=str(saved),
-                                           param_version=self.learner.version, hf_path=hf_path))
-        return saved
-
-    async def _hf_written(self) -> None:
-        """Before RunFinished: the last checkpoint's HF directory is whole (or its failure
-        said)."""
-        if self.hf_export is not None and (warning := await self.hf_export.wait()) is not None:
-            await self.publish(warning)
-
-    async def _trim(self, trained: list[str]) -> None:
-        """Retention after a durable checkpoint (trainer.retention)."""
-        warning = await trim_after_checkpoint(
-            self.bus, self.keys, self.files.run_dir, trained, keep_weights=KEEP_WEIGHTS,
-            checkpoints=self.files.ckpt_dir, mirror=self.files.mirror,
-            events_mirror=self.files.events_mirror,
-            keep_checkpoints=self.cfg.trainer.max_actor_ckpt_to_keep,
-            last_step=self.writer.state.last_step, current=self.writer.state.checkpoint()[1],
-            fence=(self.keys.trainer_lease, self.lease.token),
-            rollouter_ranks=[hb.rank for hb in self.watch.rollouters])
-        if warning is not None:
-            await self.publish(warning)
 
     async def _wait_for_profiler(self) -> None:
         timeout = self.cfg.global_profiler.handshake_timeout_s
@@ -445,112 +395,8 @@ class Trainer(Component):
             message=f"profiler service sent no ProfilerReady within {timeout} s "
                     "(global_profiler.handshake_timeout_s); step-1 commands may be missed"))
 
-    # ------------------------------------------------------------------ gathering a step
-
-    def _begin_step(self) -> StepWork:
-        """A step's training, started: the mini-batches already complete go to the worker
-        (behind whatever it has queued, e.g. the previous step's weights serialisation)."""
-        work = StepWork(self.submit, self.learner.step())
-        self._feed(work)
-        return work
-
-    def _feed(self, work: StepWork) -> None:
-        ledger, version, intake = self.writer.state.ledger, self.learner.version, self.intake
-        work.feed(intake.ready, self.need, self.cfg.trainer.ppo_mini_batch_size,
-                  lambda missing: may_stream(intake.ready, missing, ledger.open, intake.taken,
-                                             version))
-
-    async def _gather(self, work: StepWork | None) -> tuple[list[Group], dict[str, float]]:
-        """Gather the step's groups and train on them as they come: the same computation as
-        training on the whole batch at the end (trainer.update.grpo_update), which is what
-        a resume replays."""
-        work = work or self._begin_step()
-        self.watch.last_progress = max(self.watch.last_progress, time.monotonic())
-        self.meter.wait_s = 0.0
-        try:
-            while True:
-                self._feed(work)
-                if len(work.taken) >= self.need:
-                    break
-                self.writer.check_fenced()
-                await self._take_reports()
-                work.raise_failures()
-                t_read = time.monotonic()
-                deliveries = await self.consumer.read(count=256, block_ms=500)
-                if not work.running:  # nothing to compute: the trainer waits for samples
-                    self.meter.wait_s += time.monotonic() - t_read
-                if deliveries:
-                    self.watch.samples_arrived()
-                    await self._take(deliveries)
-                else:
-                    # Only when the stream has nothing for us: answers that arrived during a
-                    # long update are read before any lease is judged expired.
-                    await self._check_health()
-            metrics = await work.finish()
-        finally:
-            await work.settle()
-        self.update_s = work.busy_s
-        return work.taken, metrics
-
-    async def _take_reports(self) -> None:
-        """Tickets the rollouters gave up (their slots freed, new tickets issued) and answers
-        that went to the dead-letter stream (their tickets reissued)."""
-        version, taken = self.learner.version, self.intake.taken
-        dead = self.watch.take_dead_tickets()
-        if dead:
-            for index in await self.dispatch.close_dead(dead, taken):
-                self.intake.drop_partial(index)
-            await self.dispatch.issue(version)
-        lost = self.watch.take_lost_samples()
-        if lost:
-            await self.dispatch.reissue_lost(lost, version, taken)
-
-    async def _take(self, deliveries: list[Delivery]) -> None:
-        """Apply the intake's verdicts on one read, in order."""
-        verdicts = self.intake.judge(deliveries, self.writer.state.ledger, self.learner.version,
-                                     self.learner.vocab_size, self.learner.max_len)
-        for verdict in verdicts:
-            await self._apply(verdict)
-
-    async def _apply(self, verdict: Verdict) -> None:
-        version, taken = self.learner.version, self.intake.taken
-        match verdict:
-            case Refuse(delivery, reason, reissue):
-                await self.consumer.dead_letter(delivery, reason)
-                if reissue is not None:
-                    await self.dispatch.reissue([reissue], "an answer was invalid", version, taken)
-            case Duplicate(entry_ids):
-                await self.consumer.ack(*entry_ids)
-            case Stale(group, message):
-                self.dispatch.answered(group.index, group.arrived)
-                await self.consumer.ack(*group.entry_ids())
-                await self.publish(WarningRaised(source="trainer", code="stale_group_discarded",
-                                                 message=message))
-                await self.dispatch.reissue([group.index], "answer too stale", version, taken)
-            case Complete(group):
-                self.dispatch.answered(group.index, group.arrived)
-                self.watch.progressed()
-
-    async def _check_health(self) -> None:
-        """Peers alive, leases of unanswered tickets, progress (each raises or warns)."""
-        await self.watch.check_peers()
-        expired = self.dispatch.expired(self.intake.taken)
-        if expired:
-            live = await self.watch.read_peers()  # who is alive now, not at the last check
-            await self.dispatch.reissue_expired(expired, live, self.learner.version,
-                                                self.intake.taken)
-        warning = await self.watch.check_stall(self._waiting_for)
-        if warning is not None:
-            await self.publish(warning)
-
-    def _waiting_for(self) -> str:
-        """What the trainer waits for, in words (stall warnings and failures)."""
-        return self.intake.waiting_for(self.writer.state.ledger, self.need,
-                                       self.writer.state.last_step + 1, self.learner.version,
-                                       self.watch.rollouters_state())
-
     def _run_metrics(self, duration: float, n_samples: int) -> dict[str, float]:
-        return self.meter.report(duration, n_samples, update_s=self.update_s,
+        return self.meter.report(duration, n_samples, update_s=self.collector.update_s,
                                  ledger=self.writer.state.ledger, capacity=self.dispatch.capacity,
                                  reissued=self.dispatch.reissued, intake=self.intake,
                                  watch=self.watch)

@@ -17,6 +17,7 @@ and exits, and the run resumes as after a trainer kill.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
@@ -24,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -267,6 +268,7 @@ class LocalRanks:
         self.tc = tc
         self.group = rank_zero_group(tc)
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._pinging: asyncio.Future[None] | None = None  # a keepalive to the ranks
 
     def start(self) -> list[str]:
         """Start ranks ``1 .. n_gpus_per_node - 1``; the lines to say about them."""
@@ -307,6 +309,33 @@ class LocalRanks:
         text = str(exc).strip()
         first = text.splitlines()[0][:300] if text else ""
         return RankFailed(f"{dead} ({type(exc).__name__}: {first})")
+
+    def keep_alive(self, submit: Callable[[Callable[[], None]], asyncio.Future[None]],
+                   ping: Callable[[], None], busy: bool) -> None:
+        """The other ranks wait for rank 0's next operation at most trainer.dist_timeout_s:
+        when rank 0 has told them nothing for a quarter of that, ``submit`` a ``ping`` to its
+        worker (one at a time; not while the worker is ``busy`` building). A failed ping
+        fails the next operation, which says why."""
+        idle_s = time.monotonic() - self.group.sent_at
+        if (self.group.active and not busy and self._pinging is None
+                and idle_s > self.group.timeout_s / 4):
+            self._pinging = submit(ping)
+            self._pinging.add_done_callback(self._pinged)
+
+    def _pinged(self, future: asyncio.Future[None]) -> None:
+        self._pinging = None
+        if not future.cancelled():
+            future.exception()  # retrieved: the next operation raises it
+
+    async def stop(self, stop_ranks: Callable[[], Awaitable[Any]], timeout_s: float) -> None:
+        """Tell the other ranks to stop (``stop_ranks``, bounded by ``timeout_s``: a broken
+        group is moot), wait for this node's, kill what is left, leave the group."""
+        if not self.group.active:
+            return
+        if self.dead() is None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(stop_ranks(), timeout_s)
+        await asyncio.to_thread(self.close, timeout_s)
 
     def close(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for this node's ranks to exit (killing what is left),

@@ -1,0 +1,81 @@
+"""The trainer's checkpoints: durable before the log names them, on the run's storage, their
+Hugging Face directory exported beside them, and the log trimmed after one.
+
+A checkpoint step (verl's ``save_freq``, in its units: runconfig.stepunit) writes the model,
+the optimizer and the folded state on the worker (:func:`trainer.resume.write_checkpoint`),
+uploads them to a remote ``run.storage``, starts the HF export (``hf_model`` in
+``trainer.checkpoint_contents``: a thread of its own, trainer.export) and only then says
+``CheckpointSaved``. With ``run.retention=checkpoint`` the streams are trimmed after the step
+that made it (trainer.retention), off the step's critical path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from bus import Bus, Lease, RunKeys
+from bus.messages import CheckpointSaved, Event, WarningRaised
+from runconfig import Config
+from trainer.export import HFExport, RunOff
+from trainer.learner import Learner
+from trainer.resume import write_checkpoint
+from trainer.retention import trim_after_checkpoint
+from trainer.runfiles import RunFiles
+from trainer.weights import KEEP_WEIGHTS
+from trainer.writer import Writer
+
+__all__ = ["Checkpoints"]
+
+
+class Checkpoints:
+    """The checkpoints of one trainer incarnation, written through ``off`` (its worker)."""
+
+    def __init__(self, cfg: Config, bus: Bus, keys: RunKeys, files: RunFiles, lease: Lease,
+                 off: RunOff) -> None:
+        self.cfg, self.bus, self.keys, self.files = cfg, bus, keys, files
+        self.lease, self.off = lease, off
+        tc = cfg.trainer
+        self.hf_export = HFExport(cfg.model.path, files.mirror) if (
+            "hf_model" in tc.checkpoint_contents and cfg.model.path) else None
+
+    async def save(self, step: int, learner: Learner, writer: Writer
+                   ) -> tuple[Path, list[Event]]:
+        """Model, optimizer and the folded state, durable (and in a remote storage) before
+        the log says so; the HF directory written beside it while training goes on. Returns
+        the checkpoint file and the events to publish, ``CheckpointSaved`` last."""
+        saved = await self.off(write_checkpoint, self.files.ckpt_dir, step, learner.version,
+                               learner.checkpoint_payload, writer.snapshot())
+        await self.files.upload(saved)
+        events: list[Event] = []
+        hf_path = None
+        if self.hf_export is not None:
+            target, warning = await self.hf_export.start(self.off, learner.policy,
+                                                         self.files.ckpt_dir, step,
+                                                         learner.hf_state)
+            hf_path = str(target)
+            if warning is not None:
+                events.append(warning)
+        events.append(CheckpointSaved(step=step, path=str(saved),
+                                      param_version=learner.version, hf_path=hf_path))
+        return saved, events
+
+    async def exported(self) -> WarningRaised | None:
+        """Before RunFinished: the last checkpoint's HF directory is whole (or why not)."""
+        return None if self.hf_export is None else await self.hf_export.wait()
+
+    async def trim(self, trained: Sequence[str], *, last_step: int, current: str | None,
+                   rollouter_ranks: Sequence[int]) -> WarningRaised | None:
+        """Retention after a durable checkpoint (trainer.retention); the warning to
+        publish when the events archive could not be written."""
+        files = self.files
+        return await trim_after_checkpoint(
+            self.bus, self.keys, files.run_dir, trained, keep_weights=KEEP_WEIGHTS,
+            checkpoints=files.ckpt_dir, mirror=files.mirror, events_mirror=files.events_mirror,
+            keep_checkpoints=self.cfg.trainer.max_actor_ckpt_to_keep, last_step=last_step,
+            current=current, fence=(self.keys.trainer_lease, self.lease.token),
+            rollouter_ranks=rollouter_ranks)
+
+    def close(self) -> None:
+        if self.hf_export is not None:
+            self.hf_export.close()
