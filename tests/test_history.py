@@ -29,7 +29,7 @@ from bus.archive import append, read_archive
 from bus.history import archive_below, events_folder, read_history
 from bus.messages import FIELD
 from rlbus.profile import live_run_status, refusal_for
-from trainer.resume import Snapshot, read_log
+from trainer.resume import MAX_REFUSED_WARNINGS, Refused, Snapshot, read_log, refusal_warnings
 from trainer.retention import checkpoints_to_drop, retain
 from trainer.state import fold
 
@@ -256,3 +256,15 @@ async def test_rlbus_profile_sees_a_run_whose_run_started_was_archived(
     assert status.started and status.config == config
     assert refusal_for(run_keys.run_id, status.started, status.finished_steps,
                        status.config) is None
+
+
+def test_refused_events_are_warned_one_by_one_up_to_a_bound() -> None:
+    refused = [Refused(entry_id=f"{i}-0", kind="StepFinished", reason="not the next step")
+               for i in range(MAX_REFUSED_WARNINGS + 4)]
+    warnings = refusal_warnings(refused)
+    assert len(warnings) == MAX_REFUSED_WARNINGS + 1
+    assert {w.code for w in warnings} == {"fact_refused"}
+    assert warnings[0].message == "StepFinished at 0-0 not folded: not the next step"
+    assert warnings[-1].message == "and 4 more events not folded"
+    assert [w.message for w in refusal_warnings(refused[:2])] == [
+        w.message for w in warnings[:2]]  # under the bound: no count

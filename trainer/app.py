@@ -60,7 +60,7 @@ from trainer.lease import acquire, token
 from trainer.metrics import StepMeter, verl_step_metrics
 from trainer.rankprofile import RankedAgent
 from trainer.ranks import LocalRanks
-from trainer.resume import rebuild
+from trainer.resume import rebuild, refusal_warnings
 from trainer.runfiles import RunFiles
 from trainer.stepwork import StepWork
 from trainer.validation import Validations, last_version
@@ -73,7 +73,6 @@ __all__ = ["GROUP", "Trainer", "consumer_name"]
 GROUP = "trainer"
 MAX_LOG_RESTARTS = 5  # starts over from the log after it was found behind (a lost tail)
 STOP_RANKS_S = 30.0  # the longest the trainer waits for its other ranks to stop
-MAX_REFUSED_WARNINGS = 16  # fact_refused warnings at start; the rest are counted in one
 
 
 def consumer_name(epoch: str) -> str:
@@ -231,21 +230,12 @@ class Trainer(Component):
             self.checkpoints.close()
 
     async def _report_refused(self) -> None:
-        """One line and one ``fact_refused`` warning per event of the log its fold refused
-        (trainer.state.refusal: facts that contradict the log), at most
-        :data:`MAX_REFUSED_WARNINGS` warnings."""
-        refused = self.writer.refused
-        for r in refused:
+        """One line per event of the log its fold refused (trainer.state.refusal: facts that
+        contradict the log), and its ``fact_refused`` warnings."""
+        for r in self.writer.refused:
             self.say(f"refused {r.kind} at {r.entry_id} of {self.keys.events}: {r.reason}",
                      error=True)
-        warnings = [WarningRaised(source="trainer", code="fact_refused",
-                                  message=f"{r.kind} at {r.entry_id} not folded: {r.reason}")
-                    for r in refused[:MAX_REFUSED_WARNINGS]]
-        if len(refused) > MAX_REFUSED_WARNINGS:
-            warnings.append(WarningRaised(
-                source="trainer", code="fact_refused",
-                message=f"and {len(refused) - MAX_REFUSED_WARNINGS} more events not folded"))
-        await self.publish(*warnings)
+        await self.publish(*refusal_warnings(self.writer.refused))
 
     async def _warn(self, warning: WarningRaised) -> None:
         self.say(warning.message, error=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +32,10 @@ from trainer.state import StepRecord, TrainerState, take
 if TYPE_CHECKING:
     from trainer.learner import Learner
 
-__all__ = ["LogRead", "Refused", "ResumeFailed", "RunNotCovered", "Snapshot",
-           "load_checkpoint", "missing_checkpoint", "not_covered", "pick_checkpoint",
-           "read_log", "rebuild", "replay_groups", "snapshots", "write_checkpoint"]
+__all__ = ["MAX_REFUSED_WARNINGS", "LogRead", "Refused", "ResumeFailed", "RunNotCovered",
+           "Snapshot", "load_checkpoint", "missing_checkpoint", "not_covered", "pick_checkpoint",
+           "read_log", "rebuild", "refusal_warnings", "replay_groups", "snapshots",
+           "write_checkpoint"]
 
 RunOff = Callable[..., Awaitable[Any]]
 
@@ -69,6 +70,22 @@ class Refused(msgspec.Struct, frozen=True):
     entry_id: str
     kind: str
     reason: str
+
+
+MAX_REFUSED_WARNINGS = 16  # fact_refused warnings at start; the rest are counted in one
+
+
+def refusal_warnings(refused: Sequence[Refused]) -> list[WarningRaised]:
+    """One ``fact_refused`` warning per refused event, at most :data:`MAX_REFUSED_WARNINGS`;
+    the rest counted in one more."""
+    warnings = [WarningRaised(source="trainer", code="fact_refused",
+                              message=f"{r.kind} at {r.entry_id} not folded: {r.reason}")
+                for r in refused[:MAX_REFUSED_WARNINGS]]
+    if len(refused) > MAX_REFUSED_WARNINGS:
+        warnings.append(WarningRaised(
+            source="trainer", code="fact_refused",
+            message=f"and {len(refused) - MAX_REFUSED_WARNINGS} more events not folded"))
+    return warnings
 
 
 class LogRead(msgspec.Struct):
