@@ -279,21 +279,9 @@ class Learner:
             want = dtype if dtype is not None and t.is_floating_point() else t.dtype
             return t.detach().to(device="cpu", dtype=want, copy=True).contiguous()
 
-        if self.group.active:  # each tensor cast as soon as it is whole (ties kept)
-            return gather_state(self.policy.weights(keep_vars=True), self.group,
-                                cast=published)
-        weights = self.policy.weights()
-        out: dict[str, torch.Tensor] = {}
-        # Tied weights (one tensor under two names) stay one object: published once.
-        seen: dict[tuple[Any, ...], torch.Tensor] = {}
-        for name, t in weights.items():
-            same = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
-                    t.device)
-            if t.numel() and same in seen:
-                out[name] = seen[same]
-                continue
-            out[name] = seen[same] = published(t)
-        return out
+        # Each tensor cast as soon as it is whole (gathered, with ranks); a parameter tied
+        # under two names is one object in weights(keep_vars=True): published once.
+        return gather_state(self.policy.weights(keep_vars=True), self.group, cast=published)
 
     def update(self, groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
         """One whole step's update on ``groups`` (a resume's replay; blocking)."""
