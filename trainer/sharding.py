@@ -48,7 +48,11 @@ __all__ = [
 
 
 _DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _reduce_dtype(tc: TrainerConfig) -> torch.dtype:
+    """``trainer.fsdp_reduce_dtype`` as a torch dtype."""
+    return torch.bfloat16 if _DTYPE_NAMES[tc.fsdp_reduce_dtype] == "bf16" else torch.float32
 
 
 def compute_dtype(model_dtype: str, param_dtype: str) -> str:
@@ -64,8 +68,7 @@ def _mixed_precision(policy: nn.Module, tc: TrainerConfig) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     compute = getattr(policy, "autocast", None)
-    return MixedPrecisionPolicy(param_dtype=compute,
-                                reduce_dtype=_TORCH_DTYPES[_DTYPE_NAMES[tc.fsdp_reduce_dtype]])
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=_reduce_dtype(tc))
 
 
 def unit_layers(policy: nn.Module) -> list[nn.Module]:
@@ -129,8 +132,7 @@ def reduce_gradients(policy: nn.Module, tc: TrainerConfig, group: RankGroup) -> 
     grads = [p.grad for p in policy.parameters() if p.grad is not None]
     if not grads:
         return
-    reduce = _TORCH_DTYPES[_DTYPE_NAMES[tc.fsdp_reduce_dtype]]
-    summed = torch.cat([g.reshape(-1).to(reduce) for g in grads])
+    summed = torch.cat([g.reshape(-1).to(_reduce_dtype(tc)) for g in grads])
     group.sum_(summed)
     at = 0
     for g in grads:
@@ -157,8 +159,8 @@ def gather_state(state: Mapping[str, Any], group: RankGroup,
     time, in the dict's order, and each goes through ``cast`` as soon as it is whole (by
     default moved to the CPU; one that is whole there already is returned as is, the live
     tensor: pass a copying ``cast`` to keep it), so rank 0 never holds more than the result
-    plus one whole tensor:
-    a publication in bf16 never needs the float32 model whole. One tensor object named
+    plus one whole tensor: a publication in bf16 never needs the float32 model whole. One
+    tensor object named
     twice (tied weights in a ``state_dict(keep_vars=True)``) is gathered once and stays one
     object."""
     out = _gather_tree(dict(state), group, cast, {})
