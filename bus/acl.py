@@ -58,7 +58,7 @@ def _scripts(p: str) -> str:
 
 def _trainer(p: str) -> str:
     strings = _keys(p, "barrier", "trainer-lease", "archive", "blob:*", "blobs",
-                    "alive:trainer:*")
+                    "weights-round", "alive:trainer:*")
     return " ".join([
         _CONNECTION, strings, _keys(p, "alive:*", "position:*", read_only=True),
         _LIVENESS, "+srem +incr +time",
@@ -81,7 +81,7 @@ def _component(p: str, role: str, *, position: str, reads: tuple[str, ...],
 
 def _rollouter(p: str) -> str:
     return _component(p, "rollouter", position="position:rollouter*",
-                      reads=("blob:*", "barrier", "trainer-lease"),
+                      reads=("blob:*", "barrier", "trainer-lease", "weights-round"),
                       appends=("events:rollouter", "samples", "dlq"),
                       extra=f"{_keys(p, 'rank:rollouter:*')} "
                             f"({_keys(p, 'prompts')} {_GROUP} {_READ_STREAM})")

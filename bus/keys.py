@@ -170,6 +170,12 @@ class RunKeys(msgspec.Struct, frozen=True):
         each blob, SREM with its deletion): the trainer's sweep reads it instead of SCAN."""
         return f"{self.prefix}:blobs"
 
+    @property
+    def weights_round(self) -> str:
+        """The trainer's current weight broadcast round (a string key, SET PX by the
+        trainer, polled with GET by the rollouters: :mod:`bus.weights_collective`)."""
+        return f"{self.prefix}:weights-round"
+
     def blob(self, name: str) -> str:
         """Key prefix of blob ``name`` (its chunks are ``...:0``, ``...:1``, ...)."""
         return f"{self.prefix}:blob:{name}"

@@ -274,7 +274,8 @@ class Heartbeat(_Base, frozen=True):
     the process's work (a rollouter's decode steps, scored responses, published samples,
     loaded weights) that moves only when that work moves, never by the pulse alone, so a
     live process whose work is wedged shows as stuck; monotonic per ``pid``; None: not
-    reported (an older process, or a role without it)."""
+    reported (an older process, or a role without it). ``weights_receiver``: the process
+    takes part in the trainer's weight broadcasts (:mod:`bus.weights_collective`)."""
 
     role: str
     rank: int
@@ -283,6 +284,7 @@ class Heartbeat(_Base, frozen=True):
     ts: float = msgspec.field(default_factory=_now)
     metrics: dict[str, float] = {}
     progress: int | None = None
+    weights_receiver: bool = False
 
 
 class RolloutFailed(_Base, frozen=True):

@@ -1,127 +1,580 @@
-"""A collective weight transport: the manifest through Redis, the chunks by broadcast.
+"""The collective weight transport (``rollout.weights_transport: collective``): the manifest
+in Redis, the bytes broadcast from the trainer to the rollouters over gloo, in rounds.
 
-:class:`CollectiveTransport` (``"weights:collective"``) writes the manifest of a publication
-to Redis (``KEY:m`` under the run's blob prefix, as :class:`~bus.weights_transport.RedisTransport`
-does: the event still names it and carries its digest), then the publisher's :meth:`send`
-broadcasts the chunks over a ``torch.distributed`` process group (gloo on CPU) from rank
-``src``, and every other member's :meth:`fetch` receives them, checking each chunk's sha256
-against the manifest as with the other transports.
+A broadcast needs every member of its group in every call, while rollouters skip superseded
+publications, join late, restart and die. So the trainer broadcasts in **rounds**, each with
+a group of its own, formed for the publication it sends and the receivers that lack it:
 
-A collective needs every member of the group in every broadcast, in the same order: each
-reader must fetch every publication, none may skip a superseded one, and the group is fixed
-when it is formed. The rollouter's double buffer does skip superseded publications and
-replicas come and go, so this transport is not selectable by ``rollout.weights_transport``
-yet: the benchmark (``bench/weights_sync.py``) and the tests drive it. A member that dies
-makes the others' broadcast fail after the group's timeout (a named error, not a hang).
+1. The trainer's :class:`Broadcaster` holds the newest publication as one flat buffer; its
+   manifest is in Redis at ``KEY:m`` (SADD to the run's blobs set, as the Redis transport
+   does), and the ``WeightsPublished`` event names it: the event stays the single source
+   of truth.
+2. At each publication, and every :data:`POLL_S`, it reads the live rollouters whose
+   heartbeat says ``weights_receiver`` and invites those that do not hold the newest
+   publication (:func:`invite`, pure).
+3. A round: a fresh TCPStore on a free port, and a :class:`RoundPlan` in the run's
+   ``weights-round`` key (SET PX) naming the publication, the store and the invited. Every
+   invited :class:`Receiver` (it polls that key) reads the manifest and says ``ready/I`` in
+   the store. After ``join_timeout_s`` at most, the trainer writes ``go``: who is in. A slow
+   receiver is left out of this round only, never out of the run; the next round invites it
+   again. Those in form a gloo group and receive the bytes in pieces of up to
+   :data:`PIECE` straight into one buffer, check every chunk's sha256 against the manifest,
+   and say ``ok/I``. Those who said ok hold the publication.
+4. :meth:`Receiver.take` hands a received publication to the rollouter (which asks only for
+   the newest it has read in the log); none after ``wait_s`` is
+   :class:`~bus.weights_transport.TransportUnreachable`, naming the last round's outcome, so
+   the rollouter's fetch warns at once and fails after ``rollout.weights_fetch_timeout_s``.
+
+A member that dies in a round fails that round for the others (at once when its connections
+close, after ``timeout_s``, gloo's timeout, when it hangs); they are invited again, and the
+dead one no longer is once its liveness key expires. A new trainer (a resume) starts with
+nobody served and publishes at start, so every receiver is served again. Memory: the trainer
+holds one copy of the newest publication, a receiver the newest one received until the
+rollouter takes it. The blocking parts (TCPStore, gloo) run on a daemon thread per side
+(:class:`_Worker`) whose waits look at a stop flag: a stopping process waits at most
+:data:`STOP_WAIT_S` for a round in flight. One caveat: a round stopped while a peer hangs
+mid-broadcast leaves a gloo operation pending, and the process's exit then waits out gloo's
+timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
 import hashlib
-from collections.abc import Mapping
-from typing import Any
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from bus.errors import BlobCorrupt, BlobError, BlobNotFound
 from bus.keys import RunKeys
+from bus.liveness import peers
 from bus.messages import BlobRef
 from bus.streams import Bus
 from bus.weights_transport import (
     CHUNK_SIZE,
     FORMAT,
     Manifest,
-    _chunks,
+    TransportUnreachable,
     _entries,
-    _place,
+    _raw,
     _tensors,
     _unique,
     decode_manifest,
     encode_manifest,
 )
 
-__all__ = ["CollectiveTransport"]
+__all__ = ["CONNECT_S", "JOIN_TIMEOUT_S", "PIECE", "POLL_S", "STOP_WAIT_S", "STORE",
+           "Broadcaster", "Member", "Receiver", "RoundPlan", "Stopped", "delete_manifest",
+           "first_line", "invite", "local_address", "redis_host", "still_live"]
+
+STORE = "weights:collective"
+"""The ``BlobRef.store`` of a broadcast publication."""
+
+POLL_S = 0.5
+"""How often the trainer looks for receivers that lack the newest publication."""
+
+JOIN_TIMEOUT_S = 10.0
+"""How long a round waits for the invited to say ready before it goes on without the rest."""
+
+PIECE = 64 * 1024 * 1024
+"""Bytes per broadcast call (a whole number of chunks)."""
+
+CONNECT_S = 5.0
+"""How long a receiver tries to reach a round's store."""
+
+STOP_WAIT_S = CONNECT_S + 2.0
+"""How long a stopping process waits for its round in flight to give up."""
+
+_RECEIVER_POLL_S = 0.2
+_WAIT_S = 0.5
+T = TypeVar("T")
 
 
-class CollectiveTransport:
-    """Manifest in Redis, chunks broadcast from ``src`` over ``group`` (the default group
-    when None, initialised by the caller)."""
+class Member(msgspec.Struct, frozen=True, array_like=True):
+    """A receiver: a rollouter replica's rank and process id (a restarted replica with the
+    same rank holds nothing)."""
 
-    store = "weights:collective"
+    rank: int
+    pid: int
 
-    def __init__(self, bus: Bus, run_keys: RunKeys, *, src: int = 0, group: Any = None,
-                 chunk_size: int = CHUNK_SIZE) -> None:
-        if not dist.is_initialized():
-            raise BlobError("the collective weights transport needs an initialised "
-                            "torch.distributed process group")
-        self.bus, self.run_keys = bus, run_keys
-        self.src, self.group, self.chunk_size = src, group, chunk_size
-        self.outgoing: dict[str, list[bytes]] = {}
 
-    async def publish(self, name: str, tensors: Mapping[str, torch.Tensor]) -> BlobRef:
-        """Cut and hash the chunks (worker thread), write the manifest (wraps SADD, SET);
-        the chunks wait for :meth:`send`."""
+class RoundPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One round, as the trainer announces it in the ``weights-round`` key. ``round`` is
+    unique across trainer incarnations (``EPOCH/N``); member ``i`` of ``members`` says
+    ``ready/{i+1}``."""
+
+    round: str
+    key: str
+    sha256: str
+    size: int
+    chunks: int
+    version: int
+    host: str
+    port: int
+    members: list[Member]
+    join_timeout_s: float
+    timeout_s: float
+
+    def ref(self) -> BlobRef:
+        """The reference of the publication this round sends (to read its manifest)."""
+        return BlobRef(store=STORE, key=self.key, size=self.size, sha256=self.sha256,
+                       chunks=self.chunks)
+
+
+_PLAN_ENCODER = msgspec.msgpack.Encoder()
+_PLAN_DECODER = msgspec.msgpack.Decoder(RoundPlan)
+_INDICES = msgspec.msgpack.Decoder(list[int])
+
+
+def invite(live: Iterable[Member], delivered: Mapping[Member, str], key: str) -> list[Member]:
+    """The live receivers that do not hold publication ``key``, in rank order (pure)."""
+    return sorted({m for m in live if delivered.get(m) != key}, key=lambda m: (m.rank, m.pid))
+
+
+def still_live(delivered: Mapping[Member, str], live: Iterable[Member]) -> dict[Member, str]:
+    """``delivered`` without the receivers that are gone: it never grows past the live."""
+    alive = set(live)
+    return {m: key for m, key in delivered.items() if m in alive}
+
+
+def local_address(toward: str, port: int = 9) -> str:
+    """This machine's address on the route to ``toward`` (a UDP socket's connect sends
+    nothing): what a peer there can reach us at. ``127.0.0.1`` when ``toward`` is local or
+    cannot be resolved."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((toward, port))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line: torch's distributed errors append a C++ stack."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def redis_host(url: str) -> str:
+    """The host of a Redis URL (``127.0.0.1`` for a unix socket)."""
+    return urlsplit(url).hostname or "127.0.0.1"
+
+
+async def delete_manifest(bus: Bus, run_keys: RunKeys, ref: BlobRef) -> None:
+    """Remove a broadcast publication's manifest (its bytes were never stored). Wraps DEL and
+    SREM."""
+    await bus.pipeline([("DEL", f"{ref.key}:m"), ("SREM", run_keys.blobs, f"{ref.key}:m")],
+                       atomic=True)
+
+
+class Stopped(Exception):
+    """The process is stopping: a round in flight gives up at its next wait."""
+
+
+class _Worker:
+    """Runs one blocking round at a time on a daemon thread of its own, so that a round
+    waiting on gloo holds neither the event loop nor the process's exit (the default
+    executor's threads are joined at exit), and stops it: every wait of a round polls
+    :attr:`stop`, and :meth:`close` waits (bounded) for the thread to leave torch's C++ code
+    before the interpreter finalizes (a daemon thread caught inside it aborts the process)."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.inflight: asyncio.Future[Any] | None = None
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        def body() -> None:
+            try:
+                result = fn(*args, self.stop)
+            except BaseException as exc:  # handed to the awaiting task
+                loop.call_soon_threadsafe(settle, None, exc)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
+
+        self.inflight = future
+        threading.Thread(target=body, name=f"weights-{fn.__name__}", daemon=True).start()
+        # Shielded: a cancelled caller leaves the round to :meth:`close`.
+        return await asyncio.shield(future)
+
+    async def close(self) -> None:
+        """Stop the round in flight and wait up to :data:`STOP_WAIT_S` for its thread."""
+        self.stop.set()
+        if self.inflight is not None and not self.inflight.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self.inflight), STOP_WAIT_S)
+        if self.inflight is not None and self.inflight.done() and not self.inflight.cancelled():
+            self.inflight.exception()  # retrieved: a stopped round's end is no news
+
+
+# ---------------------------------------------------------------------- the blocking parts
+
+_ABANDONED: list[Any] = []  # groups left with an operation pending (see _close_group)
+
+
+def _group(store: Any, rank: int, world: int, host: str, connect_s: float,
+           timeout_s: float) -> Any:
+    """A gloo group of its own on ``store`` (no default group: the trainer's ranks may have
+    one), bound to ``host``'s interface. Forming it fails after ``connect_s`` (a member that
+    said ready and died holds a round that long, not gloo's whole timeout); each operation
+    after ``timeout_s``."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=connect_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world, opts)
+    group._set_default_timeout(datetime.timedelta(seconds=timeout_s))
+    return group
+
+
+def _close_group(group: Any, pending: bool) -> None:
+    """Shut ``group`` down. One with an operation still pending (the round was stopped)
+    is kept, not destroyed: its destructor waits out gloo's timeout."""
+    group.shutdown()
+    if pending:
+        _ABANDONED.append(group)
+
+
+def _finish(work: Any, stop: threading.Event) -> None:
+    """Wait for a gloo operation (which fails by itself after the group's timeout),
+    looking at ``stop`` every :data:`_WAIT_S`."""
+    while True:
+        try:
+            work.wait(datetime.timedelta(seconds=_WAIT_S))
+            return
+        except RuntimeError as exc:
+            if str(exc).strip() != "Operation timed out!":  # torch's poll timeout
+                raise
+        if stop.is_set():
+            raise Stopped("stopped in a broadcast")
+
+
+def _broadcast(group: Any, buf: bytearray | memoryview, size: int,
+               stop: threading.Event) -> None:
+    """Broadcast ``buf[:size]`` from rank 0 in pieces of :data:`PIECE`, in place."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    for start in range(0, size, PIECE):
+        count = min(PIECE, size - start)
+        piece = torch.frombuffer(buf, dtype=torch.uint8, count=count, offset=start)
+        _finish(group.broadcast([piece], opts), stop)
+
+
+def _present(store: Any, keys: list[str], deadline: float, stop: threading.Event) -> list[int]:
+    """The indices of ``keys`` set in ``store`` by ``deadline`` (all of them as soon as they
+    are)."""
+    while True:
+        seen = [i for i, key in enumerate(keys) if store.check([key])]
+        if len(seen) == len(keys) or time.monotonic() >= deadline:
+            return seen
+        if stop.is_set():
+            raise Stopped("stopped while waiting for a round's members")
+        time.sleep(0.02)
+
+
+def _open_store(timeout_s: float, stop: threading.Event) -> Any:
+    """The trainer's store of one round, on a free port."""
+    return dist.TCPStore("0.0.0.0", 0, None, True, datetime.timedelta(seconds=timeout_s),
+                         False)
+
+
+def _send_round(store: Any, plan: RoundPlan, buf: bytearray,
+                stop: threading.Event) -> tuple[list[int], str | None]:
+    """The trainer's side of one round: wait for the invited, send, wait for their ok.
+    Returns the member indices (1-based) that hold the publication, and what went wrong."""
+    invited = list(range(1, len(plan.members) + 1))
+    ready = [invited[i] for i in _present(store, [f"ready/{i}" for i in invited],
+                                          time.monotonic() + plan.join_timeout_s, stop)]
+    store.set("go", msgspec.msgpack.encode(ready))
+    if not ready:
+        return [], f"none of {len(invited)} invited joined within {plan.join_timeout_s:g} s"
+    group, pending = None, True
+    try:
+        group = _group(store, 0, len(ready) + 1, plan.host, plan.join_timeout_s,
+                       plan.timeout_s)
+        _broadcast(group, buf, plan.size, stop)
+        pending = False
+    except RuntimeError as exc:  # a member gone: gloo's timeout or a closed connection
+        pending = False
+        return [], f"the broadcast to {len(ready)} failed: {first_line(exc)}"
+    finally:
+        if group is not None:
+            _close_group(group, pending)
+    oks = _present(store, [f"ok/{i}" for i in ready], time.monotonic() + plan.timeout_s, stop)
+    served = [ready[i] for i in oks]
+    missing = [i for i in invited if i not in served]
+    return served, (f"members {missing} of {len(invited)} did not receive it" if missing
+                    else None)
+
+
+def _receive_round(plan: RoundPlan, index: int, m: Manifest,
+                   stop: threading.Event) -> bytearray | None:
+    """A receiver's side of one round: say ready, and if let in, receive the bytes into one
+    buffer, check every chunk and say ok. None: left out of this round (joined late)."""
+    # Connecting is bounded by CONNECT_S (a plan whose trainer died fails in seconds), the
+    # wait for "go" by the join timeout, the broadcast by gloo's.
+    store = dist.TCPStore(plan.host, plan.port, is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=CONNECT_S))
+    store.set_timeout(datetime.timedelta(seconds=plan.timeout_s))
+    store.set(f"ready/{index}", b"1")
+    if not _present(store, ["go"], time.monotonic() + plan.join_timeout_s * 2, stop):
+        raise BlobError(f"the trainer did not start round {plan.round} within "
+                        f"{plan.join_timeout_s * 2:g} s")
+    let_in = _INDICES.decode(store.get("go"))
+    if index not in let_in:
+        return None
+    buf = bytearray(m.size)
+    group = _group(store, let_in.index(index) + 1, len(let_in) + 1,
+                   local_address(plan.host, plan.port), plan.join_timeout_s, plan.timeout_s)
+    pending = True
+    try:
+        _broadcast(group, buf, m.size, stop)
+        pending = False
+    except RuntimeError:
+        pending = False
+        raise
+    finally:
+        _close_group(group, pending)
+    view = memoryview(buf)
+    for i, digest in enumerate(m.chunks):
+        if hashlib.sha256(view[i * m.chunk_size:(i + 1) * m.chunk_size]).digest() != digest:
+            raise BlobCorrupt(f"weights {plan.key!r} chunk {i} as broadcast does not match "
+                              "its sha256 in the manifest")
+    store.set(f"ok/{index}", b"1")
+    return buf
+
+
+def _flatten(tensors: Mapping[str, torch.Tensor], chunk_size: int
+             ) -> tuple[bytearray, Manifest]:
+    """The publication's bytes in one buffer and its manifest (a chunk's digest per
+    ``chunk_size`` bytes)."""
+    unique, aliases = _unique(tensors)
+    entries, size = _entries(unique)
+    buf = bytearray(size)
+    for entry, t in zip(entries, unique.values(), strict=True):
+        buf[entry.offset:entry.offset + entry.nbytes] = _raw(t.detach().cpu().contiguous())
+    view = memoryview(buf)
+    digests = [hashlib.sha256(view[start:start + chunk_size]).digest()
+               for start in range(0, size, chunk_size)]
+    return buf, Manifest(FORMAT, chunk_size, size, entries, digests, aliases)
+
+
+# ---------------------------------------------------------------------- the trainer's side
+
+class _Outgoing(msgspec.Struct):
+    ref: BlobRef
+    version: int
+    buf: bytearray
+
+
+class Broadcaster:
+    """The trainer's side: :meth:`publish` the newest weights, :meth:`run` the rounds (a
+    task of the trainer, until cancelled). ``host``: the address receivers reach this
+    process at; ``timeout_s``: gloo's timeout (a stalled broadcast fails after it);
+    ``warn(text)``: told when a round leaves someone without the publication."""
+
+    store = STORE
+
+    def __init__(self, bus: Bus, run_keys: RunKeys, *, epoch: str, host: str,
+                 timeout_s: float, join_timeout_s: float = JOIN_TIMEOUT_S,
+                 chunk_size: int = CHUNK_SIZE,
+                 warn: Callable[[str], Awaitable[Any]] | None = None) -> None:
+        self.bus, self.run_keys, self.epoch, self.host = bus, run_keys, epoch, host
+        self.timeout_s, self.join_timeout_s = timeout_s, join_timeout_s
+        self.chunk_size, self.warn = chunk_size, warn
+        self.latest: _Outgoing | None = None
+        self.delivered: dict[Member, str] = {}
+        self.rounds = 0
+        self.wake = asyncio.Event()
+        self.worker = _Worker()
+
+    async def publish(self, name: str, tensors: Mapping[str, torch.Tensor],
+                      version: int) -> BlobRef:
+        """Copy ``tensors`` into one buffer and hash its chunks (on a thread), write the
+        manifest (wraps SADD, SET), and make it the publication the rounds send."""
+        buf, m = await asyncio.to_thread(_flatten, tensors, self.chunk_size)
+        data = encode_manifest(m)
         key = self.run_keys.blob(name)
-
-        def build() -> tuple[list[bytes], bytes, int]:
-            unique, aliases = _unique(tensors)
-            entries, size = _entries(unique)
-            chunks = list(_chunks(unique, self.chunk_size))
-            m = Manifest(FORMAT, self.chunk_size, size, entries,
-                         [hashlib.sha256(c).digest() for c in chunks], aliases)
-            return chunks, encode_manifest(m), size
-
-        chunks, data, size = await asyncio.to_thread(build)
         await self.bus.command("SADD", self.run_keys.blobs, f"{key}:m")
         await self.bus.command("SET", f"{key}:m", data)
-        self.outgoing[key] = chunks
-        return BlobRef(store=self.store, key=key, size=size,
-                       sha256=hashlib.sha256(data).hexdigest(), chunks=len(chunks))
+        ref = BlobRef(store=STORE, key=key, size=m.size,
+                      sha256=hashlib.sha256(data).hexdigest(), chunks=len(m.chunks))
+        self.latest = _Outgoing(ref, version, buf)
+        self.wake.set()
+        return ref
 
-    async def send(self, ref: BlobRef) -> None:
-        """Broadcast the chunks of ``ref`` (after its event is written: the readers join
-        when they read it). Blocks until every member has taken part."""
-        chunks = self.outgoing.pop(ref.key)
-
-        def go() -> None:
-            for chunk in chunks:
-                t = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
-                dist.broadcast(t, self.src, group=self.group)
-
-        await asyncio.to_thread(go)
-
-    async def fetch(self, ref: BlobRef) -> dict[str, torch.Tensor]:
-        """Read the manifest (wraps GET), take part in the broadcast of every chunk, check
-        each one's sha256, and return the tensors (views of one buffer)."""
-        if ref.store != self.store:
-            raise BlobError(f"reference to a {ref.store!r} publication given to {self.store}")
-        data: bytes | None = await self.bus.command("GET", f"{ref.key}:m")
-        if data is None:
-            raise BlobNotFound(f"weights manifest {ref.key}:m does not exist")
-        m = decode_manifest(ref, data)
-
-        def go() -> bytearray:
-            buf = bytearray(m.size)
-            for i in range(len(m.chunks)):
-                start = i * m.chunk_size
-                t = torch.empty(min(m.chunk_size, m.size - start), dtype=torch.uint8)
-                dist.broadcast(t, self.src, group=self.group)
-                _place(m, buf, i, t.numpy().tobytes(), ref.key)
-            return buf
-
+    async def run(self) -> None:
+        """Serve rounds until cancelled: at each publication, and every :data:`POLL_S`. A
+        round in flight then stops (bounded: :meth:`_Worker.close`)."""
         try:
-            buf = await asyncio.to_thread(go)
-        except RuntimeError as exc:  # a member gone: gloo's timeout
-            raise BlobCorrupt(f"weights {ref.key!r}: broadcast failed: {exc}") from None
-        return await asyncio.to_thread(_tensors, m, buf)
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), POLL_S)
+                self.wake.clear()
+                await self.serve()
+        finally:
+            await self.worker.close()
+
+    async def receivers(self) -> list[Member]:
+        """The live rollouters that take part in broadcasts (their heartbeats). Wraps
+        SMEMBERS and MGET."""
+        beats = await peers(self.bus, self.run_keys.alive_pattern("rollouter"))
+        return [Member(hb.rank, hb.pid) for hb in beats if hb.weights_receiver]
+
+    async def serve(self) -> list[Member]:
+        """One round for the live receivers that lack the newest publication, if any.
+        Returns those it served."""
+        latest = self.latest
+        if latest is None:
+            return []
+        live = await self.receivers()
+        self.delivered = still_live(self.delivered, live)
+        invited = invite(live, self.delivered, latest.ref.key)
+        if not invited:
+            return []
+        served = await self._round(latest, invited)
+        for member in served:
+            self.delivered[member] = latest.ref.key
+        return served
+
+    async def _round(self, latest: _Outgoing, invited: list[Member]) -> list[Member]:
+        self.rounds += 1
+        server = await self.worker.call(_open_store, self.timeout_s)
+        ref = latest.ref
+        plan = RoundPlan(round=f"{self.epoch}/{self.rounds}", key=ref.key, sha256=ref.sha256,
+                         size=ref.size, chunks=ref.chunks, version=latest.version,
+                         host=self.host, port=server.port, members=invited,
+                         join_timeout_s=self.join_timeout_s, timeout_s=self.timeout_s)
+        ttl_ms = int((self.join_timeout_s + self.timeout_s) * 1000)
+        await self.bus.command("SET", self.run_keys.weights_round,
+                               _PLAN_ENCODER.encode(plan), "PX", ttl_ms)
+        try:
+            served, trouble = await self.worker.call(_send_round, server, plan, latest.buf)
+        finally:
+            del server  # closes the store's port
+        if trouble is not None and self.warn is not None:
+            await self.warn(f"weights v{latest.version} broadcast round {plan.round} to "
+                            f"{[m.rank for m in invited]}: {trouble}; those without it are "
+                            "invited again")
+        return [invited[i - 1] for i in served]
 
     async def delete(self, ref: BlobRef) -> None:
-        """Remove the manifest (the chunks were never stored). Wraps DEL and SREM."""
-        self.outgoing.pop(ref.key, None)
-        await self.bus.pipeline([("DEL", f"{ref.key}:m"),
-                                 ("SREM", self.run_keys.blobs, f"{ref.key}:m")], atomic=True)
+        await delete_manifest(self.bus, self.run_keys, ref)
 
     def location(self, ref: BlobRef) -> str:
-        return f"broadcast from rank {self.src} (manifest: redis key {ref.key}:m)"
+        return f"broadcast from the trainer at {self.host} (manifest: redis key {ref.key}:m)"
+
+
+# ---------------------------------------------------------------------- a rollouter's side
+
+class Receiver:
+    """A rollouter's side: :meth:`run` takes part in every round it is invited to (a task of
+    the rollouter, until cancelled; its heartbeat then says ``weights_receiver``), and
+    :meth:`take` hands over a received publication."""
+
+    store = STORE
+
+    def __init__(self, bus: Bus, run_keys: RunKeys, me: Member, *,
+                 poll_s: float = _RECEIVER_POLL_S) -> None:
+        self.bus, self.run_keys, self.me, self.poll_s = bus, run_keys, me, poll_s
+        self.held: tuple[str, dict[str, torch.Tensor]] | None = None
+        self.receiving: str | None = None  # the key of the round in progress
+        self.last_round = ""
+        self.outcome = "no round yet"  # the last round's outcome, for errors
+        self.host = "?"
+        self.changed = asyncio.Condition()
+        self.worker = _Worker()
+
+    async def run(self) -> None:
+        """Poll the round key (wraps GET) and take part in each round that invites us,
+        until cancelled (a round in flight then stops, bounded)."""
+        try:
+            while True:
+                plan = await self._plan()
+                if (plan is not None and plan.round != self.last_round
+                        and self.me in plan.members):
+                    self.last_round = plan.round
+                    await self._take_part(plan)
+                await asyncio.sleep(self.poll_s)
+        finally:
+            await self.worker.close()
+
+    async def _plan(self) -> RoundPlan | None:
+        data = await self.bus.command("GET", self.run_keys.weights_round)
+        if data is None:
+            return None
+        try:
+            return _PLAN_DECODER.decode(data)
+        except msgspec.DecodeError:
+            return None  # not ours to fix: the trainer writes the next one whole
+
+    async def _take_part(self, plan: RoundPlan) -> None:
+        self.host = f"{plan.host}:{plan.port}"
+        index = plan.members.index(self.me) + 1
+        try:
+            data = await self.bus.command("GET", f"{plan.key}:m")
+            if data is None:
+                raise BlobNotFound(f"weights manifest {plan.key}:m does not exist")
+            m = decode_manifest(plan.ref(), data)
+        except BlobError as exc:
+            await self._told(f"round {plan.round} (v{plan.version}): {exc}")
+            return
+        self.receiving = plan.key
+        try:
+            buf = await self.worker.call(_receive_round, plan, index, m)
+        except (BlobError, RuntimeError, OSError) as exc:  # torch's store and gloo errors
+            await self._told(f"round {plan.round} (v{plan.version}) failed: {first_line(exc)}")
+            return
+        finally:
+            self.receiving = None
+        if buf is None:
+            await self._told(f"round {plan.round} (v{plan.version}) went on without us "
+                             "(joined late)")
+            return
+        self.held = (plan.key, _tensors(m, buf))
+        await self._told(f"round {plan.round}: v{plan.version} received")
+
+    async def _told(self, outcome: str) -> None:
+        async with self.changed:
+            self.outcome = outcome
+            self.changed.notify_all()
+
+    async def take(self, ref: BlobRef, wait_s: float = JOIN_TIMEOUT_S * 1.5
+                   ) -> dict[str, torch.Tensor]:
+        """The tensors of publication ``ref`` once received (handed over once). Waits while
+        a round sends it; none within ``wait_s`` otherwise is :class:`TransportUnreachable`
+        naming the last round's outcome."""
+        deadline = time.monotonic() + wait_s
+        async with self.changed:
+            while True:
+                if self.held is not None and self.held[0] == ref.key:
+                    tensors, self.held = self.held[1], None
+                    return tensors
+                left = deadline - time.monotonic()
+                if left <= 0 and self.receiving != ref.key:
+                    raise TransportUnreachable(
+                        f"no broadcast of {ref.key} reached this rollouter within "
+                        f"{wait_s:g} s (last round: {self.outcome})")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), max(left, 1.0))
+
+    def location(self, ref: BlobRef) -> str:
+        return f"the trainer's broadcast ({self.host}; manifest: redis key {ref.key}:m)"

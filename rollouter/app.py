@@ -50,6 +50,7 @@ from bus.messages import (
     WeightsPublished,
 )
 from bus.ranks import RankClaim
+from bus.weights_collective import Member, Receiver
 from policy import resolve_device
 from policy.text import build_tokenizer
 from profiling import create_agent, prepare_main_thread
@@ -114,6 +115,7 @@ class Rollouter(Component):
             f"rollouter{self.rank}", fetch=self._fetch,
             load=lambda state, version: self.off(self.engine.load_state, state, version),
             warn=self.publish, reread=self._poll_events)
+        self.receiver: Receiver | None = None  # the trainer's broadcasts (_receiver)
         self.finished = False
         self.engine: Engine | None = None  # _build(), on the worker thread
         self.engine_warnings: list[str] = []
@@ -230,7 +232,17 @@ class Rollouter(Component):
         return await fetch_published(
             msg, bus=self.bus, keys=self.keys, root=blob_root(self.cfg, self.run_id),
             timeout_s=self.cfg.rollout.weights_fetch_timeout_s, source=self.weights.source,
-            warn=self.publish)
+            warn=self.publish, receiver=self._receiver)
+
+    def _receiver(self) -> Receiver:
+        """This replica's part in the trainer's weight broadcasts, started at the first
+        broadcast publication it reads (whatever its own rollout.weights_transport says: the
+        trainer's decides); the next pulse tells the trainer."""
+        if self.receiver is None:
+            self.receiver = Receiver(self.bus, self.keys, Member(self.rank, os.getpid()))
+            self.spawn(self.receiver.run(), "weights-receiver")
+            self.pulse_now()
+        return self.receiver
 
     async def _swap_weights(self, wait: bool = True) -> None:
         """Load the newest published weights (rollouter.weights.HeldWeights.swap). Profiling
@@ -273,6 +285,7 @@ class Rollouter(Component):
             state=f"weights v{self.version}" + (f", validating ({self.validating})"
                                                 if self.validating else ""),
             metrics=metrics, progress=self.progress(),
+            weights_receiver=self.receiver is not None,
         )
 
     # ------------------------------------------------------------------ generation

@@ -33,6 +33,8 @@ import torch
 from bus import BlobError, BlobNotFound, Bus, RunKeys
 from bus.blobs import open_store
 from bus.messages import WarningRaised, WeightsPublished
+from bus.weights_collective import STORE as COLLECTIVE
+from bus.weights_collective import Receiver
 from bus.weights_transport import TransportUnreachable, is_manifest_ref, open_transport
 from policy.weights import from_bytes
 from runtime import Failure
@@ -40,6 +42,10 @@ from runtime import Failure
 __all__ = ["HeldWeights", "WeightsLost", "WeightsUnreachable", "fetch_published", "fetch_within"]
 
 State = dict[str, torch.Tensor]
+
+RESTAGE_S = 2.0
+"""While it waits for a fetch, a rollouter reads the log this often: a newer publication
+replaces the fetch (the collective transport sends only the newest)."""
 
 BLOBS_KEPT = 3
 """The trainer deletes a publication's blob only once this many newer ones follow it in the
@@ -85,13 +91,20 @@ async def fetch_within(fetch: Callable[[], Awaitable[State]], msg: WeightsPublis
 
 async def fetch_published(msg: WeightsPublished, *, bus: Bus, keys: RunKeys,
                           root: str | Path, timeout_s: float, source: str,
-                          warn: Callable[[WarningRaised], Awaitable[Any]]) -> State:
+                          warn: Callable[[WarningRaised], Awaitable[Any]],
+                          receiver: Callable[[], Receiver]) -> State:
     """The tensors of publication ``msg``. One published tensor by tensor (a transport's
     manifest): chunks fetched in parallel, each checked, an unreachable storage told at once
-    and a failure after ``timeout_s`` (:func:`fetch_within`). A whole blob (an older log's):
-    read, then decoded on a thread of its own (the generation worker is busy meanwhile).
+    and a failure after ``timeout_s`` (:func:`fetch_within`). One broadcast by the trainer:
+    taken from this process's ``receiver()`` (started at the first such publication), with
+    the same warning and failure when none arrives. A whole blob (an older log's): read,
+    then decoded on a thread of its own (the generation worker is busy meanwhile).
     ``root``: the storage transport's root, ``run.storage/RUN/blobs``."""
     ref = msg.manifest or msg.ref
+    if ref.store == COLLECTIVE:
+        taker = receiver()
+        return await fetch_within(lambda: taker.take(ref), msg, taker.location(ref),
+                                  timeout_s, source, warn)
     if is_manifest_ref(ref):
         transport = open_transport(ref.store, bus=bus, run_keys=keys, root=root)
         return await fetch_within(lambda: transport.fetch(ref), msg, transport.location(ref),
@@ -158,14 +171,14 @@ class HeldWeights:
         they are already fetched and decoded (else they keep staging, and the caller goes on
         with the weights it has, which its tickets allow)."""
         self.stage()
-        missing, self.missing = self.missing, []
-        for msg, exc in missing:
-            if not self._deleted(msg):
-                await self._unloadable(msg, exc)
+        await self._tell_missing()
         if self.staging is None:
             return
         newest, task = self.staging
         if not wait and not task.done():
+            return
+        if await self._superseded(newest, task):
+            await self.swap(wait)  # stages the newer one, dropping this fetch
             return
         self.staging = None
         try:
@@ -198,6 +211,26 @@ class HeldWeights:
         self.sync_s = max(0.0, time.time() - newest.ts)
         self.loaded = newest
         self.version = newest.version
+
+    async def _tell_missing(self) -> None:
+        """Warn of the superseded fetches that found no blob, unless the trainer may have
+        deleted it."""
+        missing, self.missing = self.missing, []
+        for msg, exc in missing:
+            if not self._deleted(msg):
+                await self._unloadable(msg, exc)
+
+    async def _superseded(self, msg: WeightsPublished, task: asyncio.Task[State]) -> bool:
+        """Wait for the fetch of ``msg``, reading the log every :data:`RESTAGE_S`: True when
+        a newer publication appeared first."""
+        while not task.done():
+            await asyncio.wait({task}, timeout=RESTAGE_S)
+            if task.done():
+                break
+            await self.reread()
+            if self.newest is not msg:
+                return True
+        return False
 
     def _deleted(self, msg: WeightsPublished) -> bool:
         """The trainer may have deleted ``msg``'s blob: :data:`BLOBS_KEPT` newer

@@ -257,8 +257,9 @@ class RolloutConfig(_Section, frozen=True):
     # go (auto: Redis up to 64 MiB, the run's storage above) and how long a rollouter keeps
     # trying to read a publication before it fails (WeightsUnreachable).
     weights_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    weights_transport: Literal["auto", "redis", "storage"] = "auto"
+    weights_transport: Literal["auto", "redis", "storage", "collective"] = "auto"
     weights_fetch_timeout_s: PosFloat = 60.0
+    weights_collective_host: str = ""
     # The engine (docs/engines.md): hf = the built-in decode loop, vllm = vLLM in the
     # rollouter's process. The vLLM limits are verl's keys with verl's defaults, except
     # tensor_model_parallel_size (verl: 2; here 1, which every machine has; docs/config.md).

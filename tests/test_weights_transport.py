@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import multiprocessing as mp
 from collections.abc import Callable
-from datetime import timedelta
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import msgspec
@@ -268,66 +265,6 @@ async def test_a_rollouter_with_no_loadable_weights_fails_named(
     with pytest.raises(WeightsLost, match="v0"):
         await r._first_weights()
     r.worker.shutdown()
-
-
-def _summary(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int], str]]:
-    """Per tensor: dtype, shape and the sha256 of its raw bytes."""
-    return {k: (str(v.dtype), list(v.shape), hashlib.sha256(
-        v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest())
-        for k, v in state.items()}
-
-
-async def _member(rank: int, url: str, run_id: str, init: str, conn: Connection) -> None:
-    import torch.distributed as dist
-
-    from bus.weights_collective import CollectiveTransport
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    try:
-        async with Bus.from_url(url) as bus:
-            t = CollectiveTransport(bus, RunKeys(run_id), chunk_size=CHUNK)
-            if rank == 0:
-                ref = await t.publish("weights-v7-e", _state())
-                conn.send(msgspec.to_builtins(ref))
-                await t.send(ref)
-            else:
-                ref = msgspec.convert(conn.recv(), BlobRef)
-                conn.send(_summary(await t.fetch(ref)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _member_main(rank: int, url: str, run_id: str, init: str, conn: Connection) -> None:
-    asyncio.run(_member(rank, url, run_id, init, conn))
-
-
-async def test_a_broadcast_gives_the_same_weights_as_redis(
-    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
-) -> None:
-    ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe() for _ in range(2)]
-    init = f"file://{tmp_path / 'rendezvous'}"
-    members = [ctx.Process(target=_member_main, args=(rank, redis_url, run_id, init, child),
-                           daemon=True) for rank, (_, child) in enumerate(pipes)]
-    for p in members:
-        p.start()
-    try:
-        publisher, reader = pipes[0][0], pipes[1][0]
-        assert await asyncio.to_thread(publisher.poll, 120), "no publication from rank 0"
-        raw = publisher.recv()
-        reader.send(raw)
-        assert await asyncio.to_thread(reader.poll, 120), "rank 1 received nothing"
-        received = reader.recv()
-    finally:
-        for p in members:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in members] == [0, 0]
-    assert msgspec.convert(raw, BlobRef).sha256 == weights_digest(_state(), CHUNK)
-    t = RedisTransport(bus, run_keys, chunk_size=CHUNK)
-    assert received == _summary(await t.fetch(await t.publish("weights-v7-r", _state())))
 
 
 @pytest.mark.e2e

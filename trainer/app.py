@@ -65,7 +65,7 @@ from trainer.runfiles import RunFiles
 from trainer.stepwork import StepWork
 from trainer.validation import Validations, last_version
 from trainer.watch import Watch
-from trainer.weights import Weights
+from trainer.weights import Weights, open_broadcaster
 from trainer.writer import Writer
 
 __all__ = ["GROUP", "Trainer", "consumer_name"]
@@ -110,7 +110,9 @@ class Trainer(Component):
         self.ranks = self.local_ranks.group
         self.learner = Learner(cfg, self.ranks)
         self.weights = Weights(bus, self.keys, self.writer, blob_root(cfg, self.run_id),
-                               self.epoch, transport=cfg.rollout.weights_transport)
+                               self.epoch, transport=cfg.rollout.weights_transport,
+                               broadcaster=open_broadcaster(cfg, bus, self.keys, self.epoch,
+                                                            self.publish))
         self.validations = Validations(cfg, bus, self.keys, self.writer)
         # What the trainer writes answers what it read from the other roles' streams: its
         # entries come after those in the merged log, even within one millisecond.
@@ -205,6 +207,8 @@ class Trainer(Component):
         await self.off(self._build)
         self.learner.build_optimizer()  # on a thread of its own; weights v0 serialise meanwhile
         resumed = state.started
+        if self.weights.broadcaster is not None:
+            self.spawn(self.weights.broadcaster.run(), "weights-broadcast")
         await self.consumer.ensure_group()
         await Consumer(self.bus, self.keys.prompts, ROLLOUTER_GROUP, "trainer",
                        dlq_stream=self.keys.dlq).ensure_group()

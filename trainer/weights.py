@@ -6,10 +6,13 @@ them tensor by tensor in checksummed chunks plus a manifest, and a ``WeightsPubl
 event carries the manifest's reference: the event is the single source of truth (version,
 digest). ``rollout.weights_transport``: ``redis`` (chunks in the run's hash slot), ``storage``
 (files under the run's blob root), ``auto``: Redis up to :data:`REDIS_BLOB_LIMIT`, storage
-above. The publication's name carries the trainer's epoch, so a zombie trainer can never
-overwrite the live one's. The newest :data:`KEEP_WEIGHTS` publications stay readable (a
-starting rollouter falls back to an older loadable one); each sync deletes the one that fell
-out of them, and a resume sweeps what an earlier incarnation left in Redis.
+above; ``collective``: broadcast to the rollouters over gloo by a
+:class:`~bus.weights_collective.Broadcaster` (:func:`open_broadcaster`), which holds the
+newest publication in memory and serves it in rounds. The publication's name carries the
+trainer's epoch, so a zombie trainer can never overwrite the live one's. The newest
+:data:`KEEP_WEIGHTS` publications stay readable (a starting rollouter falls back to an older
+loadable one); each sync deletes the one that fell out of them, and a resume sweeps what an
+earlier incarnation left in Redis.
 """
 
 from __future__ import annotations
@@ -17,18 +20,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from bus import Bus, RunKeys
 from bus.blobs import RedisBlobStore, open_store
-from bus.messages import BlobRef, WeightsPublished
+from bus.messages import BlobRef, WarningRaised, WeightsPublished
+from bus.urls import expand_env
+from bus.weights_collective import STORE, Broadcaster, delete_manifest, local_address, redis_host
 from bus.weights_transport import StorageTransport, is_manifest_ref, open_transport
+from runconfig import Config
 from runtime import Failure
 from trainer.writer import Writer
 
-__all__ = ["KEEP_WEIGHTS", "REDIS_BLOB_LIMIT", "Weights", "WeightsUnwritable", "pick_transport"]
+__all__ = ["KEEP_WEIGHTS", "REDIS_BLOB_LIMIT", "Weights", "WeightsUnwritable",
+           "collective_host", "open_broadcaster", "pick_transport"]
 
 REDIS_BLOB_LIMIT = 64 * 1024 * 1024
 """Above this many bytes ``auto`` sends the weights through the storage transport."""
@@ -48,20 +57,53 @@ def pick_transport(setting: str, size: int) -> str:
     return "redis" if size <= REDIS_BLOB_LIMIT else "storage"
 
 
+def collective_host(cfg: Config) -> str:
+    """The address rollouters reach the trainer's broadcasts at:
+    ``rollout.weights_collective_host``, else this machine's address on the route to Redis
+    (which every rollouter reaches too)."""
+    if cfg.rollout.weights_collective_host:
+        return cfg.rollout.weights_collective_host
+    try:
+        url = expand_env(cfg.redis.url)
+    except KeyError:
+        url = cfg.redis.url
+    return local_address(redis_host(url))
+
+
+def open_broadcaster(cfg: Config, bus: Bus, keys: RunKeys, epoch: str,
+                     warn: Callable[[WarningRaised], Awaitable[Any]]) -> Broadcaster | None:
+    """The trainer's broadcaster when ``rollout.weights_transport`` is ``collective``: a
+    round that leaves a receiver without the newest weights is a
+    ``weights_broadcast_incomplete`` warning; gloo's timeout is
+    ``rollout.weights_fetch_timeout_s``."""
+    if cfg.rollout.weights_transport != "collective":
+        return None
+
+    async def told(text: str) -> None:
+        await warn(WarningRaised(source="trainer", code="weights_broadcast_incomplete",
+                                 message=text))
+
+    return Broadcaster(bus, keys, epoch=epoch, host=collective_host(cfg),
+                       timeout_s=cfg.rollout.weights_fetch_timeout_s, warn=told)
+
+
 class Weights:
     """Publishes the trainer's weights through ``writer``; keeps the newest publications only.
     ``root``: the storage transport's root, also where whole blobs of older logs lie (a
     directory or an fsspec URL: runconfig.paths.blob_root); ``transport``:
-    ``rollout.weights_transport``."""
+    ``rollout.weights_transport``; ``broadcaster``: the collective transport's (whose
+    :meth:`~bus.weights_collective.Broadcaster.run` the trainer runs as a task)."""
 
     def __init__(self, bus: Bus, keys: RunKeys, writer: Writer, root: str | os.PathLike[str],
-                 epoch: str, *, transport: str = "auto") -> None:
+                 epoch: str, *, transport: str = "auto",
+                 broadcaster: Broadcaster | None = None) -> None:
         self.bus = bus
         self.keys = keys
         self.writer = writer
         self.root = root
         self.epoch = epoch
         self.transport = transport
+        self.broadcaster = broadcaster
 
     async def publish(self, version: int, step: int,
                       snapshot: asyncio.Future[dict[str, torch.Tensor]]) -> None:
@@ -71,10 +113,14 @@ class Weights:
         tensors = await snapshot
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         kind = pick_transport(self.transport, size)
-        transport = open_transport(kind, bus=self.bus, run_keys=self.keys, root=self.root)
         name = f"weights-v{version}-{self.epoch}"
         try:
-            ref = await transport.publish(name, tensors)
+            if self.broadcaster is not None:
+                ref = await self.broadcaster.publish(name, tensors, version)
+            else:
+                transport = open_transport(kind, bus=self.bus, run_keys=self.keys,
+                                           root=self.root)
+                ref = await transport.publish(name, tensors)
         except OSError as exc:  # the run's storage: full, read-only, gone
             where = self.root if kind == "storage" else "redis"
             raise WeightsUnwritable(f"WeightsUnwritable: weights v{version} could not be "
@@ -86,7 +132,9 @@ class Weights:
 
     async def delete(self, ref: BlobRef) -> None:
         """Delete one publication (a transport's, or a whole blob of an older log)."""
-        if is_manifest_ref(ref):
+        if ref.store == STORE:
+            await delete_manifest(self.bus, self.keys, ref)
+        elif is_manifest_ref(ref):
             await open_transport(ref.store, bus=self.bus, run_keys=self.keys,
                                  root=self.root).delete(ref)
         else:

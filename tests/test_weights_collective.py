@@ -1,0 +1,253 @@
+"""The collective weight transport (bus.weights_collective): rounds planned from the live
+receivers, bytes broadcast over gloo, every chunk checked; receivers are real processes
+against the test's redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bus import Bus, RunKeys
+from bus.liveness import pulse_forever
+from bus.messages import (
+    BlobRef,
+    Heartbeat,
+    Sample,
+    StepFinished,
+    WarningRaised,
+    WeightsPublished,
+)
+from bus.weights_collective import Broadcaster, Member, Receiver, invite, still_live
+from bus.weights_transport import RedisTransport, TransportUnreachable
+from tests.procs import Procs, assert_every_step_once, events_of, run_args
+from tests.waits import event, wait_for
+
+CHUNK = 64 * 1024  # many chunks, and pieces of several chunks
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 200, generator=g)
+    return {"emb.weight": w, "head.weight": w,  # tied: one object, sent once
+            "norm": torch.randn(200, generator=g).to(torch.bfloat16),
+            "steps": torch.arange(7, dtype=torch.int64), "empty": torch.empty(0, 3)}
+
+
+def _summary(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int], str]]:
+    return {k: (str(v.dtype), list(v.shape), hashlib.sha256(
+        v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest())
+        for k, v in state.items()}
+
+
+# ---------------------------------------------------------------------- planning (pure)
+
+members = st.builds(Member, st.integers(0, 5), st.integers(1, 4))
+
+
+@given(st.lists(members), st.dictionaries(members, st.sampled_from(["a", "b"])),
+       st.sampled_from(["a", "b"]))
+def test_a_round_invites_exactly_the_live_receivers_without_the_newest(
+    live: list[Member], delivered: dict[Member, str], key: str
+) -> None:
+    invited = invite(live, delivered, key)
+    assert set(invited) == {m for m in live if delivered.get(m) != key}
+    assert invited == sorted(set(invited), key=lambda m: (m.rank, m.pid))
+    kept = still_live(delivered, live)
+    assert set(kept) <= set(live) and all(kept[m] == delivered[m] for m in kept)
+
+
+# ---------------------------------------------------------------------- receivers
+
+async def _receive(url: str, run_id: str, rank: int, conn: Connection) -> None:
+    keys = RunKeys(run_id)
+    async with Bus.from_url(url) as bus:
+        receiver = Receiver(bus, keys, Member(rank, os.getpid()), poll_s=0.05)
+        beat = asyncio.create_task(pulse_forever(
+            bus, keys.alive("rollouter", rank),
+            lambda: Heartbeat(role="rollouter", rank=rank, pid=os.getpid(),
+                              weights_receiver=True), 0.2, 1.5))
+        task = asyncio.create_task(receiver.run())
+        conn.send("up")
+        while True:
+            asked = await asyncio.to_thread(conn.recv)
+            if asked is None:
+                break
+            ref = msgspec.convert(asked, BlobRef)
+            try:
+                conn.send(_summary(await receiver.take(ref, wait_s=8)))
+            except TransportUnreachable as exc:
+                conn.send(str(exc))
+        task.cancel()
+        beat.cancel()
+
+
+def _receiver_main(url: str, run_id: str, rank: int, conn: Connection) -> None:
+    asyncio.run(_receive(url, run_id, rank, conn))
+
+
+class _Receivers:
+    """Receiver processes by rank; ``ask`` hands each a reference and returns what it got."""
+
+    def __init__(self, url: str, run_id: str) -> None:
+        self.url, self.run_id = url, run_id
+        self.ctx = mp.get_context("spawn")
+        self.procs: dict[int, Any] = {}
+        self.pipes: dict[int, Connection] = {}
+
+    async def start(self, rank: int) -> None:
+        mine, theirs = self.ctx.Pipe()
+        p = self.ctx.Process(target=_receiver_main, args=(self.url, self.run_id, rank, theirs),
+                             daemon=True)
+        p.start()
+        self.procs[rank], self.pipes[rank] = p, mine
+        assert await asyncio.to_thread(mine.poll, 120), f"receiver {rank} did not start"
+        assert mine.recv() == "up"
+
+    async def ask(self, ref: BlobRef, *ranks: int) -> dict[int, Any]:
+        for rank in ranks:
+            self.pipes[rank].send(msgspec.to_builtins(ref))
+        out = {}
+        for rank in ranks:
+            assert await asyncio.to_thread(self.pipes[rank].poll, 60), f"{rank} said nothing"
+            out[rank] = self.pipes[rank].recv()
+        return out
+
+    def kill(self, rank: int) -> None:
+        os.kill(self.procs[rank].pid, signal.SIGKILL)
+        self.procs[rank].join(10)
+
+    def stop(self) -> None:
+        for rank, p in self.procs.items():
+            if p.is_alive():
+                self.pipes[rank].send(None)
+                p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+async def _seen(b: Broadcaster, ranks: set[int]) -> None:
+    """Until the broadcaster sees exactly ``ranks`` as live receivers (their first pulse)."""
+    for _ in range(300):
+        if {m.rank for m in await b.receivers()} == ranks:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"receivers {ranks} never seen: {await b.receivers()}")
+
+
+async def _serve_until(b: Broadcaster, ranks: set[int], timeout_s: float = 60) -> None:
+    """Rounds until every rank in ``ranks`` holds the newest publication."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while {m.rank for m, key in b.delivered.items()
+           if b.latest is not None and key == b.latest.ref.key} != ranks:
+        assert loop.time() < deadline, f"not served: {ranks}, delivered {b.delivered}"
+        await b.serve()
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.asyncio
+async def test_broadcast_rounds_give_every_receiver_what_redis_gives_joiners_included(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys
+) -> None:
+    told: list[str] = []
+
+    async def warn(text: str) -> None:
+        told.append(text)
+
+    b = Broadcaster(bus, run_keys, epoch="e1", host="127.0.0.1", timeout_s=20,
+                    join_timeout_s=5, chunk_size=CHUNK, warn=warn)
+    expected = _summary(await RedisTransport(bus, run_keys, chunk_size=CHUNK).fetch(
+        await RedisTransport(bus, run_keys, chunk_size=CHUNK).publish("weights-r", _state())))
+    receivers = _Receivers(redis_url, run_id)
+    try:
+        await receivers.start(0)
+        await receivers.start(1)
+        await _seen(b, {0, 1})
+        ref = await b.publish("weights-v1-e1", _state(), 1)
+        await _serve_until(b, {0, 1})
+        assert await receivers.ask(ref, 0, 1) == {0: expected, 1: expected}
+        assert b.rounds == 1  # both in one round
+        # A newer publication goes to both in one more round; a joiner gets it in its own.
+        state2 = {k: v + 1 if v.is_floating_point() else v for k, v in _state().items()}
+        ref2 = await b.publish("weights-v2-e1", state2, 2)
+        await _serve_until(b, {0, 1})
+        await receivers.start(2)
+        await _seen(b, {0, 1, 2})
+        await _serve_until(b, {0, 1, 2})
+        assert b.rounds == 3
+        got = await receivers.ask(ref2, 0, 1, 2)
+        assert got[0] == got[1] == got[2] == _summary(state2)
+        assert not told
+        # A receiver that died is invited while its liveness key lasts, is left out of the
+        # round after the join timeout (the others are served), then no longer invited.
+        receivers.kill(1)
+        ref3 = await b.publish("weights-v3-e1", _state(), 3)
+        served = await b.serve()
+        assert {m.rank for m in served} == {0, 2}
+        assert told and "did not receive it" in told[0]
+        assert (await receivers.ask(ref3, 0))[0] == expected
+        await asyncio.sleep(2)  # the dead one's liveness key (1.5 s) is gone
+        assert {m.rank for m in await b.receivers()} == {0, 2}
+        assert await b.serve() == []  # nobody lacks v3
+    finally:
+        receivers.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_publication_no_round_brings_is_unreachable_naming_the_last_round(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    receiver = Receiver(bus, run_keys, Member(0, os.getpid()))
+    ref = BlobRef(store="weights:collective", key=run_keys.blob("weights-v4-e"), size=1,
+                  sha256="0" * 64, chunks=1)
+    with pytest.raises(TransportUnreachable, match=r"within 0.3 s \(last round: no round yet"):
+        await receiver.take(ref, wait_s=0.3)
+
+
+@pytest.mark.e2e
+@pytest.mark.chaos
+@pytest.mark.asyncio
+async def test_a_run_syncs_by_broadcast_and_a_restarted_rollouter_rejoins(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    """rollout.weights_transport=collective with two rollouters: every publication is a
+    broadcast; rollouter1 killed mid-run and started again is served the newest weights
+    in a round of its own; every step once, no sample lost or trained twice."""
+    steps = 6
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                    "rollout.replicas=2", "heartbeat.timeout_s=4",
+                    "rollout.weights_transport=collective")
+    procs.spawn("trainer", "trainer", *args)
+    procs.spawn("rollouter0", "rollouter", *args, "rollout.rank=0")
+    procs.spawn("rollouter1", "rollouter", *args, "rollout.rank=1")
+    await wait_for(bus, run_keys.events, event(StepFinished, step=2), 180,
+                   procs.watch("trainer", "rollouter0"))
+    procs.kill("rollouter1", signal.SIGKILL)
+    restarted = time.time()
+    procs.spawn("rollouter1b", "rollouter", *args, "rollout.rank=1")
+    # The new rollouter1 generates, so it was served weights by broadcast.
+    await wait_for(bus, run_keys.samples,
+                   lambda m: isinstance(m, Sample) and m.rank == 1 and m.ts > restarted, 120,
+                   procs.watch("trainer", "rollouter1b"))
+    assert procs.wait("trainer", 240) == 0, procs.log("trainer")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    assert procs.wait("rollouter1b", 60) == 0, procs.log("rollouter1b")
+    events = await events_of(bus, run_keys.events)
+    assert_every_step_once(events, steps)
+    published = [e for e in events if isinstance(e, WeightsPublished)]
+    assert published and {e.ref.store for e in published} == {"weights:collective"}
+    assert not [e for e in events if isinstance(e, WarningRaised)
+                and e.code in ("weights_unreachable", "weights_unloadable")]
