@@ -14,8 +14,10 @@ starts serialising until the last reader has copied every tensor into its model:
             the trainer's worker hands over), chunks hashed and written as produced, manifest;
             readers fetch 8 chunks at a time, verify each, copy in
   storage   ``StorageTransport`` under a local temporary directory (the run's storage)
-  collective ``bus.weights_collective.CollectiveTransport``: manifest in Redis, chunks
-            broadcast over a gloo process group of the publisher and the readers
+  collective ``bus.weights_collective``, as a run with ``rollout.weights_transport=collective``
+            has it: the publisher's ``Broadcaster`` (manifest in Redis, one flat buffer) serves
+            a round (a fresh gloo group of the readers that lack the publication) to the
+            readers' ``Receiver`` tasks, which receive into one buffer and check each chunk
 
 Each transport runs in fp32 and in bf16 (half the bytes; the readers hold a bf16 model then).
 The table shows publish (until the event could be written), publish -> loaded (the slowest
@@ -32,8 +34,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
+import contextlib
 import multiprocessing as mp
+import os
 import tempfile
 import time
 from multiprocessing.connection import Connection
@@ -42,12 +45,12 @@ from typing import Any
 
 import msgspec
 import torch
-import torch.distributed as dist
 
 from bus import Bus, EmbeddedRedis, RunKeys
 from bus.blobs import DirBlobStore, RedisBlobStore, open_store
-from bus.messages import BlobRef
-from bus.weights_collective import CollectiveTransport
+from bus.liveness import pulse_forever
+from bus.messages import BlobRef, Heartbeat
+from bus.weights_collective import Broadcaster, Member, Receiver
 from bus.weights_transport import open_transport
 from policy.weights import from_bytes, to_bytes
 
@@ -77,33 +80,33 @@ def model(dims: list[tuple[int, int]], dtype: torch.dtype) -> dict[str, torch.Te
 # --------------------------------------------------------------------------- readers
 
 
-_COLLECTIVE: dict[int, CollectiveTransport] = {}  # one per bus: it holds what it will send
-
-
 def transport(bus: Bus, root: str, path: str) -> Any:
-    keys = RunKeys(RUN)
-    if path == "collective":
-        return _COLLECTIVE.setdefault(id(bus), CollectiveTransport(bus, keys))
-    return open_transport(path, bus=bus, run_keys=keys, root=root)
+    return open_transport(path, bus=bus, run_keys=RunKeys(RUN), root=root)
 
 
-def join_group(rank: int, world: int, init: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
-
-
-async def _read(bus: Bus, root: str, path: str, ref: BlobRef) -> dict[str, torch.Tensor]:
+async def _read(bus: Bus, root: str, path: str, ref: BlobRef,
+                receiver: Receiver) -> dict[str, torch.Tensor]:
     keys = RunKeys(RUN)
     if path == "today":
         store = open_store(ref.store, bus=bus, run_keys=keys, root=root)
         blob = await store.get(ref)
         return await asyncio.to_thread(from_bytes, blob)
+    if path == "collective":
+        return await receiver.take(ref, wait_s=600)
     return await transport(bus, root, path).fetch(ref)
 
 
-async def _reader(url: str, root: str, dims: list[tuple[int, int]], conn: Connection) -> None:
+async def _reader(url: str, root: str, dims: list[tuple[int, int]], conn: Connection,
+                  rank: int) -> None:
     held: dict[torch.dtype, dict[str, torch.Tensor]] = {}
+    keys = RunKeys(RUN)
     async with Bus.from_url(url) as bus:
+        # A rollouter's part in the broadcasts: its receiver, and a pulse that says so.
+        receiver = Receiver(bus, keys, Member(rank, os.getpid()))
+        tasks = [asyncio.create_task(receiver.run()), asyncio.create_task(pulse_forever(
+            bus, keys.alive("rollouter", rank),
+            lambda: Heartbeat(role="rollouter", rank=rank, pid=os.getpid(),
+                              weights_receiver=True), 1.0, 5.0))]
         conn.send("ready")
         while (job := await asyncio.to_thread(conn.recv)) is not None:
             path, dtype_name, raw = job
@@ -111,28 +114,28 @@ async def _reader(url: str, root: str, dims: list[tuple[int, int]], conn: Connec
             if dtype not in held:
                 held.clear()  # one model at a time: the memory of a rollouter
                 held[dtype] = model(dims, dtype)
-            state = await _read(bus, root, path, msgspec.convert(raw, BlobRef))
+            state = await _read(bus, root, path, msgspec.convert(raw, BlobRef), receiver)
             with torch.no_grad():
                 for name, t in held[dtype].items():
                     t.copy_(state[name])
             conn.send(time.monotonic())
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def reader_main(url: str, root: str, dims: list[tuple[int, int]], conn: Connection,
-                rank: int, world: int, init: str) -> None:
+                rank: int) -> None:
     torch.set_num_threads(1)
-    join_group(rank, world, init)
-    try:
-        asyncio.run(_reader(url, root, dims, conn))
-    finally:
-        dist.destroy_process_group()
+    asyncio.run(_reader(url, root, dims, conn, rank))
 
 
 # --------------------------------------------------------------------------- publisher
 
 
 async def publish(bus: Bus, root: str, path: str, state: dict[str, torch.Tensor],
-                  dtype: torch.dtype, name: str) -> BlobRef:
+                  dtype: torch.dtype, name: str, broadcaster: Broadcaster) -> BlobRef:
     """One publication as the trainer makes it (serialisation included)."""
     keys = RunKeys(RUN)
     if path == "today":
@@ -144,32 +147,45 @@ async def publish(bus: Bus, root: str, path: str, state: dict[str, torch.Tensor]
         return {k: t.to(dtype=dtype, copy=True) for k, t in state.items()}
 
     tensors = await asyncio.to_thread(snapshot)
+    if path == "collective":  # the rounds start at once (the event would be written now)
+        return await broadcaster.publish(name, tensors, 0)
     return await transport(bus, root, path).publish(name, tensors)
 
 
-async def delete(bus: Bus, root: str, path: str, ref: BlobRef) -> None:
+async def delete(bus: Bus, root: str, path: str, ref: BlobRef,
+                 broadcaster: Broadcaster) -> None:
     keys = RunKeys(RUN)
     if path == "today":
         await open_store(ref.store, bus=bus, run_keys=keys, root=root).delete(ref)
+    elif path == "collective":
+        await broadcaster.delete(ref)
     else:
         await transport(bus, root, path).delete(ref)
 
 
 async def one_sync(bus: Bus, root: str, conns: list[Connection], path: str,
                    state: dict[str, torch.Tensor], dtype: torch.dtype,
-                   n: int) -> tuple[float, float]:
+                   n: int, broadcaster: Broadcaster) -> tuple[float, float]:
     """(publish s, publish -> loaded s on the slowest reader) of one sync."""
     t0 = time.monotonic()
-    ref = await publish(bus, root, path, state, dtype, f"weights-v{n}-bench")
+    ref = await publish(bus, root, path, state, dtype, f"weights-v{n}-bench", broadcaster)
     t1 = time.monotonic()
     job = (path, str(dtype).removeprefix("torch."), msgspec.to_builtins(ref))
     for c in conns:
         c.send(job)
-    if path == "collective":  # after the "event": the readers join the broadcast
-        await transport(bus, root, path).send(ref)
     done = [await asyncio.to_thread(c.recv) for c in conns]
-    await delete(bus, root, path, ref)
+    await delete(bus, root, path, ref, broadcaster)
     return t1 - t0, max(done) - t0
+
+
+async def receivers_seen(broadcaster: Broadcaster, readers: int) -> None:
+    """Until the broadcaster sees every reader's pulse (a rollouter's first heartbeat)."""
+    for _ in range(600):
+        if len(await broadcaster.receivers()) == readers:
+            return
+        await asyncio.sleep(0.1)
+    raise SystemExit(f"only {len(await broadcaster.receivers())} of {readers} receivers "
+                     "were seen")
 
 
 MODES = [("today", torch.float32), ("redis", torch.float32), ("redis", torch.bfloat16),
@@ -183,25 +199,27 @@ async def bench_size(url: str, root: str, size: float, readers: int, repeat: int
     state = model(dims, torch.float32)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in range(readers)]
-    world, init = readers + 1, f"file://{root}/rendezvous-{size}-{readers}"
-    procs = [ctx.Process(target=reader_main, daemon=True,
-                         args=(url, root, dims, child, rank + 1, world, init))
+    procs = [ctx.Process(target=reader_main, daemon=True, args=(url, root, dims, child, rank))
              for rank, (_, child) in enumerate(pipes)]
     for p in procs:
         p.start()
-    await asyncio.to_thread(join_group, 0, world, init)
     conns = [parent for parent, _ in pipes]
     for c in conns:
         await asyncio.to_thread(c.recv)  # "ready"
     rows: list[dict[str, Any]] = []
     try:
         async with Bus.from_url(url) as bus:
+            broadcaster = Broadcaster(bus, RunKeys(RUN), epoch=f"{size}x{readers}",
+                                      host="127.0.0.1", timeout_s=600)
+            rounds = asyncio.create_task(broadcaster.run())
+            await receivers_seen(broadcaster, readers)
             best: dict[tuple[str, torch.dtype], tuple[float, float]] = {}
             n = 0
             for _ in range(repeat):  # interleaved: drift and warm-up hit every mode alike
                 for mode in MODES:
                     n += 1
-                    got = await one_sync(bus, root, conns, mode[0], state, mode[1], n)
+                    got = await one_sync(bus, root, conns, mode[0], state, mode[1], n,
+                                         broadcaster)
                     if mode not in best or got[1] < best[mode][1]:
                         best[mode] = got
             for (path, dtype), (pub, loaded) in best.items():
@@ -211,12 +229,14 @@ async def bench_size(url: str, root: str, size: float, readers: int, repeat: int
                              "mb_s": size * 1e3 / loaded})
                 print(f"  {size:g} GB x{readers} {path:10s} {rows[-1]['dtype']}: publish "
                       f"{pub:.2f} s, loaded {loaded:.2f} s", flush=True)
+            rounds.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await rounds
     finally:
         for c in conns:
             c.send(None)
         for p in procs:
             p.join(30)
-        dist.destroy_process_group()
     return rows
 
 

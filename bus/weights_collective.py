@@ -94,7 +94,7 @@ CONNECT_S = 5.0
 STOP_WAIT_S = CONNECT_S + 2.0
 """How long a stopping process waits for its round in flight to give up."""
 
-_RECEIVER_POLL_S = 0.2
+_RECEIVER_POLL_S = 0.1
 _WAIT_S = 0.5
 T = TypeVar("T")
 
