@@ -253,9 +253,10 @@ class RolloutConfig(_Section, frozen=True):
     reward_workers: PosInt = 1
     reward_timeout_s: PosFloat = 30.0
     val_kwargs: ValKwargs = ValKwargs()
-    # Weight sync (docs/training.md, "Weight sync"): the dtype published, where the chunks
-    # go (auto: Redis up to 64 MiB, the run's storage above) and how long a rollouter keeps
-    # trying to read a publication before it fails (WeightsUnreachable).
+    # Weight sync (docs/architecture.md, "Weight sync"): the dtype published, where the chunks
+    # go (auto: Redis up to 64 MiB, the run's storage above; collective: broadcast), how long
+    # a rollouter keeps trying to read a publication before it fails (WeightsUnreachable),
+    # and the address rollouters reach the trainer's broadcasts at.
     weights_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     weights_transport: Literal["auto", "redis", "storage", "collective"] = "auto"
     weights_fetch_timeout_s: PosFloat = 60.0

@@ -224,10 +224,11 @@ async def test_a_run_syncs_by_broadcast_and_a_restarted_rollouter_rejoins(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
 ) -> None:
     """rollout.weights_transport=collective with two rollouters: every publication is a
-    broadcast; rollouter1 killed mid-run and started again is served the newest weights
-    in a round of its own; every step once, no sample lost or trained twice."""
-    steps = 6
-    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+    broadcast; rollouter1 killed mid-run and started again (same rank, a new process) is
+    served the newest weights in a round of its own and generates; every step so far once,
+    no sample trained twice, no fetch warning. The run is long (its end is not awaited), so
+    that the restarted rollouter has work whatever the machine's speed."""
+    args = run_args(redis_url, run_id, tmp_path, "trainer.total_training_steps=100000",
                     "rollout.replicas=2", "heartbeat.timeout_s=4",
                     "rollout.weights_transport=collective")
     procs.spawn("trainer", "trainer", *args)
@@ -240,14 +241,12 @@ async def test_a_run_syncs_by_broadcast_and_a_restarted_rollouter_rejoins(
     procs.spawn("rollouter1b", "rollouter", *args, "rollout.rank=1")
     # The new rollouter1 generates, so it was served weights by broadcast.
     await wait_for(bus, run_keys.samples,
-                   lambda m: isinstance(m, Sample) and m.rank == 1 and m.ts > restarted, 120,
-                   procs.watch("trainer", "rollouter1b"))
-    assert procs.wait("trainer", 240) == 0, procs.log("trainer")
-    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
-    assert procs.wait("rollouter1b", 60) == 0, procs.log("rollouter1b")
+                   lambda m: isinstance(m, Sample) and m.rank == 1 and m.ts > restarted, 180,
+                   procs.watch("trainer", "rollouter0", "rollouter1b"))
+    procs.kill("trainer", signal.SIGKILL)
     events = await events_of(bus, run_keys.events)
-    assert_every_step_once(events, steps)
+    assert_every_step_once(events, max(e.step for e in events if isinstance(e, StepFinished)))
     published = [e for e in events if isinstance(e, WeightsPublished)]
-    assert published and {e.ref.store for e in published} == {"weights:collective"}
+    assert len(published) >= 3 and {e.ref.store for e in published} == {"weights:collective"}
     assert not [e for e in events if isinstance(e, WarningRaised)
                 and e.code in ("weights_unreachable", "weights_unloadable")]

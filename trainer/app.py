@@ -112,7 +112,7 @@ class Trainer(Component):
         self.weights = Weights(bus, self.keys, self.writer, blob_root(cfg, self.run_id),
                                self.epoch, transport=cfg.rollout.weights_transport,
                                broadcaster=open_broadcaster(cfg, bus, self.keys, self.epoch,
-                                                            self.publish))
+                                                            self._warn))
         self.validations = Validations(cfg, bus, self.keys, self.writer)
         # What the trainer writes answers what it read from the other roles' streams: its
         # entries come after those in the merged log, even within one millisecond.
