@@ -576,5 +576,9 @@ class Receiver:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), max(left, 1.0))
 
+    def coming(self, key: str) -> bool:
+        """Whether publication ``key`` is being received or is held (not yet taken)."""
+        return self.receiving == key or (self.held is not None and self.held[0] == key)
+
     def location(self, ref: BlobRef) -> str:
         return f"the trainer's broadcast ({self.host}; manifest: redis key {ref.key}:m)"

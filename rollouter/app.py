@@ -50,6 +50,7 @@ from bus.messages import (
     WeightsPublished,
 )
 from bus.ranks import RankClaim
+from bus.weights_collective import STORE as COLLECTIVE
 from bus.weights_collective import Member, Receiver
 from policy import resolve_device
 from policy.text import build_tokenizer
@@ -114,7 +115,7 @@ class Rollouter(Component):
         self.weights = HeldWeights(
             f"rollouter{self.rank}", fetch=self._fetch,
             load=lambda state, version: self.off(self.engine.load_state, state, version),
-            warn=self.publish, reread=self._poll_events)
+            warn=self.publish, reread=self._poll_events, stranded=self._stranded)
         self.receiver: Receiver | None = None  # the trainer's broadcasts (_receiver)
         self.finished = False
         self.engine: Engine | None = None  # _build(), on the worker thread
@@ -233,6 +234,13 @@ class Rollouter(Component):
             msg, bus=self.bus, keys=self.keys, root=blob_root(self.cfg, self.run_id),
             timeout_s=self.cfg.rollout.weights_fetch_timeout_s, source=self.weights.source,
             warn=self.publish, receiver=self._receiver)
+
+    def _stranded(self, msg: WeightsPublished) -> bool:
+        """A broadcast publication that this replica's receiver is neither receiving nor
+        holding: no round will bring it once a newer one is published."""
+        ref = msg.manifest or msg.ref
+        return ref.store == COLLECTIVE and (self.receiver is None
+                                            or not self.receiver.coming(ref.key))
 
     def _receiver(self) -> Receiver:
         """This replica's part in the trainer's weight broadcasts, started at the first

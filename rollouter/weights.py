@@ -44,8 +44,9 @@ __all__ = ["HeldWeights", "WeightsLost", "WeightsUnreachable", "fetch_published"
 State = dict[str, torch.Tensor]
 
 RESTAGE_S = 2.0
-"""While it waits for a fetch, a rollouter reads the log this often: a newer publication
-replaces the fetch (the collective transport sends only the newest)."""
+"""While it waits for a fetch that may never complete (a broadcast publication that no round
+is bringing: the trainer sends only its newest), a rollouter reads the log this often, and a
+newer publication replaces the fetch."""
 
 BLOBS_KEPT = 3
 """The trainer deletes a publication's blob only once this many newer ones follow it in the
@@ -122,9 +123,15 @@ class HeldWeights:
     def __init__(self, source: str, *, fetch: Callable[[WeightsPublished], Awaitable[State]],
                  load: Callable[[State], Awaitable[Any]],
                  warn: Callable[[WarningRaised], Awaitable[Any]],
-                 reread: Callable[[], Awaitable[Any]]) -> None:
+                 reread: Callable[[], Awaitable[Any]],
+                 stranded: Callable[[WeightsPublished], bool] = lambda msg: False) -> None:
         self.source = source
         self.fetch, self.load, self.warn, self.reread = fetch, load, warn, reread
+        # Whether a fetch in flight may never complete (nothing is bringing it), so that a
+        # newer publication should replace it. Other fetches complete, and are loaded: giving
+        # them up for each newer publication could load nothing when fetches are slower than
+        # publications.
+        self.stranded = stranded
         self.version = -1
         self.loaded: WeightsPublished | None = None
         # Recent publications in log order; the newest loadable one is current.
@@ -221,12 +228,12 @@ class HeldWeights:
                 await self._unloadable(msg, exc)
 
     async def _superseded(self, msg: WeightsPublished, task: asyncio.Task[State]) -> bool:
-        """Wait for the fetch of ``msg``, reading the log every :data:`RESTAGE_S`: True when
-        a newer publication appeared first."""
+        """Wait for the fetch of ``msg``; while it is :attr:`stranded`, read the log every
+        :data:`RESTAGE_S`: True when a newer publication appeared first."""
         while not task.done():
             await asyncio.wait({task}, timeout=RESTAGE_S)
-            if task.done():
-                break
+            if task.done() or not self.stranded(msg):
+                continue
             await self.reread()
             if self.newest is not msg:
                 return True

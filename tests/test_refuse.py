@@ -306,3 +306,49 @@ async def test_a_blob_the_trainer_deleted_after_newer_publications_is_passed_sil
     w.held.staging = (w.held.published[0], asyncio.create_task(w.fetch(w.held.published[0])))
     await w.held.swap()
     assert w.warnings == [] and w.held.version == BLOBS_KEPT
+
+
+class _SlowWeights(_Weights):
+    """w1's fetch takes ``delay_s`` (None: never ends); reread brings w2 into the log."""
+
+    def __init__(self, blobs: dict[str, Any], delay_s: float | None, stranded: bool) -> None:
+        super().__init__(blobs)
+        self.delay_s = delay_s
+        self.rereads = 0
+        self.held.stranded = lambda msg: stranded and msg.ref.key == "w1"
+
+    async def fetch(self, msg: WeightsPublished) -> Any:
+        if msg.ref.key == "w1":
+            await asyncio.sleep(3600 if self.delay_s is None else self.delay_s)
+        return await super().fetch(msg)
+
+    async def reread(self) -> None:
+        self.rereads += 1
+        if self.rereads == 1:
+            self.held.saw(_pub(2))
+
+
+@pytest.mark.asyncio
+async def test_a_stranded_fetch_gives_way_to_a_newer_publication(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broadcast publication no round brings (the trainer sends only its newest): the
+    rollouter reads the log while it waits and loads the newer one instead."""
+    monkeypatch.setattr("rollouter.weights.RESTAGE_S", 0.05)
+    w = _SlowWeights({"w1": "state1", "w2": "state2"}, delay_s=None, stranded=True)
+    w.held.saw(_pub(1))
+    await asyncio.wait_for(w.held.swap(), 10)
+    assert w.held.version == 2 and w.loaded == ["state2"] and not w.warnings
+
+
+@pytest.mark.asyncio
+async def test_a_slow_fetch_that_will_complete_is_loaded_though_a_newer_one_appears(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Giving up every slow fetch for the next publication could load nothing at all when
+    fetches are slower than publications: one that is coming is waited for."""
+    monkeypatch.setattr("rollouter.weights.RESTAGE_S", 0.05)
+    w = _SlowWeights({"w1": "state1", "w2": "state2"}, delay_s=0.3, stranded=False)
+    w.held.saw(_pub(1))
+    await asyncio.wait_for(w.held.swap(), 10)
+    assert w.held.version == 1 and w.loaded == ["state1"] and w.rereads == 0
