@@ -3,8 +3,9 @@
 It talks to the components only through the run's streams (see ``docs/profiling.md``):
 
 * :mod:`profiler_service.state`: the service's state, ``state = fold(log)``, folded one entry
-  at a time by :func:`apply` (frozen records; :mod:`profiler_service.pmap` is the persistent
-  map that keeps each step O(1));
+  at a time by :func:`apply` into frozen records (:mod:`profiler_service.records`;
+  :mod:`profiler_service.pmap` is the persistent map that keeps each step O(1)), and
+  :mod:`profiler_service.snapshot`, the folded state stored so a restart reads only the rest;
 * :mod:`profiler_service.schedule`: the pure decision core (:func:`plan_sessions`,
   :func:`decide`, a function of the config and the folded state);
 * :mod:`profiler_service.manifest`: the manifest, built from the folded state, and its atomic
