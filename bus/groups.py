@@ -1,8 +1,9 @@
 """Consumer groups: work shared among a group's members, each entry acked once it is done.
 
-A :class:`Consumer` is one member of one group on one stream; :class:`GroupCommands` holds
-the group-level calls of :class:`~bus.streams.Bus` (list groups and members, who holds
-which pending entry, destroy a group).
+A :class:`Consumer` is one member of one group on one stream; :class:`GroupCommands`
+(:mod:`bus.group_admin`) holds the group-level calls of :class:`~bus.streams.Bus` (list
+groups and members, who holds which pending entry, destroy a group), and
+:mod:`bus.group_scripts` the Lua bodies of a fenced member's calls.
 
 Decisions (the contract other packages rely on):
 
@@ -33,13 +34,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from redis.exceptions import ResponseError
 
 from bus.client import BusClient, RetryHook, block_args
-from bus.entries import entry_key, raw_of, split_fields, to_text
-from bus.errors import BusError, BusUnavailable, GroupGone, StreamGone
+from bus.entries import entry_key, raw_of, split_fields
+from bus.errors import BusError, BusUnavailable
+from bus.group_admin import GroupCommands, GroupInfo, in_group, member_names
+from bus.group_scripts import ADD_AND_ACK_LUA, ADOPT_LUA, CALL_LUA, READ_LUA, Fence
 from bus.keys import RunKeys
 from bus.messages import FIELD, DeadLetter, DecodeError, Message, decode, encode
 from bus.publish import xadd_args
@@ -76,15 +79,6 @@ class Delivery(NamedTuple):
     stream: str
 
 
-class GroupInfo(NamedTuple):
-    """One consumer group of a stream (XINFO GROUPS)."""
-
-    name: str
-    consumers: int
-    pending: int
-    last_delivered_id: str
-
-
 @dataclass(slots=True)
 class ConsumerStats:
     """Counters of one :class:`Consumer` (since it was created)."""
@@ -94,75 +88,6 @@ class ConsumerStats:
     reclaimed: int = 0
     dead_lettered: int = 0
     trimmed: int = 0
-
-
-class Fence(Protocol):
-    """What fences a :class:`Consumer`'s group calls: :class:`bus.liveness.Lease` (or a
-    wrapper of it, such as the trainer's writer). ``run_fenced`` runs the Lua ``body`` only
-    while the fence holds; the body's keys start at KEYS[3], its args at ARGV[3]
-    (:data:`bus.liveness.FENCE_LUA`); it raises :class:`~bus.errors.Fenced` otherwise."""
-
-    async def run_fenced(
-        self, body: str, keys: Sequence[str], args: Sequence[Any], *, op: str = "EVAL",
-        on_retry: RetryHook | None = None,
-    ) -> Any: ...
-
-
-# Bodies run behind a fence (bus.liveness.FENCE_LUA): own keys from KEYS[3], args from
-# ARGV[3]. redis.pcall + returning the error keeps Redis's own error ("NOGROUP ...") as the
-# reply on every server version (6.2 wraps a raised one in "ERR Error running script").
-
-# One command, ARGV[3..] (its keys are among KEYS[3..]).
-_CALL_LUA = "return redis.pcall(unpack(ARGV, 3))"
-
-# XREADGROUP GROUP ARGV[3] ARGV[4] COUNT ARGV[5] STREAMS KEYS[3] ARGV[6]. Returns {reply,
-# ''}, or {nil, id of the stream's last entry ('0-0': empty)} when nothing came: where the
-# caller's blocking XREAD waits from.
-_READ_LUA = """
-local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[3], ARGV[4], 'COUNT', ARGV[5],
-                      'STREAMS', KEYS[3], ARGV[6])
-if type(r) == 'table' and r.err then return r end
-if r then return {r, ''} end
-local last = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
-if #last == 0 then return {false, '0-0'} end
-return {false, last[1][1]}
-"""
-
-# XACK KEYS[3] ARGV[3] ARGV[n+6..], then XADD KEYS[4] * ARGV[4] ARGV[5+i] for i = 1..n
-# (n = ARGV[5]), atomically as MULTI/EXEC would. Returns {new ids, how many were pending}.
-_ADD_AND_ACK_LUA = """
-local n = tonumber(ARGV[5])
-local acked = 0
-if #ARGV > n + 5 then
-  acked = redis.pcall('XACK', KEYS[3], ARGV[3], unpack(ARGV, n + 6))
-  if type(acked) == 'table' and acked.err then return acked end
-end
-local ids = {}
-for i = 1, n do ids[i] = redis.call('XADD', KEYS[4], '*', ARGV[4], ARGV[5 + i]) end
-return {ids, acked}
-"""
-
-# Member ARGV[5] of group ARGV[3] on KEYS[3]: XCLAIM (JUSTID: its delivery counter is kept,
-# our next read of our own pending entries counts one more) up to ARGV[6] of its pending
-# entries for ARGV[4]; once it owns none, XGROUP DELCONSUMER it. Returns {ids it held,
-# ids claimed} ({{}, {}}: removed). Redis 7 drops an entry deleted while pending from the PEL
-# instead of claiming it (6.2 claims it: our read finds it trimmed).
-_ADOPT_LUA = """
-local rows = redis.pcall('XPENDING', KEYS[3], ARGV[3], '-', '+', ARGV[6], ARGV[5])
-if type(rows) == 'table' and rows.err then return rows end
-if #rows == 0 then
-  redis.call('XGROUP', 'DELCONSUMER', KEYS[3], ARGV[3], ARGV[5])
-  return {{}, {}}
-end
-local held = {}
-local claim = {'XCLAIM', KEYS[3], ARGV[3], ARGV[4], 0}
-for i, row in ipairs(rows) do
-  held[i] = row[1]
-  claim[#claim + 1] = row[1]
-end
-claim[#claim + 1] = 'JUSTID'
-return {held, redis.call(unpack(claim))}
-"""
 
 
 def default_dlq(stream: str) -> str:
@@ -175,89 +100,6 @@ def default_dlq(stream: str) -> str:
         except ValueError:
             pass
     return f"{stream}:dlq"
-
-
-async def in_group(bus: BusClient, stream: str, group: str, reply: Awaitable[T]) -> T:
-    """``await reply`` (a call on ``group`` of ``stream``), with Redis' NOGROUP error turned
-    into :class:`~bus.errors.StreamGone` or :class:`~bus.errors.GroupGone` (EXISTS tells
-    which)."""
-    try:
-        return await reply
-    except ResponseError as exc:
-        if not str(exc).startswith("NOGROUP"):
-            raise
-        gone: BusError = (GroupGone(stream, group) if await bus.command("EXISTS", stream)
-                          else StreamGone(stream, group))
-        raise gone from exc
-
-
-def _fields(row: list[Any]) -> dict[bytes, Any]:
-    """One XINFO reply row (a flat ``name, value, ...`` list) as a dict."""
-    return dict(zip(row[::2], row[1::2], strict=False))
-
-
-async def member_names(bus: BusClient, stream: str, group: str) -> list[str]:
-    """Names of the members of ``group`` ([] when the stream or group is missing).
-    Wraps XINFO CONSUMERS."""
-    try:
-        raw = await bus.command("XINFO", "CONSUMERS", stream, group)
-    except ResponseError as exc:
-        if "no such key" in str(exc).lower() or str(exc).startswith("NOGROUP"):
-            return []
-        raise
-    return [to_text(_fields(row)[b"name"]) for row in raw]
-
-
-class GroupCommands(BusClient):
-    """Group-level calls: XINFO GROUPS / CONSUMERS, XPENDING owners, XGROUP DESTROY."""
-
-    async def groups(self, stream: str) -> list[GroupInfo]:
-        """The consumer groups of ``stream`` ([] when the stream does not exist).
-        Wraps XINFO GROUPS."""
-        try:
-            raw = await self.command("XINFO", "GROUPS", stream)
-        except ResponseError as exc:
-            if "no such key" in str(exc).lower():
-                return []
-            raise
-        return [
-            GroupInfo(
-                name=to_text(g[b"name"]),
-                consumers=int(g[b"consumers"]),
-                pending=int(g[b"pending"]),
-                last_delivered_id=to_text(g[b"last-delivered-id"]),
-            )
-            for g in map(_fields, raw)
-        ]
-
-    async def consumers(self, stream: str, group: str) -> list[str]:
-        """Names of the members of ``group`` ([] when the stream or group is missing).
-        Wraps XINFO CONSUMERS."""
-        return await member_names(self, stream, group)
-
-    async def pending_owners(self, stream: str, group: str, count: int) -> dict[str, str]:
-        """Who holds each of the (up to ``count``) oldest entries pending in ``group``:
-        ``{entry id: consumer name}``. Wraps XPENDING stream group - + count. A missing
-        stream or group raises :class:`~bus.errors.StreamGone` /
-        :class:`~bus.errors.GroupGone`."""
-        rows = await in_group(
-            self, stream, group, self.command("XPENDING", stream, group, "-", "+", count)
-        )
-        return {row[0].decode(): row[1].decode() for row in rows or []}
-
-    async def destroy_group(self, stream: str, group: str) -> bool:
-        """Delete a consumer group; True if it existed. Wraps XGROUP DESTROY."""
-        try:
-            n = await self.command("XGROUP", "DESTROY", stream, group)
-        except ResponseError as exc:
-            if "requires the key to exist" in str(exc):
-                return False
-            raise
-        return bool(n)
-
-    def consumer(self, stream: str, group: str, name: str, **kwargs: Any) -> Consumer:
-        """A :class:`Consumer` of ``stream`` as member ``name`` of ``group``."""
-        return Consumer(self, stream, group, name, **kwargs)
 
 
 class Consumer:
@@ -320,7 +162,7 @@ class Consumer:
         Wraps the command, or EVAL (the fence's checks, then the command)."""
         if self.fence is None:
             return await self._run(self.bus.command(*args))
-        return await self._script(_CALL_LUA, [], args, op=str(args[0]))
+        return await self._script(CALL_LUA, [], args, op=str(args[0]))
 
     async def _script(
         self, body: str, keys: Sequence[str], args: Sequence[Any], *, op: str,
@@ -384,7 +226,7 @@ class Consumer:
         stream's last one, then the fenced read runs once more. Wraps EVAL (XREADGROUP,
         XREVRANGE), XREAD."""
         args = [self.group, self.name, count, start]
-        reply, last = await self._script(_READ_LUA, [], args, op="XREADGROUP",
+        reply, last = await self._script(READ_LUA, [], args, op="XREADGROUP",
                                          on_retry=self._lost_reply)
         if reply or not block_ms or block_ms <= 0 or start != ">":
             return reply
@@ -393,7 +235,7 @@ class Consumer:
             block_ms=int(block_ms)))
         if not woke:
             return None
-        reply, _ = await self._script(_READ_LUA, [], args, op="XREADGROUP",
+        reply, _ = await self._script(READ_LUA, [], args, op="XREADGROUP",
                                       on_retry=self._lost_reply)
         return reply
 
@@ -533,7 +375,7 @@ class Consumer:
         many of ``ids`` were pending."""
         if self.fence is not None:
             added, acked = await self._script(
-                _ADD_AND_ACK_LUA, [stream], [self.group, FIELD, len(payloads), *payloads, *ids],
+                ADD_AND_ACK_LUA, [stream], [self.group, FIELD, len(payloads), *payloads, *ids],
                 op=op)
             self._inflight.difference_update(ids)
             return [a.decode() for a in added], int(acked)
@@ -666,7 +508,7 @@ class Consumer:
             last: list[bytes] = []
             while True:
                 held, claimed = await self._script(
-                    _ADOPT_LUA, [], [self.group, self.name, member, count], op="XCLAIM")
+                    ADOPT_LUA, [], [self.group, self.name, member, count], op="XCLAIM")
                 if not held or held == last:  # removed (or, defensively, no progress)
                     break
                 last = held
