@@ -27,7 +27,8 @@ from profiling.paths import (
 from profiling.traces import finish_trace, link_session_view
 
 if TYPE_CHECKING:
-    from profiling.agent import TOOLS, AgentEvent, ProfilerAgent, create_agent, prepare_main_thread
+    from profiling.agent import TOOLS, AgentEvent, ProfilerAgent
+    from profiling.component import create_agent, prepare_main_thread
 
 __all__ = [
     "TOOLS",
@@ -47,11 +48,12 @@ __all__ = [
     "trace_world_size",
 ]
 
-_AGENT_NAMES = frozenset(
-    {"TOOLS", "AgentEvent", "ProfilerAgent", "create_agent", "prepare_main_thread"})
+_LAZY = {"TOOLS": "profiling.agent", "AgentEvent": "profiling.agent",
+         "ProfilerAgent": "profiling.agent", "create_agent": "profiling.component",
+         "prepare_main_thread": "profiling.component"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _AGENT_NAMES:
-        return getattr(importlib.import_module("profiling.agent"), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'profiling' has no attribute {name!r}")
