@@ -98,6 +98,7 @@ if TYPE_CHECKING:
         RetryPolicy,
         retry_async,
     )
+    from bus.serve import serve_forever
     from bus.server import (
         AOF_BLOAT,
         AOF_MIN_REWRITE_BYTES,
@@ -113,7 +114,6 @@ if TYPE_CHECKING:
         free_port,
         pdeathsig_hook,
         redis_server_version,
-        serve_forever,
     )
     from bus.streams import (
         EXCEEDED_REASON,
@@ -237,9 +237,9 @@ __all__ = [
 ]
 
 # Submodules searched for a public name, the cheap ones first.
-_MODULES = ("errors", "keys", "retry", "files", "redisbin", "server", "urls", "messages", "entries",
-            "client", "publish", "logs", "groups", "trim", "barrier", "keyspace", "streams",
-            "blobs", "liveness")
+_MODULES = ("errors", "keys", "retry", "files", "redisbin", "server", "serve", "urls",
+            "messages", "entries", "client", "publish", "logs", "groups", "trim", "barrier",
+            "keyspace", "streams", "blobs", "liveness")
 
 
 def __getattr__(name: str) -> Any:

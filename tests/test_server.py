@@ -141,7 +141,7 @@ async def test_async_context_manager(tmp_path: Path, redis_binary: str) -> None:
 @pytest.mark.timeout(60)
 def test_serve_forever_until_sigterm(tmp_path: Path, redis_binary: str) -> None:
     code = (
-        "import sys; from bus.server import serve_forever; "
+        "import sys; from bus.serve import serve_forever; "
         f"sys.exit(serve_forever({str(tmp_path)!r}, binary={redis_binary!r}))"
     )
     with subprocess.Popen(
