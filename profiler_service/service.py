@@ -46,8 +46,6 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -67,18 +65,14 @@ from bus import (
     StopProfile,
     WarningRaised,
 )
-from bus.files import atomic_write
 from bus.history import find_archive
 from bus.keys import LOG_ROLES, ROLE_LOG_MAXLEN
 from bus.storage import StorageError
+from profiler_service.files import SNAPSHOT_NAME, ServiceFiles
 from profiler_service.finish import HOOK_INTERRUPTED_CODE, HOOK_MARKER_NAME, FinishHook
 from profiler_service.manifest import (
-    build_manifest,
     check_traces,
-    manifest_file,
-    profile_dir,
     trace_warning,
-    write_manifest,
 )
 from profiler_service.schedule import (
     PROFILER_SOURCE,
@@ -91,8 +85,6 @@ from profiler_service.state import (
     ServiceState,
     Snapshot,
     apply,
-    decode_snapshot,
-    encode_snapshot,
     report_refusal,
     run_finished_doubt,
     unchecked_stops,
@@ -109,17 +101,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("profiler_service")
-
-SNAPSHOT_NAME = ".profiler_state.msgpack"
-"""The service's snapshot in ``save_path/RUN``: its folded state and tracking positions
-(:class:`~profiler_service.state.Snapshot`). A cache of the log, never a source of facts."""
-
-SNAPSHOT_EVERY_S = 5.0
-"""Shortest time between two snapshot writes (one is also written on a clean exit)."""
-
-MANIFEST_EVERY_S = 0.5
-"""Shortest time between two manifest writes while the run goes on (the final one is
-written at once); changes in between are coalesced."""
 
 WAIT_SLICE_S = 0.5
 """Longest single wait of the main loop (SIGTERM and timers are noticed at least this often)."""
@@ -146,9 +127,9 @@ class ProfilerService(Component):
         if cfg.run.id is None:
             raise ValueError("the profiler service needs run.id")
         super().__init__(cfg, bus)
-        self.profile_dir = profile_dir(cfg)
-        self.manifest_path = manifest_file(cfg)
-        self.snapshot_path = self.profile_dir / SNAPSHOT_NAME
+        self.files = ServiceFiles(cfg, bus, self.keys)
+        self.profile_dir = self.files.profile_dir
+        self.manifest_path = self.files.manifest_path
         self.state = ServiceState()
         """Everything seen on both streams (our own output included), folded."""
         self.follower = LogFollower(bus, self.keys, fold=self._fold_entries, count=READ_COUNT,
@@ -165,10 +146,6 @@ class ProfilerService(Component):
         self._hook_running = False
         self._pulsed_activity = ""
         self._relevant = 0  # entries that changed the state, for the catch-up's log line
-        self._manifest_inputs: tuple[Any, ...] | None = None
-        self._manifest_due = 0.0
-        self._snapshot_of: tuple[ServiceState, str] | None = None
-        self._snapshot_due = 0.0
 
     # ------------------------------------------------------------------ folding
 
@@ -215,7 +192,7 @@ class ProfilerService(Component):
     async def _catch_up(self) -> None:
         """Fold both streams (the events one from the snapshot's position, if any): the state
         a restarted service resumes."""
-        snapshot = await self._load_snapshot()
+        snapshot = await self.files.load_snapshot()
         self.follower.positions = dict.fromkeys(self.follower.positions, "0")
         if snapshot is not None:
             self.state = snapshot.state
@@ -245,36 +222,6 @@ class ProfilerService(Component):
         where = f" after the snapshot at {snapshot.events_position}" if snapshot else ""
         log.info("run %s: read %d relevant entries from the log%s", self.keys.run_id,
                  self._relevant, where)
-
-    async def _load_snapshot(self) -> Snapshot | None:
-        """The snapshot next to the manifest, if the log confirms it."""
-        if self.cfg.global_profiler.tool is None:
-            return None
-        data = await asyncio.to_thread(_read_bytes, self.snapshot_path)
-        if data is None:
-            return None
-        snapshot = decode_snapshot(data)
-        if snapshot is None or snapshot.run_id != self.keys.run_id:
-            log.info("ignoring %s (not a snapshot of this run); reading the whole log",
-                     self.snapshot_path)
-            return None
-        # Ask the trainer's events trim to keep what follows the snapshot (honoured while
-        # our liveness key exists) before checking that it is still there.
-        await self.bus.set_position(self.keys.position(PROFILER_SOURCE),
-                                    snapshot.events_position)
-        # A snapshot says what the log held up to its positions. If the log lacks them (a
-        # Redis that lost its tail, or a new run reusing the id) the log wins.
-        checks = [(self.keys.events, snapshot.events_position),
-                  *((self.keys.log(role), position) for role, position
-                    in snapshot.log_positions.items() if position not in ("", "0"))]
-        if snapshot.control_position:
-            checks.append((self.keys.control, snapshot.control_position))
-        for stream, position in checks:
-            if not await self.bus.read_ids(stream, [position]):
-                log.warning("snapshot %s names entry %s of %s, which the log does not hold; "
-                            "reading the whole log", self.snapshot_path, position, stream)
-                return None
-        return snapshot
 
     # ------------------------------------------------------------------ publishing
 
@@ -331,39 +278,34 @@ class ProfilerService(Component):
         return self.cfg.global_profiler.tool is not None and self.state.run_started is not None
 
     async def _write_manifest(self, final: bool = False) -> None:
-        """Write the manifest of the current state, on a worker thread (the state is frozen,
-        so the thread reads it safely while the loop goes on)."""
-        if not self._profiled():
-            return
-        state = self.state
-        self._manifest_inputs = _manifest_inputs(state)
-        entries = await asyncio.to_thread(
-            _write_manifest_file, self.manifest_path, self.keys.run_id, state, final
-        )
-        if entries is not None:
-            log.info("manifest %s: %d entries", self.manifest_path, entries)
+        """Write the manifest of the current state (:mod:`profiler_service.files`)."""
+        if self._profiled():
+            await self.files.write_manifest(self.state, final)
 
     async def _write_snapshot(self) -> None:
-        """Store the state and the tracking positions, on a worker thread. Only when every
-        event we published has come back through the tail, so that everything the state
-        holds is at or before :attr:`events_position`."""
+        """Store the state and the tracking positions. Only when every event we published
+        has come back through the tail, so that everything the state holds is at or before
+        :attr:`events_position`."""
         if not self._profiled() or self._own_event_ids or self.events_position == "0":
             return
-        last = self._snapshot_of
-        if last is not None and last[0] is self.state and last[1] == self.events_position:
-            return  # this very state at this very position is stored already
-        snapshot = Snapshot(
+        await self.files.write_snapshot(Snapshot(
             state=self.state,
             run_id=self.keys.run_id,
             events_position=self.events_position,
             control_position=self.control_position,
             log_positions=self.log_positions,
-        )
-        await asyncio.to_thread(_write_snapshot_file, self.snapshot_path, snapshot)
-        self._snapshot_of = (snapshot.state, snapshot.events_position)
-        # The trainer's events trim keeps what follows it while we are alive.
-        await self.bus.set_position(self.keys.position(PROFILER_SOURCE),
-                                    snapshot.events_position)
+        ))
+
+    async def _keep_files(self, now: float) -> None:
+        """Check new traces; write the manifest when its inputs changed and the snapshot
+        when due."""
+        if not self._profiled():
+            return
+        await self._check_traces()
+        if self.files.manifest_due(self.state, now):
+            await self._write_manifest()
+        if self.files.snapshot_due(now):
+            await self._write_snapshot()
 
     async def _check_traces(self, publish: bool = True) -> None:
         """Check the trace file of every ``ok`` ProfileStopped not checked yet (on a worker
@@ -382,23 +324,6 @@ class ProfilerService(Component):
             log.warning("%s", warning.message)
             if publish and warning.message not in self.state.trace_warnings:
                 await self._publish(warning)
-
-    async def _keep_files(self, now: float) -> None:
-        """Check new traces; write the manifest when its inputs changed and the snapshot
-        when due."""
-        if not self._profiled():
-            return
-        await self._check_traces()
-        inputs = _manifest_inputs(self.state)
-        stale = self._manifest_inputs is None or any(
-            a is not b for a, b in zip(inputs, self._manifest_inputs, strict=True)
-        )
-        if stale and now >= self._manifest_due:
-            self._manifest_due = now + MANIFEST_EVERY_S
-            await self._write_manifest()
-        if now >= self._snapshot_due:
-            self._snapshot_due = now + SNAPSHOT_EVERY_S
-            await self._write_snapshot()
 
     # ------------------------------------------------------------------ finishing
 
@@ -593,41 +518,9 @@ class ProfilerService(Component):
         await self.follower.poll(block_ms=int(timeout * 1000) or None)
 
 
-def _manifest_inputs(state: ServiceState) -> tuple[Any, ...]:
-    """The parts of the state the manifest depends on (compared by identity: each is
-    replaced, never changed, so a new object means a change)."""
-    return (
-        state.sessions,
-        state.run_started,
-        state.run_finished,
-        state.profiler_finished,
-        state.gave_up_waiting,
-    )
-
-
-def _write_manifest_file(path: Path, run_id: str, state: ServiceState, final: bool) -> int | None:
-    """Build and write the manifest (worker thread); its entry count if the file changed."""
-    manifest = build_manifest(run_id, state, final=final)
-    if write_manifest(path, manifest):
-        return len(manifest["sessions"])
-    return None
-
-
-def _write_snapshot_file(path: Path, snapshot: Snapshot) -> None:
-    """Encode and write ``snapshot`` atomically (worker thread)."""
-    atomic_write(path, encode_snapshot(snapshot))
-
-
 def _log_gap(after: str, first: str) -> None:
     log.warning("events after %s up to %s were trimmed from the stream and are not in the "
                 "archive here; folding without them", after, first)
-
-
-def _read_bytes(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
 
 
 def _describe(msg: Command | Event) -> str:
