@@ -28,7 +28,10 @@ a group of its own, formed for the publication it sends and the receivers that l
 A member that dies in a round fails that round for the others (at once when its connections
 close, after ``timeout_s``, gloo's timeout, when it hangs); they are invited again, and the
 dead one no longer is once its liveness key expires. A new trainer (a resume) starts with
-nobody served and publishes at start, so every receiver is served again. Memory: the trainer
+nobody served and publishes at start, so every receiver is served again. The round key is a
+plain SET, not a fenced write: a zombie trainer's round can only hand receivers a
+publication that no event names (its events are fenced), which nobody asks for, and delay
+the live trainer's round (whose invited then come in the next one). Memory: the trainer
 holds one copy of the newest publication, a receiver the newest one received until the
 rollouter takes it. The blocking parts (TCPStore, gloo) run on a daemon thread per side
 (:class:`_Worker`) whose waits look at a stop flag: a stopping process waits at most
