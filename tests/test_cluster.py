@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +19,9 @@ from bus.messages import RunFinished, RunStarted, StepFinished, WeightsPublished
 from bus.urls import as_cluster_url, split_cluster
 from runconfig import ConfigError, load_config
 from runtime.process import expanded_url
-from tests.procs import FAST, Procs, events_of, run_cli
+from tests.procs import FAST, Procs, assert_every_step_once, events_of, run_cli
 from tests.redis_cluster import SLOTS, LocalCluster
+from tests.waits import event, wait_for
 
 STEPS = 3
 
@@ -271,3 +273,47 @@ async def test_server_wide_commands_ask_the_master_holding_the_run(cluster: Loca
         assert await bus.server_time() > 0
     finally:
         await bus.close()
+
+
+# --------------------------------------------------------------------------- a master fails over
+
+
+@pytest.mark.e2e
+@pytest.mark.chaos
+@pytest.mark.asyncio
+async def test_a_run_goes_on_when_its_master_fails_over_to_its_replica(
+    redis7_binary: str, tmp_path: Path
+) -> None:
+    """3 masters with a replica each: the master holding the run is SIGKILLed mid-run, its
+    replica is promoted, and the run finishes on it: steps finish after the kill, every step
+    once, no sample trained twice, the replica now the run's master."""
+    steps = 100  # ~10 s of run left after step 2: the failover (~2-3 s) lands inside it
+    with LocalCluster(redis7_binary, tmp_path / "cluster", replicas=1,
+                      extra=("--cluster-node-timeout", "1000")) as c:
+        # Not the URL's node: new connections still find the cluster through it.
+        run = next(f"cl-fo-{i}" for i in range(40) if _master(f"cl-fo-{i}") == 1)
+        args = [f"redis.url={c.url}", f"run.id={run}", f"run.output_dir={tmp_path / 'out'}",
+                *FAST, f"trainer.total_training_steps={steps}"]
+        procs = Procs(tmp_path / "logs")
+        try:
+            procs.spawn("rollouter0", "rollouter", *args)
+            procs.spawn("trainer", "trainer", *args)
+            async with Bus.from_url(c.url) as bus:
+                await wait_for(bus, RunKeys(run).events, event(StepFinished, step=2), 180,
+                               procs.watch("trainer", "rollouter0"))
+            c.kill(1)
+            killed = time.time()
+            assert procs.wait("trainer", 300) == 0, procs.log("trainer")
+            assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+        finally:
+            procs.kill_all()
+        replica = c.client(c.replica_of(1))
+        assert replica.info("replication")["role"] == "master"
+        assert replica.exists(RunKeys(run).events)  # the run lives on the promoted replica
+        async with Bus.from_url(c.url) as bus:
+            events = await events_of(bus, RunKeys(run).events)
+        assert_every_step_once(events, steps)
+        after = [e.step for e in events if isinstance(e, StepFinished) and e.ts > killed]
+        assert after and after[-1] == steps, "no step finished after the master was killed"
+        assert len(after) < steps - 1, "the master was killed too late to matter"
+        assert any(isinstance(e, RunFinished) and e.ts > killed for e in events)
