@@ -1,14 +1,19 @@
-"""Redis URLs: ``${VAR}`` placeholders filled from the environment, and the one line that
-says a server cannot be reached or refused the credentials."""
+"""Redis URLs: ``${VAR}`` placeholders filled from the environment, the cluster forms, the
+one line that says a server cannot be reached or refused the credentials, and the host a URL
+names with this machine's address on the route to it (where peers that reach the same Redis
+can reach this process: the collective weight transport's default address)."""
 
 from __future__ import annotations
 
 import os
 import re
+import socket
+from urllib.parse import urlsplit
 
 from bus.errors import BusAuthError, BusPermissionError, BusUnavailable, seconds
 
-__all__ = ["CLUSTER_SCHEMES", "as_cluster_url", "bus_error_line", "expand_env", "split_cluster"]
+__all__ = ["CLUSTER_SCHEMES", "as_cluster_url", "bus_error_line", "expand_env", "local_address",
+           "redis_host", "split_cluster"]
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -66,3 +71,20 @@ def bus_error_line(name: str, exc: BusUnavailable | BusAuthError) -> str:
     return (f"{name}: error: cannot reach Redis at {exc.url} ({exc.op} failed after "
             f"{exc.attempts} attempt(s){spent}{bound}); is the server running there? "
             "check redis.url")
+
+
+def redis_host(url: str) -> str:
+    """The host of a Redis URL (``127.0.0.1`` for a unix socket)."""
+    return urlsplit(url).hostname or "127.0.0.1"
+
+
+def local_address(toward: str, port: int = 9) -> str:
+    """This machine's address on the route to ``toward`` (a UDP socket's connect sends
+    nothing): what a peer there can reach us at. ``127.0.0.1`` when ``toward`` is local or
+    cannot be resolved."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((toward, port))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"

@@ -46,12 +46,11 @@ import asyncio
 import contextlib
 import datetime
 import hashlib
-import socket
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import msgspec
 import torch
@@ -62,6 +61,7 @@ from bus.keys import RunKeys
 from bus.liveness import peers
 from bus.messages import BlobRef
 from bus.streams import Bus
+from bus.urls import local_address
 from bus.weights_transport import (
     CHUNK_SIZE,
     FORMAT,
@@ -77,7 +77,9 @@ from bus.weights_transport import (
 
 __all__ = ["CONNECT_S", "JOIN_TIMEOUT_S", "PIECE", "POLL_S", "STOP_WAIT_S", "STORE",
            "Broadcaster", "Member", "Receiver", "RoundPlan", "Stopped", "delete_manifest",
-           "first_line", "invite", "local_address", "redis_host", "still_live"]
+           "first_line", "invite", "still_live"]
+
+log = logging.getLogger(__name__)
 
 STORE = "weights:collective"
 """The ``BlobRef.store`` of a broadcast publication."""
@@ -149,27 +151,10 @@ def still_live(delivered: Mapping[Member, str], live: Iterable[Member]) -> dict[
     return {m: key for m, key in delivered.items() if m in alive}
 
 
-def local_address(toward: str, port: int = 9) -> str:
-    """This machine's address on the route to ``toward`` (a UDP socket's connect sends
-    nothing): what a peer there can reach us at. ``127.0.0.1`` when ``toward`` is local or
-    cannot be resolved."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((toward, port))
-            return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
-
-
 def first_line(exc: BaseException) -> str:
     """An exception's first line: torch's distributed errors append a C++ stack."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def redis_host(url: str) -> str:
-    """The host of a Redis URL (``127.0.0.1`` for a unix socket)."""
-    return urlsplit(url).hostname or "127.0.0.1"
 
 
 async def delete_manifest(bus: Bus, run_keys: RunKeys, ref: BlobRef) -> None:
@@ -426,15 +411,27 @@ class Broadcaster:
 
     async def run(self) -> None:
         """Serve rounds until cancelled: at each publication, and every :data:`POLL_S`. A
-        round in flight then stops (bounded: :meth:`_Worker.close`)."""
+        round in flight then stops (bounded: :meth:`_Worker.close`). A round that cannot
+        start (Redis past its retries, no free port for the store) is told and tried again
+        at the next turn: this task never dies silently while rollouters wait on it."""
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), POLL_S)
                 self.wake.clear()
-                await self.serve()
+                try:
+                    await self.serve()
+                except Exception as exc:
+                    await self._told(f"weights broadcast round failed to start: "
+                                     f"{first_line(exc)}; trying again")
         finally:
             await self.worker.close()
+
+    async def _told(self, text: str) -> None:
+        log.warning("%s", text)
+        if self.warn is not None:
+            with contextlib.suppress(Exception):  # Redis may be what failed
+                await self.warn(text)
 
     async def receivers(self) -> list[Member]:
         """The live rollouters that take part in broadcasts (their heartbeats). Wraps
@@ -508,10 +505,15 @@ class Receiver:
 
     async def run(self) -> None:
         """Poll the round key (wraps GET) and take part in each round that invites us,
-        until cancelled (a round in flight then stops, bounded)."""
+        until cancelled (a round in flight then stops, bounded). A failed poll (Redis past
+        its retries) is kept as the outcome a waiting fetch names, and polled again."""
         try:
             while True:
-                plan = await self._plan()
+                try:
+                    plan = await self._plan()
+                except Exception as exc:
+                    await self._told(f"the round key could not be read: {first_line(exc)}")
+                    plan = None
                 if (plan is not None and plan.round != self.last_round
                         and self.me in plan.members):
                     self.last_round = plan.round

@@ -5,6 +5,7 @@ against the test's redis-server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import multiprocessing as mp
 import os
@@ -215,6 +216,40 @@ async def test_a_publication_no_round_brings_is_unreachable_naming_the_last_roun
                   sha256="0" * 64, chunks=1)
     with pytest.raises(TransportUnreachable, match=r"within 0.3 s \(last round: no round yet"):
         await receiver.take(ref, wait_s=0.3)
+
+
+@pytest.mark.asyncio
+async def test_a_round_that_cannot_start_is_told_and_tried_again(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    """The broadcaster's task never dies silently while rollouters wait on it."""
+    told: list[str] = []
+
+    async def warn(text: str) -> None:
+        told.append(text)
+
+    b = Broadcaster(bus, run_keys, epoch="e", host="127.0.0.1", timeout_s=5, warn=warn)
+    calls = 0
+
+    async def serve() -> list[Member]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("no free port\n<a C++ stack>")
+        return []
+
+    b.serve = serve  # type: ignore[method-assign]
+    task = asyncio.create_task(b.run())
+    b.wake.set()
+    for _ in range(100):
+        if calls >= 2:
+            break
+        await asyncio.sleep(0.05)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert calls >= 2
+    assert told == ["weights broadcast round failed to start: no free port; trying again"]
 
 
 @pytest.mark.e2e

@@ -29,8 +29,8 @@ import torch
 from bus import Bus, RunKeys
 from bus.blobs import RedisBlobStore, open_store
 from bus.messages import BlobRef, WarningRaised, WeightsPublished
-from bus.urls import expand_env
-from bus.weights_collective import STORE, Broadcaster, delete_manifest, local_address, redis_host
+from bus.urls import expand_env, local_address, redis_host
+from bus.weights_collective import STORE, Broadcaster, delete_manifest
 from bus.weights_transport import StorageTransport, is_manifest_ref, open_transport
 from runconfig import Config
 from runtime import Failure
