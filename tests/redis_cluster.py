@@ -130,23 +130,16 @@ class LocalCluster:
                 and int(info.get("cluster_known_nodes", 0)) == len(self.ports))
 
     def _wait_node(self, i: int, check: object, what: str) -> None:
-        deadline = time.monotonic() + READY_S
-        while True:
-            try:
-                if check(self.client(i)):  # type: ignore[operator]
-                    return
-            except redis.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"LocalCluster: gave up after {READY_S:g} s waiting for {what}"
-                                   f" (node {i}; logs under {self.dir})")
-            time.sleep(0.05)
+        self._wait(check, f"{what} (node {i})", nodes=[i])
 
-    def _wait(self, check: object, what: str) -> None:
+    def _wait(self, check: object, what: str, nodes: list[int] | None = None) -> None:
+        """Until ``check(client)`` holds on every node of ``nodes`` (the masters by
+        default), bounded by :data:`READY_S`."""
         deadline = time.monotonic() + READY_S
+        for_nodes = range(self.masters) if nodes is None else nodes
         while True:
             try:
-                if all(check(self.client(i)) for i in range(self.masters)):  # type: ignore[operator]
+                if all(check(self.client(i)) for i in for_nodes):  # type: ignore[operator]
                     return
             except redis.RedisError:
                 pass
