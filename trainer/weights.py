@@ -29,11 +29,12 @@ import torch
 from bus import Bus, RunKeys
 from bus.blobs import RedisBlobStore, open_store
 from bus.messages import BlobRef, WarningRaised, WeightsPublished
-from bus.urls import expand_env, local_address, redis_host
+from bus.urls import local_address, redis_host
 from bus.weights_collective import STORE, Broadcaster, delete_manifest
 from bus.weights_transport import StorageTransport, is_manifest_ref, open_transport
 from runconfig import Config
 from runtime import Failure
+from runtime.process import expanded_url
 from trainer.writer import Writer
 
 __all__ = ["KEEP_WEIGHTS", "REDIS_BLOB_LIMIT", "Weights", "WeightsUnwritable",
@@ -63,11 +64,7 @@ def collective_host(cfg: Config) -> str:
     (which every rollouter reaches too)."""
     if cfg.rollout.weights_collective_host:
         return cfg.rollout.weights_collective_host
-    try:
-        url = expand_env(cfg.redis.url)
-    except KeyError:
-        url = cfg.redis.url
-    return local_address(redis_host(url))
+    return local_address(redis_host(expanded_url(cfg) or ""))
 
 
 def open_broadcaster(cfg: Config, bus: Bus, keys: RunKeys, epoch: str,
