@@ -70,6 +70,8 @@ class LocalCluster:
                 "--dir", str(node_dir), "--cluster-enabled", "yes",
                 "--cluster-port", str(bus_port), "--cluster-config-file", "nodes.conf",
                 "--save", "", "--appendonly", "no", "--daemonize", "no",
+                # A replica's first sync starts at once (Redis 7 waits 5 s for more replicas).
+                "--repl-diskless-sync-delay", "0",
                 "--logfile", str(node_dir / "redis.log"), *self.extra]
         if self.password:
             args += ["--requirepass", self.password, "--masterauth", self.password]
@@ -106,9 +108,12 @@ class LocalCluster:
                 self._wait_node(i, lambda c, master=master: master in str(c.execute_command(
                     "CLUSTER NODES")), "a replica to know its master")
                 self.client(i).execute_command("CLUSTER REPLICATE", ids[m])
-        for m in range(self.masters):
-            self._wait_node(m, lambda c: int(c.info("replication").get(
-                "connected_slaves", 0)) == self.replicas, "every master's replicas in sync")
+        # In sync: the replica's link is up once its first full sync is done. A master's
+        # connected_slaves counts a replica still waiting for that sync, and a replica that
+        # never synced cannot be promoted ("disconnected from master for longer than allowed").
+        for i in range(self.masters, len(self.ports)):
+            self._wait_node(i, lambda c: c.info("replication").get("master_link_status") == "up",
+                            "a replica's first sync with its master")
         self._wait(self._ready, "every node known to every node")
 
     def _id(self, i: int) -> str:
