@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import redis
@@ -53,15 +53,19 @@ def interpolate(value: str, env: Mapping[str, str]) -> str:
 class AclRedis:
     """The server of docker-compose.yml's redis service, on a free loopback port."""
 
-    def __init__(self, binary: str, dir: Path, run_id: str) -> None:
+    def __init__(self, binary: str, dir: Path, run_id: str, extra: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
+        """``extra``: more redis-server arguments; ``env``: more of the script's
+        environment (``RLBUS_REDIS_CLUSTER=yes`` for a cluster node)."""
         self.port = free_port()
         self.run_id = run_id
         dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **acl_env(run_id), "RLBUS_ACL_OUT": str(dir / "users.acl")}
+        env = {**os.environ, **acl_env(run_id), "RLBUS_ACL_OUT": str(dir / "users.acl"),
+               **(env or {})}
         with (dir / "redis.log").open("wb") as log:
             self.proc: subprocess.Popen[bytes] = subprocess.Popen(
                 ["sh", str(ROOT / "deploy" / "redis" / "start-redis.sh"), binary,
-                 "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(dir)],
+                 "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(dir), *extra],
                 env=env, stdout=log, stderr=subprocess.STDOUT,
             )
         server = Watched("redis-server (start-redis.sh)", self.proc, dir / "redis.log")

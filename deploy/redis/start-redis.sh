@@ -1,5 +1,6 @@
 #!/bin/sh
-# Start Redis for docker-compose.yml with the ACL users of users.acl:
+# Start Redis for docker-compose.yml (or a node of docker-compose.cluster.yml, with
+# RLBUS_REDIS_CLUSTER=yes) with the ACL users of users.acl:
 #   sh start-redis.sh REDIS-SERVER-COMMAND... (e.g. docker-entrypoint.sh redis-server)
 # Passwords come from RLBUS_{ADMIN,TRAINER,ROLLOUTER,PROFILER,LOGGER,OPERATOR}_PASSWORD and
 # are written only as SHA-256 hashes, to a file outside the data volume; RLBUS_RUN_ID names
@@ -30,5 +31,12 @@ sed -e '/^#/d' -e "s/@RUN@/$run/g" -e "s/@ADMIN_HASH@/$admin/" -e "s/@TRAINER_HA
     "$here/users.acl" > "$acl"
 # The image's entrypoint runs the server as user redis: it must be able to read the file.
 chown redis "$acl" 2>/dev/null || true
+if [ "${RLBUS_REDIS_CLUSTER:-no}" = yes ]; then
+  # A node of docker-compose.cluster.yml: its identity in the data volume (a restarted node
+  # rejoins as itself), and a replica syncs from its master as admin. Redis rewrites its
+  # process title at start, so the password does not stay visible in ps.
+  set -- "$@" --cluster-enabled yes --cluster-config-file nodes.conf \
+    --masteruser admin --masterauth "$RLBUS_ADMIN_PASSWORD"
+fi
 exec "$@" --aclfile "$acl" --appendonly yes --appendfsync everysec \
   --maxmemory-policy noeviction --save ""
