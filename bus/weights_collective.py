@@ -68,11 +68,12 @@ from bus.weights_transport import (
     Manifest,
     TransportUnreachable,
     _entries,
-    _raw,
     _tensors,
     _unique,
+    chunk_digests,
     decode_manifest,
     encode_manifest,
+    flat_buffer,
 )
 
 __all__ = ["CONNECT_S", "JOIN_TIMEOUT_S", "PIECE", "POLL_S", "STOP_WAIT_S", "STORE",
@@ -255,15 +256,53 @@ def _finish(work: Any, stop: threading.Event) -> None:
             raise Stopped("stopped in a broadcast")
 
 
-def _broadcast(group: Any, buf: bytearray | memoryview, size: int,
-               stop: threading.Event) -> None:
-    """Broadcast ``buf[:size]`` from rank 0 in pieces of :data:`PIECE`, in place."""
+def _broadcast(group: Any, buf: memoryview, size: int, stop: threading.Event,
+               received: Callable[[int], None] | None = None) -> None:
+    """Broadcast ``buf[:size]`` from rank 0 in pieces of :data:`PIECE`, in place. With
+    ``received(end)``: called once ``buf[:end]`` is in, while the next piece is in flight
+    (gloo sends it on its own thread), so a receiver checks what it has meanwhile."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
+    in_flight: tuple[int, Any] | None = None
     for start in range(0, size, PIECE):
         count = min(PIECE, size - start)
         piece = torch.frombuffer(buf, dtype=torch.uint8, count=count, offset=start)
-        _finish(group.broadcast([piece], opts), stop)
+        work = group.broadcast([piece], opts)
+        if in_flight is not None:
+            _piece_in(*in_flight, stop, received)
+        in_flight = (start + count, work)
+    if in_flight is not None:
+        _piece_in(*in_flight, stop, received)
+
+
+def _piece_in(end: int, work: Any, stop: threading.Event,
+              received: Callable[[int], None] | None) -> None:
+    _finish(work, stop)
+    if received is not None:
+        received(end)
+
+
+class _ChunkCheck:
+    """Checks a received buffer's chunks against the manifest as its pieces come in."""
+
+    def __init__(self, m: Manifest, buf: memoryview, key: str) -> None:
+        self.m, self.buf, self.key = m, buf, key
+        self.checked = 0  # chunks checked so far
+
+    def __call__(self, end: int) -> None:
+        """Check every whole chunk of ``buf[:end]`` not checked yet (the last one when
+        ``end`` is the size)."""
+        m = self.m
+        upto = len(m.chunks) if end >= m.size else end // m.chunk_size
+        if upto <= self.checked:
+            return
+        digests = chunk_digests(self.buf[self.checked * m.chunk_size:min(
+            upto * m.chunk_size, m.size)], m.chunk_size)
+        for i, digest in enumerate(digests, start=self.checked):
+            if digest != m.chunks[i]:
+                raise BlobCorrupt(f"weights {self.key!r} chunk {i} as broadcast does not "
+                                  "match its sha256 in the manifest")
+        self.checked = upto
 
 
 def _present(store: Any, keys: list[str], deadline: float, stop: threading.Event) -> list[int]:
@@ -284,7 +323,7 @@ def _open_store(timeout_s: float, stop: threading.Event) -> Any:
                          False)
 
 
-def _send_round(store: Any, plan: RoundPlan, buf: bytearray,
+def _send_round(store: Any, plan: RoundPlan, buf: memoryview,
                 stop: threading.Event) -> tuple[list[int], str | None]:
     """The trainer's side of one round: wait for the invited, send, wait for their ok.
     Returns the member indices (1-based) that hold the publication, and what went wrong."""
@@ -314,7 +353,7 @@ def _send_round(store: Any, plan: RoundPlan, buf: bytearray,
 
 
 def _receive_round(plan: RoundPlan, index: int, m: Manifest,
-                   stop: threading.Event) -> bytearray | None:
+                   stop: threading.Event) -> memoryview | None:
     """A receiver's side of one round: say ready, and if let in, receive the bytes into one
     buffer, check every chunk and say ok. None: left out of this round (joined late)."""
     # Connecting is bounded by CONNECT_S (a plan whose trainer died fails in seconds), the
@@ -329,40 +368,39 @@ def _receive_round(plan: RoundPlan, index: int, m: Manifest,
     let_in = _INDICES.decode(store.get("go"))
     if index not in let_in:
         return None
-    buf = bytearray(m.size)
+    buf = flat_buffer(m.size)
+    check = _ChunkCheck(m, buf, plan.key)
     group = _group(store, let_in.index(index) + 1, len(let_in) + 1,
                    local_address(plan.host, plan.port), plan.join_timeout_s, plan.timeout_s)
     pending = True
     try:
-        _broadcast(group, buf, m.size, stop)
+        _broadcast(group, buf, m.size, stop, received=check)
         pending = False
     except RuntimeError:
         pending = False
         raise
     finally:
         _close_group(group, pending)
-    view = memoryview(buf)
-    for i, digest in enumerate(m.chunks):
-        if hashlib.sha256(view[i * m.chunk_size:(i + 1) * m.chunk_size]).digest() != digest:
-            raise BlobCorrupt(f"weights {plan.key!r} chunk {i} as broadcast does not match "
-                              "its sha256 in the manifest")
+    check(m.size)  # an empty publication has no piece
     store.set(f"ok/{index}", b"1")
     return buf
 
 
 def _flatten(tensors: Mapping[str, torch.Tensor], chunk_size: int
-             ) -> tuple[bytearray, Manifest]:
+             ) -> tuple[memoryview, Manifest]:
     """The publication's bytes in one buffer and its manifest (a chunk's digest per
-    ``chunk_size`` bytes)."""
+    ``chunk_size`` bytes). Torch copies each tensor in (in its threads, casting none: the
+    snapshot is in the published dtype already)."""
     unique, aliases = _unique(tensors)
     entries, size = _entries(unique)
-    buf = bytearray(size)
+    buf = flat_buffer(size)
     for entry, t in zip(entries, unique.values(), strict=True):
-        buf[entry.offset:entry.offset + entry.nbytes] = _raw(t.detach().cpu().contiguous())
-    view = memoryview(buf)
-    digests = [hashlib.sha256(view[start:start + chunk_size]).digest()
-               for start in range(0, size, chunk_size)]
-    return buf, Manifest(FORMAT, chunk_size, size, entries, digests, aliases)
+        if entry.nbytes:
+            into = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes,
+                                    offset=entry.offset)
+            into.view(t.dtype).copy_(t.detach().reshape(-1))
+    return buf, Manifest(FORMAT, chunk_size, size, entries, chunk_digests(buf, chunk_size),
+                         aliases)
 
 
 # ---------------------------------------------------------------------- the trainer's side
@@ -370,7 +408,7 @@ def _flatten(tensors: Mapping[str, torch.Tensor], chunk_size: int
 class _Outgoing(msgspec.Struct):
     ref: BlobRef
     version: int
-    buf: bytearray
+    buf: memoryview
 
 
 class Broadcaster:

@@ -32,6 +32,7 @@ import hashlib
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import msgspec
@@ -44,10 +45,10 @@ from bus.messages import BlobRef
 from bus.streams import Bus
 
 __all__ = [
-    "CHUNK_SIZE", "DTYPES", "FETCH_CONCURRENCY", "Manifest", "RedisTransport",
+    "CHUNK_SIZE", "DTYPES", "FETCH_CONCURRENCY", "HASH_THREADS", "Manifest", "RedisTransport",
     "StorageTransport", "TensorEntry", "Transport", "TransportUnreachable", "check_manifest",
-    "decode_manifest", "encode_manifest", "is_manifest_ref", "manifest_of", "open_transport",
-    "weights_digest",
+    "chunk_digests", "decode_manifest", "encode_manifest", "flat_buffer", "is_manifest_ref",
+    "manifest_of", "open_transport", "weights_digest",
 ]
 
 CHUNK_SIZE = 4 * 1024 * 1024
@@ -55,6 +56,9 @@ CHUNK_SIZE = 4 * 1024 * 1024
 
 FETCH_CONCURRENCY = 8
 """Chunks a reader fetches (or a writer writes) at once."""
+
+HASH_THREADS = 4
+"""Threads that hash one buffer's chunks at once (sha256 runs ~1.5 GB/s on one core here)."""
 
 FORMAT = 1
 MAX_CHUNK = 512 * 1024 * 1024
@@ -105,6 +109,26 @@ def _raw(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def flat_buffer(size: int) -> memoryview:
+    """``size`` writable bytes, not zeroed (a ``bytearray`` zero-fills: 90 ms for 250 MB
+    here, as long as copying the weights in)."""
+    return memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
+
+
+def chunk_digests(data: memoryview, chunk_size: int) -> list[bytes]:
+    """The sha256 of each ``chunk_size`` piece of ``data``, on up to :data:`HASH_THREADS`
+    threads (hashlib lets go of the GIL on large buffers)."""
+    starts = range(0, len(data), chunk_size)
+
+    def one(start: int) -> bytes:
+        return hashlib.sha256(data[start:start + chunk_size]).digest()
+
+    if len(starts) < 2:
+        return [one(start) for start in starts]
+    with ThreadPoolExecutor(min(HASH_THREADS, len(starts))) as pool:
+        return list(pool.map(one, starts))
 
 
 def _unique(tensors: Mapping[str, torch.Tensor]

@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bus import Bus, RunKeys
+from bus.errors import BlobCorrupt
 from bus.liveness import pulse_forever
 from bus.messages import (
     BlobRef,
@@ -31,8 +32,21 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
-from bus.weights_collective import Broadcaster, Member, Receiver, invite, still_live
-from bus.weights_transport import RedisTransport, TransportUnreachable
+from bus.weights_collective import (
+    Broadcaster,
+    Member,
+    Receiver,
+    _ChunkCheck,
+    _flatten,
+    invite,
+    still_live,
+)
+from bus.weights_transport import (
+    RedisTransport,
+    TransportUnreachable,
+    chunk_digests,
+    flat_buffer,
+)
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.waits import event, wait_for
 
@@ -51,6 +65,35 @@ def _summary(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int], 
     return {k: (str(v.dtype), list(v.shape), hashlib.sha256(
         v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest())
         for k, v in state.items()}
+
+
+# ---------------------------------------------------------------------- chunks checked as they come
+
+
+@given(st.binary(max_size=5000), st.integers(1, 700))
+def test_chunk_digests_are_each_chunks_sha256(data: bytes, chunk: int) -> None:
+    want = [hashlib.sha256(data[i:i + chunk]).digest() for i in range(0, len(data), chunk)]
+    assert chunk_digests(memoryview(data), chunk) == want
+
+
+@given(st.lists(st.integers(0, 250_000), max_size=6), st.integers(2000, 70_000))
+def test_a_received_buffer_is_checked_piece_by_piece_and_a_bad_chunk_is_named(
+    ends: list[int], chunk: int
+) -> None:
+    buf, m = _flatten(_state(), chunk)
+    copy = flat_buffer(m.size)
+    copy[:] = buf
+    check = _ChunkCheck(m, copy, "w")
+    for end in sorted(ends):  # pieces in any sizes, then the whole
+        check(min(end, m.size))
+    check(m.size)
+    assert check.checked == len(m.chunks)
+    bad = m.size // 2
+    copy[bad] ^= 0xFF
+    fresh = _ChunkCheck(m, copy, "w")
+    fresh(bad // chunk * chunk)  # the chunks before the bad one are fine
+    with pytest.raises(BlobCorrupt, match=f"chunk {bad // chunk} as broadcast"):
+        fresh(m.size)
 
 
 # ---------------------------------------------------------------------- planning (pure)
