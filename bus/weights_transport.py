@@ -260,7 +260,7 @@ def decode_manifest(ref: BlobRef, data: bytes) -> Manifest:
     return m
 
 
-def _place(m: Manifest, buf: bytearray, index: int, data: bytes | None, key: str) -> None:
+def _place(m: Manifest, buf: memoryview, index: int, data: bytes | None, key: str) -> None:
     """Check chunk ``index`` against the manifest and copy it into ``buf``."""
     if data is None:
         raise BlobCorrupt(f"weights {key!r} chunk {index} is missing")
@@ -272,7 +272,7 @@ def _place(m: Manifest, buf: bytearray, index: int, data: bytes | None, key: str
     buf[start:start + want] = data
 
 
-def _tensors(m: Manifest, buf: bytearray) -> dict[str, torch.Tensor]:
+def _tensors(m: Manifest, buf: memoryview) -> dict[str, torch.Tensor]:
     """The manifest's tensors as views of ``buf`` (no copy)."""
     out: dict[str, torch.Tensor] = {}
     for e in m.tensors:
@@ -376,7 +376,7 @@ class _Chunked:
             raise BlobNotFound(f"weights {self.location(ref)} do not exist (deleted, or "
                                "never written here)")
         m = decode_manifest(ref, data)
-        buf = bytearray(m.size)
+        buf = flat_buffer(m.size)
         gate = asyncio.Semaphore(self.concurrency)
 
         async def one(i: int) -> None:
