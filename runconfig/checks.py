@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from runconfig.errors import ConfigError
-from runconfig.paths import local_path, storage_url
 from runconfig.schema import Config
 
 __all__ = ["check_cross_fields"]
@@ -36,10 +35,6 @@ def _check_ranks(cfg: Config) -> None:
     if tc.nnodes > 1 and tc.master_port is None:
         raise ConfigError("trainer.master_port", f"needed with trainer.nnodes={tc.nnodes}: "
                           "every node's ranks meet rank 0 there")
-    if tc.checkpoint_format == "dcp" and local_path(storage_url(cfg)) is None:
-        raise ConfigError("trainer.checkpoint_format", "dcp needs a local run.storage (a "
-                          "folder every trainer node reads): a remote one is mirrored from "
-                          "rank 0's node, which holds only its own ranks' shards; use full")
     rows = tc.ppo_mini_batch_size * cfg.rollout.n
     if world > 1 and rows < world:
         raise ConfigError("trainer.n_gpus_per_node", f"{world} trainer ranks, but a "

@@ -232,6 +232,44 @@ async def test_a_trainer_on_another_node_resumes_from_the_remote_checkpoint(
 
 @pytest.mark.e2e
 @pytest.mark.asyncio
+async def test_two_ranks_write_their_dcp_shards_to_the_remote_storage_and_resume_from_it(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """run.storage=rlbustest://... with 2 trainer ranks (checkpoint_format auto: dcp): each
+    rank writes its shard into the storage's step-K.dcp, no node keeps one; killed, a
+    trainer on node B (node A's disk gone) reads them from there and resumes with
+    weights_match; retention deletes the dropped checkpoints' shards there too."""
+    _sitecustomize(tmp_path, monkeypatch)
+    remote, node_a, node_b = tmp_path / "remote", tmp_path / "nodeA", tmp_path / "nodeB"
+    more = ("trainer.total_training_steps=6", "trainer.save_freq=2", "trainer.n_gpus_per_node=2",
+            "run.retention=checkpoint", "trainer.max_actor_ckpt_to_keep=1",
+            f"run.storage={PROTOCOL}://{remote}")
+    procs.spawn("rollouter0", "rollouter", *run_args(redis_url, run_id, node_a, *more))
+    procs.spawn("trainer", "trainer", *run_args(redis_url, run_id, node_a, *more))
+    await wait_for(bus, run_keys.events, event(StepFinished, step=3), 240,
+                   procs.watch("trainer"))
+    procs.kill("trainer")
+    mirrored = remote / run_id / "checkpoints"
+    shards = sorted(p.name for p in (mirrored / "step-000002.dcp").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"], shards  # one per rank, both there
+    _finish_on_node_b(procs, node_a, node_b, run_args(redis_url, run_id, node_b, *more))
+    events = await events_of(bus, run_keys.events)
+    resumed = [e for e in events if isinstance(e, TrainerResumed)]
+    assert resumed and resumed[0].checkpoint_step == 2 and resumed[0].weights_match is True
+    assert not list((node_b / run_id / "checkpoints").glob("*.dcp"))  # read from the storage
+    assert not list((node_a / run_id / "checkpoints").glob("*.dcp"))
+    # Retention dropped step 2 (kept: the newest, and what the trimmed log needs): its
+    # shards went with its files; every checkpoint left has its shards beside it.
+    kept = sorted(p.name for p in mirrored.glob("step-*"))
+    local = sorted(p.name for p in (node_b / run_id / "checkpoints").glob("step-*"))
+    assert "step-000002.pt" not in kept and "step-000006.pt" in kept, kept
+    assert kept == sorted([*local, *(n.replace(".pt", ".dcp") for n in local
+                                     if n.endswith(".pt"))]), (kept, local)
+
+
+@pytest.mark.e2e
+@pytest.mark.asyncio
 async def test_retention_deletes_the_remote_copies_of_dropped_checkpoints(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs,
     monkeypatch: pytest.MonkeyPatch,

@@ -109,6 +109,8 @@ class Trainer(Component):
         self.local_ranks = LocalRanks(tc)
         self.ranks = self.local_ranks.group
         self.learner = Learner(cfg, self.ranks)
+        if self.files.mirror is not None:  # dcp shards: every rank writes its own there
+            self.learner.remote_checkpoints = self.files.mirror.where()
         self.weights = Weights(bus, self.keys, self.writer, blob_root(cfg, self.run_id),
                                self.epoch, transport=cfg.rollout.weights_transport,
                                broadcaster=open_broadcaster(cfg, bus, self.keys, self.epoch,

@@ -14,6 +14,7 @@ An operation is one ``_op_*`` method, the same code on every rank.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import math
 import shutil
@@ -182,6 +183,9 @@ class Learner:
         self.scheduler: LambdaLR | None = None
         self._step: GrpoStep | None = None  # the step being trained (RankedStep)
         self.agent: Any = None  # ranks > 0: this rank's profiler agent (trainer.rankprofile)
+        self.remote_checkpoints: str | None = None
+        """On a remote run.storage, the URL of the run's checkpoint folder there: dcp shards
+        are written to it by every rank and read from it (the trainer sets it)."""
 
     def build(self) -> None:
         """The policy, and with ``use_kl_loss`` its frozen reference (blocking).
@@ -321,30 +325,36 @@ class Learner:
         return step.finish()
 
     def checkpoint_format(self) -> str:
-        """``trainer.checkpoint_format``, ``auto`` resolved: ``dcp`` with several ranks (the
-        config check refused dcp on a remote run.storage), ``full`` with one."""
+        """``trainer.checkpoint_format``, ``auto`` resolved: ``dcp`` with several ranks,
+        ``full`` with one."""
         want = self.cfg.trainer.checkpoint_format
         if want != "auto":
             return want
-        from runconfig.paths import local_path, storage_url
+        return "dcp" if self.group.active else "full"
 
-        local = local_path(storage_url(self.cfg)) is not None
-        return "dcp" if self.group.active and local else "full"
+    def shards_of(self, pt: Path) -> str:
+        """Where the dcp shards of the checkpoint file ``pt`` go: the folder ``step-K.dcp``
+        beside it, or of that name in the remote checkpoint folder (every rank writes its
+        own there; a node's disk holds only its own ranks' shards)."""
+        name = pt.with_suffix(".dcp").name
+        if self.remote_checkpoints is None:
+            return str(pt.with_suffix(".dcp"))
+        return f"{self.remote_checkpoints.rstrip('/')}/{name}"
 
     def checkpoint_payload(self, pt: Path) -> dict[str, Any]:
         """What the checkpoint file ``pt`` (``step-K.pt``) holds besides its step and
         version: the whole model and optimizer (format full), or (dcp) the name of the
-        folder beside it (``step-K.dcp``) every rank has just written its shard into, and
-        the lr schedule. Blocking; every rank takes part."""
+        folder (``step-K.dcp``, :meth:`shards_of`) every rank has just written its shard
+        into, and the lr schedule. Blocking; every rank takes part."""
         if self.checkpoint_format() != "dcp":
             model, optimizer = self.checkpoint_state()
             return {"model": model, "optimizer": optimizer}
-        shards = pt.with_suffix(".dcp")
-        shutil.rmtree(shards, ignore_errors=True)  # an earlier attempt at this step
-        self._tell("save_dcp", str(shards))
-        self._op_save_dcp(str(shards))
+        shards = self.shards_of(pt)
+        remove_shards(shards)  # an earlier attempt at this step
+        self._tell("save_dcp", shards)
+        self._op_save_dcp(shards)
         check_shards(shards)
-        return {"format": "dcp", "shards": shards.name,
+        return {"format": "dcp", "shards": Path(shards).name,
                 "lr_scheduler": self.scheduler.state_dict() if self.scheduler else None}
 
     def _dcp_state(self) -> dict[str, Any]:
@@ -359,7 +369,7 @@ class Learner:
     def _op_save_dcp(self, folder: str) -> None:
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._dcp_state(), checkpoint_id=folder)
+        dcp.save(self._dcp_state(), storage_writer=shards_writer(folder))
 
     def _op_load_dcp(self, payload: tuple[str, dict[str, Any] | None]) -> None:
         import torch.distributed.checkpoint as dcp
@@ -370,7 +380,7 @@ class Learner:
 
         folder, schedule = payload
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=folder)
+        dcp.load(state, storage_reader=shards_reader(folder))
         set_model_state_dict(self.policy, state["model"])
         set_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"])
         if schedule is not None and self.scheduler is not None:
@@ -393,8 +403,9 @@ class Learner:
         other ranks get their shards from it)."""
         ckpt = torch.load(path, map_location=self.device if not self.group.active else "cpu",
                           weights_only=True)
-        if ckpt.get("format") == "dcp":  # every rank reads its shard of the folder beside it
-            payload = (str(Path(path).with_name(ckpt["shards"])), ckpt.get("lr_scheduler"))
+        if ckpt.get("format") == "dcp":  # every rank reads its shards from where they went
+            payload = (self.shards_of(Path(path).with_name(ckpt["shards"]).with_suffix(".pt")),
+                       ckpt.get("lr_scheduler"))
             self._tell("load_dcp", payload)
             self._op_load_dcp(payload)
             return
@@ -446,15 +457,60 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def check_shards(folder: Path) -> None:
-    """Every file a DCP checkpoint's metadata names is in ``folder`` (rank 0, after a save):
-    ranks on other nodes write theirs on their own disk unless the folder is shared."""
+def _remote(folder: str) -> bool:
+    return "://" in folder
+
+
+def shards_writer(folder: str) -> Any:
+    """The dcp writer of the shards folder ``folder``: a local path, or an fsspec URL (a
+    remote run.storage; torch's fsspec writer, a private module of the pinned torch)."""
     import torch.distributed.checkpoint as dcp
 
-    meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    if not _remote(folder):
+        return dcp.FileSystemWriter(folder)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(folder)
+
+
+def shards_reader(folder: str) -> Any:
+    """The dcp reader of the shards folder ``folder`` (:func:`shards_writer`)."""
+    import torch.distributed.checkpoint as dcp
+
+    if not _remote(folder):
+        return dcp.FileSystemReader(folder)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(folder)
+
+
+def remove_shards(folder: str) -> None:
+    """Remove the shards folder ``folder`` and what it holds (nothing when absent)."""
+    if not _remote(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(folder)
+    with contextlib.suppress(FileNotFoundError):
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+
+
+def check_shards(folder: str) -> None:
+    """Every file a DCP checkpoint's metadata names is in ``folder`` (rank 0, after a save):
+    ranks on other nodes write theirs on their own disk unless the folder is shared (or
+    remote: then every rank writes there)."""
+    meta = shards_reader(folder).read_metadata()
     storage = meta.storage_data or {}
     names = {getattr(info, "relative_path", None) for info in storage.values()}
-    missing = sorted(n for n in names if n and not (folder / n).is_file())
+    if _remote(folder):
+        from fsspec.core import url_to_fs
+
+        fs, root = url_to_fs(folder)
+        missing = sorted(n for n in names if n and not fs.isfile(f"{root.rstrip('/')}/{n}"))
+    else:
+        missing = sorted(n for n in names if n and not (Path(folder) / n).is_file())
     if missing:
         raise RuntimeError(
             f"checkpoint shards {', '.join(missing)} are not in {folder}: the other nodes' "

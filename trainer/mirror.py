@@ -136,6 +136,8 @@ class CheckpointMirror:
         steps = sorted(steps)
         for name in remote_names(steps):
             self.storage.delete(self._name(name))
+        for step in steps:  # its dcp shards (trainer.learner writes them here), once unnamed
+            self.storage.delete_folder(self._name(f"step-{step:06d}.dcp"))
         self.delete_hf(steps)
 
     def _hf(self, step: int) -> str:
