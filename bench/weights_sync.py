@@ -203,8 +203,20 @@ MODES = [("today", torch.float32), ("redis", torch.float32), ("redis", torch.bfl
          ("collective", torch.float32), ("collective", torch.bfloat16)]
 
 
-async def bench_size(url: str, root: str, size: float, readers: int, repeat: int
-                     ) -> list[dict[str, Any]]:
+def parse_modes(text: str) -> list[tuple[str, torch.dtype]]:
+    """``--modes``: ``path:dtype`` items (``collective:bf16,storage:bf16``); all: every one."""
+    if text == "all":
+        return list(MODES)
+    names = {f"{path}:{'bf16' if dtype == torch.bfloat16 else 'fp32'}": (path, dtype)
+             for path, dtype in MODES}
+    unknown = [item for item in text.split(",") if item not in names]
+    if unknown:
+        raise SystemExit(f"--modes: {', '.join(unknown)} not among {', '.join(names)}")
+    return [names[item] for item in text.split(",")]
+
+
+async def bench_size(url: str, root: str, size: float, readers: int, repeat: int,
+                     modes: list[tuple[str, torch.dtype]]) -> list[dict[str, Any]]:
     dims = shapes(size)
     state = model(dims, torch.float32)
     ctx = mp.get_context("spawn")
@@ -226,7 +238,7 @@ async def bench_size(url: str, root: str, size: float, readers: int, repeat: int
             best: dict[tuple[str, torch.dtype], tuple[float, float]] = {}
             n = 0
             for _ in range(repeat):  # interleaved: drift and warm-up hit every mode alike
-                for mode in MODES:
+                for mode in modes:
                     n += 1
                     got = await one_sync(bus, root, conns, mode[0], state, mode[1], n,
                                          broadcaster)
@@ -255,9 +267,10 @@ def table(rows: list[dict[str, Any]]) -> None:
           f"{'loaded s':>9s} {'MB/s':>8s} {'vs today':>9s}")
     today = {(r["size_gb"], r["readers"]): r["loaded_s"] for r in rows if r["path"] == "today"}
     for r in rows:
-        ratio = today[(r["size_gb"], r["readers"])] / r["loaded_s"]
+        base = today.get((r["size_gb"], r["readers"]))
+        ratio = f"{base / r['loaded_s']:8.1f}x" if base else "        -"  # today not run
         print(f"{r['size_gb']:6g} {r['readers']:7d} {r['path']:10s} {r['dtype']:5s} "
-              f"{r['publish_s']:10.2f} {r['loaded_s']:9.2f} {r['mb_s']:8.0f} {ratio:8.1f}x")
+              f"{r['publish_s']:10.2f} {r['loaded_s']:9.2f} {r['mb_s']:8.0f} {ratio}")
 
 
 def projection(rows: list[dict[str, Any]]) -> None:
@@ -286,7 +299,8 @@ async def main_async(args: argparse.Namespace) -> None:
               f"AOF {'off' if args.no_aof else 'on'}, storage {root}", flush=True)
         for size in sizes:
             for readers in counts:
-                rows += await bench_size(server.url, root, size, readers, args.repeat)
+                rows += await bench_size(server.url, root, size, readers, args.repeat,
+                                         parse_modes(args.modes))
     table(rows)
     projection(rows)
 
@@ -297,6 +311,9 @@ def main() -> None:
     ap.add_argument("--readers", default="1,3", help="reader (rollouter) counts")
     ap.add_argument("--repeat", type=int, default=3, help="syncs per mode (best is shown)")
     ap.add_argument("--no-aof", action="store_true", help="redis-server without AOF")
+    ap.add_argument("--modes", default="all",
+                    help="path:dtype items to run, e.g. collective:bf16,storage:bf16 (default "
+                         "all; without today:fp32 there is no ratio)")
     asyncio.run(main_async(ap.parse_args()))
 
 
