@@ -404,8 +404,11 @@ class Learner:
         ckpt = torch.load(path, map_location=self.device if not self.group.active else "cpu",
                           weights_only=True)
         if ckpt.get("format") == "dcp":  # every rank reads its shards from where they went
-            payload = (self.shards_of(Path(path).with_name(ckpt["shards"]).with_suffix(".pt")),
-                       ckpt.get("lr_scheduler"))
+            beside = Path(path).with_name(ckpt["shards"])
+            # Beside the file when they are there (written with a local storage), else where
+            # this trainer writes them (the remote storage's checkpoint folder).
+            shards = str(beside) if beside.is_dir() else self.shards_of(beside.with_suffix(".pt"))
+            payload = (shards, ckpt.get("lr_scheduler"))
             self._tell("load_dcp", payload)
             self._op_load_dcp(payload)
             return
