@@ -1,4 +1,5 @@
-"""The ``rlbus`` command: ``up``, one component, ``redis``, ``profile``, ``inspect``, ``config``.
+"""The ``rlbus`` command: ``up``, one component, ``redis``, ``profile``, ``inspect``, ``model``,
+``config``.
 
 Every sub-command takes ``--config FILE`` and dotted ``KEY=VALUE`` overrides and validates the
 whole config before it does anything: an invalid config or argument exits with code 2 and a
@@ -65,6 +66,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "--heartbeats), one JSON object per event (--json), a metrics plot (--plot, only\n"
                 "the plot), or the whole run as one Chrome/Perfetto trace (--trace: a track per\n"
                 "component; open it at ui.perfetto.dev)."),
+    "model": (f"rlbus model --run RUN --out DIR [--step K] {COMMON}",
+              "Copy the Hugging Face directory of a run's checkpoint (the newest exported step,\n"
+              "or --step K) to DIR, from this node's checkpoint folder or from run.storage:\n"
+              "what from_pretrained and vLLM load. Exit 2 when there is none, naming the steps\n"
+              "there are."),
     "config": (f"rlbus config [--show KEY | --verl-diff] {COMMON}",
                "Print the effective config (defaults + file + overrides) as YAML, or one key's\n"
                "value with --show KEY. Passwords in redis.url are shown as ***. The data files\n"
@@ -221,6 +227,25 @@ def _inspect(argv: list[str]) -> int:
                        target=ns.target, trace=ns.trace)
 
 
+def _model(argv: list[str]) -> int:
+    ns, overrides = _split("rlbus model", argv, [("--run", {"required": True}),
+                                                 ("--out", {"required": True}),
+                                                 ("--step", {"type": int, "default": None})])
+    cfg = load_config(ns.config, [*overrides, f"run.id={ns.run}"])
+    from pathlib import Path
+
+    from bus.storage import StorageError
+    from rlbus.model import ModelNotFound, fetch_model
+
+    try:
+        step, source = fetch_model(cfg, ns.run, ns.step, Path(ns.out))
+    except (ModelNotFound, FileExistsError, StorageError) as exc:
+        print(f"rlbus model: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"step {step}: {source} -> {ns.out}")
+    return 0
+
+
 def _config(argv: list[str]) -> int:
     ns, overrides = _split("rlbus config", argv, [("--show", {"default": None}),
                                                   ("--verl-diff", {"action": "store_true"})])
@@ -295,6 +320,7 @@ _HANDLERS = {
     "redis": _redis,
     "profile": _profile,
     "inspect": _inspect,
+    "model": _model,
     "config": _config,
 }
 

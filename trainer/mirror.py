@@ -147,6 +147,10 @@ class CheckpointMirror:
         """The remote Hugging Face directory of checkpoint ``step``, as a URL."""
         return f"{self.where()}/{_rel(hf_dir(Path(), step))}"
 
+    def has_hf(self, step: int) -> bool:
+        """Whether the remote Hugging Face directory of ``step`` is whole (its marker)."""
+        return self.storage.exists(f"{self._hf(step)}/{HF_COMPLETE}")
+
     def upload_hf(self, target: Path, step: int) -> None:
         """Copy the local Hugging Face directory ``target`` of checkpoint ``step`` to the
         storage, replacing a copy there (a step trained again): the old marker and files

@@ -1,0 +1,91 @@
+"""``rlbus model``: the Hugging Face directory of a run's checkpoint, copied to a folder.
+
+The trainer exports each kept checkpoint's weights as a Hugging Face directory
+(``hf_model`` in ``trainer.checkpoint_contents``; trainer.export), in verl's layout under
+the run's checkpoint folder, ``global_step_K/actor/huggingface``. On a remote ``run.storage`` it is
+also uploaded there, with a completion marker written last (trainer.mirror). This command
+finds the newest exported step (or ``--step K``): in this node's checkpoint folder first,
+where a directory is complete once it has its name (the exporter renames it into place),
+else in the storage, where only a directory with its marker counts; and copies it to
+``--out``, which ``AutoModelForCausalLM.from_pretrained`` and vLLM then load.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from runconfig import Config
+from runconfig.paths import checkpoint_dir
+from trainer.export import hf_dir
+from trainer.mirror import CheckpointMirror, checkpoint_mirror
+
+__all__ = ["ModelNotFound", "exported_steps", "fetch_model"]
+
+_STEP = re.compile(r"^global_step_(\d+)$")
+_PT = re.compile(r"^step-(\d+)\.pt$")
+
+
+class ModelNotFound(Exception):
+    """No exported Hugging Face directory of the asked step (or of any step)."""
+
+
+def local_steps(folder: Path) -> set[int]:
+    """The steps whose Hugging Face directory is in the local checkpoint ``folder``."""
+    if not folder.is_dir():
+        return set()
+    return {int(m[1]) for p in folder.iterdir() if (m := _STEP.match(p.name))
+            and hf_dir(folder, int(m[1])).is_dir()}
+
+
+def remote_steps(mirror: CheckpointMirror) -> set[int]:
+    """The steps whose Hugging Face directory is whole in the storage (its marker there);
+    asked for the checkpoints the storage holds (an export belongs to one)."""
+    steps = {int(m[1]) for name in mirror.storage.list(mirror.prefix) if (m := _PT.match(name))}
+    return {s for s in steps if mirror.has_hf(s)}
+
+
+def exported_steps(cfg: Config, run_id: str) -> dict[int, str]:
+    """Every exported step of run ``run_id`` and where it is (``local`` or ``storage``;
+    local first)."""
+    where = {s: "local" for s in local_steps(checkpoint_dir(cfg, run_id))}
+    mirror = checkpoint_mirror(cfg, run_id)
+    if mirror is not None:
+        for s in remote_steps(mirror):
+            where.setdefault(s, "storage")
+    return where
+
+
+def fetch_model(cfg: Config, run_id: str, step: int | None, out: Path) -> tuple[int, str]:
+    """Copy the Hugging Face directory of ``step`` (None: the newest exported) of run
+    ``run_id`` to ``out`` (which must not exist, or be empty); returns the step and where
+    it came from. Raises :class:`ModelNotFound` naming what there is."""
+    found = exported_steps(cfg, run_id)
+    if not found:
+        raise ModelNotFound(f"run {run_id} has no exported Hugging Face directory in "
+                            f"{_places(cfg, run_id)} (the trainer exports one per kept "
+                            "checkpoint when trainer.checkpoint_contents has hf_model)")
+    if step is None:
+        step = max(found)
+    elif step not in found:
+        raise ModelNotFound(f"run {run_id} has no exported Hugging Face directory of step "
+                            f"{step} in {_places(cfg, run_id)}; exported steps: "
+                            f"{', '.join(map(str, sorted(found)))}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder")
+    if found[step] == "local":
+        shutil.copytree(hf_dir(checkpoint_dir(cfg, run_id), step), out, dirs_exist_ok=True)
+        return step, str(hf_dir(checkpoint_dir(cfg, run_id), step))
+    mirror = checkpoint_mirror(cfg, run_id)
+    assert mirror is not None  # a step found in the storage
+    if not mirror.download_hf(step, out):
+        raise ModelNotFound(f"the Hugging Face directory of step {step} left "
+                            f"{mirror.hf_where(step)} while it was read (retention)")
+    return step, mirror.hf_where(step)
+
+
+def _places(cfg: Config, run_id: str) -> str:
+    mirror = checkpoint_mirror(cfg, run_id)
+    here = str(checkpoint_dir(cfg, run_id))
+    return here if mirror is None else f"{here} or {mirror.where()}"
