@@ -49,8 +49,11 @@ def remote_steps(mirror: CheckpointMirror) -> set[int]:
 def exported_steps(cfg: Config, run_id: str) -> dict[int, str]:
     """Every exported step of run ``run_id`` and where it is (``local`` or ``storage``;
     local first)."""
-    where = {s: "local" for s in local_steps(checkpoint_dir(cfg, run_id))}
-    mirror = checkpoint_mirror(cfg, run_id)
+    return _exported(checkpoint_dir(cfg, run_id), checkpoint_mirror(cfg, run_id))
+
+
+def _exported(folder: Path, mirror: CheckpointMirror | None) -> dict[int, str]:
+    where = {s: "local" for s in local_steps(folder)}
     if mirror is not None:
         for s in remote_steps(mirror):
             where.setdefault(s, "storage")
@@ -61,31 +64,26 @@ def fetch_model(cfg: Config, run_id: str, step: int | None, out: Path) -> tuple[
     """Copy the Hugging Face directory of ``step`` (None: the newest exported) of run
     ``run_id`` to ``out`` (which must not exist, or be empty); returns the step and where
     it came from. Raises :class:`ModelNotFound` naming what there is."""
-    found = exported_steps(cfg, run_id)
+    folder, mirror = checkpoint_dir(cfg, run_id), checkpoint_mirror(cfg, run_id)
+    places = str(folder) if mirror is None else f"{folder} or {mirror.where()}"
+    found = _exported(folder, mirror)
     if not found:
         raise ModelNotFound(f"run {run_id} has no exported Hugging Face directory in "
-                            f"{_places(cfg, run_id)} (the trainer exports one per kept "
-                            "checkpoint when trainer.checkpoint_contents has hf_model)")
+                            f"{places} (the trainer exports one per kept checkpoint when "
+                            "trainer.checkpoint_contents has hf_model)")
     if step is None:
         step = max(found)
     elif step not in found:
         raise ModelNotFound(f"run {run_id} has no exported Hugging Face directory of step "
-                            f"{step} in {_places(cfg, run_id)}; exported steps: "
+                            f"{step} in {places}; exported steps: "
                             f"{', '.join(map(str, sorted(found)))}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder")
     if found[step] == "local":
-        shutil.copytree(hf_dir(checkpoint_dir(cfg, run_id), step), out, dirs_exist_ok=True)
-        return step, str(hf_dir(checkpoint_dir(cfg, run_id), step))
-    mirror = checkpoint_mirror(cfg, run_id)
+        shutil.copytree(hf_dir(folder, step), out, dirs_exist_ok=True)
+        return step, str(hf_dir(folder, step))
     assert mirror is not None  # a step found in the storage
     if not mirror.download_hf(step, out):
         raise ModelNotFound(f"the Hugging Face directory of step {step} left "
                             f"{mirror.hf_where(step)} while it was read (retention)")
     return step, mirror.hf_where(step)
-
-
-def _places(cfg: Config, run_id: str) -> str:
-    mirror = checkpoint_mirror(cfg, run_id)
-    here = str(checkpoint_dir(cfg, run_id))
-    return here if mirror is None else f"{here} or {mirror.where()}"
