@@ -32,15 +32,8 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
-from bus.weights_collective import (
-    Broadcaster,
-    Member,
-    Receiver,
-    _ChunkCheck,
-    _flatten,
-    invite,
-    still_live,
-)
+from bus.weights_collective import Broadcaster, Member, Receiver, invite, still_live
+from bus.weights_round import ChunkCheck, flatten
 from bus.weights_transport import (
     RedisTransport,
     TransportUnreachable,
@@ -80,17 +73,17 @@ def test_chunk_digests_are_each_chunks_sha256(data: bytes, chunk: int) -> None:
 def test_a_received_buffer_is_checked_piece_by_piece_and_a_bad_chunk_is_named(
     ends: list[int], chunk: int
 ) -> None:
-    buf, m = _flatten(_state(), chunk)
+    buf, m = flatten(_state(), chunk)
     copy = flat_buffer(m.size)
     copy[:] = buf
-    check = _ChunkCheck(m, copy, "w")
+    check = ChunkCheck(m, copy, "w")
     for end in sorted(ends):  # pieces in any sizes, then the whole
         check(min(end, m.size))
     check(m.size)
     assert check.checked == len(m.chunks)
     bad = m.size // 2
     copy[bad] ^= 0xFF
-    fresh = _ChunkCheck(m, copy, "w")
+    fresh = ChunkCheck(m, copy, "w")
     fresh(bad // chunk * chunk)  # the chunks before the bad one are fine
     with pytest.raises(BlobCorrupt, match=f"chunk {bad // chunk} as broadcast"):
         fresh(m.size)
