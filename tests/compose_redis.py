@@ -14,7 +14,7 @@ import redis
 from bus import free_port
 from tests.waits import Watched, wait_until_blocking
 
-__all__ = ["ROOT", "USERS", "AclRedis", "acl_env", "interpolate", "password"]
+__all__ = ["ROOT", "USERS", "AclRedis", "acl_env", "interpolate", "local_argv", "password"]
 
 ROOT = Path(__file__).resolve().parents[1]
 USERS = ("admin", "trainer", "rollouter", "profiler", "logger", "operator")
@@ -48,6 +48,16 @@ def interpolate(value: str, env: Mapping[str, str]) -> str:
         return arg if op == "-" else ""
 
     return _VAR.sub(sub, value)
+
+
+def local_argv(command: Sequence[str], env: Mapping[str, str], host: str, port: int,
+               out: Path) -> list[str]:
+    """A compose service's ``command`` as a local process runs it: interpolated as compose
+    would, Redis at ``host:6379`` (the compose network's name) replaced by 127.0.0.1:``port``,
+    ``run.output_dir`` by ``out``."""
+    argv = [interpolate(a, env).replace(f"@{host}:6379/", f"@127.0.0.1:{port}/")
+            for a in command]
+    return [f"run.output_dir={out}" if a.startswith("run.output_dir=") else a for a in argv]
 
 
 class AclRedis:

@@ -14,7 +14,15 @@ import yaml
 
 from bus import FIELD, Bus, RunFinished, RunKeys, RunStarted, StepFinished, encode
 from bus.history import find_archive, read_history
-from tests.compose_redis import ROOT, USERS, AclRedis, acl_env, interpolate, password
+from tests.compose_redis import (
+    ROOT,
+    USERS,
+    AclRedis,
+    acl_env,
+    interpolate,
+    local_argv,
+    password,
+)
 from tests.procs import Procs
 from tests.waits import event, wait_for
 
@@ -62,10 +70,7 @@ def test_compose_commands_run_as_local_processes(
             svc = services[name]
             for key, value in svc.get("environment", {}).items():
                 monkeypatch.setenv(key, interpolate(str(value), env))  # as compose would
-            argv = [interpolate(a, env).replace("@redis:6379/", f"@127.0.0.1:{server.port}/")
-                    for a in svc["command"]]
-            argv = [f"run.output_dir={out}" if a.startswith("run.output_dir=") else a
-                    for a in argv]
+            argv = local_argv(svc["command"], env, "redis", server.port, out)
             procs.spawn(name, "rlbus", *argv, *short)
         asyncio.run(_forge_while_it_runs(server, run_id, procs))
         for name in ("trainer", "rollouter0", "rollouter1", "profiler", "logger"):

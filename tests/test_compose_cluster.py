@@ -18,7 +18,15 @@ import yaml
 
 from bus import Bus, RunFinished, RunKeys, free_port
 from bus.messages import Message
-from tests.compose_redis import ROOT, USERS, AclRedis, acl_env, interpolate, password
+from tests.compose_redis import (
+    ROOT,
+    USERS,
+    AclRedis,
+    acl_env,
+    interpolate,
+    local_argv,
+    password,
+)
 from tests.procs import Procs, assert_every_step_once, events_of
 
 COMPONENTS = ("profiler", "logger", "trainer", "rollouter0", "rollouter1")
@@ -97,10 +105,7 @@ def test_compose_cluster_commands_run_as_local_processes(
             svc = services[name]
             for key, value in svc.get("environment", {}).items():
                 monkeypatch.setenv(key, interpolate(str(value), env))
-            argv = [interpolate(a, env).replace("@redis-0:6379/", f"@127.0.0.1:{nodes[0].port}/")
-                    for a in svc["command"]]
-            argv = [f"run.output_dir={out}" if a.startswith("run.output_dir=") else a
-                    for a in argv]
+            argv = local_argv(svc["command"], env, "redis-0", nodes[0].port, out)
             procs.spawn(name, "rlbus", *argv, *short)
         for name in ("trainer", "rollouter0", "rollouter1", "profiler", "logger"):
             assert procs.wait(name, 240) == 0, procs.log(name)

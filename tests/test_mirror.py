@@ -187,6 +187,17 @@ def _sitecustomize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
+async def _killed_after_step_3(procs: Procs, bus: Bus, run_keys: RunKeys, args: list[str],
+                               timeout_s: float) -> None:
+    """Node A's run (a rollouter and the trainer on ``args``) until step 3, then its trainer
+    SIGKILLed."""
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, event(StepFinished, step=3), timeout_s,
+                   procs.watch("trainer"))
+    procs.kill("trainer")
+
+
 def _finish_on_node_b(procs: Procs, node_a: Path, node_b: Path, args: list[str]) -> None:
     """Node A's disk is away while trainer B (on ``node_b``) finishes the run from the
     storage; then the rollouter (on node A) finishes too."""
@@ -212,11 +223,8 @@ async def test_a_trainer_on_another_node_resumes_from_the_remote_checkpoint(
     remote, node_a, node_b = tmp_path / "remote", tmp_path / "nodeA", tmp_path / "nodeB"
     more = ("trainer.total_training_steps=4", "trainer.save_freq=2", "run.retention=all",
             f"run.storage={PROTOCOL}://{remote}")
-    procs.spawn("rollouter0", "rollouter", *run_args(redis_url, run_id, node_a, *more))
-    procs.spawn("trainer", "trainer", *run_args(redis_url, run_id, node_a, *more))
-    await wait_for(bus, run_keys.events, event(StepFinished, step=3), 180,
-                   procs.watch("trainer"))
-    procs.kill("trainer")
+    await _killed_after_step_3(procs, bus, run_keys, run_args(redis_url, run_id, node_a, *more),
+                               180)
     mirrored = remote / run_id / "checkpoints"
     assert (mirrored / "step-000002.pt").is_file() and (mirrored / "step-000002.state").is_file()
     # Node A's disk is not on node B: the log names its checkpoints by their paths there.
@@ -245,11 +253,8 @@ async def test_two_ranks_write_their_dcp_shards_to_the_remote_storage_and_resume
     more = ("trainer.total_training_steps=6", "trainer.save_freq=2", "trainer.n_gpus_per_node=2",
             "run.retention=checkpoint", "trainer.max_actor_ckpt_to_keep=1",
             f"run.storage={PROTOCOL}://{remote}")
-    procs.spawn("rollouter0", "rollouter", *run_args(redis_url, run_id, node_a, *more))
-    procs.spawn("trainer", "trainer", *run_args(redis_url, run_id, node_a, *more))
-    await wait_for(bus, run_keys.events, event(StepFinished, step=3), 240,
-                   procs.watch("trainer"))
-    procs.kill("trainer")
+    await _killed_after_step_3(procs, bus, run_keys, run_args(redis_url, run_id, node_a, *more),
+                               240)
     mirrored = remote / run_id / "checkpoints"
     shards = sorted(p.name for p in (mirrored / "step-000002.dcp").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"], shards  # one per rank, both there
