@@ -25,7 +25,8 @@ import torch
 from policy import EosIds, Generation, Policy, build_policy, decode_steps
 from runconfig import Config
 
-__all__ = ["Engine", "PolicyEngine", "build_engine", "vllm_installed"]
+__all__ = ["Delta", "Engine", "PolicyEngine", "StreamingEngine", "build_engine", "streams",
+           "vllm_installed"]
 
 @runtime_checkable
 class Engine(Protocol):
@@ -62,6 +63,49 @@ class Engine(Protocol):
     def close(self) -> None:
         """Free what the engine holds (an engine process, its cache)."""
         ...
+
+
+class Delta(msgspec.Struct, frozen=True):
+    """What one streamed request generated since the last time it was reported: new tokens,
+    their log-probs (as :attr:`policy.Generation.logprobs`) and whether it has ended (an eos id
+    or its ``max_new_tokens``)."""
+
+    key: str
+    tokens: list[int]
+    logprobs: list[float]
+    finished: bool
+
+
+@runtime_checkable
+class StreamingEngine(Engine, Protocol):
+    """An engine that takes requests one by one while it generates (continuous batching):
+    the rollouter feeds each ticket's responses as the ticket is claimed
+    (:mod:`rollouter.continuous`) instead of calling :meth:`Engine.generate` per batch."""
+
+    in_flight: int
+    """Streamed requests submitted and not yet finished or aborted."""
+
+    def submit(self, key: str, prompt: Sequence[int], max_new_tokens: int,
+               temperature: float, eos_id: EosIds, *, generator: torch.Generator | None,
+               top_p: float, top_k: int) -> None:
+        """Start one response to ``prompt``, reported under ``key`` (unique while it runs)."""
+        ...
+
+    def advance(self, max_steps: int) -> list[Delta]:
+        """Run up to ``max_steps`` engine steps (fewer once a request finishes) and report
+        what every streamed request generated in them, with the weights of :attr:`version`."""
+        ...
+
+    def abort(self) -> list[Delta]:
+        """End every streamed request now; returns what they generated that was not reported
+        yet (none of it ``finished``). A request is resumed by submitting it again with its
+        tokens so far appended to its prompt."""
+        ...
+
+
+def streams(engine: Engine | None) -> bool:
+    """Whether ``engine`` takes requests one by one (:class:`StreamingEngine`)."""
+    return engine is not None and callable(getattr(engine, "advance", None))
 
 
 class PolicyEngine:

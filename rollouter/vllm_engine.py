@@ -19,15 +19,12 @@ engine does, with a clear error when it is missing.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +32,21 @@ import numpy as np
 import torch
 
 from policy import EosIds, Generation, eos_set
+from rollouter.engine import Delta
+from rollouter.vllm_options import (
+    DTYPES,
+    VllmOptions,
+    engine_env,
+    environ,
+    is_cpu,
+    max_model_len,
+    options_from_config,
+)
 
 __all__ = ["RlbusWorker", "VllmEngine", "VllmOptions", "options_from_config"]
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-           "fp16": "float16", "float16": "float16"}
-# Room the prompt may take when rollout.max_model_len is not set and the data section does
-# not say (data.max_prompt_length's default).
-_DEFAULT_PROMPT_ROOM = 512
 _WEIGHTS_FILE = "model.safetensors"
 
 
@@ -99,32 +101,6 @@ class RlbusWorker:
         return True
 
 
-@dataclass(frozen=True)
-class VllmOptions:
-    """The engine's settings (``rollout.*`` keys of the same names, verl's meanings).
-
-    ``max_model_len`` None: room for the prompt plus ``max_new_tokens``, capped by the model's
-    ``max_position_embeddings``. ``threads``: the OpenMP threads of the CPU worker
-    (rollout.threads). ``kv_cache_gib``: the CPU KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE);
-    None: ``gpu_memory_utilization`` decides, as on a GPU."""
-
-    dtype: str = "fp32"
-    seed: int = 0
-    max_model_len: int | None = None
-    prompt_room: int = _DEFAULT_PROMPT_ROOM
-    max_new_tokens: int = 512
-    gpu_memory_utilization: float = 0.5
-    max_num_seqs: int = 1024
-    max_num_batched_tokens: int = 8192
-    enforce_eager: bool = True
-    tensor_model_parallel_size: int = 1
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    threads: int | None = None
-    kv_cache_gib: int | None = None
-    hf_overrides: dict[str, Any] | None = None
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
@@ -155,49 +131,6 @@ def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             for name in st.keys():
                 shapes[name] = tuple(st.get_slice(name).get_shape())
     return shapes
-
-
-def _max_model_len(opts: VllmOptions, max_pos: int | None) -> int:
-    """rollout.max_model_len, or the prompt's room plus the response's, within the model's
-    positions (a longer window would only reserve KV cache no request can use)."""
-    if opts.max_model_len is not None:
-        return int(opts.max_model_len)
-    want = opts.prompt_room + opts.max_new_tokens
-    return min(want, max_pos) if max_pos else want
-
-
-@contextlib.contextmanager
-def _environ(values: Mapping[str, str]) -> Iterator[None]:
-    """Set environment variables while the engine starts (its processes inherit them), then
-    put back what was there: the rollouter's own threads are not to change."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _engine_env(opts: VllmOptions) -> dict[str, str]:
-    """What vLLM's CPU backend reads from the environment; a value the user set wins."""
-    env: dict[str, str] = {}
-    if opts.tensor_model_parallel_size == 1:
-        # The engine core in this process, on the calling thread: the rollouter's profiler
-        # (torch.profiler on its worker thread) records the engine's kernels, and a killed
-        # rollouter leaves no engine process behind.
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if opts.kv_cache_gib is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(opts.kv_cache_gib))
-    if opts.threads is not None:
-        # vLLM binds one OpenMP thread per physical core by default: on a shared machine,
-        # rollout.threads is the budget instead, unbound.
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-        env["OMP_NUM_THREADS"] = str(int(opts.threads))
-    return {k: v for k, v in env.items() if k not in os.environ}
 
 
 def _import_vllm() -> Any:
@@ -258,13 +191,17 @@ class VllmEngine:
         self.eos_ids, max_pos = _model_facts(self.path)
         max_pos = (opts.hf_overrides or {}).get("max_position_embeddings", max_pos)
         self._shapes = _checkpoint_shapes(self.path)
-        self.max_model_len = _max_model_len(opts, max_pos)
+        self.max_model_len = max_model_len(opts, max_pos)
         self.version = -1
         self._vllm = vllm
         self._dirs: dict[str, Path] = {}  # private weight directories, by the base they are in
         self.steps = 0  # engine steps run so far (progress; see _run)
+        self._requests = 0  # generate's requests so far: their ids
+        self._streamed: dict[str, int] = {}  # streamed requests running: key -> max tokens
+        # Their tokens, log-probs and end not yet reported (advance, abort), by key.
+        self._pending: dict[str, tuple[list[int], list[float], list[bool]]] = {}
         t0 = time.perf_counter()
-        with _environ(_engine_env(opts)):
+        with environ(engine_env(opts)):
             self._llm = vllm.LLM(**self._llm_kwargs())
         self.full_vocab = all(self._llm.collective_rpc("rlbus_full_vocab_logprobs"))
         self.startup_s = time.perf_counter() - t0
@@ -277,10 +214,10 @@ class VllmEngine:
         # On a CPU, a prompt split across engine steps (chunked prefill) makes vLLM rewind
         # its request's seeded generator, which a CPU generator cannot do ("CPU Generator
         # does not use offset", every seeded request failing): there, prompts prefill whole.
-        chunked = o.enable_chunked_prefill and not _is_cpu()
+        chunked = o.enable_chunked_prefill and not is_cpu()
         return dict(
             model=str(self.path),
-            dtype=_DTYPES.get(o.dtype, o.dtype),
+            dtype=DTYPES.get(o.dtype, o.dtype),
             seed=o.seed,
             max_model_len=self.max_model_len,
             gpu_memory_utilization=o.gpu_memory_utilization,
@@ -302,9 +239,12 @@ class VllmEngine:
     # ------------------------------------------------------------------ generation
 
     def _params(self, n: int, max_new_tokens: int, temperature: float, eos: tuple[int, ...],
-                top_p: float, top_k: int, generator: torch.Generator | None) -> list[Any]:
+                top_p: float, top_k: int, generator: torch.Generator | None,
+                delta: bool = False) -> list[Any]:
         """One SamplingParams per prompt; per-request seeds drawn from ``generator`` make a
-        seeded run reproducible (vLLM's own seed would give every prompt the same draws)."""
+        seeded run reproducible (vLLM's own seed would give every prompt the same draws).
+        ``delta``: every engine step reports the new tokens (streamed requests), else only
+        the whole response once it ends."""
         if (top_k > 0 or top_p < 1.0) and temperature > 0 and not self.full_vocab:
             raise ValueError("invalid config key 'rollout.top_k': top-k / top-p need the "
                              "whole-vocabulary log-prob patch, which this vLLM refused")
@@ -322,6 +262,8 @@ class VllmEngine:
                 # Exactly the caller's ids end a response (vLLM would add the model's own).
                 ignore_eos=True, stop_token_ids=list(eos),
                 logprobs=0, detokenize=False, flat_logprobs=True,
+                output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA if delta
+                else self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY,
             )
             for s in seeds
         ]
@@ -353,17 +295,95 @@ class VllmEngine:
     def _run(self, reqs: list[Any], params: list[Any]) -> list[Any]:
         """``LLM.generate``'s loop, stepping the engine here: :attr:`steps` counts every
         engine step (a batch's prefill or one decode step), so a rollouter's heartbeat shows
-        a long generate as progress, as ``policy.decode_steps`` does for the HF loop."""
-        self._llm.enqueue(reqs, params, use_tqdm=False)
+        a long generate as progress, as ``policy.decode_steps`` does for the HF loop. Streamed
+        requests in flight go on meanwhile; what they generate waits for :meth:`advance`."""
         engine = self._llm.llm_engine
-        done: list[Any] = []
-        while engine.has_unfinished_requests():
-            done.extend(out for out in engine.step() if out.finished)
-            self.steps += 1  # only ever grows; read from other threads without a lock
-        if len(done) != len(reqs):
-            raise RuntimeError(f"vLLM finished {len(done)} of {len(reqs)} requests")
-        # Request ids are the LLM's counter, in the order enqueued (as LLM.generate sorts).
-        return sorted(done, key=lambda out: int(out.request_id))
+        ids = []
+        for req, sp in zip(reqs, params, strict=True):
+            self._requests += 1
+            ids.append(f"rlbus-generate-{self._requests}")  # outputs come back under it
+            engine.add_request(ids[-1], req, sp)
+        waiting = set(ids)
+        done: dict[str, Any] = {}
+        while waiting:
+            if not engine.has_unfinished_requests():
+                raise RuntimeError(f"vLLM finished {len(done)} of {len(reqs)} requests")
+            for out in self._step():
+                if out.finished and out.request_id in waiting:
+                    waiting.discard(out.request_id)
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def _step(self) -> list[Any]:
+        """One engine step: the streamed requests' new tokens go to :attr:`_pending` (merged
+        per request), every other request's output is returned."""
+        outs = self._llm.llm_engine.step()
+        self.steps += 1  # only ever grows; read from other threads without a lock
+        others = []
+        for out in outs:
+            if out.request_id not in self._streamed:
+                others.append(out)
+                continue
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            got = self._pending.setdefault(out.request_id, ([], [], [False]))
+            got[0].extend(toks)
+            if toks:
+                got[1].extend(_sampled_logprobs(c.logprobs, toks).tolist())
+            if out.finished:
+                got[2][0] = True
+                del self._streamed[out.request_id]
+        return others
+
+    # ------------------------------------------------------------------ streamed requests
+
+    @property
+    def in_flight(self) -> int:
+        """Streamed requests submitted and not yet finished or aborted."""
+        return len(self._streamed)
+
+    def submit(self, key: str, prompt: Sequence[int], max_new_tokens: int,
+               temperature: float, eos_id: EosIds, *, generator: torch.Generator | None,
+               top_p: float, top_k: int) -> None:
+        """Start one response to ``prompt`` now (the engine schedules it at its next step,
+        beside the requests running); its tokens are reported under ``key``."""
+        if not prompt:
+            raise ValueError("every prompt needs at least one token (e.g. bos)")
+        if key in self._streamed:
+            raise ValueError(f"a streamed request {key!r} is running already")
+        eos = eos_set(self.eos_ids if eos_id is None else eos_id)
+        (params,) = self._params(1, max_new_tokens, temperature, eos, top_p, top_k, generator,
+                                 delta=True)
+        prompt_ids = self._vllm.TokensPrompt(prompt_token_ids=[int(t) for t in prompt])
+        self._llm.llm_engine.add_request(key, prompt_ids, params)
+        self._streamed[key] = max_new_tokens
+
+    def advance(self, max_steps: int) -> list[Delta]:
+        """Up to ``max_steps`` engine steps, fewer once a streamed request finishes; what
+        every streamed request generated since the last report."""
+        for _ in range(max_steps):
+            if not self._streamed or any(got[2][0] for got in self._pending.values()):
+                break
+            if not self._llm.llm_engine.has_unfinished_requests():
+                raise RuntimeError(f"vLLM lost {len(self._streamed)} streamed requests")
+            others = self._step()
+            if others:  # nothing else runs between generate calls
+                raise RuntimeError(f"vLLM reported {len(others)} requests nobody submitted")
+        return self._take()
+
+    def abort(self) -> list[Delta]:
+        """End every streamed request (vLLM frees its KV blocks at once); what they
+        generated that was not reported yet."""
+        keys = list(self._streamed)
+        if keys:
+            self._llm.llm_engine.abort_request(keys)
+        self._streamed.clear()
+        return self._take()
+
+    def _take(self) -> list[Delta]:
+        out = [Delta(key, toks, logps, fin[0]) for key, (toks, logps, fin) in self._pending.items()]
+        self._pending.clear()
+        return out
 
     # ------------------------------------------------------------------ weights
 
@@ -439,47 +459,6 @@ def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def options_from_config(cfg: Any) -> tuple[Path, VllmOptions]:
-    """(model directory, options) from a run's config; ValueError naming the key at fault
-    when the config cannot run on vLLM."""
-    model, rc = cfg.model, cfg.rollout
-    if model.kind != "hf":
-        raise ValueError("invalid config key 'model.kind': rollout.name=vllm needs "
-                         f"model.kind=hf (a local HF model directory), got {model.kind!r}")
-    if not model.path:
-        raise ValueError("invalid config key 'model.path': rollout.name=vllm needs "
-                         "a local model directory")
-    data = getattr(cfg, "data", None)
-    return Path(model.path), VllmOptions(
-        dtype=model.dtype,
-        seed=rc.seed,
-        max_model_len=getattr(rc, "max_model_len", None),
-        prompt_room=getattr(data, "max_prompt_length", _DEFAULT_PROMPT_ROOM),
-        max_new_tokens=rc.max_new_tokens,
-        gpu_memory_utilization=getattr(rc, "gpu_memory_utilization", 0.5),
-        max_num_seqs=getattr(rc, "max_num_seqs", 1024),
-        max_num_batched_tokens=getattr(rc, "max_num_batched_tokens", 8192),
-        enforce_eager=getattr(rc, "enforce_eager", True),
-        tensor_model_parallel_size=getattr(rc, "tensor_model_parallel_size", 1),
-        enable_prefix_caching=getattr(rc, "enable_prefix_caching", True),
-        enable_chunked_prefill=getattr(rc, "enable_chunked_prefill", True),
-        threads=getattr(rc, "threads", None),
-        # On a CPU, vLLM sizes its KV cache from this (GiB), not from gpu_memory_utilization.
-        kv_cache_gib=1 if _is_cpu() else None,
-        hf_overrides=_hf_overrides(model.override_config),
-    )
-
-
-def _hf_overrides(override: Mapping[str, Any]) -> dict[str, Any] | None:
-    """``model.override_config`` as vLLM's ``hf_overrides``: what HFPolicy sets on the model's
-    config (``policy.hf.apply_override_config``): verl's ``model_config`` spelling stands for
-    the whole override, and ``attn_implementation`` is a loading option, not config."""
-    if isinstance(override.get("model_config"), Mapping):
-        override = override["model_config"]
-    out = {k: v for k, v in override.items() if k != "attn_implementation"}
-    return out or None
-
-
 def _sampled_logprobs(lp: Any, toks: list[int]) -> np.ndarray:
     """The sampled token's log-prob at each position (logprobs=0 returns just that one)."""
     if lp is None:
@@ -502,7 +481,3 @@ def _close_zmq(core: Any) -> None:
     ctx = getattr(getattr(core, "resources", None), "ctx", None)
     if ctx is not None and not ctx.closed:
         ctx.destroy(linger=0)
-
-
-def _is_cpu() -> bool:
-    return not torch.cuda.is_available()

@@ -18,7 +18,9 @@ import psutil
 import pytest
 import torch
 
-from rollouter.vllm_engine import VllmEngine, VllmOptions, _max_model_len, options_from_config
+from policy import Generation
+from rollouter.vllm_engine import VllmEngine, VllmOptions, options_from_config
+from rollouter.vllm_options import max_model_len as _max_model_len
 from runconfig.schema import Config, ModelConfig
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
@@ -189,6 +191,92 @@ def test_seeded_generate_is_reproducible(engine: VllmEngine) -> None:
     twins = engine.generate([[1, 5, 6, 7]] * 4, 12, temperature=1.0, eos_id=[],
                             generator=torch.Generator().manual_seed(0))
     assert len({tuple(t) for t in twins.tokens}) > 1
+
+
+def _stream(engine: VllmEngine, jobs: dict[str, list[int]], max_new: int, *, late: int = 0,
+            abort_after: int = 0) -> dict[str, tuple[list[int], list[float], bool]]:
+    """Responses to ``jobs`` (key -> prompt) streamed through the engine: the first ``late``
+    keys are submitted only after two engine slices (while the others run); with
+    ``abort_after``, every request is aborted after that many slices and resubmitted from
+    its tokens so far (what the rollouter does at a sync with partial rollout)."""
+    got: dict[str, tuple[list[int], list[float], bool]] = {k: ([], [], False) for k in jobs}
+    g = torch.Generator().manual_seed(5)
+
+    def submit(key: str) -> None:
+        toks = got[key][0]
+        engine.submit(key, jobs[key] + toks, max_new - len(toks), 1.0, [EOS], generator=g,
+                      top_p=1.0, top_k=-1)
+
+    def fold(deltas: list) -> None:
+        for d in deltas:
+            toks, logps, _ = got[d.key]
+            assert len(d.tokens) == len(d.logprobs)
+            got[d.key] = (toks + d.tokens, logps + d.logprobs, d.finished)
+
+    keys = list(jobs)
+    for key in keys[late:]:
+        submit(key)
+    slices = 0
+    while engine.in_flight or slices < 2:
+        fold(engine.advance(3))
+        slices += 1
+        if slices == 2:
+            for key in keys[:late]:
+                submit(key)
+        if abort_after and slices == abort_after:
+            fold(engine.abort())
+            assert engine.in_flight == 0
+            for key in keys:
+                if not got[key][2]:
+                    submit(key)
+    return got
+
+
+@pytest.mark.vllm
+def test_streamed_requests_join_a_running_engine(engine: VllmEngine, hf: HFPolicy) -> None:
+    """Continuous admission: requests submitted while others run get their responses, each
+    token's log-prob the trainer's; a response ends at eos or its max_new_tokens; what a
+    generate call runs meanwhile is not mixed in."""
+    engine.load_state(hf.weights(), 9)
+    jobs = {f"t{i}": p for i, p in enumerate(PROMPTS)}
+    steps = engine.steps
+    got = _stream(engine, jobs, 12, late=4)
+    assert engine.steps - steps >= 12
+    for toks, logps, done in got.values():
+        assert 1 <= len(toks) <= 12 and len(logps) == len(toks)
+        assert done and (toks[-1] == EOS or len(toks) == 12)
+        assert EOS not in toks[:-1]
+    gen = Generation([got[k][0] for k in jobs], [np.asarray(got[k][1], np.float32) for k in jobs],
+                     [got[k][2] for k in jobs])
+    new, old = _recomputed(hf, PROMPTS, gen, 1.0)
+    torch.testing.assert_close(old, new, atol=1e-3, rtol=0)
+
+    # A generate call while streamed requests run: each gets its own.
+    engine.submit("s", PROMPTS[0], 8, 1.0, [], generator=None, top_p=1.0, top_k=-1)
+    engine.advance(2)
+    batch = engine.generate(PROMPTS[:3], 5, temperature=0.0, eos_id=[])
+    assert batch.tokens == hf.generate(PROMPTS[:3], 5, temperature=0.0, eos_id=[]).tokens
+    rest = []
+    while engine.in_flight:
+        rest += engine.advance(4)
+    assert sum(len(d.tokens) for d in rest) + 0 <= 8 and rest[-1].finished
+
+
+@pytest.mark.vllm
+def test_aborted_requests_resume_from_their_tokens(engine: VllmEngine, hf: HFPolicy) -> None:
+    """At a sync with partial rollout every streamed request is aborted and resubmitted
+    with its tokens so far: the responses still run to eos or max_new_tokens, and every
+    token's log-prob is the trainer's on the whole response."""
+    engine.load_state(hf.weights(), 10)
+    jobs = {f"a{i}": p for i, p in enumerate(PROMPTS)}
+    got = _stream(engine, jobs, 12, abort_after=2)
+    assert all(done for _, _, done in got.values())
+    assert any(len(toks) > 6 for toks, _, _ in got.values())  # resumed past the abort
+    gen = Generation([got[k][0] for k in jobs], [np.asarray(got[k][1], np.float32) for k in jobs],
+                     [got[k][2] for k in jobs])
+    new, old = _recomputed(hf, PROMPTS, gen, 1.0)
+    torch.testing.assert_close(old, new, atol=1e-3, rtol=0)
+    assert engine.abort() == [] and engine.in_flight == 0
 
 
 @pytest.mark.vllm
