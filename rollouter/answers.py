@@ -29,9 +29,10 @@ class Seq(msgspec.Struct):
 
 def to_samples(seqs: Sequence[Seq], scores: Sequence[Score], prompts: Mapping[str, list[int]],
                *, gen_s: float, rank: int, eos_id: int | None,
-               fails_ticket: Callable[[PromptTicket], bool]
+               fails_ticket: Callable[[PromptTicket], bool], ts: float | None = None
                ) -> tuple[dict[str, list[Sample]], dict[str, str]]:
-    """(samples by ticket id, errors by ticket id) for scored ``seqs``. A failed score fails
+    """(samples by ticket id, errors by ticket id) for scored ``seqs``, generated in the
+    ``gen_s`` seconds up to ``ts`` (None: now). A failed score fails
     its whole ticket where ``fails_ticket`` says so (rlbus's own reward function: the ticket
     is retried, then dead-lettered, without sinking its batch-mates); elsewhere a failed
     score is a sample like any other (verl's reward functions: reward 0)."""
@@ -47,7 +48,10 @@ def to_samples(seqs: Sequence[Seq], scores: Sequence[Score], prompts: Mapping[st
             failed[tid] = f"reward function failed: {score.error}"
             samples.pop(tid, None)
             continue
-        samples.setdefault(tid, []).append(_sample(s, packed[tid], score, gen_s, rank, eos_id))
+        sample = _sample(s, packed[tid], score, gen_s, rank, eos_id)
+        if ts is not None:
+            sample = msgspec.structs.replace(sample, ts=ts)
+        samples.setdefault(tid, []).append(sample)
     return samples, failed
 
 

@@ -57,7 +57,8 @@ from policy.text import build_tokenizer
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from rollouter.answers import Seq, to_samples
-from rollouter.engine import Engine, build_engine
+from rollouter.continuous import ContinuousRollout
+from rollouter.engine import Engine, build_engine, streams
 from rollouter.presence import TrainerGone, TrainerPresence
 from rollouter.scoring import RewardPool, Score, ScoreItem
 from rollouter.stepwatch import StepWatch
@@ -304,11 +305,9 @@ class Rollouter(Component):
         live = [s for s in seqs if not s.finished]
         if not live:
             return
-        # A response ends at the tokenizer's eos or any the model's generation_config lists.
-        eos = [i for i in (self.tokenizer.eos_id, *self.engine.eos_ids) if i is not None]
         out = self.engine.generate(
             [s.prompt + s.tokens for s in live], max_new_tokens=max_tokens,
-            temperature=rc.temperature, eos_id=eos, generator=self.generator,
+            temperature=rc.temperature, eos_id=self.eos_ids(), generator=self.generator,
             top_p=rc.top_p, top_k=rc.top_k,
         )
         for s, toks, logps, done in zip(live, out.tokens, out.logprobs, out.finished,
@@ -334,14 +333,23 @@ class Rollouter(Component):
             await self._poll_events()
             await self._swap_weights(wait=False)
 
+    def eos_ids(self) -> list[int]:
+        """A response ends at the tokenizer's eos or any the model's generation_config lists."""
+        return [i for i in (self.tokenizer.eos_id, *self.engine.eos_ids) if i is not None]
+
+    def prompt_ids(self, ticket: PromptTicket) -> list[int]:
+        """The ticket's prompt as token ids: verl data carry theirs (chat template applied,
+        truncated), used as given; a text prompt is encoded."""
+        if ticket.prompt_ids is not None:
+            return list(ticket.prompt_ids)
+        return self.tokenizer.encode(ticket.prompt, bos=True)
+
     async def _rollout(
         self, tickets: Sequence[PromptTicket]
     ) -> tuple[dict[str, list[Sample]], dict[str, str]]:
         """Generate every ticket's responses: (samples by ticket id, errors by ticket id)."""
         # A ticket's n responses share its prompt: encoded once.
-        # verl data carry their token ids (chat template applied, truncated): used as given.
-        prompts = {t.ticket_id: list(t.prompt_ids) if t.prompt_ids is not None
-                   else self.tokenizer.encode(t.prompt, bos=True) for t in tickets}
+        prompts = {t.ticket_id: self.prompt_ids(t) for t in tickets}
         seqs = [Seq(t, i, prompts[t.ticket_id], [], []) for t in tickets for i in range(t.n)]
         t0 = time.monotonic()
         await self._generate_all(seqs)
@@ -492,7 +500,10 @@ class Rollouter(Component):
             # Weights version 0 first: they come after ProfilerReady, so the control stream
             # already holds every command for step 1 when the step watch reads it.
             await self._first_weights()
-            await self._serve_until_finished()
+            if streams(self.engine):  # vLLM: each ticket fed to the engine as it is claimed
+                await ContinuousRollout(self).run()
+            else:
+                await self._serve_until_finished()
             await self.tickets.delivered()
             self.say(f"run {self.run_id} finished")
             return 0

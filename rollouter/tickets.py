@@ -114,6 +114,10 @@ class TicketDesk:
             await self._poll()
         return deliveries
 
+    def has_ready(self) -> bool:
+        """Tickets are here to serve now: retries, or a read ahead that has returned."""
+        return bool(self.retry) or (self.prefetching is not None and self.prefetching.done())
+
     async def next(self) -> tuple[list[Any], bool]:
         """Tickets to serve next (retries first, then the read ahead, else a read now, each
         followed by the events after it) and whether the events were read after them."""

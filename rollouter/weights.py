@@ -173,6 +173,12 @@ class HeldWeights:
             self._drop(*self.staging)
         self.staging = (newest, asyncio.create_task(self.fetch(newest)))
 
+    def ready(self) -> bool:
+        """Newer weights than those loaded are fetched and decoded (or their fetch ended in
+        an error): a ``swap(wait=False)`` acts now. Starts staging the newest first."""
+        self.stage()
+        return self.staging is not None and self.staging[1].done()
+
     async def swap(self, wait: bool = True) -> None:
         """Load the newest published weights if they are not ours; ``wait=False``: only if
         they are already fetched and decoded (else they keep staging, and the caller goes on

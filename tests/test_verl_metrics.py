@@ -12,13 +12,14 @@ from trainer.metrics import verl_step_metrics
 
 
 def _sample(i: int, prompt: int, response: int, *, rank: int = 0, gen: float = 1.0,
-            reward_s: float = 0.0) -> Sample:
+            reward_s: float = 0.0, ts: float = 100.0) -> Sample:
     return Sample(
         sample_id=f"t{i}/0", ticket_id=f"t{i}", prompt_id=f"p{i}", index=0, n=1,
         prompt_tokens=Array.of(np.arange(prompt, dtype=np.int32)),
         response_tokens=Array.of(np.arange(response, dtype=np.int32)),
         logprobs=Array.of(np.zeros(response, dtype=np.float32)), reward=0.0,
-        min_version=0, max_version=0, rank=rank, gen_time_s=gen, reward_s=reward_s)
+        min_version=0, max_version=0, rank=rank, gen_time_s=gen, reward_s=reward_s,
+        ts=ts)
 
 
 def test_lengths_and_clip_ratio_as_verl_computes_them() -> None:
@@ -33,14 +34,24 @@ def test_lengths_and_clip_ratio_as_verl_computes_them() -> None:
 
 
 def test_generation_seconds_count_each_batch_once_and_rewards_add_up() -> None:
-    # Two batches on rollouter 0 (1.5 s and 2.0 s), one on rollouter 1 (1.5 s): the
-    # samples of a batch share its wall time.
-    samples = [_sample(0, 3, 2, gen=1.5, reward_s=0.1), _sample(1, 3, 2, gen=1.5, reward_s=0.2),
-               _sample(2, 3, 2, gen=2.0, reward_s=0.3),
-               _sample(3, 3, 2, rank=1, gen=1.5, reward_s=0.4)]
+    # Two batches on rollouter 0 (1.5 s, then 2.0 s), one on rollouter 1 (1.5 s, at the
+    # same time): the samples of a batch share its wall time (made a few us apart).
+    samples = [_sample(0, 3, 2, gen=1.5, reward_s=0.1, ts=101.5),
+               _sample(1, 3, 2, gen=1.5, reward_s=0.2, ts=101.500001),
+               _sample(2, 3, 2, gen=2.0, reward_s=0.3, ts=103.6),
+               _sample(3, 3, 2, rank=1, gen=1.5, reward_s=0.4, ts=101.5)]
     m = verl_step_metrics(samples, max_response_length=8, update_s=0.0)
-    assert m["timing_s/gen"] == pytest.approx(1.5 + 2.0 + 1.5)
+    assert m["timing_s/gen"] == pytest.approx(1.5 + 2.0 + 1.5, abs=1e-5)
     assert m["timing_s/reward"] == pytest.approx(0.1 + 0.2 + 0.3 + 0.4)
+
+
+def test_tickets_that_ran_side_by_side_count_their_wall_time_once() -> None:
+    # vLLM (continuous admission): tickets 100-104, 101-103 and 103.5-106 on one replica
+    # cover 100-106 (6 s), not 4 + 2 + 2.5 s.
+    samples = [_sample(0, 3, 2, gen=4.0, ts=104.0), _sample(1, 3, 2, gen=2.0, ts=103.0),
+               _sample(2, 3, 2, gen=2.5, ts=106.0)]
+    m = verl_step_metrics(samples, max_response_length=8, update_s=0.0)
+    assert m["timing_s/gen"] == pytest.approx(6.0)
 
 
 def test_a_step_without_samples_reports_only_its_update() -> None:

@@ -14,8 +14,9 @@ definitions (verl/trainer/ppo/metric_utils.py ``compute_data_metrics`` and
 - ``response_length/mean|max``: response tokens per sample; ``response_length/clip_ratio``:
   the share whose length equals the longest allowed (``rollout.max_new_tokens``, verl's
   ``max_response_length``); ``prompt_length/mean``: prompt tokens per sample.
-- ``timing_s/gen``: generation seconds of the step's samples, summed over the rollouter
-  batches that made them (a batch counts once; its samples share its ``gen_time_s``). verl's
+- ``timing_s/gen``: wall seconds the rollouters spent generating the step's samples, summed
+  over the replicas (per replica, the union of the samples' spans ``ts - gen_time_s`` to
+  ``ts``: a batch counts once, tickets that ran side by side in vLLM overlap). verl's
   synchronous trainer reports the wall time of generating the step's batch, which the sum
   equals when one rollouter generates the step's batches in turn; with R replicas in
   parallel the wall time is about the sum / R. (verl's fully-async trainer reports its wait
@@ -28,6 +29,7 @@ definitions (verl/trainer/ppo/metric_utils.py ``compute_data_metrics`` and
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -97,10 +99,21 @@ class StepMeter:
 
 
 def _gen_seconds(samples: Sequence[Sample]) -> float:
-    """Generation seconds of the batches that made ``samples``, each batch once (a batch's
-    samples carry its wall time; they are told apart by replica and time)."""
-    batches = {(s.rank, s.gen_time_s) for s in samples}
-    return float(sum(t for _, t in batches))
+    """Wall seconds the replicas spent generating ``samples``: a sample was generated in
+    the ``gen_time_s`` up to its ``ts``; per replica, the union of those spans (a batch's
+    samples share one; tickets that ran side by side in a streaming engine overlap), summed
+    over the replicas."""
+    spans: dict[int, set[tuple[float, float]]] = {}
+    for s in samples:
+        spans.setdefault(s.rank, set()).add((s.ts - s.gen_time_s, s.ts))
+    total = 0.0
+    for own in spans.values():
+        covered = -math.inf
+        for start, end in sorted(own):
+            if end > covered:
+                total += end - max(start, covered)
+                covered = end
+    return total
 
 
 def verl_step_metrics(samples: Sequence[Sample], max_response_length: int,

@@ -1,0 +1,130 @@
+"""Continuous admission's bookkeeping, pure (no engine, no bus): the tickets whose responses
+a streaming engine is generating (:class:`Admission`), and when the engine must be emptied
+(:func:`sync_action`).
+
+A ticket's ``n`` responses are streamed under the keys ``"{ticket_id}/{index}"``; the engine
+reports what each generated (:class:`rollouter.engine.Delta`) with the weights version it
+held, and a ticket is done once all its responses have ended.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from bus.messages import PromptTicket
+from rollouter.answers import Seq
+from rollouter.engine import Delta
+
+__all__ = ["Action", "Admission", "Group", "sync_action"]
+
+
+class Group(msgspec.Struct):
+    """One ticket being generated: its delivery (to ack or retry), its prompt's token ids,
+    its responses, when it was admitted and when its last response ended (``time.time``;
+    0 until then)."""
+
+    delivery: Any
+    ticket: PromptTicket
+    prompt: list[int]
+    seqs: list[Seq]
+    began: float
+    ended: float = 0.0
+
+    @property
+    def ticket_id(self) -> str:
+        return self.ticket.ticket_id
+
+
+class Admission:
+    """The tickets admitted to the engine and not yet done. ``max_new_tokens``: a response
+    that reaches it has ended (rollout.max_new_tokens)."""
+
+    def __init__(self, max_new_tokens: int) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.groups: dict[str, Group] = {}
+        self.running: dict[str, Seq] = {}  # responses not yet ended, by stream key
+        self._group_of: dict[str, str] = {}  # stream key -> ticket id
+
+    @property
+    def seqs(self) -> int:
+        """Responses admitted and not yet ended."""
+        return len(self.running)
+
+    def open(self, delivery: Any, ticket: PromptTicket, prompt: list[int],
+             now: float) -> list[tuple[str, Seq]]:
+        """Admit ``ticket``: its ``n`` responses, each with the key to stream it under."""
+        group = Group(delivery, ticket, prompt,
+                      [Seq(ticket, i, prompt, [], []) for i in range(ticket.n)], now)
+        self.groups[ticket.ticket_id] = group
+        keyed = [(f"{ticket.ticket_id}/{s.index}", s) for s in group.seqs]
+        for key, seq in keyed:
+            self.running[key] = seq
+            self._group_of[key] = ticket.ticket_id
+        return keyed
+
+    def apply(self, deltas: Iterable[Delta], version: int, now: float) -> list[Group]:
+        """Fold what the engine generated with weights ``version`` into the responses; the
+        tickets now done (every response ended), in the order they ended, ended at ``now``.
+        A delta for a key no longer running (a dropped ticket's) is ignored."""
+        done: list[Group] = []
+        for d in deltas:
+            seq = self.running.get(d.key)
+            if seq is None:
+                continue
+            seq.tokens.extend(d.tokens)
+            seq.logprobs.extend(d.logprobs)
+            if d.tokens:
+                # The version the engine says it generated with, not the one asked of it.
+                seq.min_version = version if seq.min_version < 0 else seq.min_version
+                seq.max_version = version
+            seq.finished = d.finished or len(seq.tokens) >= self.max_new_tokens
+            if seq.finished:
+                del self.running[d.key]
+                group = self.groups[self._group_of.pop(d.key)]
+                if all(s.finished for s in group.seqs):
+                    group.ended = now
+                    done.append(self.groups.pop(group.ticket_id))
+        return done
+
+    def resumable(self) -> list[tuple[str, Seq]]:
+        """Every response not yet ended, with its key: after an abort each is submitted
+        again, its tokens so far appended to its prompt."""
+        return list(self.running.items())
+
+    def drop(self, ticket_ids: Iterable[str]) -> list[Group]:
+        """Stop tracking these tickets (failed ones); their groups."""
+        dropped = [self.groups.pop(t) for t in ticket_ids if t in self.groups]
+        for group in dropped:
+            for s in group.seqs:
+                key = f"{group.ticket_id}/{s.index}"
+                self.running.pop(key, None)
+                self._group_of.pop(key, None)
+        return dropped
+
+
+class Action(enum.Enum):
+    """What the rollouter does with its engine before the next slice of generation."""
+
+    GO = "go"  # admit tickets and generate
+    DRAIN = "drain"  # admit nothing; let the responses running end
+    ABORT = "abort"  # abort the responses running (resumed after the sync)
+    SYNC = "sync"  # the engine is empty: load weights, serve validations, then go on
+
+
+def sync_action(in_flight: int, *, partial: bool, newer_ready: bool, must_sync: bool,
+                validations: bool) -> Action:
+    """The engine is emptied when newer weights are fetched and ready to load
+    (``newer_ready``), when tickets waiting to be admitted need newer weights than it holds
+    (``must_sync``) or when validation requests wait (they run on an empty engine). With
+    partial rollout (verl's ``partial_rollout``) the running responses are aborted and
+    resumed with the new weights from their tokens so far; without, they end on the weights
+    they started with, and nothing new is admitted meanwhile."""
+    if not (newer_ready or must_sync or validations):
+        return Action.GO
+    if in_flight == 0:
+        return Action.SYNC
+    return Action.ABORT if partial else Action.DRAIN

@@ -1,0 +1,227 @@
+"""The rollouter's loop on a streaming engine (``rollout.name=vllm``): continuous admission.
+
+Each ticket's ``n`` responses go into the running engine as soon as the ticket is claimed
+(within the engine's ``rollout.max_num_seqs``), not in fixed batches; a ticket is scored
+and published, with the ack of its entry, as soon as its last response ends, while the
+engine generates the others. Between two slices of engine steps the loop reads the log
+(weights, the trainer's step boundaries for profiling, the run's end), claims tickets and
+decides, by :func:`rollouter.admission.sync_action`, whether the engine must be emptied:
+
+- newer weights fetched and ready, or claimed tickets that need them: with
+  ``async_training.partial_rollout`` the running responses are aborted, the weights loaded
+  and every response resumed from its tokens so far (its ``min_version`` < ``max_version``);
+  without, nothing new is admitted until the running responses end on their weights;
+- validation requests: served on the empty engine, then generation goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any
+
+from bus.messages import PromptTicket
+from rollouter.admission import Action, Admission, Group, sync_action
+from rollouter.answers import Seq, to_samples
+from rollouter.engine import Delta, StreamingEngine
+
+if TYPE_CHECKING:
+    from rollouter.app import Rollouter
+
+__all__ = ["SLICE_STEPS", "ContinuousRollout"]
+
+SLICE_STEPS = 8  # engine steps between two looks at the log (fewer when a response ends)
+CHECK_S = 1.0  # the trainer's lease is checked at most this often
+
+
+class ContinuousRollout:
+    """Serve ``rollouter``'s tickets on its streaming engine until the run finishes."""
+
+    def __init__(self, rollouter: Rollouter) -> None:
+        self.r = rollouter
+        self.engine: StreamingEngine = rollouter.engine  # type: ignore[assignment]
+        rc = rollouter.cfg.rollout
+        self.partial = rollouter.cfg.async_training.partial_rollout
+        self.capacity = rc.max_num_seqs
+        self.book = Admission(rc.max_new_tokens)
+        self.waiting: list[tuple[Any, PromptTicket]] = []  # claimed, not yet admitted
+        self.resume: list[tuple[str, Seq]] = []  # aborted at a sync: submitted again
+        self.done: list[Group] = []  # ended, to score and publish
+        self.finishing: asyncio.Task[None] | None = None
+        self.checked = self.reclaimed = time.monotonic()
+
+    async def run(self) -> None:
+        """Until the run's end: every ticket delivered once, or retried, or dead-lettered."""
+        try:
+            while not self.r.finished:
+                await self._claim()
+                admitting = await self._sync()
+                if self.r.finished:
+                    break
+                await self._generate(self._admit() if admitting else [])
+                await self._finish()
+                await self._look_around()
+            await self.r.off(self.engine.abort)  # the run ended: what runs is not needed
+            await self._finish(wait=True)
+        finally:
+            if self.finishing is not None and not self.finishing.done():
+                self.finishing.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self.finishing
+
+    # ------------------------------------------------------------------ tickets in
+
+    async def _claim(self) -> None:
+        """Claim tickets while the engine has room: what the read ahead brought, or, with
+        nothing to generate, a read that waits up to 200 ms."""
+        desk = self.r.tickets
+        queued = self.book.seqs + sum(t.n for _, t in self.waiting)
+        if queued >= self.capacity:
+            return
+        busy = queued > 0 or self.engine.in_flight > 0
+        if busy and not desk.has_ready():
+            desk.prefetch()
+            return
+        deliveries, _ = await desk.next()
+        if not deliveries and not busy:
+            deliveries = await self._reclaim()
+        for d_id, ticket in await desk.accept(deliveries):
+            self.waiting.append((next(d for d in deliveries if d.id == d_id), ticket))
+
+    async def _reclaim(self) -> list[Any]:
+        """Idle: tickets pending on dead replicas, every heartbeat interval."""
+        if time.monotonic() - self.reclaimed <= self.r.cfg.heartbeat.interval_s:
+            return []
+        self.reclaimed = time.monotonic()
+        return await self.r.tickets.reclaim_from_dead_replicas()
+
+    def _admit(self) -> list[tuple[str, Seq]]:
+        """The responses to submit now: those aborted at a sync first, then the waiting
+        tickets in claim order while the engine has room (at least one when it is empty)."""
+        out, self.resume = self.resume, []
+        while self.waiting:
+            delivery, ticket = self.waiting[0]
+            if ticket.min_version > self.r.version:
+                break  # the next sync loads what it needs
+            if self.book.seqs + ticket.n > self.capacity and self.book.seqs > 0:
+                break
+            self.waiting.pop(0)
+            out += self.book.open(delivery, ticket, self.r.prompt_ids(ticket), time.time())
+        return out
+
+    # ------------------------------------------------------------------ weights
+
+    async def _sync(self) -> bool:
+        """Empty the engine when it must be (:func:`sync_action`) and, once it is, load the
+        weights and serve the validations waiting. Returns whether tickets may be admitted."""
+        need = max((t.min_version for _, t in self.waiting), default=-1)
+        action = sync_action(self.engine.in_flight, partial=self.partial,
+                             newer_ready=self.r.weights.ready(), must_sync=need > self.r.version,
+                             validations=bool(self.r.tickets.val_requests))
+        if action is Action.GO:
+            return True
+        if action is Action.DRAIN:
+            return False
+        if action is Action.ABORT:
+            await self._apply(await self.r.off(self.engine.abort))
+            self.resume = self.book.resumable()
+        if need > self.r.version:
+            served = await self.r._weights_for(
+                [d for d, _ in self.waiting], [(d.id, t) for d, t in self.waiting])
+            kept = {d_id for d_id, _ in served}
+            self.waiting = [(d, t) for d, t in self.waiting if d.id in kept]
+        else:
+            await self.r._swap_weights(wait=False)
+        await self.r._serve_validations()
+        return True
+
+    # ------------------------------------------------------------------ generation
+
+    async def _generate(self, submissions: list[tuple[str, Seq]]) -> None:
+        """Submit ``submissions`` and run one slice of engine steps (on the worker thread);
+        a failed slice fails every ticket in the engine (retried, then dead-lettered)."""
+        if not submissions and self.engine.in_flight == 0:
+            return
+        began = time.monotonic()
+        try:
+            failed, deltas = await self.r.off(self._slice, submissions)
+        except Exception as exc:  # a failed rollout is an event, never "end of data"
+            with contextlib.suppress(Exception):
+                await self.r.off(self.engine.abort)
+            error = f"generation failed: {type(exc).__name__}: {exc}"
+            failed, deltas = {tid: error for tid in self.book.groups}, []
+        self.r.busy_s += time.monotonic() - began
+        await self._apply(deltas)
+        if failed:
+            groups = self.book.drop(failed)
+            await self.r.tickets.retry_or_give_up([g.delivery for g in groups], failed)
+
+    def _slice(self, submissions: list[tuple[str, Seq]]) -> tuple[dict[str, str], list[Delta]]:
+        """On the worker thread: submit each response (a ticket whose prompt the engine
+        refuses fails alone), then up to :data:`SLICE_STEPS` engine steps."""
+        r, rc = self.r, self.r.cfg.rollout
+        failed: dict[str, str] = {}
+        for key, seq in submissions:
+            tid = seq.ticket.ticket_id
+            if tid in failed:
+                continue
+            try:
+                self.engine.submit(key, seq.prompt + seq.tokens,
+                                   rc.max_new_tokens - len(seq.tokens), rc.temperature,
+                                   r.eos_ids(), generator=r.generator, top_p=rc.top_p,
+                                   top_k=rc.top_k)
+            except ValueError as exc:
+                failed[tid] = f"generation failed: {exc}"
+        return failed, self.engine.advance(SLICE_STEPS) if self.engine.in_flight else []
+
+    async def _apply(self, deltas: list[Delta]) -> None:
+        self.done += self.book.apply(deltas, self.engine.version, time.time())
+
+    # ------------------------------------------------------------------ tickets out
+
+    async def _finish(self, wait: bool = False) -> None:
+        """Score and publish the tickets that ended, one publication at a time in the
+        background (the engine generates meanwhile); ``wait``: until all are out."""
+        while True:
+            if self.finishing is not None:
+                if not (wait or self.finishing.done()):
+                    return
+                task, self.finishing = self.finishing, None
+                await task  # its failure is this loop's
+            if not self.done:
+                return
+            groups, self.done = self.done, []
+            self.finishing = asyncio.create_task(self._publish(groups))
+            if not wait:
+                return
+
+    async def _publish(self, groups: list[Group]) -> None:
+        r = self.r
+        scores = await r._score([s for g in groups for s in g.seqs])
+        at = 0
+        samples, failed = {}, {}
+        for g in groups:
+            part = scores[at:at + len(g.seqs)]
+            at += len(g.seqs)
+            # Tickets overlap in the engine: each sample says when its ticket ran (from
+            # ts - gen_time_s to ts), so timing_s/gen counts the wall time once.
+            ok, bad = to_samples(g.seqs, part, {g.ticket_id: g.prompt},
+                                 gen_s=g.ended - g.began, rank=r.rank,
+                                 eos_id=r.tokenizer.eos_id, fails_ticket=r._fails_ticket,
+                                 ts=g.ended)
+            samples.update(ok)
+            failed.update(bad)
+        await r.tickets.retry_or_give_up([g.delivery for g in groups], failed)
+        await r.tickets.deliver([(g.delivery.id, g.ticket) for g in groups
+                                 if g.ticket_id in samples], samples)
+
+    # ------------------------------------------------------------------ the rest
+
+    async def _look_around(self) -> None:
+        """The log (weights, step boundaries, the run's end) after every slice; the
+        trainer's lease every :data:`CHECK_S`."""
+        await self.r._poll_events()
+        if time.monotonic() - self.checked >= CHECK_S:
+            self.checked = time.monotonic()
+            await self.r.trainer.check()
