@@ -102,14 +102,21 @@ def test_a_vllm_run_trains_on_samples_from_the_weights_it_was_sent(
 
 
 def test_partial_rollout_and_profiling_with_vllm(demo: Path, tmp_path: Path) -> None:
-    """Partial rollout (responses resumed across syncs, chunk by chunk, from the tokens so
-    far) within the staleness bound, and step 1 profiled on both roles: the rollouter's trace
-    holds vLLM's own kernels (its engine core runs on the rollouter's worker thread)."""
+    """Partial rollout (responses resumed across syncs from the tokens so far) within the
+    staleness bound, validation every 2 versions, and step 1 profiled on both roles: the
+    rollouter's trace holds vLLM's own kernels (its engine core runs on the rollouter's
+    worker thread)."""
     events = _up(demo, tmp_path, "async_training.partial_rollout=true",
                  "async_training.staleness_threshold=0.5", "rollout.partial_chunk_tokens=2",
-                 "global_profiler.tool=torch", "global_profiler.steps=[1]")
+                 "global_profiler.tool=torch", "global_profiler.steps=[1]",
+                 "trainer.test_freq=2")
     steps = _steps(events)
     assert sorted(steps) == list(range(1, STEPS + 1))
+    # Validation runs on the emptied engine between the responses it streams.
+    validated = [e for e in events if e.get("type") == "ValidationFinished"]
+    assert sorted(e["version"] for e in validated) == [2, 4], validated
+    assert all(not e.get("error") and any(k.startswith("val-core/") for k in e["metrics"])
+               for e in validated), validated
     for step, e in steps.items():
         assert e["metrics"]["staleness/max"] <= 1, (step, e["metrics"])
     # verl's global_profiler.save_path default (a verl line): outputs/profile
