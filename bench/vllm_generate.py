@@ -11,6 +11,12 @@ a private tmpfs directory, reloaded in place by the worker, prefix cache reset).
     python bench/vllm_generate.py                          # tiny (~0.5 MB) and ~100 MB models
     python bench/vllm_generate.py --sizes tiny --batches 16 --repeat 1   # smoke
 
+Then responses of mixed lengths (each its own, drawn from 8..``--new-tokens``, as RL
+responses end at their own eos), ``4 x width`` of them through the same vLLM engine two
+ways: in batches of ``width`` (the next batch starts when the whole batch has ended: how the
+rollouter fed vLLM before continuous admission) and continuously (a response joins as soon
+as one ends, ``width`` at most at once: ``rollouter.continuous``).
+
 Needs the vllm extra (make vllm). The engine core is a spawned process: hence the __main__
 guard.
 """
@@ -74,6 +80,41 @@ def time_generate(fn: object, prompts: list[list[int]], new_tokens: int, repeat:
     return n / best
 
 
+def time_mixed(engine: object, prompts: list[list[int]], lengths: list[int], width: int,
+               continuous: bool) -> float:
+    """Tokens/s of streaming ``prompts`` (response ``i`` exactly ``lengths[i]`` tokens) at
+    most ``width`` at a time: in batches, or refilled as each ends."""
+    todo = list(range(len(prompts)))
+    made = 0
+    t0 = time.perf_counter()
+    while todo or engine.in_flight:
+        if continuous or not engine.in_flight:
+            while todo and engine.in_flight < width:
+                i = todo.pop(0)
+                engine.submit(str(i), prompts[i], lengths[i], 1.0, [],
+                              generator=None, top_p=1.0, top_k=-1)
+        made += sum(len(d.tokens) for d in engine.advance(8))
+    return made / (time.perf_counter() - t0)
+
+
+def run_mixed(engine: object, vocab: int, args: argparse.Namespace) -> None:
+    g = torch.Generator().manual_seed(1)
+    print(f"{'width':>6} {'batches tok/s':>14} {'continuous tok/s':>17} {'ratio':>6}")
+    for width in args.batches:
+        n = 4 * width
+        prompts = [[1, *torch.randint(3, vocab, (args.prompt_len - 1,), generator=g).tolist()]
+                   for _ in range(n)]
+        lengths = torch.randint(8, args.new_tokens + 1, (n,), generator=g).tolist()
+        time_mixed(engine, prompts[:width], lengths[:width], width, True)  # warm-up
+        best = {False: 0.0, True: 0.0}
+        for _ in range(args.repeat):
+            for continuous in (False, True):
+                best[continuous] = max(best[continuous], time_mixed(
+                    engine, prompts, lengths, width, continuous))
+        print(f"{width:>6} {best[False]:>14.0f} {best[True]:>17.0f} "
+              f"{best[True] / best[False]:>6.2f}", flush=True)
+
+
 def run_size(size: str, args: argparse.Namespace) -> None:
     from policy.hf import HFPolicy
     from rollouter.vllm_engine import VllmEngine, VllmOptions
@@ -113,6 +154,8 @@ def run_size(size: str, args: argparse.Namespace) -> None:
                 v = time_generate(vgen, prompts, args.new_tokens, args.repeat)
                 h = time_generate(hgen, prompts, args.new_tokens, args.repeat)
                 print(f"{b:>6} {v:>11.0f} {h:>10.0f} {v / h:>6.2f}", flush=True)
+            print("mixed lengths, vLLM:")
+            run_mixed(engine, vocab, args)
         finally:
             engine.close()
 

@@ -9,7 +9,9 @@ rollouter reads the control stream right before it begins any step, so the comma
 always precede it.
 
 New weights are loaded between batches, or between chunks of tokens when
-``async_training.partial_rollout`` is on (then a sample's min and max versions differ).
+``async_training.partial_rollout`` is on (then a sample's min and max versions differ). On a
+streaming engine (vLLM) there are no batches: :class:`~rollouter.continuous.ContinuousRollout`
+feeds each ticket to the running engine as it is claimed.
 
 The parts: :class:`~rollouter.tickets.TicketDesk` (tickets read ahead, retried, answered),
 :class:`~rollouter.weights.HeldWeights` (the weights held and staged),
