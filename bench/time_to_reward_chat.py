@@ -17,7 +17,8 @@ Prints both times, the version/step each needed, and the ratio rlbus / in-proces
     .venv/bin/python bench/time_to_reward_chat.py [--target 0.9] [--seeds 0 1 2] [--every 5]
 
 ``--engines``: instead, ``rlbus up`` with ``rollout.name=vllm`` against the built-in engine
-(needs ``make vllm``), each timed from launch and from its first step.
+(needs ``make vllm``), each timed from launch and from its first step; ``--set KEY=VALUE
+...`` adds overrides to both.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ REACHED = re.compile(r"reached [0-9.]+ at step (\d+)")
 
 
 def _rlbus(root: Path, seed: int, target: float, every: int, out: Path,
-           engine: str = "hf") -> tuple:
+           engine: str = "hf", extra: tuple[str, ...] = ()) -> tuple:
     def found(line: str) -> int | None:
         m = VAL_LINE.search(line)
         return int(m.group(1)) if m and float(m.group(2)) >= target else None
@@ -54,7 +55,7 @@ def _rlbus(root: Path, seed: int, target: float, every: int, out: Path,
            "trainer.total_training_steps=400", f"trainer.test_freq={every}",
            "trainer.checkpoint_contents=[model,optimizer,extra]", "trainer.logger=[console]",
            f"trainer.seed={seed}", f"rollout.seed={seed}",
-           f"actor_rollout_ref.rollout.name={engine}"]
+           f"actor_rollout_ref.rollout.name={engine}", *extra]
     return _watch(cmd, found, 900)
 
 
@@ -76,9 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=5, help="validation every N versions/steps")
     p.add_argument("--engines", action="store_true",
                    help="rlbus up with rollout.name=vllm vs the built-in engine instead")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="with --engines: overrides for both runs (e.g. "
+                        "async_training.staleness_threshold=0)")
     args = p.parse_args(argv)
     if args.engines:
-        return _engines(args.seeds, args.target, args.every)
+        return _engines(args.seeds, args.target, args.every, tuple(args.set))
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ratios else 1
 
 
-def _engines(seeds: list[int], target: float, every: int) -> int:
+def _engines(seeds: list[int], target: float, every: int, extra: tuple[str, ...] = ()) -> int:
     """The same job through ``rlbus up`` with vLLM and with the built-in engine, one after
     the other: seconds to the target (from launch, the engine's start-up included) and from
     the first step line (generation and training alone)."""
@@ -106,7 +110,7 @@ def _engines(seeds: list[int], target: float, every: int) -> int:
         for seed in seeds:
             root = build_demo(Path(tmp) / f"files-{seed}", seed=seed)
             got = {engine: _rlbus(root, seed, target, every, Path(tmp) / f"{engine}{seed}",
-                                  engine) for engine in ("vllm", "hf")}
+                                  engine, extra) for engine in ("vllm", "hf")}
             for engine, (secs, version, first) in got.items():
                 after = secs - first if secs and first else None
                 print(f"seed {seed}: {engine}: {secs and round(secs, 1)} s to {target} "

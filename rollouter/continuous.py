@@ -86,8 +86,8 @@ class ContinuousRollout:
         deliveries, _ = await desk.next()
         if not deliveries and not busy:
             deliveries = await self._reclaim()
-        for d_id, ticket in await desk.accept(deliveries):
-            self.waiting.append((next(d for d in deliveries if d.id == d_id), ticket))
+        by_id = {d.id: d for d in deliveries}
+        self.waiting += [(by_id[d_id], t) for d_id, t in await desk.accept(deliveries)]
 
     async def _reclaim(self) -> list[Any]:
         """Idle: tickets pending on dead replicas, every heartbeat interval."""
@@ -124,7 +124,7 @@ class ContinuousRollout:
         if action is Action.DRAIN:
             return False
         if action is Action.ABORT:
-            await self._apply(await self.r.off(self.engine.abort))
+            self._apply(await self.r.off(self.engine.abort))
             self.resume = self.book.resumable()
         if need > self.r.version:
             served = await self.r._weights_for(
@@ -152,7 +152,7 @@ class ContinuousRollout:
             error = f"generation failed: {type(exc).__name__}: {exc}"
             failed, deltas = {tid: error for tid in self.book.groups}, []
         self.r.busy_s += time.monotonic() - began
-        await self._apply(deltas)
+        self._apply(deltas)
         if failed:
             groups = self.book.drop(failed)
             await self.r.tickets.retry_or_give_up([g.delivery for g in groups], failed)
@@ -175,7 +175,8 @@ class ContinuousRollout:
                 failed[tid] = f"generation failed: {exc}"
         return failed, self.engine.advance(SLICE_STEPS) if self.engine.in_flight else []
 
-    async def _apply(self, deltas: list[Delta]) -> None:
+    def _apply(self, deltas: list[Delta]) -> None:
+        """Fold what the engine generated (with the weights it holds) into the tickets."""
         self.done += self.book.apply(deltas, self.engine.version, time.time())
 
     # ------------------------------------------------------------------ tickets out
