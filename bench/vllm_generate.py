@@ -6,7 +6,10 @@ Each batch size runs one warm-up generate per engine, then ``--repeat`` timed on
 response runs to ``--new-tokens`` (no eos), at temperature 1. tokens/s counts generated
 tokens. Both engines get ``--threads`` CPU threads (vLLM's worker: OMP_NUM_THREADS, unbound).
 A load is ``VllmEngine.load_state`` of a perturbed copy of the weights (safetensors written to
-a private tmpfs directory, reloaded in place by the worker, prefix cache reset).
+a private tmpfs directory, reloaded in place by the worker, prefix cache reset); publish ->
+loaded adds the way there, as a run with the storage transport takes it: the trainer's
+publication (tensor by tensor, 4 MiB chunks hashed) into a local directory, the rollouter's
+fetch (chunks read 8 at a time, each checked), then the load.
 
     python bench/vllm_generate.py                          # tiny (~0.5 MB) and ~100 MB models
     python bench/vllm_generate.py --sizes tiny --batches 16 --repeat 1   # smoke
@@ -65,6 +68,28 @@ def time_loads(engine: object, policy: object, repeat: int) -> list[float]:
         engine.load_state(state, v)
         out.append(time.perf_counter() - t0)
     return out
+
+
+def time_publish_to_loaded(engine: object, policy: object, repeat: int) -> list[float]:
+    """Seconds from the start of each of ``repeat`` publications (storage transport, fp32)
+    to the engine holding them."""
+    import asyncio
+
+    from bus.weights_transport import StorageTransport
+
+    async def one(transport: StorageTransport, v: int) -> float:
+        state = {k: t + 1e-3 * torch.randn_like(t) for k, t in policy.weights().items()}
+        t0 = time.perf_counter()
+        ref = await transport.publish(f"weights-v{v}", state)
+        fetched = await transport.fetch(ref)
+        engine.load_state(fetched, v)
+        took = time.perf_counter() - t0
+        await transport.delete(ref)
+        return took
+
+    with tempfile.TemporaryDirectory() as root:
+        transport = StorageTransport(root)
+        return [asyncio.run(one(transport, 1000 + v)) for v in range(repeat)]
 
 
 def time_generate(fn: object, prompts: list[list[int]], new_tokens: int, repeat: int) -> float:
@@ -137,6 +162,10 @@ def run_size(size: str, args: argparse.Namespace) -> None:
             print(f"vLLM engine start-up: {startup:.1f} s")
             print(f"load_state: median {statistics.median(loads):.3f} s, "
                   f"min {min(loads):.3f} s over {len(loads)}")
+            synced = time_publish_to_loaded(engine, policy, args.load_repeat)
+            print(f"publish -> loaded (storage transport, fp32): median "
+                  f"{statistics.median(synced):.3f} s, min {min(synced):.3f} s over "
+                  f"{len(synced)}")
             engine.load_state(policy.weights(), 100)  # both engines on the same weights
             print(f"{'batch':>6} {'vLLM tok/s':>11} {'HF tok/s':>10} {'ratio':>6}")
             g = torch.Generator().manual_seed(0)

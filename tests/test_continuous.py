@@ -71,6 +71,8 @@ async def rollouter(request: pytest.FixtureRequest, demo: Path, redis_url: str, 
         yield r
     finally:
         await r._stop_pipeline()
+        if r.rewards is not None:  # the reward pool's worker processes
+            r.rewards.close()
         await r.off(r.engine.close)
         r.worker.shutdown()
 
