@@ -432,6 +432,8 @@ class Rollouter(Component):
             self.tickets.prefetch()
         try:
             samples, failed = await self._rollout([t for _, t in tickets])
+        except Failure:
+            raise  # the engine is broken (EngineBroken): this rollouter's named end
         except Exception as exc:  # a failed rollout is an event, never "end of data"
             error = f"generation failed: {type(exc).__name__}: {exc}"
             samples, failed = {}, {t.ticket_id: error for _, t in tickets}
@@ -478,6 +480,8 @@ class Rollouter(Component):
                                                          self.tokenizer, self._score_items)
             return await self.validator.run(request, policy=self.engine, off=self.off,
                                             version=self.version, rank=self.rank)
+        except Failure:
+            raise
         except Exception as exc:  # a failed validation is an answer, never a dead rollouter
             return self._val_failed(request, f"{type(exc).__name__}: {exc}")
 

@@ -25,6 +25,7 @@ from bus.messages import PromptTicket
 from rollouter.admission import Action, Admission, Group, sync_action
 from rollouter.answers import Seq, to_samples
 from rollouter.engine import Delta, StreamingEngine
+from runtime import Failure
 
 if TYPE_CHECKING:
     from rollouter.app import Rollouter
@@ -146,6 +147,8 @@ class ContinuousRollout:
         began = time.monotonic()
         try:
             failed, deltas = await self.r.off(self._slice, submissions)
+        except Failure:
+            raise  # the engine is broken (EngineBroken): this rollouter's named end
         except Exception as exc:  # a failed rollout is an event, never "end of data"
             with contextlib.suppress(Exception):
                 await self.r.off(self.engine.abort)

@@ -24,9 +24,16 @@ import torch
 
 from policy import EosIds, Generation, Policy, build_policy, decode_steps
 from runconfig import Config
+from runtime import Failure
 
-__all__ = ["Delta", "Engine", "PolicyEngine", "StreamingEngine", "build_engine", "streams",
-           "vllm_installed"]
+__all__ = ["Delta", "Engine", "EngineBroken", "PolicyEngine", "StreamingEngine", "build_engine",
+           "streams", "vllm_installed"]
+
+
+class EngineBroken(Failure):
+    """The engine can no longer generate (a weights load failed inside it midway, leaving
+    tensors no version describes): the rollouter exits naming it, to be restarted, rather
+    than failing every ticket it claims."""
 
 @runtime_checkable
 class Engine(Protocol):

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from policy import EosIds, Generation, eos_set
-from rollouter.engine import Delta
+from rollouter.engine import Delta, EngineBroken
 from rollouter.vllm_options import (
     DTYPES,
     VllmOptions,
@@ -196,6 +196,7 @@ class VllmEngine:
         self._vllm = vllm
         self._dirs: dict[str, Path] = {}  # private weight directories, by the base they are in
         self.steps = 0  # engine steps run so far (progress; see _run)
+        self._broken: str | None = None  # why the engine can no longer be used (load_state)
         self._requests = 0  # generate's requests so far: their ids
         self._streamed: dict[str, int] = {}  # streamed requests running: key -> max tokens
         # Their tokens, log-probs and end not yet reported (advance, abort), by key.
@@ -273,6 +274,7 @@ class VllmEngine:
                  generator: torch.Generator | None = None, top_p: float = 1.0,
                  top_k: int = -1) -> Generation:
         """One response per prompt, in prompt order (see :class:`policy.Generation`)."""
+        self._usable()
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token (e.g. bos)")
         n = len(prompts)
@@ -347,6 +349,7 @@ class VllmEngine:
                top_p: float, top_k: int) -> None:
         """Start one response to ``prompt`` now (the engine schedules it at its next step,
         beside the requests running); its tokens are reported under ``key``."""
+        self._usable()
         if not prompt:
             raise ValueError("every prompt needs at least one token (e.g. bos)")
         if key in self._streamed:
@@ -361,6 +364,7 @@ class VllmEngine:
     def advance(self, max_steps: int) -> list[Delta]:
         """Up to ``max_steps`` engine steps, fewer once a streamed request finishes; what
         every streamed request generated since the last report."""
+        self._usable()
         for _ in range(max_steps):
             if not self._streamed or any(got[2][0] for got in self._pending.values()):
                 break
@@ -389,7 +393,10 @@ class VllmEngine:
 
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """New weights in place (no restart). ``version`` is recorded only once every worker
-        reports it holds it, and the prefix cache (KV of the old weights) is dropped."""
+        reports it holds it, and the prefix cache (KV of the old weights) is dropped. A state
+        that does not fit is ValueError (the engine untouched); a load that fails inside
+        vLLM is :class:`~rollouter.engine.EngineBroken`, and so is every later call."""
+        self._usable()
         state = self._checked(state)
         path = self._weights_dir(_nbytes(state)) / _WEIGHTS_FILE
         _write_state(state, path)
@@ -399,14 +406,21 @@ class VllmEngine:
             self._llm.reset_prefix_cache()
             if any(int(v) != int(version) for v in got):
                 raise RuntimeError(f"vLLM workers report weights versions {got}, not {version}")
-        except BaseException:
-            # A reload that failed in the worker leaves weights no version describes (and,
-            # in vLLM 0.32, a dead engine core): no version, then.
+        except Exception as exc:
+            # A reload that failed in the worker leaves weights no version describes, and
+            # vLLM 0.32 cannot reload over them (measured: every later generate and load
+            # fails, or its engine core is dead): no version, and no more use of it.
             self.version = -1
-            raise
+            self._broken = (f"the vLLM engine failed to load weights v{version} and is left "
+                            f"unusable ({type(exc).__name__}: {exc}); restart the rollouter")
+            raise EngineBroken(self._broken) from exc
         finally:
             path.unlink(missing_ok=True)
         self.version = int(version)
+
+    def _usable(self) -> None:
+        if self._broken is not None:
+            raise EngineBroken(self._broken)
 
     def _checked(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """``state`` restricted to the checkpoint's names, or ValueError before the engine is

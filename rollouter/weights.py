@@ -215,6 +215,8 @@ class HeldWeights:
         began = time.monotonic()
         try:
             await self.load(state, newest.version)
+        except Failure:
+            raise  # the engine is broken by the attempt (EngineBroken): no fallback
         except Exception as exc:  # a state dict of some other model
             await self._unloadable(newest, exc)
             await self.swap(wait)

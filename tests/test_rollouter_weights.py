@@ -11,6 +11,7 @@ import torch
 from bus import Bus, RedisBlobStore, RunKeys
 from bus.messages import WarningRaised, WeightsPublished
 from rollouter.app import Rollouter
+from rollouter.engine import EngineBroken
 from runconfig import load_config
 from tests.procs import events_of
 
@@ -67,4 +68,32 @@ async def test_an_unloadable_publication_is_skipped_with_a_warning(
     warnings = [e for e in await events_of(bus, run_keys.events)
                 if isinstance(e, WarningRaised) and e.code == "weights_unloadable"]
     assert len(warnings) == 1 and "v1" in warnings[0].message
+    r.worker.shutdown()
+
+
+async def test_an_engine_broken_by_a_load_ends_the_rollouter_with_no_fallback(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    """A load that fails inside the engine and leaves it unusable (vLLM's in-place reload
+    failing midway) is the rollouter's named end: no fallback load into the broken engine,
+    no publication marked unloadable for it."""
+    r = _rollouter(redis_url, run_id, tmp_path, bus)
+    good = r.engine.policy.state_bytes()
+    await _publish(bus, run_keys, 0, good)
+    await r._poll_events()
+    await r._swap_weights()
+    loads: list[int] = []
+
+    def broken_load(state: object, version: int) -> None:
+        loads.append(version)
+        raise EngineBroken(f"the engine failed to load weights v{version}")
+
+    r.engine.load_state = broken_load  # type: ignore[method-assign]
+    await _publish(bus, run_keys, 1, good)
+    await r._poll_events()
+    with pytest.raises(EngineBroken, match="v1"):
+        await r._swap_weights()
+    assert loads == [1] and r.version == 0 and not r.weights.bad
+    warnings = [e for e in await events_of(bus, run_keys.events) if isinstance(e, WarningRaised)]
+    assert warnings == []
     r.worker.shutdown()

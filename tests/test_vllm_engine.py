@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from policy import Generation
+from rollouter.engine import EngineBroken
 from rollouter.vllm_engine import VllmEngine, VllmOptions, options_from_config
 from rollouter.vllm_options import max_model_len as _max_model_len
 from runconfig.schema import Config, ModelConfig
@@ -277,6 +278,36 @@ def test_aborted_requests_resume_from_their_tokens(engine: VllmEngine, hf: HFPol
     new, old = _recomputed(hf, PROMPTS, gen, 1.0)
     torch.testing.assert_close(old, new, atol=1e-3, rtol=0)
     assert engine.abort() == [] and engine.in_flight == 0
+
+
+@pytest.mark.vllm
+def test_a_load_that_fails_inside_vllm_leaves_the_engine_broken_and_says_so(
+    model_dir: Path, hf: HFPolicy,
+) -> None:
+    """vLLM 0.32's in-place reload cannot be undone when it fails midway (measured: every
+    later generate fails on a meta tensor, and a good reload over it fails on the shapes):
+    the engine says it is broken, on that load and on every later call, and holds no
+    version. A state that does not fit is refused before vLLM sees it (the other tests)."""
+    _needs_vllm()
+    eng = VllmEngine.open(model_dir, VllmOptions(max_new_tokens=8, prompt_room=16, threads=1,
+                                                kv_cache_gib=1))
+    try:
+        eng.load_state(hf.weights(), 1)
+        assert eng.generate([[1, 5, 6]], 4, temperature=0.0, eos_id=[]).tokens
+        bad = dict(hf.weights())
+        bad["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
+        eng._checked = lambda state: state  # type: ignore[method-assign]  # past the check
+        with pytest.raises(EngineBroken, match="weights v2 and is left unusable"):
+            eng.load_state(bad, 2)
+        assert eng.version == -1
+        for call in (lambda: eng.generate([[1, 5, 6]], 4),
+                     lambda: eng.submit("k", [1, 5], 4, 1.0, None, generator=None, top_p=1.0,
+                                        top_k=-1),
+                     lambda: eng.advance(4), lambda: eng.load_state(hf.weights(), 3)):
+            with pytest.raises(EngineBroken, match="v2"):
+                call()
+    finally:
+        eng.close()
 
 
 @pytest.mark.vllm
