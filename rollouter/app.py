@@ -141,6 +141,7 @@ class Rollouter(Component):
         self.validated: set[str] = set()
         self.validator: Validator | None = None
         self.validating: str | None = None  # the request being served (heartbeat state)
+        self.stream: ContinuousRollout | None = None  # the loop on a streaming engine (vLLM)
 
     # ------------------------------------------------------------------ set-up
 
@@ -291,10 +292,13 @@ class Rollouter(Component):
         if self.rewards is not None:
             metrics["reward/failed_count"] = float(self.rewards.failures)
             metrics["reward/timeout_count"] = float(self.rewards.timeouts)
+        state = f"weights v{self.version}"
+        if self.stream is not None:
+            state += f", {self.stream.describe()}"
+        if self.validating:
+            state += f", validating ({self.validating})"
         return Heartbeat(
-            role="rollouter", rank=self.rank, pid=os.getpid(),
-            state=f"weights v{self.version}" + (f", validating ({self.validating})"
-                                                if self.validating else ""),
+            role="rollouter", rank=self.rank, pid=os.getpid(), state=state,
             metrics=metrics, progress=self.progress(),
             weights_receiver=self.receiver is not None,
         )
@@ -507,7 +511,8 @@ class Rollouter(Component):
             # already holds every command for step 1 when the step watch reads it.
             await self._first_weights()
             if streams(self.engine):  # vLLM: each ticket fed to the engine as it is claimed
-                await ContinuousRollout(self).run()
+                self.stream = ContinuousRollout(self)
+                await self.stream.run()
             else:
                 await self._serve_until_finished()
             await self.tickets.delivered()

@@ -52,6 +52,11 @@ class ContinuousRollout:
         self.finishing: asyncio.Task[None] | None = None
         self.checked = self.reclaimed = time.monotonic()
 
+    def describe(self) -> str:
+        """What the engine is doing, for the heartbeat's state."""
+        return (f"{self.book.seqs} responses of {len(self.book.groups)} tickets in the engine, "
+                f"{len(self.waiting)} tickets waiting")
+
     async def run(self) -> None:
         """Until the run's end: every ticket delivered once, or retried, or dead-lettered."""
         try:

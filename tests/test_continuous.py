@@ -137,6 +137,8 @@ async def test_a_ticket_claimed_mid_generation_joins_the_running_engine(
     await _ticket(bus, run_keys, "b")
     await _until("ticket b in the engine", lambda: "b" in loop.book.groups)
     assert 8 <= _generated(loop, "a") < LONG  # a is still generating beside it
+    r.stream = loop
+    assert "4 responses of 2 tickets in the engine" in r.heartbeat().state
     by_ticket = await _samples(bus, run_keys, 4)
     await _stop(r, task)
     a, b = by_ticket["a"], by_ticket["b"]
