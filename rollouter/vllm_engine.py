@@ -198,7 +198,7 @@ class VllmEngine:
         self.steps = 0  # engine steps run so far (progress; see _run)
         self._broken: str | None = None  # why the engine can no longer be used (load_state)
         self._requests = 0  # generate's requests so far: their ids
-        self._streamed: dict[str, int] = {}  # streamed requests running: key -> max tokens
+        self._streamed: set[str] = set()  # the keys of the streamed requests running
         # Their tokens, log-probs and end not yet reported (advance, abort), by key.
         self._pending: dict[str, tuple[list[int], list[float], list[bool]]] = {}
         t0 = time.perf_counter()
@@ -334,7 +334,7 @@ class VllmEngine:
                 got[1].extend(_sampled_logprobs(c.logprobs, toks).tolist())
             if out.finished:
                 got[2][0] = True
-                del self._streamed[out.request_id]
+                self._streamed.discard(out.request_id)
         return others
 
     # ------------------------------------------------------------------ streamed requests
@@ -359,7 +359,7 @@ class VllmEngine:
                                  delta=True)
         prompt_ids = self._vllm.TokensPrompt(prompt_token_ids=[int(t) for t in prompt])
         self._llm.llm_engine.add_request(key, prompt_ids, params)
-        self._streamed[key] = max_new_tokens
+        self._streamed.add(key)
 
     def advance(self, max_steps: int) -> list[Delta]:
         """Up to ``max_steps`` engine steps, fewer once a streamed request finishes; what
