@@ -48,15 +48,13 @@ def to_samples(seqs: Sequence[Seq], scores: Sequence[Score], prompts: Mapping[st
             failed[tid] = f"reward function failed: {score.error}"
             samples.pop(tid, None)
             continue
-        sample = _sample(s, packed[tid], score, gen_s, rank, eos_id)
-        if ts is not None:
-            sample = msgspec.structs.replace(sample, ts=ts)
-        samples.setdefault(tid, []).append(sample)
+        samples.setdefault(tid, []).append(_sample(s, packed[tid], score, gen_s, rank, eos_id,
+                                                   ts))
     return samples, failed
 
 
 def _sample(s: Seq, prompt: Array, score: Score, gen_s: float, rank: int,
-            eos_id: int | None) -> Sample:
+            eos_id: int | None, ts: float | None) -> Sample:
     tid = s.ticket.ticket_id
     return Sample(
         sample_id=f"{tid}/{s.index}", ticket_id=tid,
@@ -68,4 +66,5 @@ def _sample(s: Seq, prompt: Array, score: Score, gen_s: float, rank: int,
         min_version=s.min_version, max_version=s.max_version, rank=rank,
         gen_time_s=gen_s, attempt=s.ticket.attempt,
         finish_reason="eos" if s.tokens and s.tokens[-1] == eos_id else "length",
+        **({} if ts is None else {"ts": ts}),  # None: made now (the field's default)
     )

@@ -199,8 +199,10 @@ class VllmEngine:
         self._broken: str | None = None  # why the engine can no longer be used (load_state)
         self._requests = 0  # generate's requests so far: their ids
         self._streamed: set[str] = set()  # the keys of the streamed requests running
-        # Their tokens, log-probs and end not yet reported (advance, abort), by key.
-        self._pending: dict[str, tuple[list[int], list[float], list[bool]]] = {}
+        # Their tokens and log-probs not yet reported (advance, abort), by key, and the keys
+        # of those that ended since the last report.
+        self._pending: dict[str, tuple[list[int], list[float]]] = {}
+        self._ended: set[str] = set()
         t0 = time.perf_counter()
         with environ(engine_env(opts)):
             self._llm = vllm.LLM(**self._llm_kwargs())
@@ -328,12 +330,12 @@ class VllmEngine:
                 continue
             c = out.outputs[0]
             toks = list(c.token_ids)
-            got = self._pending.setdefault(out.request_id, ([], [], [False]))
-            got[0].extend(toks)
+            got_tokens, got_logprobs = self._pending.setdefault(out.request_id, ([], []))
+            got_tokens.extend(toks)
             if toks:
-                got[1].extend(_sampled_logprobs(c.logprobs, toks).tolist())
+                got_logprobs.extend(_sampled_logprobs(c.logprobs, toks).tolist())
             if out.finished:
-                got[2][0] = True
+                self._ended.add(out.request_id)
                 self._streamed.discard(out.request_id)
         return others
 
@@ -366,7 +368,7 @@ class VllmEngine:
         every streamed request generated since the last report."""
         self._usable()
         for _ in range(max_steps):
-            if not self._streamed or any(got[2][0] for got in self._pending.values()):
+            if not self._streamed or self._ended:
                 break
             if not self._llm.llm_engine.has_unfinished_requests():
                 raise RuntimeError(f"vLLM lost {len(self._streamed)} streamed requests")
@@ -385,8 +387,10 @@ class VllmEngine:
         return self._take()
 
     def _take(self) -> list[Delta]:
-        out = [Delta(key, toks, logps, fin[0]) for key, (toks, logps, fin) in self._pending.items()]
+        out = [Delta(key, toks, logps, key in self._ended)
+               for key, (toks, logps) in self._pending.items()]
         self._pending.clear()
+        self._ended.clear()
         return out
 
     # ------------------------------------------------------------------ weights
