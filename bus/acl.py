@@ -31,6 +31,9 @@ COMPONENT_USERS = ("trainer", "rollouter", "profiler", "logger", "operator")
 
 _CONNECTION = ("resetchannels -@all +ping +hello +client|setname +select +multi +exec +discard "
                "+script|load +script|exists"
+               # The run's one clock (Bus.server_time: an entry's age by Redis's clock, never
+               # by comparing hosts' clocks), which any role may read: keyless, read only.
+               " +time"
                # Redis Cluster (bus.client): the slot table and the command table (where each
                # command's keys are) a cluster client reads at connect, ASKING while a slot
                # moves; CLUSTER MYID tells a plain URL that names a cluster node.
@@ -61,7 +64,7 @@ def _trainer(p: str) -> str:
                     "weights-round", "alive:trainer:*")
     return " ".join([
         _CONNECTION, strings, _keys(p, "alive:*", "position:*", read_only=True),
-        _LIVENESS, "+srem +incr +time",
+        _LIVENESS, "+srem +incr",
         f"({_keys(p, 'events', 'prompts', 'samples', 'dlq')} ~rlbus:runs +xadd {_READ_STREAM} "
         f"{_GROUP} +xgroup|delconsumer +xtrim)",
         _read_log(p), _scripts(p),
