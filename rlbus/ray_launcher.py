@@ -6,8 +6,10 @@ launcher. On a cluster, ``run.ray_address`` names the cluster and the trainer as
 when ``trainer.device`` is ``cuda``; ``redis.url`` must then be reachable from every node.
 
 Waiting for Ray is bounded by ``run.ray_connect_timeout_s``: :func:`probe_address` checks that
-``run.ray_address`` accepts a TCP connection before ``ray.init`` is called (``ray.init`` on an
-address where nothing listens retries for many minutes), and :func:`init_ray` turns any
+``run.ray_address`` accepts a TCP connection and answers as a gRPC server before ``ray.init``
+is called (``ray.init`` on an address where nothing listens retries for many minutes, and on
+one where another server listens, e.g. Redis on Ray's default port, for ever), and
+:func:`init_ray` turns any
 failure to connect or to start a local Ray into one :class:`RayUnavailable` naming it.
 """
 
@@ -277,9 +279,12 @@ def ray_endpoint(address: str) -> tuple[str, int] | None:
 
 def probe_address(address: str, timeout_s: float,
                   cancelled: Callable[[], bool] = lambda: False) -> None:
-    """Return once ``address`` accepts a TCP connection; raise :class:`RayUnavailable` naming
-    it when it has not within ``timeout_s`` seconds. Returns early when ``cancelled()``
-    (a signal arrived: the caller stops). ``auto``/``local`` are left to ``ray.init``."""
+    """Return once ``address`` accepts a TCP connection and answers as Ray does (gRPC:
+    :func:`speaks_grpc`); raise :class:`RayUnavailable` naming it when it has not within
+    ``timeout_s`` seconds, or at once when it answers as something else (Ray's default port
+    is Redis's: ``ray.init`` on a Redis server waits for ever). Returns early when
+    ``cancelled()`` (a signal arrived: the caller stops). ``auto``/``local`` are left to
+    ``ray.init``."""
     where = ray_endpoint(address)
     if where is None:
         return
@@ -287,7 +292,8 @@ def probe_address(address: str, timeout_s: float,
     while True:
         left = deadline - time.monotonic()
         try:
-            with socket.create_connection(where, timeout=max(0.1, min(2.0, left))):
+            with socket.create_connection(where, timeout=max(0.1, min(2.0, left))) as conn:
+                _check_grpc(conn, address, max(0.5, deadline - time.monotonic()))
                 return
         except OSError as exc:
             why = exc.strerror or type(exc).__name__
@@ -297,6 +303,42 @@ def probe_address(address: str, timeout_s: float,
             raise RayUnavailable(f"no Ray cluster answers at run.ray_address={address} "
                                  f"({why}; waited {timeout_s:g} s, run.ray_connect_timeout_s)")
         time.sleep(min(_PROBE_EVERY_S, max(0.0, deadline - time.monotonic())))
+
+
+# HTTP/2's client connection preface (RFC 9113, 3.4): a gRPC server (Ray's GCS and its
+# client server are gRPC) answers it with a SETTINGS frame, whose 9-byte header has type 4.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_H2_SETTINGS = 4
+
+
+def speaks_grpc(reply: bytes) -> bool:
+    """Whether ``reply``, the first bytes a server sent after HTTP/2's preface, is a frame
+    header of a SETTINGS frame (what every HTTP/2 server sends first)."""
+    return len(reply) >= 9 and reply[3] == _H2_SETTINGS
+
+
+def _check_grpc(conn: socket.socket, address: str, timeout_s: float) -> None:
+    """Send HTTP/2's preface on ``conn``; a reply that is not HTTP/2 is
+    :class:`RayUnavailable` naming what answered. A server that stays silent within
+    ``timeout_s`` is one that does not speak first either: refused the same way."""
+    conn.settimeout(timeout_s)
+    conn.sendall(_H2_PREFACE)
+    reply = b""
+    try:
+        while len(reply) < 9:
+            chunk = conn.recv(80 - len(reply))  # a frame header, or a line that says what it is
+            if not chunk:
+                break
+            reply += chunk
+    except (TimeoutError, ConnectionError):
+        pass  # judged by what came before
+    if speaks_grpc(reply):
+        return
+    said = reply.decode("ascii", "replace").splitlines()[0].strip() if reply else "nothing"
+    hint = " (a Redis server? Ray's default port 6379 is Redis's)" if reply[:1] in (
+        b"-", b"+") else ""
+    raise RayUnavailable(f"run.ray_address={address} answers but is not a Ray cluster: "
+                         f"it replied {said[:60]!r} to a gRPC client{hint}")
 
 
 def init_ray(address: str | None, num_cpus: int, timeout_s: float = 60.0,

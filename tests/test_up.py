@@ -15,6 +15,7 @@ import psutil
 import pytest
 import yaml
 
+from bus import EmbeddedRedis
 from bus.redisbin import free_port
 from rlbus.runlog import config_changes, recorded_config
 from runconfig import config_to_dict, load_config
@@ -32,6 +33,22 @@ def test_unreachable_ray_address_is_one_line_and_creates_nothing(tmp_path: Path)
     assert len(errors) == 1, res.stderr
     assert f"127.0.0.1:{port}" in errors[0] and "run.ray_connect_timeout_s" in errors[0]
     assert not out.exists()  # no embedded Redis, no run folder
+
+
+def test_a_ray_address_where_redis_listens_is_one_line_and_creates_nothing(
+    tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
+    # Ray's default port is Redis's: ray.init on a Redis server waits for ever. The probe
+    # asks as a gRPC client and names what answered, at once (the timeout is not waited out).
+    out = tmp_path / "out"
+    res = run_cli("up", "run.launcher=ray", f"run.ray_address=127.0.0.1:{redis_server.port}",
+                  "run.ray_connect_timeout_s=600", f"run.output_dir={out}", timeout_s=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    errors = res.stderr.strip().splitlines()
+    assert len(errors) == 1, res.stderr
+    assert f"127.0.0.1:{redis_server.port}" in errors[0] and "not a Ray cluster" in errors[0]
+    assert "Redis" in errors[0]
+    assert not out.exists()
 
 
 def test_malformed_ray_address_exits_2_naming_the_key(tmp_path: Path) -> None:
