@@ -203,6 +203,7 @@ class _Up:
         self.children: list[Any] = []
         self.started = False
         self.fresh = False
+        self.log_ends: dict[str, str] | None = None  # None: a new run, read from its start
         self.status = RunStatus()
         self.summary = Summary()
         self.wall0 = time.monotonic()
@@ -293,6 +294,9 @@ class _Up:
         self.fresh = self.server is not None and not self.run_dir.exists()
         if self.fresh:
             return None
+        # Where each stream of the log ends before this session starts anything: what this
+        # session shows and counts comes after (an earlier session's failure is not news).
+        self.log_ends = asyncio.run(_log_ends(self.url, self.run_id))
         archive = events_dir(self.cfg, self.run_id)
         self._fetch_archive()
         self.status = asyncio.run(run_status(self.url, self.run_id, archive))
@@ -407,9 +411,6 @@ class _Up:
             self.console.say(f"warning: {warning}")
 
     def _watch(self) -> int:
-        # A new run's stream is empty: its progress is read from the start.
-        events = RunKeys(self.run_id).events
-        since = "0" if self.fresh else asyncio.run(_latest_id(self.url, events))
         past = self.status.traces | manifest_traces(self.cfg) if self.status.started else set()
         self.summary.past_profiles = len(past)
         progress = Progress(self.cfg.trainer.total_training_steps, self.status.last_step,
@@ -419,7 +420,7 @@ class _Up:
                          policy=RestartPolicy(self.cfg.run.max_restarts), env=self.env,
                          placement_timeout_s=self.cfg.run.ray.placement_timeout_s)
         try:
-            return asyncio.run(watch.run(self.url, since))
+            return asyncio.run(watch.run(self.url, self.log_ends))
         finally:
             progress.close()
 
@@ -486,12 +487,13 @@ def _show_value(value: Any) -> str:
     return json.dumps(value) if not isinstance(value, str) else value
 
 
-async def _latest_id(url: str, stream: str) -> str:
+async def _log_ends(url: str, run_id: str) -> dict[str, str]:
+    """The id of each stream of the run's log's newest entry now."""
     from bus import Bus
+    from runtime import LogFollower
 
     bus = Bus.from_url(url)
     try:
-        latest = await bus.latest(stream)
-        return latest[0] if latest else "0"
+        return await LogFollower(bus, RunKeys(run_id)).ends()
     finally:
         await bus.close()

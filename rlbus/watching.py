@@ -8,7 +8,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -207,17 +207,18 @@ class RunWatch:
         self.started = time.monotonic()
         self.finished_at: float | None = None
 
-    async def run(self, url: str, start: str) -> int:
-        """Show the run's log (every role's stream, merged) after ``start`` (an id of the
-        trainer's stream) until the run ends; the exit code."""
+    async def run(self, url: str, ends: Mapping[str, str] | None = None) -> int:
+        """Show the run's log (every role's stream, merged) after ``ends`` (each stream's
+        newest entry before this session's components started: what an earlier session
+        stated, a failure included, is not this session's news; None: a new run, from the
+        start) until the run ends; the exit code."""
         from bus import Bus
-        from runtime import LogFollower, since
+        from runtime import LogFollower
 
         bus = Bus.from_url(url)
         try:
             log = LogFollower(bus, self.keys, count=500)
-            log.start_at_end(dict.fromkeys(log.positions, since(start)))
-            log.position = start
+            log.start_at_end(ends or {})
             while (rc := self._verdict()) is None:
                 await self._publish_pending(bus)
                 for _, msg in await log.poll(block_ms=int(POLL_S * 1000)):

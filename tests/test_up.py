@@ -156,3 +156,27 @@ def test_a_recorded_rollout_rank_is_not_the_run_s() -> None:
     base = recorded_config(recorded, load_config(None, ["run.id=r"]), lambda _: None)
     assert base["rollout"]["rank"] is None
     assert config_changes(recorded, base) == []
+
+
+@pytest.mark.e2e
+def test_a_continued_run_shows_only_this_session_s_failures(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    given = [*FAST, "heartbeat.timeout_s=600", "trainer.logger=[console]", "trainer.save_freq=2",
+             "trainer.total_training_steps=1000"]
+    first = Up([sys.executable, "-m", "rlbus", "up", f"run.output_dir={out}", "run.id=failed",
+                *given], tmp_path)
+    try:
+        first.wait_line(lambda s: s.startswith("step ") and int(s.split()[1].split("/")[0]) >= 2)
+        trainer = next(p for p in psutil.Process(first.proc.pid).children(recursive=True)
+                       if "trainer" in p.cmdline())
+        trainer.kill()
+        rc, text = first.finish()
+        assert rc != 0 and "trainer failed" in text, text
+    finally:
+        first.kill()
+    res = run_cli("up", f"run.output_dir={out}", "run.id=failed",
+                  f"trainer.total_training_steps={_last_step(text) + 2}", timeout_s=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    said = res.stdout + res.stderr
+    assert "trainer failed" not in said and "the run stops" not in said, said
+    assert "0 warning(s)" in said, said  # the summary counts this session's
