@@ -12,10 +12,12 @@ event loop with the stop signals wired to it (:class:`runtime.Component`).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import gc
 import importlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -129,7 +131,24 @@ def main(
         return 2
     component = load()
     _logging(prog, component.__module__.split(".")[0])
+    atexit.register(_quiet_native_teardown)
     return asyncio.run(_serve(cfg, url, prog, component))
+
+
+def _quiet_native_teardown() -> None:
+    """At exit, once the component has said everything (atexit: after its last line, before
+    the interpreter's native teardown). Where triton is installed (with vLLM, and on every
+    GPU machine) torch's optimizers import it, and its nanobind bindings print ~30 lines of
+    ``nanobind: leaked ...`` at every interpreter exit: noise that buried a component's last
+    lines, its failure among them, in its log and in what ``rlbus up`` shows. Standard error
+    is closed to what follows only then."""
+    if "triton" not in sys.modules:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 def entry_point(role: str, module: str, name: str, *, heavy: bool = False,

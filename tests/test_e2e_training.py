@@ -73,6 +73,9 @@ def _finish(procs: Procs, replicas: int = 1, trainer: str = "trainer") -> None:
     assert procs.wait(trainer, 180) == 0, procs.log(trainer)
     for rank in range(replicas):
         assert procs.wait(f"rollouter{rank}", 60) == 0, procs.log(f"rollouter{rank}")
+    for name in (trainer, *(f"rollouter{rank}" for rank in range(replicas))):
+        # No native teardown noise after a component's last line (triton's, with vLLM).
+        assert "nanobind" not in procs.log(name), procs.log(name)[-2000:]
 
 
 async def _samples(bus: Bus, keys: RunKeys) -> dict[str, Sample]:
