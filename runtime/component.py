@@ -15,7 +15,9 @@ the one object that owns its process's life on the bus:
    whose work is its run's (``cancel_on_stop``: trainer, rollouters) is cancelled at once,
    its ``finally`` blocks being its graceful part (exit 143); a follower (profiler service,
    logger) finishes what it is doing and returns its own code, cancelled after half of
-   ``run.stop_grace_s`` if it does not. A second signal cancels at once;
+   ``run.stop_grace_s`` if it does not. A second signal cancels at once; a process still
+   there ``run.stop_grace_s`` after the first signal ends itself (exit 143: its launcher, who
+   would SIGKILL it then, may be gone: runtime.process);
 5. teardown, whatever happened: background tasks cancelled, the profiler agent closed (its
    trace written, ProfileStopped published), :meth:`~Component.teardown`, the worker thread
    shut down, the liveness key taken down (a clean exit is not a silent death).

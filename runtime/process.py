@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -132,7 +133,10 @@ def main(
     component = load()
     _logging(prog, component.__module__.split(".")[0])
     atexit.register(_quiet_native_teardown)
-    return asyncio.run(_serve(cfg, url, prog, component))
+    try:
+        return asyncio.run(_serve(cfg, url, prog, component))
+    finally:
+        _STOP_DEADLINE.disarm()  # stopped in time (or never signalled)
 
 
 def _quiet_native_teardown() -> None:
@@ -251,9 +255,45 @@ async def _run_restarting(cfg: Config, bus: Bus, prog: str,
                   file=sys.stderr, flush=True)
 
 
+class _StopDeadline:
+    """The forced part of a stop: armed by the first stop signal, it ends the process
+    ``run.stop_grace_s`` later if it is still there (exit 143, one line). ``rlbus up``
+    SIGKILLs a child after that grace too, but a child whose launcher died (kill -9: Linux
+    SIGTERMs it, PR_SET_PDEATHSIG) has nobody to do it, and its graceful part may be waiting
+    on a Redis that went with the launcher or that does not answer. A thread, not the event
+    loop: the loop may be what is stuck (a blocking call, a worker the loop's exit joins)."""
+
+    def __init__(self) -> None:
+        self._timer: threading.Timer | None = None
+
+    def arm(self, seconds: float, prog: str) -> None:
+        if self._timer is not None:
+            return
+        self._timer = threading.Timer(seconds, self._force, (seconds, prog))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    @staticmethod
+    def _force(seconds: float, prog: str) -> None:
+        with contextlib.suppress(Exception):
+            print(f"{prog}: still stopping {seconds:g} s after the signal (run.stop_grace_s): "
+                  "forced", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+        os._exit(143)
+
+
+_STOP_DEADLINE = _StopDeadline()
+
+
 async def _run_until_stopped(component: Component, prog: str, drain_s: float) -> int:
     """``component.run()`` with the stop signals wired to it: the first sets its
-    ``stopping`` event (and cancels it when it stops at once, or after ``drain_s``), a second
+    ``stopping`` event (and cancels it when it stops at once, or after ``drain_s``) and arms
+    the forced stop (:class:`_StopDeadline`, ``2 * drain_s``: run.stop_grace_s), a second
     cancels it. Cancelled by a signal: exit code 143."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
@@ -261,6 +301,7 @@ async def _run_until_stopped(component: Component, prog: str, drain_s: float) ->
     forced: list[asyncio.TimerHandle] = []
 
     def on_signal() -> None:
+        _STOP_DEADLINE.arm(2 * drain_s, prog)
         if component.stopping.is_set() or component.cancel_on_stop:
             task.cancel()  # every `finally` runs: traces written, ProfileStopped sent
         else:

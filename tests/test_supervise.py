@@ -344,3 +344,35 @@ def test_closed_stdout_stops_the_run_like_a_signal(tmp_path: Path) -> None:
     assert "SIGPIPE (stdout was closed) received; stopping the run" in text
     assert "Traceback" not in text and "resume" in text, text
     _gone(pids)
+
+
+@pytest.mark.e2e
+def test_every_child_ends_within_its_grace_when_rlbus_up_is_killed(tmp_path: Path) -> None:
+    # kill -9 of rlbus up: Linux SIGTERMs its children (PR_SET_PDEATHSIG). Their Redis is
+    # paused here (a stopped VM, a failover): a graceful stop that writes to it would wait out
+    # the bus's retry budget (the profiler service lived 66 s). Each child ends within
+    # run.stop_grace_s of the signal all the same, forced if it must be.
+    grace = 4
+    up = _up(tmp_path, "global_profiler.tool=torch", "global_profiler.steps=[1]",
+             f"run.stop_grace_s={grace}", "trainer.logger=[console,tensorboard]")
+    pids: dict[str, int] = {}
+    server: psutil.Process | None = None
+    try:
+        line = up.wait_line(lambda s: "(pid " in s)
+        pids = {n: int(p) for n, p in re.findall(r"(\w+) \(pid (\d+)\)", line)}
+        assert {"trainer", "rollouter0", "profiler", "logger"} <= set(pids), line
+        up.wait_line(lambda s: s.startswith("step ") and int(s.split()[1].split("/")[0]) >= 2)
+        server = next(p for p in psutil.Process(up.proc.pid).children()
+                      if "redis-server" in p.name())
+        server.suspend()
+        up.proc.kill()
+        up.proc.wait()
+        children = [psutil.Process(p) for p in pids.values() if psutil.pid_exists(p)]
+        alive = psutil.wait_procs(children, timeout=3 * grace)[1]
+        assert not alive, f"children still running {3 * grace} s after: {alive}"
+    finally:
+        _reap(pids)
+        if server is not None:
+            with contextlib.suppress(psutil.Error):
+                server.kill()
+        up.kill()
