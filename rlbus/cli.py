@@ -62,10 +62,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "withdrawn so it is never served later)."),
     "inspect": ("rlbus inspect --run RUN [--json] [--heartbeats] [--plot FILE.png] "
                 f"[--target R] [--trace FILE.json] {COMMON}",
-                "A run's log: a timeline with wall-clock times (heartbeats hidden unless\n"
-                "--heartbeats), one JSON object per event (--json), a metrics plot (--plot, only\n"
-                "the plot), or the whole run as one Chrome/Perfetto trace (--trace: a track per\n"
-                "component; open it at ui.perfetto.dev)."),
+                "A run's log: a timeline with wall-clock times, one JSON object per event\n"
+                "(--json), a metrics and validation plot (--plot, only the plot; needs\n"
+                "matplotlib), or the whole run as one Chrome/Perfetto trace (--trace: a track per\n"
+                "component; open it at ui.perfetto.dev). --heartbeats adds the components alive\n"
+                "now with their latest pulse (pulses are liveness keys, not log entries)."),
     "model": (f"rlbus model --run RUN --out DIR [--step K] {COMMON}",
               "Copy the Hugging Face directory of a run's checkpoint (the newest exported step,\n"
               "or --step K) to DIR, from this node's checkpoint folder or from run.storage:\n"

@@ -3,7 +3,8 @@
 Under ``run.retention=checkpoint`` the oldest events live in the run's archive
 (``run.output_dir/RUN/events``) rather than in Redis: inspect reads the archive, then the
 stream, as one log (bus.history). The timeline shows wall-clock times (and seconds since the
-run's first event); heartbeats are hidden unless asked for. ``--plot`` and ``--trace`` write
+run's first event). Pulses are not in the log (liveness keys with a TTL): ``--heartbeats``
+adds the components alive now, each with its latest pulse. ``--plot`` and ``--trace`` write
 only their file. Nothing is created as a side effect: no folder for a mistyped
 ``run.output_dir`` or plot path.
 """
@@ -37,7 +38,8 @@ from runconfig.paths import events_dir
 from runtime import LogFollower
 from runtime.events_archive import fetch_for_reading
 
-__all__ = ["event_to_json", "inspect_run", "summary_line", "validations_table"]
+__all__ = ["event_to_json", "inspect_run", "summary_line", "validation_curves",
+           "validations_table"]
 
 _json = msgspec.json.Encoder()
 
@@ -134,9 +136,12 @@ def _plot(run_id: str, events: list[tuple[str, Message]], path: str, target: flo
     profiled = sorted({(m.first_step, m.last_step) for _, m in events
                        if isinstance(m, ProfileStopped) and m.status == "ok"})
     keys = ["reward/mean", "staleness/mean", "trainer/idle_ratio", "throughput/samples_per_s"]
-    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True)
-    for i, (ax, key) in enumerate(zip(axes, keys, strict=True)):
-        ax.plot([s.step for s in steps], [s.metrics.get(key, float("nan")) for s in steps])
+    curves = {key: ([s.step for s in steps], [s.metrics.get(key, float("nan")) for s in steps])
+              for key in keys}
+    curves.update(validation_curves([m for _, m in events]))
+    fig, axes = plt.subplots(len(curves), 1, figsize=(7, 2.2 * len(curves)), sharex=True)
+    for i, (ax, (key, (xs, ys))) in enumerate(zip(axes, curves.items(), strict=True)):
+        ax.plot(xs, ys, marker="o" if key.startswith("val-") else None, markersize=3)
         ax.set_ylabel(key, fontsize=8)
         ax.grid(alpha=0.3)
         for j, (first, last) in enumerate(profiled):
@@ -149,6 +154,35 @@ def _plot(run_id: str, events: list[tuple[str, Message]], path: str, target: flo
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def validation_curves(events: list[Message]) -> dict[str, tuple[list[int], list[float]]]:
+    """Each ``val-core/.../mean@N`` figure of the run's validations (the headline of each data
+    source) against the step whose weights were validated; a failed validation adds nothing."""
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    for msg in events:
+        if not isinstance(msg, ValidationFinished) or msg.error:
+            continue
+        for key, value in sorted(msg.metrics.items()):
+            if key.startswith("val-core/") and "/mean@" in key:
+                xs, ys = curves.setdefault(key, ([], []))
+                xs.append(msg.step)
+                ys.append(value)
+    return curves
+
+
+def _plot_unavailable() -> str | None:
+    """Why ``--plot`` cannot draw here (matplotlib is an extra: ``make demo`` does not install
+    it), in one line saying how to get it; None when it can."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return None
+    return (f"--plot needs matplotlib, which is not installed in this environment "
+            f"({sys.executable}): install the plot extra (`{sys.executable} -m pip install "
+            "matplotlib`, or `make test`, which installs it)")
 
 
 def _check_out_path(flag: str, path: str) -> str | None:
@@ -171,6 +205,8 @@ def inspect_run(
 
     for flag, path in (("--plot", plot), ("--trace", trace)):
         problem = _check_out_path(flag, path) if path else None
+        if problem is None and flag == "--plot" and path:
+            problem = _plot_unavailable()
         if problem:
             print(f"rlbus inspect: error: {problem}", file=sys.stderr)
             return 2
@@ -194,7 +230,39 @@ def inspect_run(
         if trace:
             _write_trace(cfg, run_id, events, samples, trace)
         return 0
-    return _print_events(run_id, events, as_json, heartbeats)
+    rc = _print_events(run_id, events, as_json)
+    if heartbeats and rc == 0:
+        with redis_for_reading(cfg) as url:
+            _print_pulses(asyncio.run(_pulses(url, run_id)), as_json)
+    return rc
+
+
+async def _pulses(url: str, run_id: str) -> list[Heartbeat]:
+    """The latest pulse of every component alive now (its liveness key exists: it spoke
+    within heartbeat.timeout_s, by Redis's clock)."""
+    from bus.keys import LOG_ROLES
+    from bus.liveness import peers
+
+    bus = Bus.from_url(url)
+    keys = RunKeys(run_id)
+    try:
+        return [hb for role in LOG_ROLES for hb in await peers(bus, keys.alive_pattern(role))]
+    finally:
+        await bus.close()
+
+
+def _print_pulses(pulses: list[Heartbeat], as_json: bool) -> None:
+    if as_json:
+        for hb in pulses:
+            sys.stdout.buffer.write(event_to_json(hb) + b"\n")
+        sys.stdout.flush()
+        return
+    print(f"alive now: {len(pulses)} component(s)" if pulses else
+          "alive now: none (no component has pulsed within heartbeat.timeout_s)")
+    for hb in sorted(pulses, key=lambda h: (h.role, h.rank)):
+        figures = " ".join(f"{k}={v:g}" for k, v in sorted(hb.metrics.items()))
+        print(f"  {hb.role}{hb.rank} pid {hb.pid}: {hb.state} progress={hb.progress} {figures}"
+              .rstrip()[:220])
 
 
 def _fetch_archive(cfg: Config, run_id: str) -> None:
@@ -219,19 +287,17 @@ def _write_trace(cfg: Config, run_id: str, events: list[tuple[str, Message]],
           "ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
 
 
-def _print_events(run_id: str, events: list[tuple[str, Message]], as_json: bool,
-                  heartbeats: bool) -> int:
-    shown = [(i, m) for i, m in events if heartbeats or not isinstance(m, Heartbeat)]
+def _print_events(run_id: str, events: list[tuple[str, Message]], as_json: bool) -> int:
+    # Heartbeats of runs written before pulses left the log: not facts, not shown.
+    shown = [(i, m) for i, m in events if not isinstance(m, Heartbeat)]
     out = sys.stdout.buffer
     try:
         if not as_json:
             t0 = _entry_time(events[0][0])
             first = dt.datetime.fromtimestamp(t0).strftime("%Y-%m-%d %H:%M:%S")
             span = _entry_time(events[-1][0]) - t0
-            hidden = len(events) - len(shown)
-            note = f"; {hidden} heartbeats hidden (--heartbeats shows them)" if hidden else ""
-            out.write(f"run {run_id}: {len(events)} events from {first} over {span:.1f} s"
-                      f"{note}\n".encode())
+            out.write(f"run {run_id}: {len(shown)} events from {first} over {span:.1f} s\n"
+                      .encode())
         for entry_id, msg in shown:
             if as_json:
                 out.write(event_to_json(msg) + b"\n")

@@ -10,7 +10,7 @@ import pytest
 
 from bus import Bus, RunKeys
 from bus.messages import RunFinished, ValidationFinished
-from tests.procs import FAST, Procs, events_of
+from tests.procs import FAST, Procs, events_of, run_cli
 
 pytest.importorskip("tasks.verl_data", reason="the verl data loader is not in this tree")
 pytest.importorskip("rollouter.scoring", reason="the reward pool is not in this tree")
@@ -54,3 +54,7 @@ async def test_a_verl_job_reports_validation_per_data_source(
         assert len(a.generations) == 2 and "Reverse" in a.generations[0][0]
     finished = [i for i, e in enumerate(events) if isinstance(e, RunFinished)]
     assert finished and finished[-1] > events.index(answers[-1])
+    # The plot draws the validation curve beside the training metrics.
+    png = tmp_path / "run.png"
+    res = run_cli("inspect", "--run", run_id, "--plot", str(png), f"redis.url={redis_url}")
+    assert res.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG", res.stderr
