@@ -270,11 +270,52 @@ def _config(argv: list[str]) -> int:
     node: Any = tree
     for part in ns.show.split("."):
         if not isinstance(node, dict) or part not in node:
-            raise ConfigError(ns.show, "unknown config key", suggest_key(ns.show, known_keys()))
+            verl = _show_verl_key(ns.show, tree)
+            if verl is None:
+                raise ConfigError(ns.show, "unknown config key",
+                                  suggest_key(ns.show, known_keys()))
+            print(verl)
+            return 0
         node = node[part]
-    text = yaml.safe_dump(node, sort_keys=False, default_flow_style=not isinstance(node, dict))
-    print(text.removesuffix("...\n").rstrip("\n"))
+    print(_yaml_value(node))
     return 0
+
+
+def _yaml_value(node: Any) -> str:
+    text = yaml.safe_dump(node, sort_keys=False, default_flow_style=not isinstance(node, dict))
+    return text.removesuffix("...\n").rstrip("\n")
+
+
+def _show_verl_key(key: str, tree: dict[str, Any]) -> str | None:
+    """What verl's ``key`` is here, for ``config --show``: the rlbus key(s) it sets and their
+    effective values, or how it is taken (fixed, derived, ignored), with the table's note;
+    None when verl has no such key either."""
+    from runconfig.verl import VALUE, lookup
+
+    row = lookup(key)
+    if row is None:
+        return None
+    note = f" ({row.note})" if row.note else ""
+    if row.kind == "alias":
+        lines = [f"{key} is verl's name of {target}{note}:" if value is VALUE else
+                 f"{key} sets {target} to {_show_value(value)}{note}:"
+                 for target, value in row.targets]
+        values = [f"{target}: {_yaml_value(_tree_get(tree, target))}"
+                  for target, _ in row.targets]
+        return "\n".join([*lines, *values])
+    if row.kind == "fixed":
+        accepted = ", ".join(_show_value(v) for v in row.values)
+        return f"{key} (verl's) is accepted only as {accepted} here{note}"
+    if row.kind == "derived":
+        return f"{key} (verl's) is derived into rlbus keys when given{note}"
+    return f"{key} (verl's) is accepted and ignored here{note}"
+
+
+def _tree_get(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node[part]
+    return node
 
 
 def _show_value(value: Any) -> str:

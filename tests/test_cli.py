@@ -80,6 +80,19 @@ def test_config_prints_the_effective_config_and_one_key(
     assert "did you mean 'trainer.lr'" in capsys.readouterr().err
 
 
+def test_config_show_takes_verl_keys_and_says_what_they_are_here(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Asked in verl's name: the rlbus key it is and its effective value.
+    assert main(["config", "--show", "actor_rollout_ref.actor.optim.lr", "trainer.lr=0.25"]) == 0
+    assert capsys.readouterr().out == ("actor_rollout_ref.actor.optim.lr is verl's name of "
+                                       "trainer.lr:\ntrainer.lr: 0.25\n")
+    assert main(["config", "--show", "data.max_response_length"]) == 0
+    assert "derived" in capsys.readouterr().out
+    assert main(["config", "--show", "actor_rollout_ref.actor.optim.lrr"]) == 2
+    assert "unknown config key" in capsys.readouterr().err
+
+
 def test_password_from_the_environment_is_never_printed(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
