@@ -237,7 +237,11 @@ def _model(argv: list[str]) -> int:
 
     from bus.storage import StorageError
     from rlbus.model import ModelNotFound, fetch_model
+    from rlbus.runlog import with_recorded_locations
 
+    cfg, taken = with_recorded_locations(cfg, ns.run)
+    for text in taken:
+        print(f"rlbus model: {text}", file=sys.stderr)
     try:
         step, source = fetch_model(cfg, ns.run, ns.step, Path(ns.out))
     except (ModelNotFound, FileExistsError, StorageError) as exc:

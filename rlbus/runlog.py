@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import yaml
 
 # Only what `rlbus up` needs before its components start; the bus client, the message
 # schemas (numpy) and redis load after that (the components import torch meanwhile).
@@ -21,18 +22,22 @@ from runconfig import (
     config_to_dict,
     default_dict,
     known_keys,
+    load_config,
 )
 
 if TYPE_CHECKING:
     from bus.messages import Message, ProfileStopped, RunStarted
 
 __all__ = [
+    "FILE_LOCATIONS",
     "HERE_AND_NOW",
     "RunStatus",
     "config_changes",
     "recorded_config",
+    "recorded_tree",
     "run_status",
     "trace_key",
+    "with_recorded_locations",
 ]
 
 HERE_AND_NOW = ("redis", "run.id", "run.output_dir", "run.launcher", "run.ray_address",
@@ -202,3 +207,44 @@ def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[
         if old != new:
             out.append((key, old, new))
     return out
+
+
+FILE_LOCATIONS = ("trainer.default_local_dir", "run.storage")
+"""Where a run's files live, as its recorded config says: a command that reads them
+(``rlbus model``) takes these from the record when its own line leaves them unset."""
+
+
+def recorded_tree(cfg: Config, run_id: str) -> dict[str, Any] | None:
+    """Run ``run_id``'s recorded config: the ``config.yaml`` ``rlbus up`` wrote in its run
+    folder, else the latest RunStarted of its log (its embedded Redis or ``redis.url``);
+    None when neither is here."""
+    from rlbus.launcher import RunDataMissing, redis_for_reading
+    from runconfig.paths import events_dir
+
+    written = Path(cfg.run.output_dir) / run_id / "config.yaml"
+    if written.is_file():
+        tree = yaml.safe_load(written.read_text())
+        return tree if isinstance(tree, dict) else None
+    try:
+        with redis_for_reading(cfg) as url:
+            return asyncio.run(run_status(url, run_id, events_dir(cfg, run_id))).config
+    except RunDataMissing:
+        return None
+
+
+def with_recorded_locations(cfg: Config, run_id: str) -> tuple[Config, list[str]]:
+    """``cfg`` with each :data:`FILE_LOCATIONS` key this line leaves unset taken from the
+    run's recorded config (a verl launch line sets ``trainer.default_local_dir``; the command
+    that reads its files afterwards need not repeat it); and what was taken, in words."""
+    recorded = recorded_tree(cfg, run_id)
+    if recorded is None:
+        return cfg, []
+    tree, taken = config_to_dict(cfg), []
+    for key in FILE_LOCATIONS:
+        value = _get(recorded, key)
+        if _get(tree, key) is None and value is not None:
+            _put(tree, key, value)
+            taken.append(f"{key}={value} (recorded by run {run_id})")
+    if not taken:
+        return cfg, []
+    return load_config(None, [], base=tree), taken

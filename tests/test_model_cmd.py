@@ -7,10 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
+from bus import Bus, RunKeys
+from bus.messages import RunStarted
 from bus.storage import RunStorage
 from rlbus.model import ModelNotFound, exported_steps, fetch_model
-from runconfig import load_config
+from runconfig import config_to_dict, load_config
 from tests.procs import run_cli
 from tests.test_mirror import PROTOCOL
 from trainer.export import hf_dir
@@ -81,3 +84,34 @@ def test_no_export_is_exit_2_in_one_line_naming_where_it_looked(tmp_path: Path) 
                 f"run.output_dir={tmp_path / 'out'}")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"step 7: {hf_dir(folder, 7)} -> {tmp_path / 'm'}"
+
+
+def test_the_checkpoint_folder_a_run_recorded_is_where_it_looks(tmp_path: Path) -> None:
+    # A verl launch line sets trainer.default_local_dir; `rlbus model` is then given only the
+    # run and its output folder: the folder comes from the config rlbus up recorded.
+    ckpts, out = tmp_path / "ckpts" / "exp1", tmp_path / "out"
+    _export(ckpts, 4)
+    (out / RUN).mkdir(parents=True)
+    recorded = config_to_dict(load_config(None, [f"trainer.default_local_dir={ckpts}",
+                                                 f"run.id={RUN}"]))
+    (out / RUN / "config.yaml").write_text(yaml.safe_dump(recorded))
+    r = run_cli("model", "--run", RUN, "--out", str(tmp_path / "m"), f"run.output_dir={out}")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"step 4: {hf_dir(ckpts, 4)} -> {tmp_path / 'm'}"
+    assert f"trainer.default_local_dir={ckpts} (recorded by run {RUN})" in r.stderr
+
+
+@pytest.mark.asyncio
+async def test_the_checkpoint_folder_in_the_run_s_log_is_where_it_looks(
+    tmp_path: Path, bus: Bus, redis_url: str, run_id: str
+) -> None:
+    # Components started one by one write no config.yaml: the log's RunStarted says it.
+    ckpts = tmp_path / "elsewhere"
+    _export(ckpts, 2)
+    recorded = config_to_dict(load_config(None, [f"trainer.default_local_dir={ckpts}",
+                                                 f"run.id={run_id}"]))
+    await bus.publish(RunKeys(run_id).events, RunStarted(run_id=run_id, config=recorded))
+    r = run_cli("model", "--run", run_id, "--out", str(tmp_path / "m"),
+                f"redis.url={redis_url}", f"run.output_dir={tmp_path / 'out'}")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"step 2: {hf_dir(ckpts, 2)} -> {tmp_path / 'm'}"
