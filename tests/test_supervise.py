@@ -376,3 +376,30 @@ def test_every_child_ends_within_its_grace_when_rlbus_up_is_killed(tmp_path: Pat
             with contextlib.suppress(psutil.Error):
                 server.kill()
         up.kill()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("after_s", [0.1, 0.2, 0.3, 0.5])
+def test_an_early_ctrl_c_is_one_line_whatever_it_interrupts(tmp_path: Path,
+                                                            after_s: float) -> None:
+    # While the command still imports (before rlbus up or a component wires its handlers),
+    # during the embedded Redis's start or the first children's: never a traceback, nothing
+    # left running. (Before Python has imported anything of ours, tens of ms after exec, the
+    # interrupt is the interpreter's own.)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlbus", "up", f"run.output_dir={tmp_path / 'out'}", *LONG],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        time.sleep(after_s)
+        before = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "Traceback" not in err and "Traceback" not in out, err
+    assert proc.returncode in (-signal.SIGINT, 128 + signal.SIGINT), (proc.returncode, err)
+    assert err.strip(), "the interrupt is said"
+    _gone({str(pid): pid for pid in before})
