@@ -2,4 +2,4 @@
 
 from rollouter import main
 
-raise SystemExit(main())
+raise SystemExit(main(None))

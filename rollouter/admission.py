@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import Any
 
 import msgspec
 
+from bus import Delivery
 from bus.messages import PromptTicket
 from rollouter.answers import Seq
 from rollouter.engine import Delta
@@ -27,7 +27,7 @@ class Group(msgspec.Struct):
     its responses, when it was admitted and when its last response ended (``time.time``;
     0 until then)."""
 
-    delivery: Any
+    delivery: Delivery
     ticket: PromptTicket
     prompt: list[int]
     seqs: list[Seq]
@@ -54,7 +54,7 @@ class Admission:
         """Responses admitted and not yet ended."""
         return len(self.running)
 
-    def open(self, delivery: Any, ticket: PromptTicket, prompt: list[int],
+    def open(self, delivery: Delivery, ticket: PromptTicket, prompt: list[int],
              now: float) -> list[tuple[str, Seq]]:
         """Admit ``ticket``: its ``n`` responses, each with the key to stream it under."""
         group = Group(delivery, ticket, prompt,

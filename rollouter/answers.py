@@ -3,6 +3,7 @@ once scored (:func:`to_samples`): pure, no engine, no bus."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
@@ -66,5 +67,6 @@ def _sample(s: Seq, prompt: Array, score: Score, gen_s: float, rank: int,
         min_version=s.min_version, max_version=s.max_version, rank=rank,
         gen_time_s=gen_s, attempt=s.ticket.attempt,
         finish_reason="eos" if s.tokens and s.tokens[-1] == eos_id else "length",
-        **({} if ts is None else {"ts": ts}),  # None: made now (the field's default)
+        ts=time.time() if ts is None else ts,  # None: made now
     )
+

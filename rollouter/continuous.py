@@ -19,16 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any
 
-from bus.messages import PromptTicket
+from bus import Delivery
+from bus.messages import PromptTicket, Sample
 from rollouter.admission import Action, Admission, Group, sync_action
 from rollouter.answers import Seq, to_samples
+from rollouter.context import RolloutContext
 from rollouter.engine import Delta, StreamingEngine
 from runtime import Failure
-
-if TYPE_CHECKING:
-    from rollouter.app import Rollouter
 
 __all__ = ["SLICE_STEPS", "ContinuousRollout"]
 
@@ -37,16 +35,17 @@ CHECK_S = 1.0  # the trainer's lease is checked at most this often
 
 
 class ContinuousRollout:
-    """Serve ``rollouter``'s tickets on its streaming engine until the run finishes."""
+    """Serve ``ctx``'s tickets on the streaming ``engine`` until the run finishes (a
+    :class:`~rollouter.context.RolloutLoop`)."""
 
-    def __init__(self, rollouter: Rollouter) -> None:
-        self.r = rollouter
-        self.engine: StreamingEngine = rollouter.engine  # type: ignore[assignment]
-        rc = rollouter.cfg.rollout
-        self.partial = rollouter.cfg.async_training.partial_rollout
+    def __init__(self, ctx: RolloutContext, engine: StreamingEngine) -> None:
+        self.ctx, self.engine = ctx, engine
+        rc = ctx.cfg.rollout
+        self.partial = ctx.cfg.async_training.partial_rollout
         self.capacity = rc.max_num_seqs
+        self.eos_ids = ctx.eos_ids(engine)
         self.book = Admission(rc.max_new_tokens)
-        self.waiting: list[tuple[Any, PromptTicket]] = []  # claimed, not yet admitted
+        self.waiting: list[tuple[Delivery, PromptTicket]] = []  # claimed, not yet admitted
         self.resume: list[tuple[str, Seq]] = []  # aborted at a sync: submitted again
         self.done: list[Group] = []  # ended, to score and publish
         self.finishing: asyncio.Task[None] | None = None
@@ -60,15 +59,15 @@ class ContinuousRollout:
     async def run(self) -> None:
         """Until the run's end: every ticket delivered once, or retried, or dead-lettered."""
         try:
-            while not self.r.finished:
+            while not self.ctx.finished:
                 await self._claim()
                 admitting = await self._sync()
-                if self.r.finished:
+                if self.ctx.finished:
                     break
                 await self._generate(self._admit() if admitting else [])
                 await self._finish()
                 await self._look_around()
-            await self.r.off(self.engine.abort)  # the run ended: what runs is not needed
+            await self.ctx.off(self.engine.abort)  # the run ended: what runs is not needed
             await self._finish(wait=True)
         finally:
             if self.finishing is not None and not self.finishing.done():
@@ -81,7 +80,7 @@ class ContinuousRollout:
     async def _claim(self) -> None:
         """Claim tickets while the engine has room: what the read ahead brought, or, with
         nothing to generate, a read that waits up to 200 ms."""
-        desk = self.r.tickets
+        desk = self.ctx.tickets
         queued = self.book.seqs + sum(t.n for _, t in self.waiting)
         if queued >= self.capacity:
             return
@@ -95,12 +94,12 @@ class ContinuousRollout:
         by_id = {d.id: d for d in deliveries}
         self.waiting += [(by_id[d_id], t) for d_id, t in await desk.accept(deliveries)]
 
-    async def _reclaim(self) -> list[Any]:
+    async def _reclaim(self) -> list[Delivery]:
         """Idle: tickets pending on dead replicas, every heartbeat interval."""
-        if time.monotonic() - self.reclaimed <= self.r.cfg.heartbeat.interval_s:
+        if time.monotonic() - self.reclaimed <= self.ctx.cfg.heartbeat.interval_s:
             return []
         self.reclaimed = time.monotonic()
-        return await self.r.tickets.reclaim_from_dead_replicas()
+        return await self.ctx.tickets.reclaim_from_dead_replicas()
 
     def _admit(self) -> list[tuple[str, Seq]]:
         """The responses to submit now: those aborted at a sync first, then the waiting
@@ -108,12 +107,12 @@ class ContinuousRollout:
         out, self.resume = self.resume, []
         while self.waiting:
             delivery, ticket = self.waiting[0]
-            if ticket.min_version > self.r.version:
+            if ticket.min_version > self.ctx.weights.version:
                 break  # the next sync loads what it needs
             if self.book.seqs + ticket.n > self.capacity and self.book.seqs > 0:
                 break
             self.waiting.pop(0)
-            out += self.book.open(delivery, ticket, self.r.prompt_ids(ticket), time.time())
+            out += self.book.open(delivery, ticket, self.ctx.prompt_ids(ticket), time.time())
         return out
 
     # ------------------------------------------------------------------ weights
@@ -121,25 +120,27 @@ class ContinuousRollout:
     async def _sync(self) -> bool:
         """Empty the engine when it must be (:func:`sync_action`) and, once it is, load the
         weights and serve the validations waiting. Returns whether tickets may be admitted."""
+        ctx = self.ctx
         need = max((t.min_version for _, t in self.waiting), default=-1)
         action = sync_action(self.engine.in_flight, partial=self.partial,
-                             newer_ready=self.r.weights.ready(), must_sync=need > self.r.version,
-                             validations=bool(self.r.tickets.val_requests))
+                             newer_ready=ctx.weights.ready(),
+                             must_sync=need > ctx.weights.version,
+                             validations=ctx.tickets.validations_waiting)
         if action is Action.GO:
             return True
         if action is Action.DRAIN:
             return False
         if action is Action.ABORT:
-            self._apply(await self.r.off(self.engine.abort))
+            self._apply(await ctx.off(self.engine.abort))
             self.resume = self.book.resumable()
-        if need > self.r.version:
-            served = await self.r._weights_for(
+        if need > ctx.weights.version:
+            served = await ctx.weights.for_tickets(
                 [d for d, _ in self.waiting], [(d.id, t) for d, t in self.waiting])
             kept = {d_id for d_id, _ in served}
             self.waiting = [(d, t) for d, t in self.waiting if d.id in kept]
         else:
-            await self.r._swap_weights(wait=False)
-        await self.r._serve_validations()
+            await ctx.weights.swap(wait=False)
+        await ctx.validations.serve(self.engine)
         return True
 
     # ------------------------------------------------------------------ generation
@@ -151,24 +152,24 @@ class ContinuousRollout:
             return
         began = time.monotonic()
         try:
-            failed, deltas = await self.r.off(self._slice, submissions)
+            failed, deltas = await self.ctx.off(self._slice, submissions)
         except Failure:
             raise  # the engine is broken (EngineBroken): this rollouter's named end
         except Exception as exc:  # a failed rollout is an event, never "end of data"
             with contextlib.suppress(Exception):
-                await self.r.off(self.engine.abort)
+                await self.ctx.off(self.engine.abort)
             error = f"generation failed: {type(exc).__name__}: {exc}"
             failed, deltas = {tid: error for tid in self.book.groups}, []
-        self.r.busy_s += time.monotonic() - began
+        self.ctx.idle.add(time.monotonic() - began)
         self._apply(deltas)
         if failed:
             groups = self.book.drop(failed)
-            await self.r.tickets.retry_or_give_up([g.delivery for g in groups], failed)
+            await self.ctx.tickets.retry_or_give_up([g.delivery for g in groups], failed)
 
     def _slice(self, submissions: list[tuple[str, Seq]]) -> tuple[dict[str, str], list[Delta]]:
         """On the worker thread: submit each response (a ticket whose prompt the engine
         refuses fails alone), then up to :data:`SLICE_STEPS` engine steps."""
-        r, rc = self.r, self.r.cfg.rollout
+        ctx, rc = self.ctx, self.ctx.cfg.rollout
         failed: dict[str, str] = {}
         for key, seq in submissions:
             tid = seq.ticket.ticket_id
@@ -177,7 +178,7 @@ class ContinuousRollout:
             try:
                 self.engine.submit(key, seq.prompt + seq.tokens,
                                    rc.max_new_tokens - len(seq.tokens), rc.temperature,
-                                   r.eos_ids(), generator=r.generator, top_p=rc.top_p,
+                                   self.eos_ids, generator=ctx.generator, top_p=rc.top_p,
                                    top_k=rc.top_k)
             except ValueError as exc:
                 failed[tid] = f"generation failed: {exc}"
@@ -206,23 +207,24 @@ class ContinuousRollout:
                 return
 
     async def _publish(self, groups: list[Group]) -> None:
-        r = self.r
-        scores = await r._score([s for g in groups for s in g.seqs])
+        ctx = self.ctx
+        scores = await ctx.scorer.score([s for g in groups for s in g.seqs])
         at = 0
-        samples, failed = {}, {}
+        samples: dict[str, list[Sample]] = {}
+        failed: dict[str, str] = {}
         for g in groups:
             part = scores[at:at + len(g.seqs)]
             at += len(g.seqs)
             # Tickets overlap in the engine: each sample says when its ticket ran (from
             # ts - gen_time_s to ts), so timing_s/gen counts the wall time once.
             ok, bad = to_samples(g.seqs, part, {g.ticket_id: g.prompt},
-                                 gen_s=g.ended - g.began, rank=r.rank,
-                                 eos_id=r.tokenizer.eos_id, fails_ticket=r._fails_ticket,
-                                 ts=g.ended)
+                                 gen_s=g.ended - g.began, rank=ctx.rank,
+                                 eos_id=ctx.tokenizer.eos_id,
+                                 fails_ticket=ctx.scorer.fails_ticket, ts=g.ended)
             samples.update(ok)
             failed.update(bad)
-        await r.tickets.retry_or_give_up([g.delivery for g in groups], failed)
-        await r.tickets.deliver([(g.delivery.id, g.ticket) for g in groups
+        await ctx.tickets.retry_or_give_up([g.delivery for g in groups], failed)
+        await ctx.tickets.deliver([(g.delivery.id, g.ticket) for g in groups
                                  if g.ticket_id in samples], samples)
 
     # ------------------------------------------------------------------ the rest
@@ -230,7 +232,7 @@ class ContinuousRollout:
     async def _look_around(self) -> None:
         """The log (weights, step boundaries, the run's end) after every slice; the
         trainer's lease every :data:`CHECK_S`."""
-        await self.r._poll_events()
+        await self.ctx.events.poll()
         if time.monotonic() - self.checked >= CHECK_S:
             self.checked = time.monotonic()
-            await self.r.trainer.check()
+            await self.ctx.trainer.check()

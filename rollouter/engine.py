@@ -16,8 +16,8 @@ loop: generation and weight loads are the heavy work of the process.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import msgspec
 import torch
@@ -26,8 +26,10 @@ from policy import EosIds, Generation, Policy, build_policy, decode_steps
 from runconfig import Config
 from runtime import Failure
 
-__all__ = ["Delta", "Engine", "EngineBroken", "PolicyEngine", "StreamingEngine", "build_engine",
-           "streams", "vllm_installed"]
+__all__ = ["Delta", "Engine", "EngineBroken", "Off", "PolicyEngine", "StreamingEngine",
+           "build_engine", "streams", "vllm_installed"]
+
+T = TypeVar("T")
 
 
 class EngineBroken(Failure):
@@ -35,18 +37,40 @@ class EngineBroken(Failure):
     tensors no version describes): the rollouter exits naming it, to be restarted, rather
     than failing every ticket it claims."""
 
+class Off(Protocol):
+    """How the rollouter runs blocking work (an engine's calls, decoding) on its worker thread
+    and awaits it (:meth:`runtime.Component.off`)."""
+
+    def __call__(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Awaitable[T]:
+        """``fn(*args, **kwargs)`` on the worker thread (its arguments, whatever they are)."""
+        ...
+
+
 @runtime_checkable
 class Engine(Protocol):
-    """What the rollouter generates with."""
+    """What the rollouter generates with. The attributes are read, never set, by the
+    rollouter: an engine may hold them as plain attributes or as properties."""
 
-    name: str
-    eos_ids: tuple[int, ...]
-    """Every id that ends a response by default (the model's generation_config lists)."""
-    version: int
-    """The weights version the engine holds now (-1: none loaded yet)."""
-    steps: int
-    """Engine steps run so far (a prefill or a decode step): only grows; the heartbeat's
-    progress, so a long generate shows as progress and a wedged one as none."""
+    @property
+    def name(self) -> str:
+        """``rollout.name`` of this engine (``hf``, ``vllm``), in the rollouter's lines."""
+        ...
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a response by default (the model's generation_config lists)."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """The weights version the engine holds now (-1: none loaded yet)."""
+        ...
+
+    @property
+    def steps(self) -> int:
+        """Engine steps run so far (a prefill or a decode step): only grows; the heartbeat's
+        progress, so a long generate shows as progress and a wedged one as none."""
+        ...
 
     def generate(
         self,
@@ -89,8 +113,10 @@ class StreamingEngine(Engine, Protocol):
     the rollouter feeds each ticket's responses as the ticket is claimed
     (:mod:`rollouter.continuous`) instead of calling :meth:`Engine.generate` per batch."""
 
-    in_flight: int
-    """Streamed requests submitted and not yet finished or aborted."""
+    @property
+    def in_flight(self) -> int:
+        """Streamed requests submitted and not yet finished or aborted."""
+        ...
 
     def submit(self, key: str, prompt: Sequence[int], max_new_tokens: int,
                temperature: float, eos_id: EosIds, *, generator: torch.Generator | None,
@@ -110,7 +136,7 @@ class StreamingEngine(Engine, Protocol):
         ...
 
 
-def streams(engine: Engine | None) -> bool:
+def streams(engine: Engine | None) -> TypeGuard[StreamingEngine]:
     """Whether ``engine`` takes requests one by one (:class:`StreamingEngine`)."""
     return engine is not None and callable(getattr(engine, "advance", None))
 
@@ -175,8 +201,7 @@ def build_engine(cfg: Config, device: torch.device, warn: Callable[[str], None])
     if cfg.rollout.name == "vllm" and vllm_installed():
         from rollouter.vllm_engine import VllmEngine
 
-        engine: Any = VllmEngine(cfg, device)
-        return engine
+        return VllmEngine(cfg, device)
     if cfg.rollout.name == "vllm":
         warn("rollout.name=vllm, but vLLM is not installed in this venv (make vllm): "
              "generating with the built-in engine")

@@ -8,11 +8,21 @@ never block, so a long training step is not silence: only a key absent for
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 from bus import Bus
 from runtime import Failure
 
-__all__ = ["TrainerGone", "TrainerPresence"]
+__all__ = ["Presence", "TrainerGone", "TrainerPresence"]
+
+
+class Presence(Protocol):
+    """The trainer's presence as a rollout loop checks it: :class:`TrainerPresence`, or an
+    in-memory one in tests."""
+
+    async def check(self) -> None:
+        """Raise :class:`TrainerGone` once the trainer has been absent for too long."""
+        ...
 
 
 class TrainerGone(Failure):

@@ -1,5 +1,6 @@
 """Reward scoring off the event loop: a pool of ``rollout.reward_workers`` processes, each
-with the run's reward function loaded once (:mod:`tasks.rewards`).
+with the run's reward function loaded once (:mod:`tasks.rewards`), and the rollouter's
+:class:`Scorer` in front of it (responses decoded, scored, the one warning published).
 
 A batch is scored by every worker at once, each taking the next sample when it is done with
 one; the waiting happens on a thread per worker, so the rollouter's loop stays free for its
@@ -19,15 +20,23 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import msgspec
 
 from tasks.rewards import RewardSpec, spec_from_config
 
-__all__ = ["RewardPool", "Score", "ScoreItem"]
+if TYPE_CHECKING:  # types only: rollouter.answers imports this module
+    from bus.messages import PromptTicket
+    from policy.text import TextTokenizer
+    from rollouter.answers import Seq
+    from rollouter.engine import Off
+    from runconfig import Config
+
+__all__ = ["RewardPool", "Rewards", "Score", "ScoreItem", "Scorer"]
 
 STARTUP_S = 60.0
 """Most seconds a new worker may take to load the reward function (imports included)."""
@@ -38,7 +47,7 @@ class ScoreItem(msgspec.Struct, frozen=True):
 
     data_source: str
     solution_str: str
-    ground_truth: Any
+    ground_truth: Any  # whatever the data set's reward_model.ground_truth holds
     extra_info: dict[str, Any] | None
     response_len: int
 
@@ -169,7 +178,7 @@ class RewardPool:
     construction for a bad reward setting (a missing or broken reward file, a bad dapo
     overlong buffer), before any process starts."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.spec = spec_from_config(cfg)
         self.timeout_s = float(cfg.rollout.reward_timeout_s)
         self.size = int(cfg.rollout.reward_workers)
@@ -286,3 +295,86 @@ def _warning_text(item: ScoreItem, error: str, detail: str, timeout_s: float) ->
     if detail:
         return f"{head}; first failure:\n{detail.rstrip()}"
     return f"{head}; a call longer than {timeout_s:g} s has its worker killed and replaced"
+
+
+class Rewards(Protocol):
+    """The reward scoring a :class:`Scorer` uses: :class:`RewardPool`, or an in-memory one in
+    tests."""
+
+    @property
+    def failures(self) -> int: ...
+
+    @property
+    def timeouts(self) -> int: ...
+
+    @property
+    def scored(self) -> int: ...
+
+    async def score(self, items: list[ScoreItem]) -> list[Score]: ...
+
+    def take_warning(self) -> str | None: ...
+
+    def fails_ticket(self, data_source: str) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class Scorer:
+    """A rollouter's responses to rewards: decoded on the worker thread (``off``) with
+    ``tokenizer``, scored a batch at a time by ``rewards`` (:class:`RewardPool` of ``cfg``,
+    made at :meth:`open` or at the first batch); the one warning about failed scoring goes to
+    ``warn(code, text)`` when it first happens."""
+
+    def __init__(self, cfg: Config, tokenizer: TextTokenizer, *, off: Off,
+                 warn: Callable[[str, str], Awaitable[None]],
+                 rewards: Rewards | None = None) -> None:
+        self.cfg, self.tokenizer, self.off, self.warn = cfg, tokenizer, off, warn
+        self.rewards = rewards
+
+    def open(self) -> None:
+        """Start the reward pool now (its workers load while the engine builds); a bad
+        reward setting raises ConfigError."""
+        if self.rewards is None:
+            self.rewards = RewardPool(self.cfg)
+
+    async def score(self, seqs: Sequence[Seq]) -> list[Score]:
+        """Every response's reward (off the loop, a batch at once)."""
+        texts = await self.off(lambda: [self.tokenizer.decode(s.tokens) for s in seqs])
+        items = [ScoreItem(
+            data_source=s.ticket.data_source, solution_str=text,
+            ground_truth=s.ticket.answer if s.ticket.ground_truth is None
+            else s.ticket.ground_truth,
+            extra_info=s.ticket.extra_info, response_len=len(s.tokens),
+        ) for s, text in zip(seqs, texts, strict=True)]
+        return await self.score_items(items)
+
+    async def score_items(self, items: list[ScoreItem]) -> list[Score]:
+        """Score ``items``; the one warning about failed scoring is published when it first
+        happens."""
+        self.open()  # a rollouter driven without its setup (tests)
+        assert self.rewards is not None
+        scores = await self.rewards.score(items)
+        warning = self.rewards.take_warning()
+        if warning is not None:
+            await self.warn("reward_failed", warning)
+        return scores
+
+    def fails_ticket(self, ticket: PromptTicket) -> bool:
+        """Whether a failed score fails ``ticket`` (:meth:`RewardPool.fails_ticket`)."""
+        return self.rewards is not None and self.rewards.fails_ticket(ticket.data_source)
+
+    @property
+    def scored(self) -> int:
+        """Reward calls ended so far (part of the heartbeat's progress)."""
+        return self.rewards.scored if self.rewards is not None else 0
+
+    def metrics(self) -> dict[str, float]:
+        """The heartbeat's reward counters (none before the pool exists)."""
+        if self.rewards is None:
+            return {}
+        return {"reward/failed_count": float(self.rewards.failures),
+                "reward/timeout_count": float(self.rewards.timeouts)}
+
+    def close(self) -> None:
+        if self.rewards is not None:
+            self.rewards.close()

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Protocol
 
-from bus import Bus, Consumer, RunKeys
+from bus import Bus, Delivery, RunKeys
 from bus.liveness import peers
-from bus.messages import PromptTicket, RolloutFailed, Sample, ValidationRequested
+from bus.messages import Event, Message, PromptTicket, RolloutFailed, Sample, ValidationRequested
 
-__all__ = ["GROUP", "MAX_ATTEMPTS", "MAX_N", "TicketDesk"]
+__all__ = ["GROUP", "MAX_ATTEMPTS", "MAX_N", "Ticket", "TicketDesk", "TicketSource",
+           "dead_replicas"]
 
 GROUP = "rollouter"
 MAX_ATTEMPTS = 3  # tries of one ticket before it goes to the dead-letter stream
@@ -28,27 +29,70 @@ MAX_N = 4096  # responses one ticket may ask for; more is not a ticket we wrote
 Ticket = tuple[str, PromptTicket]  # (entry id, ticket)
 
 
-class TicketDesk:
-    """Replica ``rank``'s tickets, read through ``consumer`` (its member of the rollouters'
-    group) ``batch`` at a time. ``poll``: read the events after the tickets (the
-    StepFinished that begins their step precedes them in the log); ``publish``: the
-    replica's events; ``validates``: validation requests are served (data.val_files), else
-    dead-lettered."""
+class TicketSource(Protocol):
+    """Where a replica's tickets come from and where its answers go with their acks: its
+    member of the rollouters' group (:class:`bus.Consumer`), or a scripted one in tests."""
 
-    def __init__(self, bus: Bus, keys: RunKeys, consumer: Consumer, *, rank: int, batch: int,
-                 poll: Callable[[], Awaitable[Any]],
-                 publish: Callable[..., Awaitable[None]], validates: bool) -> None:
-        self.bus, self.keys, self.consumer = bus, keys, consumer
+    @property
+    def name(self) -> str:
+        """The member's name in the group (``RunKeys.rollouter_consumer(rank)``)."""
+        ...
+
+    async def read(self, count: int = 64, block_ms: int | None = 1000) -> list[Delivery]: ...
+
+    async def ack(self, *ids: str | Delivery) -> int: ...
+
+    async def publish_and_ack(self, stream: str, msgs: Sequence[Message],
+                              *ids: str | Delivery) -> list[str]: ...
+
+    async def dead_letter(self, entry: str | Delivery, reason: str, raw: bytes = b"") -> None: ...
+
+    async def reclaim_from(self, owners: Iterable[str], count: int = 100) -> list[Delivery]: ...
+
+
+async def dead_replicas(bus: Bus, keys: RunKeys, own: str) -> list[str]:
+    """The members of the rollouters' group other than ``own`` whose liveness key has lapsed
+    (by Redis's clock): a slow replica generating for minutes is alive; a dead one is not."""
+    members = await bus.consumers(keys.prompts, GROUP)
+    if not members:
+        return []
+    alive = {RunKeys.rollouter_consumer(hb.rank)
+             for hb in await peers(bus, keys.alive_pattern("rollouter"))}
+    return [m for m in members if m not in alive and m != own]
+
+
+class TicketDesk:
+    """Replica ``rank``'s tickets, read from ``source`` (its member of the rollouters'
+    group) ``batch`` at a time; its samples go to ``samples`` (the run's samples stream).
+    ``poll``: read the events after the tickets (the StepFinished that begins their step
+    precedes them in the log); ``publish``: the replica's events; ``validates``: validation
+    requests are served (data.val_files), else dead-lettered; ``find_dead``: the group's
+    members whose replicas are dead (:func:`dead_replicas`)."""
+
+    def __init__(self, source: TicketSource, samples: str, *, rank: int, batch: int,
+                 poll: Callable[[], Awaitable[object]],
+                 publish: Callable[[Event], Awaitable[None]], validates: bool,
+                 find_dead: Callable[[], Awaitable[list[str]]]) -> None:
+        self.source, self.samples = source, samples
         self.rank, self.batch, self.validates = rank, batch, validates
-        self._poll, self._publish = poll, publish
+        self._poll, self._publish, self._find_dead = poll, publish, find_dead
         self.attempts: dict[str, int] = {}
-        self.retry: list[Any] = []
-        self.prefetching: asyncio.Task[list[Any]] | None = None
+        self.retry: list[Delivery] = []
+        self.prefetching: asyncio.Task[list[Delivery]] | None = None
         self.delivering: asyncio.Future[list[str]] | None = None
         self.published = 0  # samples handed to the bus: part of the heartbeat's progress
-        self.val_requests: list[Any] = []  # served between batches, in order
+        self.val_requests: list[Delivery] = []  # served between batches, in order
 
-    async def accept(self, deliveries: list[Any]) -> list[Ticket]:
+    @property
+    def validations_waiting(self) -> bool:
+        """Validation requests were read and wait to be served."""
+        return bool(self.val_requests)
+
+    def next_validation(self) -> Delivery | None:
+        """The oldest validation request waiting (taken off the list), if any."""
+        return self.val_requests.pop(0) if self.val_requests else None
+
+    async def accept(self, deliveries: list[Delivery]) -> list[Ticket]:
         """The tickets among ``deliveries``; validation requests are kept for after the
         batch; anything else is dead-lettered with a reason."""
         tickets = []
@@ -56,16 +100,17 @@ class TicketDesk:
             if isinstance(d.msg, PromptTicket) and 1 <= d.msg.n <= MAX_N:
                 tickets.append((d.id, d.msg))
             elif isinstance(d.msg, PromptTicket):
-                await self.consumer.dead_letter(d, f"ticket asks for n={d.msg.n} responses "
+                await self.source.dead_letter(d, f"ticket asks for n={d.msg.n} responses "
                                                    f"(1..{MAX_N})")
             elif isinstance(d.msg, ValidationRequested) and self.validates:
                 self.val_requests.append(d)
             else:
-                await self.consumer.dead_letter(d, f"expected a PromptTicket, got "
+                await self.source.dead_letter(d, f"expected a PromptTicket, got "
                                                    f"{type(d.msg).__name__}")
         return tickets
 
-    async def retry_or_give_up(self, deliveries: list[Any], failed: dict[str, str]) -> None:
+    async def retry_or_give_up(self, deliveries: list[Delivery], failed: dict[str, str]
+                               ) -> None:
         """A failed ticket is an event; it is retried here, then dead-lettered after
         MAX_ATTEMPTS (counting the deliveries before ours); the trainer then frees its
         budget slot."""
@@ -78,7 +123,7 @@ class TicketDesk:
             self.attempts[tid] = self.attempts.get(tid, d.deliveries - 1) + 1
             if self.attempts[tid] >= MAX_ATTEMPTS:
                 del self.attempts[tid]
-                await self.consumer.dead_letter(
+                await self.source.dead_letter(
                     d, f"rollout failed {MAX_ATTEMPTS} times; last: {failed[tid]}")
             else:
                 self.retry.append(d)
@@ -91,7 +136,7 @@ class TicketDesk:
         batch = [sample for _, t in done for sample in samples[t.ticket_id]]
         await self.delivered()
         self.published += len(batch)
-        publish = self.consumer.publish_and_ack(self.keys.samples, batch,
+        publish = self.source.publish_and_ack(self.samples, batch,
                                                 *(entry_id for entry_id, _ in done))
         self.delivering = asyncio.ensure_future(publish)
 
@@ -106,10 +151,10 @@ class TicketDesk:
         if self.prefetching is None and not self.retry:
             self.prefetching = asyncio.create_task(self._read_ahead())
 
-    async def _read_ahead(self) -> list[Any]:
+    async def _read_ahead(self) -> list[Delivery]:
         """The next tickets (a blocking XREADGROUP, at most 200 ms), then the events after
         them."""
-        deliveries = await self.consumer.read(count=self.batch, block_ms=200)
+        deliveries = await self.source.read(count=self.batch, block_ms=200)
         if deliveries:
             await self._poll()
         return deliveries
@@ -118,7 +163,7 @@ class TicketDesk:
         """Tickets are here to serve now: retries, or a read ahead that has returned."""
         return bool(self.retry) or (self.prefetching is not None and self.prefetching.done())
 
-    async def next(self) -> tuple[list[Any], bool]:
+    async def next(self) -> tuple[list[Delivery], bool]:
         """Tickets to serve next (retries first, then the read ahead, else a read now, each
         followed by the events after it) and whether the events were read after them."""
         if self.retry:
@@ -127,28 +172,23 @@ class TicketDesk:
         task, self.prefetching = self.prefetching, None
         return await (task if task is not None else self._read_ahead()), True
 
-    async def reclaim_from_dead_replicas(self) -> list[Any]:
+    async def reclaim_from_dead_replicas(self) -> list[Delivery]:
         """Tickets pending on replicas whose liveness key has lapsed (by Redis's clock): a
         slow replica generating for minutes keeps its tickets; a dead one's come back."""
-        members = await self.bus.consumers(self.keys.prompts, GROUP)
-        if not members:
-            return []
-        alive = {RunKeys.rollouter_consumer(hb.rank)
-                 for hb in await peers(self.bus, self.keys.alive_pattern("rollouter"))}
-        dead = [m for m in members if m not in alive and m != self.consumer.name]
-        return await self.consumer.reclaim_from(dead) if dead else []
+        dead = await self._find_dead()
+        return await self.source.reclaim_from(dead) if dead else []
 
-    async def drop_unservable(self, deliveries: list[Any], tickets: list[Ticket],
+    async def drop_unservable(self, deliveries: list[Delivery], tickets: list[Ticket],
                               newest: int) -> list[Ticket]:
         """Dead-letter the tickets asking for weights newer than ``newest``, the newest in
         the whole log (issued in a stretch of log Redis lost, or forged); the rest."""
-        ids = {i for i, t in tickets if t.min_version > newest}
+        asking = {i: t.min_version for i, t in tickets if t.min_version > newest}
         for d in deliveries:
-            if d.id in ids:
-                await self.consumer.dead_letter(
-                    d, f"ticket asks for weights v{d.msg.min_version} but the newest in the "
+            if d.id in asking:
+                await self.source.dead_letter(
+                    d, f"ticket asks for weights v{asking[d.id]} but the newest in the "
                        f"log is v{newest}: issued in a stretch of log Redis lost")
-        return [(i, t) for i, t in tickets if i not in ids]
+        return [(i, t) for i, t in tickets if i not in asking]
 
     async def stop(self) -> None:
         """Cancel the read ahead and the publication in flight."""

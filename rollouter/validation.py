@@ -10,6 +10,10 @@ pool off the event loop) while the next one generates. ``val_kwargs.do_sample=fa
 greedy decoding (temperature 0), as verl's; with sampling, ``top_p``/``top_k`` go to the
 policy when its ``generate`` takes them.
 
+:class:`ValidationServer` serves the requests a replica's ticket desk read: one already answered
+in the log (a redelivery) is acked without work; the others get the weights they ask for,
+the :class:`Validator`, and their answer published in the log with the ack of the request.
+
 Variables, as verl's ``_validate``: ``reward`` is each response's score, and each extra key a
 reward function returns is a variable of its own (a response whose scorer failed counts 0 for
 every key). The prompt of a record is its uid (verl gives every validation record one).
@@ -27,16 +31,23 @@ import numpy as np
 import torch
 
 from bus.messages import ValidationFinished, ValidationRequested
+from policy.text import TextTokenizer
+from rollouter.engine import Engine, Off
+from rollouter.events import EventPoller
+from rollouter.scoring import Scorer
+from rollouter.tickets import TicketDesk, TicketSource
+from rollouter.weights import WeightsHolder
 from runconfig import Config
+from runtime import Failure
 from tasks.valmetrics import validation_metrics
 
-__all__ = ["GEN_SEED", "Validator", "build_validator", "sampling", "val_generate"]
+__all__ = ["GEN_SEED", "ValidationServer", "Validator", "build_validator", "sampling",
+           "val_generate"]
 
 GEN_SEED = 42
 """verl's seed of the logged generations' shuffle (``_maybe_log_val_generations``)."""
 
 ScoreFn = Callable[[list[Any]], Awaitable[Sequence[Any]]]
-Off = Callable[..., Awaitable[Any]]
 
 
 def sampling(cfg: Config) -> dict[str, float]:
@@ -133,7 +144,7 @@ class Validator:
     def _metrics(self, done: list[tuple[Any, str, int]], scores: Sequence[Any]
                  ) -> dict[str, float]:
         keys = sorted({k for s in scores for k in (s.extra or {})} - {"reward"})
-        variables: dict[str, list[float]] = {"reward": [float(s.reward) for s in scores]}
+        variables: dict[str, Sequence[float]] = {"reward": [float(s.reward) for s in scores]}
         for key in keys:
             variables[key] = [float((s.extra or {}).get(key, 0.0)) for s in scores]
         return validation_metrics([r.data_source or "unknown" for r, _, _ in done],
@@ -175,3 +186,69 @@ def build_validator(cfg: Config, tokenizer: Any, score: ScoreFn | None = None) -
     records = load_records([files] if isinstance(files, str) else list(files or []),
                            cfg.data, tokenizer, split="val")
     return Validator(records, score, cfg, tokenizer)
+
+
+class ValidationServer:
+    """Replica ``rank``'s validations: the requests ``tickets`` read, served between batches
+    or on the emptied engine. A request is acked through ``source`` (the replica's member of
+    the group) with its answer on ``answers`` (the rollouters' stream of the log); ``busy``
+    is told the seconds each validation took (the heartbeat's idle share). The
+    :attr:`validator` is built at the first request (``data.val_files``, scored by
+    ``scorer``) unless one was given."""
+
+    def __init__(self, cfg: Config, *, rank: int, tickets: TicketDesk, source: TicketSource,
+                 answers: str, events: EventPoller, weights: WeightsHolder, scorer: Scorer,
+                 tokenizer: TextTokenizer, off: Off, busy: Callable[[float], None],
+                 complain: Callable[[str], None]) -> None:
+        self.cfg, self.rank, self.tickets, self.source = cfg, rank, tickets, source
+        self.answers, self.events, self.weights, self.scorer = answers, events, weights, scorer
+        self.tokenizer, self.off, self.busy, self.complain = tokenizer, off, busy, complain
+        self.validator: Validator | None = None
+        self.serving: str | None = None
+        """The request being served (the heartbeat's state)."""
+        self.answered: set[str] = set()
+        """The requests this replica answered (the log's answers: ``events.validated``)."""
+
+    async def serve(self, engine: Engine) -> None:
+        """Serve the validation requests read with the last batch on ``engine``; one already
+        answered in the log (a redelivery) is acked without work."""
+        while self.tickets.validations_waiting and not self.events.finished:
+            d = self.tickets.next_validation()
+            assert d is not None and isinstance(d.msg, ValidationRequested)
+            await self.events.poll()
+            rid = d.msg.request_id
+            if rid in self.events.validated or rid in self.answered:
+                await self.source.ack(d)
+                continue
+            self.serving = rid
+            try:
+                finished = await self._validate(d.msg, engine)
+            finally:
+                self.serving = None
+            await self.source.publish_and_ack(self.answers, [finished], d.id)
+            self.answered.add(finished.request_id)
+            self.busy(finished.duration_s)
+
+    async def _validate(self, request: ValidationRequested, engine: Engine
+                        ) -> ValidationFinished:
+        """Validate with the newest weights once they are at least ``request.version``."""
+        if not await self.weights.at_least(request.version):
+            return self._failed(request, f"weights v{request.version} are not in the log "
+                                         "(a stretch of log Redis lost)")
+        try:
+            if self.validator is None:
+                # Scored by this rollouter's reward pool (validation runs between batches).
+                self.validator = await asyncio.to_thread(build_validator, self.cfg,
+                                                         self.tokenizer,
+                                                         self.scorer.score_items)
+            return await self.validator.run(request, policy=engine, off=self.off,
+                                            version=self.weights.version, rank=self.rank)
+        except Failure:
+            raise
+        except Exception as exc:  # a failed validation is an answer, never a dead rollouter
+            return self._failed(request, f"{type(exc).__name__}: {exc}")
+
+    def _failed(self, request: ValidationRequested, error: str) -> ValidationFinished:
+        self.complain(f"validation {request.request_id} failed: {error}")
+        return ValidationFinished(request_id=request.request_id, version=self.weights.version,
+                                  step=request.step, rank=self.rank, metrics={}, error=error)

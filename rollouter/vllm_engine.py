@@ -42,6 +42,7 @@ from rollouter.vllm_options import (
     max_model_len,
     options_from_config,
 )
+from runconfig import Config
 
 __all__ = ["RlbusWorker", "VllmEngine", "VllmOptions", "options_from_config"]
 
@@ -152,7 +153,7 @@ def _write_state(state: Mapping[str, torch.Tensor], path: Path) -> None:
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         t = t.detach().to("cpu")
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
         if key in seen or not t.is_contiguous():
             t = t.contiguous().clone()
         seen.add(key)
@@ -168,7 +169,7 @@ class VllmEngine:
 
     name = "vllm"
 
-    def __init__(self, cfg: Any, device: torch.device | None = None) -> None:
+    def __init__(self, cfg: Config, device: torch.device | None = None) -> None:
         """The engine a run's config asks for (``model.*``, ``rollout.*``, ``data``'s prompt
         room: :func:`options_from_config`). ``device`` is vLLM's choice (its platform): it is
         not used. :meth:`open` takes a model directory and options instead."""

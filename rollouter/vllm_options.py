@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from runconfig import Config
+
 __all__ = ["DTYPES", "VllmOptions", "engine_env", "environ", "is_cpu", "max_model_len",
            "options_from_config"]
 
@@ -91,7 +93,7 @@ def engine_env(opts: VllmOptions) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
-def options_from_config(cfg: Any) -> tuple[Path, VllmOptions]:
+def options_from_config(cfg: Config) -> tuple[Path, VllmOptions]:
     """(model directory, options) from a run's config; ValueError naming the key at fault
     when the config cannot run on vLLM."""
     model, rc = cfg.model, cfg.rollout

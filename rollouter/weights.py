@@ -1,5 +1,8 @@
 """The rollouter's weights: the publications read from the log, the one loaded, the newest
-being fetched and decoded beside generation (a double buffer), and those that failed.
+being fetched and decoded beside generation (a double buffer), and those that failed
+(:class:`HeldWeights`); where a publication is fetched from (:class:`WeightsFetcher`); and
+the waits for the weights a replica needs: the first publication, the version its tickets
+or a validation ask for (:class:`WeightsHolder`).
 
 The newest publication in log order that is not known to be unloadable is current: after a
 resume from a log that lost its tail, a lower version can be the current one. A publication
@@ -24,24 +27,29 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bus import BlobError, BlobNotFound, Bus, RunKeys
+from bus import BlobError, BlobNotFound, Bus, Delivery, RunKeys
 from bus.blobs import open_store
 from bus.messages import WarningRaised, WeightsPublished
 from bus.weights_collective import STORE as COLLECTIVE
-from bus.weights_collective import Receiver
+from bus.weights_collective import Member, Receiver
 from bus.weights_transport import TransportUnreachable, is_manifest_ref, open_transport
 from policy.weights import from_bytes
+from rollouter.events import EventPoller
+from rollouter.presence import Presence
+from rollouter.tickets import Ticket, TicketDesk
 from runtime import Failure
 
-__all__ = ["HeldWeights", "WeightsLost", "WeightsUnreachable", "fetch_published", "fetch_within"]
+__all__ = ["HeldWeights", "State", "WeightsFetcher", "WeightsHolder", "WeightsLost",
+           "WeightsUnreachable", "fetch_published", "fetch_within"]
 
 State = dict[str, torch.Tensor]
+Warn = Callable[[WarningRaised], Awaitable[object]]
 
 RESTAGE_S = 2.0
 """While it waits for a fetch that may never complete (a broadcast publication that no round
@@ -63,7 +71,7 @@ class WeightsLost(Failure):
 
 async def fetch_within(fetch: Callable[[], Awaitable[State]], msg: WeightsPublished,
                        location: str, timeout_s: float, source: str,
-                       warn: Callable[[WarningRaised], Awaitable[Any]]) -> State:
+                       warn: Warn) -> State:
     """``fetch()``, tried again with backoff (0.5 s doubling to 5 s) while the storage is
     unreachable (:class:`TransportUnreachable`): the first failure is told at once
     (``weights_unreachable``), and one lasting ``timeout_s`` is :class:`WeightsUnreachable`.
@@ -92,8 +100,7 @@ async def fetch_within(fetch: Callable[[], Awaitable[State]], msg: WeightsPublis
 
 async def fetch_published(msg: WeightsPublished, *, bus: Bus, keys: RunKeys,
                           root: str | Path, timeout_s: float, source: str,
-                          warn: Callable[[WarningRaised], Awaitable[Any]],
-                          receiver: Callable[[], Receiver]) -> State:
+                          warn: Warn, receiver: Callable[[], Receiver]) -> State:
     """The tensors of publication ``msg``. One published tensor by tensor (a transport's
     manifest): chunks fetched in parallel, each checked, an unreachable storage told at once
     and a failure after ``timeout_s`` (:func:`fetch_within`). One broadcast by the trainer:
@@ -115,15 +122,52 @@ async def fetch_published(msg: WeightsPublished, *, bus: Bus, keys: RunKeys,
     return await asyncio.to_thread(from_bytes, blob)
 
 
+class WeightsFetcher:
+    """How replica ``member`` fetches a publication (:func:`fetch_published`): from the
+    run's transports under ``root``, or from its receiver of the trainer's broadcasts, started
+    at the first broadcast publication it reads (whatever its own
+    rollout.weights_transport says: the trainer's decides) as a task of ``spawn``;
+    ``started`` is told then (the replica's next pulse says so to the trainer)."""
+
+    def __init__(self, bus: Bus, keys: RunKeys, member: Member, *, root: str | Path,
+                 timeout_s: float, source: str, warn: Warn,
+                 spawn: Callable[[Coroutine[Any, Any, None], str], object],
+                 started: Callable[[], None]) -> None:
+        self.bus, self.keys, self.member, self.root = bus, keys, member, root
+        self.timeout_s, self.source, self.warn = timeout_s, source, warn
+        self.spawn, self.started = spawn, started
+        self.receiver: Receiver | None = None
+        """This replica's part in the trainer's broadcasts, once started."""
+
+    async def fetch(self, msg: WeightsPublished) -> State:
+        """The tensors of publication ``msg`` (:func:`fetch_published`)."""
+        return await fetch_published(
+            msg, bus=self.bus, keys=self.keys, root=self.root, timeout_s=self.timeout_s,
+            source=self.source, warn=self.warn, receiver=self._receiving)
+
+    def stranded(self, msg: WeightsPublished) -> bool:
+        """A broadcast publication that the receiver is neither receiving nor holding: no
+        round will bring it once a newer one is published."""
+        ref = msg.manifest or msg.ref
+        return ref.store == COLLECTIVE and (self.receiver is None
+                                            or not self.receiver.coming(ref.key))
+
+    def _receiving(self) -> Receiver:
+        if self.receiver is None:
+            self.receiver = Receiver(self.bus, self.keys, self.member)
+            self.spawn(self.receiver.run(), "weights-receiver")
+            self.started()
+        return self.receiver
+
+
 class HeldWeights:
     """``fetch``: a publication's decoded state dict (off the loop); ``load``: copy one into
-    the policy (on the worker); ``warn``: publish a warning; ``reread``: read the log again
-    (a newer publication is there when a blob was superseded)."""
+    the engine as a version (on the worker); ``warn``: publish a warning; ``reread``: read
+    the log again (a newer publication is there when a blob was superseded)."""
 
     def __init__(self, source: str, *, fetch: Callable[[WeightsPublished], Awaitable[State]],
-                 load: Callable[[State], Awaitable[Any]],
-                 warn: Callable[[WarningRaised], Awaitable[Any]],
-                 reread: Callable[[], Awaitable[Any]],
+                 load: Callable[[State, int], Awaitable[object]], warn: Warn,
+                 reread: Callable[[], Awaitable[object]],
                  stranded: Callable[[WeightsPublished], bool] = lambda msg: False) -> None:
         self.source = source
         self.fetch, self.load, self.warn, self.reread = fetch, load, warn, reread
@@ -140,7 +184,7 @@ class HeldWeights:
         self.why: dict[str, str] = {}  # ... and why (for WeightsLost)
         self.seen = 0  # publications read from the log
         # The newest publication being fetched and decoded (double buffer), if any.
-        self.staging: tuple[WeightsPublished, asyncio.Task[State]] | None = None
+        self.staging: tuple[WeightsPublished, asyncio.Future[State]] | None = None
         # Superseded fetches that found no blob: told at the next swap (stage is not async).
         self.missing: list[tuple[WeightsPublished, BlobNotFound]] = []
         # The last load: seconds copying into the engine, and from publication to loaded.
@@ -171,7 +215,7 @@ class HeldWeights:
             if self.staging[0] is newest:
                 return
             self._drop(*self.staging)
-        self.staging = (newest, asyncio.create_task(self.fetch(newest)))
+        self.staging = (newest, asyncio.ensure_future(self.fetch(newest)))
 
     def ready(self) -> bool:
         """Newer weights than those loaded are fetched and decoded (or their fetch ended in
@@ -235,7 +279,7 @@ class HeldWeights:
             if not self._deleted(msg):
                 await self._unloadable(msg, exc)
 
-    async def _superseded(self, msg: WeightsPublished, task: asyncio.Task[State]) -> bool:
+    async def _superseded(self, msg: WeightsPublished, task: asyncio.Future[State]) -> bool:
         """Wait for the fetch of ``msg``; while it is :attr:`stranded`, read the log every
         :data:`RESTAGE_S`: True when a newer publication appeared first."""
         while not task.done():
@@ -255,7 +299,7 @@ class HeldWeights:
                 return len(self.published) - 1 - i >= BLOBS_KEPT
         return True
 
-    def _drop(self, msg: WeightsPublished, task: asyncio.Task[State]) -> None:
+    def _drop(self, msg: WeightsPublished, task: asyncio.Future[State]) -> None:
         """A fetch no longer wanted (a newer publication is staged): a blob it found missing
         is told at the next swap; one still running is cancelled, its outcome retrieved."""
         if task.done() and not task.cancelled():
@@ -288,3 +332,96 @@ class HeldWeights:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await staging[1]
 
+
+
+class WeightsHolder:
+    """The weights this replica holds (``held``) and the waits for those it needs: the
+    first publication, the version its tickets ask for, the version a validation asks for.
+    Each wait reads the log (``events``: the publications, the run's end) and checks the
+    trainer (``trainer``), so none outlives the run or the trainer; a ticket asking for
+    weights no publication provides goes back to ``tickets``, dead-lettered.
+    ``timeout_s``: rollout.weights_fetch_timeout_s."""
+
+    def __init__(self, held: HeldWeights, *, events: EventPoller, trainer: Presence,
+                 tickets: TicketDesk, timeout_s: float) -> None:
+        self.held, self.events, self.trainer, self.tickets = held, events, trainer, tickets
+        self.timeout_s = timeout_s
+
+    @property
+    def version(self) -> int:
+        """The weights version this replica holds (-1: none yet)."""
+        return self.held.version
+
+    def ready(self) -> bool:
+        """Newer weights are fetched and ready to load (:meth:`HeldWeights.ready`)."""
+        return self.held.ready()
+
+    async def swap(self, wait: bool = True) -> None:
+        """Load the newest published weights (:meth:`HeldWeights.swap`). Profiling steps
+        follow the trainer's StepFinished events, not weight versions (rollouter.stepwatch):
+        with trigger_parameter_sync_step > 1 a version spans several steps."""
+        await self.held.swap(wait)
+
+    async def first(self) -> None:
+        """Wait for the trainer's first publication and load it (or the newest loadable
+        one); none loadable for :attr:`timeout_s` since the last publication read is
+        :class:`WeightsLost` (never a silent wait for the trainer's stall timeout)."""
+        held = self.held
+        lost_since: float | None = None
+        seen = held.seen
+        while held.version < 0 and not self.events.finished:
+            if held.newest is not None:
+                await self.swap()
+                if held.version >= 0:
+                    return
+            if seen != held.seen:  # a new publication: it may load, wait anew
+                lost_since, seen = None, held.seen
+            if held.bad:
+                lost_since = time.monotonic() if lost_since is None else lost_since
+                if time.monotonic() - lost_since >= self.timeout_s:
+                    raise WeightsLost(
+                        f"WeightsLost: none of the published weights could be loaded for "
+                        f"{self.timeout_s:g} s (rollout.weights_fetch_timeout_s): "
+                        f"{held.lost()}")
+            await self.events.poll(block_ms=500)
+            await self.trainer.check()
+
+    async def for_tickets(self, deliveries: list[Delivery], tickets: list[Ticket]
+                          ) -> list[Ticket]:
+        """Wait until this replica holds weights as new as its tickets ask for (on-policy or
+        bounded staleness): the newest it knows of first (maybe staging), then what the log
+        has since. Returns the tickets it can serve (a ticket asking for weights no
+        publication in the log provides is dead-lettered)."""
+        while not self.events.finished and tickets:
+            need = max(t.min_version for _, t in tickets)
+            if self.version >= need:
+                break
+            await self.swap()
+            if self.version >= need:
+                break
+            caught_up = await self.events.poll(block_ms=500)
+            await self.swap()
+            await self.trainer.check()
+            newest = self.held.newest
+            if caught_up and newest is not None and need > newest.version:
+                # The trainer publishes weights before the tickets that need them, so once
+                # we have read the whole log, a ticket asking for more than its newest
+                # weights was issued in a stretch of log that Redis lost (or was forged).
+                tickets = await self.tickets.drop_unservable(deliveries, tickets,
+                                                             newest.version)
+        return tickets
+
+    async def at_least(self, version: int) -> bool:
+        """Wait until this replica holds weights ``version`` or newer (or the run ends);
+        False once the whole log is read and holds no such publication (a stretch of log
+        Redis lost)."""
+        await self.swap()
+        while self.version < version and not self.events.finished:
+            caught_up = await self.events.poll(block_ms=500)
+            await self.swap()
+            await self.trainer.check()
+            newest = self.held.newest
+            if caught_up and self.version < version and (
+                    newest is None or newest.version < version):
+                return False
+        return True

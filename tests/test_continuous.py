@@ -23,7 +23,7 @@ from bus import Bus, RedisBlobStore, RunKeys
 from bus.messages import PromptTicket, Sample, WeightsPublished
 from rollouter.app import Rollouter
 from rollouter.continuous import ContinuousRollout
-from rollouter.engine import vllm_installed
+from rollouter.engine import streams, vllm_installed
 from runconfig import load_config
 from tests.procs import events_of
 
@@ -60,20 +60,16 @@ async def rollouter(request: pytest.FixtureRequest, demo: Path, redis_url: str, 
         f"data.max_response_length={LONG}", "rollout.prompts_per_batch=1",
         f"async_training.partial_rollout={str(request.param).lower()}"])
     r = Rollouter(cfg, bus)
-    # No eos ends a response: each takes LONG engine steps, so what a test does while a
-    # ticket generates happens long before it ends, however loaded the machine is.
-    r.eos_ids = lambda: []  # type: ignore[method-assign]
-    await r.off(r._build)
+    engine = await r.off(r.build)
     await r.consumer.ensure_group()
     await _publish(r, 0)
-    await r._first_weights()
+    await r.context.weights.first()
     try:
         yield r
     finally:
-        await r._stop_pipeline()
-        if r.rewards is not None:  # the reward pool's worker processes
-            r.rewards.close()
-        await r.off(r.engine.close)
+        await r.context.stop()
+        r.context.scorer.close()  # the reward pool's worker processes
+        await r.off(engine.close)
         r.worker.shutdown()
 
 
@@ -117,12 +113,16 @@ async def _samples(bus: Bus, keys: RunKeys, count: int) -> dict[str, list[Sample
 
 
 async def _serving(r: Rollouter) -> tuple[ContinuousRollout, asyncio.Task[None]]:
-    loop = ContinuousRollout(r)
+    assert streams(r.engine)
+    loop = ContinuousRollout(r.context, r.engine)
+    # No eos ends a response: each takes LONG engine steps, so what a test does while a
+    # ticket generates happens long before it ends, however loaded the machine is.
+    loop.eos_ids = []
     return loop, asyncio.create_task(loop.run())
 
 
 async def _stop(r: Rollouter, task: asyncio.Task[None]) -> None:
-    r.finished = True
+    r.context.events.finished = True
     await asyncio.wait_for(task, 60)
 
 
@@ -137,7 +137,7 @@ async def test_a_ticket_claimed_mid_generation_joins_the_running_engine(
     await _ticket(bus, run_keys, "b")
     await _until("ticket b in the engine", lambda: "b" in loop.book.groups)
     assert 8 <= _generated(loop, "a") < LONG  # a is still generating beside it
-    r.stream = loop
+    r.loop = loop
     assert "4 responses of 2 tickets in the engine" in r.heartbeat().state
     by_ticket = await _samples(bus, run_keys, 4)
     await _stop(r, task)
@@ -172,7 +172,8 @@ async def test_a_sync_resumes_running_responses_with_partial_rollout_only(
     await _ticket(bus, run_keys, "b", min_version=1)
     by_ticket = await _samples(bus, run_keys, 4)
     await _stop(r, task)
-    assert r.version == 1 and r.engine.version == 1
+    assert r.engine is not None
+    assert r.context.weights.version == 1 and r.engine.version == 1
     a, b = by_ticket["a"], by_ticket["b"]
     if partial:  # aborted at the sync, resumed with v1 from the tokens so far
         assert {(s.min_version, s.max_version) for s in a} == {(0, 1)}

@@ -19,6 +19,7 @@ from policy import Generation, build_policy
 from rollouter import engine as engine_mod
 from rollouter.answers import Seq
 from rollouter.app import Rollouter
+from rollouter.batch import BatchRollout
 from rollouter.engine import Engine, PolicyEngine, build_engine
 from runconfig import ConfigError, load_config
 
@@ -111,12 +112,11 @@ async def test_samples_carry_the_version_the_engine_holds(
     cfg = load_config(overrides=[f"redis.url={redis_url}", f"run.id={run_id}",
                                  f"run.output_dir={tmp_path}"])
     r = Rollouter(cfg, bus)
-    r.engine = _LaggingEngine()
-    r.weights.version = 5  # what the rollouter's bookkeeping says
+    r.context.weights.held.version = 5  # what the rollouter's bookkeeping says
     ticket = PromptTicket(ticket_id="t", prompt_id="p", prompt="12", answer="21", n=2,
                           min_version=0)
     seqs = [Seq(ticket, i, [1, 4, 5], [], []) for i in range(2)]
-    r._generate(seqs, 2)
+    BatchRollout(r.context, _LaggingEngine()).generate(seqs, 2)
     assert [(s.min_version, s.max_version, s.tokens) for s in seqs] == [(3, 3, [9, 9])] * 2
 
 

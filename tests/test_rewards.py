@@ -532,8 +532,9 @@ async def test_the_rollouters_pulse_carries_the_reward_counters(
     r = Rollouter(cfg, bus)
     await r.setup()
     try:
-        assert r.rewards is not None
-        await r.rewards.score(_items("bad", "7", "bad"))
+        rewards = r.context.scorer.rewards
+        assert rewards is not None
+        await rewards.score(_items("bad", "7", "bad"))
         metrics = r.heartbeat().metrics
         assert metrics["reward/failed_count"] == 2.0
         assert metrics["reward/timeout_count"] == 0.0

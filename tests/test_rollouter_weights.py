@@ -22,7 +22,7 @@ def _rollouter(redis_url: str, run_id: str, out: Path, bus: Bus) -> Rollouter:
     cfg = load_config(overrides=[f"redis.url={redis_url}", f"run.id={run_id}",
                                  f"run.output_dir={out}"])
     r = Rollouter(cfg, bus)
-    r._build()
+    r.build()
     return r
 
 
@@ -40,16 +40,17 @@ async def test_staged_weights_swap_in_only_when_ready_or_needed(
         for p in trained.parameters():
             p.add_(0.5)
     await _publish(bus, run_keys, 0, r.engine.policy.state_bytes())
-    await r._poll_events()
-    await r._swap_weights()
-    assert r.version == 0
+    await r.context.events.poll()
+    await r.context.weights.swap()
+    assert r.context.weights.version == 0
     await _publish(bus, run_keys, 1, trained.state_bytes())
-    await r._poll_events()
-    r._stage()
-    assert r.staging is not None and r.staging[0].version == 1
-    await r.staging[1]  # fetched and decoded while "generation" would go on
-    await r._swap_weights(wait=False)
-    assert r.version == 1 and r.staging is None
+    await r.context.events.poll()
+    held = r.context.weights.held
+    held.stage()
+    assert held.staging is not None and held.staging[0].version == 1
+    await held.staging[1]  # fetched and decoded while "generation" would go on
+    await r.context.weights.swap(wait=False)
+    assert r.context.weights.version == 1 and held.staging is None
     assert r.engine.policy.state_bytes() == trained.state_bytes()
     r.worker.shutdown()
 
@@ -61,9 +62,9 @@ async def test_an_unloadable_publication_is_skipped_with_a_warning(
     good = r.engine.policy.state_bytes()
     await _publish(bus, run_keys, 0, good)
     await _publish(bus, run_keys, 1, b"not a state dict")  # intact blob, wrong content
-    await r._poll_events()
-    await r._swap_weights()
-    assert r.version == 0, "fell back to the newest loadable publication"
+    await r.context.events.poll()
+    await r.context.weights.swap()
+    assert r.context.weights.version == 0, "fell back to the newest loadable publication"
     assert r.engine.policy.state_bytes() == good
     warnings = [e for e in await events_of(bus, run_keys.events)
                 if isinstance(e, WarningRaised) and e.code == "weights_unloadable"]
@@ -80,8 +81,8 @@ async def test_an_engine_broken_by_a_load_ends_the_rollouter_with_no_fallback(
     r = _rollouter(redis_url, run_id, tmp_path, bus)
     good = r.engine.policy.state_bytes()
     await _publish(bus, run_keys, 0, good)
-    await r._poll_events()
-    await r._swap_weights()
+    await r.context.events.poll()
+    await r.context.weights.swap()
     loads: list[int] = []
 
     def broken_load(state: object, version: int) -> None:
@@ -90,10 +91,10 @@ async def test_an_engine_broken_by_a_load_ends_the_rollouter_with_no_fallback(
 
     r.engine.load_state = broken_load  # type: ignore[method-assign]
     await _publish(bus, run_keys, 1, good)
-    await r._poll_events()
+    await r.context.events.poll()
     with pytest.raises(EngineBroken, match="v1"):
-        await r._swap_weights()
-    assert loads == [1] and r.version == 0 and not r.weights.bad
+        await r.context.weights.swap()
+    assert loads == [1] and r.context.weights.version == 0 and not r.context.weights.held.bad
     warnings = [e for e in await events_of(bus, run_keys.events) if isinstance(e, WarningRaised)]
     assert warnings == []
     r.worker.shutdown()

@@ -35,6 +35,7 @@ from metrics_logger.app import TensorBoardSink
 from rlbus.inspect import summary_line, validations_table
 from rlbus.watching import Summary
 from rollouter.app import Rollouter
+from rollouter.batch import BatchRollout
 from rollouter.validation import Validator, sampling, val_generate
 from runconfig import Config, load_config
 from tasks.digits import digits_reward
@@ -187,7 +188,7 @@ def _records(r: Rollouter) -> list[_Record]:
 
 def _rollouter(cfg: Config, bus: Bus) -> Rollouter:
     r = Rollouter(cfg, bus)
-    r._build()
+    r.build()
     return r
 
 
@@ -199,10 +200,11 @@ async def _serve_all(r: Rollouter) -> None:
     """What the ticket loop does with one read: the batch, then the requests read with it."""
     deliveries: list[Any] = []
     while not deliveries:  # the read ahead of the last batch may hold them
-        deliveries, polled = await r.tickets.next()
-    await r._serve(deliveries, polled)
-    await r._serve_validations()
-    await r.tickets.delivered()
+        deliveries, polled = await r.context.tickets.next()
+    assert r.engine is not None
+    await BatchRollout(r.context, r.engine).serve(deliveries, polled)
+    await r.context.validations.serve(r.engine)
+    await r.context.tickets.delivered()
 
 
 @pytest.mark.asyncio
@@ -213,7 +215,7 @@ async def test_a_rollouter_serves_a_request_between_batches_once(
                "rollout.prompts_per_batch=2", redis_url=redis_url, run_id=run_id)
     r = _rollouter(cfg, bus)
     scorer = _Scorer()
-    r.validator = Validator(_records(r), scorer, cfg, r.tokenizer, item=_Item)
+    r.context.validations.validator = Validator(_records(r), scorer, cfg, r.tokenizer, item=_Item)
     newer = _rollouter(cfg, bus).engine.policy
     with torch.no_grad():
         for p in newer.parameters():
@@ -256,7 +258,7 @@ async def test_a_rollouter_serves_a_request_between_batches_once(
     done = [e for e in await events_of(bus, run_keys.events) if isinstance(e, ValidationFinished)]
     assert len(done) == 1 and len(scorer.items) == 10, "acked without work"
     assert await _pending(bus, run_keys) == 0
-    await r._stop_pipeline()
+    await r.context.stop()
     r.worker.shutdown()
 
 
@@ -272,7 +274,7 @@ async def test_a_failed_validation_is_an_answer_never_a_dead_rollouter(
     async def broken(items: list[_Item]) -> list[_Score]:
         raise RuntimeError("the scorer is down")
 
-    r.validator = Validator(_records(r), broken, cfg, r.tokenizer, item=_Item)
+    r.context.validations.validator = Validator(_records(r), broken, cfg, r.tokenizer, item=_Item)
     await r.consumer.ensure_group()
     # Weights the log does not hold (the trainer publishes them before asking: a lost
     # stretch of log), then a scorer that raises.
@@ -286,7 +288,7 @@ async def test_a_failed_validation_is_an_answer_never_a_dead_rollouter(
     assert "weights v5 are not in the log" in fin["val-v5"].error
     assert "the scorer is down" in fin["val-v0"].error and fin["val-v0"].metrics == {}
     assert await _pending(bus, run_keys) == 0
-    await r._stop_pipeline()
+    await r.context.stop()
     r.worker.shutdown()
 
 
@@ -417,7 +419,8 @@ async def test_a_run_validates_its_versions_without_waiting_and_finishes_with_th
     scorer = _Scorer()
     records = [_Record(i, rollouter.tokenizer.encode(f"{d}>", bos=True), f"{d}>", "digits",
                        d[::-1]) for i, d in enumerate(["1234", "4321", "5555"])]
-    rollouter.validator = Validator(records, scorer, cfg, rollouter.tokenizer, item=_Item)
+    rollouter.context.validations.validator = Validator(records, scorer, cfg,
+                                                        rollouter.tokenizer, item=_Item)
     trainer = Trainer(cfg, bus)
     assert await asyncio.gather(trainer.run(), rollouter.run()) == [0, 0]
 

@@ -256,14 +256,14 @@ async def test_a_rollouter_with_no_loadable_weights_fails_named(
                                  f"run.output_dir={tmp_path}",
                                  "rollout.weights_fetch_timeout_s=1"])
     r = Rollouter(cfg, bus)
-    r._build()
+    r.build()
     t = RedisTransport(bus, run_keys)
     ref = await t.publish("weights-v0-e", r.engine.policy.state_dict())
     await t.delete(ref)  # lost before this rollouter read it
     await bus.publish(run_keys.events,
                       WeightsPublished(version=0, ref=ref, step=0, manifest=ref))
     with pytest.raises(WeightsLost, match="v0"):
-        await r._first_weights()
+        await r.context.weights.first()
     r.worker.shutdown()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import rollouter.app
+import rollouter.batch
 from rollouter import main
 
 
@@ -19,5 +19,5 @@ def _wedged(self: Any, seqs: Any, max_tokens: int) -> None:
     threading.Event().wait()
 
 
-rollouter.app.Rollouter._generate = _wedged  # type: ignore[method-assign]
+rollouter.batch.BatchRollout.generate = _wedged  # type: ignore[method-assign]
 raise SystemExit(main())

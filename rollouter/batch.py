@@ -1,0 +1,140 @@
+"""The rollouter's loop on the built-in engine (``rollout.name=hf``): tickets in batches.
+
+Each batch is ``rollout.prompts_per_batch`` tickets claimed together, generated in one
+:meth:`~rollouter.engine.Engine.generate` call (or, with ``async_training.partial_rollout``,
+in chunks of ``rollout.partial_chunk_tokens`` between which new weights are loaded: a
+sample's min and max versions then differ), scored, and published with the acks of its
+tickets while the next batch generates. New weights are loaded between batches, at once
+when a ticket needs them; validation requests read with a batch are served after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from bus import Delivery
+from bus.messages import PromptTicket, Sample
+from rollouter.answers import Seq, to_samples
+from rollouter.context import RolloutContext
+from rollouter.engine import Engine
+from runtime import Failure
+
+__all__ = ["BatchRollout"]
+
+
+class BatchRollout:
+    """Serve ``ctx``'s tickets a batch at a time on ``engine`` until the run finishes
+    (a :class:`~rollouter.context.RolloutLoop`)."""
+
+    def __init__(self, ctx: RolloutContext, engine: Engine) -> None:
+        self.ctx, self.engine = ctx, engine
+        self.eos_ids = ctx.eos_ids(engine)
+        self.last_reclaim = time.monotonic()
+
+    def describe(self) -> str | None:
+        """Nothing beyond the weights the heartbeat names already."""
+        return None
+
+    async def run(self) -> None:
+        """Until the run's end: every batch's tickets delivered once, or retried, or
+        dead-lettered; when there is nothing to do, the log, new weights, the trainer's
+        health and, every heartbeat interval, the tickets of dead replicas."""
+        ctx = self.ctx
+        while not ctx.finished:
+            deliveries, polled = await ctx.tickets.next()
+            if not deliveries:
+                await ctx.events.poll()
+                await ctx.weights.swap(wait=False)
+                if ctx.finished:
+                    break
+                await ctx.trainer.check()
+                deliveries, polled = await self._reclaim(), False
+                if not deliveries:
+                    continue
+            await self.serve(deliveries, polled)
+            await ctx.validations.serve(self.engine)
+
+    async def _reclaim(self) -> list[Delivery]:
+        if time.monotonic() - self.last_reclaim <= self.ctx.cfg.heartbeat.interval_s:
+            return []
+        self.last_reclaim = time.monotonic()
+        return await self.ctx.tickets.reclaim_from_dead_replicas()
+
+    async def serve(self, deliveries: list[Delivery], polled: bool = False) -> None:
+        """Generate for ``deliveries``' tickets and publish the answers; ``polled``: the
+        events stream was read after these tickets were (rollouter.tickets)."""
+        ctx = self.ctx
+        tickets = await ctx.weights.for_tickets(deliveries,
+                                                await ctx.tickets.accept(deliveries))
+        if not tickets:
+            return
+        # These tickets were issued after the StepFinished that begins the step they belong
+        # to: read it now, so that their generation lands in that step (profiling.steps).
+        if not polled:
+            await ctx.events.poll()
+        if ctx.finished:
+            return
+        await ctx.weights.swap(wait=False)
+        if not ctx.finished:
+            ctx.tickets.prefetch()
+        try:
+            samples, failed = await self.rollout([t for _, t in tickets])
+        except Failure:
+            raise  # the engine is broken (EngineBroken): this rollouter's named end
+        except Exception as exc:  # a failed rollout is an event, never "end of data"
+            error = f"generation failed: {type(exc).__name__}: {exc}"
+            samples, failed = {}, {t.ticket_id: error for _, t in tickets}
+        await ctx.tickets.retry_or_give_up(deliveries, failed)
+        await ctx.tickets.deliver([(i, t) for i, t in tickets if t.ticket_id in samples],
+                                  samples)
+
+    async def rollout(self, tickets: Sequence[PromptTicket]
+                      ) -> tuple[dict[str, list[Sample]], dict[str, str]]:
+        """Generate every ticket's responses: (samples by ticket id, errors by ticket id)."""
+        ctx = self.ctx
+        # A ticket's n responses share its prompt: encoded once.
+        prompts = {t.ticket_id: ctx.prompt_ids(t) for t in tickets}
+        seqs = [Seq(t, i, prompts[t.ticket_id], [], []) for t in tickets for i in range(t.n)]
+        t0 = time.monotonic()
+        await self.generate_all(seqs)
+        gen_s = time.monotonic() - t0
+        ctx.idle.add(gen_s)
+        scores = await ctx.scorer.score(seqs)
+        return to_samples(seqs, scores, prompts, gen_s=gen_s, rank=ctx.rank,
+                          eos_id=ctx.tokenizer.eos_id, fails_ticket=ctx.scorer.fails_ticket)
+
+    async def generate_all(self, seqs: list[Seq]) -> None:
+        """Every sequence to its end; with ``partial_rollout``, in chunks between which new
+        weights are picked up mid-sequence."""
+        ctx, rc = self.ctx, self.ctx.cfg.rollout
+        if not ctx.cfg.async_training.partial_rollout:
+            await ctx.off(self.generate, seqs, rc.max_new_tokens)
+            return
+        while any(not s.finished for s in seqs):
+            left = rc.max_new_tokens - min(len(s.tokens) for s in seqs if not s.finished)
+            await ctx.off(self.generate, seqs, min(rc.partial_chunk_tokens, left))
+            await ctx.events.poll()
+            await ctx.weights.swap(wait=False)
+
+    def generate(self, seqs: list[Seq], max_tokens: int) -> None:
+        """On the worker thread: extend every unfinished sequence by up to ``max_tokens``
+        with the weights the engine holds."""
+        rc = self.ctx.cfg.rollout
+        live = [s for s in seqs if not s.finished]
+        if not live:
+            return
+        out = self.engine.generate(
+            [s.prompt + s.tokens for s in live], max_new_tokens=max_tokens,
+            temperature=rc.temperature, eos_id=self.eos_ids, generator=self.ctx.generator,
+            top_p=rc.top_p, top_k=rc.top_k,
+        )
+        for s, toks, logps, done in zip(live, out.tokens, out.logprobs, out.finished,
+                                        strict=True):
+            s.tokens.extend(toks)
+            s.logprobs.extend(float(x) for x in logps)
+            s.finished = done or len(s.tokens) >= rc.max_new_tokens
+            # The version the engine says it generated with, not the one asked of it.
+            if s.min_version < 0:
+                s.min_version = self.engine.version
+            s.max_version = self.engine.version
