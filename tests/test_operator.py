@@ -80,7 +80,9 @@ def test_metrics_logger_tensorboard_files_read_back(finished: FinishedRun) -> No
 
 
 @pytest.mark.e2e
-def test_inspect_shows_wall_clock_times_and_no_pulses_of_a_finished_run(finished: FinishedRun) -> None:
+def test_inspect_shows_wall_clock_times_and_no_pulses_of_a_finished_run(
+    finished: FinishedRun,
+) -> None:
     res = finished.cli("inspect", "--run", RUN)
     assert res.returncode == 0, res.stderr
     header, *lines = res.stdout.splitlines()
