@@ -5,12 +5,13 @@ No model. One process and one :class:`bus.Bus` play every part of a run against 
 redis-server, with the real message types, the real Redis commands and the real order of
 entries in every stream:
 
-* trainer (``trainer.app.Trainer._step``), through the trainer's own parts: every write by
-  its fenced writer (``trainer.writer.Writer``: the lease's EVAL, each write requiring the
-  last StepFinished, the state folded from what it writes), tickets by its dispatch
-  (``trainer.dispatch.Dispatch.issue``: TicketsIssued + PromptTickets within the folded
-  ledger's budget); StepStarted, the step barrier, weights (``RedisBlobStore`` put +
-  WeightsPublished, blobs of all but the newest ``KEEP_WEIGHTS`` publications deleted),
+* trainer (``trainer.app.Trainer._step``, ``trainer.core.StepCore``), through the trainer's
+  own parts: every write by its fenced writer (``trainer.writer.Writer``: the lease's EVAL,
+  each write requiring the last StepFinished, the state folded from what it writes), tickets
+  by its dispatch (``trainer.dispatch.Dispatch.issue``, written by ``Writer.issue``:
+  TicketsIssued + PromptTickets within the folded ledger's budget); StepStarted, the step
+  barrier, weights (``RedisBlobStore`` put + WeightsPublished, blobs of all but the newest
+  ``KEEP_WEIGHTS`` publications deleted),
   StepFinished with the real sample ids, entry ids and the trainer's metric keys together
   with the acks of those samples (``Writer.finish_step``), the per-step log check and control
   read; every ``trainer.save_freq`` steps the snapshot file the writer makes
@@ -151,9 +152,9 @@ from profiler_service.state import Fact, ServiceState
 from profiler_service.state import apply as service_apply
 from runconfig import Config, config_to_dict, load_config
 from tasks import build_prompt_source
-from trainer.app import GROUP, consumer_name
 from trainer.dispatch import ROLLOUTER_GROUP, Dispatch
 from trainer.lease import token
+from trainer.process import GROUP, consumer_name
 from trainer.resume import Snapshot, read_log, snapshots, write_checkpoint
 from trainer.retention import trim_after_checkpoint
 from trainer.state import TrainerState
@@ -176,7 +177,7 @@ WEIGHTS_BLOB_BYTES = 4096
 """Bytes of each synthetic weights blob (a real one is the model; KEEP_WEIGHTS are kept)."""
 
 # The keys of the trainer's StepFinished metrics (trainer.update.grpo_update, the window's
-# stale share, Trainer._run_metrics): the real event's size.
+# stale share, trainer.metrics.step_gauges): the real event's size.
 METRIC_KEYS = (
     "reward/mean", "reward/max", "staleness/mean", "staleness/max", "staleness/stale_share",
     "actor/loss", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm", "actor/approx_kl",
@@ -286,7 +287,7 @@ class Driver:
         self.need = ac.require_batches * cfg.trainer.ppo_mini_batch_size * cfg.rollout.n
         # trainer: its own writer and ticket dispatch
         self.writer = Writer(bus, self.keys, self.lease)
-        self.dispatch = Dispatch(cfg, bus, self.keys, self.writer, self.prompts)
+        self.dispatch = Dispatch(cfg, self.prompts, self.keys.dlq)
         self.version = 0
         self.started_step = 0
         self.control_last = "0"
@@ -322,6 +323,12 @@ class Driver:
         self.archive = events_folder(run_dir.parent, RUN_ID)
 
     # ------------------------------------------------------------------ trainer side
+
+    async def _issue(self, version: int) -> None:
+        """The tickets the budget allows, written as the trainer writes them."""
+        issued = self.dispatch.issue(self.writer.state.ledger, version)
+        if issued is not None:
+            await self.writer.issue(issued)
 
     @property
     def state(self) -> TrainerState:
@@ -565,7 +572,7 @@ class Driver:
         await self.bus.set_barrier(keys.barrier, 1)
         ref = await self._put_weights(0)
         await self._publish([(keys.events, WeightsPublished(version=0, ref=ref, step=0))])
-        await self.dispatch.issue(self.version)
+        await self._issue(self.version)
         started = self._profile_events("rollouter", 1, begin=True)
         if started:
             await self.bus.publish_many(keys.log("rollouter"), started)
@@ -622,7 +629,7 @@ class Driver:
             if k in self.points:
                 await self._measure_memory(k, pre_trim=True)
             await self._trim(entry_ids)
-        await self.dispatch.issue(version)
+        await self._issue(version)
         await self._publish(begin)
         self.trainer_in.acked(entry_ids)
         if begin:

@@ -246,12 +246,13 @@ async def trainer_parked_for_profiler(bus: Bus, keys: RunKeys, procs: Procs) -> 
     """Return once the trainer is waiting for ProfilerReady (and has been for a pulse).
 
     The trainer publishes its RunStarted to the run's events, then to RUNS_STREAM, and then
-    waits for ProfilerReady with nothing in between (trainer.app: ``_run`` -> ``_loop`` ->
-    ``_wait_for_profiler``). Its liveness key is refreshed by a task of the same event loop,
-    so a heartbeat made after Redis appended that RUNS_STREAM entry is made after the reply
-    to it was there to read; the heartbeat after that one comes a whole pulse later, when
-    the trainer has long been inside its wait. Pulses slow down with the trainer on a busy
-    machine, so this holds whatever the load (no sleep, no guess of how long is enough).
+    waits for ProfilerReady with nothing in between (trainer.process ``_serve`` ->
+    trainer.app ``run_loop`` -> ``_wait_for_profiler``). Its liveness key is refreshed by a
+    task of the same event loop, so a heartbeat made after Redis appended that RUNS_STREAM
+    entry is made after the reply to it was there to read; the heartbeat after that one
+    comes a whole pulse later, when the trainer has long been inside its wait. Pulses slow
+    down with the trainer on a busy machine, so this holds whatever the load (no sleep, no
+    guess of how long is enough).
     """
     trainer = procs.procs["trainer"]
     appended_ms: int | None = None

@@ -2,7 +2,7 @@
 
 - :func:`trainer.dispatch.no_progress` takes the tickets of a live rollouter whose progress
   counter stood still for longer than the bound, and only those;
-- :func:`trainer.watch.observe_progress` notes when each rollouter's counter last changed;
+- :func:`trainer.health.observe_progress` notes when each rollouter's counter last changed;
 - the rollouter's counter moves at every decode step (:func:`policy.decode_steps`), so a
   long generation is progress;
 - the intake asks for one reissue per invalid attempt of a ticket, however many of that
@@ -18,9 +18,9 @@ from bus import Delivery
 from bus.messages import Array, Heartbeat, Sample, decode, encode
 from policy import build_policy, decode_steps
 from trainer.dispatch import no_progress
+from trainer.health import Progress, observe_progress
 from trainer.intake import Complete, Intake, Refuse
 from trainer.ledger import Ledger, OpenTicket, ticket_id
-from trainer.watch import Progress, observe_progress
 
 # ---------------------------------------------------------------------------- no progress
 

@@ -40,7 +40,13 @@ from rollouter.validation import Validator, sampling, val_generate
 from runconfig import Config, load_config
 from tasks.digits import digits_reward
 from tests.procs import events_of
-from trainer.validation import Validations, last_version, request_id, validation_due
+from trainer.validation import (
+    ValidationRequests,
+    Validations,
+    last_version,
+    request_id,
+    validation_due,
+)
 from trainer.watch import Watch
 from trainer.writer import Writer
 
@@ -147,12 +153,15 @@ async def test_the_trainer_writes_requests_to_the_prompts_stream_and_awaits_thei
     assert await lease.acquire() is None
     writer = Writer(bus, run_keys, lease)
     validations = Validations(cfg, bus, run_keys, writer)
+    requests = ValidationRequests(cfg)  # the trainer's step core decides them
     for version in (0, 1, 2):
-        await validations.published(version, step=version * 3, last=False)
+        request = requests.due(version, step=version * 3, last=False)
+        if request is not None:
+            await validations.request(request)
     asked = [m async for _, m in bus.read_all(run_keys.prompts)]
     assert asked == [ValidationRequested(request_id="val-v0", version=0, step=0, ts=asked[0].ts),
                      ValidationRequested(request_id="val-v2", version=2, step=6, ts=asked[1].ts)]
-    assert validations.pending == {"val-v0", "val-v2"}
+    assert requests.pending == {"val-v0", "val-v2"}
     # Not tickets: a dead-lettered request never touches the trainer's ledger.
     watch = Watch(cfg, bus, run_keys)
     watch._fold_dead([("1-0", DeadLetter(source_stream=run_keys.prompts, entry_id="1-0",
@@ -167,8 +176,8 @@ async def test_the_trainer_writes_requests_to_the_prompts_stream_and_awaits_thei
     await bus.publish_many(run_keys.log("rollouter"), [
         ValidationFinished(request_id=f"val-v{v}", version=v, step=3 * v, rank=0,
                            metrics={"val-core/s/reward/mean@1": 0.5}) for v in (0, 2)])
-    await validations.settle(check)
-    assert validations.pending == set()
+    await validations.settle(requests, check)
+    assert requests.pending == set()
 
 
 # --------------------------------------------------------------------------- the rollouter

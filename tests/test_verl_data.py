@@ -311,8 +311,7 @@ def test_run_config_builds_the_source_and_tickets(tmp_path: Path, model_dir: Pat
     assert [r.data_source for r in records_for(cfg, "val")] == ["other"] * 3
     src = build_prompt_source(cfg)
     assert isinstance(src, VerlPrompts) and len(src) == 10
-    dispatch = Dispatch(cfg, None, None, None, src)  # type: ignore[arg-type]
-    ticket = dispatch._ticket(12, 2, 0)
+    ticket = Dispatch(cfg, src, dlq="dlq").ticket(12, 2, 0)
     p = src.get(12)
     assert ticket.prompt_ids == p.prompt_ids and ticket.prompt == p.prompt
     assert ticket.data_source == DATA_SOURCE and ticket.ground_truth == p.ground_truth

@@ -50,7 +50,7 @@ class Checkpoints:
         events: list[Event] = []
         hf_path = None
         if self.hf_export is not None:
-            target, warning = await self.hf_export.start(self.off, learner.policy,
+            target, warning = await self.hf_export.start(self.off, learner.module,
                                                          self.files.ckpt_dir, step,
                                                          learner.hf_state)
             hf_path = str(target)

@@ -3,8 +3,9 @@
 A sample is accepted only as an answer of an *open* ticket of the ledger (trainer.ledger),
 validated against it (trainer.validate); the first complete group of any attempt wins and
 every other copy is a duplicate. :meth:`Intake.judge` decides and returns what to do, in
-order; it writes nothing (the trainer applies the verdicts: dead letters, acks, reissues,
-warnings), so the rules can be tested without Redis.
+order; it writes nothing and reads no clock (the step core, trainer.core, turns the verdicts
+into what the trainer writes: dead letters, acks, reissues, warnings), so the rules can be
+tested without Redis.
 
 Verdicts, per delivery:
 
@@ -21,7 +22,6 @@ Verdicts, per delivery:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -42,7 +42,6 @@ class Group(msgspec.Struct):
     attempt: int
     n: int
     samples: dict[int, tuple[str, Sample]] = {}
-    arrived: float = 0.0
 
     @property
     def complete(self) -> bool:
@@ -178,7 +177,6 @@ class Intake:
         """The first complete answer wins; every other attempt's partial copy is dropped
         (their entries are acked when they are read again, as duplicates)."""
         self.drop_partial(group.index)
-        group.arrived = time.monotonic()
         oldest = group.oldest_version()
         if version - oldest > self.max_staleness:
             # Only a ticket held far longer than its peers gets here; training on it would

@@ -200,11 +200,18 @@ class Learner:
         model["dtype"] = compute_dtype(self.cfg.model.dtype, tc.fsdp_param_dtype)
         self.policy = build_policy(model, self.device, training=True)
         self.policy.train()
-        self.reference = frozen_copy(self.policy) if tc.use_kl_loss else None
-        self.vocab_size = _vocab_size(self.policy)
-        shard_policy(self.policy, tc, self.group)
+        self.reference = frozen_copy(self.module) if tc.use_kl_loss else None
+        self.vocab_size = _vocab_size(self.module)
+        shard_policy(self.module, tc, self.group)
         if self.reference is not None:
             shard_policy(self.reference, tc, self.group)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The policy as the torch module every :class:`policy.Policy` is (for torch's
+        calls: sharding, state dicts, optimizer steps)."""
+        assert isinstance(self.policy, torch.nn.Module)
+        return self.policy
 
     def build_optimizer(self) -> None:
         """Start building the optimizer on a thread of its own: the first torch optimizer of a
@@ -238,6 +245,11 @@ class Learner:
     def stop_ranks(self) -> None:
         """Rank 0: the other ranks leave :meth:`follow` and exit."""
         self._tell("stop")
+
+    def relay_profile(self, method: str, args: tuple[Any, ...], commands: list[Any]) -> None:
+        """Rank 0: the other ranks apply ``commands`` and cross the profiler's step
+        boundary ``method(*args)`` (trainer.rankprofile)."""
+        self._tell("profile", (method, args, commands))
 
     def follow(self) -> None:
         """Ranks > 0: run what rank 0 tells, until it says stop."""
@@ -295,7 +307,7 @@ class Learner:
 
     def _op_update(self, payload: tuple[int, Sequence[Sequence[Sample]]]) -> dict[str, float]:
         version, groups = payload
-        return grpo_update(self.policy, self.optimizer, groups, self.cfg.trainer,
+        return grpo_update(self.module, self.optimizer, groups, self.cfg.trainer,
                            temperature=self.cfg.rollout.temperature, version=version,
                            device=self.device, reference=self.reference,
                            scheduler=self.scheduler, group=self.group)
@@ -307,7 +319,7 @@ class Learner:
 
     def _grpo_step(self, version: int) -> GrpoStep:
         if self._step is None:
-            self._step = GrpoStep(self.policy, self.optimizer, self.cfg.trainer,
+            self._step = GrpoStep(self.module, self.optimizer, self.cfg.trainer,
                                   temperature=self.cfg.rollout.temperature, version=version,
                                   device=self.device, reference=self.reference,
                                   scheduler=self.scheduler, group=self.group)
@@ -363,8 +375,8 @@ class Learner:
             get_optimizer_state_dict,
         )
 
-        return {"model": get_model_state_dict(self.policy),
-                "optimizer": get_optimizer_state_dict(self.policy, self.optimizer)}
+        return {"model": get_model_state_dict(self.module),
+                "optimizer": get_optimizer_state_dict(self.module, self.optimizer)}
 
     def _op_save_dcp(self, folder: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -381,8 +393,8 @@ class Learner:
         folder, schedule = payload
         state = self._dcp_state()
         dcp.load(state, storage_reader=shards_reader(folder))
-        set_model_state_dict(self.policy, state["model"])
-        set_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"])
+        set_model_state_dict(self.module, state["model"])
+        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
         if schedule is not None and self.scheduler is not None:
             self.scheduler.load_state_dict(schedule)
 
@@ -390,12 +402,12 @@ class Learner:
         """The model's and the optimizer's state dicts as a one-rank trainer has them (rank
         0; every tensor whole and on the CPU with several ranks)."""
         if not self.group.active:
-            return self.policy.state_dict(), self.optimizer.state_dict()
+            return self.module.state_dict(), self.optimizer.state_dict()
         self._tell("checkpoint_state")
         return self._op_checkpoint_state()
 
     def _op_checkpoint_state(self, _: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
-        return (gather_state(self.policy.state_dict(), self.group),
+        return (gather_state(self.module.state_dict(), self.group),
                 gather_state(self.optimizer.state_dict(), self.group))
 
     def load_checkpoint(self, path: str) -> None:
@@ -413,7 +425,7 @@ class Learner:
             self._op_load_dcp(payload)
             return
         if not self.group.active:
-            self.policy.load_state_dict(ckpt["model"])
+            self.module.load_state_dict(ckpt["model"])
             self.optimizer.load_state_dict(ckpt["optimizer"])
             return
         state = {"model": ckpt["model"], "optimizer": ckpt["optimizer"]}
@@ -421,7 +433,7 @@ class Learner:
         self._op_load(skeleton(state), state)
 
     def _op_load(self, shape: dict[str, Any], full: dict[str, Any] | None = None) -> None:
-        current = self.policy.state_dict()
+        current = self.module.state_dict()
         model = scatter_state(None if full is None else full["model"], shape["model"],
                               current, self.group)
         with torch.no_grad():
@@ -438,7 +450,7 @@ class Learner:
         from trainer.export import capture_state
 
         if not self.group.active:
-            return capture_state(self.policy)
+            return capture_state(self.module)
         self._tell("hf_state")
         return self._op_hf_state()
 

@@ -35,37 +35,25 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from bus.messages import Sample
+from trainer.actions import Measured
 from trainer.intake import Group, Intake
 from trainer.ledger import Ledger
 
 if TYPE_CHECKING:
-    from trainer.watch import Watch
+    from trainer.health import Health
 
-__all__ = ["StepMeter", "verl_step_metrics"]
+__all__ = ["StaleWindow", "StepMeter", "step_gauges", "verl_step_metrics"]
 
 
 class StepMeter:
-    """Counters the trainer keeps across steps for its metrics."""
+    """What the trainer's shell measures of a step by its clocks: the wait for samples
+    with nothing to compute, and the event loop's CPU."""
 
     def __init__(self) -> None:
         self.wait_s = 0.0
         """This step's time with nothing to compute, waiting for samples."""
         self.loop_cpu_at = time.thread_time()
         """The event loop thread's CPU time at the last StepFinished."""
-        self.window_groups = 0
-        """Prompts trained in this sync window, and how many were possibly stale."""
-        self.window_stale = 0
-
-    def window_stale_share(self, groups: Sequence[Group], version: int) -> float:
-        """verl's per-window view: the share of this sync window's prompts generated with
-        weights older than the trainer's (at most staleness_threshold)."""
-        self.window_groups += len(groups)
-        self.window_stale += sum(1 for g in groups if g.possibly_stale(version))
-        return self.window_stale / self.window_groups
-
-    def synced(self) -> None:
-        """A weight sync opens a new window."""
-        self.window_groups = self.window_stale = 0
 
     def loop_cpu(self) -> float:
         """The event loop's CPU since the last call (call it on the loop's thread: it
@@ -74,28 +62,47 @@ class StepMeter:
         spent, self.loop_cpu_at = now - self.loop_cpu_at, now
         return spent
 
-    def idle_ratio(self, duration: float) -> float:
-        return min(1.0, self.wait_s / duration) if duration > 0 else 0.0
 
-    def report(self, duration: float, n_samples: int, *, update_s: float, ledger: Ledger,
-               capacity: int, reissued: int, intake: Intake, watch: Watch) -> dict[str, float]:
-        """The run's gauges at the end of a step (call it on the event loop's thread)."""
-        return {
-            "trainer/idle_ratio": self.idle_ratio(duration),
-            "trainer/update_s": update_s,
-            "trainer/loop_cpu_s": self.loop_cpu(),
-            "rollouter/idle_ratio": watch.idle_ratio(),
-            "samples/queue_depth": float(intake.queued_samples()),
-            "throughput/samples_per_s": n_samples / duration if duration > 0 else 0.0,
-            "tickets/issued": float(ledger.issued),
-            "tickets/outstanding": float(ledger.outstanding),
-            "tickets/budget": float(capacity),
-            "tickets/reissued": float(reissued),
-            "samples/refused": float(intake.refused),
-            "rollout/failures": float(watch.rollout_failures),
-            "staleness/discarded_groups": float(intake.discarded),
-            **watch.weights_sync(),
-        }
+class StaleWindow:
+    """Prompts trained in this sync window, and how many were possibly stale."""
+
+    def __init__(self) -> None:
+        self.groups = 0
+        self.stale = 0
+
+    def share(self, groups: Sequence[Group], version: int) -> float:
+        """verl's per-window view: the share of this sync window's prompts generated with
+        weights older than the trainer's (at most staleness_threshold)."""
+        self.groups += len(groups)
+        self.stale += sum(1 for g in groups if g.possibly_stale(version))
+        return self.stale / self.groups
+
+    def synced(self) -> None:
+        """A weight sync opens a new window."""
+        self.groups = self.stale = 0
+
+
+def step_gauges(duration: float, n_samples: int, measured: Measured, *, ledger: Ledger,
+                capacity: int, reissued: int, intake: Intake, health: Health
+                ) -> dict[str, float]:
+    """The run's gauges at the end of a step of ``duration`` seconds."""
+    idle = min(1.0, measured.wait_s / duration) if duration > 0 else 0.0
+    return {
+        "trainer/idle_ratio": idle,
+        "trainer/update_s": measured.update_s,
+        "trainer/loop_cpu_s": measured.loop_cpu_s,
+        "rollouter/idle_ratio": health.idle_ratio(),
+        "samples/queue_depth": float(intake.queued_samples()),
+        "throughput/samples_per_s": n_samples / duration if duration > 0 else 0.0,
+        "tickets/issued": float(ledger.issued),
+        "tickets/outstanding": float(ledger.outstanding),
+        "tickets/budget": float(capacity),
+        "tickets/reissued": float(reissued),
+        "samples/refused": float(intake.refused),
+        "rollout/failures": float(health.rollout_failures),
+        "staleness/discarded_groups": float(intake.discarded),
+        **health.weights_sync(),
+    }
 
 
 def _gen_seconds(samples: Sequence[Sample]) -> float:

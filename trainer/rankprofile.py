@@ -56,7 +56,7 @@ class RankedAgent:
         """The worker thread: every rank crosses the boundary; all their events."""
         with self._lock:
             commands, self._commands = self._commands, []
-        self.learner._tell("profile", (method, args, commands))
+        self.learner.relay_profile(method, args, commands)
         events: list[Any] = getattr(self.agent, method)(*args)
         for theirs in self.learner.group.gather([])[1:]:
             events += theirs

@@ -262,7 +262,7 @@ def wait_ranks(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> li
 
 class LocalRanks:
     """Rank 0's side of the group: its membership and this node's other ranks, as
-    processes started, watched and stopped by the trainer (trainer.app)."""
+    processes started, watched and stopped by the trainer (trainer.process)."""
 
     def __init__(self, tc: TrainerConfig) -> None:
         self.tc = tc

@@ -8,20 +8,25 @@ the whole batch at the end (:func:`trainer.update.grpo_update`, what a resume re
 condition (:func:`may_stream`): a *stale* mini-batch needs its proximal log-probs from the
 weights the step started from, so optimizer steps begin only once no stale group can still
 join the step.
+
+The step core (trainer.core) decides which mini-batches go and when they may optimize
+(:class:`~trainer.actions.Train`); :class:`StepWork` is the shell's side: the calls queued on
+the worker and their futures.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
+from bus.messages import Sample
+from trainer.actions import Train
 from trainer.intake import Group
 from trainer.ledger import OpenTicket
-from trainer.update import GrpoStep
 
-__all__ = ["StepWork", "may_stream"]
+__all__ = ["StepCalls", "StepWork", "may_stream"]
 
 
 def may_stream(ready: list[Group], missing: int, open_tickets: Mapping[int, OpenTicket],
@@ -38,14 +43,24 @@ def may_stream(ready: list[Group], missing: int, open_tickets: Mapping[int, Open
                    for i, t in open_tickets.items() if i not in taken)
 
 
-class StepWork:
-    """One step's training on the worker thread: the groups it took, in mini-batch order,
-    and the queued calls (futures) of its GrpoStep, with their compute time."""
+class StepCalls(Protocol):
+    """One step's training, call by call (:class:`trainer.update.GrpoStep`, or
+    :class:`trainer.learner.RankedStep` on every rank)."""
 
-    def __init__(self, submit: Callable[..., asyncio.Future[Any]], step: GrpoStep) -> None:
+    def add(self, groups: Sequence[Sequence[Sample]]) -> None: ...
+
+    def train(self) -> None: ...
+
+    def finish(self) -> dict[str, float]: ...
+
+
+class StepWork:
+    """One step's training on the worker thread: the queued calls (futures) of its step,
+    with their compute time."""
+
+    def __init__(self, submit: Callable[..., asyncio.Future[Any]], step: StepCalls) -> None:
         self._submit = submit
         self.step = step
-        self.taken: list[Group] = []
         self.futures: list[asyncio.Future[Any]] = []
         self.busy_s = 0.0
 
@@ -59,18 +74,12 @@ class StepWork:
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         self.futures.append(self._submit(self._timed, fn, *args))
 
-    def feed(self, ready: list[Group], need: int, mini_batch: int,
-             may_stream_now: Callable[[int], bool]) -> None:
-        """Take each complete mini-batch of ``ready`` groups (removed from it) up to ``need``
-        groups; let its first-epoch optimizer step run now when no stale group can still
-        join the step (``may_stream_now(missing)``)."""
-        while len(self.taken) < need and len(ready) >= mini_batch:
-            chunk = ready[:mini_batch]
-            del ready[:mini_batch]
-            self.taken.extend(chunk)
-            self.submit(self.step.add, [[s for _, s in g.ordered()] for g in chunk])
-            if may_stream_now(need - len(self.taken)):
-                self.submit(self.step.train)
+    def add(self, mini_batch: Train) -> None:
+        """Queue a mini-batch, and its first-epoch optimizer step when the core says it
+        may run now."""
+        self.submit(self.step.add, mini_batch.groups)
+        if mini_batch.optimize:
+            self.submit(self.step.train)
 
     @property
     def running(self) -> bool:

@@ -25,6 +25,7 @@ from bus import Bus, EntryGone, Fenced, Lease, RunKeys
 from bus.client import RetryHook
 from bus.messages import Event, Message, StepFinished
 from runtime import Restart
+from trainer.actions import IssueTickets
 from trainer.resume import LogRead, Refused, Snapshot, read_log
 from trainer.state import TrainerState, take
 
@@ -131,6 +132,14 @@ class Writer:
         ids = await self.write([(self.keys.events, e) for e in events])
         self.fold(*events)
         return ids
+
+    async def issue(self, issued: IssueTickets) -> list[str]:
+        """Prompt tickets with the TicketsIssued that records them, in one fenced script,
+        folded; the tickets' entry ids."""
+        ids = await self.write([*((self.keys.prompts, t) for t in issued.tickets),
+                                (self.keys.events, issued.event)])
+        self.fold(issued.event)
+        return ids[:len(issued.tickets)]
 
     async def finish_step(self, finished: StepFinished, group: str) -> None:
         """StepFinished with the acks of the samples it trained, in the same fenced script:

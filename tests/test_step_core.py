@@ -1,0 +1,477 @@
+"""The trainer's step core, fed scripted reads: the writes it asks for (trainer.core).
+
+No Redis, no processes, no clock: each test builds a :class:`~trainer.core.StepCore`, hands
+it reads made in memory (real messages in :class:`bus.Delivery` values, heartbeats, dead
+letters, validation answers) at the times the script says, and checks the actions it
+returns. A small in-memory shell carries them out as trainer.app does (tickets get entry
+ids, the ledger is folded from what is written, mini-batches go to a recorded worker) and
+checks at every turn that the core decided on the ledger the writer would hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from bus import Delivery, RunKeys
+from bus.messages import (
+    Array,
+    Heartbeat,
+    PromptTicket,
+    Sample,
+    StepFinished,
+    StepStarted,
+    TicketsClosed,
+    TicketsIssued,
+    ValidationFinished,
+    ValidationRequested,
+)
+from runconfig import Config, load_config
+from tasks import build_prompt_source
+from trainer.actions import (
+    Ack,
+    Action,
+    DeadLetter,
+    FinishStep,
+    Holders,
+    IssueTickets,
+    Measured,
+    ProfileStep,
+    Publish,
+    Reads,
+    RequestValidation,
+    Train,
+    Warn,
+)
+from trainer.core import StepCore
+from trainer.health import PeerDead
+from trainer.ledger import Ledger, ticket_id
+from trainer.ledger import apply as ledger_apply
+from trainer.ledger import fold as ledger_fold
+from trainer.stepwork import StepWork
+
+N = 2  # responses per ticket
+KEYS = RunKeys("core")
+MEASURED = Measured(wait_s=0.0, update_s=1.0, loop_cpu_s=0.1, ranks=1)
+
+
+def _cfg(*overrides: str) -> Config:
+    """One mini-batch of 2 prompts a step, on-policy (a budget of 2 tickets), one sync a
+    step; leases of 30 s (the heartbeat timeout), a progress bound of 30 s."""
+    return load_config(overrides=[
+        f"rollout.n={N}", "trainer.ppo_mini_batch_size=2", "async_training.require_batches=1",
+        "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1",
+        "trainer.total_training_steps=5", "trainer.save_freq=0", *overrides])
+
+
+def _sample(ticket: int, index: int, *, attempt: int = 0, version: int = 0,
+            reward: float = 1.0) -> Sample:
+    return Sample(
+        sample_id=f"{ticket_id(ticket)}/{index}", ticket_id=ticket_id(ticket), prompt_id="p",
+        index=index, n=N, prompt_tokens=Array.of(np.asarray([1, 2], dtype=np.int32)),
+        response_tokens=Array.of(np.asarray([3, 4], dtype=np.int32)),
+        logprobs=Array.of(np.asarray([-0.1, -0.2], dtype=np.float32)), reward=reward,
+        min_version=version, max_version=version, attempt=attempt)
+
+
+def _hb(rank: int, progress: int | None = None) -> Heartbeat:
+    return Heartbeat(role="rollouter", rank=rank, pid=100 + rank, progress=progress)
+
+
+def _kinds(actions: Sequence[Action]) -> list[str]:
+    return [type(a).__name__ for a in actions]
+
+
+def _trains(actions: Sequence[Action]) -> list[Train]:
+    return [a for a in actions if isinstance(a, Train)]
+
+
+class Shell:
+    """trainer.app's shell in memory: tickets get entry ids ``p-K``, samples ``s-K``; the
+    writer's ledger is folded from what is written; mini-batches go to a list."""
+
+    def __init__(self, core: StepCore) -> None:
+        self.core = core
+        self.ledger = core.ledger
+        self.prompt_ids = itertools.count()
+        self.sample_ids = itertools.count()
+        self.entry_of: dict[str, str] = {}  # ticket id (latest attempt) -> its entry
+        self.trained: list[str] = []  # sample ids handed to the worker, in order
+        self.written: list[Action] = []
+
+    def deliver(self, *msgs: Any) -> list[Delivery]:
+        return [Delivery(f"s-{next(self.sample_ids)}", m, 1, KEYS.samples) for m in msgs]
+
+    def act(self, actions: Sequence[Action], now: float) -> list[Action]:
+        for action in actions:
+            match action:
+                case IssueTickets(tickets, event):
+                    self.ledger = ledger_apply(self.ledger, event)
+                    ids = [f"p-{next(self.prompt_ids)}" for _ in tickets]
+                    self.entry_of.update(zip((t.ticket_id for t in tickets), ids, strict=True))
+                    self.core.tickets_written(action, ids, now)
+                case Publish(events):
+                    for e in events:
+                        self.ledger = ledger_apply(self.ledger, e)
+                case FinishStep(finished):
+                    self.ledger = ledger_apply(self.ledger, finished)
+                case Train(groups):
+                    self.trained += [s.sample_id for g in groups for s in g]
+        assert self.ledger == self.core.ledger, "the core decides on the writer's ledger"
+        self.written += actions
+        return list(actions)
+
+    def take(self, reads: Reads) -> list[Action]:
+        return self.act(self.core.take(reads), reads.now)
+
+    def start(self, now: float = 0.0) -> list[Action]:
+        return self.act(self.core.issue(), now)
+
+    def finish(self, now: float) -> list[Action]:
+        """The step's update done (the worker's futures all resolved): close and finish."""
+        closing = self.core.close_step(profiled=False)
+        actions = list(closing.early or [])
+        return self.act(actions + self.core.finish_step({"actor/loss": 0.5}, MEASURED, now),
+                        now)
+
+
+def _core(cfg: Config, *, ledger: Ledger | None = None, version: int = 0) -> StepCore:
+    return StepCore(cfg, build_prompt_source(cfg), KEYS, ledger=ledger or Ledger(),
+                    version=version, vocab_size=16, max_len=32, now=0.0)
+
+
+def _answer(shell: Shell, ticket: int, now: float, **kw: Any) -> list[Action]:
+    """All N responses of ``ticket`` in one read."""
+    return shell.take(Reads(now, deliveries=shell.deliver(
+        *(_sample(ticket, i, **kw) for i in range(N)))))
+
+
+# ---------------------------------------------------------------------------- a step
+
+
+def test_a_step_issues_trains_and_finishes_in_order() -> None:
+    shell = Shell(_core(_cfg()))
+    (issued,) = shell.start()
+    assert isinstance(issued, IssueTickets)
+    assert [t.ticket_id for t in issued.tickets] == ["t0", "t1"]
+    assert issued.event == TicketsIssued(ticket_ids=["t0", "t1"], n=N, param_version=0,
+                                         ts=issued.event.ts)
+    started = shell.act(shell.core.start_step(1, 1.0), 1.0)
+    assert started[0] == ProfileStep(1, begin=True)
+    assert isinstance(started[1], Publish) and started[1].events == [
+        StepStarted(step=1, param_version=0, ts=started[1].events[0].ts)]
+    assert _answer(shell, 0, 2.0) == []  # one group of a mini-batch of two: waiting
+    (train,) = _answer(shell, 1, 3.0)
+    assert isinstance(train, Train) and train.optimize and shell.core.gathered
+    assert shell.trained == ["t0/0", "t0/1", "t1/0", "t1/1"]
+    closing = shell.core.close_step(profiled=False)
+    assert closing.sync and not closing.save and closing.early == []
+    assert shell.core.version == 1
+    finished, end, tickets = shell.act(
+        shell.core.finish_step({"actor/loss": 0.5}, MEASURED, 5.0), 5.0)
+    assert isinstance(finished, FinishStep)
+    step = finished.finished
+    assert (step.step, step.param_version, step.duration_s) == (1, 1, 4.0)
+    assert step.sample_ids == ["t0/0", "t0/1", "t1/0", "t1/1"]
+    assert step.entry_ids == ["s-0", "s-1", "s-2", "s-3"]
+    assert step.metrics["actor/loss"] == 0.5 and step.metrics["trainer/update_s"] == 1.0
+    assert step.metrics["tickets/outstanding"] == 2.0  # as the step ends, before its own fold
+    assert end == ProfileStep(1, begin=False)
+    assert isinstance(tickets, IssueTickets)
+    assert tickets.event.ticket_ids == ["t2", "t3"] and tickets.event.param_version == 1
+
+
+def test_the_same_script_gives_the_same_writes() -> None:
+    def script() -> list[Action]:
+        shell = Shell(_core(_cfg()))
+        shell.start()
+        shell.act(shell.core.start_step(1, 1.0), 1.0)
+        shell.take(Reads(2.0, deliveries=shell.deliver(
+            _sample(0, 0), _sample(0, 0), _sample(9, 0), _sample(0, 1, reward=float("nan")))))
+        _answer(shell, 1, 3.0)
+        shell.take(Reads(4.0, idle=True, peers=[_hb(0, 1)]))
+        _answer(shell, 0, 5.0, attempt=1)
+        shell.finish(6.0)
+        return shell.written
+
+    def stamped(actions: list[Action]) -> list[str]:
+        # Messages carry a wall-clock ``ts`` stamp: everything else must be equal.
+        return [re.sub(r"ts=[0-9.e+-]+", "ts=_", repr(a)) for a in actions]
+
+    first, second = script(), script()
+    assert _kinds(first) == _kinds(second) and stamped(first) == stamped(second)
+    assert "FinishStep" in _kinds(first)
+
+
+# ---------------------------------------------------------------------------- (a) duplicates
+
+
+def test_duplicates_are_acked_and_never_trained_twice() -> None:
+    shell = Shell(_core(_cfg()))
+    shell.start()
+    shell.act(shell.core.start_step(1, 1.0), 1.0)
+    # A second copy of a response in the same read; then a whole copy of an answered ticket.
+    read = shell.deliver(_sample(0, 0), _sample(0, 1), _sample(0, 1))
+    assert shell.take(Reads(2.0, deliveries=read)) == [Ack([read[2].id])]
+    copy = shell.deliver(_sample(0, 0), _sample(0, 1))
+    assert shell.take(Reads(3.0, deliveries=copy)) == [Ack([copy[0].id]), Ack([copy[1].id])]
+    _answer(shell, 1, 4.0)
+    finished = next(a for a in shell.finish(5.0) if isinstance(a, FinishStep)).finished
+    assert finished.entry_ids == [read[0].id, read[1].id, "s-5", "s-6"]
+    # A trained sample delivered again (a redelivery after a restart): acked, not trained.
+    again = shell.deliver(_sample(0, 0), _sample(1, 1))
+    shell.act(shell.core.start_step(2, 6.0), 6.0)
+    assert shell.take(Reads(7.0, deliveries=again)) == [Ack([again[0].id]), Ack([again[1].id])]
+    assert sorted(shell.trained) == ["t0/0", "t0/1", "t1/0", "t1/1"]
+    assert not any(isinstance(a, DeadLetter) for a in shell.written)
+
+
+# ---------------------------------------------------------------------------- (b) stale groups
+
+
+def test_a_stale_group_is_acked_warned_and_its_ticket_reissued() -> None:
+    # staleness_threshold 1: groups at most one version old are trained.
+    cfg = _cfg("async_training.staleness_threshold=1")
+    ledger = ledger_fold([TicketsIssued(ticket_ids=["t0", "t1"], n=N, param_version=0)])
+    shell = Shell(_core(cfg, ledger=ledger, version=2))
+    shell.act(shell.core.start_step(3, 1.0), 1.0)
+    ack, warn, reissue = _answer(shell, 0, 2.0, version=0)
+    assert ack == Ack(["s-0", "s-1"])
+    assert isinstance(warn, Warn) and not warn.say
+    assert warn.warning.code == "stale_group_discarded" and "2 versions old" in warn.warning.message
+    assert isinstance(reissue, IssueTickets)
+    assert reissue.event == TicketsIssued(ticket_ids=["t0"], n=N, param_version=2, attempt=1,
+                                          reason="answer too stale", ts=reissue.event.ts)
+    assert reissue.tickets[0].min_version == 2
+    # One version old: trained (a stale mini-batch: no optimizer step before it is whole).
+    assert _answer(shell, 1, 3.0, version=1) == []
+    (train,) = _answer(shell, 0, 4.0, attempt=1, version=2)
+    assert isinstance(train, Train) and shell.trained == ["t1/0", "t1/1", "t0/0", "t0/1"]
+    assert shell.core.intake.discarded == 1
+
+
+# ---------------------------------------------------------------------------- (c) dead peers
+
+
+def _issued_at_zero(cfg: Config) -> Shell:
+    shell = Shell(_core(cfg))
+    shell.start(0.0)
+    shell.act(shell.core.start_step(1, 0.0), 0.0)
+    return shell
+
+
+def _idle(shell: Shell, now: float, peers: list[Heartbeat],
+          owner: str | None = "rollouter-0") -> list[Action]:
+    """An idle turn, reading what the core says is due: every ticket entry still in the
+    prompts stream, pending on ``owner``."""
+    due = shell.core.due(now)
+    entries = set(shell.entry_of.values())
+    holders = (Holders(due.expired, entries, dict.fromkeys(entries, owner) if owner else {})
+               if due.expired else None)
+    assert due.entries == [shell.entry_of[ticket_id(i)] for i in due.expired]
+    return shell.take(Reads(now, peers=peers if due.peers else None, holders=holders,
+                            idle=True))
+
+
+QUIET = "heartbeat.stall_warn_s=1000"  # no stall warnings in these scripts
+
+
+def test_a_dead_rollouters_tickets_are_reissued_after_their_lease_only() -> None:
+    shell = _issued_at_zero(_cfg(QUIET))
+    assert _idle(shell, 1.0, [_hb(0), _hb(1)]) == []
+    # rollouter0's liveness key lapses; its tickets keep their lease (30 s) until it ends.
+    assert shell.core.due(29.0).expired == []
+    assert _idle(shell, 29.0, [_hb(1)]) == []
+    (reissue,) = _idle(shell, 31.0, [_hb(1)])
+    assert isinstance(reissue, IssueTickets)
+    assert reissue.event.ticket_ids == ["t0", "t1"] and reissue.event.attempt == 1
+    assert reissue.event.reason == "unanswered for 30 s (ticket lease)"
+    # Their new attempts have leases of their own: nothing more until they end.
+    assert _idle(shell, 40.0, [_hb(1)]) == []
+
+
+def test_tickets_of_a_live_rollouter_keep_their_lease_however_long() -> None:
+    shell = _issued_at_zero(_cfg(QUIET))
+    assert _idle(shell, 1.0, [_hb(0, progress=1)]) == []
+    for now, progress in ((31.0, 2), (62.0, 3), (93.0, 4)):  # slow, but moving
+        assert _idle(shell, now, [_hb(0, progress=progress)]) == []
+    # Queued (not yet delivered to anyone) is not lost either.
+    assert _idle(shell, 124.0, [_hb(0, progress=5)], owner=None) == []
+
+
+def test_a_live_rollouter_whose_progress_stops_loses_its_tickets() -> None:
+    shell = _issued_at_zero(_cfg(QUIET))
+    assert _idle(shell, 1.0, [_hb(0, progress=7)]) == []
+    # Expired at 31, but the counter stood still only 30 s (the bound is 30 s): kept.
+    assert _idle(shell, 31.0, [_hb(0, progress=7)]) == []
+    warn, reissue = _idle(shell, 62.0, [_hb(0, progress=7)])
+    assert isinstance(warn, Warn) and warn.warning.code == "rollouter_no_progress"
+    assert warn.warning.message.startswith("rollouter0 (pid 100) holds 2 open ticket(s) (t0, t1)"
+                                           " and its progress counter stayed at 7 for 61 s")
+    assert isinstance(reissue, IssueTickets) and reissue.event.ticket_ids == ["t0", "t1"]
+    assert reissue.event.reason == "held by a rollouter without progress for 30 s"
+
+
+def test_no_rollouter_alive_for_the_heartbeat_timeout_fails_the_run() -> None:
+    shell = _issued_at_zero(_cfg("heartbeat.ticket_lease_s=1000"))
+    _idle(shell, 1.0, [_hb(0)])
+    _idle(shell, 2.0, [])
+    with pytest.raises(PeerDead, match="no rollouter is alive"):
+        _idle(shell, 31.0, [])
+
+
+def test_rollouts_failing_without_a_sample_fail_the_run() -> None:
+    from bus.messages import RolloutFailed
+
+    shell = _issued_at_zero(_cfg())
+    failed = [RolloutFailed(ticket_id="t0", rank=0, error="boom")] * 9
+    shell.take(Reads(1.0, failures=failed))
+    shell.take(Reads(1.5, deliveries=shell.deliver(_sample(0, 0))))  # a sample: not all failing
+    shell.take(Reads(2.0, failures=[*failed, failed[0]]))
+    with pytest.raises(PeerDead, match="rollouts keep failing: 10 failures"):
+        shell.take(Reads(2.5, idle=True))
+
+
+def test_a_ticket_the_rollouters_dead_lettered_is_closed_and_replaced() -> None:
+    shell = _issued_at_zero(_cfg())
+    dead = PromptTicket(ticket_id="t1", prompt_id="p1", prompt="", answer="", n=N,
+                        min_version=0)
+    closed, warned, issued = shell.take(Reads(1.0, dead_tickets=[dead]))
+    assert isinstance(closed, Publish) and isinstance(closed.events[0], TicketsClosed)
+    assert closed.events[0].ticket_ids == ["t1"]
+    assert isinstance(warned, Publish)
+    assert isinstance(issued, IssueTickets) and issued.event.ticket_ids == ["t2"]
+    assert shell.take(Reads(2.0, dead_tickets=[dead])) == []  # already closed
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def test_refused_entries_are_dead_lettered_with_their_reason() -> None:
+    shell = _issued_at_zero(_cfg())
+    read = shell.deliver(_hb(0), _sample(7, 0), _sample(0, 0, reward=float("nan")),
+                         _sample(0, 1, reward=float("inf")))
+    out = shell.take(Reads(1.0, deliveries=read))
+    assert _kinds(out) == ["DeadLetter", "DeadLetter", "DeadLetter", "IssueTickets",
+                           "DeadLetter"]
+    assert out[0] == DeadLetter(read[0], "expected a Sample, got Heartbeat")
+    assert out[1] == DeadLetter(read[1], "ticket 't7' was never issued")
+    assert out[2] == DeadLetter(read[2], "invalid answer of t0: reward nan is not finite")
+    # One new attempt for the bad group, whatever else of it is refused.
+    assert isinstance(out[3], IssueTickets) and out[3].event.attempt == 1
+    assert out[3].event.reason == "an answer was invalid"
+    # The dead letter of a refused answer asks for nothing more: that attempt was replaced.
+    bad = read[2].msg
+    assert isinstance(bad, Sample) and shell.take(Reads(2.0, lost_samples=[bad])) == []
+    # The new attempt's answer dead-lettered elsewhere: answered again, once.
+    lost = _sample(0, 0, attempt=1)
+    (again,) = shell.take(Reads(3.0, lost_samples=[lost, _sample(0, 1, attempt=1)]))
+    assert isinstance(again, IssueTickets) and again.event.attempt == 2
+    assert again.event.reason == "an answer was dead-lettered"
+
+
+# ---------------------------------------------------------------------------- (d) validation
+
+
+def test_a_validation_answer_mid_step_changes_none_of_the_steps_writes() -> None:
+    cfg = _cfg("data.val_files=[/none/val.parquet]", "trainer.test_freq=1")
+
+    def step(answer_at: int | None) -> Shell:
+        shell = Shell(_core(cfg))
+        shell.start()
+        (request,) = shell.act(shell.core.published(0), 0.0)
+        assert isinstance(request, RequestValidation)
+        assert request == RequestValidation(ValidationRequested(
+            request_id="val-v0", version=0, step=0, ts=request.request.ts))
+        shell.act(shell.core.start_step(1, 1.0), 1.0)
+        answer = ValidationFinished(request_id="val-v0", version=0, step=0, rank=0,
+                                    metrics={"val-core/x/reward/mean@1": 1.0})
+        for turn, ticket in enumerate((0, 1)):
+            samples = shell.deliver(*(_sample(ticket, i) for i in range(N)))
+            shell.take(Reads(2.0 + turn, deliveries=samples,
+                             validated=[answer] if turn == answer_at else []))
+        shell.finish(4.0)
+        return shell
+
+    told, untold = step(answer_at=0), step(answer_at=None)
+    assert told.core.validations.pending == set()
+    assert untold.core.validations.pending == {"val-v0"}  # the run's end waits for it
+    assert _kinds(told.written) == _kinds(untold.written)
+    assert told.trained == untold.trained
+    # The next version is validated after its publication (test_freq=1), never waited for.
+    (request,) = told.core.published(1)
+    assert isinstance(request, RequestValidation) and request.request.version == 1
+
+
+# ---------------------------------------------------------------------------- (e) heavy update
+
+
+class _Worker:
+    """A worker thread whose calls finish only when the test says so."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.pending: list[tuple[asyncio.Future[Any], Any, tuple[Any, ...]]] = []
+
+    def submit(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((future, fn, args))
+        return future
+
+    def run_all(self) -> None:
+        for future, fn, args in self.pending:
+            future.set_result(fn(*args))
+        self.pending = []
+
+    # the step's calls (trainer.stepwork.StepCalls)
+    def add(self, groups: Sequence[Sequence[Sample]]) -> None:
+        self.calls.append(("add", len(groups)))
+
+    def train(self) -> None:
+        self.calls.append(("train", 0))
+
+    def finish(self) -> dict[str, float]:
+        self.calls.append(("finish", 0))
+        return {"actor/loss": 0.25}
+
+
+@pytest.mark.asyncio
+async def test_a_heavy_update_finishes_the_step_only_when_the_worker_is_done() -> None:
+    cfg = _cfg("async_training.require_batches=2")  # two mini-batches a step
+    shell, worker = Shell(_core(cfg)), _Worker()
+    work = StepWork(worker.submit, worker)
+    shell.act(shell.core.issue(), 0.0)
+    for action in shell.act(shell.core.start_step(1, 0.0), 0.0):
+        assert not isinstance(action, Train)
+    for ticket in (0, 1):
+        for mini_batch in _trains(_answer(shell, ticket, 1.0)):
+            work.add(mini_batch)
+    assert worker.pending and work.running and not shell.core.gathered
+    # The first mini-batch trains on and on: reads go on, nothing finishes, nothing the
+    # step holds is judged lost however long it takes.
+    for now in (10.0, 100.0, 1000.0):
+        due = shell.core.due(now)
+        assert 0 not in due.expired and 1 not in due.expired
+        assert not any(isinstance(a, FinishStep)
+                       for a in shell.take(Reads(now, idle=True, peers=[_hb(0, int(now))])))
+    for ticket in (2, 3):
+        for mini_batch in _trains(_answer(shell, ticket, 1001.0)):
+            work.add(mini_batch)
+    assert shell.core.gathered
+    finished = asyncio.ensure_future(work.finish())
+    await asyncio.sleep(0)
+    assert not finished.done(), "the step waits for its mini-batches"
+    worker.run_all()
+    update = await finished
+    assert worker.calls == [("add", 2), ("train", 0), ("add", 2), ("train", 0), ("finish", 0)]
+    shell.core.close_step(profiled=False)
+    out = shell.act(shell.core.finish_step(update, MEASURED, 1002.0), 1002.0)
+    step = next(a.finished for a in out if isinstance(a, FinishStep))
+    assert isinstance(step, StepFinished) and step.metrics["actor/loss"] == 0.25
+    assert len(step.sample_ids) == 4 * N

@@ -1,0 +1,337 @@
+"""The trainer's step as a core: what was read goes in, what to write and do comes out.
+
+:class:`StepCore` holds every decision of the trainer's step and no I/O: it never awaits,
+never reads a clock (the time comes in with each call) and writes nothing. The shell
+(trainer.app) reads, hands the core what it read, and carries out the actions the core
+returns, in order, through the trainer's fenced writer (trainer.actions lists them). As
+vLLM separates ``EngineCore`` from the process around it, and as the profiler service's
+``decide(state)`` returns messages.
+
+One step ``k`` through the core:
+
+1. :meth:`StepCore.start_step`: the profiler's step boundary, ``StepStarted(k)``, and the
+   mini-batches already complete (a step begun early by the previous one has them);
+2. :meth:`StepCore.take`, once per read, until :attr:`StepCore.gathered`: reports first
+   (tickets the rollouters dead-lettered are closed and replaced; answers dead-lettered
+   from the trainer's group are answered again), then samples (the intake's verdicts,
+   trainer.intake: dead letter, ack, reissue, warning), then, on an idle turn (the samples
+   stream had nothing), the run's health (trainer.health: rollouts failing, no rollouter
+   alive, the leases of unanswered tickets as :meth:`StepCore.due` asked the shell to look
+   them up, a stall); each complete mini-batch is handed to the worker as it comes
+   (:class:`~trainer.actions.Train`);
+3. the shell waits for the worker to finish the update, then :meth:`StepCore.close_step`:
+   the weights version goes up every ``trigger_parameter_sync_step`` steps, a checkpoint
+   is due or not, the next step begins early unless this one is profiled or checkpointed;
+   after a weights publication :meth:`StepCore.published` asks for their validation when
+   due;
+4. :meth:`StepCore.finish_step`: ``StepFinished(k)`` with its metrics (the acks of the
+   samples it trained go in the same script), the profiler's end of the step, the tickets
+   the staleness budget allows for the next steps, and after a checkpoint the trim of the
+   streams.
+
+The ledger the core decides on is folded from the events it emits, exactly as the writer
+folds them when it writes them (trainer.ledger), so a decision later in one call sees the
+tickets an earlier one issued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from bus import Delivery, RunKeys
+from bus.messages import StepFinished, StepStarted, WarningRaised
+from runconfig import Config
+from runconfig.stepunit import is_save_update
+from tasks import PromptSource
+from trainer.actions import (
+    Ack,
+    Action,
+    Closing,
+    DeadLetter,
+    Due,
+    FinishStep,
+    Holders,
+    IssueTickets,
+    Measured,
+    ProfileStep,
+    Publish,
+    Reads,
+    RequestValidation,
+    Train,
+    Trim,
+    Warn,
+)
+from trainer.budget import max_staleness
+from trainer.dispatch import Dispatch
+from trainer.health import Health
+from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale
+from trainer.ledger import Ledger
+from trainer.ledger import apply as ledger_apply
+from trainer.metrics import StaleWindow, step_gauges, verl_step_metrics
+from trainer.stepwork import may_stream
+from trainer.validation import ValidationRequests, last_version
+
+__all__ = ["StepCore"]
+
+
+class StepCore:
+    """The decisions of one trainer incarnation's steps, from the ``ledger`` and weights
+    ``version`` the log (and a resume) left, at ``now``; ``vocab_size`` and ``max_len``:
+    the model's, for checking samples (trainer.validate)."""
+
+    def __init__(self, cfg: Config, prompts: PromptSource, keys: RunKeys, *, ledger: Ledger,
+                 version: int, vocab_size: int | None, max_len: int | None,
+                 now: float) -> None:
+        self.cfg = cfg
+        tc, ac = cfg.trainer, cfg.async_training
+        self.trigger = ac.trigger_parameter_sync_step
+        self.need = ac.require_batches * tc.ppo_mini_batch_size
+        """Groups per step."""
+        self.ledger = ledger
+        self.version = version
+        """The weights version the trainer holds (one more after every sync)."""
+        self.vocab_size, self.max_len = vocab_size, max_len
+        self.intake = Intake(cfg.rollout.max_new_tokens, max_staleness(
+            ac.staleness_threshold, self.trigger, ac.require_batches, tc.ppo_mini_batch_size))
+        self.dispatch = Dispatch(cfg, prompts, keys.dlq)
+        self.dispatch.restart_leases(ledger, now)
+        self.health = Health(cfg.heartbeat, keys, now)
+        self.validations = ValidationRequests(cfg)
+        self.window = StaleWindow()
+        self.step = 0
+        """The step being gathered, or the last one."""
+        self.started_at = now
+        self.batch: list[Group] | None = None
+        """The groups the step being gathered took, in mini-batch order (None: no step
+        gathers)."""
+        self.closed: list[Group] = []
+        """The groups of the step closed and not yet finished."""
+        self.stale_share = 0.0
+        self.trim = False  # the streams are trimmed after the closed step
+
+    # ------------------------------------------------------------------ writes
+
+    def _emit(self, out: list[Action], action: Action) -> None:
+        """Append ``action``; fold the ledger events it writes, as the writer will."""
+        match action:
+            case IssueTickets(event=event):
+                self.ledger = ledger_apply(self.ledger, event)
+            case Publish(events=events):
+                for e in events:
+                    self.ledger = ledger_apply(self.ledger, e)
+            case FinishStep(finished=finished):
+                self.ledger = ledger_apply(self.ledger, finished)
+        out.append(action)
+
+    def tickets_written(self, issued: IssueTickets, entry_ids: Sequence[str], now: float
+                        ) -> None:
+        """The shell wrote these tickets at these prompts entries, at ``now``: their
+        leases start."""
+        self.dispatch.written(issued.tickets, entry_ids, now)
+
+    def issue(self) -> list[Action]:
+        """New tickets, as many as the sync window's staleness budget allows now."""
+        out: list[Action] = []
+        issued = self.dispatch.issue(self.ledger, self.version)
+        if issued is not None:
+            self._emit(out, issued)
+        return out
+
+    def _reissue(self, out: list[Action], indices: Sequence[int], reason: str) -> None:
+        for issued in self.dispatch.reissue(self.ledger, indices, reason, self.version,
+                                            self.intake.taken):
+            self._emit(out, issued)
+
+    def published(self, step: int) -> list[Action]:
+        """Weights :attr:`version` were published after ``step`` updates: their validation
+        when it is due (trainer.validation); never waited for here."""
+        request = self.validations.due(self.version, step, last_version(
+            step, self.trigger, self.cfg.trainer.total_training_steps))
+        return [] if request is None else [RequestValidation(request)]
+
+    # ------------------------------------------------------------------ a step
+
+    def start_step(self, step: int, now: float) -> list[Action]:
+        """Step ``step`` begins at ``now`` (its duration counts from here)."""
+        self.step, self.started_at = step, now
+        self.health.progressed(now)
+        out: list[Action] = [ProfileStep(step, begin=True),
+                             Publish([StepStarted(step=step, param_version=self.version)])]
+        if self.batch is None:
+            self.batch = []
+        out.extend(self._feed())
+        return out
+
+    @property
+    def gathered(self) -> bool:
+        """The step has all its groups (handed to the worker)."""
+        return self.batch is not None and len(self.batch) >= self.need
+
+    def _feed(self) -> list[Train]:
+        """The complete mini-batches of the ready groups, up to the step's need; each may
+        optimize at once when no stale group can still join the step (may_stream)."""
+        mini_batch, batch = self.cfg.trainer.ppo_mini_batch_size, self.batch
+        ready = self.intake.ready
+        out: list[Train] = []
+        while batch is not None and len(batch) < self.need and len(ready) >= mini_batch:
+            chunk = ready[:mini_batch]
+            del ready[:mini_batch]
+            batch.extend(chunk)
+            optimize = may_stream(ready, self.need - len(batch), self.ledger.open,
+                                  self.intake.taken, self.version)
+            out.append(Train([[s for _, s in g.ordered()] for g in chunk], optimize))
+        return out
+
+    def take(self, reads: Reads) -> list[Action]:
+        """What to write and do after one turn's ``reads`` (see the module docstring)."""
+        out: list[Action] = []
+        self.health.failed(reads.failures)
+        self.validations.answered(reads.validated)
+        self._take_reports(out, reads)
+        if reads.peers is not None:
+            self.health.observe(reads.peers, reads.now)
+        if reads.deliveries:
+            self.health.samples_arrived()
+            self._take_samples(out, reads.deliveries, reads.now)
+        if reads.idle:
+            self._judge_health(out, reads)
+        out.extend(self._feed())
+        return out
+
+    def _take_reports(self, out: list[Action], reads: Reads) -> None:
+        """Tickets the rollouters gave up (closed, their slots freed, new tickets issued)
+        and answers that went to the dead-letter stream (their tickets reissued)."""
+        if reads.dead_tickets:
+            closed, events = self.dispatch.close_dead(self.ledger, reads.dead_tickets,
+                                                      self.intake.taken)
+            for event in events:
+                self._emit(out, Publish([event]))
+            for index in closed:
+                self.intake.drop_partial(index)
+            out += self.issue()
+        lost = self.dispatch.lost_answers(self.ledger, reads.lost_samples, self.intake.taken)
+        if lost:
+            self._reissue(out, lost, "an answer was dead-lettered")
+
+    def _take_samples(self, out: list[Action], deliveries: Sequence[Delivery], now: float
+                      ) -> None:
+        """The intake's verdicts on one read, in order."""
+        for verdict in self.intake.judge(deliveries, self.ledger, self.version,
+                                         self.vocab_size, self.max_len):
+            match verdict:
+                case Refuse(delivery, reason, reissue):
+                    out.append(DeadLetter(delivery, reason))
+                    if reissue is not None:
+                        self._reissue(out, [reissue], "an answer was invalid")
+                case Duplicate(entry_ids):
+                    out.append(Ack(entry_ids))
+                case Stale(group, message):
+                    self.dispatch.answered(group.index, now)
+                    out.append(Ack(group.entry_ids()))
+                    out.append(Warn(WarningRaised(source="trainer",
+                                                  code="stale_group_discarded",
+                                                  message=message)))
+                    self._reissue(out, [group.index], "answer too stale")
+                case Complete(group):
+                    self.dispatch.answered(group.index, now)
+                    self.health.progressed(now)
+
+    # ------------------------------------------------------------------ health
+
+    def due(self, now: float, *, leases: bool = True) -> Due:
+        """What the shell reads before an idle turn at ``now``: the peers when a heartbeat
+        interval passed (or a lease expired), and with ``leases`` the holders of the open
+        tickets not taken whose lease expired."""
+        expired = self.dispatch.expired(self.ledger, self.intake.taken, now) if leases else []
+        return Due(self.health.peers_due(now) or bool(expired), expired,
+                   self.dispatch.entries_of(expired), self.dispatch.owners_to_read())
+
+    def _judge_health(self, out: list[Action], reads: Reads) -> None:
+        """An idle turn: rollouts failing, peers gone (raise PeerDead); lost tickets
+        reissued; a stall said (or, too long, raised) while a step gathers."""
+        self.health.check_failures()
+        if reads.peers is not None:
+            self.health.check_peers(reads.now)
+        if reads.holders is not None:
+            self._reissue_lost(out, reads.holders, reads.now)
+        if self.batch is not None:
+            warning = self.health.check_stall(reads.now, self.waiting_for)
+            if warning is not None:
+                out.append(Warn(warning, say=True))
+
+    def _reissue_lost(self, out: list[Action], holders: Holders, now: float) -> None:
+        """Reissue those of the expired tickets that are lost (trainer.dispatch: gone from
+        the stream, held by a dead rollouter or by a live one that makes no progress)."""
+        health, dispatch = self.health, self.dispatch
+        lost, stuck = dispatch.lost(holders, health.alive(), health.progress, now)
+        wedged = {i for tickets in stuck.values() for i in tickets}
+        if stuck:
+            for warning in dispatch.stuck_warnings(stuck, health.rollouters, health.progress,
+                                                   now):
+                out.append(Warn(warning))
+            self._reissue(out, sorted(wedged), f"held by a rollouter without progress for "
+                          f"{dispatch.progress_bound():.0f} s")
+        rest = [i for i in lost if i not in wedged]
+        if rest:
+            self._reissue(out, rest, f"unanswered for {dispatch.lease_s():.0f} s (ticket lease)")
+
+    def waiting_for(self) -> str:
+        """What the trainer waits for, in words (stall warnings and failures)."""
+        return self.intake.waiting_for(self.ledger, self.need, self.step, self.version,
+                                       self.health.rollouters_state())
+
+    # ------------------------------------------------------------------ the step's end
+
+    def close_step(self, profiled: bool) -> Closing:
+        """The step's update is done: sync, checkpoint, and whether the next step begins
+        now (``profiled``: the profiler brackets each step's work, so it may not)."""
+        tc = self.cfg.trainer
+        self.closed, self.batch = self.batch or [], None
+        self.stale_share = self.window.share(self.closed, self.version)
+        save = is_save_update(self.step, tc.save_freq, self.trigger, tc.total_training_steps)
+        sync = self.step % self.trigger == 0
+        if sync:
+            self.version += 1
+            self.window.synced()
+        early = None
+        if not profiled and not save:
+            # Off the critical path: the next step's ready mini-batches train (queued behind
+            # the weights' serialisation) while this step's weights, StepFinished and tickets
+            # go out. Checkpoint steps keep the boundary serial.
+            self.batch = []
+            early = self._feed()
+        self.trim = save and self.cfg.run.retention == "checkpoint"
+        return Closing(sync, save, early)
+
+    def finish_step(self, update: Mapping[str, float], measured: Measured, now: float
+                    ) -> list[Action]:
+        """The closed step's StepFinished at ``now``, with ``update`` (the worker's metrics)
+        and what the shell ``measured``; then the tickets for the steps after it."""
+        groups = self.closed
+        trained = [pair for g in groups for pair in g.ordered()]
+        duration = now - self.started_at
+        metrics = dict(update)
+        metrics["staleness/window_stale_share"] = self.stale_share
+        metrics.update(step_gauges(
+            duration, len(trained), measured, ledger=self.ledger,
+            capacity=self.dispatch.capacity, reissued=self.dispatch.reissued,
+            intake=self.intake, health=self.health))
+        metrics["trainer/ranks"] = float(measured.ranks)
+        metrics.update(verl_step_metrics([s for _, s in trained],
+                                         self.cfg.rollout.max_new_tokens, measured.update_s))
+        out: list[Action] = []
+        self._emit(out, FinishStep(StepFinished(
+            step=self.step, sample_ids=[s.sample_id for _, s in trained], metrics=metrics,
+            duration_s=duration, param_version=self.version,
+            entry_ids=[eid for eid, _ in trained])))
+        self.intake.trained(groups)
+        self.dispatch.trained([g.index for g in groups])
+        self.health.progressed(now)
+        self.closed = []
+        out.append(ProfileStep(self.step, begin=False))
+        if self.step < self.cfg.trainer.total_training_steps:
+            out += self.issue()
+        if self.trim:  # after the step: off its critical path
+            out.append(Trim([eid for eid, _ in trained],
+                            [hb.rank for hb in self.health.rollouters]))
+        return out

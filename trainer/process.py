@@ -1,0 +1,237 @@
+"""The trainer process on the bus: its parts, its lease, its ranks, and its start from the log.
+
+:class:`TrainerProcess` is the life of one trainer incarnation around its run
+(:class:`trainer.app.Trainer`, the shell around the step core): it takes the run's fencing
+lease and renews it at every pulse, starts this node's other trainer ranks
+(:class:`~trainer.ranks.LocalRanks`) and stops them, and brings the incarnation up to the
+log's state before the run begins: the run's files fetched (:class:`~trainer.runfiles.RunFiles`),
+the log folded by the :class:`~trainer.writer.Writer` and checked against them, the model and
+the profiler agent built, samples pending on earlier incarnations adopted, and, when the run
+had started, the model rebuilt (:func:`trainer.resume.rebuild`: the newest checkpoint, then
+the steps after it replayed from the samples they recorded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+
+from bus import Bus, Consumer, Fenced, Lease, entry_key
+from bus.keys import RUNS_STREAM
+from bus.messages import Event, Heartbeat, RunStarted, WarningRaised
+from profiling import create_agent, prepare_main_thread
+from profiling.driver import StepProfiler
+from runconfig import Config, config_to_dict
+from runconfig.paths import blob_root
+from runtime import Component
+from tasks import build_prompt_source
+from trainer.checkpoints import Checkpoints
+from trainer.dispatch import ROLLOUTER_GROUP
+from trainer.learner import Learner
+from trainer.lease import acquire, token
+from trainer.metrics import StepMeter
+from trainer.rankprofile import RankedAgent
+from trainer.ranks import LocalRanks
+from trainer.resume import rebuild, refusal_warnings
+from trainer.runfiles import RunFiles
+from trainer.stepwork import StepWork
+from trainer.validation import Validations
+from trainer.watch import Watch
+from trainer.weights import Weights, open_broadcaster
+from trainer.writer import Writer
+
+__all__ = ["GROUP", "TrainerProcess", "consumer_name"]
+
+GROUP = "trainer"
+MAX_LOG_RESTARTS = 5  # starts over from the log after it was found behind (a lost tail)
+STOP_RANKS_S = 30.0  # the longest the trainer waits for its other ranks to stop
+
+
+def consumer_name(epoch: str) -> str:
+    """The trainer's member of the samples group: one name per incarnation (its lease
+    token's epoch), so what a fenced-out incarnation held is told apart and adopted."""
+    return f"trainer-{epoch}"
+
+
+class TrainerProcess(Component):
+    """One trainer incarnation of a run; :meth:`run_loop` is the run itself."""
+
+    role = "trainer"
+    max_restarts = MAX_LOG_RESTARTS
+    restart_says = "resuming from the log"
+
+    def __init__(self, cfg: Config, bus: Bus) -> None:
+        super().__init__(cfg, bus)
+        self.files = RunFiles(cfg, self.run_id)
+        self.epoch = secrets.token_hex(4)
+        self.lease = Lease(bus, self.keys.trainer_lease, token(self.epoch),
+                           cfg.heartbeat.timeout_s)
+        self.writer = Writer(bus, self.keys, self.lease)
+        self.checkpoints = Checkpoints(cfg, bus, self.keys, self.files, self.lease, self.off)
+        self.prompts = build_prompt_source(cfg)  # verl data: loaded by the precheck, cached
+        self.watch = Watch(cfg, bus, self.keys)
+        self.local_ranks = LocalRanks(cfg.trainer)  # this process is rank 0 (trainer.ranks)
+        self.ranks = self.local_ranks.group
+        self.learner = Learner(cfg, self.ranks)
+        if self.files.mirror is not None:  # dcp shards: every rank writes its own there
+            self.learner.remote_checkpoints = self.files.mirror.where()
+        self.weights = Weights(bus, self.keys, self.writer, blob_root(cfg, self.run_id),
+                               self.epoch, transport=cfg.rollout.weights_transport,
+                               broadcaster=open_broadcaster(cfg, bus, self.keys, self.epoch,
+                                                            self._warn))
+        self.validations = Validations(cfg, bus, self.keys, self.writer)
+        # What the trainer writes answers what it read from the other roles' streams: its
+        # entries come after those in the merged log, even within one millisecond.
+        self.writer.floor = self._read_floor
+        self.meter = StepMeter()
+        # Fenced by the writer: a zombie of this trainer cannot read, ack or dead-letter a
+        # sample once another trainer holds the lease.
+        self.consumer = Consumer(bus, self.keys.samples, GROUP, consumer_name(self.epoch),
+                                 dlq_stream=self.keys.dlq, fence=self.writer)
+        self.upcoming: StepWork | None = None  # the next step, begun early (StepCore.close_step)
+        self.waiting: str | None = None  # what start-up waits for, told by the heartbeat
+
+    async def run_loop(self, resumed: bool) -> int:
+        """The run, once the incarnation is up to the log's state; the exit code."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the component
+
+    async def setup(self) -> None:
+        """Take the run's fencing lease (TrainerConflict names a live holder)."""
+        await acquire(self.lease, self.run_id, self.cfg.heartbeat)
+
+    async def on_pulse(self) -> None:
+        await self.writer.renew()
+        self.local_ranks.keep_alive(self.submit, self.learner.keepalive,
+                                    busy=self.learner.building is not None)
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(role="trainer", rank=0, pid=os.getpid(),
+                         state=self.waiting or f"step {self.writer.state.last_step}",
+                         metrics={"trainer/version": float(self.learner.version)})
+
+    def _read_floor(self) -> str | None:
+        """The newest entry the trainer has read from the other roles' streams."""
+        read = [i for i in (self.watch.events.newest(), self.validations.events.newest())
+                if i is not None]
+        return max(read, key=entry_key) if read else None
+
+    async def publish(self, *events: Event) -> None:
+        """Every event of the trainer goes through its fenced writer."""
+        await self.writer.publish(*events)
+
+    async def teardown(self) -> None:
+        with contextlib.suppress(Exception):  # Redis may be what failed: the lease lapses
+            await self.lease.release()
+
+    async def serve(self) -> int:
+        """The run, with this node's other trainer ranks around it: one that died turns
+        whatever failed into a RankFailed naming it."""
+        try:
+            for line in self.local_ranks.start():
+                self.say(line)
+            self.waiting = self.local_ranks.joining()
+            return await self._serve()
+        except Exception as exc:
+            failure = self.local_ranks.failure(exc)
+            if failure is not None:
+                raise failure from exc
+            raise
+        finally:
+            await self.local_ranks.stop(lambda: self.off(self.learner.stop_ranks), STOP_RANKS_S)
+
+    # ------------------------------------------------------------------ the start
+
+    async def _serve(self) -> int:
+        for line in await self.files.fetch():
+            self.say(line)
+        await self.files.check_covered(
+            await self.writer.read_log(self.files.ckpt_dir, self.files.events_dir))
+        await self._report_refused()
+        self.watch.follow_from(self.writer.position)  # reports: what comes next only
+        state, total = self.writer.state, self.cfg.trainer.total_training_steps
+        if state.finished and state.last_step >= total:
+            self.say(f"run {self.run_id} already finished at step {state.last_step}")
+            return 0
+        self.meter.loop_cpu_at = time.thread_time()
+        # Kineto on the thread that imported torch, before the worker's agent warms up.
+        prepare_main_thread(self.cfg, str(self.learner.device))
+        await self.off(self._build)
+        self.learner.build_optimizer()  # on a thread of its own; weights v0 serialise meanwhile
+        resumed = state.started
+        if self.weights.broadcaster is not None:
+            self.spawn(self.weights.broadcaster.run(), "weights-broadcast")
+        await self.consumer.ensure_group()
+        await Consumer(self.bus, self.keys.prompts, ROLLOUTER_GROUP, "trainer",
+                       dlq_stream=self.keys.dlq).ensure_group()
+        try:
+            await self._adopt()
+            if resumed:
+                await self._resume()
+            cfg_tree = config_to_dict(self.cfg)
+            await self.publish(RunStarted(run_id=self.run_id, config=cfg_tree, resumed=resumed))
+            if not resumed:
+                await self.bus.publish(RUNS_STREAM, RunStarted(run_id=self.run_id, config=cfg_tree))
+            self.spawn(self.watch.follow(), "watch")
+            return await self.run_loop(resumed)
+        except Fenced as exc:
+            self.say(f"fenced out, another trainer owns run {self.run_id!r}: {exc}", error=True)
+            return 1
+        finally:
+            if self.learner.building is not None:
+                with contextlib.suppress(Exception):  # raised where awaited, or moot now
+                    await self.learner.building
+            if self.upcoming is not None:
+                await self.upcoming.settle()
+            self.checkpoints.close()
+
+    def _build(self) -> None:
+        """The ranks joined, the model, and the profiler agent when profiling is on (worker
+        thread)."""
+        if self.ranks.active:
+            self.ranks.open()
+            self.ranks.send("config", (config_to_dict(self.cfg), self.writer.state.last_step))
+            self.waiting = None
+        self.learner.build()
+        agent = create_agent(self.cfg, "trainer", 0, str(self.learner.device),
+                             after_step=self.writer.state.last_step)
+        if agent is not None:  # every rank profiles (trainer.rankprofile)
+            self.profiler = StepProfiler(
+                RankedAgent(agent, self.learner) if self.ranks.active else agent, self.off)
+
+    async def _report_refused(self) -> None:
+        """One line per event of the log its fold refused (trainer.state.refusal: facts that
+        contradict the log), and its ``fact_refused`` warnings."""
+        for r in self.writer.refused:
+            self.say(f"refused {r.kind} at {r.entry_id} of {self.keys.events}: {r.reason}",
+                     error=True)
+        await self.publish(*refusal_warnings(self.writer.refused))
+
+    async def _warn(self, warning: WarningRaised) -> None:
+        self.say(warning.message, error=True)
+        await self.publish(warning)
+
+    async def _adopt(self) -> None:
+        """Samples pending on earlier incarnations (fenced out, or dead) become ours, read
+        first; their members leave the group, so names do not pile up over a run."""
+        taken = await self.consumer.adopt()
+        if taken:
+            self.say(f"adopted {sum(taken.values())} pending samples of {len(taken)} earlier "
+                     f"trainer(s) ({', '.join(sorted(taken))})")
+
+    async def _resume(self) -> None:
+        """Rebuild the model the trainer had (checkpoint, then the steps after it)."""
+        resumed = await rebuild(self.bus, self.keys, self.writer.state, self.learner, self.off,
+                                self.cfg.async_training.trigger_parameter_sync_step,
+                                self.writer.entries_read, warn=self._warn,
+                                locate=self.files.locate)
+        await self.publish(resumed)
+        if resumed.weights_match is False:
+            await self.publish(WarningRaised(
+                source="trainer", code="resume_weights_mismatch",
+                message=f"the resumed model does not hash to weights version "
+                        f"{self.learner.version} that the trainer published before it stopped"))
+        await self.weights.sweep()
