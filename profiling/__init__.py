@@ -27,8 +27,7 @@ from profiling.paths import (
 from profiling.traces import finish_trace, link_session_view
 
 if TYPE_CHECKING:
-    from profiling.agent import TOOLS, AgentEvent, ProfilerAgent
-    from profiling.component import create_agent, prepare_main_thread
+    from profiling.agent import TOOLS, AgentEvent, ProfilerAgent, create_agent, prepare_main_thread
 
 __all__ = [
     "TOOLS",
@@ -49,8 +48,8 @@ __all__ = [
 ]
 
 _LAZY = {"TOOLS": "profiling.agent", "AgentEvent": "profiling.agent",
-         "ProfilerAgent": "profiling.agent", "create_agent": "profiling.component",
-         "prepare_main_thread": "profiling.component"}
+         "ProfilerAgent": "profiling.agent", "create_agent": "profiling.agent",
+         "prepare_main_thread": "profiling.agent"}
 
 
 def __getattr__(name: str) -> Any:
