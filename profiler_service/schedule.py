@@ -42,7 +42,7 @@ from bus.messages import (
     RunStarted,
     StartProfile,
 )
-from profiler_service.state import (
+from profiler_service.records import (
     PROFILER_SOURCE,
     SESSIONS_MISSING_CODE,
     PendingRequest,
