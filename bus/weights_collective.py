@@ -59,13 +59,9 @@ from bus.liveness import peers
 from bus.messages import BlobRef
 from bus.streams import Bus
 from bus.weights_round import (
-    CONNECT_S,
-    PIECE,
-    STOP_WAIT_S,
     STORE,
     Member,
     RoundPlan,
-    Stopped,
     Worker,
     first_line,
     flatten,
@@ -81,9 +77,8 @@ from bus.weights_transport import (
     encode_manifest,
 )
 
-__all__ = ["CONNECT_S", "JOIN_TIMEOUT_S", "PIECE", "POLL_S", "STOP_WAIT_S", "STORE",
-           "Broadcaster", "Member", "Receiver", "RoundPlan", "Stopped", "delete_manifest",
-           "first_line", "invite", "still_live"]
+__all__ = ["JOIN_TIMEOUT_S", "POLL_S", "Broadcaster", "Receiver", "delete_manifest", "invite",
+           "still_live"]
 
 log = logging.getLogger(__name__)
 
