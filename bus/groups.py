@@ -34,11 +34,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from redis.exceptions import ResponseError
 
-from bus.client import BusClient, RetryHook, block_args
+from bus.client import Arg, BusClient, Reply, RetryHook, block_args
 from bus.entries import entry_key, raw_of, split_fields
 from bus.errors import BusError, BusUnavailable
 from bus.group_admin import GroupCommands, GroupInfo, in_group, member_names
@@ -96,9 +96,9 @@ class Fence(Protocol):
     (:data:`bus.liveness.FENCE_LUA`); it raises :class:`~bus.errors.Fenced` otherwise."""
 
     async def run_fenced(
-        self, body: str, keys: Sequence[str], args: Sequence[Any], *, op: str = "EVAL",
+        self, body: str, keys: Sequence[str], args: Sequence[Arg], *, op: str = "EVAL",
         on_retry: RetryHook | None = None,
-    ) -> Any: ...
+    ) -> Reply: ...
 
 
 def default_dlq(stream: str) -> str:
@@ -176,7 +176,7 @@ class Consumer:
     # One command, ARGV[3..] (its keys are among KEYS[3..]).
     _CALL_LUA = "return redis.pcall(unpack(ARGV, 3))"
 
-    async def _call(self, *args: Any) -> Any:
+    async def _call(self, *args: Arg) -> Reply:
         """One command on our group (``args[0]`` names it), behind the fence if we have one.
         Wraps the command, or EVAL (the fence's checks, then the command)."""
         if self.fence is None:
@@ -184,9 +184,9 @@ class Consumer:
         return await self._script(self._CALL_LUA, [], args, op=str(args[0]))
 
     async def _script(
-        self, body: str, keys: Sequence[str], args: Sequence[Any], *, op: str,
+        self, body: str, keys: Sequence[str], args: Sequence[Arg], *, op: str,
         on_retry: RetryHook | None = None,
-    ) -> Any:
+    ) -> Reply:
         """Run a fenced-script ``body`` on our stream (KEYS[3]) and ``keys`` after it:
         behind the fence, or, without one, with its two slots unused. Wraps EVAL."""
         keys = [self.stream, *keys]
@@ -228,14 +228,14 @@ class Consumer:
                 return out
         return await self._read_new(count, block_ms)
 
-    async def _xreadgroup(self, count: int, block_ms: int | None, start: bytes | str) -> Any:
+    async def _xreadgroup(self, count: int, block_ms: int | None, start: bytes | str) -> Reply:
         if self.fence is not None:
             return await self._fenced_read(count, block_ms, start)
         block = block_args(block_ms)
         return await self._run(self.bus.command(
             "XREADGROUP", "GROUP", self.group, self.name, "COUNT", count, *block,
             "STREAMS", self.stream, start,
-            block_ms=block[1] if block else None,
+            block_ms=int(block[1]) if block else None,
             on_retry=self._lost_reply,
         ))
 
@@ -252,12 +252,13 @@ if #last == 0 then return {false, '0-0'} end
 return {false, last[1][1]}
 """
 
-    async def _fenced_read(self, count: int, block_ms: int | None, start: bytes | str) -> Any:
+    async def _fenced_read(self, count: int, block_ms: int | None, start: bytes | str
+                           ) -> Reply:
         """XREADGROUP behind the fence, never blocking; when nothing is new, a plain XREAD
         BLOCK (no side effect: a fenced-out member may run it) waits for an entry after the
         stream's last one, then the fenced read runs once more. Wraps EVAL (XREADGROUP,
         XREVRANGE), XREAD."""
-        args = [self.group, self.name, count, start]
+        args: list[Arg] = [self.group, self.name, count, start]
         reply, last = await self._script(self._READ_LUA, [], args, op="XREADGROUP",
                                          on_retry=self._lost_reply)
         if reply or not block_ms or block_ms <= 0 or start != ">":
@@ -425,7 +426,7 @@ return {ids, acked}
                 [self.group, FIELD, len(payloads), *payloads, *ids], op=op)
             self._inflight.difference_update(ids)
             return [a.decode() for a in added], int(acked)
-        commands: list[Sequence[Any]] = [xadd_args(stream, data) for data in payloads]
+        commands: list[Sequence[Arg]] = [xadd_args(stream, data) for data in payloads]
         if ids:
             commands.append(("XACK", self.stream, self.group, *ids))
         replies = await self._run(self.bus.pipeline(commands, atomic=True, op=op))

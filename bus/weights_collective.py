@@ -48,7 +48,6 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
 
 import msgspec
 import torch
@@ -131,7 +130,7 @@ class Broadcaster:
     def __init__(self, bus: Bus, run_keys: RunKeys, *, epoch: str, host: str,
                  timeout_s: float, join_timeout_s: float = JOIN_TIMEOUT_S,
                  chunk_size: int = CHUNK_SIZE,
-                 warn: Callable[[str], Awaitable[Any]] | None = None) -> None:
+                 warn: Callable[[str], Awaitable[object]] | None = None) -> None:
         self.bus, self.run_keys, self.epoch, self.host = bus, run_keys, epoch, host
         self.timeout_s, self.join_timeout_s = timeout_s, join_timeout_s
         self.chunk_size, self.warn = chunk_size, warn

@@ -12,7 +12,7 @@ profiler service no torch import.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from profiling.hook import hook_env
 from profiling.nsys import nsys_command
@@ -52,7 +52,7 @@ _LAZY = {"TOOLS": "profiling.agent", "AgentEvent": "profiling.agent",
          "prepare_main_thread": "profiling.agent"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'profiling' has no attribute {name!r}")

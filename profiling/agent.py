@@ -55,7 +55,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.profiler
@@ -88,7 +87,7 @@ class _Session:
     started_step: int
     t0: float = 0.0
     last_done: int = 0  # last step whose step_end ran inside this session
-    prof: Any = None  # torch.profiler.profile while a torch/torch_memory session runs
+    prof: torch.profiler.profile | None = None  # while a torch/torch_memory session runs
     memory_history: bool = False  # CUDA allocator history recording (torch_memory)
     nsys: bool = False  # an nsys session: step ranges are NVTX
     range_open: bool = False  # cudaProfilerStart issued, no cudaProfilerStop yet
@@ -149,7 +148,7 @@ class ProfilerAgent:
         self._seen: set[str] = set()  # session ids handled: duplicates (redelivery) ignored
         self._queue: list[StartProfile] = []  # armed sessions, arrival order
         self._active: _Session | None = None
-        self._annotation: Any = None  # open record_function of the current step
+        self._annotation: torch.profiler.record_function | None = None  # the step's, open
         self._nvtx_open = False
         self._in_step: int | None = None
         self._last_begun = int(after_step)
@@ -335,7 +334,7 @@ class ProfilerAgent:
 
     # ------------------------------------------------------------------ start / stop
 
-    def _activities(self, cuda: bool) -> list[Any]:
+    def _activities(self, cuda: bool) -> list[torch.profiler.ProfilerActivity]:
         """CPU always (the step annotations are CPU events); CUDA when asked and present."""
         acts = [torch.profiler.ProfilerActivity.CPU]
         if cuda and self._cuda:
@@ -380,7 +379,7 @@ class ProfilerAgent:
                 if cmd.tool == "torch_memory":
                     memory = True
                     if self._cuda:
-                        torch.cuda.memory._record_memory_history(**self._history_kwargs())
+                        torch.cuda.memory._record_memory_history("all", **self._history_kwargs())
                         sess.memory_history = True
                     else:
                         events.append(
@@ -423,10 +422,10 @@ class ProfilerAgent:
         )
         return events
 
-    def _history_kwargs(self) -> dict[str, Any]:
+    def _history_kwargs(self) -> dict[str, object]:
         """verl's torch_memory options as ``_record_memory_history`` arguments."""
         tm = self.tools.torch_memory
-        kwargs: dict[str, Any] = {
+        kwargs: dict[str, object] = {
             "context": tm.context,
             "stacks": tm.stacks,
             "max_entries": tm.trace_alloc_max_entries,

@@ -270,7 +270,7 @@ class RunWatch:
         """A child that failed: restarted (True) when the policy allows and the run is not
         over, else reported as the run's failure (False). Either is one warning in the log."""
         what = _loss(child, rc)
-        if self.finished_at is not None and getattr(child, "lost", "") and \
+        if self.finished_at is not None and bool(getattr(child, "lost", "")) and \
                 child.name.startswith("rollouter"):
             # Its node went down, and Ray said so once the run had finished: nothing of the
             # run is missing (a rollouter has nothing to do after the end).
