@@ -71,6 +71,8 @@ from bus.weights_round import (
 from bus.weights_transport import (
     CHUNK_SIZE,
     TransportUnreachable,
+    WeightsFetcher,
+    WeightsPublisher,
     _tensors,
     decode_manifest,
     encode_manifest,
@@ -119,9 +121,10 @@ class _Outgoing(msgspec.Struct):
     buf: memoryview
 
 
-class Broadcaster:
-    """The trainer's side: :meth:`publish` the newest weights, :meth:`run` the rounds (a
-    task of the trainer, until cancelled). ``host``: the address receivers reach this
+class Broadcaster(WeightsPublisher):
+    """The trainer's side (a :class:`~bus.weights_transport.WeightsPublisher`):
+    :meth:`publish` the newest weights, :meth:`run` the rounds (a task of the trainer, until
+    cancelled). ``host``: the address receivers reach this
     process at; ``timeout_s``: gloo's timeout (a stalled broadcast fails after it);
     ``warn(text)``: told when a round leaves someone without the publication."""
 
@@ -231,16 +234,18 @@ class Broadcaster:
 
 # ---------------------------------------------------------------------- a rollouter's side
 
-class Receiver:
-    """A rollouter's side: :meth:`run` takes part in every round it is invited to (a task of
-    the rollouter, until cancelled; its heartbeat then says ``weights_receiver``), and
-    :meth:`take` hands over a received publication."""
+class Receiver(WeightsFetcher):
+    """A rollouter's side (a :class:`~bus.weights_transport.WeightsFetcher`): :meth:`run`
+    takes part in every round it is invited to (a task of the rollouter, until cancelled;
+    its heartbeat then says ``weights_receiver``), and :meth:`fetch` / :meth:`take` hand over
+    a received publication."""
 
     store = STORE
 
     def __init__(self, bus: Bus, run_keys: RunKeys, me: Member, *,
-                 poll_s: float = _RECEIVER_POLL_S) -> None:
+                 poll_s: float = _RECEIVER_POLL_S, wait_s: float = JOIN_TIMEOUT_S * 1.5) -> None:
         self.bus, self.run_keys, self.me, self.poll_s = bus, run_keys, me, poll_s
+        self.wait_s = wait_s  # how long fetch waits for a round to bring a publication
         self.held: tuple[str, dict[str, torch.Tensor]] | None = None
         self.receiving: str | None = None  # the key of the round in progress
         self.last_round = ""
@@ -326,6 +331,11 @@ class Receiver:
                         f"{wait_s:g} s (last round: {self.outcome})")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), max(left, 1.0))
+
+    async def fetch(self, ref: BlobRef) -> dict[str, torch.Tensor]:
+        """:meth:`take` within ``wait_s`` (the :class:`~bus.weights_transport.WeightsFetcher`
+        a rollouter holds)."""
+        return await self.take(ref, self.wait_s)
 
     def coming(self, key: str) -> bool:
         """Whether publication ``key`` is being received or is held (not yet taken)."""
