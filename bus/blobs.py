@@ -64,7 +64,7 @@ def _verify(ref: BlobRef, data: bytes) -> bytes:
     return data
 
 
-class RedisBlobStore:
+class RedisBlobStore(BlobStore):
     """Blobs as chunked strings in Redis, under ``run_keys.blob(name)``."""
 
     store = "redis"
@@ -135,7 +135,7 @@ class RedisBlobStore:
                                                                  self.run_keys.blobs))
 
 
-class DirBlobStore:
+class DirBlobStore(BlobStore):
     """Blobs as files under ``root``; ``BlobRef.key`` is the path relative to ``root``."""
 
     store = "dir"

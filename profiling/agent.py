@@ -60,6 +60,7 @@ import torch
 import torch.profiler
 
 from bus.messages import ProfileStarted, ProfileStopped, StartProfile, StopProfile, WarningRaised
+from profiling.driver import Agent
 from profiling.export import (
     AgentEvent,
     BackgroundExporter,
@@ -94,7 +95,7 @@ class _Session:
     stop_requested: bool = False
 
 
-class ProfilerAgent:
+class ProfilerAgent(Agent):
     """Executes profiling commands for one ``role``/``rank`` at its step boundaries.
 
     ``run_dir`` is :func:`~profiling.paths.profile_root` (created on the first trace).
