@@ -3,10 +3,12 @@
 :class:`BusClient` holds one ``redis.asyncio.Redis`` client (bytes in, bytes out, RESP2).
 The command groups (:mod:`bus.publish`, :mod:`bus.logs`, :mod:`bus.groups`, :mod:`bus.trim`,
 :mod:`bus.barrier`, :mod:`bus.keyspace`) are mixins on top of it, composed into
-:class:`bus.streams.Bus`; they and the other bus modules (liveness, blobs) talk to Redis
-only through its public surface: :meth:`~BusClient.command` (one command),
+:class:`bus.streams.Bus`; they and the other bus modules (liveness, blobs) send commands to
+Redis only through its public surface: :meth:`~BusClient.command` (one command),
 :meth:`~BusClient.pipeline` (several in one round trip, optionally MULTI/EXEC) and
-:meth:`~BusClient.run_script` (a Lua script, registered once per client).
+:meth:`~BusClient.run_script` (a Lua script, registered once per client). Redis's error
+replies reach them as raised (``redis.exceptions.ResponseError``: BUSYGROUP, NOGROUP, a
+script's own errors); connection failures come mapped to bus errors.
 
 Decisions:
 
