@@ -27,7 +27,7 @@ $(RUNTIME): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[logger]" "$(TORCH)"
 	touch $@
 
-# The tests and benchmarks: pytest, ruff (dev), transformers (hf), ray, matplotlib (plot),
+# The tests and benchmarks: pytest, ruff, mypy (dev), transformers (hf), ray, matplotlib (plot),
 # HTA (what it imports: traces; HTA itself --no-deps, else it pulls jupyterlab: pyproject.toml).
 HTA    ?= HolisticTraceAnalysis>=0.5
 $(FULL): $(RUNTIME)
@@ -82,8 +82,11 @@ shim: $(RUNTIME)
 test: $(FULL) $(VLLM)
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# ruff, then mypy over the packages pyproject.toml's [tool.mypy] names (tests/test_lint.py runs
+# both in CI).
 lint: $(FULL)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # The long ones: faults under chaos, and a synthetic run of 100 000 steps (minutes each).
 bench-long: $(FULL)

@@ -147,8 +147,8 @@ from bus.entries import Entry
 from bus.files import atomic_write
 from bus.history import events_folder, read_history
 from bus.keys import LOG_ROLES, RUNS_STREAM, log_order
+from profiler_service.records import Fact, ServiceState
 from profiler_service.schedule import decide
-from profiler_service.state import Fact, ServiceState
 from profiler_service.state import apply as service_apply
 from runconfig import Config, config_to_dict, load_config
 from tasks import build_prompt_source

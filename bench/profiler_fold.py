@@ -51,8 +51,9 @@ from bus.messages import (
     TicketsIssued,
     WeightsPublished,
 )
+from profiler_service.records import ServiceState
 from profiler_service.schedule import decide, expected_targets
-from profiler_service.state import ServiceState, apply, fold
+from profiler_service.state import apply, fold
 from runconfig.schema import ProfilerConfig
 
 __all__ = ["main", "replay"]

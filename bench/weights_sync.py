@@ -50,7 +50,8 @@ from bus import Bus, EmbeddedRedis, RunKeys
 from bus.blobs import DirBlobStore, RedisBlobStore, open_store
 from bus.liveness import pulse_forever
 from bus.messages import BlobRef, Heartbeat
-from bus.weights_collective import Broadcaster, Member, Receiver
+from bus.weights_collective import Broadcaster, Receiver
+from bus.weights_round import Member
 from bus.weights_transport import open_transport
 from policy.weights import from_bytes, to_bytes
 

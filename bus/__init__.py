@@ -15,7 +15,7 @@ redis and numpy.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from bus.blobs import (
@@ -92,6 +92,13 @@ if TYPE_CHECKING:
         decode,
         encode,
     )
+    from bus.redisbin import (
+        BINARY_ENV,
+        ensure_port_free,
+        find_redis_server,
+        free_port,
+        redis_server_version,
+    )
     from bus.retry import (
         BUDGET_S,
         FIRST_CONTACT_S,
@@ -102,18 +109,13 @@ if TYPE_CHECKING:
     from bus.server import (
         AOF_BLOAT,
         AOF_MIN_REWRITE_BYTES,
-        BINARY_ENV,
         LOCK_NAME,
         DirOwner,
         EmbeddedRedis,
         RedisDirInUse,
         RedisStartCancelled,
         dir_owner,
-        ensure_port_free,
-        find_redis_server,
-        free_port,
         pdeathsig_hook,
-        redis_server_version,
     )
     from bus.streams import (
         EXCEEDED_REASON,
@@ -242,7 +244,7 @@ _MODULES = ("errors", "keys", "retry", "files", "redisbin", "server", "serve", "
             "keyspace", "streams", "blobs", "liveness")
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in __all__:
         for sub in _MODULES:
             module = importlib.import_module(f"bus.{sub}")

@@ -84,13 +84,21 @@ def _key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def _number(name: str) -> int:
+    """A segment's number, from its file name (``archive-000007.rlev``: 7)."""
+    match = _NAME.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not the name of an archive segment")
+    return int(match[1])
+
+
 def segments(folder: Path) -> list[Path]:
     """The segment files of ``folder`` in log order ([] when it does not exist)."""
     try:
         names = [n for n in os.listdir(folder) if _NAME.match(n)]
     except FileNotFoundError:
         return []
-    return [folder / n for n in sorted(names, key=lambda n: int(_NAME.match(n)[1]))]  # type: ignore[index]
+    return [folder / n for n in sorted(names, key=_number)]
 
 
 def _records(fh: BinaryIO) -> Iterator[tuple[int, int, ArchivedEntry]]:
@@ -195,7 +203,7 @@ def _locked(folder: Path) -> Iterator[None]:
 
 
 def _new_segment(folder: Path, after: Path | None) -> Path:
-    number = int(_NAME.match(after.name)[1]) + 1 if after is not None else 1  # type: ignore[index]
+    number = _number(after.name) + 1 if after is not None else 1
     path = folder / f"archive-{number:06d}.rlev"
     atomic_write(path, MAGIC)
     return path

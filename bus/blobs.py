@@ -36,13 +36,23 @@ DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
 
 
 class BlobStore(Protocol):
-    """What both stores offer."""
+    """What both stores offer (tests/test_blobs.py holds one suite both pass)."""
 
-    async def put(self, name: str, data: bytes | bytearray | memoryview) -> BlobRef: ...
+    store: str
+    """The ``BlobRef.store`` of its blobs."""
 
-    async def get(self, ref: BlobRef) -> bytes: ...
+    async def put(self, name: str, data: bytes | bytearray | memoryview) -> BlobRef:
+        """Store ``data`` as blob ``name`` (overwriting); its reference."""
+        ...
 
-    async def delete(self, ref: BlobRef) -> None: ...
+    async def get(self, ref: BlobRef) -> bytes:
+        """The blob's bytes, verified: wrong size or sha256 is :class:`BlobCorrupt`, no blob
+        :class:`BlobNotFound`, another store's reference :class:`BlobError`."""
+        ...
+
+    async def delete(self, ref: BlobRef) -> None:
+        """Remove the blob (missing is fine)."""
+        ...
 
 
 def _verify(ref: BlobRef, data: bytes) -> bytes:
@@ -54,7 +64,7 @@ def _verify(ref: BlobRef, data: bytes) -> bytes:
     return data
 
 
-class RedisBlobStore:
+class RedisBlobStore(BlobStore):
     """Blobs as chunked strings in Redis, under ``run_keys.blob(name)``."""
 
     store = "redis"
@@ -125,7 +135,7 @@ class RedisBlobStore:
                                                                  self.run_keys.blobs))
 
 
-class DirBlobStore:
+class DirBlobStore(BlobStore):
     """Blobs as files under ``root``; ``BlobRef.key`` is the path relative to ``root``."""
 
     store = "dir"
@@ -181,7 +191,7 @@ def open_store(
     run_keys: RunKeys | None = None,
     root: str | os.PathLike[str] | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> RedisBlobStore | DirBlobStore:
+) -> BlobStore:
     """The store named by ``store`` (a ``BlobRef.store``): ``"redis"`` needs ``bus`` and
     ``run_keys``; ``"dir"`` needs ``root``."""
     if store == "redis":

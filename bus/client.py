@@ -3,10 +3,12 @@
 :class:`BusClient` holds one ``redis.asyncio.Redis`` client (bytes in, bytes out, RESP2).
 The command groups (:mod:`bus.publish`, :mod:`bus.logs`, :mod:`bus.groups`, :mod:`bus.trim`,
 :mod:`bus.barrier`, :mod:`bus.keyspace`) are mixins on top of it, composed into
-:class:`bus.streams.Bus`; they and the other bus modules (liveness, blobs) talk to Redis
-only through its public surface: :meth:`~BusClient.command` (one command),
+:class:`bus.streams.Bus`; they and the other bus modules (liveness, blobs) send commands to
+Redis only through its public surface: :meth:`~BusClient.command` (one command),
 :meth:`~BusClient.pipeline` (several in one round trip, optionally MULTI/EXEC) and
-:meth:`~BusClient.run_script` (a Lua script, registered once per client).
+:meth:`~BusClient.run_script` (a Lua script, registered once per client). Redis's error
+replies reach them as raised (``redis.exceptions.ResponseError``: BUSYGROUP, NOGROUP, a
+script's own errors); connection failures come mapped to bus errors.
 
 Decisions:
 
@@ -51,7 +53,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
@@ -82,7 +84,8 @@ from bus.errors import (
 from bus.retry import RetryPolicy, retry_async
 from bus.urls import split_cluster
 
-__all__ = ["SILENCE_REPEAT_S", "SILENCE_WARN_S", "BusClient", "block_args"]
+__all__ = ["SILENCE_REPEAT_S", "SILENCE_WARN_S", "Arg", "BusClient", "Reply", "RetryHook",
+           "block_args"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,15 @@ T = TypeVar("T")
 
 RetryHook = Callable[[int, BaseException], None]
 """Called ``(attempt, error)`` before each retry wait of one call."""
+
+Arg = str | bytes | bytearray | memoryview | int | float
+"""One argument of a Redis command (what redis-py encodes)."""
+
+# Untyped on purpose: a reply's shape is the command's (bytes, an int, None, lists of those,
+# nested; INFO's dict), and the caller that sent the command reads it as that shape. A union
+# of every shape would make each caller re-check what Redis guarantees.
+Reply = Any
+"""A Redis reply, as the command that asked for it shapes it."""
 
 _RETRY_ON: tuple[type[BaseException], ...] = (
     RedisConnectionError,  # includes BusyLoadingError while a restarted server replays its AOF
@@ -113,7 +125,7 @@ SILENCE_REPEAT_S = 10.0
 _RAW_COMMANDS = ("XREADGROUP", "XREAD", "XRANGE", "XREVRANGE", "XAUTOCLAIM", "XPENDING", "XCLAIM")
 
 
-def _raw(response: Any, **options: Any) -> Any:
+def _raw(response: T, **options: object) -> T:
     return response
 
 
@@ -122,7 +134,7 @@ def _raw_stream_replies(client: aioredis.Redis) -> None:
         client.set_response_callback(name, _raw)
 
 
-def block_args(block_ms: int | None) -> list[Any]:
+def block_args(block_ms: int | None) -> list[str | int]:
     """``["BLOCK", ms]`` for a blocking read, ``[]`` for ``None``/``0`` (do not block)."""
     if not block_ms or block_ms <= 0:
         return []
@@ -356,8 +368,8 @@ class BusClient:
     # ------------------------------------------------------------------ public surface
 
     async def command(
-        self, *args: Any, block_ms: int | None = None, on_retry: RetryHook | None = None
-    ) -> Any:
+        self, *args: Arg, block_ms: int | None = None, on_retry: RetryHook | None = None
+    ) -> Reply:
         """Run one raw Redis command (``args[0]`` names it) under the retry policy; bytes
         replies, raw ones for the stream commands. ``block_ms``: how long the command itself
         may block (added to the deadline); ``on_retry`` runs before each retry wait."""
@@ -365,7 +377,7 @@ class BusClient:
         if isinstance(redis_, RedisCluster):
             route = self._route
 
-            async def routed() -> Any:
+            async def routed() -> Reply:
                 await redis_.initialize()  # the slot table, the first time (routing needs it)
                 return await redis_.execute_command(*args, **route(args))
 
@@ -379,8 +391,8 @@ class BusClient:
         )
 
     async def pipeline(
-        self, commands: Sequence[Sequence[Any]], *, atomic: bool = False, op: str | None = None
-    ) -> list[Any]:
+        self, commands: Sequence[Sequence[Arg]], *, atomic: bool = False, op: str | None = None
+    ) -> list[Reply]:
         """Run ``commands`` in one round trip, as one call of the retry policy; their replies
         in order. ``atomic=True`` wraps them in MULTI/EXEC (all or nothing, no other client's
         command in between). ``op`` names the call in logs and errors (default: the first
@@ -390,7 +402,7 @@ class BusClient:
         redis_ = self._redis
         slots = self._slots
 
-        async def go() -> list[Any]:
+        async def go() -> list[Reply]:
             if slots is not None:
                 await redis_.initialize()  # the slot table, the first time
                 slot = await slots.slot_of(commands)
@@ -404,9 +416,9 @@ class BusClient:
         return await self._call(op or str(commands[0][0]).upper(), go)
 
     async def run_script(
-        self, lua: str, keys: Sequence[Any], args: Sequence[Any], *, op: str = "EVAL",
+        self, lua: str, keys: Sequence[str], args: Sequence[Arg], *, op: str = "EVAL",
         on_retry: RetryHook | None = None,
-    ) -> Any:
+    ) -> Reply:
         """Run the Lua script ``lua`` with ``keys`` and ``args`` under the retry policy
         (``on_retry`` runs before each retry wait). Wraps EVALSHA (EVAL when the server does
         not have the script yet). A script is registered with the client once, the first
@@ -417,7 +429,7 @@ class BusClient:
         keys_, args_ = list(keys), list(args)
         return await self._call(op, lambda: script(keys=keys_, args=args_), on_retry=on_retry)
 
-    def _route(self, args: Sequence[Any]) -> dict[str, Any]:
+    def _route(self, args: Sequence[Arg]) -> dict[str, ClusterNode | None]:
         """The node a keyless command goes to on a cluster: SCAN to the master owning its
         pattern's slot (``rlbus:{RUN}:*`` hashes like every key of the run: the run's keys are
         all there); PING, TIME and INFO to the master of :attr:`home_key` when set (else, and
@@ -426,7 +438,8 @@ class BusClient:
         assert isinstance(cluster, RedisCluster)
         if str(args[0]).upper() == "SCAN" and "MATCH" in args:
             pattern = args[list(args).index("MATCH") + 1]
-            return {"target_nodes": cluster.get_node_from_key(pattern)}
+            key = pattern.decode() if isinstance(pattern, bytes) else str(pattern)
+            return {"target_nodes": cluster.get_node_from_key(key)}
         name = str(args[0]).upper()
         if name in ("PING", "TIME", "INFO") and self.home_key is not None:
             return {"target_nodes": cluster.get_node_from_key(self.home_key)}

@@ -15,11 +15,14 @@ the pipeline is sent once more, to the new owner.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import MovedError, ResponseError
+
+if TYPE_CHECKING:  # bus.client builds on this module
+    from bus.client import Arg, Reply
 
 __all__ = ["SlotPipelines"]
 
@@ -32,9 +35,10 @@ class SlotPipelines:
         self._prepare = prepare  # the bus's response callbacks, as on the cluster client
         self._clients: dict[str, aioredis.Redis] = {}
 
-    async def slot_of(self, commands: Sequence[Sequence[Any]]) -> int | None:
+    async def slot_of(self, commands: Sequence[Sequence[Arg]]) -> int | None:
         """The one slot all ``commands`` use, or None when they use several (or none)."""
-        slots = {await self._cluster._determine_slot(*args) for args in commands}
+        slots = {await self._cluster._determine_slot(str(args[0]), *args[1:])
+                 for args in commands}
         return slots.pop() if len(slots) == 1 else None
 
     def _client(self, node: ClusterNode) -> aioredis.Redis:
@@ -47,9 +51,8 @@ class SlotPipelines:
             self._prepare(client)
         return client
 
-    async def execute(self, slot: int, commands: Sequence[Sequence[Any]], atomic: bool) -> list[
-        Any
-    ]:
+    async def execute(self, slot: int, commands: Sequence[Sequence[Arg]],
+                      atomic: bool) -> list[Reply]:
         """Run ``commands`` (all in ``slot``) in one round trip on the slot's master (MULTI/
         EXEC when ``atomic``); on MOVED, once more after reading the slot table again."""
         try:
@@ -60,9 +63,8 @@ class SlotPipelines:
         await self._cluster.nodes_manager.initialize()
         return await self._send(slot, commands, atomic)
 
-    async def _send(self, slot: int, commands: Sequence[Sequence[Any]], atomic: bool) -> list[
-        Any
-    ]:
+    async def _send(self, slot: int, commands: Sequence[Sequence[Arg]],
+                    atomic: bool) -> list[Reply]:
         node = self._cluster.nodes_manager.get_node_from_slot(slot)
         pipe = self._client(node).pipeline(transaction=atomic)
         for args in commands:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import msgspec
 
@@ -60,7 +60,7 @@ def is_entry_id(text: str) -> bool:
     return _ENTRY_ID.match(text) is not None
 
 
-def to_text(value: Any) -> str:
+def to_text(value: object) -> str:
     """A reply value (bytes, or already text/number) as ``str``."""
     return value.decode() if isinstance(value, bytes) else str(value)
 

@@ -5,11 +5,11 @@ a group; and :func:`in_group`, which turns Redis' NOGROUP error into a named one
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import Any, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 from redis.exceptions import ResponseError
 
-from bus.client import BusClient
+from bus.client import BusClient, Reply
 from bus.entries import to_text
 from bus.errors import BusError, GroupGone, StreamGone
 
@@ -41,7 +41,7 @@ async def in_group(bus: BusClient, stream: str, group: str, reply: Awaitable[T])
         raise gone from exc
 
 
-def _fields(row: list[Any]) -> dict[bytes, Any]:
+def _fields(row: list[Reply]) -> dict[bytes, Reply]:
     """One XINFO reply row (a flat ``name, value, ...`` list) as a dict."""
     return dict(zip(row[::2], row[1::2], strict=False))
 

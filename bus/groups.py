@@ -2,8 +2,8 @@
 
 A :class:`Consumer` is one member of one group on one stream; :class:`GroupCommands`
 (:mod:`bus.group_admin`) holds the group-level calls of :class:`~bus.streams.Bus` (list
-groups and members, who holds which pending entry, destroy a group), and
-:mod:`bus.group_scripts` the Lua bodies of a fenced member's calls.
+groups and members, who holds which pending entry, destroy a group). The Lua body of each
+fenced call is beside the method that runs it.
 
 Decisions (the contract other packages rely on):
 
@@ -34,15 +34,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from redis.exceptions import ResponseError
 
-from bus.client import BusClient, RetryHook, block_args
+from bus.client import Arg, BusClient, Reply, RetryHook, block_args
 from bus.entries import entry_key, raw_of, split_fields
 from bus.errors import BusError, BusUnavailable
 from bus.group_admin import GroupCommands, GroupInfo, in_group, member_names
-from bus.group_scripts import ADD_AND_ACK_LUA, ADOPT_LUA, CALL_LUA, READ_LUA, Fence
 from bus.keys import RunKeys
 from bus.messages import FIELD, DeadLetter, DecodeError, Message, decode, encode
 from bus.publish import xadd_args
@@ -88,6 +87,18 @@ class ConsumerStats:
     reclaimed: int = 0
     dead_lettered: int = 0
     trimmed: int = 0
+
+
+class Fence(Protocol):
+    """What fences a :class:`Consumer`'s group calls: :class:`bus.liveness.Lease` (or a
+    wrapper of it, such as the trainer's writer). ``run_fenced`` runs the Lua ``body`` only
+    while the fence holds; the body's keys start at KEYS[3], its args at ARGV[3]
+    (:data:`bus.liveness.FENCE_LUA`); it raises :class:`~bus.errors.Fenced` otherwise."""
+
+    async def run_fenced(
+        self, body: str, keys: Sequence[str], args: Sequence[Arg], *, op: str = "EVAL",
+        on_retry: RetryHook | None = None,
+    ) -> Reply: ...
 
 
 def default_dlq(stream: str) -> str:
@@ -157,17 +168,25 @@ class Consumer:
         """``await reply``, a call on our group (NOGROUP → StreamGone / GroupGone)."""
         return await in_group(self.bus, self.stream, self.group, reply)
 
-    async def _call(self, *args: Any) -> Any:
+    # The fenced calls' Lua bodies run behind a fence (bus.liveness.FENCE_LUA): own keys from
+    # KEYS[3], args from ARGV[3]. redis.pcall + returning the error keeps Redis's own error
+    # ("NOGROUP ...") as the reply on every server version (6.2 wraps a raised one in
+    # "ERR Error running script").
+
+    # One command, ARGV[3..] (its keys are among KEYS[3..]).
+    _CALL_LUA = "return redis.pcall(unpack(ARGV, 3))"
+
+    async def _call(self, *args: Arg) -> Reply:
         """One command on our group (``args[0]`` names it), behind the fence if we have one.
         Wraps the command, or EVAL (the fence's checks, then the command)."""
         if self.fence is None:
             return await self._run(self.bus.command(*args))
-        return await self._script(CALL_LUA, [], args, op=str(args[0]))
+        return await self._script(self._CALL_LUA, [], args, op=str(args[0]))
 
     async def _script(
-        self, body: str, keys: Sequence[str], args: Sequence[Any], *, op: str,
+        self, body: str, keys: Sequence[str], args: Sequence[Arg], *, op: str,
         on_retry: RetryHook | None = None,
-    ) -> Any:
+    ) -> Reply:
         """Run a fenced-script ``body`` on our stream (KEYS[3]) and ``keys`` after it:
         behind the fence, or, without one, with its two slots unused. Wraps EVAL."""
         keys = [self.stream, *keys]
@@ -209,24 +228,38 @@ class Consumer:
                 return out
         return await self._read_new(count, block_ms)
 
-    async def _xreadgroup(self, count: int, block_ms: int | None, start: bytes | str) -> Any:
+    async def _xreadgroup(self, count: int, block_ms: int | None, start: bytes | str) -> Reply:
         if self.fence is not None:
             return await self._fenced_read(count, block_ms, start)
         block = block_args(block_ms)
         return await self._run(self.bus.command(
             "XREADGROUP", "GROUP", self.group, self.name, "COUNT", count, *block,
             "STREAMS", self.stream, start,
-            block_ms=block[1] if block else None,
+            block_ms=int(block[1]) if block else None,
             on_retry=self._lost_reply,
         ))
 
-    async def _fenced_read(self, count: int, block_ms: int | None, start: bytes | str) -> Any:
+    # XREADGROUP GROUP ARGV[3] ARGV[4] COUNT ARGV[5] STREAMS KEYS[3] ARGV[6]. Returns {reply,
+    # ''}, or {nil, id of the stream's last entry ('0-0': empty)} when nothing came: where the
+    # caller's blocking XREAD waits from.
+    _READ_LUA = """
+local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[3], ARGV[4], 'COUNT', ARGV[5],
+                      'STREAMS', KEYS[3], ARGV[6])
+if type(r) == 'table' and r.err then return r end
+if r then return {r, ''} end
+local last = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
+if #last == 0 then return {false, '0-0'} end
+return {false, last[1][1]}
+"""
+
+    async def _fenced_read(self, count: int, block_ms: int | None, start: bytes | str
+                           ) -> Reply:
         """XREADGROUP behind the fence, never blocking; when nothing is new, a plain XREAD
         BLOCK (no side effect: a fenced-out member may run it) waits for an entry after the
         stream's last one, then the fenced read runs once more. Wraps EVAL (XREADGROUP,
         XREVRANGE), XREAD."""
-        args = [self.group, self.name, count, start]
-        reply, last = await self._script(READ_LUA, [], args, op="XREADGROUP",
+        args: list[Arg] = [self.group, self.name, count, start]
+        reply, last = await self._script(self._READ_LUA, [], args, op="XREADGROUP",
                                          on_retry=self._lost_reply)
         if reply or not block_ms or block_ms <= 0 or start != ">":
             return reply
@@ -235,7 +268,7 @@ class Consumer:
             block_ms=int(block_ms)))
         if not woke:
             return None
-        reply, _ = await self._script(READ_LUA, [], args, op="XREADGROUP",
+        reply, _ = await self._script(self._READ_LUA, [], args, op="XREADGROUP",
                                       on_retry=self._lost_reply)
         return reply
 
@@ -367,6 +400,20 @@ class Consumer:
         self.stats.acked += acked
         return added
 
+    # XACK KEYS[3] ARGV[3] ARGV[n+6..], then XADD KEYS[4] * ARGV[4] ARGV[5+i] for i = 1..n
+    # (n = ARGV[5]), atomically as MULTI/EXEC would. Returns {new ids, how many were pending}.
+    _ADD_AND_ACK_LUA = """
+local n = tonumber(ARGV[5])
+local acked = 0
+if #ARGV > n + 5 then
+  acked = redis.pcall('XACK', KEYS[3], ARGV[3], unpack(ARGV, n + 6))
+  if type(acked) == 'table' and acked.err then return acked end
+end
+local ids = {}
+for i = 1, n do ids[i] = redis.call('XADD', KEYS[4], '*', ARGV[4], ARGV[5 + i]) end
+return {ids, acked}
+"""
+
     async def _add_and_ack(
         self, op: str, stream: str, payloads: Sequence[bytes], ids: Sequence[str]
     ) -> tuple[list[str], int]:
@@ -375,11 +422,11 @@ class Consumer:
         many of ``ids`` were pending."""
         if self.fence is not None:
             added, acked = await self._script(
-                ADD_AND_ACK_LUA, [stream], [self.group, FIELD, len(payloads), *payloads, *ids],
-                op=op)
+                self._ADD_AND_ACK_LUA, [stream],
+                [self.group, FIELD, len(payloads), *payloads, *ids], op=op)
             self._inflight.difference_update(ids)
             return [a.decode() for a in added], int(acked)
-        commands: list[Sequence[Any]] = [xadd_args(stream, data) for data in payloads]
+        commands: list[Sequence[Arg]] = [xadd_args(stream, data) for data in payloads]
         if ids:
             commands.append(("XACK", self.stream, self.group, *ids))
         replies = await self._run(self.bus.pipeline(commands, atomic=True, op=op))
@@ -489,6 +536,28 @@ class Consumer:
                     break
         return out
 
+    # Member ARGV[5] of group ARGV[3] on KEYS[3]: XCLAIM (JUSTID: its delivery counter is
+    # kept, our next read of our own pending entries counts one more) up to ARGV[6] of its
+    # pending entries for ARGV[4]; once it owns none, XGROUP DELCONSUMER it. Returns {ids it
+    # held, ids claimed} ({{}, {}}: removed). Redis 7 drops an entry deleted while pending
+    # from the PEL instead of claiming it (6.2 claims it: our read finds it trimmed).
+    _ADOPT_LUA = """
+local rows = redis.pcall('XPENDING', KEYS[3], ARGV[3], '-', '+', ARGV[6], ARGV[5])
+if type(rows) == 'table' and rows.err then return rows end
+if #rows == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[3], ARGV[3], ARGV[5])
+  return {{}, {}}
+end
+local held = {}
+local claim = {'XCLAIM', KEYS[3], ARGV[3], ARGV[4], 0}
+for i, row in ipairs(rows) do
+  held[i] = row[1]
+  claim[#claim + 1] = row[1]
+end
+claim[#claim + 1] = 'JUSTID'
+return {held, redis.call(unpack(claim))}
+"""
+
     async def adopt(self, count: int = 1000) -> dict[str, int]:
         """Take over every entry pending on the group's other members and remove them, for
         a group with one member at a time whose earlier incarnations read under other names
@@ -508,7 +577,7 @@ class Consumer:
             last: list[bytes] = []
             while True:
                 held, claimed = await self._script(
-                    ADOPT_LUA, [], [self.group, self.name, member, count], op="XCLAIM")
+                    self._ADOPT_LUA, [], [self.group, self.name, member, count], op="XCLAIM")
                 if not held or held == last:  # removed (or, defensively, no progress)
                     break
                 last = held

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
 from typing import NamedTuple
@@ -63,8 +63,10 @@ async def find_archive(bus: Bus, keys: RunKeys, configured: Path | None) -> Path
     if configured is not None and await asyncio.to_thread(configured.is_dir):
         return configured
     recorded = await bus.get_text(keys.archive)
-    if recorded and await asyncio.to_thread(Path(recorded).is_dir):
-        return Path(recorded)
+    if recorded:
+        path = Path(recorded)
+        if await asyncio.to_thread(path.is_dir):
+            return path
     return configured
 
 
@@ -82,7 +84,7 @@ async def _read_trimmed(
     count: int,
     on_bad: Callable[[BadEntry], None] | None,
     on_gap: Callable[[str, str], None] | None,
-) -> AsyncIterator[Entry]:
+) -> AsyncGenerator[Entry, None]:
     """The entries after ``cursor`` and before ``first`` (the stream's first entry), which
     were trimmed from the stream: from the archive in ``folder``. When it holds none of them
     and the cursor was not the start, ``on_gap(cursor, first)`` says what was skipped."""
@@ -109,7 +111,7 @@ async def read_history(
     count: int = 500,
     on_bad: Callable[[BadEntry], None] | None = None,
     on_gap: Callable[[str, str], None] | None = None,
-) -> AsyncIterator[Entry]:
+) -> AsyncGenerator[Entry, None]:
     """Every entry after ``start`` (``"0"``: from the beginning), archive then stream, in
     order and each once. ``folder``: the archive (None: the stream only). Bad entries are
     skipped as :meth:`bus.Bus.read_all` skips them. File reads run on a worker thread."""
@@ -124,9 +126,9 @@ async def read_history(
                 async for entry in trimmed:
                     yield entry
         for entry_id, fields in page:
-            entry = bus.decode_entry(stream, entry_id, fields, on_bad)
-            if entry is not None:
-                yield entry
+            decoded = bus.decode_entry(stream, entry_id, fields, on_bad)
+            if decoded is not None:
+                yield decoded
         if page:
             cursor = page[-1][0]
         if len(page) < count:

@@ -6,8 +6,6 @@ for tools that list or remove a run's keys.
 
 from __future__ import annotations
 
-from typing import Any
-
 from bus.client import BusClient
 from bus.entries import to_text
 
@@ -41,7 +39,7 @@ class KeyCommands(BusClient):
         page is its own call of the retry policy: a SCAN cursor is stateless, so it
         survives a reconnect)."""
         keys: set[bytes] = set()
-        cursor: Any = 0
+        cursor: int | bytes = 0
         while True:
             cursor, batch = await self.command("SCAN", cursor, "MATCH", pattern, "COUNT", 1000)
             keys.update(batch)

@@ -33,11 +33,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 from redis.exceptions import ResponseError
 
-from bus.client import RetryHook
+from bus.client import Arg, Reply, RetryHook
 from bus.errors import EntryGone, Fenced
 from bus.messages import FIELD, DecodeError, Heartbeat, Message, decode, encode
 from bus.streams import Bus
@@ -214,21 +213,22 @@ class Lease:
             return None
         if holder is None:  # expired between SET NX and GET: try once more
             return await self.acquire()
-        return holder.decode(errors="replace")
+        text: str = holder.decode(errors="replace")
+        return text
 
     async def steal(self, holder: str) -> bool:
         """Replace ``holder``'s token by ours (only if it still holds it). Wraps EVAL."""
-        args = [holder, self.token, self.ttl_ms]
+        args: list[Arg] = [holder, self.token, self.ttl_ms]
         return bool(await self.bus.run_script(_STEAL_LUA, [self.key], args))
 
     async def renew(self) -> bool:
         """Extend our lease; False if we no longer hold it. Wraps EVAL (GET + PEXPIRE)."""
-        args = [self.token, self.ttl_ms]
+        args: list[Arg] = [self.token, self.ttl_ms]
         return bool(await self.bus.run_script(_RENEW_LUA, [self.key], args))
 
     async def release(self) -> None:
         """Give the lease up if we hold it. Wraps EVAL (GET + DEL)."""
-        args = [self.token, 0]
+        args: list[Arg] = [self.token, 0]
         await self.bus.run_script(_RENEW_LUA, [self.key], args)
 
     async def holder(self) -> str | None:
@@ -259,7 +259,7 @@ class Lease:
         """
         keys = [self.key, *(stream for stream, _ in items)]
         acked = ack is not None and bool(ack[2])
-        args: list[Any] = [self.token, FIELD, len(items), require[1] if require else "",
+        args: list[Arg] = [self.token, FIELD, len(items), require[1] if require else "",
                            ack[1] if ack is not None and acked else "", floor or ""]
         args += [encode(m) for _, m in items]
         if ack is not None and acked:
@@ -276,10 +276,10 @@ class Lease:
         return [i.decode() if isinstance(i, bytes) else str(i) for i in reply]
 
     async def run_fenced(
-        self, body: str, keys: Sequence[str], args: Sequence[Any], *,
+        self, body: str, keys: Sequence[str], args: Sequence[Arg], *,
         require: tuple[str, str] | None = None, op: str = "EVAL",
         on_retry: RetryHook | None = None,
-    ) -> Any:
+    ) -> Reply:
         """Run the Lua ``body`` only while our token holds the lease (and, with ``require =
         (stream, id)``, while that entry is still there), atomically: the checks are
         :data:`FENCE_LUA`, so the body reads its own ``keys`` from KEYS[3] and its ``args``

@@ -18,10 +18,11 @@ StepStarted(v=1, step=1, param_version=0, ts=...)
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 __all__ = [
     "FIELD",
@@ -85,6 +86,16 @@ class _Base(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=Tru
 # --------------------------------------------------------------------------- payload pieces
 
 
+class _Tensor(Protocol):
+    """A torch tensor as :meth:`Array.of` reads it (torch is not imported here)."""
+
+    def detach(self) -> _Tensor: ...
+
+    def cpu(self) -> _Tensor: ...
+
+    def numpy(self) -> np.ndarray: ...
+
+
 class Array(msgspec.Struct, frozen=True, array_like=True):
     """A 1-D numeric array as raw little-endian bytes plus its numpy dtype string.
 
@@ -95,7 +106,7 @@ class Array(msgspec.Struct, frozen=True, array_like=True):
     data: bytes
 
     @classmethod
-    def of(cls, values: Any, dtype: str | None = None) -> Array:
+    def of(cls, values: npt.ArrayLike | _Tensor, dtype: str | None = None) -> Array:
         """Pack a numpy array, torch tensor or sequence (converted to little-endian)."""
         if hasattr(values, "detach"):  # torch.Tensor, without importing torch here
             values = values.detach().cpu().numpy()
@@ -135,6 +146,7 @@ class RunStarted(_Base, frozen=True):
 
     run_id: str
     config: dict[str, Any]
+    """The run's config as plain data (runconfig's shape, not the schema's: left untyped)."""
     ts: float = msgspec.field(default_factory=_now)
     resumed: bool = False
 
@@ -369,9 +381,11 @@ class PromptTicket(_Base, frozen=True):
     data_source: str = ""
     """verl data: the record's ``data_source`` (picks the scorer; per-source metrics)."""
     ground_truth: Any = None
-    """verl data: ``reward_model.ground_truth`` as stored (None: ``answer`` is the truth)."""
+    """verl data: ``reward_model.ground_truth`` as stored (None: ``answer`` is the truth);
+    untyped: its shape is the dataset's."""
     extra_info: dict[str, Any] | None = None
-    """verl data: the record's ``extra_info``, passed to the reward function."""
+    """verl data: the record's ``extra_info``, passed to the reward function (untyped: the
+    dataset's shape)."""
 
 
 class Sample(_Base, frozen=True):

@@ -172,7 +172,7 @@ class ProgressThread:
     def _run(self) -> None:
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
-            self._task = asyncio.current_task()  # type: ignore[assignment]
+            self._task = asyncio.current_task()
             self._ready.set()
             bus = Bus.from_url(self.url, client_name=f"rlbus-progress-{self.spec.role}")
             try:

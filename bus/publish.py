@@ -7,15 +7,14 @@ round trip (pipelined XADDs), in MULTI/EXEC when they must land together.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
-from bus.client import BusClient
+from bus.client import Arg, BusClient
 from bus.messages import FIELD, Message, encode
 
 __all__ = ["PublishCommands", "xadd_args"]
 
 
-def xadd_args(stream: str, data: bytes, maxlen: int | None = None) -> tuple[Any, ...]:
+def xadd_args(stream: str, data: bytes, maxlen: int | None = None) -> tuple[Arg, ...]:
     """The XADD command appending ``data`` (one encoded message) to ``stream``."""
     if maxlen is None:
         return ("XADD", stream, "*", FIELD, data)
@@ -68,10 +67,10 @@ class PublishCommands(BusClient):
         ids = await self.pipeline(commands, atomic=atomic, op="XADD")
         return [i.decode() for i in ids]
 
-    async def publish_raw(self, stream: str, fields: Mapping[str | bytes, Any]) -> str:
+    async def publish_raw(self, stream: str, fields: Mapping[str | bytes, Arg]) -> str:
         """Append an entry with arbitrary fields (tools and tests; bypasses encoding).
         Wraps XADD."""
-        args: list[Any] = ["XADD", stream, "*"]
+        args: list[Arg] = ["XADD", stream, "*"]
         for k, v in fields.items():
             args += [k, v]
         entry_id: bytes = await self.command(*args)

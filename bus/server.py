@@ -242,7 +242,7 @@ class EmbeddedRedis:
         self._auto_port = port is None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[[subprocess.Popen[bytes]], EmbeddedRedis] | None = None
         self._version: tuple[int, int, int] | None = None
         self._lock_fd: int | None = None
 

@@ -18,7 +18,7 @@ import contextlib
 import os
 import secrets
 from collections.abc import Sequence
-from typing import Any
+from typing import Protocol
 
 from bus.files import atomic_write, fsync_path
 
@@ -38,7 +38,13 @@ class StorageError(Exception):
         self.reason = reason
 
 
-def _protocols(fs: Any) -> Sequence[str]:
+class _Filesystem(Protocol):
+    """What is read of an fsspec filesystem here (fsspec ships no type information)."""
+
+    protocol: str | tuple[str, ...]
+
+
+def _protocols(fs: _Filesystem) -> Sequence[str]:
     p = fs.protocol
     return (p,) if isinstance(p, str) else tuple(p)
 

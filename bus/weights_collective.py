@@ -48,7 +48,6 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
 
 import msgspec
 import torch
@@ -59,13 +58,9 @@ from bus.liveness import peers
 from bus.messages import BlobRef
 from bus.streams import Bus
 from bus.weights_round import (
-    CONNECT_S,
-    PIECE,
-    STOP_WAIT_S,
     STORE,
     Member,
     RoundPlan,
-    Stopped,
     Worker,
     first_line,
     flatten,
@@ -76,14 +71,15 @@ from bus.weights_round import (
 from bus.weights_transport import (
     CHUNK_SIZE,
     TransportUnreachable,
+    WeightsFetcher,
+    WeightsPublisher,
     _tensors,
     decode_manifest,
     encode_manifest,
 )
 
-__all__ = ["CONNECT_S", "JOIN_TIMEOUT_S", "PIECE", "POLL_S", "STOP_WAIT_S", "STORE",
-           "Broadcaster", "Member", "Receiver", "RoundPlan", "Stopped", "delete_manifest",
-           "first_line", "invite", "still_live"]
+__all__ = ["JOIN_TIMEOUT_S", "POLL_S", "Broadcaster", "Receiver", "delete_manifest", "invite",
+           "still_live"]
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +121,10 @@ class _Outgoing(msgspec.Struct):
     buf: memoryview
 
 
-class Broadcaster:
-    """The trainer's side: :meth:`publish` the newest weights, :meth:`run` the rounds (a
-    task of the trainer, until cancelled). ``host``: the address receivers reach this
+class Broadcaster(WeightsPublisher):
+    """The trainer's side (a :class:`~bus.weights_transport.WeightsPublisher`):
+    :meth:`publish` the newest weights, :meth:`run` the rounds (a task of the trainer, until
+    cancelled). ``host``: the address receivers reach this
     process at; ``timeout_s``: gloo's timeout (a stalled broadcast fails after it);
     ``warn(text)``: told when a round leaves someone without the publication."""
 
@@ -136,7 +133,7 @@ class Broadcaster:
     def __init__(self, bus: Bus, run_keys: RunKeys, *, epoch: str, host: str,
                  timeout_s: float, join_timeout_s: float = JOIN_TIMEOUT_S,
                  chunk_size: int = CHUNK_SIZE,
-                 warn: Callable[[str], Awaitable[Any]] | None = None) -> None:
+                 warn: Callable[[str], Awaitable[object]] | None = None) -> None:
         self.bus, self.run_keys, self.epoch, self.host = bus, run_keys, epoch, host
         self.timeout_s, self.join_timeout_s = timeout_s, join_timeout_s
         self.chunk_size, self.warn = chunk_size, warn
@@ -237,16 +234,18 @@ class Broadcaster:
 
 # ---------------------------------------------------------------------- a rollouter's side
 
-class Receiver:
-    """A rollouter's side: :meth:`run` takes part in every round it is invited to (a task of
-    the rollouter, until cancelled; its heartbeat then says ``weights_receiver``), and
-    :meth:`take` hands over a received publication."""
+class Receiver(WeightsFetcher):
+    """A rollouter's side (a :class:`~bus.weights_transport.WeightsFetcher`): :meth:`run`
+    takes part in every round it is invited to (a task of the rollouter, until cancelled;
+    its heartbeat then says ``weights_receiver``), and :meth:`fetch` / :meth:`take` hand over
+    a received publication."""
 
     store = STORE
 
     def __init__(self, bus: Bus, run_keys: RunKeys, me: Member, *,
-                 poll_s: float = _RECEIVER_POLL_S) -> None:
+                 poll_s: float = _RECEIVER_POLL_S, wait_s: float = JOIN_TIMEOUT_S * 1.5) -> None:
         self.bus, self.run_keys, self.me, self.poll_s = bus, run_keys, me, poll_s
+        self.wait_s = wait_s  # how long fetch waits for a round to bring a publication
         self.held: tuple[str, dict[str, torch.Tensor]] | None = None
         self.receiving: str | None = None  # the key of the round in progress
         self.last_round = ""
@@ -332,6 +331,11 @@ class Receiver:
                         f"{wait_s:g} s (last round: {self.outcome})")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), max(left, 1.0))
+
+    async def fetch(self, ref: BlobRef) -> dict[str, torch.Tensor]:
+        """:meth:`take` within ``wait_s`` (the :class:`~bus.weights_transport.WeightsFetcher`
+        a rollouter holds)."""
+        return await self.take(ref, self.wait_s)
 
     def coming(self, key: str) -> bool:
         """Whether publication ``key`` is being received or is held (not yet taken)."""

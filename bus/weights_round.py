@@ -15,7 +15,7 @@ import datetime
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, TypeVarTuple
 
 import msgspec
 import torch
@@ -51,6 +51,7 @@ STOP_WAIT_S = CONNECT_S + 2.0
 
 _WAIT_S = 0.5
 T = TypeVar("T")
+Args = TypeVarTuple("Args")
 
 
 class Member(msgspec.Struct, frozen=True, array_like=True):
@@ -107,27 +108,30 @@ class Worker:
 
     def __init__(self) -> None:
         self.stop = threading.Event()
+        # Untyped: the round in flight is whichever call runs (open_store, send_round, ...), and
+        # close() only waits for it to end, never reads its result.
         self.inflight: asyncio.Future[Any] | None = None
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+    async def call(self, fn: Callable[[*Args, threading.Event], T], *args: *Args) -> T:
+        """``fn(*args, stop)`` on the worker's thread: its result, or its exception."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
-        def settle(result: Any, error: BaseException | None) -> None:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
+        def settle(result: T) -> None:
+            if not future.done():
                 future.set_result(result)
+
+        def fail(error: BaseException) -> None:
+            if not future.done():
+                future.set_exception(error)
 
         def body() -> None:
             try:
                 result = fn(*args, self.stop)
             except BaseException as exc:  # handed to the awaiting task
-                loop.call_soon_threadsafe(settle, None, exc)
+                loop.call_soon_threadsafe(fail, exc)
             else:
-                loop.call_soon_threadsafe(settle, result, None)
+                loop.call_soon_threadsafe(settle, result)
 
         self.inflight = future
         threading.Thread(target=body, name=f"weights-{fn.__name__}", daemon=True).start()
@@ -146,16 +150,18 @@ class Worker:
 
 # ---------------------------------------------------------------------- the blocking parts
 
-_ABANDONED: list[Any] = []  # groups left with an operation pending (see _close_group)
+_ABANDONED: list[dist.ProcessGroupGloo] = []  # left with an operation pending (_close_group)
 
 
-def _group(store: Any, rank: int, world: int, host: str, connect_s: float,
-           timeout_s: float) -> Any:
+def _group(store: dist.Store, rank: int, world: int, host: str, connect_s: float,
+           timeout_s: float) -> dist.ProcessGroupGloo:
     """A gloo group of its own on ``store`` (no default group: the trainer's ranks may have
     one), bound to ``host``'s interface. Forming it fails after ``connect_s`` (a member that
     said ready and died holds a round that long, not gloo's whole timeout); each operation
     after ``timeout_s``."""
-    opts = dist.ProcessGroupGloo._Options()
+    # Private in torch's stubs, public in its code: the options are the only way to bind the
+    # group to one interface and bound its forming before it forms.
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = datetime.timedelta(seconds=connect_s)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world, opts)
@@ -163,7 +169,7 @@ def _group(store: Any, rank: int, world: int, host: str, connect_s: float,
     return group
 
 
-def _close_group(group: Any, pending: bool) -> None:
+def _close_group(group: dist.ProcessGroupGloo, pending: bool) -> None:
     """Shut ``group`` down. One with an operation still pending (the round was stopped)
     is kept, not destroyed: its destructor waits out gloo's timeout."""
     group.shutdown()
@@ -171,7 +177,7 @@ def _close_group(group: Any, pending: bool) -> None:
         _ABANDONED.append(group)
 
 
-def _finish(work: Any, stop: threading.Event) -> None:
+def _finish(work: dist.Work, stop: threading.Event) -> None:
     """Wait for a gloo operation (which fails by itself after the group's timeout),
     looking at ``stop`` every :data:`_WAIT_S`."""
     while True:
@@ -185,18 +191,19 @@ def _finish(work: Any, stop: threading.Event) -> None:
             raise Stopped("stopped in a broadcast")
 
 
-def _broadcast(group: Any, buf: memoryview, size: int, stop: threading.Event,
+def _broadcast(group: dist.ProcessGroupGloo, buf: memoryview, size: int, stop: threading.Event,
                received: Callable[[int], None] | None = None) -> None:
     """Broadcast ``buf[:size]`` from rank 0 in pieces of :data:`PIECE`, in place. With
     ``received(end)``: called once ``buf[:end]`` is in, while the next piece is in flight
     (gloo sends it on its own thread), so a receiver checks what it has meanwhile."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    in_flight: tuple[int, Any] | None = None
+    in_flight: tuple[int, dist.Work] | None = None
     for start in range(0, size, PIECE):
         count = min(PIECE, size - start)
         piece = torch.frombuffer(buf, dtype=torch.uint8, count=count, offset=start)
-        work = group.broadcast([piece], opts)
+        # torch's stub leaves broadcast out of the gloo backend's class; the class has it.
+        work: dist.Work = group.broadcast([piece], opts)  # type: ignore[attr-defined]
         if in_flight is not None:
             _piece_in(*in_flight, stop, received)
         in_flight = (start + count, work)
@@ -204,7 +211,7 @@ def _broadcast(group: Any, buf: memoryview, size: int, stop: threading.Event,
         _piece_in(*in_flight, stop, received)
 
 
-def _piece_in(end: int, work: Any, stop: threading.Event,
+def _piece_in(end: int, work: dist.Work, stop: threading.Event,
               received: Callable[[int], None] | None) -> None:
     _finish(work, stop)
     if received is not None:
@@ -234,7 +241,8 @@ class ChunkCheck:
         self.checked = upto
 
 
-def _present(store: Any, keys: list[str], deadline: float, stop: threading.Event) -> list[int]:
+def _present(store: dist.Store, keys: list[str], deadline: float,
+             stop: threading.Event) -> list[int]:
     """The indices of ``keys`` set in ``store`` by ``deadline`` (all of them as soon as they
     are)."""
     while True:
@@ -246,20 +254,21 @@ def _present(store: Any, keys: list[str], deadline: float, stop: threading.Event
         time.sleep(0.02)
 
 
-def open_store(timeout_s: float, stop: threading.Event) -> Any:
+def open_store(timeout_s: float, stop: threading.Event) -> dist.TCPStore:
     """The trainer's store of one round, on a free port."""
     return dist.TCPStore("0.0.0.0", 0, None, True, datetime.timedelta(seconds=timeout_s),
                          False)
 
 
-def send_round(store: Any, plan: RoundPlan, buf: memoryview,
+def send_round(store: dist.Store, plan: RoundPlan, buf: memoryview,
                 stop: threading.Event) -> tuple[list[int], str | None]:
     """The trainer's side of one round: wait for the invited, send, wait for their ok.
     Returns the member indices (1-based) that hold the publication, and what went wrong."""
     invited = list(range(1, len(plan.members) + 1))
     ready = [invited[i] for i in _present(store, [f"ready/{i}" for i in invited],
                                           time.monotonic() + plan.join_timeout_s, stop)]
-    store.set("go", msgspec.msgpack.encode(ready))
+    # torch's stub says str; the store takes bytes as well (msgpack is not text).
+    store.set("go", msgspec.msgpack.encode(ready))  # type: ignore[arg-type]
     if not ready:
         return [], f"none of {len(invited)} invited joined within {plan.join_timeout_s:g} s"
     group, pending = None, True
@@ -290,7 +299,7 @@ def receive_round(plan: RoundPlan, index: int, m: Manifest,
     store = dist.TCPStore(plan.host, plan.port, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=CONNECT_S))
     store.set_timeout(datetime.timedelta(seconds=plan.timeout_s))
-    store.set(f"ready/{index}", b"1")
+    store.set(f"ready/{index}", "1")
     if not _present(store, ["go"], time.monotonic() + plan.join_timeout_s * 2, stop):
         raise BlobError(f"the trainer did not start round {plan.round} within "
                         f"{plan.join_timeout_s * 2:g} s")
@@ -311,7 +320,7 @@ def receive_round(plan: RoundPlan, index: int, m: Manifest,
     finally:
         _close_group(group, pending)
     check(m.size)  # an empty publication has no piece
-    store.set(f"ok/{index}", b"1")
+    store.set(f"ok/{index}", "1")
     return buf
 
 

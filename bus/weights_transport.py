@@ -14,7 +14,9 @@ two equal state dicts (same dtypes, same bytes) have the same digest wherever th
   offsets, dtypes), fetches the chunks in parallel (bounded), checks each one's sha256 and
   writes it in place in one buffer; the tensors are views of that buffer.
 
-Transports (:class:`Transport`; the reference's ``store`` names the one that wrote it):
+Transports (the reference's ``store`` names the one that wrote it). Each has a trainer's side
+(:class:`WeightsPublisher`: publish, delete) and a rollouter's side (:class:`WeightsFetcher`:
+fetch); where both read the same storage one object is both (:class:`Transport`):
 
 - :class:`RedisTransport` (``"weights:redis"``): chunks ``KEY:0 .. KEY:N-1`` and the manifest
   ``KEY:m`` under the run's ``blob(name)`` prefix (the run's hash slot), listed in the run's
@@ -23,6 +25,10 @@ Transports (:class:`Transport`; the reference's ``store`` names the one that wro
   ``NAME/manifest`` under a root, a local path or an fsspec URL. A root that cannot be read
   at all is :class:`TransportUnreachable` (a node without the run's storage), a publication
   missing under a readable root :class:`~bus.errors.BlobNotFound`.
+- the collective transport (``"weights:collective"``, :mod:`bus.weights_collective`): the
+  manifest in Redis, the bytes broadcast from the trainer's
+  :class:`~bus.weights_collective.Broadcaster` to each rollouter's
+  :class:`~bus.weights_collective.Receiver`.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 import torch
@@ -46,7 +52,8 @@ from bus.streams import Bus
 
 __all__ = [
     "CHUNK_SIZE", "DTYPES", "FETCH_CONCURRENCY", "HASH_THREADS", "Manifest", "RedisTransport",
-    "StorageTransport", "TensorEntry", "Transport", "TransportUnreachable", "check_manifest",
+    "StorageTransport", "TensorEntry", "Transport", "TransportUnreachable", "WeightsFetcher",
+    "WeightsPublisher", "check_manifest",
     "chunk_digests", "decode_manifest", "encode_manifest", "flat_buffer", "is_manifest_ref",
     "manifest_of", "open_transport", "weights_digest",
 ]
@@ -108,13 +115,13 @@ def _raw(t: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's bytes without a copy (bf16 and bool included)."""
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def flat_buffer(size: int) -> memoryview:
     """``size`` writable bytes, not zeroed (a ``bytearray`` zero-fills: 90 ms for 250 MB
     here, as long as copying the weights in)."""
-    return memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
+    return torch.empty(size, dtype=torch.uint8).numpy().data.cast("B")
 
 
 def chunk_digests(data: memoryview, chunk_size: int) -> list[bytes]:
@@ -292,21 +299,44 @@ def is_manifest_ref(ref: BlobRef) -> bool:
     return ref.store.startswith("weights:")
 
 
-class Transport(Protocol):
-    """Where the chunks and the manifest live."""
+class WeightsPublisher(Protocol):
+    """The trainer's side of a weight transport: writes (or holds) a publication and returns
+    the reference its ``WeightsPublished`` event carries (``sha256``: the weights' digest,
+    whatever the transport), and deletes it once no kept event names it."""
+
+    store: str
+    """The ``BlobRef.store`` of its publications."""
+
+    async def publish(self, name: str, tensors: Mapping[str, torch.Tensor],
+                      version: int) -> BlobRef:
+        """Publish ``tensors`` as ``name``, the weights of ``version``."""
+        ...
+
+    async def delete(self, ref: BlobRef) -> None: ...
+
+    def location(self, ref: BlobRef) -> str:
+        """Where ``ref``'s bytes are, for messages."""
+        ...
+
+
+class WeightsFetcher(Protocol):
+    """A rollouter's side: the tensors a reference names, bit for bit as published, every
+    chunk checked against the manifest (a chunk that does not match is refused, named);
+    storage it cannot read at all is :class:`TransportUnreachable`."""
 
     store: str
 
-    async def publish(self, name: str, tensors: Mapping[str, torch.Tensor]) -> BlobRef: ...
-
     async def fetch(self, ref: BlobRef) -> dict[str, torch.Tensor]: ...
-
-    async def delete(self, ref: BlobRef) -> None: ...
 
     def location(self, ref: BlobRef) -> str: ...
 
 
-class _Chunked:
+class Transport(WeightsPublisher, WeightsFetcher, Protocol):
+    """Both sides in one object: the publication lies where the trainer and the rollouters
+    read it (:class:`RedisTransport`, :class:`StorageTransport`)."""
+
+
+class _Chunked(Transport):
     """Publication and fetch over ``_put``/``_get``/``_key`` that the transports provide."""
 
     store = ""
@@ -329,10 +359,13 @@ class _Chunked:
     async def _get(self, key: str, part: str) -> bytes | None:
         raise NotImplementedError
 
-    async def publish(self, name: str, tensors: Mapping[str, torch.Tensor]) -> BlobRef:
+    async def publish(self, name: str, tensors: Mapping[str, torch.Tensor],
+                      version: int = 0) -> BlobRef:
         """Write ``tensors`` as publication ``name``: chunks produced and hashed one at a time
         on a worker thread, written as they come (``concurrency`` in flight), then the
-        manifest. Returns the reference an event carries (sha256: the weights' digest)."""
+        manifest. Returns the reference an event carries (sha256: the weights' digest).
+        ``version``: unused (the name carries it; the collective transport's rounds need
+        it)."""
         key = self._key(name)
         tensors, aliases = _unique(tensors)
         entries, size = _entries(tensors)
@@ -521,7 +554,13 @@ class StorageTransport(_Chunked):
         return f"{self.url.rstrip('/')}/{ref.key}"
 
 
-def _protocols(fs: Any) -> Sequence[str]:
+class _Filesystem(Protocol):
+    """What is read of an fsspec filesystem here (fsspec ships no type information)."""
+
+    protocol: str | tuple[str, ...]
+
+
+def _protocols(fs: _Filesystem) -> Sequence[str]:
     p = fs.protocol
     return (p,) if isinstance(p, str) else tuple(p)
 
@@ -534,7 +573,7 @@ def _local_write(path: str, data: bytes, durable: bool) -> None:
 
 
 def open_transport(store: str, *, bus: Bus | None = None, run_keys: RunKeys | None = None,
-                   root: str | os.PathLike[str] | None = None) -> RedisTransport | StorageTransport:
+                   root: str | os.PathLike[str] | None = None) -> Transport:
     """The transport a reference's ``store`` names, or a configured one (``redis``,
     ``storage``)."""
     kind = store.removeprefix("weights:")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, Protocol, Self, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
@@ -214,13 +214,16 @@ def decode_steps() -> int:
     return _STEPS.count
 
 
+Cache = TypeVar("Cache")
+"""An implementation's KV cache (TinyGPT: tensors per block; HFPolicy: transformers' cache)."""
+
 # step(new_ids [B, T], full_mask [B, past + T], cache | None) -> (logits [B, T, V], cache)
-StepFn = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]]
+StepFn = Callable[[torch.Tensor, torch.Tensor, Cache | None], tuple[torch.Tensor, Cache]]
 
 
 @torch.inference_mode()
 def decode_loop(
-    step: StepFn,
+    step: StepFn[Cache],
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     temperature: float,

@@ -10,7 +10,7 @@ import contextlib
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from policy import (
     resolve_device,
 )
 from policy.weights import from_bytes, to_bytes
+
+if TYPE_CHECKING:  # transformers is imported when a model is loaded, not before
+    from transformers import PreTrainedModel
 
 __all__ = ["HFPolicy", "apply_override_config"]
 
@@ -66,7 +69,8 @@ class HFPolicy(nn.Module):
     ``autocast``: run forward passes in this dtype under torch.autocast (the trainer's bf16:
     float32 weights, bf16 compute); log-probs are always taken in float32."""
 
-    def __init__(self, model: nn.Module, eos_id: int | None = None, pad_id: int | None = None,
+    def __init__(self, model: PreTrainedModel, eos_id: int | None = None,
+                 pad_id: int | None = None,
                  *, autocast: torch.dtype | None = None) -> None:
         super().__init__()
         self.model = model
@@ -165,12 +169,15 @@ class HFPolicy(nn.Module):
         return self
 
     def _checkpointed_layers(self) -> Iterator[nn.Module]:
+        layer_type: type[nn.Module]
         try:
             from transformers.modeling_layers import GradientCheckpointingLayer
+
+            layer_type = GradientCheckpointingLayer
         except ImportError:  # transformers < 4.53: every module with the flag
-            GradientCheckpointingLayer = nn.Module
+            layer_type = nn.Module
         for m in self.model.modules():
-            if isinstance(m, GradientCheckpointingLayer) and getattr(m, "gradient_checkpointing",
+            if isinstance(m, layer_type) and getattr(m, "gradient_checkpointing",
                                                                      False) is True:
                 yield m
 

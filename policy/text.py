@@ -20,7 +20,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "to
 
 
 class TextTokenizer(Protocol):
-    eos_id: int | None
+    """What the tasks and the rollouter ask of a tokenizer: :class:`HFTokenizer`, or the
+    built-in tasks' :class:`~policy.tokenizer.CharTokenizer`."""
+
+    @property
+    def eos_id(self) -> int | None: ...
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]: ...
 

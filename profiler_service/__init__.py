@@ -18,8 +18,9 @@ client live in their own modules.
 """
 
 from profiler_service.manifest import build_manifest, manifest_file, profile_dir, write_manifest
+from profiler_service.records import ServiceState
 from profiler_service.schedule import decide, plan_sessions, safe_label
-from profiler_service.state import ServiceState, apply, fold
+from profiler_service.state import apply, fold
 
 __all__ = [
     "ServiceState",

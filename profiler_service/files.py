@@ -23,13 +23,8 @@ from typing import Any
 from bus import Bus, RunKeys
 from bus.files import atomic_write
 from profiler_service.manifest import build_manifest, manifest_file, profile_dir, write_manifest
-from profiler_service.state import (
-    PROFILER_SOURCE,
-    ServiceState,
-    Snapshot,
-    decode_snapshot,
-    encode_snapshot,
-)
+from profiler_service.records import PROFILER_SOURCE, ServiceState
+from profiler_service.snapshot import Snapshot, decode_snapshot, encode_snapshot
 from runconfig.schema import Config
 
 __all__ = ["MANIFEST_EVERY_S", "SNAPSHOT_EVERY_S", "SNAPSHOT_NAME", "ServiceFiles"]
@@ -38,7 +33,7 @@ log = logging.getLogger("profiler_service")
 
 SNAPSHOT_NAME = ".profiler_state.msgpack"
 """The service's snapshot in ``save_path/RUN``: its folded state and tracking positions
-(:class:`~profiler_service.state.Snapshot`). A cache of the log, never a source of facts."""
+(:class:`~profiler_service.snapshot.Snapshot`). A cache of the log, never a source of facts."""
 
 SNAPSHOT_EVERY_S = 5.0
 """Shortest time between two snapshot writes (one is also written on a clean exit)."""

@@ -39,8 +39,7 @@ from typing import Any
 from bus.files import atomic_write
 from bus.keys import validate_run_id
 from bus.messages import ProfileStopped, WarningRaised
-from profiler_service.schedule import MANIFEST_NAME
-from profiler_service.state import (
+from profiler_service.records import (
     PROFILER_SOURCE,
     TRACE_MISSING_CODE,
     ServiceState,
@@ -50,6 +49,7 @@ from profiler_service.state import (
     expected_targets,
     stop_is_ok,
 )
+from profiler_service.schedule import MANIFEST_NAME
 from runconfig.schema import Config
 
 __all__ = [

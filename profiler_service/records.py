@@ -14,8 +14,7 @@ from typing import Any
 import msgspec
 
 from bus.messages import (
-    Command,
-    Event,
+    Message,
     ProfileRequest,
     ProfileStopped,
     RunFinished,
@@ -76,8 +75,10 @@ class TraceChecked(msgspec.Struct, frozen=True, kw_only=True):
     problem: str = ""
 
 
-Fact = Event | Command | TraceChecked
-"""An entry of the events or the control stream (or the service's own trace check)."""
+Fact = Message | TraceChecked
+"""An entry of the log or the control stream (or the service's own trace check). Entries
+hold any message; those the state does not fold (samples' announcements, metrics, ...)
+leave it as it was."""
 
 
 def stop_is_ok(stopped: ProfileStopped) -> bool:

@@ -42,7 +42,7 @@ from bus.messages import (
     RunStarted,
     StartProfile,
 )
-from profiler_service.state import (
+from profiler_service.records import (
     PROFILER_SOURCE,
     SESSIONS_MISSING_CODE,
     PendingRequest,
@@ -51,7 +51,7 @@ from profiler_service.state import (
     expected_ranks,
     expected_targets,
 )
-from runconfig.schema import ProfilerConfig
+from runconfig.schema import Content, ProfilerConfig, Role, Tool
 from runconfig.stepunit import last_version, version_step_updates
 
 __all__ = [
@@ -209,12 +209,12 @@ def plan_sessions(
 
 @functools.lru_cache(maxsize=16)
 def _plan_cached(
-    tool: str | None,
+    tool: Tool | None,
     steps: tuple[int, ...],
     continuous: bool,
-    roles: tuple[str, ...],
+    roles: tuple[Role, ...],
     ranks: tuple[int, ...],
-    contents: tuple[str, ...],
+    contents: tuple[Content, ...],
     replicas: int,
     total_steps: int | None,
     ts: float,
@@ -222,12 +222,12 @@ def _plan_cached(
     trainers: int,
 ) -> tuple[StartProfile, ...]:
     cfg = ProfilerConfig(
-        tool=tool,  # type: ignore[arg-type]
+        tool=tool,
         steps=list(steps),
         profile_continuous_steps=continuous,
-        roles=list(roles),  # type: ignore[arg-type]
+        roles=list(roles),
         ranks=list(ranks),
-        contents=list(contents),  # type: ignore[arg-type]
+        contents=list(contents),
     )
     return tuple(plan_sessions(cfg, replicas, total_steps, ts, trigger, trainers))
 

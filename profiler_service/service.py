@@ -74,21 +74,10 @@ from profiler_service.manifest import (
     check_traces,
     trace_warning,
 )
-from profiler_service.schedule import (
-    PROFILER_SOURCE,
-    SESSIONS_MISSING_CODE,
-    decide,
-    outstanding_targets,
-)
-from profiler_service.state import (
-    Fact,
-    ServiceState,
-    Snapshot,
-    apply,
-    report_refusal,
-    run_finished_doubt,
-    unchecked_stops,
-)
+from profiler_service.records import PROFILER_SOURCE, SESSIONS_MISSING_CODE, Fact, ServiceState
+from profiler_service.schedule import decide, outstanding_targets
+from profiler_service.snapshot import Snapshot
+from profiler_service.state import apply, report_refusal, run_finished_doubt, unchecked_stops
 from profiling.hook import hook_env
 from runconfig.paths import events_dir
 from runconfig.schema import Config

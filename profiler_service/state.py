@@ -67,44 +67,19 @@ from profiler_service.records import (
     ServiceState,
     Session,
     StopFact,
-    Target,
     TraceChecked,
     entry_ms,
-    expected_ranks,
     expected_targets,
     lowest_last_step,
     stop_is_ok,
 )
-from profiler_service.snapshot import Snapshot, decode_snapshot, encode_snapshot
 
-# The records (profiler_service.records) and snapshots (profiler_service.snapshot) are
-# exported from here too: the service, the schedule and the manifest read them as the state's.
 __all__ = [
-    "NEVER_RAN",
-    "PROFILER_SOURCE",
-    "SESSIONS_MISSING_CODE",
-    "TRACE_MISSING_CODE",
-    "Fact",
-    "LostSteps",
-    "PendingRequest",
-    "Run",
-    "ServiceState",
-    "Session",
-    "Snapshot",
-    "StopFact",
-    "Target",
-    "TraceChecked",
     "apply",
-    "decode_snapshot",
-    "encode_snapshot",
-    "entry_ms",
-    "expected_ranks",
-    "expected_targets",
     "fold",
     "joined_target",
     "report_refusal",
     "run_finished_doubt",
-    "stop_is_ok",
     "unchecked_stops",
 ]
 

@@ -12,7 +12,7 @@ profiler service no torch import.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from profiling.hook import hook_env
 from profiling.nsys import nsys_command
@@ -27,8 +27,7 @@ from profiling.paths import (
 from profiling.traces import finish_trace, link_session_view
 
 if TYPE_CHECKING:
-    from profiling.agent import TOOLS, AgentEvent, ProfilerAgent
-    from profiling.component import create_agent, prepare_main_thread
+    from profiling.agent import TOOLS, AgentEvent, ProfilerAgent, create_agent, prepare_main_thread
 
 __all__ = [
     "TOOLS",
@@ -49,11 +48,11 @@ __all__ = [
 ]
 
 _LAZY = {"TOOLS": "profiling.agent", "AgentEvent": "profiling.agent",
-         "ProfilerAgent": "profiling.agent", "create_agent": "profiling.component",
-         "prepare_main_thread": "profiling.component"}
+         "ProfilerAgent": "profiling.agent", "create_agent": "profiling.agent",
+         "prepare_main_thread": "profiling.agent"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'profiling' has no attribute {name!r}")

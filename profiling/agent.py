@@ -7,7 +7,7 @@ finishes or shuts down, and publishes the events each call returns (ProfileStart
 ProfileStopped, WarningRaised) to the events stream.
 
 With profiling off (``global_profiler.tool`` is null) a component creates no agent at all
-(:func:`profiling.component.create_agent` returns ``None``): no profiler object exists and a
+(:func:`create_agent` returns ``None``): no profiler object exists and a
 step costs one ``is None`` check.
 
 Threading: :meth:`on_command` never touches torch and may be called from any thread (for
@@ -32,11 +32,12 @@ linked from ``sessions/SESSION/{role}{rank}.json.gz``, a folder of one trace per
 Holistic Trace Analysis loads (see :mod:`profiling.traces`).
 
 Warm-up: the first ``torch.profiler`` start in a process initialises Kineto (about a second on
-CPU, more with CUPTI), and it must happen on the thread that later profiles. ``create_agent``
-(:mod:`profiling.component`) therefore starts and stops a throwaway profiler
-(:meth:`ProfilerAgent.warm_up`) when the tool uses torch.profiler, so the first profiled step
-measures the step, not the profiler. Call ``create_agent`` on the thread that will call
-``step_begin``/``step_end``.
+CPU, more with CUPTI), and it must happen on the thread that later profiles. :func:`create_agent`
+therefore starts and stops a throwaway profiler (:meth:`ProfilerAgent.warm_up`) when the tool
+uses torch.profiler, so the first profiled step measures the step, not the profiler. Call
+``create_agent`` on the thread that will call ``step_begin``/``step_end``; before that,
+:func:`prepare_main_thread` on the thread that imported torch (Kineto's first
+initialisation must happen there).
 
 ProfileStopped.status is one of ``ok``, ``missed`` (its steps were already past, or the
 component closed before they came), ``cancelled`` (StopProfile before it started),
@@ -54,24 +55,26 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.profiler
 
 from bus.messages import ProfileStarted, ProfileStopped, StartProfile, StopProfile, WarningRaised
+from profiling.driver import Agent
 from profiling.export import (
     AgentEvent,
+    BackgroundExporter,
     Exporter,
     FinishedSession,
     InlineExporter,
     TraceWriter,
 )
 from profiling.export import describe_error as _err
-from profiling.paths import trace_rank
-from runconfig.schema import GlobalToolConfig
+from profiling.nsys import nsys_command
+from profiling.paths import profile_root, trace_rank, trace_world_size
+from runconfig.schema import Config, GlobalToolConfig
 
-__all__ = ["TOOLS", "AgentEvent", "ProfilerAgent"]
+__all__ = ["TOOLS", "AgentEvent", "ProfilerAgent", "create_agent", "prepare_main_thread"]
 
 TOOLS = frozenset({"torch", "torch_memory", "nsys"})
 """Tools the agent knows."""
@@ -85,14 +88,14 @@ class _Session:
     started_step: int
     t0: float = 0.0
     last_done: int = 0  # last step whose step_end ran inside this session
-    prof: Any = None  # torch.profiler.profile while a torch/torch_memory session runs
+    prof: torch.profiler.profile | None = None  # while a torch/torch_memory session runs
     memory_history: bool = False  # CUDA allocator history recording (torch_memory)
     nsys: bool = False  # an nsys session: step ranges are NVTX
     range_open: bool = False  # cudaProfilerStart issued, no cudaProfilerStop yet
     stop_requested: bool = False
 
 
-class ProfilerAgent:
+class ProfilerAgent(Agent):
     """Executes profiling commands for one ``role``/``rank`` at its step boundaries.
 
     ``run_dir`` is :func:`~profiling.paths.profile_root` (created on the first trace).
@@ -146,7 +149,7 @@ class ProfilerAgent:
         self._seen: set[str] = set()  # session ids handled: duplicates (redelivery) ignored
         self._queue: list[StartProfile] = []  # armed sessions, arrival order
         self._active: _Session | None = None
-        self._annotation: Any = None  # open record_function of the current step
+        self._annotation: torch.profiler.record_function | None = None  # the step's, open
         self._nvtx_open = False
         self._in_step: int | None = None
         self._last_begun = int(after_step)
@@ -332,7 +335,7 @@ class ProfilerAgent:
 
     # ------------------------------------------------------------------ start / stop
 
-    def _activities(self, cuda: bool) -> list[Any]:
+    def _activities(self, cuda: bool) -> list[torch.profiler.ProfilerActivity]:
         """CPU always (the step annotations are CPU events); CUDA when asked and present."""
         acts = [torch.profiler.ProfilerActivity.CPU]
         if cuda and self._cuda:
@@ -377,7 +380,7 @@ class ProfilerAgent:
                 if cmd.tool == "torch_memory":
                     memory = True
                     if self._cuda:
-                        torch.cuda.memory._record_memory_history(**self._history_kwargs())
+                        torch.cuda.memory._record_memory_history("all", **self._history_kwargs())
                         sess.memory_history = True
                     else:
                         events.append(
@@ -420,10 +423,10 @@ class ProfilerAgent:
         )
         return events
 
-    def _history_kwargs(self) -> dict[str, Any]:
+    def _history_kwargs(self) -> dict[str, object]:
         """verl's torch_memory options as ``_record_memory_history`` arguments."""
         tm = self.tools.torch_memory
-        kwargs: dict[str, Any] = {
+        kwargs: dict[str, object] = {
             "context": tm.context,
             "stacks": tm.stacks,
             "max_entries": tm.trace_alloc_max_entries,
@@ -574,6 +577,75 @@ class ProfilerAgent:
             duration_s=0.0,
             status=status,
         )
+
+
+def create_agent(
+    cfg: Config,
+    role: str,
+    rank: int,
+    device: str,
+    run_id: str | None = None,
+    after_step: int = 0,
+) -> ProfilerAgent | None:
+    """The agent a component should hold, or ``None`` when profiling is off.
+
+    ``run_id`` overrides ``cfg.run.id``; ``after_step`` is the last finished step when the
+    component resumes (see :class:`ProfilerAgent`). The agent takes its tool options
+    (``global_tool_config``), its trace rank and the run's world size from ``cfg``, and is
+    warmed up (:meth:`ProfilerAgent.warm_up`) before it is returned: call this on the thread
+    that will run the steps.
+    """
+    prof = cfg.global_profiler
+    if prof.tool is None:
+        return None
+    trainers = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    rid = run_id if run_id is not None else cfg.run.id
+    agent = ProfilerAgent(
+        role,
+        rank,
+        profile_root(cfg, run_id),
+        device,
+        after_step=after_step,
+        run_id=rid or "",
+        world_size=trace_world_size(cfg.rollout.replicas, trace_rank(role, rank, trainers),
+                                    trainers=trainers),
+        trainers=trainers,
+        tools=prof.global_tool_config,
+        # Traces are written beside the next step, not before it (profiling.export).
+        exporter=BackgroundExporter(),
+    )
+    if prof.tool == "nsys":
+        agent.nsys_command = nsys_command(cfg, role, rank, run_id)
+    else:
+        agent.warm_up()
+    return agent
+
+
+def prepare_main_thread(cfg: Config, device: str) -> bool:
+    """Initialise Kineto (torch.profiler's engine) on the calling thread; True when done.
+
+    Call it from the thread that imported torch (a component's main thread) before the step
+    thread creates its agent. Kineto's first initialisation checks that it runs on the thread
+    where torch registered its Kineto client (at ``import torch``); the agent's warm-up runs
+    on the step thread, so without this every profiled component's log starts with
+    ``ERROR: External init callback must run in same thread as registerClient``. A prepare,
+    start and stop with nothing recorded: ~20 ms, and the agent's warm-up then finds Kineto
+    ready. Nothing when the tool is not torch.profiler's (null, nsys) or on a failure (the
+    message is then all that is lost)."""
+    if cfg.global_profiler.tool not in ("torch", "torch_memory"):
+        return False
+    try:
+        from torch.autograd import _disable_profiler
+        from torch.autograd.profiler import profile
+
+        cuda = device != "cpu" and torch.cuda.is_available()
+        prof = profile(use_device="cuda" if cuda else None)
+        prof._prepare_trace()
+        prof._start_trace()
+        _disable_profiler()
+    except Exception:
+        return False
+    return True
 
 
 def _history_params() -> frozenset[str]:

@@ -13,62 +13,83 @@ end, is :mod:`profiling.steps`.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from profiling.steps import Move
 
-__all__ = ["StepProfiler"]
+if TYPE_CHECKING:  # the agent's module imports torch; this one stays light
+    from bus.messages import Command
+    from profiling.export import AgentEvent
+
+__all__ = ["Agent", "RunOff", "StepProfiler"]
 
 T = TypeVar("T")
 
-RunOff = Callable[[Callable[[], T]], Awaitable[T]]
+
+class Agent(Protocol):
+    """What a component drives at its step boundaries: a
+    :class:`~profiling.agent.ProfilerAgent`, or what stands in for one
+    (``trainer.rankprofile.RankedAgent`` relays every call to the trainer's other ranks).
+    ``on_command`` takes any thread; the step calls and ``close`` the thread that runs the
+    steps. Every call returns the events the component publishes."""
+
+    def on_command(self, cmd: Command) -> list[AgentEvent]: ...
+
+    def drain(self) -> list[AgentEvent]: ...
+
+    def step_begin(self, step: int) -> list[AgentEvent]: ...
+
+    def step_end(self, step: int) -> list[AgentEvent]: ...
+
+    def close(self) -> list[AgentEvent]: ...
+
+
+class RunOff(Protocol):
+    """Runs ``fn()`` on the component's worker thread (:meth:`runtime.Component.off`)."""
+
+    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
 
 
 class StepProfiler:
     """``agent`` driven through ``run_off`` (runs a call on the component's worker thread)."""
 
-    def __init__(self, agent: Any, run_off: RunOff[Any]) -> None:
+    def __init__(self, agent: Agent, run_off: RunOff) -> None:
         self.agent = agent
         self._off = run_off
 
-    def on_commands(self, commands: Sequence[object]) -> list[Any]:
+    def on_commands(self, commands: Sequence[Command]) -> list[AgentEvent]:
         """Arm or cancel sessions (no torch: any thread); the events to publish."""
-        events: list[Any] = []
+        events: list[AgentEvent] = []
         for cmd in commands:
             events += self.agent.on_command(cmd)
         return events
 
-    async def begin(self, step: int) -> list[Any]:
+    async def begin(self, step: int) -> list[AgentEvent]:
         """``step`` begins (sessions armed for it start)."""
-        result: list[Any] = await self._off(lambda: self.agent.step_begin(step))
-        return result
+        return await self._off(lambda: self.agent.step_begin(step))
 
-    async def end(self, step: int) -> list[Any]:
+    async def end(self, step: int) -> list[AgentEvent]:
         """``step`` ended (a session whose last step it was stops; its trace is written
         beside the next step and its ProfileStopped comes from a later call)."""
-        result: list[Any] = await self._off(lambda: self.agent.step_end(step))
-        return result
+        return await self._off(lambda: self.agent.step_end(step))
 
-    async def moves(self, moves: Sequence[Move]) -> list[Any]:
+    async def moves(self, moves: Sequence[Move]) -> list[AgentEvent]:
         """Several boundaries in order, in one hop to the worker thread."""
         agent = self.agent
 
-        def run() -> list[Any]:
-            events: list[Any] = []
+        def run() -> list[AgentEvent]:
+            events: list[AgentEvent] = []
             for kind, step in moves:
                 events += agent.step_begin(step) if kind == "begin" else agent.step_end(step)
             return events
 
-        result: list[Any] = await self._off(run)
-        return result
+        return await self._off(run)
 
-    def exported(self) -> list[Any]:
+    def exported(self) -> list[AgentEvent]:
         """Events of traces written beside the steps since the last call (no worker hop: a
         session's ProfileStopped goes out at the next pulse, not only at the next step)."""
-        result: list[Any] = self.agent.drain()
-        return result
+        return self.agent.drain()
 
-    async def close(self) -> list[Any]:
+    async def close(self) -> list[AgentEvent]:
         """The component stops: end every session and wait for every trace."""
-        result: list[Any] = await self._off(self.agent.close)
-        return result
+        return await self._off(self.agent.close)

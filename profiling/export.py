@@ -30,12 +30,15 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from bus.files import atomic_file
 from bus.messages import ProfileStarted, ProfileStopped, StartProfile, WarningRaised
 from profiling.paths import session_view_path, trace_path, trace_world_size
 from profiling.traces import finish_trace, link_session_view, top_ops
+
+if TYPE_CHECKING:  # torch is imported by the agent, not by this module
+    import torch.profiler
 
 __all__ = [
     "DEFAULT_DEPTH",
@@ -72,9 +75,9 @@ class FinishedSession:
     status: str
     errors: list[str] = field(default_factory=list)
     """Errors while stopping: the session's status becomes the first one."""
-    prof: Any = None
+    prof: torch.profiler.profile | None = None
     """The stopped torch.profiler whose trace is to be exported (None: no trace)."""
-    snapshot: Any = None
+    snapshot: object = None
     """A CUDA allocator snapshot to pickle (torch_memory on CUDA), or None."""
 
 
@@ -98,7 +101,8 @@ class TraceWriter:
         """Write ``done``'s files; the warnings, then its ProfileStopped. Never raises."""
         errors = list(done.errors)
         events: list[AgentEvent] = []
-        path, size, top = "", 0, []
+        path, size = "", 0
+        top: list[str] = []
         if done.snapshot is not None:
             try:
                 self._write_memory_snapshot(done.cmd.session_id, done.snapshot)
@@ -106,7 +110,7 @@ class TraceWriter:
                 errors.append(f"memory snapshot: {describe_error(exc)}")
         if done.prof is not None:
             try:
-                path, size, top = self._write_trace(done, events)
+                path, size, top = self._write_trace(done, done.prof, events)
             except Exception as exc:
                 errors.append(f"writing trace: {describe_error(exc)}")
         status = done.status
@@ -125,9 +129,10 @@ class TraceWriter:
         return WarningRaised(source=f"{self.role}{self.rank}", code=code, message=message)
 
     def _write_trace(
-        self, done: FinishedSession, events: list[AgentEvent]
+        self, done: FinishedSession, prof: torch.profiler.profile, events: list[AgentEvent]
     ) -> tuple[str, int, list[str]]:
-        """Chrome trace -> patched gzip (:func:`~profiling.traces.finish_trace`) -> rename.
+        """``prof``'s Chrome trace -> patched gzip (:func:`~profiling.traces.finish_trace`)
+        -> rename.
 
         Returns (path relative to run_dir, bytes, top ops); a failure to rank the ops or to
         link the session view only appends a warning to ``events`` (the trace is still good).
@@ -138,7 +143,7 @@ class TraceWriter:
         fd, raw_name = tempfile.mkstemp(dir=self.run_dir, prefix=".tmp-", suffix=".json")
         os.close(fd)
         try:
-            done.prof.export_chrome_trace(raw_name)
+            prof.export_chrome_trace(raw_name)
             top: list[str] = []
             try:
                 if os.path.getsize(raw_name) <= _TOP_OPS_MAX_BYTES:
@@ -166,7 +171,7 @@ class TraceWriter:
             events.append(self.warn("profile_view_failed", message))
         return final.name, size, top
 
-    def _write_memory_snapshot(self, session_id: str, snapshot: Any) -> None:
+    def _write_memory_snapshot(self, session_id: str, snapshot: object) -> None:
         """The CUDA allocator snapshot to ``{role}{rank}-{session}.pickle`` (atomic)."""
         final = trace_path(self.run_dir, self.role, self.rank, session_id, ".pickle")
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -249,9 +254,9 @@ class BackgroundExporter(Exporter):
         self._pool.shutdown(wait=True)
 
 
-def cut_frames(snapshot: Any, depth: int) -> None:
+def cut_frames(snapshot: object, depth: int) -> None:
     """Keep the innermost ``depth`` frames of every stack in a CUDA memory snapshot."""
-    def cut(item: Any) -> None:
+    def cut(item: object) -> None:
         if isinstance(item, dict):
             frames = item.get("frames")
             if isinstance(frames, list) and len(frames) > depth:

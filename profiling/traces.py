@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -81,7 +82,7 @@ def finish_trace(
     final: Path,
     rank: int,
     world_size: int,
-    metadata: dict[str, Any],
+    metadata: Mapping[str, object],
     gzip_level: int = 6,
 ) -> int:
     """Write ``raw`` (torch's JSON export) to ``final`` gzipped and patched; returns its size.
@@ -132,8 +133,14 @@ TOP_OPS = 10
 
 _CPU_CATS = frozenset({"cpu_op", "user_annotation", "python_function", "cuda_runtime"})
 
+# JSON as torch exports a Chrome trace (the trace, and each of its events): a value's type
+# depends on its key and on the kind of event (names, numbers, nested args), so each is read
+# as what its key holds.
+TraceEvent = dict[str, Any]
+"""One event of a Chrome trace's ``traceEvents``."""
 
-def top_ops(trace: dict[str, Any], n: int = TOP_OPS) -> list[str]:
+
+def top_ops(trace: Mapping[str, Any], n: int = TOP_OPS) -> list[str]:
     """Names of the ``n`` most expensive ops in a Chrome trace.
 
     By time of the GPU kernels each op launched when the trace has kernels, else by self CPU
@@ -147,9 +154,9 @@ def top_ops(trace: dict[str, Any], n: int = TOP_OPS) -> list[str]:
     return [name[:200] for name, _ in ranked[:n]]
 
 
-def _kernel_cost(events: list[dict[str, Any]], kernels: list[dict[str, Any]]) -> dict[str, float]:
+def _kernel_cost(events: list[TraceEvent], kernels: list[TraceEvent]) -> dict[str, float]:
     """Kernel time by the op that launched each kernel (matched by External id)."""
-    op_by_ext: dict[Any, str] = {}
+    op_by_ext: dict[object, str] = {}
     for e in events:
         if e.get("cat") == "cpu_op":
             ext = (e.get("args") or {}).get("External id")
@@ -157,15 +164,16 @@ def _kernel_cost(events: list[dict[str, Any]], kernels: list[dict[str, Any]]) ->
                 op_by_ext[ext] = e["name"]
     cost: dict[str, float] = {}
     for e in kernels:
-        name = op_by_ext.get((e.get("args") or {}).get("External id"), e["name"])
+        kernel: str = e["name"]
+        name = op_by_ext.get((e.get("args") or {}).get("External id"), kernel)
         cost[name] = cost.get(name, 0.0) + float(e["dur"])
     return cost
 
 
-def _self_cpu_cost(events: list[dict[str, Any]]) -> dict[str, float]:
+def _self_cpu_cost(events: list[TraceEvent]) -> dict[str, float]:
     """Self CPU time by op: duration minus that of directly nested events on the same
     thread."""
-    by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    by_thread: dict[tuple[object, object], list[TraceEvent]] = {}
     for e in events:
         if e.get("cat") in _CPU_CATS:
             by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
@@ -178,10 +186,10 @@ def _self_cpu_cost(events: list[dict[str, Any]]) -> dict[str, float]:
     return cost
 
 
-def _self_times(rows: list[dict[str, Any]]) -> dict[int, float]:
+def _self_times(rows: list[TraceEvent]) -> dict[int, float]:
     """Self time of each event of one thread (by ``id``), from a walk in start order."""
     rows.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
-    stack: list[tuple[float, dict[str, Any]]] = []  # (end, event)
+    stack: list[tuple[float, TraceEvent]] = []  # (end, event)
     selfs: dict[int, float] = {}
     for e in rows:
         ts, dur = float(e["ts"]), float(e["dur"])

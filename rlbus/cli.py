@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -93,7 +93,7 @@ class _ArgError(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of exiting, so every bad argument maps to exit code 2."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise _ArgError(message)
 
 

@@ -386,6 +386,8 @@ def _one_line_ray_errors() -> None:
             data = {**data, "lines": [ln[:300] for ln in lines]}
         printer(data, ignore_prefix)
 
+    # A mark on the function itself (checked above): Ray's printer is wrapped once, however
+    # often this runs; mypy knows no attributes of a function.
     one_line.rlbus_one_line = True  # type: ignore[attr-defined]
     worker.print_to_stdstream = one_line
 

@@ -27,6 +27,7 @@ from runconfig import (
 
 if TYPE_CHECKING:
     from bus.messages import Message, ProfileStopped, RunStarted
+    from bus.streams import Bus
 
 __all__ = [
     "FILE_LOCATIONS",
@@ -118,7 +119,7 @@ async def run_status(url: str, run_id: str, archive: Path | None = None) -> RunS
     return status
 
 
-def _archived_start(bus: Any, stream: str, folder: Path) -> RunStarted | None:
+def _archived_start(bus: Bus, stream: str, folder: Path) -> RunStarted | None:
     """The newest RunStarted in a run's events archive (read only when the stream has none:
     a run resumed long ago). Blocking: file reads."""
     from bus.archive import read_archive

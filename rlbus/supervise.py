@@ -14,8 +14,9 @@ from typing import Any
 
 __all__ = ["SIGNAL_NAMES", "Interrupted", "Supervisor"]
 
-SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM",
-                signal.SIGHUP: "SIGHUP", signal.SIGPIPE: "SIGPIPE (stdout was closed)"}
+SIGNAL_NAMES: dict[int, str] = {
+    signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP",
+    signal.SIGPIPE: "SIGPIPE (stdout was closed)"}
 
 
 class Interrupted(Exception):

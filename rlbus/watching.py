@@ -22,7 +22,16 @@ from rlbus.supervise import Supervisor
 from runconfig import Config
 
 if TYPE_CHECKING:
-    from bus.messages import Message, ProfileStopped, StepFinished, ValidationFinished
+    from bus.messages import (
+        Message,
+        ProfileStopped,
+        RunFinished,
+        StepFinished,
+        ValidationFinished,
+        WarningRaised,
+        WeightsPublished,
+    )
+    from bus.streams import Bus
 
 __all__ = [
     "RESTARTABLE",
@@ -228,7 +237,7 @@ class RunWatch:
         finally:
             await bus.close()
 
-    async def _publish_pending(self, bus: Any) -> None:
+    async def _publish_pending(self, bus: Bus) -> None:
         """XADD each pending warning to the operator's log stream (``rlbus up`` states it):
         a loss and a restart are in the run's event log, not only on this console."""
         from bus import ROLE_LOG_MAXLEN, BusError
@@ -271,7 +280,7 @@ class RunWatch:
         """A child that failed: restarted (True) when the policy allows and the run is not
         over, else reported as the run's failure (False). Either is one warning in the log."""
         what = _loss(child, rc)
-        if self.finished_at is not None and getattr(child, "lost", "") and \
+        if self.finished_at is not None and bool(getattr(child, "lost", "")) and \
                 child.name.startswith("rollouter"):
             # Its node went down, and Ray said so once the run had finished: nothing of the
             # run is missing (a rollouter has nothing to do after the end).
@@ -347,7 +356,7 @@ class RunWatch:
         self.summary.validated(ev)
         self.progress.say(validation_line(ev), err=bool(ev.error))
 
-    def _weights(self, ev: Any) -> None:
+    def _weights(self, ev: WeightsPublished) -> None:
         if ev.version == 0:
             self.progress.say("weights version 0 published; rollouters start")
 
@@ -360,11 +369,11 @@ class RunWatch:
         self.progress.say(f"profile {ev.session_id} {ev.role}{ev.rank} steps "
                           f"{ev.first_step}-{ev.last_step}: {ev.status} {ev.path}")
 
-    def _warning(self, ev: Any) -> None:
+    def _warning(self, ev: WarningRaised) -> None:
         self.summary.warnings += 1
         self.progress.say(f"warning from {ev.source}: {ev.message}")
 
-    def _finished(self, ev: Any) -> None:
+    def _finished(self, ev: RunFinished) -> None:
         from bus.facts import run_finished_refusal
 
         why = run_finished_refusal(ev.steps, self.last_step)

@@ -119,7 +119,8 @@ def parse_override(text: str) -> Assignment:
 
     VALUE is YAML with YAML 1.2 numbers (``[1,3]``, ``null``, ``1e-6``).
     """
-    body, verb = text, "set"
+    verb: Verb = "set"
+    body = text
     if text.startswith("++"):
         body, verb = text[2:], "force"
     elif text.startswith("+"):
@@ -389,7 +390,10 @@ def _interpolate(tree: dict[str, Any], origin: dict[str, str]) -> None:
             node = node[part]
         value = node.get(leaf)
         if isinstance(value, str) and "${" in value:
-            node[leaf] = _REF.sub(lambda m, k=key: _resolve(tree, m.group(1), k, origin), value)
+            def resolved(m: re.Match[str], k: str = key) -> str:
+                return _resolve(tree, m.group(1), k, origin)
+
+            node[leaf] = _REF.sub(resolved, value)
 
 
 def _resolve(tree: dict[str, Any], ref: str, key: str, origin: dict[str, str]) -> str:

@@ -14,7 +14,7 @@ process whose config is invalid exits before the Redis client is imported.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from runtime.component import Component, Failure, Restart, settle_heap
@@ -30,7 +30,7 @@ _HOME = {"Component": "component", "Failure": "component", "Restart": "component
          "since": "follower"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _HOME:
         value = getattr(importlib.import_module(f"runtime.{_HOME[name]}"), name)
         globals()[name] = value

@@ -41,7 +41,7 @@ import os
 import sys
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, ParamSpec, TypeVar, TypeVarTuple
 
 from bus import Bus, RunKeys
 from bus.keys import ROLE_LOG_MAXLEN
@@ -50,9 +50,14 @@ from bus.messages import Command, ComponentFailed, Event, Heartbeat, StartProfil
 from bus.ranks import RankClaim, RankLost
 from runconfig import Config
 
+if TYPE_CHECKING:
+    from profiling.driver import StepProfiler
+
 __all__ = ["ClaimLost", "Component", "Failure", "Restart", "settle_heap"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
+Args = TypeVarTuple("Args")
 
 ALIVE_DELETE_TIMEOUT_S = 2.0
 """Bound on removing the liveness key at exit (Redis may be what failed)."""
@@ -108,16 +113,16 @@ class Component:
         self.keys = RunKeys(self.run_id)
         self.stopping = asyncio.Event()
         """Set by the first stop signal."""
-        self.profiler: Any = None
-        """The component's :class:`profiling.StepProfiler`, when profiling is on."""
+        self.profiler: StepProfiler | None = None
+        """The component's :class:`profiling.driver.StepProfiler`, when profiling is on."""
         self._control_last = "0"
         self._pulse_now = asyncio.Event()
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._tasks: list[asyncio.Task[object]] = []
         self._worker: ThreadPoolExecutor | None = None
         self.claim: RankClaim | None = None
         """The rank this process claimed at :meth:`join` (set by runtime.process)."""
         self._lost: ClaimLost | None = None
-        self._main: asyncio.Task[Any] | None = None
+        self._main: asyncio.Task[object] | None = None
 
     @property
     def name(self) -> str:
@@ -166,7 +171,7 @@ class Component:
         """Refresh the liveness key now, not an interval later (a state worth telling)."""
         self._pulse_now.set()
 
-    def spawn(self, coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+    def spawn(self, coro: Coroutine[object, None, T], name: str) -> asyncio.Task[T]:
         """A background task of this component, cancelled (and awaited) at exit."""
         task = asyncio.create_task(coro, name=f"{self.name}-{name}")
         self._tasks.append(task)
@@ -180,12 +185,12 @@ class Component:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-work")
         return self._worker
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    def submit(self, fn: Callable[[*Args], T], *args: *Args) -> asyncio.Future[T]:
         """Queue ``fn(*args)`` on the worker now, in call order, without waiting for it."""
         return asyncio.get_running_loop().run_in_executor(self.worker,
                                                           functools.partial(fn, *args))
 
-    async def off(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def off(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run blocking work on the worker thread: the loop stays free for the pulse."""
         return await self.submit(functools.partial(fn, *args, **kwargs))
 
@@ -289,7 +294,7 @@ class Component:
                         ALIVE_DELETE_TIMEOUT_S)
 
 
-async def _cancelled(task: asyncio.Task[Any]) -> None:
+async def _cancelled(task: asyncio.Task[object]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Generic, TypeVar
 
 from bus import BadEntry, Bus, Entry, RunKeys, entry_key
 from bus.authority import refusal
@@ -53,23 +53,27 @@ def since(entry_id: str | None) -> str:
     return f"{ms - 1}-{2**64 - 1}" if ms > 0 else "0"
 
 
-class _Reader:
+Item = TypeVar("Item")
+"""What a follower reads one at a time: an entry, or (stream, entry) from several streams."""
+
+
+class _Reader(Generic[Item]):
     """What both followers share: reading in batches of :attr:`count`, each folded by
     ``_take``, and catching up through :meth:`history`."""
 
     count: int
     caught_up: bool
 
-    def _take(self, items: Sequence[Any]) -> list[Entry]:
+    def _take(self, items: Sequence[Item]) -> list[Entry]:
         raise NotImplementedError
 
     def history(self, on_gap: Callable[[str, str], None] | None = None,
                 ) -> AsyncIterator[list[Entry]]:
         raise NotImplementedError
 
-    async def _in_batches(self, items: AsyncIterator[Any]) -> AsyncIterator[list[Entry]]:
+    async def _in_batches(self, items: AsyncIterator[Item]) -> AsyncIterator[list[Entry]]:
         """``items`` to the end, folded ``count`` at a time; then caught up."""
-        batch: list[Any] = []
+        batch: list[Item] = []
         async for item in items:
             batch.append(item)
             if len(batch) >= self.count:
@@ -87,7 +91,7 @@ class _Reader:
         return read
 
 
-class Follower(_Reader):
+class Follower(_Reader[Entry]):
     """Reads ``stream`` after ``position`` (``"0"``: from the beginning); ``fold`` gets every
     new entry once, in log order. ``archive``: the folder of the run's archived events
     (:func:`bus.history.events_folder`), read when the stream was trimmed past the position."""
@@ -139,7 +143,7 @@ class Follower(_Reader):
         return self._take(entries, cursor)
 
 
-class LogFollower(_Reader):
+class LogFollower(_Reader[tuple[str, Entry]]):
     """Follows a run's log: the streams of several writing roles (``roles``, each its own
     stream, :meth:`bus.RunKeys.log`), merged by entry id into one sequence; ``fold`` gets
     every new entry once, in that order. Within one millisecond (entry ids of different
@@ -254,7 +258,7 @@ class LogFollower(_Reader):
         """``(stream, entry)`` after the positions, every stream to its end, in log order
         (a merge of the streams' histories by :meth:`_order`)."""
         async with contextlib.AsyncExitStack() as stack:
-            heads: dict[str, tuple[AsyncIterator[Entry], Entry]] = {}
+            heads: dict[str, tuple[AsyncGenerator[Entry, None], Entry]] = {}
             for stream in self.roles:
                 it = read_history(self.bus, stream,
                                   self.archive if stream == self.keys.events else None,

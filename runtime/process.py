@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from runconfig import Config, ConfigError, load_or_exit
 from runtime.storage import check_storage
@@ -155,10 +155,16 @@ def _quiet_native_teardown() -> None:
     os.close(devnull)
 
 
+class ComponentMain(Protocol):
+    """A component package's ``main``: runs it with ``argv`` (None: ``sys.argv[1:]``)."""
+
+    def __call__(self, argv: Sequence[str] | None = None) -> int: ...
+
+
 def entry_point(role: str, module: str, name: str, *, heavy: bool = False,
                 precheck: Callable[[Config, str], int | None] | None = None,
                 divert: Callable[[Config], int | None] | None = None,
-                ) -> Callable[[Sequence[str] | None], int]:
+                ) -> ComponentMain:
     """A component package's ``main(argv)``: :func:`main` for the class ``name`` of
     ``module``, imported (with torch) only once the config is valid (and ``precheck``
     passed)."""

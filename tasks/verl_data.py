@@ -55,7 +55,9 @@ _SPLIT_KEYS = {"train": "data.train_files", "val": "data.val_files"}
 class VerlRecord(NamedTuple):
     """One prompt of a verl data file, ready to generate from."""
 
-    index: int  # position among the records loaded (after max_samples and the filter)
+    # Position among the records loaded (after max_samples and the filter). The field shadows
+    # tuple.index (a method): verl's name, which rollouter.validation reads.
+    index: int  # type: ignore[assignment]
     prompt_ids: list[int]  # the rendered prompt's token ids, truncated
     text: str  # the rendered prompt (chat template applied), before truncation
     data_source: str
@@ -317,7 +319,7 @@ _CACHE: dict[tuple[Any, ...], list[VerlRecord]] = {}
 def _cache_key(cfg: Any, split: str) -> tuple[Any, ...]:
     import msgspec
 
-    stats = []
+    stats: list[tuple[str, int | None, int | None]] = []
     for path in data_files(getattr(cfg.data, f"{split}_files")):
         try:
             st = os.stat(path)

@@ -47,6 +47,7 @@ from bus.messages import (
     TrainerResumed,
     WarningRaised,
 )
+from profiler_service.records import TraceChecked
 from profiler_service.schedule import (
     MANIFEST_NAME,
     MAX_LABEL_LEN,
@@ -56,7 +57,6 @@ from profiler_service.schedule import (
     ROLES,
     SESSIONS_MISSING_CODE,
 )
-from profiler_service.state import TraceChecked
 from runconfig.schema import ProfilerConfig
 
 __all__ = ["reference_decide", "reference_manifest"]

@@ -41,9 +41,9 @@ from bus import (
     peers,
 )
 from bus.history import archive_below, events_folder, read_history
+from profiler_service.records import ServiceState
 from profiler_service.request import request_profile, run_profile_request
 from profiler_service.service import SNAPSHOT_NAME, ProfilerService
-from profiler_service.state import ServiceState
 from runconfig import config_to_dict, load_config
 from tests.waits import (
     Watched,

@@ -47,16 +47,10 @@ from bus.messages import (
 )
 from profiler_service.manifest import build_manifest
 from profiler_service.pmap import PMap
+from profiler_service.records import ServiceState, TraceChecked
 from profiler_service.schedule import PROFILER_SOURCE, SESSIONS_MISSING_CODE, decide
-from profiler_service.state import (
-    ServiceState,
-    Snapshot,
-    TraceChecked,
-    apply,
-    decode_snapshot,
-    encode_snapshot,
-    fold,
-)
+from profiler_service.snapshot import Snapshot, decode_snapshot, encode_snapshot
+from profiler_service.state import apply, fold
 from runconfig.schema import ProfilerConfig
 from tests.profiler_reference import reference_decide, reference_manifest
 
@@ -750,7 +744,8 @@ def test_a_stop_naming_a_trace_that_is_not_there_is_not_ok(tmp_path: Any) -> Non
     """The service checks the file an ``ok`` stop names (check_trace); until then the entry is
     `unchecked`, after it `ok` only when the file is there with the stated size."""
     from profiler_service.manifest import check_trace, trace_warning
-    from profiler_service.state import TRACE_MISSING_CODE, unchecked_stops
+    from profiler_service.records import TRACE_MISSING_CODE
+    from profiler_service.state import unchecked_stops
 
     forged = _stop30("trainer", 30, 40)
     state = fold([run_started(1), S30, forged])

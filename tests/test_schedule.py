@@ -30,6 +30,7 @@ from bus.messages import (
 )
 from profiler_service import schedule
 from profiler_service.manifest import build_manifest
+from profiler_service.records import TraceChecked
 from profiler_service.request import parse_spec
 from profiler_service.schedule import (
     PROFILER_SOURCE,
@@ -41,7 +42,7 @@ from profiler_service.schedule import (
     sessions_overlap,
     step_runs,
 )
-from profiler_service.state import TraceChecked, apply, fold
+from profiler_service.state import apply, fold
 from runconfig.schema import ProfilerConfig
 
 TOTAL = 30

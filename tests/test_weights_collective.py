@@ -32,8 +32,8 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
-from bus.weights_collective import Broadcaster, Member, Receiver, invite, still_live
-from bus.weights_round import ChunkCheck, flatten
+from bus.weights_collective import Broadcaster, Receiver, invite, still_live
+from bus.weights_round import ChunkCheck, Member, flatten
 from bus.weights_transport import (
     RedisTransport,
     TransportUnreachable,

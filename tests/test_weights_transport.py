@@ -1,28 +1,38 @@
-"""Weight transports: a state dict published tensor by tensor and fetched chunk by chunk comes
-back bit-identical through every transport (any dtype, odd shapes, 0-dim and empty tensors);
-a manifest that contradicts itself or a chunk that does not match its digest is refused; a
-rollouter that cannot read the weights says so at once and fails, named, within its timeout."""
+"""Weight transports: one contract suite run against every transport (redis, storage, the
+collective broadcast): a state dict published comes back bit-identical (any dtype, bf16
+included, odd shapes, 0-dim and empty tensors), a chunk that does not match its digest is
+refused and named, a deleted publication leaves nothing behind. Then what each transport adds:
+a manifest that contradicts itself is refused, and a rollouter that cannot read the weights
+says so at once and fails, named, within its timeout."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-from collections.abc import Callable
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import pytest
+import pytest_asyncio
 import torch
 
-from bus import BlobCorrupt, BlobNotFound, Bus, RunKeys
-from bus.messages import BlobRef, WarningRaised, WeightsPublished
+from bus import BlobCorrupt, BlobError, BlobNotFound, Bus, RunKeys
+from bus.liveness import pulse_forever
+from bus.messages import BlobRef, Heartbeat, WarningRaised, WeightsPublished
+from bus.weights_collective import Broadcaster, Receiver
+from bus.weights_round import Member
 from bus.weights_transport import (
     Manifest,
     RedisTransport,
     StorageTransport,
     TensorEntry,
-    Transport,
     TransportUnreachable,
+    WeightsFetcher,
+    WeightsPublisher,
     check_manifest,
     manifest_of,
     weights_digest,
@@ -31,15 +41,17 @@ from rollouter.app import Rollouter
 from rollouter.weights import WeightsLost
 from runconfig import load_config
 from tests.procs import Procs, events_of, run_args
-from tests.waits import event, wait_for
+from tests.waits import event, wait_for, wait_until
 from trainer.learner import publish_dtype
 
 pytestmark = pytest.mark.asyncio
 
 CHUNK = 1000  # small chunks: many of them, and tensors that straddle chunk boundaries
 
+State = dict[str, torch.Tensor]
 
-def _state() -> dict[str, torch.Tensor]:
+
+def _state() -> State:
     g = torch.Generator().manual_seed(7)
     return {
         "w": torch.randn(37, 53, generator=g),
@@ -53,7 +65,12 @@ def _state() -> dict[str, torch.Tensor]:
     }
 
 
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+def _bf16(state: State) -> State:
+    """``state`` with every float in bf16 (a bf16 publication: half the bytes)."""
+    return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _same(a: State, b: State) -> None:
     assert list(a) == list(b)
     for name, t in a.items():
         u = b[name]
@@ -63,25 +80,167 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
             t.contiguous().reshape(-1).view(torch.uint8).tolist(), name
 
 
-def _transports(bus: Bus, keys: RunKeys, root: Path) -> dict[str, Callable[[], Transport]]:
-    return {"redis": lambda: RedisTransport(bus, keys, chunk_size=CHUNK, concurrency=3),
-            "storage": lambda: StorageTransport(root, chunk_size=CHUNK, concurrency=3)}
+# ---------------------------------------------------------------------- the transports
 
 
-@pytest.mark.parametrize("kind", ["redis", "storage"])
-async def test_round_trip_is_bit_identical_and_digests_agree(
-    kind: str, bus: Bus, run_keys: RunKeys, tmp_path: Path
-) -> None:
-    transport = _transports(bus, run_keys, tmp_path)[kind]()
-    state = _state()
-    ref = await transport.publish("weights-v0-e", state)
-    assert ref.chunks > 8 and ref.store == f"weights:{kind}"
-    _same(state, await transport.fetch(ref))
+@dataclass
+class TransportCase:
+    """One transport under test: the trainer's side, a rollouter's side, and ``fetch(ref)``,
+    the rollouter's fetch with what brings it the publication (the collective: a round);
+    ``flip(ref, i)`` flips one bit of chunk ``i`` of a publication (as stored, or as the
+    trainer sends it); ``leftovers(ref)``: what is left of it where the transport keeps it."""
+
+    publisher: WeightsPublisher
+    fetcher: WeightsFetcher
+    fetch: Callable[[BlobRef], Awaitable[State]]
+    flip: Callable[[BlobRef, int], Awaitable[None]]
+    leftovers: Callable[[BlobRef], Awaitable[list[str]]]
+
+
+def _flip_byte(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 1]) + data[at + 1:]
+
+
+def redis_case(bus: Bus, keys: RunKeys) -> TransportCase:
+    fetcher = RedisTransport(bus, keys, chunk_size=CHUNK, concurrency=3)
+
+    async def flip(ref: BlobRef, i: int) -> None:
+        chunk = await bus.command("GET", f"{ref.key}:{i}")
+        await bus.command("SET", f"{ref.key}:{i}", _flip_byte(chunk, 10))
+
+    async def leftovers(ref: BlobRef) -> list[str]:
+        listed = [k.decode() for k in await bus.command("SMEMBERS", keys.blobs)]
+        return sorted(k for k in [*await bus.scan(f"{ref.key}:*"), *listed]
+                      if k.startswith(f"{ref.key}:"))
+
+    return TransportCase(RedisTransport(bus, keys, chunk_size=CHUNK, concurrency=3), fetcher,
+                         fetcher.fetch, flip, leftovers)
+
+
+def storage_case(root: Path) -> TransportCase:
+    fetcher = StorageTransport(root, chunk_size=CHUNK, concurrency=3)
+
+    async def flip(ref: BlobRef, i: int) -> None:
+        path = root / ref.key / f"{i:06d}"
+        path.write_bytes(_flip_byte(path.read_bytes(), 10))
+
+    async def leftovers(ref: BlobRef) -> list[str]:
+        return await asyncio.to_thread(lambda: sorted(map(str, root.glob(f"{ref.key}/**/*"))))
+
+    return TransportCase(StorageTransport(root, chunk_size=CHUNK, concurrency=3), fetcher,
+                         fetcher.fetch, flip, leftovers)
+
+
+@contextlib.asynccontextmanager
+async def collective_case(bus: Bus, keys: RunKeys) -> AsyncIterator[TransportCase]:
+    """The trainer's broadcaster and one receiver (with its heartbeat), in this process: a
+    round is one gloo group of two ranks on two threads."""
+    broadcaster = Broadcaster(bus, keys, epoch="e", host="127.0.0.1", timeout_s=20,
+                              join_timeout_s=10, chunk_size=CHUNK)
+    me = Member(0, os.getpid())
+    receiver = Receiver(bus, keys, me, poll_s=0.05, wait_s=3)
+    tasks = [asyncio.create_task(pulse_forever(
+        bus, keys.alive("rollouter", 0),
+        lambda: Heartbeat(role="rollouter", rank=0, pid=os.getpid(), weights_receiver=True),
+        0.2, 1.5)), asyncio.create_task(receiver.run())]
+
+    async def seen() -> bool | None:
+        return True if me in await broadcaster.receivers() else None
+
+    async def fetch(ref: BlobRef) -> State:
+        serving = asyncio.create_task(broadcaster.serve())
+        try:
+            tensors = await receiver.fetch(ref)
+        except BaseException:
+            serving.cancel()  # the round in flight stops when the broadcaster closes
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await serving
+            raise
+        await serving
+        return tensors
+
+    async def flip(ref: BlobRef, i: int) -> None:
+        latest = broadcaster.latest
+        assert latest is not None and latest.ref.key == ref.key
+        latest.buf[i * CHUNK + 10] ^= 1  # the bytes the rounds send; the manifest is as made
+
+    async def leftovers(ref: BlobRef) -> list[str]:
+        listed = [k.decode() for k in await bus.command("SMEMBERS", keys.blobs)]
+        return sorted(k for k in [*await bus.scan(f"{ref.key}:*"), *listed]
+                      if k.startswith(f"{ref.key}:"))
+
+    try:
+        await wait_until(seen, "the receiver's heartbeat", 30)
+        yield TransportCase(broadcaster, receiver, fetch, flip, leftovers)
+    finally:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await broadcaster.worker.close()
+
+
+@pytest_asyncio.fixture(params=["redis", "storage", "collective"])
+async def case(request: pytest.FixtureRequest, bus: Bus, run_keys: RunKeys,
+               tmp_path: Path) -> AsyncIterator[TransportCase]:
+    if request.param == "redis":
+        yield redis_case(bus, run_keys)
+    elif request.param == "storage":
+        yield storage_case(tmp_path)
+    else:
+        async with collective_case(bus, run_keys) as collective:
+            yield collective
+
+
+# ---------------------------------------------------------------------- the contract
+
+
+@pytest.mark.parametrize("dtype", ["as_made", "bf16"])
+async def test_a_publication_comes_back_bit_for_bit(case: TransportCase, dtype: str) -> None:
+    state = _state() if dtype == "as_made" else _bf16(_state())
+    ref = await case.publisher.publish("weights-v1-e", state, 1)
+    assert ref.chunks > 4 and ref.store == case.publisher.store == case.fetcher.store
+    _same(state, await case.fetch(ref))
     # The digest is the content's: what the resume check computes, whatever the transport.
     assert ref.sha256 == weights_digest(state, CHUNK)
-    await transport.delete(ref)
-    with pytest.raises(BlobNotFound):
-        await transport.fetch(ref)
+
+
+async def test_a_flipped_chunk_is_refused_naming_it(case: TransportCase) -> None:
+    ref = await case.publisher.publish("weights-v2-e", _state(), 2)
+    await case.flip(ref, 3)
+    with pytest.raises(BlobError, match=r"chunk 3\b"):
+        await case.fetch(ref)
+
+
+async def test_a_deleted_publication_leaves_nothing(case: TransportCase) -> None:
+    ref = await case.publisher.publish("weights-v3-e", _state(), 3)
+    _same(_state(), await case.fetch(ref))
+    assert await case.leftovers(ref)
+    await case.publisher.delete(ref)
+    assert await case.leftovers(ref) == []
+    with pytest.raises(BlobError):
+        await case.fetch(ref)
+
+
+# ---------------------------------------------------------------------- what each adds
+
+
+async def test_the_transports_at_rest_refuse_a_missing_or_short_chunk(
+    bus: Bus, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    redis_t = RedisTransport(bus, run_keys, chunk_size=CHUNK)
+    ref = await redis_t.publish("weights-v2-e", _state())
+    await bus.command("SETRANGE", f"{ref.key}:3", 10, b"\xff\x00")
+    with pytest.raises(BlobCorrupt, match="chunk 3"):
+        await redis_t.fetch(ref)
+    store_t = StorageTransport(tmp_path, chunk_size=CHUNK)
+    ref = await store_t.publish("weights-v2-e", _state())
+    (tmp_path / ref.key / "000004").write_bytes(b"short")
+    with pytest.raises(BlobCorrupt, match="chunk 4"):
+        await store_t.fetch(ref)
+    (tmp_path / ref.key / "000004").unlink()
+    with pytest.raises(BlobCorrupt, match="chunk 4 is missing"):
+        await store_t.fetch(ref)
 
 
 async def test_tied_weights_are_sent_once(bus: Bus, run_keys: RunKeys) -> None:
@@ -102,12 +261,10 @@ async def test_tied_weights_are_sent_once(bus: Bus, run_keys: RunKeys) -> None:
 async def test_every_transport_gives_the_same_weights(
     bus: Bus, run_keys: RunKeys, tmp_path: Path
 ) -> None:
-    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
-             for k, v in _state().items()}  # bf16 publishes half the bytes
+    state = _bf16(_state())  # bf16 publishes half the bytes
     refs, got = {}, {}
-    for kind, make in _transports(bus, run_keys, tmp_path).items():
-        t = make()
-        refs[kind] = await t.publish("weights-v1-e", state)
+    for kind, t in (("redis", redis_case(bus, run_keys)), ("storage", storage_case(tmp_path))):
+        refs[kind] = await t.publisher.publish("weights-v1-e", state, 1)
         got[kind] = await t.fetch(refs[kind])
     assert refs["redis"].sha256 == refs["storage"].sha256
     _same(got["redis"], got["storage"])
@@ -135,24 +292,6 @@ async def test_chunks_are_fetched_in_parallel_within_the_bound(tmp_path: Path) -
     reader = _Counting(tmp_path, chunk_size=CHUNK, concurrency=4)
     _same(state, await reader.fetch(ref))
     assert reader.peak == 4, reader.peak  # several at once, never more than asked
-
-
-async def test_a_corrupted_chunk_is_refused(bus: Bus, run_keys: RunKeys,
-                                            tmp_path: Path) -> None:
-    redis_t = RedisTransport(bus, run_keys, chunk_size=CHUNK)
-    ref = await redis_t.publish("weights-v2-e", _state())
-    await bus.command("SETRANGE", f"{ref.key}:3", 10, b"\xff\x00")
-    with pytest.raises(BlobCorrupt, match="chunk 3"):
-        await redis_t.fetch(ref)
-    store_t = StorageTransport(tmp_path, chunk_size=CHUNK)
-    ref = await store_t.publish("weights-v2-e", _state())
-    (tmp_path / ref.key / "000004").write_bytes(b"short")
-    with pytest.raises(BlobCorrupt, match="chunk 4"):
-        await store_t.fetch(ref)
-    (tmp_path / ref.key / "000004").unlink()
-    with pytest.raises(BlobCorrupt, match="chunk 4 is missing"):
-        await store_t.fetch(ref)
-
 
 
 async def test_a_publication_deleted_while_read_is_missing_not_corrupt(
