@@ -29,7 +29,7 @@ import torch
 from bus import Bus, Consumer, RunKeys
 from bus.messages import Heartbeat
 from bus.ranks import RankClaim
-from bus.weights_collective import Member
+from bus.weights_round import Member
 from policy import resolve_device
 from policy.text import build_tokenizer
 from profiling import create_agent, prepare_main_thread

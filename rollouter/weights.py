@@ -36,8 +36,9 @@ import torch
 from bus import BlobError, BlobNotFound, Bus, Delivery, RunKeys
 from bus.blobs import open_store
 from bus.messages import WarningRaised, WeightsPublished
-from bus.weights_collective import STORE as COLLECTIVE
-from bus.weights_collective import Member, Receiver
+from bus.weights_collective import Receiver
+from bus.weights_round import STORE as COLLECTIVE
+from bus.weights_round import Member
 from bus.weights_transport import TransportUnreachable, is_manifest_ref, open_transport
 from policy.weights import from_bytes
 from rollouter.events import EventPoller

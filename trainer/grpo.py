@@ -44,12 +44,13 @@ class Batch:
     response_len: int
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(**{
+        moved: dict[str, Any] = {
             f.name: (v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
             for f in fields(self)
-        })
+        }
+        return Batch(**moved)
 
-    def select(self, rows: torch.Tensor) -> Batch:
+    def select(self, rows: torch.Tensor | list[int]) -> Batch:
         """Rows ``rows`` (indices), their padding trimmed to their own longest prompt and
         response: columns ``prompt_width - p`` to ``prompt_width + r``. Positions come from the
         mask, so a row's tokens see the same positions; per-token tensors [B, R] of the whole

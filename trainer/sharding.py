@@ -74,8 +74,11 @@ def _mixed_precision(policy: nn.Module, tc: TrainerConfig) -> Any:
 def unit_layers(policy: nn.Module) -> list[nn.Module]:
     """The policy's repeated layers (the longest ``ModuleList`` in it: TinyGPT's blocks, a
     Hugging Face model's decoder layers): each becomes one FSDP2 unit."""
-    lists = [m for m in policy.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+    longest: nn.ModuleList | None = None  # the first of the longest, as max() would pick
+    for m in policy.modules():
+        if isinstance(m, nn.ModuleList) and (longest is None or len(m) > len(longest)):
+            longest = m
+    return list(longest) if longest is not None else []
 
 
 def shard_policy(policy: nn.Module, tc: TrainerConfig, group: RankGroup) -> None:

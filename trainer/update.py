@@ -63,7 +63,7 @@ def _probs_diff_metrics(diffs: Sequence[torch.Tensor]) -> dict[str, float]:
 
 
 @torch.no_grad()
-def _shrink(params: list[torch.Tensor], before: list[torch.Tensor],
+def _shrink(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor],
             optimizer: torch.optim.Optimizer, scale: float) -> None:
     for p, p0 in zip(params, before, strict=True):
         p.sub_(p0).mul_(scale).add_(p0)

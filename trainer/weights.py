@@ -30,7 +30,8 @@ from bus import Bus, RunKeys
 from bus.blobs import RedisBlobStore, open_store
 from bus.messages import BlobRef, WarningRaised, WeightsPublished
 from bus.urls import local_address, redis_host
-from bus.weights_collective import STORE, Broadcaster, delete_manifest
+from bus.weights_collective import Broadcaster, delete_manifest
+from bus.weights_round import STORE
 from bus.weights_transport import StorageTransport, is_manifest_ref, open_transport
 from runconfig import Config
 from runtime import Failure
@@ -117,7 +118,7 @@ class Weights:
             else:
                 transport = open_transport(kind, bus=self.bus, run_keys=self.keys,
                                            root=self.root)
-                ref = await transport.publish(name, tensors)
+                ref = await transport.publish(name, tensors, version)
         except OSError as exc:  # the run's storage: full, read-only, gone
             where = self.root if kind == "storage" else "redis"
             raise WeightsUnwritable(f"WeightsUnwritable: weights v{version} could not be "
