@@ -67,6 +67,7 @@ def test_an_export_only_in_the_storage_is_fetched_whole_only(tmp_path: Path) -> 
     assert not (tmp_path / "m" / HF_COMPLETE).exists()
 
 
+@pytest.mark.procs
 def test_no_export_is_exit_2_in_one_line_naming_where_it_looked(tmp_path: Path) -> None:
     r = run_cli("model", "--run", RUN, "--out", str(tmp_path / "m"),
                 f"run.output_dir={tmp_path / 'out'}")

@@ -240,6 +240,7 @@ def _until(what: str, cond: Any, timeout_s: float = 180.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_a_task_no_node_has_room_for_is_named_then_stops_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

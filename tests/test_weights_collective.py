@@ -195,6 +195,7 @@ async def _serve_until(b: Broadcaster, ranks: set[int], timeout_s: float = 60) -
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.procs  # three receiver processes, each importing torch: 13-30 s
 @pytest.mark.asyncio
 async def test_broadcast_rounds_give_every_receiver_what_redis_gives_joiners_included(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys
