@@ -82,7 +82,7 @@ shim: $(RUNTIME)
 test: $(FULL) $(VLLM)
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# While you work: no component process, no vLLM, each test within 30 s (tests/tiers.py).
+# While you work: no component process, no vLLM, each test within 60 s (tests/tiers.py).
 test-fast: $(FULL)
 	$(PY) -m pytest -q -p no:cacheprovider --fast
 

@@ -31,9 +31,10 @@ from typing import Any
 
 import pytest
 
-FAST_TIMEOUT_S = 30.0
-"""A fast-tier test's bound, setup and teardown included: ~10x the slowest one on 2 idle cores
-(``--durations``), so that load never reaches it and a test that grew slow does."""
+FAST_TIMEOUT_S = 60.0
+"""A fast-tier test's bound, setup and teardown included. The slowest test of the tier took
+7-8 s on the shared 2-core machine lightly loaded, 19 s with it busy (load 5): a test that grows
+several times slower fails here instead of slowing the tier down; load alone does not reach it."""
 
 SLOW_MARKERS = ("procs", "vllm")
 """Markers whose tests ``--fast`` leaves out."""
