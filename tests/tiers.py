@@ -1,5 +1,5 @@
 """The test tiers: ``make test`` runs every test, ``make test-fast`` (``pytest --fast``) the
-ones that start no component process, each within :data:`FAST_TIMEOUT_S`.
+ones that start no component process and load no vLLM, each within :data:`FAST_TIMEOUT_S`.
 
 A test that runs a component as a process (``python -m trainer|rollouter|profiler_service|
 metrics_logger|rlbus``, the ``rlbus`` or ``ray`` commands, a script or module of ``tests/``
@@ -11,7 +11,7 @@ module of them). ``vllm`` tests load vLLM (tens of seconds each): they are not f
 
 - a process test that was not marked fails, naming itself and the command it started: the
   spawn is refused (``subprocess.Popen`` raises), and the test fails even where the code under
-  test caught that error;
+  test caught that error; so does a test that imports vLLM;
 - each test gets at most :data:`FAST_TIMEOUT_S` (pytest-timeout), its fixtures included: a
   test that grew slow fails there instead of slowing the tier down.
 """
@@ -239,8 +239,9 @@ def _bound(item: pytest.Item) -> None:
     """At most FAST_TIMEOUT_S, whatever the test's own timeout marker says (the closest
     marker wins: this one goes first)."""
     own = item.get_closest_marker("timeout")
-    own_s = None if own is None else (own.args[0] if own.args else own.kwargs.get("timeout"))
-    bound = FAST_TIMEOUT_S if own_s is None else min(float(own_s), FAST_TIMEOUT_S)
+    raw = None if own is None else (own.args[0] if own.args else own.kwargs.get("timeout"))
+    own_s = 0.0 if raw is None else float(raw)  # pytest-timeout: 0 is no timeout
+    bound = FAST_TIMEOUT_S if own_s <= 0 else min(own_s, FAST_TIMEOUT_S)
     item.add_marker(pytest.mark.timeout(bound), append=False)
 
 
@@ -265,4 +266,3 @@ def pytest_runtest_makereport(item: pytest.Item) -> Generator[None, Any, None]:
     else:
         report.outcome = "failed"
         report.longrepr = message
-    print(f"\n{message}", file=sys.stderr)
