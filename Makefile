@@ -13,7 +13,7 @@ CHAT    := $(VENV)/.installed-chat
 FULL    := $(VENV)/.installed-full
 VLLM    := $(VENV)/.installed-vllm
 
-.PHONY: venv demo demo-chat shim test lint bench bench-long clean vllm
+.PHONY: venv demo demo-chat shim test test-fast lint bench bench-long clean vllm
 
 venv: $(RUNTIME)
 
@@ -81,6 +81,10 @@ shim: $(RUNTIME)
 # vLLM too (`make vllm`), so that the rollout.name=vllm tests run rather than skip.
 test: $(FULL) $(VLLM)
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# While you work: no component process, no vLLM, each test within 60 s (tests/tiers.py).
+test-fast: $(FULL)
+	$(PY) -m pytest -q -p no:cacheprovider --fast
 
 # ruff, then mypy over the packages pyproject.toml's [tool.mypy] names (tests/test_lint.py runs
 # both in CI).

@@ -44,6 +44,8 @@ import pytest_asyncio
 from bus import Bus, EmbeddedRedis, RunKeys, find_redis_server, redis_server_version
 from tests.procs import Procs
 
+pytest_plugins = ("tests.tiers",)  # --fast: the fast tier (make test-fast)
+
 RedisFactory = Callable[..., EmbeddedRedis]
 BusFactory = Callable[..., Awaitable[Bus]]
 

@@ -165,6 +165,7 @@ def test_each_role_appends_to_its_own_stream_of_the_log_only(server: AclRedis, u
     admin.close()
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("command", ["inspect", "profile"])
 def test_a_missing_right_is_one_line_naming_it(server: AclRedis, tmp_path: Path,
                                                 command: str) -> None:
@@ -184,6 +185,7 @@ def test_a_missing_right_is_one_line_naming_it(server: AclRedis, tmp_path: Path,
     assert len(lines) == 1 and "no permissions" in lines[0] and "logger" in lines[0], res.stderr
 
 
+@pytest.mark.procs
 def test_the_operator_inspects_and_asks_for_a_profile(server: AclRedis, tmp_path: Path) -> None:
     """Every rlbus command an operator runs works with the operator's user: inspect (the
     whole log, the samples for --trace) and profile (its request in its own stream; no

@@ -15,6 +15,7 @@ from rlbus.cli import COMMANDS, main
 from tests.procs import run_cli
 
 
+@pytest.mark.procs
 def test_rlbus_redis_starts_prints_url_and_stops_on_sigterm(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlbus", "redis", f"run.output_dir={tmp_path}"],
@@ -38,6 +39,7 @@ def test_rlbus_redis_starts_prints_url_and_stops_on_sigterm(tmp_path: Path) -> N
         proc.communicate(timeout=30)  # drains and closes the pipes
 
 
+@pytest.mark.procs
 def test_help_and_unknown_command() -> None:
     ok = run_cli("--help")
     assert ok.returncode == 0 and "rlbus up" not in ok.stderr and "inspect" in ok.stdout
@@ -45,6 +47,7 @@ def test_help_and_unknown_command() -> None:
     assert bad.returncode == 2 and "unknown command" in bad.stderr
 
 
+@pytest.mark.procs
 def test_profile_bad_spec_and_roles_exit_2() -> None:
     res = run_cli("profile", "--run", "r1", "--steps", "0-x", "redis.url=redis://127.0.0.1:1/0")
     assert res.returncode == 2 and "--steps" in res.stderr, res.stderr
@@ -53,6 +56,7 @@ def test_profile_bad_spec_and_roles_exit_2() -> None:
     assert res.returncode == 2 and "--roles" in res.stderr, res.stderr
 
 
+@pytest.mark.procs
 def test_inspect_unknown_run_says_so(tmp_path: Path) -> None:
     (tmp_path / "redis").mkdir()  # an output folder with embedded Redis data, not this run's
     res = run_cli("inspect", "--run", "nothing-here", f"run.output_dir={tmp_path}")
@@ -106,6 +110,7 @@ def test_password_from_the_environment_is_never_printed(
     assert "RLBUS_TEST_PW" in capsys.readouterr().err
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("module", ["trainer", "rollouter", "profiler_service", "metrics_logger"])
 def test_python_m_component_help(module: str) -> None:
     res = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,

@@ -96,6 +96,7 @@ async def test_a_moved_reply_to_a_plain_client_is_the_same_named_error(
         await bus.close()
 
 
+@pytest.mark.procs
 def test_a_component_at_a_cluster_node_with_a_plain_url_exits_2_in_one_line(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:

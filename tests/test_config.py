@@ -101,6 +101,7 @@ def test_profile_steps_without_a_tool_warn_that_profiling_is_off(tmp_path: Path)
     assert len(warnings) == 1 and "profiling is off" in warnings[0]
 
 
+@pytest.mark.procs
 def test_cli_says_profiling_is_off_and_refuses_a_late_step() -> None:
     res = run_cli("config", "--show", "global_profiler.steps", "global_profiler.steps=[1,3]")
     assert res.returncode == 0 and res.stdout == "[1, 3]\n", res.stderr

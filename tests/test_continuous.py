@@ -12,8 +12,8 @@ Skipped, with the reason printed, in a venv without vLLM (``make vllm`` installs
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -23,9 +23,10 @@ from bus import Bus, RedisBlobStore, RunKeys
 from bus.messages import PromptTicket, Sample, WeightsPublished
 from rollouter.app import Rollouter
 from rollouter.continuous import ContinuousRollout
-from rollouter.engine import streams, vllm_installed
+from rollouter.engine import Delta, StreamingEngine, streams, vllm_installed
 from runconfig import load_config
 from tests.procs import events_of
+from tests.waits import wait_until
 
 pytestmark = [
     pytest.mark.vllm,
@@ -58,6 +59,9 @@ async def rollouter(request: pytest.FixtureRequest, demo: Path, redis_url: str, 
         f"custom_reward_function.path={demo / 'reward.py'}",
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true",
         f"data.max_response_length={LONG}", "rollout.prompts_per_batch=1",
+        # No trainer here: the rollouter's wait for its lease outlasts the test (building
+        # the engine alone took 49 s on a loaded machine; the default bound is 30 s).
+        "heartbeat.timeout_s=600",
         f"async_training.partial_rollout={str(request.param).lower()}"])
     r = Rollouter(cfg, bus)
     engine = await r.off(r.build)
@@ -89,34 +93,50 @@ async def _ticket(bus: Bus, keys: RunKeys, tid: str, min_version: int = 0) -> No
         min_version=min_version))
 
 
-async def _until(what: str, check: object, timeout_s: float = 120.0) -> None:
+async def _until(what: str, check: Callable[[], bool], timeout_s: float = 120.0) -> None:
     """Wait (bounded) for ``check()`` to hold; fails naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"no {what} in {timeout_s:g} s"
-        await asyncio.sleep(0.005)
+    await wait_until(lambda: True if check() else None, what, timeout_s)
 
 
 async def _samples(bus: Bus, keys: RunKeys, count: int) -> dict[str, list[Sample]]:
     """The samples published so far, once there are ``count``, by ticket."""
-    deadline = time.monotonic() + 120
-    while True:
+
+    async def probe() -> list[Sample] | None:
         got = [m for m in await events_of(bus, keys.samples) if isinstance(m, Sample)]
-        if len(got) >= count:
-            break
-        assert time.monotonic() < deadline, f"{len(got)} of {count} samples in 120 s"
-        await asyncio.sleep(0.05)
+        return got if len(got) >= count else None
+
     by_ticket: dict[str, list[Sample]] = {}
-    for s in got:
+    for s in await wait_until(probe, f"{count} samples", 120):
         by_ticket.setdefault(s.ticket_id, []).append(s)
     return by_ticket
+
+
+class Held:
+    """``engine`` steps nothing (each slice is empty) once ``hold()`` holds, until
+    :meth:`release`: what the test does mid-generation (a ticket, a publication) happens
+    there however long it takes, instead of racing the responses' remaining steps."""
+
+    def __init__(self, engine: StreamingEngine, hold: Callable[[], bool]) -> None:
+        self.advance = engine.advance
+        self.hold = hold
+        self.released = threading.Event()
+        engine.advance = self  # type: ignore[assignment]
+
+    def __call__(self, steps: int) -> list[Delta]:  # on the rollouter's worker thread
+        if self.hold() and not self.released.is_set():
+            self.released.wait(0.01)
+            return []
+        return self.advance(steps)
+
+    def release(self) -> None:
+        self.released.set()
 
 
 async def _serving(r: Rollouter) -> tuple[ContinuousRollout, asyncio.Task[None]]:
     assert streams(r.engine)
     loop = ContinuousRollout(r.context, r.engine)
-    # No eos ends a response: each takes LONG engine steps, so what a test does while a
-    # ticket generates happens long before it ends, however loaded the machine is.
+    # No eos ends a response: each takes LONG engine steps (what a test does mid-generation
+    # holds them there: Held).
     loop.eos_ids = []
     return loop, asyncio.create_task(loop.run())
 
@@ -132,13 +152,17 @@ async def test_a_ticket_claimed_mid_generation_joins_the_running_engine(
 ) -> None:
     r = rollouter
     loop, task = await _serving(r)
+    held = Held(loop.engine, lambda: _generated(loop, "a") >= 8)
     await _ticket(bus, run_keys, "a")
     await _until("8 tokens of ticket a", lambda: _generated(loop, "a") >= 8)
     await _ticket(bus, run_keys, "b")
-    await _until("ticket b in the engine", lambda: "b" in loop.book.groups)
-    assert 8 <= _generated(loop, "a") < LONG  # a is still generating beside it
-    r.loop = loop
-    assert "4 responses of 2 tickets in the engine" in r.heartbeat().state
+    try:
+        await _until("ticket b in the engine", lambda: "b" in loop.book.groups)
+        assert 8 <= _generated(loop, "a") < LONG  # a is still generating beside it
+        r.loop = loop
+        assert "4 responses of 2 tickets in the engine" in r.heartbeat().state
+    finally:
+        held.release()
     by_ticket = await _samples(bus, run_keys, 4)
     await _stop(r, task)
     a, b = by_ticket["a"], by_ticket["b"]
@@ -166,10 +190,16 @@ async def test_a_sync_resumes_running_responses_with_partial_rollout_only(
     r = rollouter
     partial = r.cfg.async_training.partial_rollout
     loop, task = await _serving(r)
+    held = Held(loop.engine, lambda: _generated(loop, "a") >= 8)
     await _ticket(bus, run_keys, "a")
     await _until("8 tokens of ticket a", lambda: _generated(loop, "a") >= 8)
-    await _publish(r, 1)
-    await _ticket(bus, run_keys, "b", min_version=1)
+    try:
+        await _publish(r, 1)
+        await _ticket(bus, run_keys, "b", min_version=1)
+        if partial:  # a, mid-generation, is aborted for the sync (without, the sync waits)
+            await _until("the sync to v1", lambda: r.context.weights.version == 1)
+    finally:
+        held.release()
     by_ticket = await _samples(bus, run_keys, 4)
     await _stop(r, task)
     assert r.engine is not None

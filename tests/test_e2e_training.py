@@ -302,6 +302,7 @@ async def test_rlbus_up_and_inspect_json(tmp_path: Path) -> None:
     assert "StepFinished" not in res.stdout  # --plot writes the plot only
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(
     ("argv", "key"),
     [

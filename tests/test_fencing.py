@@ -21,6 +21,7 @@ from bus import (
     RunKeys,
     StepStarted,
 )
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -89,12 +90,22 @@ async def test_a_stale_token_cannot_read_ack_dead_letter_or_claim(
     assert [(dl.entry_id, dl.consumer) for dl in letters] == [(ids[0], "trainer-b")]
 
 
+async def _blocked_on_xread(bus: Bus) -> bool | None:
+    """Whether a client of the server is blocked in XREAD (CLIENT LIST: flags=b)."""
+    clients = await bus.command("CLIENT", "LIST")
+    text = clients.decode() if isinstance(clients, bytes) else str(clients)
+    fields = [dict(f.split("=", 1) for f in line.split() if "=" in f)
+              for line in text.splitlines()]
+    return True if any(c.get("cmd") == "xread" and "b" in c.get("flags", "")
+                       for c in fields) else None
+
+
 async def test_a_fenced_read_waits_for_new_entries(bus: Bus, run_keys: RunKeys) -> None:
     member = await _member(bus, run_keys, "a")
     await member.ensure_group()
     assert await member.read(count=10, block_ms=50) == []
     waiting = asyncio.create_task(member.read(count=10, block_ms=10_000))
-    await asyncio.sleep(0.2)  # let the read reach its blocking wait
+    await wait_until(lambda: _blocked_on_xread(bus), "the read's XREAD BLOCK in Redis", 30)
     ids = await _publish(bus, run_keys.samples, 2)
     got = await asyncio.wait_for(waiting, 30)
     got += await member.read(count=10, block_ms=None)

@@ -23,6 +23,7 @@ async def _started(bus: Bus, run_id: str) -> RunKeys:
     return keys
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 async def test_heartbeats_shows_each_live_component_s_latest_pulse(
     bus: Bus, redis_url: str, run_id: str
@@ -45,6 +46,7 @@ async def test_heartbeats_shows_each_live_component_s_latest_pulse(
     assert plain.returncode == 0 and "alive now" not in plain.stdout and "4242" not in plain.stdout
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 async def test_plot_without_matplotlib_is_one_line_saying_how_to_get_it(
     bus: Bus, redis_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,6 +28,7 @@ def mypy_cache() -> Path:
     return Path(sys.prefix) / "mypy-cache" / checkout
 
 
+@pytest.mark.whole_tree
 def test_mypy_finds_nothing() -> None:
     """mypy over the packages its config names: strict on bus, runtime and profiling, basic
     elsewhere."""

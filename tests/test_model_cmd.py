@@ -70,6 +70,7 @@ def test_an_export_only_in_the_storage_is_fetched_whole_only(tmp_path: Path) -> 
     assert not (tmp_path / "m" / HF_COMPLETE).exists()
 
 
+@pytest.mark.procs
 def test_no_export_is_exit_2_in_one_line_naming_where_it_looked(tmp_path: Path) -> None:
     r = run_cli("model", "--run", RUN, "--out", str(tmp_path / "m"),
                 f"run.output_dir={tmp_path / 'out'}")
@@ -86,6 +87,7 @@ def test_no_export_is_exit_2_in_one_line_naming_where_it_looked(tmp_path: Path) 
     assert r.stdout.strip() == f"step 7: {hf_dir(folder, 7)} -> {tmp_path / 'm'}"
 
 
+@pytest.mark.procs
 def test_the_checkpoint_folder_a_run_recorded_is_where_it_looks(tmp_path: Path) -> None:
     # A verl launch line sets trainer.default_local_dir; `rlbus model` is then given only the
     # run and its output folder: the folder comes from the config rlbus up recorded.
@@ -101,6 +103,7 @@ def test_the_checkpoint_folder_a_run_recorded_is_where_it_looks(tmp_path: Path) 
     assert f"trainer.default_local_dir={ckpts} (recorded by run {RUN})" in r.stderr
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 async def test_the_checkpoint_folder_in_the_run_s_log_is_where_it_looks(
     tmp_path: Path, bus: Bus, redis_url: str, run_id: str

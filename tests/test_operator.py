@@ -138,6 +138,7 @@ def test_profile_refuses_a_finished_run(finished: FinishedRun) -> None:
     assert res.returncode == 2 and "has finished" in res.stderr, res.stderr
 
 
+@pytest.mark.procs
 def test_inspect_with_a_wrong_output_dir_creates_nothing(tmp_path: Path) -> None:
     res = run_cli("inspect", "--run", "x", "run.output_dir=typo", cwd=tmp_path)
     assert res.returncode == 1 and "no embedded Redis data in typo/redis" in res.stderr
@@ -171,6 +172,7 @@ def test_unreachable_redis_is_one_line_from_every_command(tmp_path: Path) -> Non
     assert not (tmp_path / "out").exists()  # nothing created before Redis answered
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 async def test_profile_refuses_at_once_a_run_with_profiling_off(
     bus: Bus, redis_url: str, run_id: str

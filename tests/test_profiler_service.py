@@ -189,6 +189,7 @@ def stopped(session: StartProfile, role: str, rank: int = 0, folder: Path | None
 # --------------------------------------------------------------------------- tests
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 async def test_started_before_run_started(
     bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch
@@ -228,6 +229,7 @@ async def test_started_before_run_started(
     ]
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 async def test_started_after_run_started_requests_manifest_and_hook_once(
     bus: Bus,
@@ -323,6 +325,7 @@ async def test_started_after_run_started_requests_manifest_and_hook_once(
     assert len(of(msgs, ProfilerFinished)) == 1 and len(of(msgs, ProfilerReady)) == 1
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 async def test_sigkill_and_restart_sends_no_duplicates(
     bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch
@@ -360,6 +363,7 @@ async def test_sigkill_and_restart_sends_no_duplicates(
     assert "Traceback" not in restarted.log()
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 async def test_finish_hook_is_never_run_twice_even_if_the_service_dies_in_it(
     bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch
@@ -389,6 +393,7 @@ async def test_finish_hook_is_never_run_twice_even_if_the_service_dies_in_it(
     assert [w.code for w in of(msgs, WarningRaised)] == ["finish_hook_interrupted"]
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 async def test_manifest_names_the_steps_a_killed_trainer_lost_and_a_trace_that_is_not_there(
     bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch
@@ -479,6 +484,7 @@ async def until_redis_clock_passes(bus: Bus, entry_id: str, seconds: float) -> N
     await wait_until(passed, f"the Redis clock to pass {seconds:g} s after {entry_id}", WAIT_S)
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 async def test_a_request_nobody_waits_for_any_more_is_refused_by_a_later_service(
     bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch,
@@ -512,6 +518,7 @@ async def test_a_request_nobody_waits_for_any_more_is_refused_by_a_later_service
     assert [(c.request_id, c.first_step) for c in served] == [("fresh", 6)]
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 async def test_restart_reads_only_the_log_after_its_snapshot_unless_the_log_lost_it(
     bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch
@@ -559,6 +566,7 @@ async def test_restart_reads_only_the_log_after_its_snapshot_unless_the_log_lost
     assert await wait_exit(third, WAIT_S) == 0
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 async def test_restart_without_a_snapshot_folds_the_archive_and_the_stream(
     bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch
@@ -604,6 +612,7 @@ async def test_restart_without_a_snapshot_folds_the_archive_and_the_stream(
 # --------------------------------------------------------------------------- the step barrier
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 async def test_requests_at_a_step_boundary_skip_the_step_that_began(
     bus: Bus, redis_url: str, run_id: str, run_keys: RunKeys, tmp_path: Path, launch: Launch,
@@ -723,6 +732,7 @@ async def test_guarded_publish_that_landed_despite_a_refused_retry_is_not_sent_t
     assert not of([e.msg for e in await entries(bus, run_keys.events)], ProfileRequestRefused)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(
     ("override", "key"),
     [

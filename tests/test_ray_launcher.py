@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import psutil
 import pytest
 
 from tests.procs import FAST
+from tests.waits import wait_until_blocking
 
 pytest.importorskip("ray", reason="the ray extra is not installed")
 
@@ -231,15 +233,7 @@ async def test_two_nodes_placed_as_asked_and_a_lost_node_named_and_survived(
 
 # --------------------------------------------------------------------------- placement wait
 
-def _until(what: str, cond: Any, timeout_s: float = 180.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}"
-        time.sleep(0.1)
-
-
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_a_task_no_node_has_room_for_is_named_then_stops_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -247,11 +241,15 @@ def test_a_task_no_node_has_room_for_is_named_then_stops_the_run(
     """A local Ray whose one node offers {slot: 1}; two rollouters each ask for {slot: 1}.
     The first is placed and runs; the second waits unplaced (Ray holds it pending): RunWatch
     says so once (component_unplaced, naming the slot), then past run.ray.placement_timeout_s
-    names it component_failed and stops the run. Stopping cancels the pending task."""
+    names it component_failed and stops the run. Stopping cancels the pending task.
+
+    The second is submitted once the first holds the slot (Ray could place either first), and
+    its wait is set by its submission time, not slept: a loaded machine that takes longer to
+    place the first (a Ray worker starting) then skips no verdict."""
     from rlbus.children import Console
     from rlbus.ray_launcher import RayChild, init_ray, shutdown_ray
     from rlbus.supervise import Supervisor
-    from rlbus.watching import Progress, RestartPolicy, RunWatch, Summary
+    from rlbus.watching import PLACEMENT_WARN_S, Progress, RestartPolicy, RunWatch, Summary
 
     ray_tmp = tempfile.mkdtemp(prefix="rlpl")
     monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
@@ -259,22 +257,29 @@ def test_a_task_no_node_has_room_for_is_named_then_stops_the_run(
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
     children = [RayChild(f"rollouter{i}", sleeper, tmp_path / f"rollouter{i}.log", dict(asks))
                 for i in range(2)]
+    bound_s = 600.0  # the warning comes at PLACEMENT_WARN_S, far from the bound
     try:
         init_ray(None, 2, timeout_s=300, resources={"slot": 1.0})
-        for child in children:
-            child.start({})
         first, second = children
-        _until("rollouter0 to be placed", lambda: first.placed)
+        first.start({})
+        wait_until_blocking(lambda: first.placed or None, "rollouter0 to be placed", 180)
+        submitted = time.monotonic()
+        second.start({})
+        assert submitted <= second.submitted_at <= time.monotonic()  # its wait counts from here
         sup = Supervisor()
         watch = RunWatch("r", children, sup, Progress(10, 0, Console(sup)), Summary(), set(),
-                         policy=RestartPolicy(3), placement_timeout_s=4.0)
-        _until("a component_unplaced warning",
-               lambda: watch._verdict() is None and bool(watch.pending), 60)
+                         policy=RestartPolicy(3), placement_timeout_s=bound_s)
+        # Waited as long as makes RunWatch say so (once), and no longer than the bound.
+        second.submitted_at = time.monotonic() - PLACEMENT_WARN_S
+        assert watch._verdict() is None and watch._verdict() is None
         assert not second.placed and second.returncode() is None
+        assert len(watch.pending) == 1, watch.pending
         code, text = watch.pending[0]
         assert code == "component_unplaced" and text.startswith("rollouter1 not placed by Ray")
         assert "resources={'slot': 1.0}" in text, text
-        _until("the placement bound to pass", lambda: watch._verdict() == 1, 60)
+        # Waited the bound, still unplaced: the run stops.
+        second.submitted_at = time.monotonic() - bound_s
+        assert watch._verdict() == 1
         assert [c for c, _ in watch.pending] == ["component_unplaced", "component_failed"]
         assert watch.pending[1][1].startswith("rollouter1 not placed by Ray after ")
         assert first.placed and first.returncode() is None  # the placed one runs on

@@ -18,6 +18,8 @@ import redis
 from bus import EmbeddedRedis
 from tests.procs import run_cli
 
+pytestmark = pytest.mark.procs  # each test runs `rlbus redis` as a process
+
 # Any 127/8 address is loopback on Linux: a second address stands for "another interface".
 ADDR = "127.0.0.2"
 

@@ -91,6 +91,7 @@ def test_disable_starts_a_new_run_that_loads_nothing_old(tmp_path: Path) -> None
     assert saved and all(Path(e["path"]).parent == local for e in saved)
 
 
+@pytest.mark.procs
 def test_a_marker_that_names_no_run_exits_2_naming_the_file(tmp_path: Path) -> None:
     local = tmp_path / "local"
     local.mkdir()

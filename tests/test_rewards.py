@@ -506,6 +506,7 @@ async def test_a_run_trains_on_the_users_reward_file(
     assert "Traceback" in warnings[0].message
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(("args", "named"), [
     (["custom_reward_function.path=/no/such/reward.py"], "/no/such/reward.py"),
     (["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true"],
@@ -543,6 +544,7 @@ async def test_the_rollouters_pulse_carries_the_reward_counters(
         r.worker.shutdown()
 
 
+@pytest.mark.procs
 def test_a_rollouter_with_a_bad_reward_file_exits_2(
     redis_url: str, run_id: str, tmp_path: Path
 ) -> None:

@@ -134,6 +134,7 @@ def test_the_trainer_also_checks_default_local_dir(tmp_path: Path) -> None:
     assert check_storage(cfg, "rollouter") is None  # it never reads checkpoints
 
 
+@pytest.mark.procs
 def test_a_component_on_an_unusable_storage_exits_2_naming_it(tmp_path: Path) -> None:
     # Before Redis is contacted: the url names a port nothing listens on.
     res = subprocess.run(
@@ -175,6 +176,7 @@ async def test_a_run_on_a_storage_url_keeps_its_files_there(
     assert not (out / run_id / "checkpoints").exists() and not (out / run_id / "blobs").exists()
 
 
+@pytest.mark.procs
 def test_rlbus_up_on_an_unusable_storage_exits_2_before_starting_anything(
     tmp_path: Path,
 ) -> None:

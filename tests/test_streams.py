@@ -272,6 +272,7 @@ async def test_every_call_has_a_deadline(
     await bus.ping()  # and recovers once the server answers again
 
 
+@pytest.mark.procs
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_killed_member_entries_are_reclaimed_exactly_once(

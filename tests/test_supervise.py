@@ -296,6 +296,7 @@ while True:
 """
 
 
+@pytest.mark.procs
 def test_a_signal_while_the_embedded_redis_loads_stops_it(tmp_path: Path) -> None:
     marker = tmp_path / "loading.pid"
     fake = tmp_path / "slow-redis-server"

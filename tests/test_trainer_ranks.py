@@ -56,6 +56,7 @@ SEQLEN = ["global_seqlen/min", "global_seqlen/max", "global_seqlen/minmax_diff",
 
 
 # fsdp2 with trainer.balance_batch (the default: rows split by tokens), ddp without it.
+@pytest.mark.procs
 @pytest.mark.parametrize(("strategy", "balance"), [("fsdp2", True), ("ddp", False)])
 def test_two_ranks_train_what_one_rank_trains(one_rank: dict[str, Any], strategy: str,
                                               balance: bool, tmp_path: Path) -> None:
@@ -78,6 +79,7 @@ def test_two_ranks_train_what_one_rank_trains(one_rank: dict[str, Any], strategy
     assert two["metrics"][-1]["staleness/max"] == 1.0
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("extra", [
     # 8 rows: ranks of 4 rows in 2 micro-batches each; the KL loss, the guard (its KL
     # reduced over the ranks), zero_adv drop and a second epoch on top.
@@ -135,6 +137,7 @@ def _mean_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 # autocast, two ranks in FSDP2's MixedPrecisionPolicy (bf16 all-gathers: embeddings and norms
 # in bf16 too, as verl's FSDP runs) or ddp (autocast); gradients summed in float32 (the
 # default) or bf16 (verl's mixed_precision.reduce_dtype).
+@pytest.mark.procs
 @pytest.mark.parametrize(("strategy", "reduce"), [("fsdp2", "fp32"), ("fsdp2", "bf16"),
                                                   ("ddp", "bf16")])
 def test_two_ranks_in_bf16_train_what_one_rank_trains(
@@ -167,6 +170,7 @@ def test_two_ranks_in_bf16_train_what_one_rank_trains(
             assert m2[key] == pytest.approx(m1[key], rel=0.02, abs=1e-3), key
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("fmt", ["dcp", "full"])
 def test_a_checkpoint_of_two_ranks_resumes_with_one_and_with_two(
         one_rank: dict[str, Any], tmp_path: Path, fmt: str) -> None:
@@ -193,6 +197,7 @@ def test_a_checkpoint_of_two_ranks_resumes_with_one_and_with_two(
         assert resumed["metrics"][0]["actor/lr"] == one_rank["metrics"][-1]["actor/lr"]
 
 
+@pytest.mark.procs
 def test_a_checkpoint_of_one_rank_resumes_with_two(one_rank: dict[str, Any],
                                                     tmp_path: Path) -> None:
     one = tmp_path / "one.pt"
@@ -230,6 +235,7 @@ def _rank_pids(trainer_pid: int) -> list[int]:
     return [k.pid for k in kids if "trainer.rank" in " ".join(k.cmdline())]
 
 
+@pytest.mark.procs
 def test_a_killed_rank_fails_the_trainer_by_name_and_the_run_resumes(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = [f"run.output_dir={out}", "run.id=ranks", *FAST, "trainer.logger=[console]",
@@ -265,6 +271,7 @@ def test_a_killed_rank_fails_the_trainer_by_name_and_the_run_resumes(tmp_path: P
     assert pts and pts == sorted(p.stem for p in ckpts.glob("step-*.dcp")), list(ckpts.iterdir())
 
 
+@pytest.mark.procs
 def test_profiling_step_1_writes_one_trace_per_trainer_rank(tmp_path: Path) -> None:
     out = tmp_path / "out"
     res = run_cli("up", f"run.output_dir={out}", "run.id=prof", *FAST, "trainer.logger=[console]",
@@ -287,6 +294,7 @@ def test_profiling_step_1_writes_one_trace_per_trainer_rank(tmp_path: Path) -> N
                      "rollouter0": {"rank": 2, "world_size": 3}}, ranks
 
 
+@pytest.mark.procs
 def test_a_second_node_joins_with_rlbus_trainer_and_node_rank(tmp_path: Path) -> None:
     """Two "nodes" on one machine: ``rlbus trainer trainer.node_rank=1`` starts node 1's
     rank (no Redis, no run id) and waits for rank 0, which `rlbus up` starts."""
@@ -343,6 +351,7 @@ def _lone_follower(timeout_s: float, pings: int, every_s: float) -> int:
         group.close()
 
 
+@pytest.mark.procs
 def test_a_rank_waits_as_long_as_rank_0_says_it_lives_and_gives_up_when_it_stops() -> None:
     # The timeout also bounds the join, which waits for the rank's imports (seconds on a
     # loaded machine): 6 s. Then 6 pings 1.5 s apart: 9 s of idle rank 0, 1.5 timeouts.

@@ -23,6 +23,7 @@ from tests.procs import FAST, run_cli
 from tests.test_supervise import LONG, Up, _gone
 
 
+@pytest.mark.procs
 def test_unreachable_ray_address_is_one_line_and_creates_nothing(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there
     out = tmp_path / "out"
@@ -35,6 +36,7 @@ def test_unreachable_ray_address_is_one_line_and_creates_nothing(tmp_path: Path)
     assert not out.exists()  # no embedded Redis, no run folder
 
 
+@pytest.mark.procs
 def test_a_ray_address_where_redis_listens_is_one_line_and_creates_nothing(
     tmp_path: Path, redis_server: EmbeddedRedis
 ) -> None:
@@ -51,6 +53,7 @@ def test_a_ray_address_where_redis_listens_is_one_line_and_creates_nothing(
     assert not out.exists()
 
 
+@pytest.mark.procs
 def test_malformed_ray_address_exits_2_naming_the_key(tmp_path: Path) -> None:
     res = run_cli("up", "run.launcher=ray", "run.ray_address=nohost",
                   f"run.output_dir={tmp_path / 'out'}")
@@ -58,6 +61,7 @@ def test_malformed_ray_address_exits_2_naming_the_key(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.procs
 def test_a_profiled_step_past_the_run_is_refused_before_anything_starts(tmp_path: Path) -> None:
     res = run_cli("up", f"run.output_dir={tmp_path / 'out'}", "global_profiler.steps=[500]")
     assert res.returncode == 2, res.stdout + res.stderr

@@ -393,6 +393,7 @@ def _no_column_file(tmp_path: Path) -> Path:
     return write_parquet(rows, tmp_path / "no_source.parquet")
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("command", [["config"], ["up"],
                                      ["trainer", "redis.url=redis://127.0.0.1:1/0",
                                       "run.id=r1"]])

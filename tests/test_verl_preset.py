@@ -205,6 +205,7 @@ def test_verl_diff() -> None:
     assert rows == {"trainer.ppo_mini_batch_size": (64, 256), "rollout.max_new_tokens": (5, 512)}
 
 
+@pytest.mark.procs
 def test_rlbus_config_verl_diff_prints_side_by_side() -> None:
     done = run_cli("config", "--verl-diff", "trainer.lr=0.01")
     assert done.returncode == 0, done.stderr

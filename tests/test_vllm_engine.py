@@ -332,6 +332,7 @@ def test_the_engine_core_runs_in_this_process_and_close_frees_it(model_dir: Path
     eng.close()  # idempotent
 
 
+@pytest.mark.vllm
 def test_seeded_prompts_wider_than_an_engine_step_generate(model_dir: Path) -> None:
     """20 seeded prompts of 13 tokens in steps of 64 tokens: split prefills would make a CPU
     vLLM rewind a CPU generator and fail every request; prompts prefill whole there."""

@@ -41,7 +41,7 @@ from bus.weights_transport import (
     flat_buffer,
 )
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
-from tests.waits import event, wait_for
+from tests.waits import event, wait_for, wait_until
 
 CHUNK = 64 * 1024  # many chunks, and pieces of several chunks
 
@@ -176,12 +176,13 @@ class _Receivers:
 
 
 async def _seen(b: Broadcaster, ranks: set[int]) -> None:
-    """Until the broadcaster sees exactly ``ranks`` as live receivers (their first pulse)."""
-    for _ in range(300):
-        if {m.rank for m in await b.receivers()} == ranks:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"receivers {ranks} never seen: {await b.receivers()}")
+    """Until the broadcaster sees exactly ``ranks`` as live receivers (their first pulse, or
+    a dead one's liveness key lapsed)."""
+
+    async def seen() -> bool | None:
+        return True if {m.rank for m in await b.receivers()} == ranks else None
+
+    await wait_until(seen, f"exactly receivers {sorted(ranks)} live", 120)
 
 
 async def _serve_until(b: Broadcaster, ranks: set[int], timeout_s: float = 60) -> None:
@@ -195,6 +196,7 @@ async def _serve_until(b: Broadcaster, ranks: set[int], timeout_s: float = 60) -
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.procs  # three receiver processes, each importing torch: 13-30 s
 @pytest.mark.asyncio
 async def test_broadcast_rounds_give_every_receiver_what_redis_gives_joiners_included(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys
@@ -236,8 +238,7 @@ async def test_broadcast_rounds_give_every_receiver_what_redis_gives_joiners_inc
         assert {m.rank for m in served} == {0, 2}
         assert told and "did not receive it" in told[0]
         assert (await receivers.ask(ref3, 0))[0] == expected
-        await asyncio.sleep(2)  # the dead one's liveness key (1.5 s) is gone
-        assert {m.rank for m in await b.receivers()} == {0, 2}
+        await _seen(b, {0, 2})  # once the dead one's liveness key (1.5 s) lapsed
         assert await b.serve() == []  # nobody lacks v3
     finally:
         receivers.stop()
@@ -277,14 +278,12 @@ async def test_a_round_that_cannot_start_is_told_and_tried_again(
     b.serve = serve  # type: ignore[method-assign]
     task = asyncio.create_task(b.run())
     b.wake.set()
-    for _ in range(100):
-        if calls >= 2:
-            break
-        await asyncio.sleep(0.05)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    assert calls >= 2
+    try:
+        await wait_until(lambda: True if calls >= 2 else None, "a second round", 60)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     assert told == ["weights broadcast round failed to start: no free port; trying again"]
 
 
