@@ -81,18 +81,14 @@ from bus.errors import (
     redact_url,
     seconds,
 )
-from bus.retry import RetryPolicy, retry_async
+from bus.retry import RetryHook, RetryPolicy, retry_async
 from bus.urls import split_cluster
 
-__all__ = ["SILENCE_REPEAT_S", "SILENCE_WARN_S", "Arg", "BusClient", "Reply", "RetryHook",
-           "block_args"]
+__all__ = ["SILENCE_REPEAT_S", "SILENCE_WARN_S", "Arg", "BusClient", "Reply", "block_args"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-RetryHook = Callable[[int, BaseException], None]
-"""Called ``(attempt, error)`` before each retry wait of one call."""
 
 Arg = str | bytes | bytearray | memoryview | int | float
 """One argument of a Redis command (what redis-py encodes)."""

@@ -38,13 +38,14 @@ from typing import NamedTuple, Protocol, TypeVar
 
 from redis.exceptions import ResponseError
 
-from bus.client import Arg, BusClient, Reply, RetryHook, block_args
+from bus.client import Arg, BusClient, Reply, block_args
 from bus.entries import entry_key, raw_of, split_fields
 from bus.errors import BusError, BusUnavailable
 from bus.group_admin import GroupCommands, GroupInfo, in_group, member_names
 from bus.keys import RunKeys
 from bus.messages import FIELD, DeadLetter, DecodeError, Message, decode, encode
 from bus.publish import xadd_args
+from bus.retry import RetryHook
 
 __all__ = [
     "EXCEEDED_REASON",

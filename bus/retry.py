@@ -26,9 +26,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["BUDGET_S", "FIRST_CONTACT_S", "RetryPolicy", "retry_async"]
+__all__ = ["BUDGET_S", "FIRST_CONTACT_S", "RetryHook", "RetryPolicy", "retry_async"]
 
 T = TypeVar("T")
+
+RetryHook = Callable[[int, BaseException], None]
+"""Called ``(attempt, error)`` before each retry wait of one call."""
 
 BUDGET_S = 60.0
 """How long one command waits for Redis, from its first try, before it gives up (plus the
