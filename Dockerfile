@@ -3,6 +3,7 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY bus bus
+COPY runschema runschema
 COPY rollouter rollouter
 COPY trainer trainer
 COPY profiler_service profiler_service

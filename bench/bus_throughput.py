@@ -9,8 +9,8 @@ N real ``Sample`` messages (64 prompt + 256 response int32 token ids, 256 float3
          fully-async MessageQueue: one awaited put and one awaited get per sample
 
 bus and bare run against one embedded redis-server (AOF on, as ``rlbus up`` runs it); every
-mode encodes with ``bus.messages.encode`` and decodes with ``bus.messages.decode``, so only the
-transport differs. Latency is consumer receive time minus the producer's timestamp in the
+mode encodes with ``runschema.messages.encode`` and decodes with ``runschema.messages.decode``, so
+only the transport differs. Latency is consumer receive time minus the producer's timestamp in the
 message. Unpaced (the default) the producer sends as fast as it can, so latency includes
 queueing behind earlier samples when the producer outruns the consumer; ``--rate`` paces the
 producer below capacity to see the transport's own latency.
@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 from redis.utils import HIREDIS_AVAILABLE
 
-from bus import Array, Bus, Consumer, EmbeddedRedis, Sample, decode, encode
+from bus import Bus, Consumer, EmbeddedRedis
+from runschema.messages import Array, Sample, decode, encode
 
 STREAM = "rlbus:{bench}:samples"
 GROUP = "trainer"

@@ -53,9 +53,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bus import (
+from bus import BusError
+from bus.acl import acl_rules
+from bus.entries import entry_key
+from runschema.messages import (
     BlobRef,
-    BusError,
     CheckpointSaved,
     DeadLetter,
     ProfileStopped,
@@ -70,8 +72,6 @@ from bus import (
     decode,
     encode,
 )
-from bus.acl import acl_rules
-from bus.entries import entry_key
 from trainer.ledger import ticket_index
 
 __all__ = ["Trust"]
@@ -351,7 +351,7 @@ class Trust:
 
     async def _tickets(self, entry_ids: list[str]) -> list[str]:
         """The ticket ids of prompts entries."""
-        from bus import PromptTicket
+        from runschema.messages import PromptTicket
 
         found = await self.c.b.read_ids(self.c.keys.prompts, entry_ids)
         return [m.ticket_id for m in found.values() if isinstance(m, PromptTicket)]

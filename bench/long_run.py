@@ -115,20 +115,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import msgspec
 import numpy as np
 
-from bus import (
+from bus import Bus, Consumer, Delivery, EmbeddedRedis, Lease, RunKeys, pulse
+from bus.blobs import RedisBlobStore
+from bus.entries import Entry
+from bus.files import atomic_write
+from bus.history import events_folder, read_history
+from bus.keys import LOG_ROLES, RUNS_STREAM, log_order
+from profiler_service.records import Fact, ServiceState
+from profiler_service.schedule import decide
+from profiler_service.state import apply as service_apply
+from runconfig import Config, config_to_dict, load_config
+from runschema.authority import refusal
+from runschema.messages import (
     Array,
-    Bus,
     CheckpointSaved,
-    Consumer,
-    Delivery,
-    EmbeddedRedis,
     Heartbeat,
-    Lease,
     Message,
     ProfileStarted,
     ProfileStopped,
     PromptTicket,
-    RunKeys,
     RunStarted,
     Sample,
     StartProfile,
@@ -139,18 +144,7 @@ from bus import (
     WeightsPublished,
     decode,
     encode,
-    pulse,
 )
-from bus.authority import refusal
-from bus.blobs import RedisBlobStore
-from bus.entries import Entry
-from bus.files import atomic_write
-from bus.history import events_folder, read_history
-from bus.keys import LOG_ROLES, RUNS_STREAM, log_order
-from profiler_service.records import Fact, ServiceState
-from profiler_service.schedule import decide
-from profiler_service.state import apply as service_apply
-from runconfig import Config, config_to_dict, load_config
 from tasks import build_prompt_source
 from trainer.dispatch import ROLLOUTER_GROUP, Dispatch
 from trainer.lease import token
@@ -341,7 +335,7 @@ class Driver:
     async def _poll_log(self, cursors: dict[str, str]) -> tuple[list[Entry], bool]:
         """runtime.LogFollower.poll: one XREAD of the log streams after ``cursors`` (which
         move on), merged by id (the trainer's facts first within a millisecond), each
-        entry checked against its stream's role (bus.authority); and whether a stream
+        entry checked against its stream's role (runschema.authority); and whether a stream
         filled the read (more to come)."""
         read = await self.bus.read_after_many(dict(cursors), count=1000)
         merged: list[tuple[tuple[int, int, int], int, Entry]] = []

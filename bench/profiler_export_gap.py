@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bus.messages import ProfileStopped, StartProfile
 from policy import build_policy
 from profiling import create_agent
 from runconfig import load_config
+from runschema.messages import ProfileStopped, StartProfile
 
 __all__ = ["main"]
 

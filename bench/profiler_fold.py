@@ -34,7 +34,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bus.messages import (
+from profiler_service.records import ServiceState
+from profiler_service.schedule import decide, expected_targets
+from profiler_service.state import apply, fold
+from runconfig.schema import ProfilerConfig
+from runschema.messages import (
     BlobRef,
     CheckpointSaved,
     Command,
@@ -51,10 +55,6 @@ from bus.messages import (
     TicketsIssued,
     WeightsPublished,
 )
-from profiler_service.records import ServiceState
-from profiler_service.schedule import decide, expected_targets
-from profiler_service.state import apply, fold
-from runconfig.schema import ProfilerConfig
 
 __all__ = ["main", "replay"]
 

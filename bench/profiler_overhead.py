@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bus.messages import StartProfile
 from profiling import ProfilerAgent
+from runschema.messages import StartProfile
 
 __all__ = ["main"]
 

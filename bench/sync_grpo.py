@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from bus.messages import Array, Sample
 from policy import Generation, build_policy
 from policy.tokenizer import CharTokenizer
 from runconfig import TrainerConfig
+from runschema.messages import Array, Sample
 from tasks.digits import DigitsPrompts, digits_reward
 from trainer.update import grpo_update
 

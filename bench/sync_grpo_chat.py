@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from bus.messages import Array, Sample
 from policy.hf import HFPolicy
 from runconfig import load_config
+from runschema.messages import Array, Sample
 from tasks.chatdemo import build_demo
 from trainer.update import grpo_update
 

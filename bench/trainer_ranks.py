@@ -47,7 +47,7 @@ def _one(args: argparse.Namespace, ranks: int, *extra: str) -> dict[str, float]:
 def _groups(step: int, n_groups: int, n: int, prompt: int, vocab: int, mixed: bool) -> list:
     import numpy as np
 
-    from bus.messages import Array, Sample
+    from runschema.messages import Array, Sample
 
     rng = np.random.default_rng(step)
 

@@ -49,11 +49,11 @@ import torch
 from bus import Bus, EmbeddedRedis, RunKeys
 from bus.blobs import DirBlobStore, RedisBlobStore, open_store
 from bus.liveness import pulse_forever
-from bus.messages import BlobRef, Heartbeat
 from bus.weights_collective import Broadcaster, Receiver
 from bus.weights_round import Member
 from bus.weights_transport import open_transport
 from policy.weights import from_bytes, to_bytes
+from runschema.messages import BlobRef, Heartbeat
 
 RUN = "bench"
 LIMIT = 64 * 1024 * 1024  # today's rule: Redis chunks up to 64 MiB, a file above

@@ -1,15 +1,13 @@
 """rlbus message bus: the only package that knows Redis.
 
-Everything public is re-exported here: message schemas (:mod:`bus.messages`), stream keys
-(:mod:`bus.keys`), streams and consumer groups (:mod:`bus.streams`, composed of
-:mod:`bus.client`, :mod:`bus.publish`, :mod:`bus.logs`, :mod:`bus.groups`, :mod:`bus.trim`,
-:mod:`bus.barrier`, :mod:`bus.keyspace`), blob stores (:mod:`bus.blobs`), the embedded
-redis-server (:mod:`bus.server`), retry policy (:mod:`bus.retry`), atomic file writes
-(:mod:`bus.files`) and errors (:mod:`bus.errors`). See each module's docstring for the API.
+Callers import what they use from here, never from its modules (tests/test_layering.py): ``from bus
+import Bus, Consumer, Lease, RunKeys, BusError``. Its modules' public names are re-exported here.
 
-Names load on first use (PEP 562 ``__getattr__``): a command that needs only the config
-and the embedded server (``rlbus up`` before it starts the components) does not pay for
-redis and numpy.
+Not here: the run's schema (:mod:`runschema`).
+
+Names load on first use (PEP 562 ``__getattr__``), each from its own module only: a command that
+needs only the config and the errors (``rlbus up`` before it starts the components) does not pay
+for redis.
 """
 
 from __future__ import annotations
@@ -18,13 +16,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bus.blobs import (
-        DEFAULT_CHUNK_SIZE,
-        BlobStore,
-        DirBlobStore,
-        RedisBlobStore,
-        open_store,
-    )
+    from bus.blobs import DEFAULT_CHUNK_SIZE, BlobStore, DirBlobStore, RedisBlobStore, open_store
+    from bus.entries import BadEntry, Entry, entry_key
     from bus.errors import (
         BlobCorrupt,
         BlobError,
@@ -45,6 +38,15 @@ if TYPE_CHECKING:
         redact_url,
     )
     from bus.files import atomic_file, atomic_write, fsync_path
+    from bus.group_admin import GroupInfo
+    from bus.groups import (
+        EXCEEDED_REASON,
+        TRIMMED_REASON,
+        Consumer,
+        ConsumerStats,
+        Delivery,
+        default_dlq,
+    )
     from bus.keys import (
         LOG_ROLES,
         ROLE_LOG_MAXLEN,
@@ -54,44 +56,6 @@ if TYPE_CHECKING:
         validate_run_id,
     )
     from bus.liveness import Lease, peers, pulse, pulse_forever
-    from bus.messages import (
-        FIELD,
-        SCHEMA_VERSION,
-        Array,
-        BlobRef,
-        CheckpointSaved,
-        Command,
-        ComponentFailed,
-        DeadLetter,
-        DecodeError,
-        Event,
-        Heartbeat,
-        Message,
-        ProfileRequest,
-        ProfileRequestRefused,
-        ProfilerFinished,
-        ProfilerReady,
-        ProfileStarted,
-        ProfileStopped,
-        PromptTicket,
-        RolloutFailed,
-        RunFinished,
-        RunStarted,
-        Sample,
-        StartProfile,
-        StepFinished,
-        StepStarted,
-        StopProfile,
-        TicketsClosed,
-        TicketsIssued,
-        TrainerResumed,
-        ValidationFinished,
-        ValidationRequested,
-        WarningRaised,
-        WeightsPublished,
-        decode,
-        encode,
-    )
     from bus.redisbin import (
         BINARY_ENV,
         ensure_port_free,
@@ -99,12 +63,7 @@ if TYPE_CHECKING:
         free_port,
         redis_server_version,
     )
-    from bus.retry import (
-        BUDGET_S,
-        FIRST_CONTACT_S,
-        RetryPolicy,
-        retry_async,
-    )
+    from bus.retry import BUDGET_S, FIRST_CONTACT_S, RetryPolicy, retry_async
     from bus.serve import serve_forever
     from bus.server import (
         AOF_BLOAT,
@@ -117,19 +76,7 @@ if TYPE_CHECKING:
         dir_owner,
         pdeathsig_hook,
     )
-    from bus.streams import (
-        EXCEEDED_REASON,
-        TRIMMED_REASON,
-        BadEntry,
-        Bus,
-        Consumer,
-        ConsumerStats,
-        Delivery,
-        Entry,
-        GroupInfo,
-        default_dlq,
-        entry_key,
-    )
+    from bus.streams import Bus
     from bus.urls import bus_error_line, expand_env
 
 __all__ = [
@@ -139,20 +86,16 @@ __all__ = [
     "BUDGET_S",
     "DEFAULT_CHUNK_SIZE",
     "EXCEEDED_REASON",
-    "FIELD",
     "FIRST_CONTACT_S",
     "LOCK_NAME",
     "LOG_ROLES",
     "ROLE_LOG_MAXLEN",
     "RUNS_STREAM",
-    "SCHEMA_VERSION",
     "TRIMMED_REASON",
-    "Array",
     "BadEntry",
     "BlobCorrupt",
     "BlobError",
     "BlobNotFound",
-    "BlobRef",
     "BlobStore",
     "Bus",
     "BusAuthError",
@@ -160,65 +103,33 @@ __all__ = [
     "BusError",
     "BusPermissionError",
     "BusUnavailable",
-    "CheckpointSaved",
-    "Command",
-    "ComponentFailed",
     "Consumer",
     "ConsumerStats",
-    "DeadLetter",
-    "DecodeError",
     "Delivery",
     "DirBlobStore",
     "DirOwner",
     "EmbeddedRedis",
     "Entry",
     "EntryGone",
-    "Event",
     "Fenced",
     "GoneError",
     "GroupGone",
     "GroupInfo",
-    "Heartbeat",
     "Lease",
-    "Message",
     "PortInUse",
-    "ProfileRequest",
-    "ProfileRequestRefused",
-    "ProfileStarted",
-    "ProfileStopped",
-    "ProfilerFinished",
-    "ProfilerReady",
-    "PromptTicket",
     "RedisBinaryNotFound",
     "RedisBlobStore",
     "RedisDirInUse",
     "RedisStartCancelled",
     "RedisStartError",
     "RetryPolicy",
-    "RolloutFailed",
-    "RunFinished",
     "RunKeys",
-    "RunStarted",
-    "Sample",
-    "StartProfile",
-    "StepFinished",
-    "StepStarted",
-    "StopProfile",
     "StreamGone",
-    "TicketsClosed",
-    "TicketsIssued",
-    "TrainerResumed",
-    "ValidationFinished",
-    "ValidationRequested",
-    "WarningRaised",
-    "WeightsPublished",
     "atomic_file",
     "atomic_write",
     "bus_error_line",
-    "decode",
     "default_dlq",
     "dir_owner",
-    "encode",
     "ensure_port_free",
     "entry_key",
     "expand_env",
@@ -238,18 +149,38 @@ __all__ = [
     "validate_run_id",
 ]
 
-# Submodules searched for a public name, the cheap ones first.
-_MODULES = ("errors", "keys", "retry", "files", "redisbin", "server", "serve", "urls",
-            "messages", "entries", "client", "publish", "logs", "groups", "trim", "barrier",
-            "keyspace", "streams", "blobs", "liveness")
+# Each bus module and the names callers take from it; a name's first use imports its
+# module, and only that one.
+_MODULES: dict[str, tuple[str, ...]] = {
+    "blobs": ("DEFAULT_CHUNK_SIZE", "BlobStore", "DirBlobStore", "RedisBlobStore", "open_store",),
+    "entries": ("BadEntry", "Entry", "entry_key",),
+    "errors": ("BlobCorrupt", "BlobError", "BlobNotFound", "BusAuthError", "BusClusterError",
+               "BusError", "BusPermissionError", "BusUnavailable", "EntryGone", "Fenced",
+               "GoneError", "GroupGone", "PortInUse", "RedisBinaryNotFound", "RedisStartError",
+               "StreamGone", "redact_url",),
+    "files": ("atomic_file", "atomic_write", "fsync_path",),
+    "group_admin": ("GroupInfo",),
+    "groups": ("EXCEEDED_REASON", "TRIMMED_REASON", "Consumer", "ConsumerStats", "Delivery",
+               "default_dlq",),
+    "keys": ("LOG_ROLES", "ROLE_LOG_MAXLEN", "RUNS_STREAM", "RunKeys", "log_order",
+             "validate_run_id",),
+    "liveness": ("Lease", "peers", "pulse", "pulse_forever",),
+    "redisbin": ("BINARY_ENV", "ensure_port_free", "find_redis_server", "free_port",
+                 "redis_server_version",),
+    "retry": ("BUDGET_S", "FIRST_CONTACT_S", "RetryPolicy", "retry_async",),
+    "serve": ("serve_forever",),
+    "server": ("AOF_BLOAT", "AOF_MIN_REWRITE_BYTES", "LOCK_NAME", "DirOwner", "EmbeddedRedis",
+               "RedisDirInUse", "RedisStartCancelled", "dir_owner", "pdeathsig_hook",),
+    "streams": ("Bus",),
+    "urls": ("bus_error_line", "expand_env",),
+}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
 
 
 def __getattr__(name: str) -> object:
-    if name in __all__:
-        for sub in _MODULES:
-            module = importlib.import_module(f"bus.{sub}")
-            if name in module.__all__:
-                value = getattr(module, name)
-                globals()[name] = value  # found once, then a plain attribute
-                return value
-    raise AttributeError(f"module 'bus' has no attribute {name!r}")
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bus' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"bus.{module}"), name)
+    globals()[name] = value  # found once, then a plain attribute
+    return value

@@ -1,5 +1,5 @@
 """Redis ACL users of one run: each component's user holds exactly the commands and keys it
-uses, so Redis itself enforces one writer per fact (:mod:`bus.authority`).
+uses, so Redis itself enforces one writer per fact (:mod:`runschema.authority`).
 
 The rules are built here from the run's key names (:class:`bus.keys.RunKeys`) and written
 to deploy/redis/users.acl by ``python -m bus.acl`` (the file is a template: ``@RUN@`` and the

@@ -17,7 +17,7 @@ Decisions:
 from __future__ import annotations
 
 from bus.client import BusClient
-from bus.messages import FIELD, Message, encode
+from runschema.messages import FIELD, Message, encode
 
 __all__ = ["BarrierCommands"]
 

@@ -1,6 +1,6 @@
 """Blob stores: claim checks for payloads too large for a stream entry (weights).
 
-A store writes the bytes and returns a :class:`~bus.messages.BlobRef` (store, key, size,
+A store writes the bytes and returns a :class:`~runschema.messages.BlobRef` (store, key, size,
 sha256, chunks); the event that announces the blob carries only the reference. Reading
 verifies size and sha256, so a reader never uses a torn or corrupted payload.
 
@@ -26,8 +26,8 @@ from typing import Protocol
 from bus.errors import BlobCorrupt, BlobError, BlobNotFound
 from bus.files import atomic_write
 from bus.keys import RunKeys
-from bus.messages import BlobRef
 from bus.streams import Bus
+from runschema.messages import BlobRef
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "BlobStore", "DirBlobStore", "RedisBlobStore", "open_store"]
 

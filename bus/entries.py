@@ -1,6 +1,6 @@
 """Stream entries as the bus modules see them: ids, raw fields, decoded entries.
 
-Every stream entry has a single field :data:`bus.messages.FIELD` holding one encoded
+Every stream entry has a single field :data:`runschema.messages.FIELD` holding one encoded
 message. Entry ids are ``str`` (``"1700000000000-0"``) in every public API; raw replies
 (bytes) are turned into them here.
 """
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from bus.messages import FIELD, DecodeError, Message, decode
+from runschema.messages import FIELD, DecodeError, Message, decode
 
 __all__ = [
     "BadEntry",

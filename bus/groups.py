@@ -9,7 +9,7 @@ Decisions (the contract other packages rely on):
 
 - **Bad entries in a group** (undecodable bytes, unknown type, newer schema version, a type
   not in ``accept``, delivered more than ``max_deliveries`` times) are written to the DLQ
-  stream as a :class:`~bus.messages.DeadLetter` (source stream, entry id, reason, raw bytes,
+  stream as a :class:`~runschema.messages.DeadLetter` (source stream, entry id, reason, raw bytes,
   deliveries, group, consumer) and XACKed in the same MULTI/EXEC. They are never returned.
 - **Entries trimmed away while pending** are dead-lettered too, with reason
   :data:`TRIMMED_REASON` and empty ``raw`` (so nothing vanishes silently), and removed from
@@ -43,9 +43,9 @@ from bus.entries import entry_key, raw_of, split_fields
 from bus.errors import BusError, BusUnavailable
 from bus.group_admin import GroupCommands, GroupInfo, in_group, member_names
 from bus.keys import RunKeys
-from bus.messages import FIELD, DeadLetter, DecodeError, Message, decode, encode
 from bus.publish import xadd_args
 from bus.retry import RetryHook
+from runschema.messages import FIELD, DeadLetter, DecodeError, Message, decode, encode
 
 __all__ = [
     "EXCEEDED_REASON",

@@ -146,7 +146,7 @@ class RunKeys(msgspec.Struct, frozen=True):
 
     def alive(self, role: str, rank: int) -> str:
         """Liveness key of one component (SET PX, refreshed every heartbeat interval); its
-        value is the component's latest :class:`~bus.messages.Heartbeat`."""
+        value is the component's latest :class:`~runschema.messages.Heartbeat`."""
         return f"{self.prefix}:alive:{role}:{rank}"
 
     @staticmethod

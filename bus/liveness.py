@@ -38,9 +38,9 @@ from redis.exceptions import ResponseError
 
 from bus.client import Arg, Reply
 from bus.errors import EntryGone, Fenced
-from bus.messages import FIELD, DecodeError, Heartbeat, Message, decode, encode
 from bus.retry import RetryHook
 from bus.streams import Bus
+from runschema.messages import FIELD, DecodeError, Heartbeat, Message, decode, encode
 
 __all__ = ["FENCE_LUA", "Lease", "members_key", "peers", "pulse", "pulse_forever"]
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from bus.client import BusClient, block_args
 from bus.entries import BadEntry, Entry, decode_fields
-from bus.messages import Message
+from runschema.messages import Message
 
 __all__ = ["LogCommands"]
 

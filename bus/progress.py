@@ -19,12 +19,12 @@ from typing import TextIO
 
 import msgspec
 
-from bus.authority import refusal
 from bus.errors import BusError
-from bus.facts import run_finished_refusal
 from bus.keys import RunKeys, log_order
-from bus.messages import Message, RunFinished, StepFinished, ValidationFinished
 from bus.streams import Bus
+from runschema.authority import refusal
+from runschema.facts import run_finished_refusal
+from runschema.messages import Message, RunFinished, StepFinished, ValidationFinished
 
 __all__ = [
     "ProgressSpec",
@@ -39,7 +39,7 @@ __all__ = [
 async def _read_log(bus: Bus, keys: RunKeys, cursors: dict[str, str],
                     wait_ms: int) -> list[Message]:
     """One read of the followed streams after ``cursors`` (which move on): the messages in
-    id order, without any its stream's role may not state (bus.authority)."""
+    id order, without any its stream's role may not state (runschema.authority)."""
     read = await bus.read_after_many(cursors, count=500, block_ms=wait_ms)
     found = []
     for stream, (entries, cursor, _) in read.items():

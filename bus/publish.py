@@ -1,6 +1,6 @@
 """Publishing: appending encoded messages to streams (XADD).
 
-Each entry holds one message under :data:`bus.messages.FIELD`. Several messages go in one
+Each entry holds one message under :data:`runschema.messages.FIELD`. Several messages go in one
 round trip (pipelined XADDs), in MULTI/EXEC when they must land together.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from bus.client import Arg, BusClient
-from bus.messages import FIELD, Message, encode
+from runschema.messages import FIELD, Message, encode
 
 __all__ = ["PublishCommands", "xadd_args"]
 

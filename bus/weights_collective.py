@@ -55,7 +55,6 @@ import torch
 from bus.errors import BlobError, BlobNotFound
 from bus.keys import RunKeys
 from bus.liveness import peers
-from bus.messages import BlobRef
 from bus.streams import Bus
 from bus.weights_round import (
     STORE,
@@ -77,6 +76,7 @@ from bus.weights_transport import (
     decode_manifest,
     encode_manifest,
 )
+from runschema.messages import BlobRef
 
 __all__ = ["JOIN_TIMEOUT_S", "POLL_S", "Broadcaster", "Receiver", "delete_manifest", "invite",
            "still_live"]

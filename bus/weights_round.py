@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from bus.errors import BlobCorrupt, BlobError
-from bus.messages import BlobRef
 from bus.urls import local_address
 from bus.weights_transport import (
     FORMAT,
@@ -32,6 +31,7 @@ from bus.weights_transport import (
     chunk_digests,
     flat_buffer,
 )
+from runschema.messages import BlobRef
 
 __all__ = ["CONNECT_S", "PIECE", "STOP_WAIT_S", "STORE", "ChunkCheck", "Member", "RoundPlan",
            "Stopped", "Worker", "first_line", "flatten", "open_store", "receive_round",

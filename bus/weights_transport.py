@@ -47,8 +47,8 @@ import torch
 from bus.errors import BlobCorrupt, BlobError, BlobNotFound
 from bus.files import atomic_write
 from bus.keys import RunKeys
-from bus.messages import BlobRef
 from bus.streams import Bus
+from runschema.messages import BlobRef
 
 __all__ = [
     "CHUNK_SIZE", "DTYPES", "FETCH_CONCURRENCY", "HASH_THREADS", "Manifest", "RedisTransport",

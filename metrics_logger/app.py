@@ -26,14 +26,14 @@ from typing import Any, Protocol
 
 import msgspec
 
-from bus import Bus, Entry, Heartbeat, RunFinished, StepFinished
-from bus.facts import run_finished_refusal
+from bus import Bus, Entry
 from bus.files import atomic_write
 from bus.history import find_archive
-from bus.messages import ValidationFinished
 from bus.storage import StorageError
 from runconfig import Config
 from runconfig.paths import events_dir
+from runschema.facts import run_finished_refusal
+from runschema.messages import Heartbeat, RunFinished, StepFinished, ValidationFinished
 from runtime import Component, LogFollower
 from runtime import main as run_main
 from runtime.events_archive import fetch_for_reading

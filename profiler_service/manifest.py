@@ -38,7 +38,6 @@ from typing import Any
 
 from bus.files import atomic_write
 from bus.keys import validate_run_id
-from bus.messages import ProfileStopped, WarningRaised
 from profiler_service.records import (
     PROFILER_SOURCE,
     TRACE_MISSING_CODE,
@@ -51,6 +50,7 @@ from profiler_service.records import (
 )
 from profiler_service.schedule import MANIFEST_NAME
 from runconfig.schema import Config
+from runschema.messages import ProfileStopped, WarningRaised
 
 __all__ = [
     "build_manifest",

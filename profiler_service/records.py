@@ -13,7 +13,8 @@ from typing import Any
 
 import msgspec
 
-from bus.messages import (
+from profiler_service.pmap import PMap
+from runschema.messages import (
     Message,
     ProfileRequest,
     ProfileStopped,
@@ -21,7 +22,6 @@ from bus.messages import (
     RunStarted,
     StartProfile,
 )
-from profiler_service.pmap import PMap
 
 __all__ = [
     "NEVER_RAN",
@@ -206,7 +206,7 @@ class ServiceState(msgspec.Struct, frozen=True, kw_only=True):
     """Highest trainer StepStarted seen (0 before step 1)."""
     last_finished_step: int = 0
     """Highest trainer StepFinished seen (0 before step 1): a RunFinished that names another
-    step contradicts the log and is not believed (bus.facts)."""
+    step contradicts the log and is not believed (runschema.facts)."""
     sessions: PMap[str, Session] = _NO_SESSIONS
     """Every session id the log mentions (sent, started or stopped)."""
     sent: int = 0

@@ -1,6 +1,6 @@
 """Client side of ``rlbus profile --run RUN --steps SPEC [--roles trainer,rollouter]``.
 
-It publishes a :class:`~bus.messages.ProfileRequest` to the run's events stream and waits,
+It publishes a :class:`~runschema.messages.ProfileRequest` to the run's events stream and waits,
 bounded by a timeout, for the profiler service's answer: a StartProfile carrying the request
 id on the control stream (accepted: exit code 0) or a ProfileRequestRefused on the events
 stream (refused: exit code 2, the reason is printed). No answer in time means the service is
@@ -33,9 +33,9 @@ import msgspec
 
 from bus.errors import BusError
 from bus.keys import ROLE_LOG_MAXLEN, RunKeys
-from bus.messages import ProfileRequest, ProfileRequestRefused, StartProfile
 from bus.streams import Bus
 from profiler_service.schedule import MAX_REQUEST_STEPS, ROLES
+from runschema.messages import ProfileRequest, ProfileRequestRefused, StartProfile
 
 __all__ = [
     "EXIT_ACCEPTED",

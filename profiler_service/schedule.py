@@ -20,7 +20,7 @@ updates each; :func:`plan_sessions` maps them with :mod:`runconfig.stepunit`). E
 here (commands, requests, the barrier) counts 1-based trainer updates, one unit on every
 role: a trainer step K is the K-th update; a rollouter step K runs
 from the trainer's ``StepFinished(K-1)`` to its ``StepFinished(K)`` (:mod:`profiling.steps`), so
-no session outlives the run's last step. A :class:`~bus.messages.StartProfile` names the
+no session outlives the run's last step. A :class:`~runschema.messages.StartProfile` names the
 first *and* last step of its session, so all scheduled commands can go out at ``RunStarted``:
 the components arm them and start at the step boundary, which means the service can never be
 late for a step, step 1 included.
@@ -32,16 +32,6 @@ import functools
 import re
 from collections.abc import Iterable, Sequence
 
-from bus.messages import (
-    Command,
-    Event,
-    ProfileRequest,
-    ProfileRequestRefused,
-    ProfilerFinished,
-    ProfilerReady,
-    RunStarted,
-    StartProfile,
-)
 from profiler_service.records import (
     PROFILER_SOURCE,
     SESSIONS_MISSING_CODE,
@@ -53,6 +43,16 @@ from profiler_service.records import (
 )
 from runconfig.schema import Content, ProfilerConfig, Role, Tool
 from runconfig.stepunit import last_version, version_step_updates
+from runschema.messages import (
+    Command,
+    Event,
+    ProfileRequest,
+    ProfileRequestRefused,
+    ProfilerFinished,
+    ProfilerReady,
+    RunStarted,
+    StartProfile,
+)
 
 __all__ = [
     "MANIFEST_NAME",

@@ -49,22 +49,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from bus import (
-    Bus,
-    Command,
-    Entry,
-    Event,
-    Heartbeat,
-    ProfileRequestRefused,
-    ProfilerFinished,
-    ProfilerReady,
-    ProfileStarted,
-    ProfileStopped,
-    RunFinished,
-    StartProfile,
-    StopProfile,
-    WarningRaised,
-)
+from bus import Bus, Entry
 from bus.history import find_archive
 from bus.keys import LOG_ROLES, ROLE_LOG_MAXLEN
 from bus.storage import StorageError
@@ -81,6 +66,20 @@ from profiler_service.state import apply, report_refusal, run_finished_doubt, un
 from profiling.hook import hook_env
 from runconfig.paths import events_dir
 from runconfig.schema import Config
+from runschema.messages import (
+    Command,
+    Event,
+    Heartbeat,
+    ProfileRequestRefused,
+    ProfilerFinished,
+    ProfilerReady,
+    ProfileStarted,
+    ProfileStopped,
+    RunFinished,
+    StartProfile,
+    StopProfile,
+    WarningRaised,
+)
 from runtime import Component, LogFollower
 from runtime.events_archive import fetch_for_reading
 

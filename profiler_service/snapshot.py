@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import msgspec
 
-from bus.messages import RunFinished, RunStarted
 from profiler_service.pmap import PMap
 from profiler_service.records import PendingRequest, ServiceState, Session, lowest_last_step
+from runschema.messages import RunFinished, RunStarted
 
 __all__ = ["SNAPSHOT_FORMAT", "Snapshot", "decode_snapshot", "encode_snapshot"]
 

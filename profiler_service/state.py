@@ -38,23 +38,6 @@ from typing import Any
 
 import msgspec
 
-from bus.facts import run_finished_refusal
-from bus.messages import (
-    ComponentFailed,
-    ProfileRequest,
-    ProfileRequestRefused,
-    ProfilerFinished,
-    ProfilerReady,
-    ProfileStarted,
-    ProfileStopped,
-    RunFinished,
-    RunStarted,
-    StartProfile,
-    StepFinished,
-    StepStarted,
-    TrainerResumed,
-    WarningRaised,
-)
 from profiler_service.records import (
     NEVER_RAN,
     PROFILER_SOURCE,
@@ -72,6 +55,23 @@ from profiler_service.records import (
     expected_targets,
     lowest_last_step,
     stop_is_ok,
+)
+from runschema.facts import run_finished_refusal
+from runschema.messages import (
+    ComponentFailed,
+    ProfileRequest,
+    ProfileRequestRefused,
+    ProfilerFinished,
+    ProfilerReady,
+    ProfileStarted,
+    ProfileStopped,
+    RunFinished,
+    RunStarted,
+    StartProfile,
+    StepFinished,
+    StepStarted,
+    TrainerResumed,
+    WarningRaised,
 )
 
 __all__ = [

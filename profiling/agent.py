@@ -59,7 +59,6 @@ from pathlib import Path
 import torch
 import torch.profiler
 
-from bus.messages import ProfileStarted, ProfileStopped, StartProfile, StopProfile, WarningRaised
 from profiling.driver import Agent
 from profiling.export import (
     AgentEvent,
@@ -73,6 +72,13 @@ from profiling.export import describe_error as _err
 from profiling.nsys import nsys_command
 from profiling.paths import profile_root, trace_rank, trace_world_size
 from runconfig.schema import Config, GlobalToolConfig
+from runschema.messages import (
+    ProfileStarted,
+    ProfileStopped,
+    StartProfile,
+    StopProfile,
+    WarningRaised,
+)
 
 __all__ = ["TOOLS", "AgentEvent", "ProfilerAgent", "create_agent", "prepare_main_thread"]
 

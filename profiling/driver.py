@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from profiling.steps import Move
 
 if TYPE_CHECKING:  # the agent's module imports torch; this one stays light
-    from bus.messages import Command
     from profiling.export import AgentEvent
+    from runschema.messages import Command
 
 __all__ = ["Agent", "RunOff", "StepProfiler"]
 

@@ -40,7 +40,7 @@ from typing import Literal
 
 import msgspec
 
-from bus.messages import StepFinished, StepStarted, WeightsPublished
+from runschema.messages import StepFinished, StepStarted, WeightsPublished
 
 __all__ = ["Move", "StepClock", "current_step", "follow", "observe"]
 

@@ -23,7 +23,11 @@ import msgspec
 
 from bus import Bus, RunKeys
 from bus.history import find_archive
-from bus.messages import (
+from bus.progress import validation_line
+from bus.storage import StorageError
+from runconfig import Config
+from runconfig.paths import events_dir
+from runschema.messages import (
     Heartbeat,
     Message,
     ProfileStopped,
@@ -31,10 +35,6 @@ from bus.messages import (
     StepFinished,
     ValidationFinished,
 )
-from bus.progress import validation_line
-from bus.storage import StorageError
-from runconfig import Config
-from runconfig.paths import events_dir
 from runtime import LogFollower
 from runtime.events_archive import fetch_for_reading
 

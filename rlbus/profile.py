@@ -14,16 +14,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from bus import (
-    ROLE_LOG_MAXLEN,
-    RUNS_STREAM,
-    Bus,
-    BusError,
-    ProfileRequestRefused,
-    RunKeys,
-    RunStarted,
-    StartProfile,
-)
+from bus import ROLE_LOG_MAXLEN, RUNS_STREAM, Bus, BusError, RunKeys
 from profiler_service.request import (
     EXIT_ACCEPTED,
     EXIT_NO_ANSWER,
@@ -32,6 +23,7 @@ from profiler_service.request import (
     request_profile,
 )
 from rlbus.runlog import RunStatus, run_status
+from runschema.messages import ProfileRequestRefused, RunStarted, StartProfile
 
 __all__ = ["WITHDRAWN_PREFIX", "live_run_status", "profile_live_run", "refusal_for"]
 

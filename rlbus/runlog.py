@@ -26,8 +26,8 @@ from runconfig import (
 )
 
 if TYPE_CHECKING:
-    from bus.messages import Message, ProfileStopped, RunStarted
     from bus.streams import Bus
+    from runschema.messages import Message, ProfileStopped, RunStarted
 
 __all__ = [
     "FILE_LOCATIONS",
@@ -59,13 +59,13 @@ class RunStatus(msgspec.Struct):
     config: dict[str, Any] | None = None
     traces: set[tuple[str, str, int]] = msgspec.field(default_factory=set)
     ignored: list[str] = msgspec.field(default_factory=list)
-    """Why each RunFinished that contradicts the log was not believed (bus.facts)."""
+    """Why each RunFinished that contradicts the log was not believed (runschema.facts)."""
 
     def fold(self, msg: Message) -> None:
         """Take one event of the log, in log order. A RunFinished is believed only when it
-        says the last finished step (bus.facts.run_finished_refusal)."""
-        from bus.facts import run_finished_refusal
-        from bus.messages import ProfileStopped, RunFinished, RunStarted, StepFinished
+        says the last finished step (runschema.facts.run_finished_refusal)."""
+        from runschema.facts import run_finished_refusal
+        from runschema.messages import ProfileStopped, RunFinished, RunStarted, StepFinished
 
         match msg:
             case RunStarted():
@@ -96,8 +96,8 @@ async def run_status(url: str, run_id: str, archive: Path | None = None) -> RunS
     RunStarted was archived still has entries: it has started, and its config is the one of
     the newest RunStarted in ``archive`` (the run's events folder), when that is here."""
     from bus import Bus
-    from bus.authority import refusal
-    from bus.messages import ProfileStopped
+    from runschema.authority import refusal
+    from runschema.messages import ProfileStopped
 
     status = RunStatus()
     stream = RunKeys(run_id).events
@@ -123,7 +123,7 @@ def _archived_start(bus: Bus, stream: str, folder: Path) -> RunStarted | None:
     """The newest RunStarted in a run's events archive (read only when the stream has none:
     a run resumed long ago). Blocking: file reads."""
     from bus.archive import read_archive
-    from bus.messages import RunStarted
+    from runschema.messages import RunStarted
 
     newest = None
     for entry in read_archive(folder):

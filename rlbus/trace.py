@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bus.messages import (
+from runschema.messages import (
     CheckpointSaved,
     ComponentFailed,
     Message,

@@ -22,7 +22,8 @@ from rlbus.supervise import Supervisor
 from runconfig import Config
 
 if TYPE_CHECKING:
-    from bus.messages import (
+    from bus.streams import Bus
+    from runschema.messages import (
         Message,
         ProfileStopped,
         RunFinished,
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
         WarningRaised,
         WeightsPublished,
     )
-    from bus.streams import Bus
 
 __all__ = [
     "RESTARTABLE",
@@ -207,7 +207,7 @@ class RunWatch:
         self.pending: list[tuple[str, str]] = []
         """(code, message) of warnings to append to the run's log (the operator stream)."""
         self.last_step = last_step
-        """The last finished step read (a RunFinished must say it: bus.facts)."""
+        """The last finished step read (a RunFinished must say it: runschema.facts)."""
         self.children = children
         self.sup = sup
         self.progress = progress
@@ -241,7 +241,7 @@ class RunWatch:
         """XADD each pending warning to the operator's log stream (``rlbus up`` states it):
         a loss and a restart are in the run's event log, not only on this console."""
         from bus import ROLE_LOG_MAXLEN, BusError
-        from bus.messages import WarningRaised
+        from runschema.messages import WarningRaised
 
         while self.pending:
             code, text = self.pending.pop(0)
@@ -327,7 +327,7 @@ class RunWatch:
         return True
 
     def _show(self, msg: Message) -> None:
-        from bus import messages as m
+        from runschema import messages as m
 
         handlers: dict[type, Callable[[Any], None]] = {
             m.StepFinished: self._step,
@@ -374,7 +374,7 @@ class RunWatch:
         self.progress.say(f"warning from {ev.source}: {ev.message}")
 
     def _finished(self, ev: RunFinished) -> None:
-        from bus.facts import run_finished_refusal
+        from runschema.facts import run_finished_refusal
 
         why = run_finished_refusal(ev.steps, self.last_step)
         if why is not None:  # not the trainer's: the run goes on

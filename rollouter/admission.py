@@ -15,9 +15,9 @@ from collections.abc import Iterable
 import msgspec
 
 from bus import Delivery
-from bus.messages import PromptTicket
 from rollouter.answers import Seq
 from rollouter.engine import Delta
+from runschema.messages import PromptTicket
 
 __all__ = ["Action", "Admission", "Group", "sync_action"]
 

@@ -9,8 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 import msgspec
 import numpy as np
 
-from bus.messages import Array, PromptTicket, Sample
 from rollouter.scoring import Score
+from runschema.messages import Array, PromptTicket, Sample
 
 __all__ = ["Seq", "to_samples"]
 

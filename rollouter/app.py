@@ -27,7 +27,6 @@ import msgspec
 import torch
 
 from bus import Bus, Consumer, RunKeys
-from bus.messages import Heartbeat
 from bus.ranks import RankClaim
 from bus.weights_round import Member
 from policy import resolve_device
@@ -43,6 +42,7 @@ from rollouter.tickets import GROUP, dead_replicas
 from rollouter.weights import State, WeightsFetcher
 from runconfig import Config, ConfigError
 from runconfig.paths import blob_root
+from runschema.messages import Heartbeat
 from runtime import Component, Failure, LogFollower, settle_heap
 from runtime.ranks import join_rank
 

@@ -14,10 +14,10 @@ import time
 from collections.abc import Sequence
 
 from bus import Delivery
-from bus.messages import PromptTicket, Sample
 from rollouter.answers import Seq, to_samples
 from rollouter.context import RolloutContext
 from rollouter.engine import Engine
+from runschema.messages import PromptTicket, Sample
 from runtime import Failure
 
 __all__ = ["BatchRollout"]

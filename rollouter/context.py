@@ -29,7 +29,6 @@ from typing import Protocol
 import torch
 
 from bus import RunKeys
-from bus.messages import PromptTicket, WarningRaised, WeightsPublished
 from policy.text import TextTokenizer
 from profiling.driver import StepProfiler
 from rollouter.engine import Engine, Off
@@ -40,6 +39,7 @@ from rollouter.tickets import TicketDesk, TicketSource
 from rollouter.validation import ValidationServer
 from rollouter.weights import HeldWeights, State, WeightsHolder
 from runconfig import Config
+from runschema.messages import PromptTicket, WarningRaised, WeightsPublished
 
 __all__ = ["IdleMeter", "RolloutContext", "RolloutLoop"]
 

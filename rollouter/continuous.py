@@ -21,11 +21,11 @@ import contextlib
 import time
 
 from bus import Delivery
-from bus.messages import PromptTicket, Sample
 from rollouter.admission import Action, Admission, Group, sync_action
 from rollouter.answers import Seq, to_samples
 from rollouter.context import RolloutContext
 from rollouter.engine import Delta, StreamingEngine
+from runschema.messages import PromptTicket, Sample
 from runtime import Failure
 
 __all__ = ["SLICE_STEPS", "ContinuousRollout"]

@@ -12,16 +12,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from bus import Entry
-from bus.facts import run_finished_refusal
-from bus.messages import (
+from profiling.driver import StepProfiler
+from rollouter.stepwatch import StepWatch
+from runschema.facts import run_finished_refusal
+from runschema.messages import (
     Message,
     RunFinished,
     RunStarted,
     ValidationFinished,
     WeightsPublished,
 )
-from profiling.driver import StepProfiler
-from rollouter.stepwatch import StepWatch
 
 __all__ = ["EventLog", "EventPoller"]
 

@@ -30,11 +30,11 @@ import msgspec
 from tasks.rewards import RewardSpec, spec_from_config
 
 if TYPE_CHECKING:  # types only: rollouter.answers imports this module
-    from bus.messages import PromptTicket
     from policy.text import TextTokenizer
     from rollouter.answers import Seq
     from rollouter.engine import Off
     from runconfig import Config
+    from runschema.messages import PromptTicket
 
 __all__ = ["RewardPool", "Rewards", "Score", "ScoreItem", "Scorer"]
 

@@ -17,7 +17,14 @@ from typing import Protocol
 
 from bus import Bus, Delivery, RunKeys
 from bus.liveness import peers
-from bus.messages import Event, Message, PromptTicket, RolloutFailed, Sample, ValidationRequested
+from runschema.messages import (
+    Event,
+    Message,
+    PromptTicket,
+    RolloutFailed,
+    Sample,
+    ValidationRequested,
+)
 
 __all__ = ["GROUP", "MAX_ATTEMPTS", "MAX_N", "Ticket", "TicketDesk", "TicketSource",
            "dead_replicas"]

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from bus.messages import ValidationFinished, ValidationRequested
 from policy.text import TextTokenizer
 from rollouter.engine import Engine, Off
 from rollouter.events import EventPoller
@@ -38,6 +37,7 @@ from rollouter.scoring import Scorer
 from rollouter.tickets import TicketDesk, TicketSource
 from rollouter.weights import WeightsHolder
 from runconfig import Config
+from runschema.messages import ValidationFinished, ValidationRequested
 from runtime import Failure
 from tasks.valmetrics import validation_metrics
 

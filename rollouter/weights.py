@@ -35,7 +35,6 @@ import torch
 
 from bus import BlobError, BlobNotFound, Bus, Delivery, RunKeys
 from bus.blobs import open_store
-from bus.messages import WarningRaised, WeightsPublished
 from bus.weights_collective import Receiver
 from bus.weights_round import STORE as COLLECTIVE
 from bus.weights_round import Member
@@ -44,6 +43,7 @@ from policy.weights import from_bytes
 from rollouter.events import EventPoller
 from rollouter.presence import Presence
 from rollouter.tickets import Ticket, TicketDesk
+from runschema.messages import WarningRaised, WeightsPublished
 from runtime import Failure
 
 __all__ = ["HeldWeights", "State", "WeightsFetcher", "WeightsHolder", "WeightsLost",

@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING, ClassVar, ParamSpec, TypeVar, TypeVarTuple
 from bus import Bus, RunKeys
 from bus.keys import ROLE_LOG_MAXLEN
 from bus.liveness import pulse_forever
-from bus.messages import Command, ComponentFailed, Event, Heartbeat, StartProfile, StopProfile
 from bus.ranks import RankClaim, RankLost
 from runconfig import Config
+from runschema.messages import Command, ComponentFailed, Event, Heartbeat, StartProfile, StopProfile
 
 if TYPE_CHECKING:
     from profiling.driver import StepProfiler

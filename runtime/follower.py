@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from bus import BadEntry, Bus, Entry, RunKeys, entry_key
-from bus.authority import refusal
 from bus.history import read_history
 from bus.keys import LOG_ROLES, log_order
+from runschema.authority import refusal
 
 __all__ = ["Follower", "LogFollower", "since"]
 
@@ -151,7 +151,7 @@ class LogFollower(_Reader[tuple[str, Entry]]):
     trainer's facts first.
 
     Every entry is checked against what its stream's role may state
-    (:func:`bus.authority.refusal`): an entry its role may not state is refused (logged,
+    (:func:`runschema.authority.refusal`): an entry its role may not state is refused (logged,
     handed to ``on_refused(role, entry, reason)``), never folded; the position moves past it.
 
     ``positions`` maps a stream to the id after which to start (``"0"`` by default);
@@ -180,7 +180,7 @@ class LogFollower(_Reader[tuple[str, Entry]]):
         """``skip(stream, entry)``: True for an entry the reader already folded (its own
         publication, folded when written); the position moves past it."""
         self.refused = 0
-        """How many entries were refused (:func:`bus.authority.refusal`)."""
+        """How many entries were refused (:func:`runschema.authority.refusal`)."""
         self.caught_up = False
 
     @property

@@ -15,8 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bus import Bus, Message, RunKeys, StepFinished
+from bus import Bus, RunKeys
 from bus.history import find_archive
+from runschema.messages import Message, StepFinished
 from runtime import LogFollower
 from tests.waits import Watched, wait_exit_blocking
 

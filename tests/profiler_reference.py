@@ -29,7 +29,18 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
-from bus.messages import (
+from profiler_service.records import TraceChecked
+from profiler_service.schedule import (
+    MANIFEST_NAME,
+    MAX_LABEL_LEN,
+    MAX_REQUEST_ID_LEN,
+    MAX_REQUEST_STEPS,
+    PROFILER_SOURCE,
+    ROLES,
+    SESSIONS_MISSING_CODE,
+)
+from runconfig.schema import ProfilerConfig
+from runschema.messages import (
     Command,
     ComponentFailed,
     Event,
@@ -47,17 +58,6 @@ from bus.messages import (
     TrainerResumed,
     WarningRaised,
 )
-from profiler_service.records import TraceChecked
-from profiler_service.schedule import (
-    MANIFEST_NAME,
-    MAX_LABEL_LEN,
-    MAX_REQUEST_ID_LEN,
-    MAX_REQUEST_STEPS,
-    PROFILER_SOURCE,
-    ROLES,
-    SESSIONS_MISSING_CODE,
-)
-from runconfig.schema import ProfilerConfig
 
 __all__ = ["reference_decide", "reference_manifest"]
 
@@ -112,7 +112,7 @@ class _Facts:
         # One ProfilerReady per RunStarted: only one *after the latest* counts.
         self.ready = start is not None and _last_index(msgs, ProfilerReady, start) is not None
         # A RunFinished counts when it follows the latest RunStarted (a resumed run starts
-        # again) and names the last StepFinished before it, if there is any (bus.facts);
+        # again) and names the last StepFinished before it, if there is any (runschema.facts);
         # the latest such one is the run's end.
         end = None if start is None else _last_believed_end(msgs, start)
         self.run_finished: RunFinished | None = None if end is None else msgs[end]  # type: ignore[assignment]

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bus.messages import Array, Sample
 from runconfig import config_to_dict, load_config
+from runschema.messages import Array, Sample
 from trainer.learner import Learner, make_optimizer
 from trainer.ranks import rank_zero_group, spawn_ranks, wait_ranks
 from trainer.resume import write_checkpoint

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import redis
 
-from bus import RunKeys, RunStarted, encode
+from bus import RunKeys
 from bus.acl import acl_file
 from runconfig import config_to_dict, load_config
+from runschema.messages import RunStarted, encode
 from tests.compose_redis import ROOT, AclRedis
 from tests.procs import run_cli
 

@@ -18,7 +18,7 @@ import redis
 
 from bus import Bus, RunKeys
 from bus.history import find_archive
-from bus.messages import (
+from runschema.messages import (
     Message,
     ProfileStarted,
     StepFinished,

@@ -7,9 +7,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bus.messages import PromptTicket
 from rollouter.admission import Action, Admission, sync_action
 from rollouter.engine import Delta
+from runschema.messages import PromptTicket
 
 
 def _ticket(tid: str, n: int) -> PromptTicket:

@@ -12,8 +12,8 @@ import asyncio
 
 import pytest
 
-from bus import Bus, RunKeys, StartProfile
-from bus.messages import FIELD, decode
+from bus import Bus, RunKeys
+from runschema.messages import FIELD, StartProfile, decode
 
 
 def cmd(first: int, last: int | None = None, request_id: str = "q") -> StartProfile:

@@ -16,17 +16,14 @@ from bus import (
     BlobCorrupt,
     BlobError,
     BlobNotFound,
-    BlobRef,
     Bus,
     DirBlobStore,
     RedisBlobStore,
     RunKeys,
-    WeightsPublished,
-    decode,
-    encode,
     open_store,
 )
 from bus.blobs import BlobStore
+from runschema.messages import BlobRef, WeightsPublished, decode, encode
 
 CHUNK = 1024  # the Redis store's chunk size here: blobs of several chunks
 

@@ -15,9 +15,9 @@ from redis.exceptions import ClusterDownError
 
 from bus import Bus, BusClusterError, RunKeys
 from bus.acl import acl_rules
-from bus.messages import RunFinished, RunStarted, StepFinished, WeightsPublished
 from bus.urls import as_cluster_url, split_cluster
 from runconfig import ConfigError, load_config
+from runschema.messages import RunFinished, RunStarted, StepFinished, WeightsPublished
 from runtime.process import expanded_url
 from tests.procs import FAST, Procs, assert_every_step_once, events_of, run_cli
 from tests.redis_cluster import SLOTS, LocalCluster

@@ -12,8 +12,9 @@ import pytest
 import redis
 import yaml
 
-from bus import FIELD, Bus, RunFinished, RunKeys, RunStarted, StepFinished, encode
+from bus import Bus, RunKeys
 from bus.history import find_archive, read_history
+from runschema.messages import FIELD, RunFinished, RunStarted, StepFinished, encode
 from tests.compose_redis import (
     ROOT,
     USERS,
@@ -115,7 +116,7 @@ def _refused_forgeries(c: redis.Redis, keys: RunKeys) -> None:
 async def _forge_while_it_runs(server: AclRedis, run_id: str, procs: Procs) -> None:
     """Once step 1 finished: every non-trainer user tries to state trainer facts; Redis
     refuses each. The one append it allows (a RunFinished in the rollouters' own stream,
-    which any rollouter may write) is refused by every reader (bus.authority)."""
+    which any rollouter may write) is refused by every reader (runschema.authority)."""
     keys = RunKeys(run_id)
     admin = Bus.from_url(server.url("admin"))
     try:

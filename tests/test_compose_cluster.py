@@ -16,8 +16,8 @@ import pytest
 import redis
 import yaml
 
-from bus import Bus, RunFinished, RunKeys, free_port
-from bus.messages import Message
+from bus import Bus, RunKeys, free_port
+from runschema.messages import Message, RunFinished
 from tests.compose_redis import (
     ROOT,
     USERS,

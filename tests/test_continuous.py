@@ -20,11 +20,11 @@ import pytest
 import pytest_asyncio
 
 from bus import Bus, RedisBlobStore, RunKeys
-from bus.messages import PromptTicket, Sample, WeightsPublished
 from rollouter.app import Rollouter
 from rollouter.continuous import ContinuousRollout
 from rollouter.engine import Delta, StreamingEngine, streams, vllm_installed
 from runconfig import load_config
+from runschema.messages import PromptTicket, Sample, WeightsPublished
 from tests.procs import events_of
 from tests.waits import wait_until
 

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, RunKeys
-from bus.messages import (
+from rlbus.runlog import run_status
+from runschema.messages import (
     ComponentFailed,
     RunFinished,
     StepFinished,
     TrainerResumed,
     WarningRaised,
 )
-from rlbus.runlog import run_status
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.waits import event, wait_for
 

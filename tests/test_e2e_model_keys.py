@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, RunKeys
-from bus.messages import RunFinished, Sample, StepFinished
+from runschema.messages import RunFinished, Sample, StepFinished
 from tests.procs import FAST, Procs, events_of
 
 pytest.importorskip("transformers", reason="the hf extra is not installed")

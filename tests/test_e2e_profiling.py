@@ -33,7 +33,8 @@ from typing import Any
 import pytest
 
 from bus import RUNS_STREAM, Bus, RunKeys
-from bus.messages import (
+from profiler_service.request import request_profile
+from runschema.messages import (
     Heartbeat,
     ProfileRequest,
     ProfileRequestRefused,
@@ -48,7 +49,6 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
-from profiler_service.request import request_profile
 from tests.procs import FAST, Procs, events_of, run_cli
 from tests.waits import event, follow, wait_exit, wait_for, wait_heartbeat, wait_log
 

@@ -25,7 +25,13 @@ from typing import Any
 import pytest
 
 from bus import Bus, RunKeys
-from bus.messages import ProfileStopped, RunFinished, StepFinished, StepStarted, WeightsPublished
+from runschema.messages import (
+    ProfileStopped,
+    RunFinished,
+    StepFinished,
+    StepStarted,
+    WeightsPublished,
+)
 from tests.procs import FAST, Procs, events_of
 
 pytestmark = pytest.mark.e2e

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, RunKeys
-from bus.messages import StepFinished
+from runschema.messages import StepFinished
 from tests.procs import FAST, Procs, events_of
 
 hta = pytest.importorskip("hta.trace_analysis", reason="the dev extra (HTA) is not installed")

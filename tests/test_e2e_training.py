@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, RunKeys
-from bus.messages import (
+from runschema.messages import (
     ComponentFailed,
     DeadLetter,
     PromptTicket,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, RunKeys
-from bus.messages import RunFinished, ValidationFinished
+from runschema.messages import RunFinished, ValidationFinished
 from tests.procs import FAST, Procs, events_of, run_cli
 
 pytest.importorskip("tasks.verl_data", reason="the verl data loader is not in this tree")

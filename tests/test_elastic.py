@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, RunKeys
-from bus.messages import Sample, StepFinished
+from runschema.messages import Sample, StepFinished
 from tests.procs import Procs, run_args
 from tests.waits import event, wait_for, wait_heartbeat
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from bus import Bus
-from bus.messages import PromptTicket
 from policy import Generation, build_policy
 from rollouter import engine as engine_mod
 from rollouter.answers import Seq
@@ -22,6 +21,7 @@ from rollouter.app import Rollouter
 from rollouter.batch import BatchRollout
 from rollouter.engine import Engine, PolicyEngine, build_engine
 from runconfig import ConfigError, load_config
+from runschema.messages import PromptTicket
 
 DEVICE = torch.device("cpu")
 

@@ -19,7 +19,7 @@ import pytest
 
 from bus import Bus, RunKeys
 from bus.blobs import RedisBlobStore
-from bus.messages import (
+from runschema.messages import (
     FIELD,
     Array,
     BlobRef,

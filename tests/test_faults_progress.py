@@ -16,14 +16,7 @@ import pytest
 
 from bus import Bus, RunKeys
 from bus.errors import GroupGone, StreamGone
-from bus.messages import (
-    Array,
-    DeadLetter,
-    Sample,
-    TicketsIssued,
-    WarningRaised,
-    decode,
-)
+from runschema.messages import Array, DeadLetter, Sample, TicketsIssued, WarningRaised, decode
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.waits import event, wait_for, wait_until
 from trainer.dispatch import ROLLOUTER_GROUP

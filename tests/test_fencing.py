@@ -12,15 +12,14 @@ from bus import (
     TRIMMED_REASON,
     Bus,
     Consumer,
-    DeadLetter,
     EmbeddedRedis,
     EntryGone,
     Fenced,
     GroupGone,
     Lease,
     RunKeys,
-    StepStarted,
 )
+from runschema.messages import DeadLetter, StepStarted
 from tests.waits import wait_until
 
 pytestmark = pytest.mark.asyncio

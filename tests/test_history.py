@@ -9,26 +9,22 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bus import (
-    RUNS_STREAM,
+from bus import RUNS_STREAM, Bus, Fenced, RunKeys, pulse
+from bus.archive import append, read_archive
+from bus.history import archive_below, events_folder, read_history
+from rlbus.profile import live_run_status, refusal_for
+from runschema.messages import (
+    FIELD,
     BlobRef,
-    Bus,
     CheckpointSaved,
-    Fenced,
     Heartbeat,
     RunFinished,
-    RunKeys,
     RunStarted,
     StepFinished,
     StepStarted,
     TicketsIssued,
     WeightsPublished,
-    pulse,
 )
-from bus.archive import append, read_archive
-from bus.history import archive_below, events_folder, read_history
-from bus.messages import FIELD
-from rlbus.profile import live_run_status, refusal_for
 from trainer.resume import MAX_REFUSED_WARNINGS, Refused, Snapshot, read_log, refusal_warnings
 from trainer.retention import checkpoints_to_drop, retain
 from trainer.state import fold

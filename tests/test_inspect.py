@@ -10,9 +10,9 @@ import pytest
 
 from bus import Bus, RunKeys
 from bus.liveness import pulse
-from bus.messages import Heartbeat, RunStarted, StepFinished, ValidationFinished
 from rlbus.inspect import validation_curves
 from runconfig import config_to_dict, load_config
+from runschema.messages import Heartbeat, RunStarted, StepFinished, ValidationFinished
 from tests.procs import run_cli
 
 

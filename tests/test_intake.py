@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bus import Delivery
-from bus.messages import Array, PromptTicket, Sample
+from runschema.messages import Array, PromptTicket, Sample
 from trainer.intake import Complete, Duplicate, Intake, Refuse, Stale
 from trainer.ledger import Ledger, OpenTicket, ticket_id
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from bus.messages import Array, Sample
 from policy import build_policy
 from runconfig import TrainerConfig, load_config
+from runschema.messages import Array, Sample
 from trainer.grpo import kl_penalty
 from trainer.learner import Learner, frozen_copy
 from trainer.update import grpo_update

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.messages import Array, Sample, StepFinished, TicketsClosed, TicketsIssued
+from runschema.messages import Array, Sample, StepFinished, TicketsClosed, TicketsIssued
 from trainer.budget import max_staleness, stale_share_bound, ticket_budget
 from trainer.ledger import Ledger, OpenTicket, apply, fold, ticket_id
 from trainer.state import TrainerState
@@ -110,7 +110,7 @@ def test_window_restarts_at_a_sync_from_what_is_still_open() -> None:
 
 
 def test_state_keeps_only_what_a_resume_needs() -> None:
-    from bus.messages import BlobRef, CheckpointSaved, WeightsPublished
+    from runschema.messages import BlobRef, CheckpointSaved, WeightsPublished
 
     state = TrainerState()
     for step in range(1, 51):

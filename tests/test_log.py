@@ -1,4 +1,4 @@
-"""The run's log as one stream per writing role: who may state what (bus.authority, pure) and
+"""The run's log as one stream per writing role: who may state what (runschema.authority, pure) and
 the merged reading of those streams (runtime.LogFollower) against a real redis-server."""
 
 from __future__ import annotations
@@ -9,26 +9,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bus import (
-    Bus,
+from bus import Bus, Entry, Lease, RunKeys, entry_key
+from bus.history import archive_below
+from bus.keys import LOG_ROLES, log_order
+from runschema.authority import FACTS, refusal
+from runschema.messages import (
     ComponentFailed,
-    Entry,
-    Lease,
     ProfileRequest,
     ProfilerReady,
     ProfileStarted,
     RolloutFailed,
     RunFinished,
-    RunKeys,
     StepFinished,
     StepStarted,
     ValidationFinished,
     WarningRaised,
-    entry_key,
 )
-from bus.authority import FACTS, refusal
-from bus.history import archive_below
-from bus.keys import LOG_ROLES, log_order
 from runtime import LogFollower, since
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from bus.messages import Array, Sample
 from policy import build_policy
 from runconfig import TrainerConfig
+from runschema.messages import Array, Sample
 from trainer.grpo import build_batch, micro_batches
 from trainer.learner import frozen_copy
 from trainer.update import GrpoStep, grpo_update

@@ -15,8 +15,8 @@ import msgspec
 import numpy as np
 
 from bus import Delivery
-from bus.messages import Array, Heartbeat, Sample, decode, encode
 from policy import build_policy, decode_steps
+from runschema.messages import Array, Heartbeat, Sample, decode, encode
 from trainer.dispatch import no_progress
 from trainer.health import Progress, observe_progress
 from trainer.intake import Complete, Intake, Refuse

@@ -14,16 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from bus import (
-    Bus,
-    ProfileRequest,
-    ProfileRequestRefused,
-    RunKeys,
-    RunStarted,
-    StartProfile,
-)
+from bus import Bus, RunKeys
 from rlbus.profile import WITHDRAWN_PREFIX
 from runconfig import config_to_dict, load_config
+from runschema.messages import ProfileRequest, ProfileRequestRefused, RunStarted, StartProfile
 from tests.procs import FAST, Procs, events_of, run_cli
 from tests.waits import wait_for
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from bus.messages import Array, Sample
 from policy import build_policy
 from runconfig import TrainerConfig
+from runschema.messages import Array, Sample
 from trainer.learner import lr_factor, make_optimizer, warmup_steps
 from trainer.resume import load_checkpoint, write_checkpoint
 from trainer.update import grpo_update

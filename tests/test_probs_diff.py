@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from bus.messages import Array, Sample
 from policy import build_policy
 from runconfig import TrainerConfig
+from runschema.messages import Array, Sample
 from trainer.grpo import build_batch, probs_diff
 from trainer.update import GrpoStep, grpo_update
 

@@ -21,9 +21,13 @@ import msgspec
 import pytest
 import yaml
 
-from bus import (
-    Bus,
-    Entry,
+from bus import Bus, Entry, RunKeys, peers
+from bus.history import archive_below, events_folder, read_history
+from profiler_service.records import ServiceState
+from profiler_service.request import request_profile, run_profile_request
+from profiler_service.service import SNAPSHOT_NAME, ProfilerService
+from runconfig import config_to_dict, load_config
+from runschema.messages import (
     Heartbeat,
     ProfileRequest,
     ProfileRequestRefused,
@@ -32,19 +36,12 @@ from bus import (
     ProfileStarted,
     ProfileStopped,
     RunFinished,
-    RunKeys,
     RunStarted,
     StartProfile,
     StepStarted,
     TrainerResumed,
     WarningRaised,
-    peers,
 )
-from bus.history import archive_below, events_folder, read_history
-from profiler_service.records import ServiceState
-from profiler_service.request import request_profile, run_profile_request
-from profiler_service.service import SNAPSHOT_NAME, ProfilerService
-from runconfig import config_to_dict, load_config
 from tests.waits import (
     Watched,
     event,

@@ -23,7 +23,14 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.messages import (
+from profiler_service.manifest import build_manifest
+from profiler_service.pmap import PMap
+from profiler_service.records import ServiceState, TraceChecked
+from profiler_service.schedule import PROFILER_SOURCE, SESSIONS_MISSING_CODE, decide
+from profiler_service.snapshot import Snapshot, decode_snapshot, encode_snapshot
+from profiler_service.state import apply, fold
+from runconfig.schema import ProfilerConfig
+from runschema.messages import (
     BlobRef,
     CheckpointSaved,
     Command,
@@ -45,13 +52,6 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
-from profiler_service.manifest import build_manifest
-from profiler_service.pmap import PMap
-from profiler_service.records import ServiceState, TraceChecked
-from profiler_service.schedule import PROFILER_SOURCE, SESSIONS_MISSING_CODE, decide
-from profiler_service.snapshot import Snapshot, decode_snapshot, encode_snapshot
-from profiler_service.state import apply, fold
-from runconfig.schema import ProfilerConfig
 from tests.profiler_reference import reference_decide, reference_manifest
 
 TOTAL = 30

@@ -15,7 +15,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.messages import ProfileStarted, ProfileStopped, StartProfile, StopProfile, WarningRaised
 from profiling import (
     ProfilerAgent,
     create_agent,
@@ -30,6 +29,13 @@ from profiling.agent import AgentEvent
 from profiling.export import cut_frames
 from profiling.traces import top_ops
 from runconfig.schema import Config, ProfilerConfig, RolloutConfig, RunConfig
+from runschema.messages import (
+    ProfileStarted,
+    ProfileStopped,
+    StartProfile,
+    StopProfile,
+    WarningRaised,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from bus.messages import ProfileStarted, ProfileStopped, StartProfile
 from profiling import ProfilerAgent
 from profiling.export import AgentEvent, BackgroundExporter
+from runschema.messages import ProfileStarted, ProfileStopped, StartProfile
 
 GATE_S = 120.0  # only a bound on a hang: every wait below is released by the test itself
 

@@ -20,9 +20,9 @@ import pytest
 from redis.exceptions import NoPermissionError
 
 from bus import Bus, RunKeys
-from bus.messages import ComponentFailed
 from bus.ranks import RankClaim, RankHeld, RankLost, claim_lowest_rank, claim_rank
 from runconfig import Config, load_config
+from runschema.messages import ComponentFailed
 from runtime import Component
 from runtime.ranks import RankTaken, join_rank
 from tests.compose_redis import AclRedis

@@ -159,7 +159,7 @@ async def test_two_nodes_placed_as_asked_and_a_lost_node_named_and_survived(
     rollouters spread one per node; killing the worker's raylet loses its rollouter, which is
     named in the run's log with the dead node and restarted on the head; the run goes on
     (then it is stopped) with every step once and no sample twice."""
-    from bus.messages import StepFinished, WarningRaised
+    from runschema.messages import StepFinished, WarningRaised
     from tests.procs import assert_every_step_once, events_of
     from tests.test_supervise import Up
 

@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 
 from bus.errors import BlobNotFound
-from bus.facts import run_finished_refusal
-from bus.messages import (
+from rlbus.runlog import RunStatus
+from rollouter.weights import BLOBS_KEPT, HeldWeights
+from runschema.facts import run_finished_refusal
+from runschema.messages import (
     BlobRef,
     CheckpointSaved,
     Message,
@@ -30,8 +32,6 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
-from rlbus.runlog import RunStatus
-from rollouter.weights import BLOBS_KEPT, HeldWeights
 from trainer.ledger import refusal as ledger_refusal
 from trainer.ledger import ticket_id
 from trainer.resume import ResumeFailed, pick_checkpoint

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, RunKeys
-from bus.messages import WarningRaised
 from rlbus.children import Console
 from rlbus.supervise import Supervisor
 from rlbus.watching import Progress, RestartPolicy, RunWatch, Summary
+from runschema.messages import WarningRaised
 from tests.procs import FAST, assert_every_step_once, events_of
 from tests.test_supervise import Up
 

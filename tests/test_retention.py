@@ -14,7 +14,7 @@ import pytest
 from bus import Bus, RunKeys
 from bus.archive import read_archive
 from bus.history import events_folder, read_history
-from bus.messages import StepFinished, StepStarted, TrainerResumed
+from runschema.messages import StepFinished, StepStarted, TrainerResumed
 from runtime import Follower
 from tests.procs import FAST, Procs, run_cli
 from tests.waits import event, wait_for

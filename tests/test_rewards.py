@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from bus import Bus, RunKeys
-from bus.messages import Sample, StepFinished, WarningRaised
 from rollouter.scoring import RewardPool, ScoreItem
 from runconfig import ConfigError, load_config
 from runconfig.schema import (
@@ -24,6 +23,7 @@ from runconfig.schema import (
     RewardModelConfig,
     RolloutConfig,
 )
+from runschema.messages import Sample, StepFinished, WarningRaised
 from tasks.rewards import (
     Scorer,
     UnknownDataSource,

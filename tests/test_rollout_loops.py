@@ -20,7 +20,18 @@ import pytest
 import torch
 
 from bus import Delivery, Entry, RunKeys
-from bus.messages import (
+from policy import EosIds, Generation
+from policy.tokenizer import CharTokenizer
+from rollouter.batch import BatchRollout
+from rollouter.context import RolloutContext, RolloutLoop
+from rollouter.continuous import ContinuousRollout
+from rollouter.engine import Delta
+from rollouter.scoring import Score, ScoreItem
+from rollouter.tickets import MAX_ATTEMPTS
+from rollouter.validation import Validator
+from rollouter.weights import State
+from runconfig import Config, load_config
+from runschema.messages import (
     BlobRef,
     Event,
     Message,
@@ -33,17 +44,6 @@ from bus.messages import (
     ValidationRequested,
     WeightsPublished,
 )
-from policy import EosIds, Generation
-from policy.tokenizer import CharTokenizer
-from rollouter.batch import BatchRollout
-from rollouter.context import RolloutContext, RolloutLoop
-from rollouter.continuous import ContinuousRollout
-from rollouter.engine import Delta
-from rollouter.scoring import Score, ScoreItem
-from rollouter.tickets import MAX_ATTEMPTS
-from rollouter.validation import Validator
-from rollouter.weights import State
-from runconfig import Config, load_config
 
 pytestmark = pytest.mark.asyncio
 

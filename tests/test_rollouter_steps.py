@@ -20,7 +20,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.messages import (
+from profiler_service.schedule import plan_sessions
+from profiling.steps import Move, StepClock, current_step, follow, observe
+from runconfig.schema import ProfilerConfig
+from runschema.messages import (
     BlobRef,
     Event,
     ProfilerReady,
@@ -32,9 +35,6 @@ from bus.messages import (
     TrainerResumed,
     WeightsPublished,
 )
-from profiler_service.schedule import plan_sessions
-from profiling.steps import Move, StepClock, current_step, follow, observe
-from runconfig.schema import ProfilerConfig
 
 REF = BlobRef(store="redis", key="w", size=1, sha256="0")
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from bus import Bus, RedisBlobStore, RunKeys
-from bus.messages import WarningRaised, WeightsPublished
 from rollouter.app import Rollouter
 from rollouter.engine import EngineBroken
 from runconfig import load_config
+from runschema.messages import WarningRaised, WeightsPublished
 from tests.procs import events_of
 
 pytestmark = pytest.mark.asyncio

@@ -17,7 +17,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bus import Bus, RunKeys, RunStarted, StepFinished
+from bus import Bus, RunKeys
+from runschema.messages import RunStarted, StepFinished
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.test_history import _synthetic_run
 from tests.waits import event, wait_for

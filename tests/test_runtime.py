@@ -18,8 +18,8 @@ import pytest
 
 from bus import Bus, Entry, RunKeys, entry_key
 from bus.history import archive_below
-from bus.messages import ComponentFailed, Heartbeat, StepStarted, decode
 from runconfig import Config, load_config
+from runschema.messages import ComponentFailed, Heartbeat, StepStarted, decode
 from runtime import Component, Failure, Follower, Restart
 from runtime.process import _run_restarting
 from tests.procs import events_of

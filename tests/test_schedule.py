@@ -13,21 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.messages import (
-    Command,
-    Event,
-    ProfileRequest,
-    ProfileRequestRefused,
-    ProfilerFinished,
-    ProfilerReady,
-    ProfileStarted,
-    ProfileStopped,
-    RunFinished,
-    RunStarted,
-    StartProfile,
-    StepStarted,
-    WarningRaised,
-)
 from profiler_service import schedule
 from profiler_service.manifest import build_manifest
 from profiler_service.records import TraceChecked
@@ -44,6 +29,21 @@ from profiler_service.schedule import (
 )
 from profiler_service.state import apply, fold
 from runconfig.schema import ProfilerConfig
+from runschema.messages import (
+    Command,
+    Event,
+    ProfileRequest,
+    ProfileRequestRefused,
+    ProfilerFinished,
+    ProfilerReady,
+    ProfileStarted,
+    ProfileStopped,
+    RunFinished,
+    RunStarted,
+    StartProfile,
+    StepStarted,
+    WarningRaised,
+)
 
 TOTAL = 30
 

@@ -16,7 +16,7 @@ def test_every_public_bus_name_resolves() -> None:
 def test_the_launcher_loads_no_redis_client_numpy_or_torch() -> None:
     code = (
         "import sys, rlbus.cli, rlbus.launcher\n"
-        "print(' '.join(m for m in ('redis', 'numpy', 'torch', 'bus.streams', 'bus.messages')"
+        "print(' '.join(m for m in ('redis', 'numpy', 'torch', 'bus.streams', 'runschema.messages')"
         " if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

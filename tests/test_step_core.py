@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from bus import Delivery, RunKeys
-from bus.messages import (
+from runconfig import Config, load_config
+from runschema.messages import (
     Array,
     Heartbeat,
     PromptTicket,
@@ -32,7 +33,6 @@ from bus.messages import (
     ValidationFinished,
     ValidationRequested,
 )
-from runconfig import Config, load_config
 from tasks import build_prompt_source
 from trainer.actions import (
     Ack,
@@ -327,7 +327,7 @@ def test_no_rollouter_alive_for_the_heartbeat_timeout_fails_the_run() -> None:
 
 
 def test_rollouts_failing_without_a_sample_fail_the_run() -> None:
-    from bus.messages import RolloutFailed
+    from runschema.messages import RolloutFailed
 
     shell = _issued_at_zero(_cfg())
     failed = [RolloutFailed(ticket_id="t0", rank=0, error="boom")] * 9

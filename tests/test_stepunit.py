@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.messages import RunStarted
 from profiler_service import schedule
 from profiler_service.schedule import plan_sessions
 from profiler_service.state import fold
@@ -26,6 +25,7 @@ from runconfig.stepunit import (
     version_step_updates,
     version_steps_to_updates,
 )
+from runschema.messages import RunStarted
 
 TRIGGERS = (1, 2, 4)
 steps_lists = st.lists(st.integers(1, 40), max_size=12)

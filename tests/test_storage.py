@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bus import Bus, RunKeys, StepFinished, TrainerResumed
+from bus import Bus, RunKeys
 from bus.storage import PROBE_PREFIX, RunStorage, StorageError
 from runconfig import load_config
 from runconfig.paths import (
@@ -23,6 +23,7 @@ from runconfig.paths import (
     storage_root,
     storage_url,
 )
+from runschema.messages import StepFinished, TrainerResumed
 from runtime.storage import check_storage
 from tests.procs import Procs, assert_every_step_once, events_of, run_args, run_cli
 from tests.waits import event, wait_for

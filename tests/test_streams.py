@@ -17,25 +17,20 @@ from hypothesis import strategies as st
 
 from bus import (
     EXCEEDED_REASON,
-    FIELD,
     TRIMMED_REASON,
     BadEntry,
     Bus,
     BusAuthError,
     BusUnavailable,
     Consumer,
-    DeadLetter,
     EmbeddedRedis,
     GroupGone,
-    Heartbeat,
     RetryPolicy,
     RunKeys,
-    StepStarted,
     StreamGone,
-    decode,
     default_dlq,
-    encode,
 )
+from runschema.messages import FIELD, DeadLetter, Heartbeat, StepStarted, decode, encode
 from runtime import Follower
 
 HELPER = Path(__file__).with_name("helpers_consumer.py")
@@ -669,7 +664,7 @@ async def test_wrong_password_is_not_retried(
 async def test_reclaim_from_takes_only_the_named_members_entries(bus: Bus, run_id: str) -> None:
     """A slow but live member keeps its work; a gone member's entries move at once, however
     recently delivered; one trimmed while pending is dead-lettered with the reason."""
-    from bus.messages import RunFinished
+    from runschema.messages import RunFinished
 
     stream = f"rlbus:{{{run_id}}}:reclaim"
     dead = Consumer(bus, stream, "g", "dead")

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from bus.messages import (
+from rlbus.trace import build_trace
+from runschema.messages import (
     Array,
     BlobRef,
     CheckpointSaved,
@@ -35,7 +36,6 @@ from bus.messages import (
     WarningRaised,
     WeightsPublished,
 )
-from rlbus.trace import build_trace
 
 T0 = 1_000.0
 

@@ -17,7 +17,16 @@ import pytest
 import torch
 
 from bus import Bus, Lease, RedisBlobStore, RunKeys
-from bus.messages import (
+from bus.progress import val_core_reward, validation_line
+from metrics_logger import MetricsLogger, tensorboard_dir
+from metrics_logger.app import TensorBoardSink
+from rlbus.inspect import summary_line, validations_table
+from rlbus.watching import Summary
+from rollouter.app import Rollouter
+from rollouter.batch import BatchRollout
+from rollouter.validation import Validator, sampling, val_generate
+from runconfig import Config, load_config
+from runschema.messages import (
     DeadLetter,
     PromptTicket,
     RunFinished,
@@ -29,15 +38,6 @@ from bus.messages import (
     WeightsPublished,
     encode,
 )
-from bus.progress import val_core_reward, validation_line
-from metrics_logger import MetricsLogger, tensorboard_dir
-from metrics_logger.app import TensorBoardSink
-from rlbus.inspect import summary_line, validations_table
-from rlbus.watching import Summary
-from rollouter.app import Rollouter
-from rollouter.batch import BatchRollout
-from rollouter.validation import Validator, sampling, val_generate
-from runconfig import Config, load_config
 from tasks.digits import digits_reward
 from tests.procs import events_of
 from trainer.validation import (

@@ -423,7 +423,7 @@ async def test_trainer_and_rollouter_run_on_verl_data(
     """Two epochs of 8 chat prompts make exactly the run's 4 steps of 4 prompts: every
     ticket carries its record, the rollouter generates from its token ids as given, each
     epoch visits every prompt once, and nothing is issued past the data's end."""
-    from bus.messages import RunFinished, Sample, StepFinished, TicketsIssued
+    from runschema.messages import RunFinished, Sample, StepFinished, TicketsIssued
     from tests.procs import FAST, events_of, run_rollouter_and_trainer
 
     rows = _rows(8)
@@ -465,7 +465,7 @@ async def test_a_resumed_trainer_continues_the_epoch(
     """The trainer is killed after step 3 (checkpoint at step 2) and resumed: the run's
     four epochs of 16 records still train each record exactly once per epoch (no prompt
     twice in an epoch, none left out) and nothing past the data."""
-    from bus.messages import StepFinished, TrainerResumed
+    from runschema.messages import StepFinished, TrainerResumed
     from tests.procs import FAST, Procs, events_of
     from tests.waits import event, wait_for
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bus.messages import Array, Sample
+from runschema.messages import Array, Sample
 from trainer.metrics import verl_step_metrics
 
 

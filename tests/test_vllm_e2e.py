@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from bus import Bus, RunKeys
-from bus.messages import StepStarted
 from rollouter.engine import vllm_installed
+from runschema.messages import StepStarted
 from tests.procs import Procs, assert_every_step_once, events_of, run_cli
 from tests.waits import event, wait_for
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, RunKeys
-from bus.messages import StepStarted
+from runschema.messages import StepStarted
 from tests.waits import (
     Watched,
     event,

@@ -24,14 +24,6 @@ from hypothesis import strategies as st
 from bus import Bus, RunKeys
 from bus.errors import BlobCorrupt
 from bus.liveness import pulse_forever
-from bus.messages import (
-    BlobRef,
-    Heartbeat,
-    Sample,
-    StepFinished,
-    WarningRaised,
-    WeightsPublished,
-)
 from bus.weights_collective import Broadcaster, Receiver, invite, still_live
 from bus.weights_round import ChunkCheck, Member, flatten
 from bus.weights_transport import (
@@ -39,6 +31,14 @@ from bus.weights_transport import (
     TransportUnreachable,
     chunk_digests,
     flat_buffer,
+)
+from runschema.messages import (
+    BlobRef,
+    Heartbeat,
+    Sample,
+    StepFinished,
+    WarningRaised,
+    WeightsPublished,
 )
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.waits import event, wait_for, wait_until

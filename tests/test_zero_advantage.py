@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from bus.messages import Array, Sample
 from policy import build_policy
 from runconfig import TrainerConfig
+from runschema.messages import Array, Sample
 from trainer.update import GrpoStep, grpo_update
 
 MODEL = {"kind": "tiny", "d_model": 32, "n_layers": 1, "n_heads": 2, "max_len": 24, "seed": 3}

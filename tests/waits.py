@@ -24,8 +24,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bus import Bus, Entry, Heartbeat, Message, RunKeys, entry_key, peers
+from bus import Bus, Entry, RunKeys, entry_key, peers
 from bus.keys import LOG_ROLES, log_order
+from runschema.messages import Heartbeat, Message
 
 __all__ = [
     "POLL_S",

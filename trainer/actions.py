@@ -30,7 +30,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from bus import Delivery
-from bus.messages import (
+from runschema.messages import (
     Event,
     Heartbeat,
     PromptTicket,

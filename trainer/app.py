@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from bus.messages import RunFinished, WarningRaised
+from runschema.messages import RunFinished, WarningRaised
 from trainer.actions import (
     Ack,
     Action,

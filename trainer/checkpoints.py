@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bus import Bus, Lease, RunKeys
-from bus.messages import CheckpointSaved, Event, WarningRaised
 from runconfig import Config
+from runschema.messages import CheckpointSaved, Event, WarningRaised
 from trainer.export import HFExport, RunOff
 from trainer.learner import Learner
 from trainer.resume import write_checkpoint

@@ -39,9 +39,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from bus import Delivery, RunKeys
-from bus.messages import StepFinished, StepStarted, WarningRaised
 from runconfig import Config
 from runconfig.stepunit import is_save_update
+from runschema.messages import StepFinished, StepStarted, WarningRaised
 from tasks import PromptSource
 from trainer.actions import (
     Ack,

@@ -28,7 +28,8 @@ from collections import deque
 from collections.abc import Collection, Container, Mapping, Sequence
 
 from bus import RunKeys
-from bus.messages import (
+from runconfig import Config
+from runschema.messages import (
     Heartbeat,
     PromptTicket,
     Sample,
@@ -36,7 +37,6 @@ from bus.messages import (
     TicketsIssued,
     WarningRaised,
 )
-from runconfig import Config
 from tasks import PromptSource
 from trainer.actions import Holders, IssueTickets
 from trainer.budget import ticket_budget

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bus.files import fsync_path
-from bus.messages import WarningRaised
+from runschema.messages import WarningRaised
 
 if TYPE_CHECKING:  # trainer.mirror imports this module's layout
     from trainer.mirror import CheckpointMirror

@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from bus import RunKeys
-from bus.messages import Heartbeat, RolloutFailed, WarningRaised
 from runconfig import HeartbeatConfig
+from runschema.messages import Heartbeat, RolloutFailed, WarningRaised
 from runtime import Failure
 
 __all__ = ["FAILURE_LIMIT", "Health", "PeerDead", "Progress", "observe_progress"]

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import msgspec
 
 from bus import Delivery
-from bus.messages import Sample
+from runschema.messages import Sample
 from trainer.ledger import Ledger, ticket_id, ticket_index
 from trainer.validate import check_sample, values_in_range
 

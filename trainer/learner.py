@@ -26,9 +26,9 @@ import msgspec
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from bus.messages import Sample, decode, encode
 from policy import build_policy, resolve_device
 from runconfig import Config, TrainerConfig
+from runschema.messages import Sample, decode, encode
 from runtime import settle_heap
 from trainer.ranks import RankGroup
 from trainer.sharding import (

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from bus.messages import Message, StepFinished, TicketsClosed, TicketsIssued
+from runschema.messages import Message, StepFinished, TicketsClosed, TicketsIssued
 
 __all__ = ["Ledger", "OpenTicket", "apply", "fold", "refusal", "ticket_id", "ticket_index",
            "ticket_of_sample"]

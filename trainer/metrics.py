@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from bus.messages import Sample
+from runschema.messages import Sample
 from trainer.actions import Measured
 from trainer.intake import Group, Intake
 from trainer.ledger import Ledger

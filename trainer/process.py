@@ -20,11 +20,11 @@ import time
 
 from bus import Bus, Consumer, Fenced, Lease, entry_key
 from bus.keys import RUNS_STREAM
-from bus.messages import Event, Heartbeat, RunStarted, WarningRaised
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from runconfig import Config, config_to_dict
 from runconfig.paths import blob_root
+from runschema.messages import Event, Heartbeat, RunStarted, WarningRaised
 from runtime import Component
 from tasks import build_prompt_source
 from trainer.checkpoints import Checkpoints

@@ -24,8 +24,8 @@ from bus import Bus, RunKeys
 from bus.archive import last_archived
 from bus.files import atomic_file, atomic_write
 from bus.history import read_history
-from bus.messages import Sample, StepFinished, TrainerResumed, WarningRaised
 from bus.weights_transport import is_manifest_ref, weights_digest
+from runschema.messages import Sample, StepFinished, TrainerResumed, WarningRaised
 from runtime import Failure
 from trainer.state import StepRecord, TrainerState, take
 

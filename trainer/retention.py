@@ -36,8 +36,8 @@ import msgspec
 from bus import Bus, RunKeys
 from bus.files import fsync_path
 from bus.history import Archived, archive_below, events_folder
-from bus.messages import WarningRaised, WeightsPublished
 from bus.streams import entry_key
+from runschema.messages import WarningRaised, WeightsPublished
 from trainer.export import step_folder
 from trainer.mirror import CheckpointMirror, EventsMirror
 from trainer.resume import Snapshot

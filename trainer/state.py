@@ -18,7 +18,7 @@ from pathlib import PurePath
 
 import msgspec
 
-from bus.messages import (
+from runschema.messages import (
     BlobRef,
     CheckpointSaved,
     Message,

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from bus.messages import Sample
+from runschema.messages import Sample
 from trainer.actions import Train
 from trainer.intake import Group
 from trainer.ledger import OpenTicket

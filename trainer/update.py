@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from bus.messages import Sample
 from runconfig import TrainerConfig
+from runschema.messages import Sample
 from tasks.rewards import extra_metrics
 from trainer.grpo import (
     Batch,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bus.messages import Sample
+from runschema.messages import Sample
 from trainer.ledger import OpenTicket
 
 __all__ = ["check_sample", "values_in_range"]

@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from bus import Bus, Entry, RunKeys
-from bus.messages import ValidationFinished, ValidationRequested
 from runconfig import Config
+from runschema.messages import ValidationFinished, ValidationRequested
 from runtime import LogFollower, since
 
 if TYPE_CHECKING:  # the writer imports torch (trainer.resume); the core imports this module

@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 
 from bus import Bus, Entry, RunKeys
 from bus.liveness import peers
-from bus.messages import (
+from runconfig import Config
+from runschema.messages import (
     DeadLetter,
     DecodeError,
     Heartbeat,
@@ -31,7 +32,6 @@ from bus.messages import (
     Sample,
     decode,
 )
-from runconfig import Config
 from runtime import Follower, LogFollower, since
 from trainer.actions import Due, Holders
 from trainer.dispatch import ROLLOUTER_GROUP

@@ -28,12 +28,12 @@ import torch
 
 from bus import Bus, RunKeys
 from bus.blobs import RedisBlobStore, open_store
-from bus.messages import BlobRef, WarningRaised, WeightsPublished
 from bus.urls import local_address, redis_host
 from bus.weights_collective import Broadcaster, delete_manifest
 from bus.weights_round import STORE
 from bus.weights_transport import StorageTransport, is_manifest_ref, open_transport
 from runconfig import Config
+from runschema.messages import BlobRef, WarningRaised, WeightsPublished
 from runtime import Failure
 from runtime.process import expanded_url
 from trainer.writer import Writer

@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from bus import Bus, EntryGone, Fenced, Lease, RunKeys
-from bus.messages import Event, Message, StepFinished
 from bus.retry import RetryHook
+from runschema.messages import Event, Message, StepFinished
 from runtime import Restart
 from trainer.actions import IssueTickets
 from trainer.resume import LogRead, Refused, Snapshot, read_log

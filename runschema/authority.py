@@ -13,7 +13,7 @@ Functions
 
 from __future__ import annotations
 
-from bus.messages import (
+from runschema.messages import (
     CheckpointSaved,
     ComponentFailed,
     Message,

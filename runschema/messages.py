@@ -10,7 +10,7 @@ rename or retype a field. A reader refuses a message whose ``v`` is newer than
 Token ids and log-probs travel as :class:`Array` (raw little-endian bytes plus dtype), never
 as lists: a 256-token response is 1 KiB of int32 instead of ~700 msgpack ints.
 
->>> from bus.messages import StepStarted, encode, decode
+>>> from runschema.messages import StepStarted, encode, decode
 >>> decode(encode(StepStarted(step=1, param_version=0)))
 StepStarted(v=1, step=1, param_version=0, ts=...)
 """
