@@ -78,7 +78,6 @@ import numpy as np  # noqa: E402
 from chaos_trust import Trust  # noqa: E402  (bench/, the script's folder)
 
 from bus import Bus, BusError, EmbeddedRedis, RunKeys  # noqa: E402
-from bus.history import events_folder, read_history  # noqa: E402
 from bus.keys import LOG_ROLES, log_order  # noqa: E402
 from runschema.authority import refusal  # noqa: E402
 from runschema.messages import (  # noqa: E402
@@ -105,6 +104,7 @@ from runschema.messages import (  # noqa: E402
     WeightsPublished,
     decode,
 )
+from runtime.history import events_folder, read_history  # noqa: E402
 from tests.aof import aof_commands, aof_path, cut_aof_before  # noqa: E402
 from trainer.ledger import fold as fold_ledger  # noqa: E402
 from trainer.ledger import ticket_index, ticket_of_sample  # noqa: E402

@@ -77,7 +77,7 @@ Best-of figures, because the machine this runs on may be shared: other processes
 timings bimodal (2-3x), and the best is what the code itself costs.
 
 Under events retention, "the whole log" (the old way's fold, the lazy read's fallback) is
-the archive and then the stream (``bus.history.read_history``), as the trainer reads it.
+the archive and then the stream (``runtime.history.read_history``), as the trainer reads it.
 
 It prints a table, the 100k/1k ratios (the aim: each at most 1.5, and Redis memory within a
 few checkpoint windows of samples), and where memory goes: bytes per step in the events
@@ -119,7 +119,6 @@ from bus import Bus, Consumer, Delivery, EmbeddedRedis, Lease, RunKeys, pulse
 from bus.blobs import RedisBlobStore
 from bus.entries import Entry
 from bus.files import atomic_write
-from bus.history import events_folder, read_history
 from bus.keys import LOG_ROLES, RUNS_STREAM, log_order
 from profiler_service.records import Fact, ServiceState
 from profiler_service.schedule import decide
@@ -145,6 +144,7 @@ from runschema.messages import (
     decode,
     encode,
 )
+from runtime.history import events_folder, read_history
 from tasks import build_prompt_source
 from trainer.dispatch import ROLLOUTER_GROUP, Dispatch
 from trainer.lease import token

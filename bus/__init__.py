@@ -3,7 +3,8 @@
 Callers import what they use from here, never from its modules (tests/test_layering.py): ``from bus
 import Bus, Consumer, Lease, RunKeys, BusError``. Its modules' public names are re-exported here.
 
-Not here: the run's schema (:mod:`runschema`).
+Not here: the run's schema (:mod:`runschema`); the log read across the archive and the stream
+(:mod:`runtime.history`).
 
 Names load on first use (PEP 562 ``__getattr__``), each from its own module only: a command that
 needs only the config and the errors (``rlbus up`` before it starts the components) does not pay

@@ -1,6 +1,6 @@
 """The events archive: entries trimmed from a run's events stream, kept on disk in log order.
 
-Pure file code (no Redis): :mod:`bus.history` moves entries here from the stream and reads
+Pure file code (no Redis): :mod:`runtime.history` moves entries here from the stream and reads
 both back as one log. With ``run.retention=checkpoint`` the trainer appends the entries
 below its safe point here (fsynced) before it trims them from Redis.
 

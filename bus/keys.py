@@ -136,7 +136,7 @@ class RunKeys(msgspec.Struct, frozen=True):
     @property
     def archive(self) -> str:
         """Where the trainer archives the events it trims (a string key holding the absolute
-        path of the archive folder on the trainer's machine, see :mod:`bus.history`)."""
+        path of the archive folder on the trainer's machine, see :mod:`runtime.history`)."""
         return f"{self.prefix}:archive"
 
     def position(self, reader: str) -> str:

@@ -3,7 +3,7 @@
 Two reads: a range (:meth:`LogCommands.read_all`, for small streams read whole) and one read
 after a cursor (:meth:`LogCommands.read_after`, the primitive of every poll loop). Following
 a run's events log (archive then stream, each entry once, from a tracking position) is
-:class:`runtime.Follower`, built on these and on :func:`bus.history.read_history`.
+:class:`runtime.Follower`, built on these and on :func:`runtime.history.read_history`.
 
 Decisions:
 

@@ -7,7 +7,7 @@ last step written are stored (atomically) in ``RUN/logger-position.json``; a res
 reads the log only after that id and skips steps it already wrote. A crash between a flush
 and the store can repeat that one batch; nothing is lost. When retention trimmed the entries
 after that id from the stream, they are read from the run's events archive
-(``RUN/events``, bus.history) on the same filesystem; without one, a line says which range
+(``RUN/events``, runtime.history) on the same filesystem; without one, a line says which range
 was skipped. Exit code 0 when the run finished
 (or on SIGTERM), 1 when Redis failed, 2 for a bad config.
 """
@@ -28,7 +28,6 @@ import msgspec
 
 from bus import Bus, Entry
 from bus.files import atomic_write
-from bus.history import find_archive
 from bus.storage import StorageError
 from runconfig import Config
 from runconfig.paths import events_dir
@@ -37,6 +36,7 @@ from runschema.messages import Heartbeat, RunFinished, StepFinished, ValidationF
 from runtime import Component, LogFollower
 from runtime import main as run_main
 from runtime.events_archive import fetch_for_reading
+from runtime.history import find_archive
 
 __all__ = [
     "LOGGER_NAMES_WRITTEN",
@@ -260,7 +260,7 @@ class MetricsLogger(Component):
 
     async def serve(self) -> int:
         """From the stored position to the end of the log (the archive first when retention
-        trimmed what follows it, bus.history), then new entries until RunFinished."""
+        trimmed what follows it, runtime.history), then new entries until RunFinished."""
         await self._fetch_archive()
         self.follower.archive = await find_archive(
             self.bus, self.keys, events_dir(self.cfg, self.run_id))

@@ -50,7 +50,6 @@ from collections.abc import Sequence
 import msgspec
 
 from bus import Bus, Entry
-from bus.history import find_archive
 from bus.keys import LOG_ROLES, ROLE_LOG_MAXLEN
 from bus.storage import StorageError
 from profiler_service.files import SNAPSHOT_NAME, ServiceFiles
@@ -82,6 +81,7 @@ from runschema.messages import (
 )
 from runtime import Component, LogFollower
 from runtime.events_archive import fetch_for_reading
+from runtime.history import find_archive
 
 __all__ = [
     "SNAPSHOT_NAME",
@@ -195,7 +195,7 @@ class ProfilerService(Component):
         async for entry in self.bus.read_all(self.keys.control, count=READ_COUNT):
             self.control_position = entry.id
             self._fold(entry.msg)
-        # The archive first when retention trimmed the stream (bus.history), then the stream;
+        # The archive first when retention trimmed the stream (runtime.history), then the stream;
         # on a remote run.storage its segments are fetched to this node first.
         try:
             await asyncio.to_thread(fetch_for_reading, self.cfg, self.keys.run_id)

@@ -2,7 +2,7 @@
 
 Under ``run.retention=checkpoint`` the oldest events live in the run's archive
 (``run.output_dir/RUN/events``) rather than in Redis: inspect reads the archive, then the
-stream, as one log (bus.history). The timeline shows wall-clock times (and seconds since the
+stream, as one log (runtime.history). The timeline shows wall-clock times (and seconds since the
 run's first event). Pulses are not in the log (liveness keys with a TTL): ``--heartbeats``
 adds the components alive now, each with its latest pulse. ``--plot`` and ``--trace`` write
 only their file. Nothing is created as a side effect: no folder for a mistyped
@@ -22,7 +22,6 @@ from typing import Any
 import msgspec
 
 from bus import Bus, RunKeys
-from bus.history import find_archive
 from bus.progress import validation_line
 from bus.storage import StorageError
 from runconfig import Config
@@ -37,6 +36,7 @@ from runschema.messages import (
 )
 from runtime import LogFollower
 from runtime.events_archive import fetch_for_reading
+from runtime.history import find_archive
 
 __all__ = ["event_to_json", "inspect_run", "summary_line", "validation_curves",
            "validations_table"]

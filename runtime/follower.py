@@ -2,7 +2,7 @@
 
 One :class:`Follower` per process reads the log in order, each entry once, from a tracking
 position: the archive first when the position lies before what the stream still holds
-(:func:`bus.history.read_history`), then the stream, then new entries as they arrive. Each
+(:func:`runtime.history.read_history`), then the stream, then new entries as they arrive. Each
 new entry is handed to the follower's ``fold`` (the reader's pure state function) before a
 read returns, so a state folded from the log never misses or repeats an entry, however many
 tasks of the process read.
@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from bus import BadEntry, Bus, Entry, RunKeys, entry_key
-from bus.history import read_history
 from bus.keys import LOG_ROLES, log_order
 from runschema.authority import refusal
+from runtime.history import read_history
 
 __all__ = ["Follower", "LogFollower", "since"]
 
@@ -94,7 +94,7 @@ class _Reader(Generic[Item]):
 class Follower(_Reader[Entry]):
     """Reads ``stream`` after ``position`` (``"0"``: from the beginning); ``fold`` gets every
     new entry once, in log order. ``archive``: the folder of the run's archived events
-    (:func:`bus.history.events_folder`), read when the stream was trimmed past the position."""
+    (:func:`runtime.history.events_folder`), read when the stream was trimmed past the position."""
 
     def __init__(self, bus: Bus, stream: str, position: str = "0", *, fold: Fold | None = None,
                  archive: Path | None = None, count: int = 1000,

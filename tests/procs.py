@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from bus import Bus, RunKeys
-from bus.history import find_archive
 from runschema.messages import Message, StepFinished
 from runtime import LogFollower
+from runtime.history import find_archive
 from tests.waits import Watched, wait_exit_blocking
 
 __all__ = ["FAST", "Procs", "assert_every_step_once", "events_of", "run_args", "run_cli"]
@@ -84,7 +84,7 @@ class Procs:
 
 async def events_of(bus: Bus, stream: str) -> list[Message]:
     """Every entry of ``stream``; for a run's events stream, the run's whole log: the events
-    that retention archived (found through the path the trainer recorded, bus.history),
+    that retention archived (found through the path the trainer recorded, runtime.history),
     then the stream's, merged with the other roles' streams (entries a role may not state
     are refused, as every component refuses them)."""
     m = re.fullmatch(r"rlbus:\{(.+)\}:events", stream)

@@ -17,7 +17,6 @@ import pytest
 import redis
 
 from bus import Bus, RunKeys
-from bus.history import find_archive
 from runschema.messages import (
     Message,
     ProfileStarted,
@@ -25,6 +24,7 @@ from runschema.messages import (
     TrainerResumed,
     ValidationFinished,
 )
+from runtime.history import find_archive
 from tests.compose_redis import AclRedis, password
 from tests.procs import FAST, Procs, events_of, run_cli
 from tests.waits import event, wait_for

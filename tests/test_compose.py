@@ -13,8 +13,8 @@ import redis
 import yaml
 
 from bus import Bus, RunKeys
-from bus.history import find_archive, read_history
 from runschema.messages import FIELD, RunFinished, RunStarted, StepFinished, encode
+from runtime.history import find_archive, read_history
 from tests.compose_redis import (
     ROOT,
     USERS,

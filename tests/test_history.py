@@ -1,4 +1,4 @@
-"""Events retention against a real redis-server: archive then trim (bus.history), reading the
+"""Events retention against a real redis-server: archive then trim (runtime.history), reading the
 archive and the stream as one log, and the trainer's safe point (trainer.retention)."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 
 from bus import RUNS_STREAM, Bus, Fenced, RunKeys, pulse
 from bus.archive import append, read_archive
-from bus.history import archive_below, events_folder, read_history
 from rlbus.profile import live_run_status, refusal_for
 from runschema.messages import (
     FIELD,
@@ -25,6 +24,7 @@ from runschema.messages import (
     TicketsIssued,
     WeightsPublished,
 )
+from runtime.history import archive_below, events_folder, read_history
 from trainer.resume import MAX_REFUSED_WARNINGS, Refused, Snapshot, read_log, refusal_warnings
 from trainer.retention import checkpoints_to_drop, retain
 from trainer.state import fold

@@ -10,7 +10,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bus import Bus, Entry, Lease, RunKeys, entry_key
-from bus.history import archive_below
 from bus.keys import LOG_ROLES, log_order
 from runschema.authority import FACTS, refusal
 from runschema.messages import (
@@ -26,6 +25,7 @@ from runschema.messages import (
     WarningRaised,
 )
 from runtime import LogFollower, since
+from runtime.history import archive_below
 
 
 def test_each_role_states_its_own_facts_only() -> None:

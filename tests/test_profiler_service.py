@@ -22,7 +22,6 @@ import pytest
 import yaml
 
 from bus import Bus, Entry, RunKeys, peers
-from bus.history import archive_below, events_folder, read_history
 from profiler_service.records import ServiceState
 from profiler_service.request import request_profile, run_profile_request
 from profiler_service.service import SNAPSHOT_NAME, ProfilerService
@@ -42,6 +41,7 @@ from runschema.messages import (
     TrainerResumed,
     WarningRaised,
 )
+from runtime.history import archive_below, events_folder, read_history
 from tests.waits import (
     Watched,
     event,

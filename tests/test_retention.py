@@ -13,9 +13,9 @@ import pytest
 
 from bus import Bus, RunKeys
 from bus.archive import read_archive
-from bus.history import events_folder, read_history
 from runschema.messages import StepFinished, StepStarted, TrainerResumed
 from runtime import Follower
+from runtime.history import events_folder, read_history
 from tests.procs import FAST, Procs, run_cli
 from tests.waits import event, wait_for
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, Entry, RunKeys, entry_key
-from bus.history import archive_below
 from runconfig import Config, load_config
 from runschema.messages import ComponentFailed, Heartbeat, StepStarted, decode
 from runtime import Component, Failure, Follower, Restart
+from runtime.history import archive_below
 from runtime.process import _run_restarting
 from tests.procs import events_of
 

@@ -23,10 +23,10 @@ import torch
 from bus import Bus, RunKeys
 from bus.archive import last_archived
 from bus.files import atomic_file, atomic_write
-from bus.history import read_history
 from bus.weights_transport import is_manifest_ref, weights_digest
 from runschema.messages import Sample, StepFinished, TrainerResumed, WarningRaised
 from runtime import Failure
+from runtime.history import read_history
 from trainer.state import StepRecord, TrainerState, take
 
 if TYPE_CHECKING:
@@ -182,7 +182,7 @@ async def read_log(bus: Bus, keys: RunKeys, folder: Path, archive: Path | None =
 
     Without one, the whole log is folded: the archived events (``archive``, by default
     ``folder/../events``: what retention trimmed from the stream) and then the stream
-    (bus.history)."""
+    (runtime.history)."""
     state, start, last_finished = TrainerState(), "0", None
     found = snapshots(folder)
     while (snap := await asyncio.to_thread(next, found, None)) is not None:

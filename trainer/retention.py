@@ -17,9 +17,10 @@ The events safe point is the lowest of
   the trim.
 
 Everything before it is appended to the archive (``OUTPUT_DIR/RUN/events``) and only then
-trimmed (:func:`bus.history.archive_below`). Nothing a starting component needs lies before
+trimmed (:func:`runtime.history.archive_below`). Nothing a starting component needs lies before
 it: a rollouter's step clock and weights, the trainer's resume and the barrier key are all
-at or after it; readers of the whole log read the archive first (:func:`bus.history.read_history`).
+at or after it; readers of the whole log read the archive first
+(:func:`runtime.history.read_history`).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ import msgspec
 
 from bus import Bus, RunKeys
 from bus.files import fsync_path
-from bus.history import Archived, archive_below, events_folder
 from bus.streams import entry_key
 from runschema.messages import WarningRaised, WeightsPublished
+from runtime.history import Archived, archive_below, events_folder
 from trainer.export import step_folder
 from trainer.mirror import CheckpointMirror, EventsMirror
 from trainer.resume import Snapshot
@@ -147,7 +148,7 @@ def _needed(current: str | None, found: tuple[Path, Snapshot] | None) -> set[int
 
 
 def _pusher(mirror: EventsMirror | None) -> Callable[[], Awaitable[None]] | None:
-    """What :func:`bus.history.archive_below` awaits before the trim: the archive's copy
+    """What :func:`runtime.history.archive_below` awaits before the trim: the archive's copy
     in the storage brought up to date, on a worker thread."""
     if mirror is None:
         return None
