@@ -4,6 +4,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY bus bus
 COPY runschema runschema
+COPY storage storage
 COPY rollouter rollouter
 COPY trainer trainer
 COPY profiler_service profiler_service

@@ -118,7 +118,6 @@ import numpy as np
 from bus import Bus, Consumer, Delivery, EmbeddedRedis, Lease, RunKeys, pulse
 from bus.blobs import RedisBlobStore
 from bus.entries import Entry
-from bus.files import atomic_write
 from bus.keys import LOG_ROLES, RUNS_STREAM, log_order
 from profiler_service.records import Fact, ServiceState
 from profiler_service.schedule import decide
@@ -145,6 +144,7 @@ from runschema.messages import (
     encode,
 )
 from runtime.history import events_folder, read_history
+from storage.files import atomic_write
 from tasks import build_prompt_source
 from trainer.dispatch import ROLLOUTER_GROUP, Dispatch
 from trainer.lease import token

@@ -4,7 +4,7 @@ Callers import what they use from here, never from its modules (tests/test_layer
 import Bus, Consumer, Lease, RunKeys, BusError``. Its modules' public names are re-exported here.
 
 Not here: the run's schema (:mod:`runschema`); the log read across the archive and the stream
-(:mod:`runtime.history`).
+(:mod:`runtime.history`); files, ``run.storage`` and the events archive (:mod:`storage`).
 
 Names load on first use (PEP 562 ``__getattr__``), each from its own module only: a command that
 needs only the config and the errors (``rlbus up`` before it starts the components) does not pay
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
         StreamGone,
         redact_url,
     )
-    from bus.files import atomic_file, atomic_write, fsync_path
     from bus.group_admin import GroupInfo
     from bus.groups import (
         EXCEEDED_REASON,
@@ -126,8 +125,6 @@ __all__ = [
     "RetryPolicy",
     "RunKeys",
     "StreamGone",
-    "atomic_file",
-    "atomic_write",
     "bus_error_line",
     "default_dlq",
     "dir_owner",
@@ -136,7 +133,6 @@ __all__ = [
     "expand_env",
     "find_redis_server",
     "free_port",
-    "fsync_path",
     "log_order",
     "open_store",
     "pdeathsig_hook",
@@ -159,7 +155,6 @@ _MODULES: dict[str, tuple[str, ...]] = {
                "BusError", "BusPermissionError", "BusUnavailable", "EntryGone", "Fenced",
                "GoneError", "GroupGone", "PortInUse", "RedisBinaryNotFound", "RedisStartError",
                "StreamGone", "redact_url",),
-    "files": ("atomic_file", "atomic_write", "fsync_path",),
     "group_admin": ("GroupInfo",),
     "groups": ("EXCEEDED_REASON", "TRIMMED_REASON", "Consumer", "ConsumerStats", "Delivery",
                "default_dlq",),

@@ -24,10 +24,10 @@ from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from bus.errors import BlobCorrupt, BlobError, BlobNotFound
-from bus.files import atomic_write
 from bus.keys import RunKeys
 from bus.streams import Bus
 from runschema.messages import BlobRef
+from storage.files import atomic_write
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "BlobStore", "DirBlobStore", "RedisBlobStore", "open_store"]
 

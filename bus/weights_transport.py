@@ -45,10 +45,10 @@ import msgspec
 import torch
 
 from bus.errors import BlobCorrupt, BlobError, BlobNotFound
-from bus.files import atomic_write
 from bus.keys import RunKeys
 from bus.streams import Bus
 from runschema.messages import BlobRef
+from storage.files import atomic_write
 
 __all__ = [
     "CHUNK_SIZE", "DTYPES", "FETCH_CONCURRENCY", "HASH_THREADS", "Manifest", "RedisTransport",

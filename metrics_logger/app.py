@@ -27,8 +27,6 @@ from typing import Any, Protocol
 import msgspec
 
 from bus import Bus, Entry
-from bus.files import atomic_write
-from bus.storage import StorageError
 from runconfig import Config
 from runconfig.paths import events_dir
 from runschema.facts import run_finished_refusal
@@ -37,6 +35,8 @@ from runtime import Component, LogFollower
 from runtime import main as run_main
 from runtime.events_archive import fetch_for_reading
 from runtime.history import find_archive
+from storage.files import atomic_write
+from storage.run_storage import StorageError
 
 __all__ = [
     "LOGGER_NAMES_WRITTEN",

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from bus import Bus, RunKeys
-from bus.files import atomic_write
 from profiler_service.manifest import build_manifest, manifest_file, profile_dir, write_manifest
 from profiler_service.records import PROFILER_SOURCE, ServiceState
 from profiler_service.snapshot import Snapshot, decode_snapshot, encode_snapshot
 from runconfig.schema import Config
+from storage.files import atomic_write
 
 __all__ = ["MANIFEST_EVERY_S", "SNAPSHOT_EVERY_S", "SNAPSHOT_NAME", "ServiceFiles"]
 

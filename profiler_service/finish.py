@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bus.files import atomic_write
+from storage.files import atomic_write
 
 __all__ = ["HOOK_INTERRUPTED_CODE", "HOOK_MARKER_NAME", "HOOK_TIMEOUT_S", "EarlierRun",
            "FinishHook"]

@@ -36,7 +36,6 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from bus.files import atomic_write
 from bus.keys import validate_run_id
 from profiler_service.records import (
     PROFILER_SOURCE,
@@ -51,6 +50,7 @@ from profiler_service.records import (
 from profiler_service.schedule import MANIFEST_NAME
 from runconfig.schema import Config
 from runschema.messages import ProfileStopped, WarningRaised
+from storage.files import atomic_write
 
 __all__ = [
     "build_manifest",

@@ -51,7 +51,6 @@ import msgspec
 
 from bus import Bus, Entry
 from bus.keys import LOG_ROLES, ROLE_LOG_MAXLEN
-from bus.storage import StorageError
 from profiler_service.files import SNAPSHOT_NAME, ServiceFiles
 from profiler_service.finish import HOOK_INTERRUPTED_CODE, HOOK_MARKER_NAME, FinishHook
 from profiler_service.manifest import (
@@ -82,6 +81,7 @@ from runschema.messages import (
 from runtime import Component, LogFollower
 from runtime.events_archive import fetch_for_reading
 from runtime.history import find_archive
+from storage.run_storage import StorageError
 
 __all__ = [
     "SNAPSHOT_NAME",

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bus.files import atomic_file
 from profiling.paths import session_view_path, trace_path, trace_world_size
 from profiling.traces import finish_trace, link_session_view, top_ops
 from runschema.messages import ProfileStarted, ProfileStopped, StartProfile, WarningRaised
+from storage.files import atomic_file
 
 if TYPE_CHECKING:  # torch is imported by the agent, not by this module
     import torch.profiler

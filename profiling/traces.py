@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from bus.files import atomic_file
+from storage.files import atomic_file
 
 __all__ = ["TOP_OPS", "finish_trace", "link_session_view", "top_ops"]
 

@@ -235,9 +235,9 @@ def _model(argv: list[str]) -> int:
     cfg = load_config(ns.config, [*overrides, f"run.id={ns.run}"])
     from pathlib import Path
 
-    from bus.storage import StorageError
     from rlbus.model import ModelNotFound, fetch_model
     from rlbus.runlog import with_recorded_locations
+    from storage.run_storage import StorageError
 
     cfg, taken = with_recorded_locations(cfg, ns.run)
     for text in taken:

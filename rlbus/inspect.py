@@ -23,7 +23,6 @@ import msgspec
 
 from bus import Bus, RunKeys
 from bus.progress import validation_line
-from bus.storage import StorageError
 from runconfig import Config
 from runconfig.paths import events_dir
 from runschema.messages import (
@@ -37,6 +36,7 @@ from runschema.messages import (
 from runtime import LogFollower
 from runtime.events_archive import fetch_for_reading
 from runtime.history import find_archive
+from storage.run_storage import StorageError
 
 __all__ = ["event_to_json", "inspect_run", "summary_line", "validation_curves",
            "validations_table"]

@@ -52,7 +52,6 @@ from bus.server import (
     RedisStartCancelled,
     dir_owner,
 )
-from bus.storage import StorageError
 from rlbus.children import Child, Console, build_children, stop_children, wants_logger
 from rlbus.localdir import mark_local_dir, run_from_local_dir
 from rlbus.ray_launcher import RayUnavailable
@@ -70,6 +69,7 @@ from runconfig.paths import checkpoint_dir, events_dir
 from runtime.events_archive import fetch_for_reading
 from runtime.process import expanded_url
 from runtime.storage import check_storage
+from storage.run_storage import StorageError
 from tasks.verl_data import check_data
 
 if TYPE_CHECKING:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import msgspec
 
-from bus.files import atomic_write
 from runconfig import Config, ConfigError
 from runconfig.paths import RUN_MARKER
 from runconfig.schema import RunConfig
+from storage.files import atomic_write
 
 __all__ = ["mark_local_dir", "recorded_run", "run_from_local_dir"]
 

@@ -122,8 +122,8 @@ async def run_status(url: str, run_id: str, archive: Path | None = None) -> RunS
 def _archived_start(bus: Bus, stream: str, folder: Path) -> RunStarted | None:
     """The newest RunStarted in a run's events archive (read only when the stream has none:
     a run resumed long ago). Blocking: file reads."""
-    from bus.archive import read_archive
     from runschema.messages import RunStarted
+    from storage.archive import read_archive
 
     newest = None
     for entry in read_archive(folder):

@@ -1,5 +1,5 @@
 """The events archive on a remote run storage (``run.storage`` an fsspec URL): the segments
-(bus.archive) the trainer mirrors to ``STORAGE/RUN/events/`` and what a node fetches of them.
+(storage.archive) the trainer mirrors to ``STORAGE/RUN/events/`` and what a node fetches of them.
 
 The trainer (trainer.mirror) makes its local folder the storage's copy at start
 (:func:`segments_to_fetch`). Every other reader of the archive (``rlbus inspect``, the
@@ -15,15 +15,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from bus.storage import RunStorage, StorageError
 from runconfig.paths import events_dir, local_path, storage_url
 from runconfig.schema import Config
+from storage.run_storage import RunStorage, StorageError
 
 __all__ = ["SEGMENT", "fetch_for_reading", "fetch_segments", "local_sizes",
            "segments_to_fetch", "segments_to_read"]
 
 SEGMENT = re.compile(r"^archive-\d{6,}\.rlev$")
-"""The name of an events archive segment (bus.archive)."""
+"""The name of an events archive segment (storage.archive)."""
 
 
 def segments_to_fetch(remote: dict[str, int], local: dict[str, int]) -> tuple[list[str], list[str]]:

@@ -1,7 +1,7 @@
 """A run's events log as one sequence: the archive on disk, then the stream in Redis.
 
 With ``run.retention=checkpoint`` the trainer moves the oldest events from the stream to the
-archive (:mod:`bus.archive`) after each durable checkpoint: :func:`archive_below` appends
+archive (:mod:`storage.archive`) after each durable checkpoint: :func:`archive_below` appends
 them (fsynced) and only then trims them (XTRIM MINID). Every reader that reads from the
 beginning, or from a position that may have been trimmed since, uses :func:`read_history`,
 which yields archived entries, then the stream's, each exactly once and in order.
@@ -31,9 +31,9 @@ from itertools import islice
 from pathlib import Path
 from typing import NamedTuple
 
-from bus.archive import ArchivedEntry, append, read_archive, truncate_from
 from bus.keys import RunKeys
 from bus.streams import BadEntry, Bus, Entry, entry_key
+from storage.archive import ArchivedEntry, append, read_archive, truncate_from
 
 __all__ = ["Archived", "archive_below", "events_folder", "find_archive", "read_history"]
 

@@ -5,9 +5,9 @@ before anything starts (never a traceback mid-run)."""
 
 from __future__ import annotations
 
-from bus.storage import RunStorage, StorageError
 from runconfig.paths import storage_url
 from runconfig.schema import Config
+from storage.run_storage import RunStorage, StorageError
 
 __all__ = ["WRITERS", "check_storage"]
 

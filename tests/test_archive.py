@@ -1,4 +1,4 @@
-"""The events archive file format (bus.archive), without Redis: round trip, torn tails,
+"""The events archive file format (storage.archive), without Redis: round trip, torn tails,
 re-archiving without duplicates, truncation, segments."""
 
 from __future__ import annotations
@@ -8,15 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bus import archive
-from bus.archive import (
-    MAGIC,
-    append,
-    last_archived,
-    read_archive,
-    segments,
-    truncate_from,
-)
+from storage import archive
+from storage.archive import MAGIC, append, last_archived, read_archive, segments, truncate_from
 
 
 def _entries(n: int, start_ms: int = 1_700_000_000_000) -> list[tuple[str, list[bytes]]]:

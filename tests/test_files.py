@@ -1,4 +1,5 @@
-"""bus.files: atomic writes in a real folder (content, no temp file left, a file replaced whole)."""
+"""storage.files: atomic writes in a real folder (content, no temp file left, a file replaced
+whole)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bus.archive import fsync_path as archive_fsync_path
-from bus.files import atomic_file, atomic_write, fsync_path
+from storage.archive import fsync_path as archive_fsync_path
+from storage.files import atomic_file, atomic_write, fsync_path
 
 
 def test_atomic_write_creates_the_file_and_leaves_nothing_else(tmp_path: Path) -> None:

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from bus import Bus, RunKeys
-from bus.storage import RunStorage
 from runconfig import ConfigError, load_config
 from runschema.messages import CheckpointSaved, RunFinished, StepFinished
+from storage.run_storage import RunStorage
 from tests.procs import FAST, events_of, run_rollouter_and_trainer
 from tests.test_mirror import PROTOCOL, _sitecustomize
 from trainer.export import HFExport, hf_dir, step_folder, write_hf_dir

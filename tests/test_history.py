@@ -10,7 +10,6 @@ import msgspec
 import pytest
 
 from bus import RUNS_STREAM, Bus, Fenced, RunKeys, pulse
-from bus.archive import append, read_archive
 from rlbus.profile import live_run_status, refusal_for
 from runschema.messages import (
     FIELD,
@@ -25,6 +24,7 @@ from runschema.messages import (
     WeightsPublished,
 )
 from runtime.history import archive_below, events_folder, read_history
+from storage.archive import append, read_archive
 from trainer.resume import MAX_REFUSED_WARNINGS, Refused, Snapshot, read_log, refusal_warnings
 from trainer.retention import checkpoints_to_drop, retain
 from trainer.state import fold

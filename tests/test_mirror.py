@@ -15,11 +15,11 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from bus import Bus, RunKeys
-from bus.storage import RunStorage
 from runconfig import load_config
 from runconfig.paths import checkpoint_dir, local_path
 from runschema.messages import RunStarted, StepFinished, TrainerResumed
 from runtime.events_archive import fetch_for_reading, segments_to_read
+from storage.run_storage import RunStorage
 from tests.procs import Procs, assert_every_step_once, events_of, run_args, run_cli
 from tests.waits import event, wait_for, wait_until
 from trainer.mirror import (

@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from bus import Bus, RunKeys
-from bus.storage import RunStorage
 from rlbus.model import ModelNotFound, exported_steps, fetch_model
 from runconfig import config_to_dict, load_config
 from runschema.messages import RunStarted
+from storage.run_storage import RunStorage
 from tests.procs import run_cli
 from tests.test_mirror import PROTOCOL
 from trainer.export import hf_dir

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, RunKeys
-from bus.archive import read_archive
 from runschema.messages import StepFinished, StepStarted, TrainerResumed
 from runtime import Follower
 from runtime.history import events_folder, read_history
+from storage.archive import read_archive
 from tests.procs import FAST, Procs, run_cli
 from tests.waits import event, wait_for
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, RunKeys
-from bus.storage import PROBE_PREFIX, RunStorage, StorageError
 from runconfig import load_config
 from runconfig.paths import (
     blob_root,
@@ -25,6 +24,7 @@ from runconfig.paths import (
 )
 from runschema.messages import StepFinished, TrainerResumed
 from runtime.storage import check_storage
+from storage.run_storage import PROBE_PREFIX, RunStorage, StorageError
 from tests.procs import Procs, assert_every_step_once, events_of, run_args, run_cli
 from tests.waits import event, wait_for
 

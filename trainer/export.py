@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bus.files import fsync_path
 from runschema.messages import WarningRaised
+from storage.files import fsync_path
 
 if TYPE_CHECKING:  # trainer.mirror imports this module's layout
     from trainer.mirror import CheckpointMirror

@@ -20,7 +20,7 @@ every file, then the completion marker :data:`HF_COMPLETE` last, which lists the
 never sees half a directory: an upload cut short, or one being replaced, has none (the
 marker is deleted first, also when retention deletes the directory).
 
-The events archive (``run.retention=checkpoint``: bus.archive segments under
+The events archive (``run.retention=checkpoint``: storage.archive segments under
 ``run.output_dir/RUN/events``) is mirrored to ``STORAGE/RUN/events/`` the same way
 (:class:`EventsMirror`): the segments that changed are uploaded after the archive is
 written and before the stream is trimmed (the storage's copy holds everything trimmed),
@@ -41,10 +41,10 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from bus.storage import RunStorage
 from runconfig.paths import checkpoint_dir, events_dir, local_path, storage_url
 from runconfig.schema import Config
 from runtime.events_archive import SEGMENT, fetch_segments, local_sizes, segments_to_fetch
+from storage.run_storage import RunStorage
 from trainer.export import hf_dir, step_folder
 
 __all__ = ["HF_COMPLETE", "SEGMENT", "CheckpointMirror", "EventsMirror", "checkpoint_mirror",
@@ -194,7 +194,7 @@ class CheckpointMirror:
 
 def checkpoint_mirror(cfg: Config, run_id: str) -> CheckpointMirror | None:
     """The mirror of run ``run_id``'s checkpoints, None when the storage is local (the
-    checkpoint folder is in it). Raises bus.storage.StorageError for an unusable URL
+    checkpoint folder is in it). Raises storage.run_storage.StorageError for an unusable URL
     (runtime.storage.check_storage said so at start)."""
     url = storage_url(cfg)
     if local_path(url) is not None:

@@ -21,12 +21,12 @@ import msgspec
 import torch
 
 from bus import Bus, RunKeys
-from bus.archive import last_archived
-from bus.files import atomic_file, atomic_write
 from bus.weights_transport import is_manifest_ref, weights_digest
 from runschema.messages import Sample, StepFinished, TrainerResumed, WarningRaised
 from runtime import Failure
 from runtime.history import read_history
+from storage.archive import last_archived
+from storage.files import atomic_file, atomic_write
 from trainer.state import StepRecord, TrainerState, take
 
 if TYPE_CHECKING:

@@ -35,10 +35,10 @@ from pathlib import Path
 import msgspec
 
 from bus import Bus, RunKeys
-from bus.files import fsync_path
 from bus.streams import entry_key
 from runschema.messages import WarningRaised, WeightsPublished
 from runtime.history import Archived, archive_below, events_folder
+from storage.files import fsync_path
 from trainer.export import step_folder
 from trainer.mirror import CheckpointMirror, EventsMirror
 from trainer.resume import Snapshot

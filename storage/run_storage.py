@@ -3,7 +3,7 @@ relative names.
 
 Every call blocks (file or network I/O): components call them on a worker thread
 (``asyncio.to_thread``), never on the event loop. On a local storage (a plain path or
-``file://``) a write is atomic and durable (:func:`bus.files.atomic_write`: a reader sees the
+``file://``) a write is atomic and durable (:func:`storage.files.atomic_write`: a reader sees the
 old bytes or the new ones, never a torn file); on an object store a put is atomic by itself.
 
 Class
@@ -20,7 +20,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Protocol
 
-from bus.files import atomic_write, fsync_path
+from storage.files import atomic_write, fsync_path
 
 __all__ = ["PROBE_PREFIX", "RunStorage", "StorageError"]
 

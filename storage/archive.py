@@ -46,14 +46,14 @@ from typing import BinaryIO, NamedTuple
 
 import msgspec
 
-from bus.files import atomic_write, fsync_path
+from storage.files import atomic_write, fsync_path
 
 __all__ = [
     "MAGIC",
     "SEGMENT_BYTES",
     "ArchivedEntry",
     "append",
-    "fsync_path",  # moved to bus.files; still importable from here
+    "fsync_path",  # moved to storage.files; still importable from here
     "last_archived",
     "read_archive",
     "segments",
