@@ -5,6 +5,7 @@ COPY pyproject.toml README.md ./
 COPY bus bus
 COPY runschema runschema
 COPY storage storage
+COPY weights weights
 COPY rollouter rollouter
 COPY trainer trainer
 COPY profiler_service profiler_service

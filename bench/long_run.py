@@ -116,7 +116,6 @@ import msgspec
 import numpy as np
 
 from bus import Bus, Consumer, Delivery, EmbeddedRedis, Lease, RunKeys, pulse
-from bus.blobs import RedisBlobStore
 from bus.entries import Entry
 from bus.keys import LOG_ROLES, RUNS_STREAM, log_order
 from profiler_service.records import Fact, ServiceState
@@ -155,6 +154,7 @@ from trainer.state import TrainerState
 from trainer.state import apply as trainer_apply
 from trainer.weights import KEEP_WEIGHTS
 from trainer.writer import Writer
+from weights.blobs import RedisBlobStore
 
 __all__ = ["main"]
 

@@ -75,7 +75,7 @@ def time_publish_to_loaded(engine: object, policy: object, repeat: int) -> list[
     to the engine holding them."""
     import asyncio
 
-    from bus.weights_transport import StorageTransport
+    from weights.transport import StorageTransport
 
     async def one(transport: StorageTransport, v: int) -> float:
         state = {k: t + 1e-3 * torch.randn_like(t) for k, t in policy.weights().items()}

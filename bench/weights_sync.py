@@ -8,13 +8,13 @@ as ``rlbus up`` runs it; ``--no-aof`` to compare). A model is float32 tensors of
 starts serialising until the last reader has copied every tensor into its model:
 
   today     ``policy.weights.to_bytes`` (torch.save), sha256 of the whole blob, Redis chunks up
-            to 64 MiB or one file above (``bus.blobs``); readers get, verify, ``torch.load``
+            to 64 MiB or one file above (``weights.blobs``); readers get, verify, ``torch.load``
             (``from_bytes``), copy in
-  redis     ``bus.weights_transport.RedisTransport``: a CPU copy in the published dtype (what
+  redis     ``weights.transport.RedisTransport``: a CPU copy in the published dtype (what
             the trainer's worker hands over), chunks hashed and written as produced, manifest;
             readers fetch 8 chunks at a time, verify each, copy in
   storage   ``StorageTransport`` under a local temporary directory (the run's storage)
-  collective ``bus.weights_collective``, as a run with ``rollout.weights_transport=collective``
+  collective ``weights.collective``, as a run with ``rollout.weights_transport=collective``
             has it: the publisher's ``Broadcaster`` (manifest in Redis, one flat buffer) serves
             a round (a fresh gloo group of the readers that lack the publication) to the
             readers' ``Receiver`` tasks, which receive into one buffer and check each chunk
@@ -47,13 +47,13 @@ import msgspec
 import torch
 
 from bus import Bus, EmbeddedRedis, RunKeys
-from bus.blobs import DirBlobStore, RedisBlobStore, open_store
 from bus.liveness import pulse_forever
-from bus.weights_collective import Broadcaster, Receiver
-from bus.weights_round import Member
-from bus.weights_transport import open_transport
 from policy.weights import from_bytes, to_bytes
 from runschema.messages import BlobRef, Heartbeat
+from weights.blobs import DirBlobStore, RedisBlobStore, open_store
+from weights.collective import Broadcaster, Receiver
+from weights.collective_round import Member
+from weights.transport import open_transport
 
 RUN = "bench"
 LIMIT = 64 * 1024 * 1024  # today's rule: Redis chunks up to 64 MiB, a file above

@@ -4,7 +4,8 @@ Callers import what they use from here, never from its modules (tests/test_layer
 import Bus, Consumer, Lease, RunKeys, BusError``. Its modules' public names are re-exported here.
 
 Not here: the run's schema (:mod:`runschema`); the log read across the archive and the stream
-(:mod:`runtime.history`); files, ``run.storage`` and the events archive (:mod:`storage`).
+(:mod:`runtime.history`); files, ``run.storage`` and the events archive (:mod:`storage`); weight
+transports and blob stores (:mod:`weights`).
 
 Names load on first use (PEP 562 ``__getattr__``), each from its own module only: a command that
 needs only the config and the errors (``rlbus up`` before it starts the components) does not pay
@@ -17,7 +18,6 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bus.blobs import DEFAULT_CHUNK_SIZE, BlobStore, DirBlobStore, RedisBlobStore, open_store
     from bus.entries import BadEntry, Entry, entry_key
     from bus.errors import (
         BlobCorrupt,
@@ -84,7 +84,6 @@ __all__ = [
     "AOF_MIN_REWRITE_BYTES",
     "BINARY_ENV",
     "BUDGET_S",
-    "DEFAULT_CHUNK_SIZE",
     "EXCEEDED_REASON",
     "FIRST_CONTACT_S",
     "LOCK_NAME",
@@ -96,7 +95,6 @@ __all__ = [
     "BlobCorrupt",
     "BlobError",
     "BlobNotFound",
-    "BlobStore",
     "Bus",
     "BusAuthError",
     "BusClusterError",
@@ -106,7 +104,6 @@ __all__ = [
     "Consumer",
     "ConsumerStats",
     "Delivery",
-    "DirBlobStore",
     "DirOwner",
     "EmbeddedRedis",
     "Entry",
@@ -118,7 +115,6 @@ __all__ = [
     "Lease",
     "PortInUse",
     "RedisBinaryNotFound",
-    "RedisBlobStore",
     "RedisDirInUse",
     "RedisStartCancelled",
     "RedisStartError",
@@ -134,7 +130,6 @@ __all__ = [
     "find_redis_server",
     "free_port",
     "log_order",
-    "open_store",
     "pdeathsig_hook",
     "peers",
     "pulse",
@@ -149,7 +144,6 @@ __all__ = [
 # Each bus module and the names callers take from it; a name's first use imports its
 # module, and only that one.
 _MODULES: dict[str, tuple[str, ...]] = {
-    "blobs": ("DEFAULT_CHUNK_SIZE", "BlobStore", "DirBlobStore", "RedisBlobStore", "open_store",),
     "entries": ("BadEntry", "Entry", "entry_key",),
     "errors": ("BlobCorrupt", "BlobError", "BlobNotFound", "BusAuthError", "BusClusterError",
                "BusError", "BusPermissionError", "BusUnavailable", "EntryGone", "Fenced",

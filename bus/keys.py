@@ -173,7 +173,7 @@ class RunKeys(msgspec.Struct, frozen=True):
     @property
     def weights_round(self) -> str:
         """The trainer's current weight broadcast round (a string key, SET PX by the
-        trainer, polled with GET by the rollouters: :mod:`bus.weights_collective`)."""
+        trainer, polled with GET by the rollouters: :mod:`weights.collective`)."""
         return f"{self.prefix}:weights-round"
 
     def blob(self, name: str) -> str:

@@ -28,7 +28,6 @@ import torch
 
 from bus import Bus, Consumer, RunKeys
 from bus.ranks import RankClaim
-from bus.weights_round import Member
 from policy import resolve_device
 from policy.text import build_tokenizer
 from profiling import create_agent, prepare_main_thread
@@ -45,6 +44,7 @@ from runconfig.paths import blob_root
 from runschema.messages import Heartbeat
 from runtime import Component, Failure, LogFollower, settle_heap
 from runtime.ranks import join_rank
+from weights.collective_round import Member
 
 __all__ = ["Rollouter", "TrainerGone", "rollout_loop"]
 

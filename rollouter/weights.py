@@ -34,17 +34,17 @@ from typing import Any
 import torch
 
 from bus import BlobError, BlobNotFound, Bus, Delivery, RunKeys
-from bus.blobs import open_store
-from bus.weights_collective import Receiver
-from bus.weights_round import STORE as COLLECTIVE
-from bus.weights_round import Member
-from bus.weights_transport import TransportUnreachable, is_manifest_ref, open_transport
 from policy.weights import from_bytes
 from rollouter.events import EventPoller
 from rollouter.presence import Presence
 from rollouter.tickets import Ticket, TicketDesk
 from runschema.messages import WarningRaised, WeightsPublished
 from runtime import Failure
+from weights.blobs import open_store
+from weights.collective import Receiver
+from weights.collective_round import STORE as COLLECTIVE
+from weights.collective_round import Member
+from weights.transport import TransportUnreachable, is_manifest_ref, open_transport
 
 __all__ = ["HeldWeights", "State", "WeightsFetcher", "WeightsHolder", "WeightsLost",
            "WeightsUnreachable", "fetch_published", "fetch_within"]

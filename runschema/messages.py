@@ -177,7 +177,7 @@ class WeightsPublished(_Base, frozen=True):
     """Weights ``version`` are readable at ``ref``; version 0 is the initial policy.
 
     ``manifest``: set when the weights were published tensor by tensor through a weight
-    transport (:mod:`bus.weights_transport`); then it is the same reference as ``ref``,
+    transport (:mod:`weights.transport`); then it is the same reference as ``ref``,
     whose ``store`` names the transport and whose sha256 is the weights' digest (the
     manifest's). None: ``ref`` is one whole ``torch.save`` blob (logs written before)."""
 
@@ -287,7 +287,7 @@ class Heartbeat(_Base, frozen=True):
     loaded weights) that moves only when that work moves, never by the pulse alone, so a
     live process whose work is wedged shows as stuck; monotonic per ``pid``; None: not
     reported (an older process, or a role without it). ``weights_receiver``: the process
-    takes part in the trainer's weight broadcasts (:mod:`bus.weights_collective`)."""
+    takes part in the trainer's weight broadcasts (:mod:`weights.collective`)."""
 
     role: str
     rank: int

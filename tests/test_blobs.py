@@ -12,18 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from bus import (
-    BlobCorrupt,
-    BlobError,
-    BlobNotFound,
-    Bus,
-    DirBlobStore,
-    RedisBlobStore,
-    RunKeys,
-    open_store,
-)
-from bus.blobs import BlobStore
+from bus import BlobCorrupt, BlobError, BlobNotFound, Bus, RunKeys
 from runschema.messages import BlobRef, WeightsPublished, decode, encode
+from weights.blobs import BlobStore, DirBlobStore, RedisBlobStore, open_store
 
 CHUNK = 1024  # the Redis store's chunk size here: blobs of several chunks
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from bus import Bus, RedisBlobStore, RunKeys
+from bus import Bus, RunKeys
 from rollouter.app import Rollouter
 from rollouter.continuous import ContinuousRollout
 from rollouter.engine import Delta, StreamingEngine, streams, vllm_installed
@@ -27,6 +27,7 @@ from runconfig import load_config
 from runschema.messages import PromptTicket, Sample, WeightsPublished
 from tests.procs import events_of
 from tests.waits import wait_until
+from weights.blobs import RedisBlobStore
 
 pytestmark = [
     pytest.mark.vllm,

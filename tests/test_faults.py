@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from bus import Bus, RunKeys
-from bus.blobs import RedisBlobStore
 from runschema.messages import (
     FIELD,
     Array,
@@ -41,6 +40,7 @@ from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.rewards_for_tests import SLOW_REWARD_S
 from tests.waits import event, wait_for
 from trainer.budget import max_staleness, ticket_budget
+from weights.blobs import RedisBlobStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio]
 

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from bus import Bus, RedisBlobStore, RunKeys
+from bus import Bus, RunKeys
 from rollouter.app import Rollouter
 from rollouter.engine import EngineBroken
 from runconfig import load_config
 from runschema.messages import WarningRaised, WeightsPublished
 from tests.procs import events_of
+from weights.blobs import RedisBlobStore
 
 pytestmark = pytest.mark.asyncio
 

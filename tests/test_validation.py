@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from bus import Bus, Lease, RedisBlobStore, RunKeys
+from bus import Bus, Lease, RunKeys
 from bus.progress import val_core_reward, validation_line
 from metrics_logger import MetricsLogger, tensorboard_dir
 from metrics_logger.app import TensorBoardSink
@@ -49,6 +49,7 @@ from trainer.validation import (
 )
 from trainer.watch import Watch
 from trainer.writer import Writer
+from weights.blobs import RedisBlobStore
 
 # --------------------------------------------------------------------------- stand-ins
 # (the shapes of tasks.verl_data.VerlRecord and rollouter.scoring.ScoreItem / Score)

@@ -1,4 +1,4 @@
-"""The collective weight transport (bus.weights_collective): rounds planned from the live
+"""The collective weight transport (weights.collective): rounds planned from the live
 receivers, bytes broadcast over gloo, every chunk checked; receivers are real processes
 against the test's redis-server."""
 
@@ -24,14 +24,6 @@ from hypothesis import strategies as st
 from bus import Bus, RunKeys
 from bus.errors import BlobCorrupt
 from bus.liveness import pulse_forever
-from bus.weights_collective import Broadcaster, Receiver, invite, still_live
-from bus.weights_round import ChunkCheck, Member, flatten
-from bus.weights_transport import (
-    RedisTransport,
-    TransportUnreachable,
-    chunk_digests,
-    flat_buffer,
-)
 from runschema.messages import (
     BlobRef,
     Heartbeat,
@@ -42,6 +34,9 @@ from runschema.messages import (
 )
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.waits import event, wait_for, wait_until
+from weights.collective import Broadcaster, Receiver, invite, still_live
+from weights.collective_round import ChunkCheck, Member, flatten
+from weights.transport import RedisTransport, TransportUnreachable, chunk_digests, flat_buffer
 
 CHUNK = 64 * 1024  # many chunks, and pieces of several chunks
 

@@ -22,9 +22,16 @@ import torch
 
 from bus import BlobCorrupt, BlobError, BlobNotFound, Bus, RunKeys
 from bus.liveness import pulse_forever
-from bus.weights_collective import Broadcaster, Receiver
-from bus.weights_round import Member
-from bus.weights_transport import (
+from rollouter.app import Rollouter
+from rollouter.weights import WeightsLost
+from runconfig import load_config
+from runschema.messages import BlobRef, Heartbeat, WarningRaised, WeightsPublished
+from tests.procs import Procs, events_of, run_args
+from tests.waits import event, wait_for, wait_until
+from trainer.learner import publish_dtype
+from weights.collective import Broadcaster, Receiver
+from weights.collective_round import Member
+from weights.transport import (
     Manifest,
     RedisTransport,
     StorageTransport,
@@ -36,13 +43,6 @@ from bus.weights_transport import (
     manifest_of,
     weights_digest,
 )
-from rollouter.app import Rollouter
-from rollouter.weights import WeightsLost
-from runconfig import load_config
-from runschema.messages import BlobRef, Heartbeat, WarningRaised, WeightsPublished
-from tests.procs import Procs, events_of, run_args
-from tests.waits import event, wait_for, wait_until
-from trainer.learner import publish_dtype
 
 pytestmark = pytest.mark.asyncio
 

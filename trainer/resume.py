@@ -21,13 +21,13 @@ import msgspec
 import torch
 
 from bus import Bus, RunKeys
-from bus.weights_transport import is_manifest_ref, weights_digest
 from runschema.messages import Sample, StepFinished, TrainerResumed, WarningRaised
 from runtime import Failure
 from runtime.history import read_history
 from storage.archive import last_archived
 from storage.files import atomic_file, atomic_write
 from trainer.state import StepRecord, TrainerState, take
+from weights.transport import is_manifest_ref, weights_digest
 
 if TYPE_CHECKING:
     from trainer.learner import Learner

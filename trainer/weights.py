@@ -1,13 +1,13 @@
 """Weights publication and the retention of their blobs.
 
 Weights never go in a stream entry: the trainer's worker copies them (in the published
-dtype, ``rollout.weights_dtype``), a weight transport (:mod:`bus.weights_transport`) writes
+dtype, ``rollout.weights_dtype``), a weight transport (:mod:`weights.transport`) writes
 them tensor by tensor in checksummed chunks plus a manifest, and a ``WeightsPublished``
 event carries the manifest's reference: the event is the single source of truth (version,
 digest). ``rollout.weights_transport``: ``redis`` (chunks in the run's hash slot), ``storage``
 (files under the run's blob root), ``auto``: Redis up to :data:`REDIS_BLOB_LIMIT`, storage
 above; ``collective``: broadcast to the rollouters over gloo by a
-:class:`~bus.weights_collective.Broadcaster` (:func:`open_broadcaster`), which holds the
+:class:`~weights.collective.Broadcaster` (:func:`open_broadcaster`), which holds the
 newest publication in memory and serves it in rounds. The publication's name carries the
 trainer's epoch, so a zombie trainer can never overwrite the live one's. The newest
 :data:`KEEP_WEIGHTS` publications stay readable (a starting rollouter falls back to an older
@@ -27,16 +27,16 @@ from typing import Any
 import torch
 
 from bus import Bus, RunKeys
-from bus.blobs import RedisBlobStore, open_store
 from bus.urls import local_address, redis_host
-from bus.weights_collective import Broadcaster, delete_manifest
-from bus.weights_round import STORE
-from bus.weights_transport import StorageTransport, is_manifest_ref, open_transport
 from runconfig import Config
 from runschema.messages import BlobRef, WarningRaised, WeightsPublished
 from runtime import Failure
 from runtime.process import expanded_url
 from trainer.writer import Writer
+from weights.blobs import RedisBlobStore, open_store
+from weights.collective import Broadcaster, delete_manifest
+from weights.collective_round import STORE
+from weights.transport import StorageTransport, is_manifest_ref, open_transport
 
 __all__ = ["KEEP_WEIGHTS", "REDIS_BLOB_LIMIT", "Weights", "WeightsUnwritable",
            "collective_host", "open_broadcaster", "pick_transport"]
@@ -90,7 +90,7 @@ class Weights:
     ``root``: the storage transport's root, also where whole blobs of older logs lie (a
     directory or an fsspec URL: runconfig.paths.blob_root); ``transport``:
     ``rollout.weights_transport``; ``broadcaster``: the collective transport's (whose
-    :meth:`~bus.weights_collective.Broadcaster.run` the trainer runs as a task)."""
+    :meth:`~weights.collective.Broadcaster.run` the trainer runs as a task)."""
 
     def __init__(self, bus: Bus, keys: RunKeys, writer: Writer, root: str | os.PathLike[str],
                  epoch: str, *, transport: str = "auto",

@@ -22,7 +22,7 @@ a group of its own, formed for the publication it sends and the receivers that l
    and say ``ok/I``. Those who said ok hold the publication.
 4. :meth:`Receiver.take` hands a received publication to the rollouter (which asks only for
    the newest it has read in the log); none after ``wait_s`` is
-   :class:`~bus.weights_transport.TransportUnreachable`, naming the last round's outcome, so
+   :class:`~weights.transport.TransportUnreachable`, naming the last round's outcome, so
    the rollouter's fetch warns at once and fails after ``rollout.weights_fetch_timeout_s``.
 
 A member that dies in a round fails that round for the others (at once when its connections
@@ -33,8 +33,8 @@ plain SET, not a fenced write: a zombie trainer's round can only hand receivers 
 publication that no event names (its events are fenced), which nobody asks for, and delay
 the live trainer's round (whose invited then come in the next one). Memory: the trainer
 holds one copy of the newest publication, a receiver the newest one received until the
-rollouter takes it. The blocking parts (TCPStore, gloo; :mod:`bus.weights_round`) run on a
-daemon thread per side (:class:`~bus.weights_round.Worker`) whose waits look at a stop flag:
+rollouter takes it. The blocking parts (TCPStore, gloo; :mod:`weights.collective_round`) run on a
+daemon thread per side (:class:`~weights.collective_round.Worker`) whose waits look at a stop flag:
 a stopping process waits at most :data:`STOP_WAIT_S` for a round in flight. One caveat: a
 round stopped while a peer hangs mid-broadcast leaves a gloo operation pending, and the
 process's exit then waits out gloo's timeout.
@@ -56,7 +56,8 @@ from bus.errors import BlobError, BlobNotFound
 from bus.keys import RunKeys
 from bus.liveness import peers
 from bus.streams import Bus
-from bus.weights_round import (
+from runschema.messages import BlobRef
+from weights.collective_round import (
     STORE,
     Member,
     RoundPlan,
@@ -67,7 +68,7 @@ from bus.weights_round import (
     receive_round,
     send_round,
 )
-from bus.weights_transport import (
+from weights.transport import (
     CHUNK_SIZE,
     TransportUnreachable,
     WeightsFetcher,
@@ -76,7 +77,6 @@ from bus.weights_transport import (
     decode_manifest,
     encode_manifest,
 )
-from runschema.messages import BlobRef
 
 __all__ = ["JOIN_TIMEOUT_S", "POLL_S", "Broadcaster", "Receiver", "delete_manifest", "invite",
            "still_live"]
@@ -122,7 +122,7 @@ class _Outgoing(msgspec.Struct):
 
 
 class Broadcaster(WeightsPublisher):
-    """The trainer's side (a :class:`~bus.weights_transport.WeightsPublisher`):
+    """The trainer's side (a :class:`~weights.transport.WeightsPublisher`):
     :meth:`publish` the newest weights, :meth:`run` the rounds (a task of the trainer, until
     cancelled). ``host``: the address receivers reach this
     process at; ``timeout_s``: gloo's timeout (a stalled broadcast fails after it);
@@ -235,7 +235,7 @@ class Broadcaster(WeightsPublisher):
 # ---------------------------------------------------------------------- a rollouter's side
 
 class Receiver(WeightsFetcher):
-    """A rollouter's side (a :class:`~bus.weights_transport.WeightsFetcher`): :meth:`run`
+    """A rollouter's side (a :class:`~weights.transport.WeightsFetcher`): :meth:`run`
     takes part in every round it is invited to (a task of the rollouter, until cancelled;
     its heartbeat then says ``weights_receiver``), and :meth:`fetch` / :meth:`take` hand over
     a received publication."""
@@ -333,7 +333,7 @@ class Receiver(WeightsFetcher):
                     await asyncio.wait_for(self.changed.wait(), max(left, 1.0))
 
     async def fetch(self, ref: BlobRef) -> dict[str, torch.Tensor]:
-        """:meth:`take` within ``wait_s`` (the :class:`~bus.weights_transport.WeightsFetcher`
+        """:meth:`take` within ``wait_s`` (the :class:`~weights.transport.WeightsFetcher`
         a rollouter holds)."""
         return await self.take(ref, self.wait_s)
 

@@ -25,10 +25,10 @@ fetch); where both read the same storage one object is both (:class:`Transport`)
   ``NAME/manifest`` under a root, a local path or an fsspec URL. A root that cannot be read
   at all is :class:`TransportUnreachable` (a node without the run's storage), a publication
   missing under a readable root :class:`~bus.errors.BlobNotFound`.
-- the collective transport (``"weights:collective"``, :mod:`bus.weights_collective`): the
+- the collective transport (``"weights:collective"``, :mod:`weights.collective`): the
   manifest in Redis, the bytes broadcast from the trainer's
-  :class:`~bus.weights_collective.Broadcaster` to each rollouter's
-  :class:`~bus.weights_collective.Receiver`.
+  :class:`~weights.collective.Broadcaster` to each rollouter's
+  :class:`~weights.collective.Receiver`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 plan, the gloo group of its own, the publication's bytes in pieces straight into one buffer
 with every chunk checked as it lands, and the worker thread a round runs on.
 
-:mod:`bus.weights_collective` plans the rounds (who is invited, when) and runs these parts on
+:mod:`weights.collective` plans the rounds (who is invited, when) and runs these parts on
 a :class:`Worker`; every wait here polls the worker's stop flag, so a stopping process waits at
 most :data:`STOP_WAIT_S` for a round in flight.
 """
@@ -23,15 +23,8 @@ import torch.distributed as dist
 
 from bus.errors import BlobCorrupt, BlobError
 from bus.urls import local_address
-from bus.weights_transport import (
-    FORMAT,
-    Manifest,
-    _entries,
-    _unique,
-    chunk_digests,
-    flat_buffer,
-)
 from runschema.messages import BlobRef
+from weights.transport import FORMAT, Manifest, _entries, _unique, chunk_digests, flat_buffer
 
 __all__ = ["CONNECT_S", "PIECE", "STOP_WAIT_S", "STORE", "ChunkCheck", "Member", "RoundPlan",
            "Stopped", "Worker", "first_line", "flatten", "open_store", "receive_round",
