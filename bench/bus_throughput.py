@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 from redis.utils import HIREDIS_AVAILABLE
 
-from bus import Bus, Consumer, EmbeddedRedis
+from bus import Bus, Consumer
+from rlbus.redis_server import EmbeddedRedis
 from runschema.messages import Array, Sample, decode, encode
 
 STREAM = "rlbus:{bench}:samples"

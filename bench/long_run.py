@@ -115,12 +115,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import msgspec
 import numpy as np
 
-from bus import Bus, Consumer, Delivery, EmbeddedRedis, Lease, RunKeys, pulse
+from bus import Bus, Consumer, Delivery, Lease, RunKeys, pulse
 from bus.entries import Entry
 from bus.keys import LOG_ROLES, RUNS_STREAM, log_order
 from profiler_service.records import Fact, ServiceState
 from profiler_service.schedule import decide
 from profiler_service.state import apply as service_apply
+from rlbus.redis_server import EmbeddedRedis
 from runconfig import Config, config_to_dict, load_config
 from runschema.authority import refusal
 from runschema.messages import (

@@ -4,7 +4,7 @@ trace ``s1-1``) and its ``step:2`` (in ``s2-2``) with ``tool=torch``, ``steps=[1
 overlap.
 
 The profiler service, one rollouter and the trainer run as processes against a throwaway
-redis-server (``bus.EmbeddedRedis``); the traces' absolute times (torch's
+redis-server (``rlbus.redis_server.EmbeddedRedis``); the traces' absolute times (torch's
 ``baseTimeNanoseconds`` + ``ts``) are compared on this host's clock. Extra ``KEY=VALUE``
 arguments override the defaults (small batches, 4 updates), e.g. heavier generation:
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bus.server import EmbeddedRedis
+from rlbus.redis_server import EmbeddedRedis
 
 __all__ = ["main"]
 

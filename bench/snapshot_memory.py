@@ -130,7 +130,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     args = p.parse_args()
-    from bus.redisbin import free_port
+    from rlbus.redis_binary import free_port
 
     mp.spawn(_rank, args=(free_port(), args.hidden, args.layers), nprocs=2)
 

@@ -46,9 +46,10 @@ from typing import Any
 import msgspec
 import torch
 
-from bus import Bus, EmbeddedRedis, RunKeys
+from bus import Bus, RunKeys
 from bus.liveness import pulse_forever
 from policy.weights import from_bytes, to_bytes
+from rlbus.redis_server import EmbeddedRedis
 from runschema.messages import BlobRef, Heartbeat
 from weights.blobs import DirBlobStore, RedisBlobStore, open_store
 from weights.collective import Broadcaster, Receiver

@@ -5,7 +5,7 @@ import Bus, Consumer, Lease, RunKeys, BusError``. Its modules' public names are 
 
 Not here: the run's schema (:mod:`runschema`); the log read across the archive and the stream
 (:mod:`runtime.history`); files, ``run.storage`` and the events archive (:mod:`storage`); weight
-transports and blob stores (:mod:`weights`).
+transports and blob stores (:mod:`weights`); the embedded redis-server (:mod:`rlbus.redis_server`).
 
 Names load on first use (PEP 562 ``__getattr__``), each from its own module only: a command that
 needs only the config and the errors (``rlbus up`` before it starts the components) does not pay
@@ -56,37 +56,14 @@ if TYPE_CHECKING:
         validate_run_id,
     )
     from bus.liveness import Lease, peers, pulse, pulse_forever
-    from bus.redisbin import (
-        BINARY_ENV,
-        ensure_port_free,
-        find_redis_server,
-        free_port,
-        redis_server_version,
-    )
     from bus.retry import BUDGET_S, FIRST_CONTACT_S, RetryPolicy, retry_async
-    from bus.serve import serve_forever
-    from bus.server import (
-        AOF_BLOAT,
-        AOF_MIN_REWRITE_BYTES,
-        LOCK_NAME,
-        DirOwner,
-        EmbeddedRedis,
-        RedisDirInUse,
-        RedisStartCancelled,
-        dir_owner,
-        pdeathsig_hook,
-    )
     from bus.streams import Bus
     from bus.urls import bus_error_line, expand_env
 
 __all__ = [
-    "AOF_BLOAT",
-    "AOF_MIN_REWRITE_BYTES",
-    "BINARY_ENV",
     "BUDGET_S",
     "EXCEEDED_REASON",
     "FIRST_CONTACT_S",
-    "LOCK_NAME",
     "LOG_ROLES",
     "ROLE_LOG_MAXLEN",
     "RUNS_STREAM",
@@ -104,8 +81,6 @@ __all__ = [
     "Consumer",
     "ConsumerStats",
     "Delivery",
-    "DirOwner",
-    "EmbeddedRedis",
     "Entry",
     "EntryGone",
     "Fenced",
@@ -115,29 +90,20 @@ __all__ = [
     "Lease",
     "PortInUse",
     "RedisBinaryNotFound",
-    "RedisDirInUse",
-    "RedisStartCancelled",
     "RedisStartError",
     "RetryPolicy",
     "RunKeys",
     "StreamGone",
     "bus_error_line",
     "default_dlq",
-    "dir_owner",
-    "ensure_port_free",
     "entry_key",
     "expand_env",
-    "find_redis_server",
-    "free_port",
     "log_order",
-    "pdeathsig_hook",
     "peers",
     "pulse",
     "pulse_forever",
     "redact_url",
-    "redis_server_version",
     "retry_async",
-    "serve_forever",
     "validate_run_id",
 ]
 
@@ -155,12 +121,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "keys": ("LOG_ROLES", "ROLE_LOG_MAXLEN", "RUNS_STREAM", "RunKeys", "log_order",
              "validate_run_id",),
     "liveness": ("Lease", "peers", "pulse", "pulse_forever",),
-    "redisbin": ("BINARY_ENV", "ensure_port_free", "find_redis_server", "free_port",
-                 "redis_server_version",),
     "retry": ("BUDGET_S", "FIRST_CONTACT_S", "RetryPolicy", "retry_async",),
-    "serve": ("serve_forever",),
-    "server": ("AOF_BLOAT", "AOF_MIN_REWRITE_BYTES", "LOCK_NAME", "DirOwner", "EmbeddedRedis",
-               "RedisDirInUse", "RedisStartCancelled", "dir_owner", "pdeathsig_hook",),
     "streams": ("Bus",),
     "urls": ("bus_error_line", "expand_env",),
 }

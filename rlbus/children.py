@@ -20,7 +20,7 @@ import psutil
 
 # Only what `rlbus up` needs before its components start; the bus client, the message
 # schemas (numpy) and redis load after that (the components import torch meanwhile).
-from bus.server import pdeathsig_hook
+from rlbus.redis_server import pdeathsig_hook
 from rlbus.supervise import Supervisor
 from runconfig import Config
 

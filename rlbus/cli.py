@@ -140,7 +140,7 @@ def _component(name: str, argv: list[str]) -> int:
 def _redis(argv: list[str]) -> int:
     from pathlib import Path
 
-    from bus.serve import serve_forever
+    from rlbus.serve_redis import serve_forever
 
     ns, overrides = _split("rlbus redis", argv, [("--bind", {"default": None})])
     cfg = load_config(ns.config, overrides)

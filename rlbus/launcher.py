@@ -46,15 +46,10 @@ import yaml
 # schemas (numpy) and redis load after that (the components import torch meanwhile).
 from bus.errors import RedisBinaryNotFound, RedisStartError
 from bus.keys import RunKeys
-from bus.server import (
-    EmbeddedRedis,
-    RedisDirInUse,
-    RedisStartCancelled,
-    dir_owner,
-)
 from rlbus.children import Child, Console, build_children, stop_children, wants_logger
 from rlbus.localdir import mark_local_dir, run_from_local_dir
 from rlbus.ray_launcher import RayUnavailable
+from rlbus.redis_server import EmbeddedRedis, RedisDirInUse, RedisStartCancelled, dir_owner
 from rlbus.runlog import RunStatus, config_changes, recorded_config, run_status
 from rlbus.supervise import Interrupted, Supervisor
 from rlbus.watching import Progress, RestartPolicy, RunWatch, Summary, manifest_traces

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import msgspec
 import psutil
 
-from bus.server import pdeathsig_hook
+from rlbus.redis_server import pdeathsig_hook
 from runconfig import ConfigError
 from runconfig.schema import RayPlacementConfig, TrainerConfig
 

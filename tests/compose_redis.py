@@ -11,7 +11,7 @@ from pathlib import Path
 
 import redis
 
-from bus import free_port
+from rlbus.redis_binary import free_port
 from tests.waits import Watched, wait_until_blocking
 
 __all__ = ["ROOT", "USERS", "AclRedis", "acl_env", "interpolate", "local_argv", "password"]

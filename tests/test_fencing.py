@@ -8,17 +8,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from bus import (
-    TRIMMED_REASON,
-    Bus,
-    Consumer,
-    EmbeddedRedis,
-    EntryGone,
-    Fenced,
-    GroupGone,
-    Lease,
-    RunKeys,
-)
+from bus import TRIMMED_REASON, Bus, Consumer, EntryGone, Fenced, GroupGone, Lease, RunKeys
+from rlbus.redis_server import EmbeddedRedis
 from runschema.messages import DeadLetter, StepStarted
 from tests.waits import wait_until
 

@@ -77,7 +77,7 @@ def _ray_cli() -> str:
 def _free_port_outside(reserved: range) -> int:
     """A free port outside ``reserved`` (the nodes' worker port ranges): Ray refuses a node
     whose component port falls in a worker range ("is used by other components")."""
-    from bus.redisbin import free_port
+    from rlbus.redis_binary import free_port
 
     while (port := free_port()) in reserved:
         pass

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from bus import EmbeddedRedis
+from rlbus.redis_server import EmbeddedRedis
 from tests.procs import run_cli
 
 pytestmark = pytest.mark.procs  # each test runs `rlbus redis` as a process

@@ -19,10 +19,11 @@ from contextlib import contextmanager
 
 import pytest
 
-from bus import Bus, BusUnavailable, Consumer, EmbeddedRedis, RetryPolicy
-from bus.redisbin import free_port
+from bus import Bus, BusUnavailable, Consumer, RetryPolicy
 from bus.retry import BUDGET_S, FIRST_CONTACT_S, retry_async
 from bus.urls import bus_error_line
+from rlbus.redis_binary import free_port
+from rlbus.redis_server import EmbeddedRedis
 
 QUICK_WARN = {"silence_warn_s": 0.3, "silence_repeat_s": 0.5}
 

