@@ -5,7 +5,8 @@ import Bus, Consumer, Lease, RunKeys, BusError``. Its modules' public names are 
 
 Not here: the run's schema (:mod:`runschema`); the log read across the archive and the stream
 (:mod:`runtime.history`); files, ``run.storage`` and the events archive (:mod:`storage`); weight
-transports and blob stores (:mod:`weights`); the embedded redis-server (:mod:`rlbus.redis_server`).
+transports and blob stores (:mod:`weights`); the embedded redis-server (:mod:`rlbus.redis_server`);
+the progress lines (:mod:`runtime.progress`).
 
 Names load on first use (PEP 562 ``__getattr__``), each from its own module only: a command that
 needs only the config and the errors (``rlbus up`` before it starts the components) does not pay

@@ -22,7 +22,6 @@ from typing import Any
 import msgspec
 
 from bus import Bus, RunKeys
-from bus.progress import validation_line
 from runconfig import Config
 from runconfig.paths import events_dir
 from runschema.messages import (
@@ -36,6 +35,7 @@ from runschema.messages import (
 from runtime import LogFollower
 from runtime.events_archive import fetch_for_reading
 from runtime.history import find_archive
+from runtime.progress import validation_line
 from storage.run_storage import StorageError
 
 __all__ = ["event_to_json", "inspect_run", "summary_line", "validation_curves",

@@ -100,7 +100,7 @@ class Summary(msgspec.Struct):
     past_profiles: int = 0
     warnings: int = 0
     val_reward: float | None = None
-    """The latest validation's val-core reward (bus.progress.val_core_reward)."""
+    """The latest validation's val-core reward (runtime.progress.val_core_reward)."""
     val_version: int | None = None
     val_step: int | None = None
 
@@ -119,7 +119,7 @@ class Summary(msgspec.Struct):
             self.target_s = time.monotonic() - started
 
     def validated(self, ev: ValidationFinished) -> None:
-        from bus.progress import val_core_reward
+        from runtime.progress import val_core_reward
 
         reward = val_core_reward(ev.metrics)
         if reward is not None:
@@ -160,7 +160,7 @@ class Progress:
 
     def step(self, ev: StepFinished) -> None:
         if self.bar is None:
-            from bus.progress import step_line
+            from runtime.progress import step_line
 
             self.console.out(step_line(ev, self.total))
             return
@@ -351,7 +351,7 @@ class RunWatch:
         self.progress.step(ev)
 
     def _validated(self, ev: ValidationFinished) -> None:
-        from bus.progress import validation_line
+        from runtime.progress import validation_line
 
         self.summary.validated(ev)
         self.progress.say(validation_line(ev), err=bool(ev.error))

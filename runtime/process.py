@@ -5,7 +5,7 @@ this one code path.
 needs (``redis.url``, ``run.id``), turns the garbage collector off for a component whose
 start-up builds a large heap (it is turned back on, frozen, by :func:`runtime.settle_heap`),
 sets up logging, reaches Redis (an unreachable server is one line and exit 1, never a
-traceback), starts the progress lines (:mod:`bus.progress`) and runs the component on a fresh
+traceback), starts the progress lines (:mod:`runtime.progress`) and runs the component on a fresh
 event loop with the stop signals wired to it (:class:`runtime.Component`).
 """
 
@@ -183,8 +183,8 @@ def entry_point(role: str, module: str, name: str, *, heavy: bool = False,
 
 async def _serve(cfg: Config, url: str, prog: str, factory: Callable[..., Component]) -> int:
     from bus import Bus, BusAuthError, BusClusterError, BusUnavailable, RunKeys
-    from bus.progress import ProgressSpec, ProgressThread
     from bus.urls import bus_error_line
+    from runtime.progress import ProgressSpec, ProgressThread
 
     bus = Bus.from_url(url, client_name=f"rlbus-{prog}-{cfg.run.id}")
     if cfg.run.id:  # on a cluster, TIME and INFO ask the master holding the run's keys

@@ -11,12 +11,12 @@ import msgspec
 import pytest
 
 from bus import Bus, RunKeys
-from bus.progress import ProgressSpec, follow_progress, step_line
 from metrics_logger import MetricsLogger, logger_warnings, position_file, tensorboard_dir
 from metrics_logger.app import Position, TensorBoardSink
 from runconfig import load_config
 from runschema.messages import RunFinished, RunStarted, StepFinished
 from runtime.history import archive_below, events_folder
+from runtime.progress import ProgressSpec, follow_progress, step_line
 
 
 def _step(k: int) -> StepFinished:

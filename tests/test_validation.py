@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from bus import Bus, Lease, RunKeys
-from bus.progress import val_core_reward, validation_line
 from metrics_logger import MetricsLogger, tensorboard_dir
 from metrics_logger.app import TensorBoardSink
 from rlbus.inspect import summary_line, validations_table
@@ -38,6 +37,7 @@ from runschema.messages import (
     WeightsPublished,
     encode,
 )
+from runtime.progress import val_core_reward, validation_line
 from tasks.digits import digits_reward
 from tests.procs import events_of
 from trainer.validation import (
