@@ -53,9 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bus import BusError
-from bus.acl import acl_rules
-from bus.entries import entry_key
+from bus import BusError, acl_rules, entry_key
 from runschema.messages import (
     BlobRef,
     CheckpointSaved,

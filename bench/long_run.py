@@ -115,9 +115,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import msgspec
 import numpy as np
 
-from bus import Bus, Consumer, Delivery, Lease, RunKeys, pulse
-from bus.entries import Entry
-from bus.keys import LOG_ROLES, RUNS_STREAM, log_order
+from bus import (
+    LOG_ROLES,
+    RUNS_STREAM,
+    Bus,
+    Consumer,
+    Delivery,
+    Entry,
+    Lease,
+    RunKeys,
+    log_order,
+    pulse,
+)
 from profiler_service.records import Fact, ServiceState
 from profiler_service.schedule import decide
 from profiler_service.state import apply as service_apply

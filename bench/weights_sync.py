@@ -46,8 +46,7 @@ from typing import Any
 import msgspec
 import torch
 
-from bus import Bus, RunKeys
-from bus.liveness import pulse_forever
+from bus import Bus, RunKeys, pulse_forever
 from policy.weights import from_bytes, to_bytes
 from rlbus.redis_server import EmbeddedRedis
 from runschema.messages import BlobRef, Heartbeat

@@ -1,7 +1,9 @@
 """rlbus message bus: the only package that knows Redis.
 
 Callers import what they use from here, never from its modules (tests/test_layering.py): ``from bus
-import Bus, Consumer, Lease, RunKeys, BusError``. Its modules' public names are re-exported here.
+import Bus, Consumer, Lease, RunKeys, BusError``. It re-exports the ``__all__`` of :mod:`bus.acl`,
+:mod:`bus.errors`, :mod:`bus.keys`, :mod:`bus.liveness`, :mod:`bus.ranks`, :mod:`bus.retry`,
+:mod:`bus.streams` and :mod:`bus.urls`. Its other modules are its parts.
 
 Not here: the run's schema (:mod:`runschema`); the log read across the archive and the stream
 (:mod:`runtime.history`); files, ``run.storage`` and the events archive (:mod:`storage`); weight
@@ -19,6 +21,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from bus.acl import COMPONENT_USERS, acl_file, acl_rules
     from bus.entries import BadEntry, Entry, entry_key
     from bus.errors import (
         BlobCorrupt,
@@ -56,16 +59,38 @@ if TYPE_CHECKING:
         log_order,
         validate_run_id,
     )
-    from bus.liveness import Lease, peers, pulse, pulse_forever
-    from bus.retry import BUDGET_S, FIRST_CONTACT_S, RetryPolicy, retry_async
+    from bus.liveness import FENCE_LUA, Lease, members_key, peers, pulse, pulse_forever
+    from bus.ranks import (
+        MAX_RANKS,
+        RankClaim,
+        RankHeld,
+        RankLost,
+        claim_lowest_rank,
+        claim_rank,
+        holder_pid_host,
+        holder_token,
+    )
+    from bus.retry import BUDGET_S, FIRST_CONTACT_S, RetryHook, RetryPolicy, retry_async
     from bus.streams import Bus
-    from bus.urls import bus_error_line, expand_env
+    from bus.urls import (
+        CLUSTER_SCHEMES,
+        as_cluster_url,
+        bus_error_line,
+        expand_env,
+        local_address,
+        redis_host,
+        split_cluster,
+    )
 
 __all__ = [
     "BUDGET_S",
+    "CLUSTER_SCHEMES",
+    "COMPONENT_USERS",
     "EXCEEDED_REASON",
+    "FENCE_LUA",
     "FIRST_CONTACT_S",
     "LOG_ROLES",
+    "MAX_RANKS",
     "ROLE_LOG_MAXLEN",
     "RUNS_STREAM",
     "TRIMMED_REASON",
@@ -90,27 +115,43 @@ __all__ = [
     "GroupInfo",
     "Lease",
     "PortInUse",
+    "RankClaim",
+    "RankHeld",
+    "RankLost",
     "RedisBinaryNotFound",
     "RedisStartError",
+    "RetryHook",
     "RetryPolicy",
     "RunKeys",
     "StreamGone",
+    "acl_file",
+    "acl_rules",
+    "as_cluster_url",
     "bus_error_line",
+    "claim_lowest_rank",
+    "claim_rank",
     "default_dlq",
     "entry_key",
     "expand_env",
+    "holder_pid_host",
+    "holder_token",
+    "local_address",
     "log_order",
+    "members_key",
     "peers",
     "pulse",
     "pulse_forever",
     "redact_url",
+    "redis_host",
     "retry_async",
+    "split_cluster",
     "validate_run_id",
 ]
 
 # Each bus module and the names callers take from it; a name's first use imports its
 # module, and only that one.
 _MODULES: dict[str, tuple[str, ...]] = {
+    "acl": ("COMPONENT_USERS", "acl_file", "acl_rules",),
     "entries": ("BadEntry", "Entry", "entry_key",),
     "errors": ("BlobCorrupt", "BlobError", "BlobNotFound", "BusAuthError", "BusClusterError",
                "BusError", "BusPermissionError", "BusUnavailable", "EntryGone", "Fenced",
@@ -121,10 +162,13 @@ _MODULES: dict[str, tuple[str, ...]] = {
                "default_dlq",),
     "keys": ("LOG_ROLES", "ROLE_LOG_MAXLEN", "RUNS_STREAM", "RunKeys", "log_order",
              "validate_run_id",),
-    "liveness": ("Lease", "peers", "pulse", "pulse_forever",),
-    "retry": ("BUDGET_S", "FIRST_CONTACT_S", "RetryPolicy", "retry_async",),
+    "liveness": ("FENCE_LUA", "Lease", "members_key", "peers", "pulse", "pulse_forever",),
+    "ranks": ("MAX_RANKS", "RankClaim", "RankHeld", "RankLost", "claim_lowest_rank", "claim_rank",
+              "holder_pid_host", "holder_token",),
+    "retry": ("BUDGET_S", "FIRST_CONTACT_S", "RetryHook", "RetryPolicy", "retry_async",),
     "streams": ("Bus",),
-    "urls": ("bus_error_line", "expand_env",),
+    "urls": ("CLUSTER_SCHEMES", "as_cluster_url", "bus_error_line", "expand_env", "local_address",
+             "redis_host", "split_cluster",),
 }
 _HOME = {name: module for module, names in _MODULES.items() for name in names}
 

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from bus.keys import validate_run_id
+from bus import validate_run_id
 from profiler_service.records import (
     PROFILER_SOURCE,
     TRACE_MISSING_CODE,

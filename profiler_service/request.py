@@ -31,9 +31,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from bus.errors import BusError
-from bus.keys import ROLE_LOG_MAXLEN, RunKeys
-from bus.streams import Bus
+from bus import ROLE_LOG_MAXLEN, Bus, BusError, RunKeys
 from profiler_service.schedule import MAX_REQUEST_STEPS, ROLES
 from runschema.messages import ProfileRequest, ProfileRequestRefused, StartProfile
 

@@ -49,8 +49,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from bus import Bus, Entry
-from bus.keys import LOG_ROLES, ROLE_LOG_MAXLEN
+from bus import LOG_ROLES, ROLE_LOG_MAXLEN, Bus, Entry
 from profiler_service.files import SNAPSHOT_NAME, ServiceFiles
 from profiler_service.finish import HOOK_INTERRUPTED_CODE, HOOK_MARKER_NAME, FinishHook
 from profiler_service.manifest import (

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from bus.errors import BusAuthError, BusClusterError, BusUnavailable, redact_url
+from bus import BusAuthError, BusClusterError, BusUnavailable, redact_url
 from runconfig import ConfigError, load_config, parse_config_args
 
 __all__ = ["COMMANDS", "main"]
@@ -393,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _ArgError as exc:
         return _fail(prog, str(exc))
     except (BusUnavailable, BusAuthError) as exc:
-        from bus.urls import bus_error_line
+        from bus import bus_error_line
 
         print(bus_error_line(prog, exc), file=sys.stderr)
         return 1

@@ -240,8 +240,7 @@ def inspect_run(
 async def _pulses(url: str, run_id: str) -> list[Heartbeat]:
     """The latest pulse of every component alive now (its liveness key exists: it spoke
     within heartbeat.timeout_s, by Redis's clock)."""
-    from bus.keys import LOG_ROLES
-    from bus.liveness import peers
+    from bus import LOG_ROLES, peers
 
     bus = Bus.from_url(url)
     keys = RunKeys(run_id)

@@ -44,8 +44,7 @@ import yaml
 
 # Only what `rlbus up` needs before its components start; the bus client, the message
 # schemas (numpy) and redis load after that (the components import torch meanwhile).
-from bus.errors import RedisBinaryNotFound, RedisStartError
-from bus.keys import RunKeys
+from bus import RedisBinaryNotFound, RedisStartError, RunKeys
 from rlbus.children import Child, Console, build_children, stop_children, wants_logger
 from rlbus.localdir import mark_local_dir, run_from_local_dir
 from rlbus.ray_launcher import RayUnavailable

@@ -15,7 +15,7 @@ import shutil
 import socket
 import subprocess
 
-from bus.errors import PortInUse, RedisBinaryNotFound, RedisStartError
+from bus import PortInUse, RedisBinaryNotFound, RedisStartError
 
 __all__ = [
     "BINARY_ENV",

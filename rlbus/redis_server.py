@@ -43,7 +43,7 @@ from types import TracebackType
 from typing import IO, NamedTuple, Self
 from urllib.parse import quote
 
-from bus.errors import RedisStartError
+from bus import RedisStartError
 from rlbus.redis_binary import ensure_port_free, find_redis_server, free_port, redis_server_version
 
 __all__ = [

@@ -16,7 +16,7 @@ import yaml
 
 # Only what `rlbus up` needs before its components start; the bus client, the message
 # schemas (numpy) and redis load after that (the components import torch meanwhile).
-from bus.keys import RunKeys
+from bus import RunKeys
 from runconfig import (
     Config,
     config_to_dict,
@@ -26,7 +26,7 @@ from runconfig import (
 )
 
 if TYPE_CHECKING:
-    from bus.streams import Bus
+    from bus import Bus
     from runschema.messages import Message, ProfileStopped, RunStarted
 
 __all__ = [

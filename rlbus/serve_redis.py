@@ -11,7 +11,7 @@ import socket
 import sys
 from typing import IO
 
-from bus.errors import redact_url
+from bus import redact_url
 from rlbus.redis_server import EmbeddedRedis
 
 __all__ = ["remote_line", "serve_forever"]

@@ -15,14 +15,14 @@ import msgspec
 
 # Only what `rlbus up` needs before its components start; the bus client, the message
 # schemas (numpy) and redis load after that (the components import torch meanwhile).
-from bus.keys import RunKeys
+from bus import RunKeys
 from rlbus.children import POLL_S, Console
 from rlbus.runlog import trace_key
 from rlbus.supervise import Supervisor
 from runconfig import Config
 
 if TYPE_CHECKING:
-    from bus.streams import Bus
+    from bus import Bus
     from runschema.messages import (
         Message,
         ProfileStopped,

@@ -26,8 +26,7 @@ import os
 import msgspec
 import torch
 
-from bus import Bus, Consumer, RunKeys
-from bus.ranks import RankClaim
+from bus import Bus, Consumer, RankClaim, RunKeys
 from policy import resolve_device
 from policy.text import build_tokenizer
 from profiling import create_agent, prepare_main_thread

@@ -15,8 +15,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Protocol
 
-from bus import Bus, Delivery, RunKeys
-from bus.liveness import peers
+from bus import Bus, Delivery, RunKeys, peers
 from runschema.messages import (
     Event,
     Message,

@@ -43,10 +43,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, ClassVar, ParamSpec, TypeVar, TypeVarTuple
 
-from bus import Bus, RunKeys
-from bus.keys import ROLE_LOG_MAXLEN
-from bus.liveness import pulse_forever
-from bus.ranks import RankClaim, RankLost
+from bus import ROLE_LOG_MAXLEN, Bus, RankClaim, RankLost, RunKeys, pulse_forever
 from runconfig import Config
 from runschema.messages import Command, ComponentFailed, Event, Heartbeat, StartProfile, StopProfile
 

@@ -27,8 +27,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Se
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from bus import BadEntry, Bus, Entry, RunKeys, entry_key
-from bus.keys import LOG_ROLES, log_order
+from bus import LOG_ROLES, BadEntry, Bus, Entry, RunKeys, entry_key, log_order
 from runschema.authority import refusal
 from runtime.history import read_history
 

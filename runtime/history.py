@@ -31,8 +31,7 @@ from itertools import islice
 from pathlib import Path
 from typing import NamedTuple
 
-from bus.keys import RunKeys
-from bus.streams import BadEntry, Bus, Entry, entry_key
+from bus import BadEntry, Bus, Entry, RunKeys, entry_key
 from storage.archive import ArchivedEntry, append, read_archive, truncate_from
 
 __all__ = ["Archived", "archive_below", "events_folder", "find_archive", "read_history"]

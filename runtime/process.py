@@ -28,8 +28,7 @@ from runconfig import Config, ConfigError, load_or_exit
 from runtime.storage import check_storage
 
 if TYPE_CHECKING:
-    from bus import Bus
-    from bus.ranks import RankClaim
+    from bus import Bus, RankClaim
     from runtime.component import Component
 
 __all__ = ["CLOSE_TIMEOUT_S", "entry_point", "expand_or_fail", "expanded_url", "main"]
@@ -43,8 +42,7 @@ def expand_or_fail(url: str) -> str:
     """``url`` with ``${VAR}`` expanded (the placeholder stays in configs, logs and the run's
     RunStarted event; only the connection sees the password); an unset variable is a
     ConfigError on redis.url."""
-    from bus.errors import redact_url
-    from bus.urls import expand_env
+    from bus import expand_env, redact_url
 
     try:
         return expand_env(url)
@@ -58,7 +56,7 @@ def expand_or_fail(url: str) -> str:
 def expanded_url(cfg: Config) -> str | None:
     """``cfg.redis.url`` ready to connect with (None when it is not set); in its cluster form
     (``redis+cluster://``) when ``redis.cluster`` is true."""
-    from bus.urls import as_cluster_url
+    from bus import as_cluster_url
 
     if cfg.redis.url is None:
         return None
@@ -182,8 +180,7 @@ def entry_point(role: str, module: str, name: str, *, heavy: bool = False,
 
 
 async def _serve(cfg: Config, url: str, prog: str, factory: Callable[..., Component]) -> int:
-    from bus import Bus, BusAuthError, BusClusterError, BusUnavailable, RunKeys
-    from bus.urls import bus_error_line
+    from bus import Bus, BusAuthError, BusClusterError, BusUnavailable, RunKeys, bus_error_line
     from runtime.progress import ProgressSpec, ProgressThread
 
     bus = Bus.from_url(url, client_name=f"rlbus-{prog}-{cfg.run.id}")

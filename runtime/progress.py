@@ -19,9 +19,7 @@ from typing import TextIO
 
 import msgspec
 
-from bus.errors import BusError
-from bus.keys import RunKeys, log_order
-from bus.streams import Bus
+from bus import Bus, BusError, RunKeys, log_order
 from runschema.authority import refusal
 from runschema.facts import run_finished_refusal
 from runschema.messages import Message, RunFinished, StepFinished, ValidationFinished

@@ -18,8 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bus import Bus, RunKeys
-from bus.ranks import RankClaim, RankHeld, claim_lowest_rank, holder_pid_host, holder_token
+from bus import Bus, RankClaim, RankHeld, RunKeys, claim_lowest_rank, holder_pid_host, holder_token
 from runconfig import Config, HeartbeatConfig
 from runtime.component import Failure
 

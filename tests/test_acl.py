@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from bus import RunKeys
-from bus.acl import acl_file
+from bus import RunKeys, acl_file
 from runconfig import config_to_dict, load_config
 from runschema.messages import RunStarted, encode
 from tests.compose_redis import ROOT, AclRedis

@@ -13,9 +13,7 @@ import pytest
 from redis.crc import key_slot
 from redis.exceptions import ClusterDownError
 
-from bus import Bus, BusClusterError, RunKeys
-from bus.acl import acl_rules
-from bus.urls import as_cluster_url, split_cluster
+from bus import Bus, BusClusterError, RunKeys, acl_rules, as_cluster_url, split_cluster
 from runconfig import ConfigError, load_config
 from runschema.messages import RunFinished, RunStarted, StepFinished, WeightsPublished
 from runtime.process import expanded_url

@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bus import Bus, RunKeys
-from bus.errors import GroupGone, StreamGone
+from bus import Bus, GroupGone, RunKeys, StreamGone
 from runschema.messages import Array, DeadLetter, Sample, TicketsIssued, WarningRaised, decode
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.waits import event, wait_for, wait_until

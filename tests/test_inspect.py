@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bus import Bus, RunKeys
-from bus.liveness import pulse
+from bus import Bus, RunKeys, pulse
 from rlbus.inspect import validation_curves
 from runconfig import config_to_dict, load_config
 from runschema.messages import Heartbeat, RunStarted, StepFinished, ValidationFinished

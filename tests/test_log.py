@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bus import Bus, Entry, Lease, RunKeys, entry_key
-from bus.keys import LOG_ROLES, log_order
+from bus import LOG_ROLES, Bus, Entry, Lease, RunKeys, entry_key, log_order
 from runschema.authority import FACTS, refusal
 from runschema.messages import (
     ComponentFailed,

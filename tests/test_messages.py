@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus.keys import validate_run_id
+from bus import validate_run_id
 from runschema import messages as m
 
 MESSAGE_TYPES: list[type] = list(typing.get_args(m.Message))
@@ -213,7 +213,7 @@ def test_bus_reexports_every_public_name() -> None:
 
     import bus
 
-    for name in ("keys", "errors", "retry", "streams"):
+    for name in ("acl", "errors", "keys", "liveness", "ranks", "retry", "streams", "urls"):
         module = importlib.import_module(f"bus.{name}")
         missing = set(module.__all__) - set(bus.__all__)
         assert not missing, f"bus/__init__.py does not re-export bus.{name}: {sorted(missing)}"

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 from redis.exceptions import NoPermissionError
 
-from bus import Bus, RunKeys
-from bus.ranks import RankClaim, RankHeld, RankLost, claim_lowest_rank, claim_rank
+from bus import Bus, RankClaim, RankHeld, RankLost, RunKeys, claim_lowest_rank, claim_rank
 from runconfig import Config, load_config
 from runschema.messages import ComponentFailed
 from runtime import Component

@@ -19,9 +19,16 @@ from contextlib import contextmanager
 
 import pytest
 
-from bus import Bus, BusUnavailable, Consumer, RetryPolicy
-from bus.retry import BUDGET_S, FIRST_CONTACT_S, retry_async
-from bus.urls import bus_error_line
+from bus import (
+    BUDGET_S,
+    FIRST_CONTACT_S,
+    Bus,
+    BusUnavailable,
+    Consumer,
+    RetryPolicy,
+    bus_error_line,
+    retry_async,
+)
 from rlbus.redis_binary import free_port
 from rlbus.redis_server import EmbeddedRedis
 

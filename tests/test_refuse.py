@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from bus.errors import BlobNotFound
+from bus import BlobNotFound
 from rlbus.runlog import RunStatus
 from rollouter.weights import BLOBS_KEPT, HeldWeights
 from runschema.facts import run_finished_refusal

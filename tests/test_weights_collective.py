@@ -21,9 +21,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bus import Bus, RunKeys
-from bus.errors import BlobCorrupt
-from bus.liveness import pulse_forever
+from bus import BlobCorrupt, Bus, RunKeys, pulse_forever
 from runschema.messages import (
     BlobRef,
     Heartbeat,

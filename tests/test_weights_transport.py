@@ -20,8 +20,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from bus import BlobCorrupt, BlobError, BlobNotFound, Bus, RunKeys
-from bus.liveness import pulse_forever
+from bus import BlobCorrupt, BlobError, BlobNotFound, Bus, RunKeys, pulse_forever
 from rollouter.app import Rollouter
 from rollouter.weights import WeightsLost
 from runconfig import load_config

@@ -24,8 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bus import Bus, Entry, RunKeys, entry_key, peers
-from bus.keys import LOG_ROLES, log_order
+from bus import LOG_ROLES, Bus, Entry, RunKeys, entry_key, log_order, peers
 from runschema.messages import Heartbeat, Message
 
 __all__ = [

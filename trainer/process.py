@@ -18,8 +18,7 @@ import os
 import secrets
 import time
 
-from bus import Bus, Consumer, Fenced, Lease, entry_key
-from bus.keys import RUNS_STREAM
+from bus import RUNS_STREAM, Bus, Consumer, Fenced, Lease, entry_key
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from runconfig import Config, config_to_dict

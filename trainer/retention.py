@@ -34,8 +34,7 @@ from pathlib import Path
 
 import msgspec
 
-from bus import Bus, RunKeys
-from bus.streams import entry_key
+from bus import Bus, RunKeys, entry_key
 from runschema.messages import WarningRaised, WeightsPublished
 from runtime.history import Archived, archive_below, events_folder
 from storage.files import fsync_path

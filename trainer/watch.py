@@ -19,8 +19,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from bus import Bus, Entry, RunKeys
-from bus.liveness import peers
+from bus import Bus, Entry, RunKeys, peers
 from runconfig import Config
 from runschema.messages import (
     DeadLetter,

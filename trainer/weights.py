@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from bus import Bus, RunKeys
-from bus.urls import local_address, redis_host
+from bus import Bus, RunKeys, local_address, redis_host
 from runconfig import Config
 from runschema.messages import BlobRef, WarningRaised, WeightsPublished
 from runtime import Failure

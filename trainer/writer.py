@@ -21,8 +21,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from bus import Bus, EntryGone, Fenced, Lease, RunKeys
-from bus.retry import RetryHook
+from bus import Bus, EntryGone, Fenced, Lease, RetryHook, RunKeys
 from runschema.messages import Event, Message, StepFinished
 from runtime import Restart
 from trainer.actions import IssueTickets

@@ -23,9 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
-from bus.errors import BlobCorrupt, BlobError, BlobNotFound
-from bus.keys import RunKeys
-from bus.streams import Bus
+from bus import BlobCorrupt, BlobError, BlobNotFound, Bus, RunKeys
 from runschema.messages import BlobRef
 from storage.files import atomic_write
 

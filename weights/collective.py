@@ -52,10 +52,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 import msgspec
 import torch
 
-from bus.errors import BlobError, BlobNotFound
-from bus.keys import RunKeys
-from bus.liveness import peers
-from bus.streams import Bus
+from bus import BlobError, BlobNotFound, Bus, RunKeys, peers
 from runschema.messages import BlobRef
 from weights.collective_round import (
     STORE,

@@ -21,8 +21,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from bus.errors import BlobCorrupt, BlobError
-from bus.urls import local_address
+from bus import BlobCorrupt, BlobError, local_address
 from runschema.messages import BlobRef
 from weights.transport import FORMAT, Manifest, _entries, _unique, chunk_digests, flat_buffer
 

@@ -44,9 +44,7 @@ from typing import Protocol
 import msgspec
 import torch
 
-from bus.errors import BlobCorrupt, BlobError, BlobNotFound
-from bus.keys import RunKeys
-from bus.streams import Bus
+from bus import BlobCorrupt, BlobError, BlobNotFound, Bus, RunKeys
 from runschema.messages import BlobRef
 from storage.files import atomic_write
 
