@@ -6,6 +6,7 @@ COPY bus bus
 COPY runschema runschema
 COPY storage storage
 COPY weights weights
+COPY runtime runtime
 COPY rollouter rollouter
 COPY trainer trainer
 COPY profiler_service profiler_service

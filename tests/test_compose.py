@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,14 @@ async def _run_started(url: str, run_id: str) -> RunStarted:
         raise AssertionError("no RunStarted")
     finally:
         await bus.close()
+
+
+def test_the_image_holds_every_package_the_project_installs() -> None:
+    # docker-compose.yml's image is built from the Dockerfile: a package it does not copy is
+    # an import error in every container (runtime/ was missing).
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {p.rstrip("*") for p in setup["packages"]["find"]["include"]}
+    copied = set(re.findall(r"^COPY (\w+) \1$", (ROOT / "Dockerfile").read_text(), re.M))
+    assert packages == copied, (packages - copied, copied - packages)
