@@ -8,6 +8,7 @@ gradient is added in a different order than one rank's backward over all rows.""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import os
@@ -357,3 +358,25 @@ def test_a_rank_waits_as_long_as_rank_0_says_it_lives_and_gives_up_when_it_stops
     # loaded machine): 6 s. Then 6 pings 1.5 s apart: 9 s of idle rank 0, 1.5 timeouts.
     assert _lone_follower(6.0, pings=6, every_s=1.5) == 0
     assert _lone_follower(6.0, pings=0, every_s=0.0) == 1  # silence: it gives up
+
+
+def test_a_rank_seen_exiting_after_rank_0_s_error_is_still_named() -> None:
+    # A killed rank resets its sockets before its parent can reap it: rank 0's broken
+    # collective comes first. The rank that exits meanwhile is the failure's name.
+    from trainer.ranks import LocalRanks, RankFailed
+
+    ranks = LocalRanks(load_config(None, []).trainer)
+    broke = RuntimeError("the trainer ranks' op channel broke: Connection reset by peer")
+    ranks.procs = [subprocess.Popen(["sleep", "0.5"])]
+    failure = asyncio.run(ranks.failure(broke, settle_s=60))
+    assert isinstance(failure, RankFailed)
+    pid = ranks.procs[0].pid
+    assert str(failure).startswith(f"trainer rank 1 (pid {pid}) exited with code 0")
+    assert "op channel broke" in str(failure)
+    # A rank that stays alive: the error is rank 0's own, after the settle.
+    ranks.procs = [subprocess.Popen(["sleep", "60"])]
+    try:
+        assert asyncio.run(ranks.failure(broke, settle_s=0.2)) is None
+    finally:
+        ranks.procs[0].kill()
+        ranks.procs[0].wait()

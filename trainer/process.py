@@ -135,7 +135,7 @@ class TrainerProcess(Component):
             self.waiting = self.local_ranks.joining()
             return await self._serve()
         except Exception as exc:
-            failure = self.local_ranks.failure(exc)
+            failure = await self.local_ranks.failure(exc)
             if failure is not None:
                 raise failure from exc
             raise

@@ -49,6 +49,10 @@ __all__ = [
     "world_size",
 ]
 
+RANK_EXIT_SETTLE_S = 2.0
+"""How long a failure of rank 0 waits to see one of its ranks exit before it is taken as its
+own (a killed rank's sockets reset before its exit can be reaped: trainer.ranks.LocalRanks)."""
+
 
 class RankFailed(Failure):
     """A trainer rank died or stopped answering (its collective failed): one line naming
@@ -295,15 +299,30 @@ class LocalRanks:
             return None
         return f"waiting for {spec.world - 1} trainer rank(s) to join at {spec.addr}:{spec.port}"
 
+    def _wait_any_exit(self, timeout_s: float) -> None:
+        """Block until one of this node's ranks has exited, or ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                return
+            time.sleep(0.02)
+
     def dead(self) -> str | None:
         """This node's ranks that exited, in words (None: all alive)."""
         gone = [f"trainer rank {i} (pid {p.pid}) exited with code {p.returncode}"
                 for i, p in enumerate(self.procs, start=1) if p.poll() is not None]
         return "; ".join(gone) or None
 
-    def failure(self, exc: BaseException) -> RankFailed | None:
-        """``exc`` as the failure of the ranks that died (None when none did)."""
+    async def failure(self, exc: BaseException,
+                      settle_s: float = RANK_EXIT_SETTLE_S) -> RankFailed | None:
+        """``exc`` as the failure of the ranks that died (None when none did). A rank killed
+        outright resets its sockets while it exits, before its parent can reap it: rank 0's
+        broken collective may be seen first, so a rank is given ``settle_s`` to be seen
+        exiting (off the loop) before ``exc`` is taken as not theirs."""
         dead = self.dead()
+        if dead is None and self.procs:
+            await asyncio.to_thread(self._wait_any_exit, settle_s)
+            dead = self.dead()
         if dead is None:
             return None
         text = str(exc).strip()
