@@ -21,7 +21,7 @@ from runschema.messages import RunStarted, StepFinished, TrainerResumed
 from runtime.events_archive import fetch_for_reading, segments_to_read
 from storage.run_storage import RunStorage
 from tests.procs import Procs, assert_every_step_once, events_of, run_args, run_cli
-from tests.waits import event, wait_for, wait_until
+from tests.waits import event, wait_for, wait_trimmed
 from trainer.mirror import (
     CheckpointMirror,
     EventsMirror,
@@ -326,9 +326,9 @@ async def test_a_trimming_trainer_on_another_node_resumes_with_the_whole_log(
             "run.retention=checkpoint", f"run.storage={PROTOCOL}://{remote}")
     procs.spawn("rollouter0", "rollouter", *run_args(redis_url, run_id, node_a, *more))
     procs.spawn("trainer", "trainer", *run_args(redis_url, run_id, node_a, *more))
-    await wait_until(lambda: bus.get_text(run_keys.archive),
-                     "the trainer on node A archiving trimmed events", 180,
-                     procs.watch("trainer"))
+    # The archive's location is stored before its first segment is written, copied to the
+    # storage and the stream trimmed: wait for the trim, which comes after the copy.
+    await wait_trimmed(bus, run_keys.events, 180, procs.watch("trainer"))
     procs.kill("trainer")
     assert list((remote / run_id / "events").glob("archive-*.rlev"))  # copied before the trim
     _finish_on_node_b(procs, node_a, node_b, run_args(redis_url, run_id, node_b, *more))

@@ -9,19 +9,17 @@ the same trainer on its own storage resumes and finishes.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
-import time
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from bus import Bus, RunKeys
-from runschema.messages import RunStarted, StepFinished
+from runschema.messages import StepFinished
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.test_history import _synthetic_run
-from tests.waits import event, wait_for
+from tests.waits import event, wait_for, wait_trimmed
 from trainer.resume import (
     LogRead,
     RunNotCovered,
@@ -100,19 +98,6 @@ async def test_read_log_says_what_another_storage_cannot_restore(
     assert f"written at {(run_dir / 'events').resolve()}" in why  # where the trimmer put it
 
 
-async def _until_trimmed(bus: Bus, stream: str, timeout_s: float = 60.0) -> None:
-    """Wait (bounded) until retention has trimmed ``stream``: its first entry is no longer
-    the RunStarted that begins it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        async for _, msg in bus.read_all(stream):
-            if not isinstance(msg, RunStarted):
-                return
-            break
-        assert time.monotonic() < deadline, f"{stream} not trimmed in {timeout_s:g} s"
-        await asyncio.sleep(0.05)
-
-
 @pytest.mark.e2e
 @pytest.mark.asyncio
 async def test_a_trainer_restarted_on_a_storage_without_its_checkpoints_is_refused(
@@ -130,7 +115,7 @@ async def test_a_trainer_restarted_on_a_storage_without_its_checkpoints_is_refus
     # The case under test is a log trimmed after the step-2 checkpoint (its archive on node 1
     # only): killed before the trim, the trainer elsewhere reads the whole log and fails on
     # the missing checkpoint instead (exit 1, test_e2e_forged's case).
-    await _until_trimmed(bus, run_keys.events)
+    await wait_trimmed(bus, run_keys.events, 60, procs.watch("trainer"))
     procs.kill("trainer")
     logged = max(e.step for e in await events_of(bus, run_keys.events)
                  if isinstance(e, StepFinished))

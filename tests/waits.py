@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bus import LOG_ROLES, Bus, Entry, RunKeys, entry_key, log_order, peers
-from runschema.messages import Heartbeat, Message
+from runschema.messages import Heartbeat, Message, RunStarted
 
 __all__ = [
     "POLL_S",
@@ -280,6 +280,20 @@ async def wait_stream(
 
 
 # --------------------------------------------------------------------------- processes
+
+
+async def wait_trimmed(bus: Bus, stream: str, timeout_s: float,
+                       watch: Iterable[Watched] = ()) -> None:
+    """Until retention has trimmed a run's events ``stream``: its first entry is no longer
+    the RunStarted that begins it (what was archived is then in the archive, and in the
+    storage's copy of it: both come before the trim)."""
+
+    async def trimmed() -> bool | None:
+        async for _, msg in bus.read_all(stream):
+            return None if isinstance(msg, RunStarted) else True
+        return None
+
+    await wait_until(trimmed, f"retention to trim {stream}", timeout_s, watch)
 
 
 async def wait_log(proc: Watched, text: str, timeout_s: float) -> None:
