@@ -813,7 +813,7 @@ class Driver:
         torch.set_num_threads(1)
         policy = build_policy(msgspec.to_builtins(self.cfg.model), "cpu")
         optimizer = torch.optim.Adam(policy.parameters(), lr=self.cfg.trainer.lr)
-        path = write_checkpoint(self.ckpt_dir, k, self.version,
+        path, _ = write_checkpoint(self.ckpt_dir, k, self.version,
                                 lambda _: {"model": policy.state_dict(),
                                            "optimizer": optimizer.state_dict()},
                                 self.last_snapshot)

@@ -222,6 +222,9 @@ class TrainerConfig(_Section, frozen=True):
     fsdp_reduce_dtype: DType = "fp32"
     dist_timeout_s: PosFloat = 600.0
     checkpoint_format: Literal["auto", "full", "dcp"] = "auto"
+    # A resume whose rebuilt model does not hash to the weights it had published: fail
+    # stops the trainer before it publishes anything; warn goes on (trainer.resume).
+    resume_weights_mismatch: Literal["fail", "warn"] = "fail"
     balance_batch: bool = True  # split a mini-batch over the ranks by tokens (trainer.rowsplit)
 
 

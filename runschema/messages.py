@@ -35,6 +35,7 @@ __all__ = [
     "DeadLetter",
     "DecodeError",
     "Event",
+    "FileDigest",
     "Heartbeat",
     "Message",
     "ProfileRequest",
@@ -203,6 +204,15 @@ class TrainerResumed(_Base, frozen=True):
     """Log entries the resume folded (those after the checkpoint's snapshot position)."""
 
 
+class FileDigest(msgspec.Struct, frozen=True):
+    """What one file of a checkpoint held when it was written: its size in bytes and the
+    sha256 of its bytes (None where only the size could be had cheaply: dcp shards on a
+    remote ``run.storage``, written there by every rank)."""
+
+    size: int
+    sha256: str | None = None
+
+
 class CheckpointSaved(_Base, frozen=True):
     """A checkpoint after ``step`` was written (atomically) at ``path``."""
 
@@ -214,6 +224,10 @@ class CheckpointSaved(_Base, frozen=True):
     """With ``hf_model`` in ``trainer.checkpoint_contents``: the Hugging Face directory of
     these weights, written beside the checkpoint off the trainer's critical path (it
     appears whole, by a rename, once written)."""
+    files: dict[str, FileDigest] = {}
+    """Every file of the checkpoint, by its name relative to the checkpoint folder
+    (``step-K.pt``, ``step-K.state``, ``step-K.dcp/...``): a resume verifies them before it
+    loads the checkpoint (trainer.integrity). Empty in logs written before digests were."""
 
 
 class ProfilerReady(_Base, frozen=True):

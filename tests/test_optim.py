@@ -125,8 +125,7 @@ def test_the_schedule_survives_a_checkpoint(tmp_path: Path) -> None:
     policy = build_policy(MODEL, "cpu")
     opt, sched = make_optimizer(policy.parameters(), tc)
     _train(policy, opt, sched, tc, range(3))
-    path = write_checkpoint(tmp_path, 3, 3, _whole(policy, opt),
-                            b"state")
+    path, _ = write_checkpoint(tmp_path, 3, 3, _whole(policy, opt), b"state")
     expected = _train(policy, opt, sched, tc, range(3, 6))
 
     resumed = build_policy(MODEL, "cpu")

@@ -191,13 +191,18 @@ def test_a_forged_checkpoint_of_the_step_in_progress_leaves_a_fallback() -> None
     assert refused == []
     assert state.checkpoints()[:2] == [(24, "/gone/step-000024.pt"),
                                        (20, "ckpt/step-000020.pt")]
-    exists = {"ckpt/step-000020.pt", "ckpt/step-000010.pt"}.__contains__
-    step, path, missing = pick_checkpoint(state, exists)
-    assert (step, path, missing) == (20, "ckpt/step-000020.pt", ["/gone/step-000024.pt"])
+    present = {"ckpt/step-000020.pt", "ckpt/step-000010.pt"}
+
+    def fault(path: str) -> str | None:
+        return None if path in present else f"{path} named in the log is missing"
+
+    step, path, skipped = pick_checkpoint(state, fault)
+    assert (step, path) == (20, "ckpt/step-000020.pt")
+    assert skipped == ["/gone/step-000024.pt named in the log is missing"]
     assert [r.step for r in state.steps_after_checkpoint(step)] == [21, 22, 23, 24]
     with pytest.raises(ResumeFailed, match=r"/gone/step-000024\.pt named in the log is missing"):
-        pick_checkpoint(state, lambda _: False)
-    assert pick_checkpoint(fold(_run(3)), lambda _: False) == (0, None, [])
+        pick_checkpoint(state, lambda p: f"{p} named in the log is missing")
+    assert pick_checkpoint(fold(_run(3)), lambda p: "gone") == (0, None, [])
 
 
 # --------------------------------------------------------------------------- other readers

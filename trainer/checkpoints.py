@@ -38,14 +38,18 @@ class Checkpoints:
         tc = cfg.trainer
         self.hf_export = HFExport(cfg.model.path, files.mirror) if (
             "hf_model" in tc.checkpoint_contents and cfg.model.path) else None
+        self.fallback: list[str] = []
+        """The samples the step of the checkpoint before the newest trained: the samples
+        stream is trimmed only below them."""
 
     async def save(self, step: int, learner: Learner, writer: Writer
                    ) -> tuple[Path, list[Event]]:
         """Model, optimizer and the folded state, durable (and in a remote storage) before
         the log says so; the HF directory written beside it while training goes on. Returns
         the checkpoint file and the events to publish, ``CheckpointSaved`` last."""
-        saved = await self.off(write_checkpoint, self.files.ckpt_dir, step, learner.version,
-                               learner.checkpoint_payload, writer.snapshot())
+        saved, files = await self.off(write_checkpoint, self.files.ckpt_dir, step,
+                                      learner.version, learner.checkpoint_payload,
+                                      writer.snapshot(), learner.shard_digests)
         await self.files.upload(saved)
         events: list[Event] = []
         hf_path = None
@@ -57,7 +61,8 @@ class Checkpoints:
             if warning is not None:
                 events.append(warning)
         events.append(CheckpointSaved(step=step, path=str(saved),
-                                      param_version=learner.version, hf_path=hf_path))
+                                      param_version=learner.version, hf_path=hf_path,
+                                      files=files))
         return saved, events
 
     async def exported(self) -> WarningRaised | None:
@@ -69,8 +74,12 @@ class Checkpoints:
         """Retention after a durable checkpoint (trainer.retention); the warning to
         publish when the events archive could not be written."""
         files = self.files
+        # Samples are kept back to the checkpoint before this one: a resume that finds this
+        # one corrupt falls back to that one and re-applies the steps after it
+        # (trainer.resume). The first checkpoint of an incarnation trims no samples.
+        below, self.fallback = self.fallback, list(trained)
         return await trim_after_checkpoint(
-            self.bus, self.keys, files.run_dir, trained, keep_weights=KEEP_WEIGHTS,
+            self.bus, self.keys, files.run_dir, below, keep_weights=KEEP_WEIGHTS,
             checkpoints=files.ckpt_dir, mirror=files.mirror, events_mirror=files.events_mirror,
             keep_checkpoints=self.cfg.trainer.max_actor_ckpt_to_keep, last_step=last_step,
             current=current, fence=(self.keys.trainer_lease, self.lease.token),

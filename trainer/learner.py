@@ -28,8 +28,9 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from policy import build_policy, resolve_device
 from runconfig import Config, TrainerConfig
-from runschema.messages import Sample, decode, encode
-from runtime import settle_heap
+from runschema.messages import FileDigest, Sample, decode, encode
+from runtime import Failure, settle_heap
+from trainer.integrity import folder_digests
 from trainer.ranks import RankGroup
 from trainer.sharding import (
     compute_dtype,
@@ -143,6 +144,26 @@ def _encode_groups(groups: Sequence[Sequence[Sample]]) -> list[list[bytes]]:
 
 def _decode_groups(blobs: list[list[bytes]]) -> list[list[Sample]]:
     return [[decode(b) for b in g] for g in blobs]  # type: ignore[misc]
+
+
+class NonFiniteWeights(Failure):
+    """An update left a weight NaN or infinite: publishing it would make every rollouter
+    sample garbage (or fail), and every later step train on that. The trainer stops before
+    the weights leave it, naming the tensor; the resume restarts from the last checkpoint."""
+
+
+def check_finite(tensors: dict[str, torch.Tensor], version: int) -> None:
+    """Raise :class:`NonFiniteWeights` naming the first tensor of ``tensors`` (weights
+    ``version``, about to be published) holding a NaN or an infinity (blocking: one pass
+    over the weights, on the worker)."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise NonFiniteWeights(
+                f"NonFiniteWeights: weights v{version} hold {bad} NaN or infinite values in "
+                f"{name} ({t.numel()} values): not published; the update that made them (a "
+                f"sample, a reward or the learning rate) is the cause, and a resume restarts "
+                f"from the last checkpoint")
 
 
 class RankedStep:
@@ -297,7 +318,9 @@ class Learner:
 
         # Each tensor cast as soon as it is whole (gathered, with ranks); a parameter tied
         # under two names is one object in weights(keep_vars=True): published once.
-        return gather_state(self.policy.weights(keep_vars=True), self.group, cast=published)
+        tensors = gather_state(self.policy.weights(keep_vars=True), self.group, cast=published)
+        check_finite(tensors, self.version)
+        return tensors
 
     def update(self, groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
         """One whole step's update on ``groups`` (a resume's replay; blocking)."""
@@ -369,6 +392,20 @@ class Learner:
         return {"format": "dcp", "shards": Path(shards).name,
                 "lr_scheduler": self.scheduler.state_dict() if self.scheduler else None}
 
+    def shard_digests(self, pt: Path, contents: dict[str, Any]) -> dict[str, FileDigest]:
+        """The digests of the dcp shards the checkpoint ``pt`` names in ``contents`` (none
+        for a ``full`` one), by name under the checkpoint folder (trainer.integrity)."""
+        if contents.get("format") != "dcp":
+            return {}
+        return folder_digests(self.shards_of(pt), str(contents["shards"]))
+
+    def shards_at(self, pt: Path, name: str) -> str:
+        """Where the shards folder ``name`` of the checkpoint file ``pt`` is on this node:
+        beside the file when it is there (written with a local storage), else where this
+        trainer writes them (the remote storage's checkpoint folder)."""
+        beside = pt.with_name(name)
+        return str(beside) if beside.is_dir() else self.shards_of(beside.with_suffix(".pt"))
+
     def _dcp_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
@@ -416,11 +453,7 @@ class Learner:
         ckpt = torch.load(path, map_location=self.device if not self.group.active else "cpu",
                           weights_only=True)
         if ckpt.get("format") == "dcp":  # every rank reads its shards from where they went
-            beside = Path(path).with_name(ckpt["shards"])
-            # Beside the file when they are there (written with a local storage), else where
-            # this trainer writes them (the remote storage's checkpoint folder).
-            shards = str(beside) if beside.is_dir() else self.shards_of(beside.with_suffix(".pt"))
-            payload = (shards, ckpt.get("lr_scheduler"))
+            payload = (self.shards_at(Path(path), ckpt["shards"]), ckpt.get("lr_scheduler"))
             self._tell("load_dcp", payload)
             self._op_load_dcp(payload)
             return

@@ -23,7 +23,7 @@ from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from runconfig import Config, config_to_dict
 from runconfig.paths import blob_root
-from runschema.messages import Event, Heartbeat, RunStarted, WarningRaised
+from runschema.messages import Event, Heartbeat, RunStarted, TrainerResumed, WarningRaised
 from runtime import Component
 from tasks import build_prompt_source
 from trainer.checkpoints import Checkpoints
@@ -33,7 +33,7 @@ from trainer.lease import acquire, token
 from trainer.metrics import StepMeter
 from trainer.rankprofile import RankedAgent
 from trainer.ranks import LocalRanks
-from trainer.resume import rebuild, refusal_warnings
+from trainer.resume import WeightsMismatch, rebuild, refusal_warnings
 from trainer.runfiles import RunFiles
 from trainer.stepwork import StepWork
 from trainer.validation import Validations
@@ -208,6 +208,9 @@ class TrainerProcess(Component):
             self.say(f"refused {r.kind} at {r.entry_id} of {self.keys.events}: {r.reason}",
                      error=True)
         await self.publish(*refusal_warnings(self.writer.refused))
+        for why in self.writer.skipped_snapshots:
+            await self._warn(WarningRaised(source="trainer", code="checkpoint_corrupt",
+                                           message=why))
 
     async def _warn(self, warning: WarningRaised) -> None:
         self.say(warning.message, error=True)
@@ -229,8 +232,24 @@ class TrainerProcess(Component):
                                 locate=self.files.locate)
         await self.publish(resumed)
         if resumed.weights_match is False:
-            await self.publish(WarningRaised(
-                source="trainer", code="resume_weights_mismatch",
-                message=f"the resumed model does not hash to weights version "
-                        f"{self.learner.version} that the trainer published before it stopped"))
+            await self._mismatched(resumed)
         await self.weights.sweep()
+
+    async def _mismatched(self, resumed: TrainerResumed) -> None:
+        """The rebuilt model does not hash to the weights version it published: stop before
+        publishing anything (trainer.resume_weights_mismatch=fail), or say so and go on
+        (warn, or a rank count that changed: float sums in another order)."""
+        tc = self.cfg.trainer
+        before, now = self.writer.state.ranks, tc.nnodes * tc.n_gpus_per_node
+        what = (f"the resumed model (checkpoint of step {resumed.checkpoint_step}, "
+                f"{resumed.replayed_steps} steps re-applied) does not hash to weights version "
+                f"{self.learner.version} that the trainer published before it stopped")
+        if before and before != now:
+            what += (f"; the trainer ranks changed from {before} to {now}, so the re-applied "
+                     f"steps summed floats in another order")
+        elif tc.resume_weights_mismatch == "fail":
+            raise WeightsMismatch(
+                f"{what}: stopping before anything is published (a checkpoint or a sample "
+                f"changed since it was trained; trainer.resume_weights_mismatch=warn goes on)")
+        await self._warn(WarningRaised(source="trainer", code="resume_weights_mismatch",
+                                       message=what))

@@ -12,30 +12,49 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
+import pickle
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, cast
 
 import msgspec
 import torch
 
 from bus import Bus, RunKeys
-from runschema.messages import Sample, StepFinished, TrainerResumed, WarningRaised
+from runschema.messages import FileDigest, Sample, StepFinished, TrainerResumed, WarningRaised
 from runtime import Failure
 from runtime.history import read_history
 from storage.archive import last_archived
 from storage.files import atomic_file, atomic_write
+from trainer.integrity import HashingWriter, bytes_digest, verify_files
 from trainer.state import StepRecord, TrainerState, take
 from weights.transport import is_manifest_ref, weights_digest
 
 if TYPE_CHECKING:
     from trainer.learner import Learner
 
-__all__ = ["MAX_REFUSED_WARNINGS", "LogRead", "Refused", "ResumeFailed", "RunNotCovered",
-           "Snapshot", "load_checkpoint", "missing_checkpoint", "not_covered", "pick_checkpoint",
-           "read_log", "rebuild", "refusal_warnings", "replay_groups", "snapshots",
-           "write_checkpoint"]
+__all__ = [
+    "MAX_REFUSED_WARNINGS",
+    "LogRead",
+    "Refused",
+    "ResumeFailed",
+    "RunNotCovered",
+    "Snapshot",
+    "WeightsMismatch",
+    "Written",
+    "checkpoint_fault",
+    "load_checkpoint",
+    "missing_checkpoint",
+    "no_checkpoint_serves",
+    "not_covered",
+    "pick_checkpoint",
+    "read_log",
+    "rebuild",
+    "refusal_warnings",
+    "replay_groups",
+    "snapshots",
+    "write_checkpoint",
+]
 
 RunOff = Callable[..., Awaitable[Any]]
 
@@ -104,6 +123,8 @@ class LogRead(msgspec.Struct):
     from the log's beginning, found nothing in its archive: the trimmed part was not read."""
     archive_written: str | None = None
     """Where the trainer that trimmed the stream wrote the archive (as it recorded it)."""
+    skipped_snapshots: list[str] = []
+    """Why each snapshot the read passed over was corrupt (one line each)."""
 
 
 def not_covered(run_id: str, read: LogRead, checkpoints: str, archive: str) -> str | None:
@@ -134,27 +155,44 @@ def missing_checkpoint(run_id: str, state: TrainerState, exists: Callable[[str],
     """Why a trainer must not start (None: it may): the log names checkpoints and none of
     them ``exists`` here (pick_checkpoint would fail after the model was built)."""
     try:
-        pick_checkpoint(state, exists)
+        pick_checkpoint(state, lambda path: None if exists(path) else _missing(path))
     except ResumeFailed as exc:
         return f"run {run_id}: the log holds steps up to {state.last_step}; {exc}"
     return None
 
 
+class Written(NamedTuple):
+    """A checkpoint on disk: its ``.pt`` and the digest of each of its files, by name
+    relative to the checkpoint folder (what its CheckpointSaved records)."""
+
+    path: Path
+    files: dict[str, FileDigest]
+
+
 def write_checkpoint(folder: Path, step: int, version: int,
-                     payload: Callable[[Path], dict[str, Any]], snapshot: bytes) -> Path:
+                     payload: Callable[[Path], dict[str, Any]], snapshot: bytes,
+                     shard_digests: Callable[[Path, dict[str, Any]], dict[str, FileDigest]]
+                     | None = None) -> Written:
     """Write ``step-K.pt`` (fsynced, atomic) then its ``step-K.state``; blocking (run it on
     the worker thread). ``payload(path)``: what the ``.pt`` holds besides step and version
     (trainer.learner.Learner.checkpoint_payload: the model and optimizer gathered whole, or
-    the shards every rank wrote beside it first, so the ``.pt`` is the commit point)."""
+    the shards every rank wrote beside it first, so the ``.pt`` is the commit point);
+    ``shard_digests(path, payload)``: the digests of the shards it names (trainer.integrity)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step:06d}.pt"
     contents = payload(path)
+    files = dict(shard_digests(path, contents)) if shard_digests is not None else {}
     # Durable before the log says it exists (retention trims); atomic: a crash leaves the
-    # old checkpoint or the new one.
+    # old checkpoint or the new one. Hashed as it is written: no second read.
     with atomic_file(path) as fh:
-        torch.save({"step": step, "version": version, **contents}, fh)
-    atomic_write(path.with_suffix(".state"), snapshot)
-    return path
+        hashing = HashingWriter(fh)
+        torch.save({"step": step, "version": version, **contents},
+                   cast(BinaryIO, hashing))
+    files[path.name] = hashing.digest()
+    state = path.with_suffix(".state")
+    atomic_write(state, snapshot)
+    files[state.name] = bytes_digest(snapshot)
+    return Written(path, files)
 
 
 def load_checkpoint(path: str, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -169,29 +207,69 @@ def snapshots(folder: Path) -> Iterator[Snapshot]:
     """The state snapshots saved with checkpoints under ``folder``, newest first, decoded one
     at a time (a resume stops at the first the log confirms; torn or foreign files are
     skipped)."""
+    for _, _, snap in _snapshot_files(folder):
+        yield snap
+
+
+def _snapshot_files(folder: Path, skip: frozenset[str] = frozenset()
+                    ) -> Iterator[tuple[Path, FileDigest, Snapshot]]:
+    """``(path, digest of its bytes, snapshot)`` of each ``step-K.state`` under ``folder``
+    not named in ``skip``, newest first; torn or foreign files are skipped."""
     for path in sorted(folder.glob("step-*.state"), reverse=True):
+        if path.name in skip:
+            continue
         try:
-            yield msgspec.msgpack.decode(path.read_bytes(), type=Snapshot)
+            data = path.read_bytes()
+            yield path, bytes_digest(data), msgspec.msgpack.decode(data, type=Snapshot)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             continue
 
 
-async def read_log(bus: Bus, keys: RunKeys, folder: Path, archive: Path | None = None) -> LogRead:
+def snapshot_fault(state: TrainerState, path: Path, digest: FileDigest) -> str | None:
+    """Why the snapshot at ``path``, whose bytes hash to ``digest``, is not what its
+    checkpoint's CheckpointSaved (folded into ``state``) recorded (None: it is, or nothing
+    was recorded). A flipped byte can still decode: the fold would start from a state the
+    trainer never had."""
+    for files in state.checkpoint_files.values():
+        want = files.get(path.name)
+        if want is not None and want != digest:
+            return (f"snapshot {path} does not hash to the sha256 its CheckpointSaved "
+                    f"recorded (corrupt): the log was folded without it")
+    return None
+
+
+async def read_log(bus: Bus, keys: RunKeys, folder: Path, archive: Path | None = None,
+                   skip: frozenset[str] = frozenset()) -> LogRead:
     """Fold the events log into the trainer's state, from the newest usable snapshot in the
-    checkpoint folder ``folder``.
+    checkpoint folder ``folder`` (``skip``: the names of snapshots found corrupt).
 
     Without one, the whole log is folded: the archived events (``archive``, by default
     ``folder/../events``: what retention trimmed from the stream) and then the stream
-    (runtime.history)."""
+    (runtime.history). A snapshot that does not hash to what its CheckpointSaved recorded is
+    dropped and the log read again without it (:func:`snapshot_fault`)."""
     state, start, last_finished = TrainerState(), "0", None
-    found = snapshots(folder)
-    while (snap := await asyncio.to_thread(next, found, None)) is not None:
+    used: tuple[Path, FileDigest] | None = None
+    found = _snapshot_files(folder, skip)
+    while (item := await asyncio.to_thread(next, found, None)) is not None:
+        path, digest, snap = item
         # Both its position and its last StepFinished must still be in the log (a log that
         # lost its tail may hold neither, or later entries at new ids).
         wanted = [snap.position] + ([snap.last_finished_id] if snap.last_finished_id else [])
         if len(await bus.read_ids(keys.events, wanted)) == len(set(wanted)):
             state, start, last_finished = snap.state, snap.position, snap.last_finished_id
+            used = path, digest
             break
+    read = await _fold_from(bus, keys, folder, archive, state, start, last_finished)
+    if used is not None and (why := snapshot_fault(read.state, *used)) is not None:
+        again = await read_log(bus, keys, folder, archive, skip | {used[0].name})
+        again.skipped_snapshots.insert(0, why)
+        return again
+    return read
+
+
+async def _fold_from(bus: Bus, keys: RunKeys, folder: Path, archive: Path | None,
+                     state: TrainerState, start: str, last_finished: str | None) -> LogRead:
+    """Fold the log after ``start`` into ``state`` (read_log's fold)."""
     position = None if start == "0" else start
     read = 0
     refused: list[Refused] = []
@@ -241,21 +319,107 @@ async def replay_groups(bus: Bus, keys: RunKeys, rec: StepRecord) -> list[list[S
     return [sorted(g, key=lambda s: s.index) for g in groups.values()]
 
 
-def pick_checkpoint(state: TrainerState, exists: Callable[[str], bool]
+def pick_checkpoint(state: TrainerState, fault: Callable[[str], str | None]
                     ) -> tuple[int, str | None, list[str]]:
-    """The checkpoint a resume loads: the newest of a finished step whose file ``exists``
-    (``(0, None)`` for none: the log holds no checkpoint), and the newer files that are
-    missing. Raises :class:`ResumeFailed` when the log names checkpoints and none exists."""
+    """The checkpoint a resume loads: the newest of a finished step with no ``fault``
+    (``(0, None)`` for none: the log holds no checkpoint), and why each newer one cannot
+    serve. Raises :class:`ResumeFailed` when the log names checkpoints and none can."""
     named = state.checkpoints()
-    missing: list[str] = []
+    skipped: list[str] = []
     for step, path in named:
-        if exists(path):
-            return step, path, missing
-        missing.append(path)
+        why = fault(path)
+        if why is None:
+            return step, path, skipped
+        skipped.append(why)
     if not named:
         return 0, None, []
-    raise ResumeFailed(f"checkpoint {missing[0]} named in the log is missing, and so is every "
-                       f"earlier one the log names ({', '.join(missing[1:]) or 'none'})")
+    raise ResumeFailed(no_checkpoint_serves(skipped))
+
+
+def _missing(path: str) -> str:
+    return f"checkpoint {path} named in the log is missing"
+
+
+def no_checkpoint_serves(skipped: Sequence[str]) -> str:
+    """One line: no checkpoint the log names can serve, and why each cannot."""
+    return f"no checkpoint the log names can be loaded: {'; '.join(skipped)}"
+
+
+def checkpoint_fault(learner: Learner, local: str, files: dict[str, FileDigest]) -> str | None:
+    """Why the checkpoint whose ``.pt`` is at ``local`` cannot be loaded (None: its files
+    are as its CheckpointSaved recorded them; blocking). Its snapshot (``.state``) is not
+    needed to load it: read_log verifies the one it folds from. A checkpoint of a log
+    written before digests were is only checked to exist (a load that fails then falls back
+    all the same: :func:`rebuild`)."""
+    pt = Path(local)
+    if not pt.is_file():
+        return _missing(local)
+    where = {pt.name: local}
+    for name in files:
+        top, sep, _ = name.partition("/")
+        if sep and top not in where:
+            where[top] = learner.shards_at(pt, top)
+    needed = {n: f for n, f in files.items() if not n.endswith(".state")}
+    return verify_files(needed, where)
+
+
+LOAD_ERRORS = (RuntimeError, EOFError, OSError, ValueError, KeyError, pickle.UnpicklingError)
+"""What loading a checkpoint raises when its file is not a whole checkpoint (torch's zip
+reader, the unpickler, a state dict of another shape)."""
+
+
+async def _load_intact(state: TrainerState, learner: Learner, off: RunOff,
+                       where: Callable[[str], str],
+                       warn: Callable[[WarningRaised], Awaitable[Any]] | None,
+                       ) -> tuple[int, str | None]:
+    """Load the newest checkpoint of a finished step whose files verify and that loads;
+    each newer one that does not is told to ``warn`` (one line each, its cause). Returns its
+    step and local path (``(0, None)``: the log names none); :class:`ResumeFailed` when the
+    log names checkpoints and none serves."""
+    named = state.checkpoints()
+    skipped: list[str] = []
+    corrupt = False
+    for step, path in named:
+        local = where(path)
+        why = await asyncio.to_thread(checkpoint_fault, learner, local, state.files_of(path))
+        if why is None:
+            try:
+                await off(learner.load_checkpoint, local)
+            except (torch.OutOfMemoryError, Failure):  # memory, a rank: not the file's fault
+                raise
+            except LOAD_ERRORS as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                why = f"{local} could not be loaded ({type(exc).__name__}: {first})"
+        if why is None:
+            if skipped and warn is not None:
+                await warn(WarningRaised(
+                    source="trainer", code="checkpoint_corrupt" if corrupt else
+                    "checkpoint_missing",
+                    message=f"{'; '.join(skipped)}: resuming from {local} (step {step}) "
+                            f"and re-applying the steps after it"))
+            return step, local
+        corrupt = corrupt or why != _missing(local)
+        skipped.append(why)
+    if named:
+        raise ResumeFailed(no_checkpoint_serves(skipped))
+    return 0, None
+
+
+class WeightsMismatch(ResumeFailed):
+    """A resume rebuilt a model that does not hash to the weights the trainer published
+    for that version: it would publish weights its rollouters never had as the next
+    version's parent. The trainer stops before it publishes anything
+    (``trainer.resume_weights_mismatch=warn`` lets it go on)."""
+
+
+async def _published_digest(learner: Learner, off: RunOff, manifest: bool) -> str:
+    """The digest the learner's weights would be published under (a transport's manifest
+    digest, or the sha256 of the serialised blob); off the loop."""
+    if manifest:
+        tensors = await off(learner.snapshot)
+        return str(await asyncio.to_thread(weights_digest, tensors))
+    blob = await off(learner.state_bytes)
+    return hashlib.sha256(blob).hexdigest()
 
 
 async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner,
@@ -264,41 +428,36 @@ async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner
                   locate: Callable[[str], str] | None = None,
                   ) -> TrainerResumed:
     """Rebuild the model the trainer had: load the newest checkpoint of a finished step
-    whose file exists (pick_checkpoint; a missing newer one is told to ``warn``), re-apply
-    the finished steps after it from the entries their StepFinished recorded, and check the
-    result against the weights the trainer had published (``weights_match``). ``off`` runs
-    blocking work on the trainer's worker thread; ``locate``: the local file of a checkpoint
-    the log names (trainer.mirror; default: that path)."""
+    whose files verify (:func:`_load_intact`: a corrupt, truncated or missing newer one is
+    told to ``warn``), re-apply the finished steps after it from the entries their
+    StepFinished recorded, and check the model against the weights the trainer published
+    for its version (``weights_match``). That version was published after step
+    ``version * trigger``: the model is hashed when it is at that step (after the load or
+    the replayed step), not at the last step, which is mid-window with ``trigger`` > 1.
+    ``off`` runs blocking work on the trainer's worker thread; ``locate``: the local file of
+    a checkpoint the log names (trainer.mirror; default: that path)."""
     await learner.optimizer_ready()
     where = (lambda path: path) if locate is None else locate
-    ckpt_step, named, missing = await asyncio.to_thread(
-        pick_checkpoint, state, lambda path: os.path.exists(where(path)))
-    ckpt_path = None if named is None else where(named)
-    if missing and warn is not None:
-        await warn(WarningRaised(
-            source="trainer", code="checkpoint_missing",
-            message=f"checkpoint {missing[0]} named in the log is missing; resuming from "
-                    f"{ckpt_path} (step {ckpt_step}) and re-applying the steps after it"))
-    if ckpt_path is not None:
-        await off(learner.load_checkpoint, ckpt_path)
+    ckpt_step, _ = await _load_intact(state, learner, off, where, warn)
+    # Derived from finished steps, not from the newest WeightsPublished: weights published
+    # by a step that never finished are superseded when that step is trained again.
+    version = state.last_step // trigger
+    published = state.weights_of(version)
+    at_step = version * trigger
+    manifest = published is not None and is_manifest_ref(published)
+    digest = None
+    if published is not None and ckpt_step == at_step:
+        digest = await _published_digest(learner, off, manifest)
     replay = state.steps_after_checkpoint(ckpt_step)
     for rec in replay:
         groups = await replay_groups(bus, keys, rec)
         learner.version = (rec.step - 1) // trigger  # the version it held for that step
         await off(learner.update, groups)
-    # Derived from finished steps, not from the newest WeightsPublished: weights published
-    # by a step that never finished are superseded when that step is trained again.
-    learner.version = state.last_step // trigger
-    published = state.weights_of(learner.version)
-    match = None
-    if published is not None and is_manifest_ref(published):
-        # Published through a weight transport: the digest of the manifest the same
-        # tensors would have (chunk by chunk, off the loop).
-        tensors = await off(learner.snapshot)
-        match = await asyncio.to_thread(weights_digest, tensors) == published.sha256
-    elif published is not None:
-        blob = await off(learner.state_bytes)
-        match = hashlib.sha256(blob).hexdigest() == published.sha256
+        if published is not None and rec.step == at_step:
+            digest = await _published_digest(learner, off, manifest)
+    learner.version = version
+    # None: nothing to compare (never published, or published before the checkpoint).
+    match = None if digest is None or published is None else digest == published.sha256
     return TrainerResumed(step=state.last_step, param_version=learner.version,
                           checkpoint_step=ckpt_step, replayed_steps=len(replay),
                           weights_match=match, events_read=events_read)

@@ -21,6 +21,7 @@ import msgspec
 from runschema.messages import (
     BlobRef,
     CheckpointSaved,
+    FileDigest,
     Message,
     RunFinished,
     RunStarted,
@@ -67,6 +68,12 @@ class TrainerState(msgspec.Struct, frozen=True):
     """Checkpoints whose step has no StepFinished in the log yet."""
     steps: tuple[StepRecord, ...] = ()
     ledger: Ledger = Ledger()
+    ranks: int = 0
+    """How many trainer ranks the run's last RunStarted was trained with (0: unknown): a
+    replay with another count sums floats in another order (trainer.resume)."""
+    checkpoint_files: dict[str, dict[str, FileDigest]] = {}
+    """The digests each kept checkpoint's CheckpointSaved recorded, by its path (a resume
+    verifies the files before it loads one: trainer.integrity)."""
 
     def checkpoint(self) -> tuple[int, str | None]:
         """The newest checkpoint of a *finished* step: ``(step, path)``, or ``(0, None)``.
@@ -80,6 +87,10 @@ class TrainerState(msgspec.Struct, frozen=True):
         """The checkpoints of finished steps a resume may load, newest first."""
         newest = [] if self.checkpoint_at is None else [self.checkpoint_at]
         return newest + list(reversed(self.earlier_checkpoints))
+
+    def files_of(self, path: str) -> dict[str, FileDigest]:
+        """The digests recorded for the checkpoint at ``path`` (empty: none recorded)."""
+        return self.checkpoint_files.get(path, {})
 
     def steps_after_checkpoint(self, step: int | None = None) -> tuple[StepRecord, ...]:
         """Finished steps that the checkpoint of ``step`` (default: the usable one) does not
@@ -120,14 +131,15 @@ def _promote(state: TrainerState) -> TrainerState:
             earlier = (*earlier, state.checkpoint_at)
     earlier = tuple(c for c in earlier if c[0] < best[0])[-KEEP_EARLIER_CHECKPOINTS:]
     oldest = earlier[0][0] if earlier else best[0]
+    unfinished = tuple(c for c in state.unfinished_checkpoints if c[0] > state.last_step)
+    kept = {path for _, path in (best, *earlier, *unfinished)}
     return msgspec.structs.replace(
         state,
         checkpoint_at=best,
         earlier_checkpoints=earlier,
-        unfinished_checkpoints=tuple(
-            c for c in state.unfinished_checkpoints if c[0] > state.last_step
-        ),
+        unfinished_checkpoints=unfinished,
         steps=tuple(s for s in state.steps if s.step > oldest),
+        checkpoint_files={p: f for p, f in state.checkpoint_files.items() if p in kept},
     )
 
 
@@ -179,22 +191,35 @@ def _apply(state: TrainerState, msg: Message) -> TrainerState:
     match msg:
         case RunStarted(config=config):
             trainer_cfg = config.get("trainer", {}) if isinstance(config, dict) else {}
-            total = trainer_cfg.get("total_training_steps", 0) if isinstance(
-                trainer_cfg, dict) else 0
+            if not isinstance(trainer_cfg, dict):
+                trainer_cfg = {}
+            total = trainer_cfg.get("total_training_steps", 0)
             return replace(state, started=True, finished=False,
-                           total_steps=total if isinstance(total, int) else 0)
+                           total_steps=total if isinstance(total, int) else 0,
+                           ranks=_ranks(trainer_cfg))
         case StepFinished(step=step, sample_ids=ids, param_version=version, entry_ids=entry_ids):
             record = StepRecord(step, tuple(ids), version, tuple(entry_ids))
             return _promote(replace(state, last_step=step, steps=(*state.steps, record)))
         case WeightsPublished(version=version, ref=ref):
             kept = (*state.weights, (version, ref))[-KEEP_WEIGHT_EVENTS:]
             return replace(state, weights=kept)
-        case CheckpointSaved(step=step, path=path):
+        case CheckpointSaved(step=step, path=path, files=files):
             pending = (*state.unfinished_checkpoints, (step, path))
-            return _promote(replace(state, unfinished_checkpoints=pending))
+            digests = {**state.checkpoint_files, path: dict(files)} if files else {
+                p: f for p, f in state.checkpoint_files.items() if p != path}
+            return _promote(replace(state, unfinished_checkpoints=pending,
+                                    checkpoint_files=digests))
         case RunFinished():
             return replace(state, finished=True)
     return state
+
+
+def _ranks(trainer_cfg: dict[str, object]) -> int:
+    """The trainer's rank count a RunStarted's config says (0: it does not say)."""
+    nodes, per_node = trainer_cfg.get("nnodes", 1), trainer_cfg.get("n_gpus_per_node", 1)
+    if isinstance(nodes, int) and isinstance(per_node, int):
+        return nodes * per_node
+    return 0
 
 
 def fold(events: Iterable[Message], state: TrainerState | None = None,

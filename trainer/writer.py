@@ -55,6 +55,8 @@ class Writer:
         self.entries_read = 0
         self.refused: list[Refused] = []
         """Events of the log the fold refused at start (trainer.state.refusal)."""
+        self.skipped_snapshots: list[str] = []
+        """Why each corrupt snapshot the fold passed over was (trainer.resume.read_log)."""
         self.fenced: str | None = None
         """The holder that took the lease from us (set by a write or a pulse)."""
         self.floor: Callable[[], str | None] = lambda: None
@@ -69,6 +71,7 @@ class Writer:
         self.state, self.position = read.state, read.position
         self.last_finished_id, self.entries_read = read.last_finished_id, read.entries_read
         self.refused = read.refused
+        self.skipped_snapshots = read.skipped_snapshots
         return read
 
     async def write(
