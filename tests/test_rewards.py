@@ -192,6 +192,47 @@ def test_bad_reward_files_are_config_errors(tmp_path: Path, text: str | None, na
         RewardPool(_cfg(path))
 
 
+# verl's own verl/utils/reward_score/gsm8k.py: a scorer, not a compute_score for a reward
+# manager (no data_source): given as custom_reward_function.path, every call would raise.
+VERL_GSM8K = '''
+def compute_score(solution_str, ground_truth, method="strict", format_score=0.0, score=1.0):
+    return 0.0
+'''
+
+
+@pytest.mark.parametrize(("text", "kwargs", "problem"), [
+    (VERL_GSM8K, {}, "cannot take the keyword 'data_source'"),
+    ("def compute_score(data_source, solution_str, ground_truth, extra_info, /):\n  pass\n",
+     {}, "takes 'data_source' only by position"),
+    ("def compute_score(data_source, solution_str, ground_truth, extra_info, strict):\n"
+     "  pass\n", {}, "needs the argument 'strict', which verl does not pass"),
+    ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n  pass\n",
+     {"log": "x"}, "cannot take the keyword 'log'"),  # a reward_kwargs key it has no place for
+])
+def test_a_function_verl_cannot_call_is_refused_naming_it_and_the_keyword(
+    tmp_path: Path, text: str, kwargs: dict[str, Any], problem: str
+) -> None:
+    path = _file(tmp_path, text, "r.py")
+    with pytest.raises(ConfigError) as err:
+        spec_from_config(_cfg(path, kwargs=kwargs))
+    assert err.value.key == "custom_reward_function.path"
+    assert f"{path}:compute_score {problem}: verl calls it as compute_score(data_source=..., " \
+           "solution_str=..., ground_truth=..., extra_info=...)" in str(err.value)
+    with pytest.raises(ConfigError, match=problem):  # the pool refuses it before any process
+        RewardPool(_cfg(path, kwargs=kwargs))
+
+
+@pytest.mark.parametrize("signature", [
+    "data_source, solution_str, ground_truth, extra_info=None",
+    "**kwargs",
+    "data_source, *, solution_str, ground_truth, extra_info, **rest",
+    "solution_str, ground_truth, **kwargs",
+])
+def test_functions_verl_can_call_are_taken(tmp_path: Path, signature: str) -> None:
+    path = _file(tmp_path, f"def compute_score({signature}):\n    return 1.0\n", "r.py")
+    assert spec_from_config(_cfg(path)).custom_path == path
+
+
 def test_rlbus_reward_fn_and_digits_still_score_tickets_without_data_source() -> None:
     scorer = Scorer(spec_from_config(_cfg()))
     assert scorer(_item("321", "321", data_source="")) == (1.0, {})
@@ -545,20 +586,40 @@ async def test_the_rollouters_pulse_carries_the_reward_counters(
 
 
 @pytest.mark.procs
+def test_rlbus_up_refuses_a_function_verl_cannot_call_in_one_line(tmp_path: Path) -> None:
+    """verl's gsm8k.py as the reward function: exit 2 before anything starts, one line
+    naming the file, the function and the keyword it cannot take."""
+    path = _file(tmp_path, VERL_GSM8K, "gsm8k.py")
+    out = tmp_path / "out"
+    out.mkdir()
+    res = run_cli("up", f"run.output_dir={out}", f"custom_reward_function.path={path}",
+                  timeout_s=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    (line,) = [x for x in res.stderr.splitlines() if path in x]
+    assert f"{path}:compute_score cannot take the keyword 'data_source'" in line
+    assert "Traceback" not in res.stderr
+    assert not any(out.iterdir())  # no run directory, no Redis: nothing started
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize(("text", "said"), [
+    ("def compute_score(:\n", ": syntax error at line 1"),
+    (VERL_GSM8K, ":compute_score cannot take the keyword 'data_source'"),
+])
 def test_a_rollouter_with_a_bad_reward_file_exits_2(
-    redis_url: str, run_id: str, tmp_path: Path
+    redis_url: str, run_id: str, tmp_path: Path, text: str, said: str
 ) -> None:
     import subprocess
     import sys
 
-    path = _file(tmp_path, "def compute_score(:\n")
+    path = _file(tmp_path, text)
     res = subprocess.run(
         [sys.executable, "-m", "rollouter", f"redis.url={redis_url}", f"run.id={run_id}",
          f"run.output_dir={tmp_path}", f"custom_reward_function.path={path}"],
         capture_output=True, text=True, timeout=120,
     )
     assert res.returncode == 2, res.stdout + res.stderr
-    assert f"{path}: syntax error at line 1" in res.stderr
+    assert f"{path}{said}" in res.stderr
     assert "Traceback" not in res.stderr
 
 
