@@ -510,12 +510,13 @@ async def test_a_run_trains_on_the_users_reward_file(
 ) -> None:
     """The user's file is what scores every sample (in the reward workers, not the
     rollouter), its extra keys reach the samples, and its failures score 0 with one
-    warning: the run finishes."""
+    warning, counted in each step's metrics (rlbus inspect shows them): with
+    reward.max_failure_ratio=1 the run finishes."""
     log = tmp_path / "calls.jsonl"
     path = _file(tmp_path, RUN_REWARD)
     args = [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={tmp_path}", *FAST,
             "run.retention=all", "trainer.total_training_steps=2",
-            f"custom_reward_function.path={path}",
+            f"custom_reward_function.path={path}", "reward.max_failure_ratio=1",
             f"+custom_reward_function.reward_kwargs.log={log}", "rollout.reward_workers=2"]
     procs = Procs(tmp_path / "logs")
     try:
@@ -541,10 +542,38 @@ async def test_a_run_trains_on_the_users_reward_file(
     # The digits prompts of task.seed 0 are fixed: the 4th answer is 9935, so some fail.
     failed = [s for s in samples if not s.reward_extra]
     assert failed and all(s.reward == 0.0 and s.reward_s >= 0 for s in failed)
+    assert all(s.reward_error.startswith("ValueError: cannot score 9") for s in failed)
+    assert not any(s.reward_error or s.reward_timed_out for s in scored)
+    res = run_cli("inspect", "--run", run_id, "--json", f"redis.url={redis_url}")
+    assert res.returncode == 0, res.stderr
+    steps = [r["metrics"] for r in map(json.loads, res.stdout.splitlines())
+             if r["type"] == "StepFinished"]
+    assert len(steps) == 2 and all(m["reward/timeout_count"] == 0.0 for m in steps)
+    assert sum(m["reward/failed_count"] for m in steps) > 0
     warnings = [e for e in events if isinstance(e, WarningRaised) and e.code == "reward_failed"]
     assert len(warnings) == 1, warnings
     assert "ValueError: cannot score 9" in warnings[0].message
     assert "Traceback" in warnings[0].message
+
+
+@pytest.mark.e2e
+def test_rlbus_up_stops_at_the_first_failed_reward(tmp_path: Path) -> None:
+    """reward.max_failure_ratio=0 (the default, verl's behaviour): a reward function that
+    raises stops the run before any step is recorded; rlbus up exits non-zero with the
+    function and its error in one line."""
+    path = _file(tmp_path, """
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            raise ValueError("verifier is down")
+        """)
+    out = tmp_path / "out"
+    up = run_cli("up", f"run.output_dir={out}", "run.id=down", *FAST,
+                 "trainer.total_training_steps=3", "trainer.logger=[console]",
+                 f"custom_reward_function.path={path}", timeout_s=240)
+    assert up.returncode != 0, up.stdout + up.stderr
+    said = f"reward function {path}:compute_score failed: ValueError: verifier is down ("
+    assert any(line.startswith(f"trainer0 failed: {said}") and line.endswith(
+        "reward.max_failure_ratio=0)") for line in up.stderr.splitlines()), up.stderr
+    assert "step    1/3" not in up.stdout, up.stdout  # no step finished
 
 
 @pytest.mark.procs
