@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from bus import Bus, RunKeys
@@ -231,6 +232,36 @@ def test_a_function_verl_cannot_call_is_refused_naming_it_and_the_keyword(
 def test_functions_verl_can_call_are_taken(tmp_path: Path, signature: str) -> None:
     path = _file(tmp_path, f"def compute_score({signature}):\n    return 1.0\n", "r.py")
     assert spec_from_config(_cfg(path)).custom_path == path
+
+
+def test_a_failed_score_makes_a_sample_that_carries_its_error() -> None:
+    """verl's rewards: a failed score is still a sample (reward 0) with its error, the
+    timeout marked; rlbus's own task.reward_fn fails its ticket instead (no sample)."""
+    from rollouter.answers import Seq, to_samples
+    from rollouter.scoring import Score
+    from runschema.messages import PromptTicket, decode, encode
+
+    def ticket(tid: str, source: str) -> PromptTicket:
+        return PromptTicket(ticket_id=tid, prompt_id="p", prompt="", answer="7", n=3,
+                            min_version=0, data_source=source)
+
+    verl, own = ticket("t0", "my/source"), ticket("t1", "")
+    seqs = [Seq(ticket=t, index=i, prompt=[1], tokens=[2]) for t in (verl, own)
+            for i in range(3)]
+    timeout = "reward function timed out after 30 s (rollout.reward_timeout_s)"
+    scores = [Score(1.0, {}, 0.1, False), Score(0.0, {}, 0.1, True, "ValueError: no"),
+              Score(0.0, {}, 30.0, True, timeout, True), Score(1.0, {}, 0.1, False),
+              Score(0.0, {}, 0.1, True, "RuntimeError: down"), Score(1.0, {}, 0.1, False)]
+    samples, failed = to_samples(seqs, scores, {"t0": [1], "t1": [1]}, gen_s=1.0, rank=0,
+                                 eos_id=None, fails_ticket=lambda t: not t.data_source)
+    assert failed == {"t1": "reward function failed: RuntimeError: down"}
+    assert [(s.reward_error, s.reward_timed_out) for s in samples["t0"]] == [
+        ("", False), ("ValueError: no", False), (timeout, True)]
+    # A sample written before these fields existed reads as scored.
+    old = msgspec.msgpack.decode(encode(samples["t0"][0]))
+    del old["reward_error"], old["reward_timed_out"]
+    again = decode(msgspec.msgpack.encode(old))
+    assert isinstance(again, Sample) and (again.reward_error, again.reward_timed_out) == ("", False)
 
 
 def test_rlbus_reward_fn_and_digits_still_score_tickets_without_data_source() -> None:
