@@ -8,7 +8,9 @@ heartbeat however slow the scorer. A call longer than ``rollout.reward_timeout_s
 worker killed and replaced (a hung scorer never wedges the pool). A call that raises, times
 out or kills its worker scores 0, ``failed``: counted (:attr:`RewardPool.failures`,
 :attr:`RewardPool.timeouts`) and, for verl's rewards, told once with the first traceback
-(:meth:`RewardPool.take_warning`).
+(:meth:`RewardPool.take_warning`); its sample carries the error (``Sample.reward_error``),
+which the trainer counts in each step's metrics and stops the run on above
+``reward.max_failure_ratio``.
 """
 
 from __future__ import annotations
@@ -53,13 +55,15 @@ class ScoreItem(msgspec.Struct, frozen=True):
 
 
 class Score(NamedTuple):
-    """One response's reward: ``failed`` ones score 0; ``error`` says why (``Type: message``)."""
+    """One response's reward: ``failed`` ones score 0; ``error`` says why (``Type: message``),
+    ``timed_out`` whether it was the timeout."""
 
     reward: float
     extra: dict[str, float]
     seconds: float
     failed: bool
     error: str = ""
+    timed_out: bool = False
 
 
 class _Timeout(Exception):
@@ -271,7 +275,7 @@ class RewardPool:
             if not self._warned and not self.spec.legacy(item.data_source):
                 self._warned = True
                 self._warning = _warning_text(item, error, detail, self.timeout_s)
-        return Score(0.0, {}, seconds, True, error)
+        return Score(0.0, {}, seconds, True, error, timeout)
 
     def take_warning(self) -> str | None:
         """The one warning about failed scoring (the first failure's traceback), once."""
@@ -291,7 +295,9 @@ class RewardPool:
 def _warning_text(item: ScoreItem, error: str, detail: str, timeout_s: float) -> str:
     where = f"data_source {item.data_source!r}" if item.data_source else "a sample"
     head = (f"reward scoring failed for {where}: {error}. Such samples score 0, counted in "
-            "reward/failed_count and reward/timeout_count (this warning is given once)")
+            "each step's reward/failed_count and reward/timeout_count; above "
+            "reward.max_failure_ratio of a step's samples the run stops (this warning is "
+            "given once)")
     if detail:
         return f"{head}; first failure:\n{detail.rstrip()}"
     return f"{head}; a call longer than {timeout_s:g} s has its worker killed and replaced"

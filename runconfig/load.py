@@ -86,8 +86,13 @@ def verl_default_dict() -> dict[str, Any]:
 def verl_heads() -> frozenset[str]:
     """Sections only verl has (``actor_rollout_ref``, ``algorithm``, ``critic``, ...): a key
     in one of them makes a line a verl line."""
-    own = {k.split(".", 1)[0] for k in config_shape().leaves}
+    own = {k.split(".", 1)[0] for k in config_shape().leaves} - _VERLS_OWN
     return frozenset({k.split(".", 1)[0] for k in verl_table.verl_keys()} - own)
+
+
+_VERLS_OWN = frozenset({"reward"})
+"""Sections that stay verl's although rlbus has a key there (``reward.max_failure_ratio``):
+``reward.num_workers=8`` is a verl line, rlbus's own key alone is not (:func:`_verl_line`)."""
 
 
 # --------------------------------------------------------------------------- override grammar
@@ -522,8 +527,9 @@ def _verl_line(assignments: list[Assignment], preset: bool) -> str | None:
         return None  # rlbus (or a bad value, which the schema refuses naming the key)
     if preset:
         return f"--config {PRESET}"
-    heads = verl_heads()
-    first = next((a.key for a in assignments if a.key.split(".", 1)[0] in heads), None)
+    heads, own = verl_heads(), config_shape().leaves
+    first = next((a.key for a in assignments
+                  if a.key.split(".", 1)[0] in heads and a.key not in own), None)
     return None if first is None else f"{first} is verl's key"
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "OverlongBufferConfig",
     "ProfilerConfig",
     "RedisConfig",
+    "RewardConfig",
     "RewardModelConfig",
     "RolloutConfig",
     "RunConfig",
@@ -158,6 +159,14 @@ class RewardModelConfig(_Section, frozen=True):
     reward_manager: Literal["naive", "dapo"] = "naive"
     overlong_buffer: OverlongBufferConfig = OverlongBufferConfig()
     reward_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class RewardConfig(_Section, frozen=True):
+    """What a run does with rewards that fail. ``reward`` is verl's section name (its newer
+    reward settings, read through runconfig.verl's table); this key is rlbus's own: verl
+    has no such setting and stops at the first reward function error, as 0 does here."""
+
+    max_failure_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.0
 
 
 class TrainerConfig(_Section, frozen=True):
@@ -347,6 +356,7 @@ class Config(_Section, frozen=True):
     data: DataConfig = DataConfig()
     custom_reward_function: CustomRewardConfig = CustomRewardConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
+    reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
     rollout: RolloutConfig = RolloutConfig()
     async_training: AsyncTrainingConfig = AsyncTrainingConfig()

@@ -22,7 +22,8 @@ KEY=VALUE ...``) runs as ``rlbus up KEY=VALUE ...``. Each verl key is one of:
 rlbus's own keys always win: a key in :func:`runconfig.known_keys` is never looked up here.
 The table is documented, row for row, in docs/config.md. Sections whose names are verl's
 (``data``, ``custom_reward_function``, ``reward_model``, ``trainer``, ``async_training``,
-``global_profiler``) are rlbus's own; the rows here cover the rest of them.
+``global_profiler``) are rlbus's own; the rows here cover the rest of them. ``reward`` stays
+verl's (its rows are here) beside the one key rlbus has there, ``reward.max_failure_ratio``.
 
 A line with a key in a section only verl has (``runconfig.verl_heads()``) is a verl line and
 gets verl's defaults (``runconfig/verl_defaults.yaml``; see :func:`runconfig.load_config`).

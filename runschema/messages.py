@@ -431,6 +431,11 @@ class Sample(_Base, frozen=True):
     """Seconds the scorer took for this response (``timing_s/reward``)."""
     reward_extra: dict[str, float] = {}
     """A verl reward function's other keys (its dict return form), as numbers."""
+    reward_error: str = ""
+    """Why the reward function gave no reward (``Type: message``, or that it timed out);
+    the sample then has reward 0. Empty: it scored."""
+    reward_timed_out: bool = False
+    """The reward function ran past ``rollout.reward_timeout_s`` (``reward_error`` says so)."""
 
 
 class ValidationRequested(_Base, frozen=True):

@@ -39,12 +39,14 @@ from tasks.reward import RewardFnError, load_reward_fn
 __all__ = [
     "GSM8K_SOURCES",
     "MATH_SOURCES",
+    "VERL_KEYWORDS",
     "RewardSpec",
     "Scorer",
     "UnknownDataSource",
     "builtin_score",
     "check_reward_config",
     "check_scorers",
+    "check_signature",
     "extra_metrics",
     "gsm8k_extract",
     "gsm8k_score",
@@ -130,6 +132,45 @@ def _import_file(path: str) -> Any:
         raise ConfigError(PATH_KEY, f"{path}: importing it raised {type(exc).__name__}: "
                                     f"{exc}") from None
     return module
+
+
+VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
+"""The keywords verl's reward managers call ``compute_score`` with (then reward_kwargs)."""
+
+
+def check_signature(fn: Callable[..., Any], path: str, name: str,
+                    reward_kwargs: Mapping[str, Any]) -> None:
+    """Refuse (ConfigError naming ``path:name`` and the keyword) a function that cannot be
+    called as verl calls it: by the keywords :data:`VERL_KEYWORDS` and ``reward_kwargs``,
+    nothing by position. Otherwise every call of the run would raise (verl's own
+    ``reward_score/gsm8k.py`` takes no ``data_source``): exit 2 before anything starts."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: its calls will tell
+        return
+    problem = _signature_problem(sig, [*VERL_KEYWORDS, *reward_kwargs])
+    if problem is not None:
+        call = ", ".join(f"{k}=..." for k in VERL_KEYWORDS)
+        raise ConfigError(PATH_KEY, f"{path}:{name} {problem}: verl calls it as {name}({call}) "
+                                    "plus custom_reward_function.reward_kwargs (a **kwargs "
+                                    "parameter takes the keywords it does not use)")
+
+
+def _signature_problem(sig: inspect.Signature, keywords: list[str]) -> str | None:
+    """Why ``sig`` cannot be called with exactly these ``keywords`` (None: it can)."""
+    kinds = {name: p.kind for name, p in sig.parameters.items()}
+    takes_any = inspect.Parameter.VAR_KEYWORD in kinds.values()
+    by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    for key in keywords:
+        if kinds.get(key) is inspect.Parameter.POSITIONAL_ONLY:
+            return f"takes {key!r} only by position"
+        if kinds.get(key) not in by_keyword and not takes_any:
+            return f"cannot take the keyword {key!r}"
+    for name, p in sig.parameters.items():
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) \
+                and name not in keywords:
+            return f"needs the argument {name!r}, which verl does not pass"
+    return None
 
 
 # --------------------------------------------------------------------------- GSM8K
@@ -375,7 +416,8 @@ def spec_from_config(cfg: Any) -> RewardSpec:
         raise ConfigError("reward_model.reward_kwargs", f"not a number or flag: {exc}") from None
     _check_overlong(spec)
     if spec.custom_path:
-        load_custom_reward(spec.custom_path, spec.custom_name)
+        fn = load_custom_reward(spec.custom_path, spec.custom_name)
+        check_signature(fn, spec.custom_path, spec.custom_name, spec.custom_kwargs)
     try:
         load_reward_fn(spec.legacy_fn)
     except RewardFnError as exc:

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from bus import Bus, RunKeys
@@ -190,6 +191,77 @@ def test_bad_reward_files_are_config_errors(tmp_path: Path, text: str | None, na
     assert path in str(err.value)
     with pytest.raises(ConfigError, match=match):  # the pool refuses it before any process
         RewardPool(_cfg(path))
+
+
+# verl's own verl/utils/reward_score/gsm8k.py: a scorer, not a compute_score for a reward
+# manager (no data_source): given as custom_reward_function.path, every call would raise.
+VERL_GSM8K = '''
+def compute_score(solution_str, ground_truth, method="strict", format_score=0.0, score=1.0):
+    return 0.0
+'''
+
+
+@pytest.mark.parametrize(("text", "kwargs", "problem"), [
+    (VERL_GSM8K, {}, "cannot take the keyword 'data_source'"),
+    ("def compute_score(data_source, solution_str, ground_truth, extra_info, /):\n  pass\n",
+     {}, "takes 'data_source' only by position"),
+    ("def compute_score(data_source, solution_str, ground_truth, extra_info, strict):\n"
+     "  pass\n", {}, "needs the argument 'strict', which verl does not pass"),
+    ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n  pass\n",
+     {"log": "x"}, "cannot take the keyword 'log'"),  # a reward_kwargs key it has no place for
+])
+def test_a_function_verl_cannot_call_is_refused_naming_it_and_the_keyword(
+    tmp_path: Path, text: str, kwargs: dict[str, Any], problem: str
+) -> None:
+    path = _file(tmp_path, text, "r.py")
+    with pytest.raises(ConfigError) as err:
+        spec_from_config(_cfg(path, kwargs=kwargs))
+    assert err.value.key == "custom_reward_function.path"
+    assert f"{path}:compute_score {problem}: verl calls it as compute_score(data_source=..., " \
+           "solution_str=..., ground_truth=..., extra_info=...)" in str(err.value)
+    with pytest.raises(ConfigError, match=problem):  # the pool refuses it before any process
+        RewardPool(_cfg(path, kwargs=kwargs))
+
+
+@pytest.mark.parametrize("signature", [
+    "data_source, solution_str, ground_truth, extra_info=None",
+    "**kwargs",
+    "data_source, *, solution_str, ground_truth, extra_info, **rest",
+    "solution_str, ground_truth, **kwargs",
+])
+def test_functions_verl_can_call_are_taken(tmp_path: Path, signature: str) -> None:
+    path = _file(tmp_path, f"def compute_score({signature}):\n    return 1.0\n", "r.py")
+    assert spec_from_config(_cfg(path)).custom_path == path
+
+
+def test_a_failed_score_makes_a_sample_that_carries_its_error() -> None:
+    """verl's rewards: a failed score is still a sample (reward 0) with its error, the
+    timeout marked; rlbus's own task.reward_fn fails its ticket instead (no sample)."""
+    from rollouter.answers import Seq, to_samples
+    from rollouter.scoring import Score
+    from runschema.messages import PromptTicket, decode, encode
+
+    def ticket(tid: str, source: str) -> PromptTicket:
+        return PromptTicket(ticket_id=tid, prompt_id="p", prompt="", answer="7", n=3,
+                            min_version=0, data_source=source)
+
+    verl, own = ticket("t0", "my/source"), ticket("t1", "")
+    seqs = [Seq(ticket=t, index=i, prompt=[1], tokens=[2]) for t in (verl, own)
+            for i in range(3)]
+    timeout = "reward function timed out after 30 s (rollout.reward_timeout_s)"
+    scores = [Score(1.0, {}, 0.1, False), Score(0.0, {}, 0.1, True, "ValueError: no"),
+              Score(0.0, {}, 30.0, True, timeout, True), Score(1.0, {}, 0.1, False),
+              Score(0.0, {}, 0.1, True, "RuntimeError: down"), Score(1.0, {}, 0.1, False)]
+    samples, failed = to_samples(seqs, scores, {"t0": [1], "t1": [1]}, gen_s=1.0, rank=0,
+                                 eos_id=None, fails_ticket=lambda t: not t.data_source)
+    assert failed == {"t1": "reward function failed: RuntimeError: down"}
+    assert [(s.reward_error, s.reward_timed_out) for s in samples["t0"]] == [
+        ("", False), ("ValueError: no", False), (timeout, True)]
+    # A sample written before these fields existed reads as scored.
+    old = msgspec.msgpack.decode(encode(samples["t0"][0]))
+    del old["reward_error"], old["reward_timed_out"]
+    again = decode(msgspec.msgpack.encode(old))
+    assert isinstance(again, Sample) and (again.reward_error, again.reward_timed_out) == ("", False)
 
 
 def test_rlbus_reward_fn_and_digits_still_score_tickets_without_data_source() -> None:
@@ -469,12 +541,13 @@ async def test_a_run_trains_on_the_users_reward_file(
 ) -> None:
     """The user's file is what scores every sample (in the reward workers, not the
     rollouter), its extra keys reach the samples, and its failures score 0 with one
-    warning: the run finishes."""
+    warning, counted in each step's metrics (rlbus inspect shows them): with
+    reward.max_failure_ratio=1 the run finishes."""
     log = tmp_path / "calls.jsonl"
     path = _file(tmp_path, RUN_REWARD)
     args = [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={tmp_path}", *FAST,
             "run.retention=all", "trainer.total_training_steps=2",
-            f"custom_reward_function.path={path}",
+            f"custom_reward_function.path={path}", "reward.max_failure_ratio=1",
             f"+custom_reward_function.reward_kwargs.log={log}", "rollout.reward_workers=2"]
     procs = Procs(tmp_path / "logs")
     try:
@@ -500,10 +573,38 @@ async def test_a_run_trains_on_the_users_reward_file(
     # The digits prompts of task.seed 0 are fixed: the 4th answer is 9935, so some fail.
     failed = [s for s in samples if not s.reward_extra]
     assert failed and all(s.reward == 0.0 and s.reward_s >= 0 for s in failed)
+    assert all(s.reward_error.startswith("ValueError: cannot score 9") for s in failed)
+    assert not any(s.reward_error or s.reward_timed_out for s in scored)
+    res = run_cli("inspect", "--run", run_id, "--json", f"redis.url={redis_url}")
+    assert res.returncode == 0, res.stderr
+    steps = [r["metrics"] for r in map(json.loads, res.stdout.splitlines())
+             if r["type"] == "StepFinished"]
+    assert len(steps) == 2 and all(m["reward/timeout_count"] == 0.0 for m in steps)
+    assert sum(m["reward/failed_count"] for m in steps) > 0
     warnings = [e for e in events if isinstance(e, WarningRaised) and e.code == "reward_failed"]
     assert len(warnings) == 1, warnings
     assert "ValueError: cannot score 9" in warnings[0].message
     assert "Traceback" in warnings[0].message
+
+
+@pytest.mark.e2e
+def test_rlbus_up_stops_at_the_first_failed_reward(tmp_path: Path) -> None:
+    """reward.max_failure_ratio=0 (the default, verl's behaviour): a reward function that
+    raises stops the run before any step is recorded; rlbus up exits non-zero with the
+    function and its error in one line."""
+    path = _file(tmp_path, """
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            raise ValueError("verifier is down")
+        """)
+    out = tmp_path / "out"
+    up = run_cli("up", f"run.output_dir={out}", "run.id=down", *FAST,
+                 "trainer.total_training_steps=3", "trainer.logger=[console]",
+                 f"custom_reward_function.path={path}", timeout_s=240)
+    assert up.returncode != 0, up.stdout + up.stderr
+    said = f"reward function {path}:compute_score failed: ValueError: verifier is down ("
+    assert any(line.startswith(f"trainer0 failed: {said}") and line.endswith(
+        "reward.max_failure_ratio=0)") for line in up.stderr.splitlines()), up.stderr
+    assert "step    1/3" not in up.stdout, up.stdout  # no step finished
 
 
 @pytest.mark.procs
@@ -545,20 +646,40 @@ async def test_the_rollouters_pulse_carries_the_reward_counters(
 
 
 @pytest.mark.procs
+def test_rlbus_up_refuses_a_function_verl_cannot_call_in_one_line(tmp_path: Path) -> None:
+    """verl's gsm8k.py as the reward function: exit 2 before anything starts, one line
+    naming the file, the function and the keyword it cannot take."""
+    path = _file(tmp_path, VERL_GSM8K, "gsm8k.py")
+    out = tmp_path / "out"
+    out.mkdir()
+    res = run_cli("up", f"run.output_dir={out}", f"custom_reward_function.path={path}",
+                  timeout_s=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    (line,) = [x for x in res.stderr.splitlines() if path in x]
+    assert f"{path}:compute_score cannot take the keyword 'data_source'" in line
+    assert "Traceback" not in res.stderr
+    assert not any(out.iterdir())  # no run directory, no Redis: nothing started
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize(("text", "said"), [
+    ("def compute_score(:\n", ": syntax error at line 1"),
+    (VERL_GSM8K, ":compute_score cannot take the keyword 'data_source'"),
+])
 def test_a_rollouter_with_a_bad_reward_file_exits_2(
-    redis_url: str, run_id: str, tmp_path: Path
+    redis_url: str, run_id: str, tmp_path: Path, text: str, said: str
 ) -> None:
     import subprocess
     import sys
 
-    path = _file(tmp_path, "def compute_score(:\n")
+    path = _file(tmp_path, text)
     res = subprocess.run(
         [sys.executable, "-m", "rollouter", f"redis.url={redis_url}", f"run.id={run_id}",
          f"run.output_dir={tmp_path}", f"custom_reward_function.path={path}"],
         capture_output=True, text=True, timeout=120,
     )
     assert res.returncode == 2, res.stdout + res.stderr
-    assert f"{path}: syntax error at line 1" in res.stderr
+    assert f"{path}{said}" in res.stderr
     assert "Traceback" not in res.stderr
 
 

@@ -54,6 +54,7 @@ from trainer.health import PeerDead
 from trainer.ledger import Ledger, ticket_id
 from trainer.ledger import apply as ledger_apply
 from trainer.ledger import fold as ledger_fold
+from trainer.rewardfail import RewardFailed
 from trainer.stepwork import StepWork
 
 N = 2  # responses per ticket
@@ -71,13 +72,14 @@ def _cfg(*overrides: str) -> Config:
 
 
 def _sample(ticket: int, index: int, *, attempt: int = 0, version: int = 0,
-            reward: float = 1.0) -> Sample:
+            reward: float = 1.0, error: str = "", timed_out: bool = False) -> Sample:
     return Sample(
         sample_id=f"{ticket_id(ticket)}/{index}", ticket_id=ticket_id(ticket), prompt_id="p",
         index=index, n=N, prompt_tokens=Array.of(np.asarray([1, 2], dtype=np.int32)),
         response_tokens=Array.of(np.asarray([3, 4], dtype=np.int32)),
         logprobs=Array.of(np.asarray([-0.1, -0.2], dtype=np.float32)), reward=reward,
-        min_version=version, max_version=version, attempt=attempt)
+        min_version=version, max_version=version, attempt=attempt, reward_error=error,
+        reward_timed_out=timed_out)
 
 
 def _hb(rank: int, progress: int | None = None) -> Heartbeat:
@@ -254,6 +256,87 @@ def test_a_stale_group_is_acked_warned_and_its_ticket_reissued() -> None:
     (train,) = _answer(shell, 0, 4.0, attempt=1, version=2)
     assert isinstance(train, Train) and shell.trained == ["t1/0", "t1/1", "t0/0", "t0/1"]
     assert shell.core.intake.discarded == 1
+
+
+# ---------------------------------------------------------------------------- failed rewards
+
+TYPE_ERROR = "TypeError: compute_score() got an unexpected keyword argument 'data_source'"
+TIMED_OUT = "reward function timed out after 30 s (rollout.reward_timeout_s)"
+
+
+def _scored(shell: Shell, ticket: int, now: float, *errors: str, version: int = 0
+            ) -> list[Action]:
+    """The N responses of ``ticket`` (generated with weights ``version``) in one read,
+    response i failed with ``errors[i]`` (empty: scored; :data:`TIMED_OUT`: the timeout)."""
+    errors = errors + ("",) * (N - len(errors))
+    return shell.take(Reads(now, deliveries=shell.deliver(*(
+        _sample(ticket, i, reward=0.0 if e else 1.0, error=e, timed_out=e == TIMED_OUT,
+                version=version) for i, e in enumerate(errors)))))
+
+
+def test_the_first_failed_reward_stops_the_run_by_default() -> None:
+    """reward.max_failure_ratio=0 (verl's behaviour): the first failed score that joins a
+    step stops the run, naming the function and its error in one line; nothing of the
+    step is recorded."""
+    shell = Shell(_core(_cfg("custom_reward_function.path=tasks/foo.py")))
+    shell.start()
+    shell.act(shell.core.start_step(1, 1.0), 1.0)
+    _scored(shell, 0, 2.0)
+    with pytest.raises(RewardFailed) as failed:
+        _scored(shell, 1, 3.0, "", f"{TYPE_ERROR}\n(more lines)")
+    text = str(failed.value)
+    assert text.startswith(f"reward function tasks/foo.py:compute_score failed: {TYPE_ERROR} ")
+    assert "on 1 of step 1's 4 samples" in text and "reward.max_failure_ratio=0" in text
+    assert "\n" not in text
+    assert not any(isinstance(a, FinishStep) for a in shell.written)
+
+
+def test_failed_rewards_under_the_ratio_are_counted_and_above_it_stop_the_run() -> None:
+    """reward.max_failure_ratio=0.5 over a step's 4 samples: 2 failed (one an error, one a
+    timeout) go on and are counted in the step's metrics; a 3rd in the next step stops it
+    as soon as it joins (3 of 4 whatever the rest)."""
+    shell = Shell(_core(_cfg("reward.max_failure_ratio=0.5")))
+    shell.start()
+    shell.act(shell.core.start_step(1, 1.0), 1.0)
+    _scored(shell, 0, 2.0, TYPE_ERROR)
+    (train,) = _scored(shell, 1, 3.0, TIMED_OUT)
+    assert isinstance(train, Train) and shell.core.gathered
+    metrics = next(a for a in shell.finish(4.0) if isinstance(a, FinishStep)).finished.metrics
+    assert metrics["reward/failed_count"] == 1.0 and metrics["reward/timeout_count"] == 1.0
+    shell.act(shell.core.start_step(2, 5.0), 5.0)
+    assert _scored(shell, 2, 6.0, TIMED_OUT, TIMED_OUT, version=1) == []  # 2 of 4: goes on
+    with pytest.raises(RewardFailed, match=r"^reward function \(the built-in scorer of the "
+                                           r"data source\) failed: reward function timed out"):
+        _scored(shell, 3, 7.0, "", TYPE_ERROR, version=1)
+
+
+def test_a_step_without_failures_counts_zero() -> None:
+    shell = Shell(_core(_cfg()))
+    shell.start()
+    shell.act(shell.core.start_step(1, 1.0), 1.0)
+    _scored(shell, 0, 2.0)
+    _scored(shell, 1, 3.0)
+    metrics = next(a for a in shell.finish(4.0) if isinstance(a, FinishStep)).finished.metrics
+    assert metrics["reward/failed_count"] == 0.0 and metrics["reward/timeout_count"] == 0.0
+
+
+def test_a_failure_taken_early_for_the_next_step_lets_this_step_finish() -> None:
+    """Groups that complete during step 1 start step 2 at its close (trainer.core): a
+    failed reward among them stops the run when step 2 starts, after StepFinished(1)."""
+    shell = Shell(_core(_cfg("async_training.staleness_threshold=1")))
+    shell.start()  # a budget of 4 tickets: 2 for step 1, 2 early for step 2
+    shell.act(shell.core.start_step(1, 1.0), 1.0)
+    _scored(shell, 0, 2.0)
+    _scored(shell, 1, 3.0)
+    _scored(shell, 2, 3.5, TYPE_ERROR)
+    _scored(shell, 3, 3.6)
+    closing = shell.core.close_step(profiled=False)
+    assert closing.early  # step 2's first mini-batch, failure and all
+    shell.act(shell.core.take(Reads(3.8, peers=[_hb(0)])), 3.8)  # the close's peer read
+    finished = shell.act(shell.core.finish_step({}, MEASURED, 4.0), 4.0)
+    assert next(a for a in finished if isinstance(a, FinishStep)).finished.step == 1
+    with pytest.raises(RewardFailed, match="on 1 of step 2's 4 samples"):
+        shell.core.start_step(2, 5.0)
 
 
 # ---------------------------------------------------------------------------- (c) dead peers

@@ -103,9 +103,10 @@ def test_an_rlbus_line_keeps_rlbus_defaults(tmp_path: Path) -> None:
     # Keys of sections both share do not make a line verl's.
     args = [f"data.train_files={tmp_path / 'd.parquet'}", "async_training.require_batches=2",
             "trainer.save_freq=5", "global_profiler.steps=[1]",
-            "rollout.total_rollout_steps=64", "reward_model.reward_manager=dapo"]
+            "rollout.total_rollout_steps=64", "reward_model.reward_manager=dapo",
+            "reward.max_failure_ratio=0.1"]  # rlbus's own key in verl's reward section
     cfg, notes = _load(args)
-    assert notes == []
+    assert notes == [] and cfg.reward.max_failure_ratio == 0.1
     rlbus = default_dict()
     assert cfg.trainer.ppo_mini_batch_size == rlbus["trainer"]["ppo_mini_batch_size"]
     assert cfg.trainer.lr == rlbus["trainer"]["lr"]
@@ -126,6 +127,13 @@ def test_run_defaults_decides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     Path("verl").write_text("trainer:\n  lr: 0.5\n")
     cfg, notes = _load([], file="verl")
     assert notes == [] and cfg.trainer.lr == 0.5
+
+
+def test_verls_reward_section_still_makes_a_verl_line() -> None:
+    cfg, notes = _load(["reward.num_workers=3", "reward.max_failure_ratio=1",
+                        "rollout.max_new_tokens=5"])
+    assert len(notes) == 1 and "reward.num_workers is verl's key" in notes[0]
+    assert cfg.rollout.reward_workers == 3 and cfg.reward.max_failure_ratio == 1.0
 
 
 def test_deleting_a_key_of_a_verl_line_gives_verls_default() -> None:

@@ -18,7 +18,8 @@ One step ``k`` through the core:
    stream had nothing), the run's health (trainer.health: rollouts failing, no rollouter
    alive, the leases of unanswered tickets as :meth:`StepCore.due` asked the shell to look
    them up, a stall); each complete mini-batch is handed to the worker as it comes
-   (:class:`~trainer.actions.Train`);
+   (:class:`~trainer.actions.Train`), and the step's groups so far are judged for failed
+   rewards (trainer.rewardfail: above ``reward.max_failure_ratio`` the run stops);
 3. the shell waits for the worker to finish the update, then :meth:`StepCore.close_step`:
    the weights version goes up every ``trigger_parameter_sync_step`` steps, a checkpoint
    is due or not, the next step begins early unless this one is profiled or checkpointed;
@@ -68,6 +69,7 @@ from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale
 from trainer.ledger import Ledger
 from trainer.ledger import apply as ledger_apply
 from trainer.metrics import StaleWindow, step_gauges, verl_step_metrics
+from trainer.rewardfail import RewardGuard, reward_metrics
 from trainer.stepwork import may_stream
 from trainer.validation import ValidationRequests, last_version
 
@@ -98,6 +100,7 @@ class StepCore:
         self.health = Health(cfg.heartbeat, keys, now)
         self.validations = ValidationRequests(cfg)
         self.window = StaleWindow()
+        self.rewards = RewardGuard(cfg)
         self.step = 0
         """The step being gathered, or the last one."""
         self.started_at = now
@@ -160,6 +163,7 @@ class StepCore:
         if self.batch is None:
             self.batch = []
         out.extend(self._feed())
+        self._judge_rewards()
         return out
 
     @property
@@ -196,7 +200,16 @@ class StepCore:
         if reads.idle:
             self._judge_health(out, reads)
         out.extend(self._feed())
+        self._judge_rewards()
         return out
+
+    def _judge_rewards(self) -> None:
+        """Raise RewardFailed when the step's groups so far hold more failed rewards than
+        ``reward.max_failure_ratio`` allows (trainer.rewardfail). Not while a closed step
+        waits for its StepFinished: the next step's groups taken early are judged when it
+        starts, so the step before is recorded."""
+        if self.batch is not None and not self.closed:
+            self.rewards.check(self.step, self.batch, self.need)
 
     def _take_reports(self, out: list[Action], reads: Reads) -> None:
         """Tickets the rollouters gave up (closed, their slots freed, new tickets issued)
@@ -319,6 +332,7 @@ class StepCore:
         metrics["trainer/ranks"] = float(measured.ranks)
         metrics.update(verl_step_metrics([s for _, s in trained],
                                          self.cfg.rollout.max_new_tokens, measured.update_s))
+        metrics.update(reward_metrics(s for _, s in trained))
         out: list[Action] = []
         self._emit(out, FinishStep(StepFinished(
             step=self.step, sample_ids=[s.sample_id for _, s in trained], metrics=metrics,
