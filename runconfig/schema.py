@@ -82,6 +82,10 @@ class RunConfig(_Section, frozen=True):
     stop_grace_s: PosFloat = 10.0
     progress_interval_s: PosFloat = 10.0
     retention: Literal["checkpoint", "all"] = "checkpoint"
+    # The trainer's own checkpoints (trainer.resumepoints): the streams stay bounded however
+    # rarely the user checkpoints (0: off).
+    resume_point_steps: NonNegInt = 100
+    resume_point_mb: NonNegFloat = 1024.0
     cpu_affinity: Literal["auto", "none"] = "auto"
     defaults: Literal["auto", "verl", "rlbus"] = "auto"
     storage: str | None = None

@@ -228,6 +228,10 @@ class CheckpointSaved(_Base, frozen=True):
     """Every file of the checkpoint, by its name relative to the checkpoint folder
     (``step-K.pt``, ``step-K.state``, ``step-K.dcp/...``): a resume verifies them before it
     loads the checkpoint (trainer.integrity). Empty in logs written before digests were."""
+    resume_point: bool = False
+    """The trainer's own checkpoint (trainer.resumepoints), not one ``trainer.save_freq``
+    asked for: no Hugging Face export, deleted by retention once two newer checkpoints
+    exist."""
 
 
 class ProfilerReady(_Base, frozen=True):

@@ -238,6 +238,18 @@ def test_checkpoints_to_drop_keeps_the_newest_and_the_needed() -> None:
     assert checkpoints_to_drop([10], 3, 10, set()) == []
 
 
+def test_resume_points_go_once_two_newer_checkpoints_exist() -> None:
+    """The trainer's own checkpoints (trainer.resumepoints) are not the user's: deleted
+    whatever max_actor_ckpt_to_keep says (None keeps every user checkpoint) once two newer
+    checkpoints of either kind exist, and never counted against the user's N."""
+    marked = frozenset({5, 15, 25, 35})
+    steps = [5, 10, 15, 20, 25, 30, 35]
+    assert checkpoints_to_drop(steps, None, 35, set(), marked) == [5, 15, 25]
+    assert checkpoints_to_drop(steps, 1, 35, set(), marked) == [5, 10, 15, 20, 25]
+    assert checkpoints_to_drop(steps, 2, 35, {25}, marked) == [5, 10, 15]
+    assert checkpoints_to_drop([5, 10], None, 10, set(), frozenset({5})) == []
+
+
 @pytest.mark.asyncio
 async def test_rlbus_profile_sees_a_run_whose_run_started_was_archived(
     bus: Bus, redis_url: str, run_keys: RunKeys, tmp_path: Path

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, RunKeys
-from runschema.messages import StepFinished, StepStarted, TrainerResumed
+from runschema.messages import CheckpointSaved, StepFinished, StepStarted, TrainerResumed
 from runtime import Follower
 from runtime.history import events_folder, read_history
 from storage.archive import read_archive
@@ -108,3 +108,44 @@ async def test_events_stay_bounded_and_archive_plus_stream_hold_every_event(
     assert sorted({r["step"] for r in rows if r["type"] == "StepFinished"}) == list(
         range(1, steps + 1))
     assert len(rows) == len([e for e in history if type(e.msg).__name__ != "Heartbeat"])
+
+
+async def test_save_freq_minus_one_is_bounded_by_resume_points_that_serve_a_resume(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    """verl's default ``trainer.save_freq=-1``: no checkpoint is asked for, yet the samples
+    stream stays bounded. The trainer writes its own resume points (every 4 steps here), the
+    streams are trimmed after each, a trainer killed after step 14 resumes from step 12's
+    with the weights it had, and at the end only the newest resume points are left beside the
+    run's last checkpoint."""
+    steps, per_step = 30, 4 * 4  # FAST: 4 groups of n=4 a step
+    args = [f"redis.url={redis_url}", f"run.id={run_id}", f"run.output_dir={tmp_path}", *FAST,
+            f"trainer.total_training_steps={steps}", "trainer.save_freq=-1",
+            "run.resume_point_steps=4"]
+    procs.spawn("rollouter0", "rollouter", *args)
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, event(StepFinished, step=14), 300,
+                   procs.watch("trainer", "rollouter0"))
+    procs.kill("trainer")
+    # Trimmed below step 8's samples (the fallback of step 12's resume point): steps 9-14
+    # and what the rollouter generated ahead, not the 14 steps trained.
+    assert await bus.length(run_keys.samples) <= 10 * per_step
+    procs.spawn("trainer2", "trainer", *args)
+    assert await asyncio.to_thread(procs.wait, "trainer2", 300) == 0, procs.log("trainer2")
+    assert await asyncio.to_thread(procs.wait, "rollouter0", 60) == 0, procs.log("rollouter0")
+
+    history = [e.msg async for e in read_history(bus, run_keys.events,
+                                                 events_folder(tmp_path, run_id))]
+    points = sorted({m.step for m in history if isinstance(m, CheckpointSaved)
+                     and m.resume_point})
+    assert points == list(range(4, steps, 4)), points
+    resumed = [m for m in history if isinstance(m, TrainerResumed)]
+    assert len(resumed) == 1 and resumed[0].checkpoint_step == 12, resumed
+    assert resumed[0].weights_match is True
+    assert {m.step for m in history if isinstance(m, StepFinished)} == set(range(1, steps + 1))
+    assert await bus.length(run_keys.samples) <= 6 * per_step
+    folder = tmp_path / run_id / "checkpoints"
+    names = await asyncio.to_thread(lambda: sorted(p.name for p in folder.iterdir()
+                                                   if p.name.startswith("step-")))
+    assert names == ["step-000028.pt", "step-000028.resume", "step-000028.state",
+                     "step-000030.pt", "step-000030.state"], names

@@ -167,3 +167,6 @@ class Closing(NamedTuple):
     sync: bool
     save: bool
     early: list[Train] | None
+    resume_point: bool = False
+    """The trainer's own checkpoint is due (trainer.resumepoints): written like ``save``'s,
+    without what only a user checkpoint has."""

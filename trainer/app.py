@@ -53,7 +53,8 @@ class Trainer(TrainerProcess):
         state, learner = self.writer.state, self.learner
         self.core = StepCore(self.cfg, self.prompts, self.keys, ledger=state.ledger,
                              version=learner.version, vocab_size=learner.vocab_size,
-                             max_len=learner.max_len, now=time.monotonic())
+                             max_len=learner.max_len, now=time.monotonic(),
+                             since_checkpoint=state.last_step - state.checkpoint()[0])
         if self.profiler is not None and not resumed:
             await self._wait_for_profiler()
         await self.apply_commands()
@@ -100,8 +101,9 @@ class Trainer(TrainerProcess):
         if serialised is not None:
             await self.weights.publish(self.learner.version, step, serialised)
             await self._act(self.core.published(step))
-        if closing.save:
-            _, events = await self.checkpoints.save(step, self.learner, self.writer)
+        if closing.save or closing.resume_point:
+            _, events = await self.checkpoints.save(step, self.learner, self.writer,
+                                                    resume_point=closing.resume_point)
             await self.publish(*events)
         now = time.monotonic()
         if self.core.due(now, leases=False).peers:  # rollouter/idle_ratio, as fresh as pulses

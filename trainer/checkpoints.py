@@ -42,18 +42,20 @@ class Checkpoints:
         """The samples the step of the checkpoint before the newest trained: the samples
         stream is trimmed only below them."""
 
-    async def save(self, step: int, learner: Learner, writer: Writer
-                   ) -> tuple[Path, list[Event]]:
+    async def save(self, step: int, learner: Learner, writer: Writer, *,
+                   resume_point: bool = False) -> tuple[Path, list[Event]]:
         """Model, optimizer and the folded state, durable (and in a remote storage) before
-        the log says so; the HF directory written beside it while training goes on. Returns
-        the checkpoint file and the events to publish, ``CheckpointSaved`` last."""
+        the log says so; the HF directory written beside it while training goes on (not for
+        a ``resume_point``: trainer.resumepoints). Returns the checkpoint file and the
+        events to publish, ``CheckpointSaved`` last."""
         saved, files = await self.off(write_checkpoint, self.files.ckpt_dir, step,
                                       learner.version, learner.checkpoint_payload,
-                                      writer.snapshot(), learner.shard_digests)
+                                      writer.snapshot(), learner.shard_digests,
+                                      resume_point=resume_point)
         await self.files.upload(saved)
         events: list[Event] = []
         hf_path = None
-        if self.hf_export is not None:
+        if self.hf_export is not None and not resume_point:
             target, warning = await self.hf_export.start(self.off, learner.module,
                                                          self.files.ckpt_dir, step,
                                                          learner.hf_state)
@@ -62,7 +64,7 @@ class Checkpoints:
                 events.append(warning)
         events.append(CheckpointSaved(step=step, path=str(saved),
                                       param_version=learner.version, hf_path=hf_path,
-                                      files=files))
+                                      files=files, resume_point=resume_point))
         return saved, events
 
     async def exported(self) -> WarningRaised | None:

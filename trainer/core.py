@@ -69,6 +69,7 @@ from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale
 from trainer.ledger import Ledger
 from trainer.ledger import apply as ledger_apply
 from trainer.metrics import StaleWindow, step_gauges, verl_step_metrics
+from trainer.resumepoints import ResumePoints, sample_bytes
 from trainer.rewardfail import RewardGuard, reward_metrics
 from trainer.stepwork import may_stream
 from trainer.validation import ValidationRequests, last_version
@@ -79,11 +80,12 @@ __all__ = ["StepCore"]
 class StepCore:
     """The decisions of one trainer incarnation's steps, from the ``ledger`` and weights
     ``version`` the log (and a resume) left, at ``now``; ``vocab_size`` and ``max_len``:
-    the model's, for checking samples (trainer.validate)."""
+    the model's, for checking samples (trainer.validate); ``since_checkpoint``: the steps
+    the log finished after its newest checkpoint (trainer.resumepoints)."""
 
     def __init__(self, cfg: Config, prompts: PromptSource, keys: RunKeys, *, ledger: Ledger,
                  version: int, vocab_size: int | None, max_len: int | None,
-                 now: float) -> None:
+                 now: float, since_checkpoint: int = 0) -> None:
         self.cfg = cfg
         tc, ac = cfg.trainer, cfg.async_training
         self.trigger = ac.trigger_parameter_sync_step
@@ -111,6 +113,7 @@ class StepCore:
         """The groups of the step closed and not yet finished."""
         self.stale_share = 0.0
         self.trim = False  # the streams are trimmed after the closed step
+        self.resume_points = ResumePoints(cfg, since_checkpoint)
 
     # ------------------------------------------------------------------ writes
 
@@ -306,15 +309,17 @@ class StepCore:
         if sync:
             self.version += 1
             self.window.synced()
+        trained = sample_bytes(s for g in self.closed for _, s in g.ordered())
+        resume_point = self.resume_points.due(saved=save, sync=sync, trained=trained)
         early = None
-        if not profiled and not save:
+        if not profiled and not (save or resume_point):
             # Off the critical path: the next step's ready mini-batches train (queued behind
             # the weights' serialisation) while this step's weights, StepFinished and tickets
             # go out. Checkpoint steps keep the boundary serial.
             self.batch = []
             early = self._feed()
-        self.trim = save and self.cfg.run.retention == "checkpoint"
-        return Closing(sync, save, early)
+        self.trim = (save or resume_point) and self.cfg.run.retention == "checkpoint"
+        return Closing(sync, save, early, resume_point)
 
     def finish_step(self, update: Mapping[str, float], measured: Measured, now: float
                     ) -> list[Action]:

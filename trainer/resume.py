@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_REFUSED_WARNINGS",
+    "RESUME_MARK",
     "LogRead",
     "Refused",
     "ResumeFailed",
@@ -161,6 +162,10 @@ def missing_checkpoint(run_id: str, state: TrainerState, exists: Callable[[str],
     return None
 
 
+RESUME_MARK = ".resume"
+"""The suffix of the empty file that marks ``step-K.pt`` as a resume point."""
+
+
 class Written(NamedTuple):
     """A checkpoint on disk: its ``.pt`` and the digest of each of its files, by name
     relative to the checkpoint folder (what its CheckpointSaved records)."""
@@ -172,14 +177,21 @@ class Written(NamedTuple):
 def write_checkpoint(folder: Path, step: int, version: int,
                      payload: Callable[[Path], dict[str, Any]], snapshot: bytes,
                      shard_digests: Callable[[Path, dict[str, Any]], dict[str, FileDigest]]
-                     | None = None) -> Written:
+                     | None = None, *, resume_point: bool = False) -> Written:
     """Write ``step-K.pt`` (fsynced, atomic) then its ``step-K.state``; blocking (run it on
     the worker thread). ``payload(path)``: what the ``.pt`` holds besides step and version
     (trainer.learner.Learner.checkpoint_payload: the model and optimizer gathered whole, or
     the shards every rank wrote beside it first, so the ``.pt`` is the commit point);
-    ``shard_digests(path, payload)``: the digests of the shards it names (trainer.integrity)."""
+    ``shard_digests(path, payload)``: the digests of the shards it names (trainer.integrity).
+    A ``resume_point`` (trainer.resumepoints) has an empty ``step-K.resume`` beside it,
+    written first: retention never takes it for a user checkpoint."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step:06d}.pt"
+    marker = path.with_suffix(RESUME_MARK)
+    if resume_point:
+        atomic_write(marker, b"")
+    else:  # the step written again (a resume), now as the user's checkpoint
+        marker.unlink(missing_ok=True)
     contents = payload(path)
     files = dict(shard_digests(path, contents)) if shard_digests is not None else {}
     # Durable before the log says it exists (retention trims); atomic: a crash leaves the

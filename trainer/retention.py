@@ -40,12 +40,13 @@ from runtime.history import Archived, archive_below, events_folder
 from storage.files import fsync_path
 from trainer.export import step_folder
 from trainer.mirror import CheckpointMirror, EventsMirror
-from trainer.resume import Snapshot
+from trainer.resume import RESUME_MARK, Snapshot
 
 __all__ = ["Retained", "checkpoints_to_drop", "events_safe_point", "newest_snapshot",
            "retain", "trim_after_checkpoint"]
 
 _CKPT = re.compile(r"^step-(\d+)\.pt$")
+_MARK = re.compile(r"^step-(\d+)\.resume$")
 
 
 def _snapshot_files(folder: Path) -> Iterator[tuple[Path, Snapshot]]:
@@ -90,15 +91,25 @@ async def events_safe_point(
     return min(candidates, key=entry_key)
 
 
+KEEP_NEWEST = 2
+"""Checkpoints of either kind never deleted for being a resume point: the newest, and the
+one a resume falls back to when the newest is corrupt (trainer.resume)."""
+
+
 def checkpoints_to_drop(
-    steps: list[int], keep: int, last_step: int, needed: set[int]
+    steps: list[int], keep: int | None, last_step: int, needed: set[int],
+    resume_points: frozenset[int] = frozenset(),
 ) -> list[int]:
-    """Checkpoint steps to delete: all but the newest ``keep`` of the finished steps
-    (``<= last_step``), never one in ``needed`` (what a resume may load) and never a file
-    of a step not finished yet (a crashed incarnation's; the step will write it again)."""
+    """Checkpoint steps to delete, of the finished steps (``<= last_step``): the user's
+    checkpoints but the newest ``keep`` (None: keep them all), and the ``resume_points``
+    (trainer.resumepoints) but those among the newest :data:`KEEP_NEWEST` checkpoints of
+    either kind. Never one in ``needed`` (what a resume may load) and never a file of a
+    step not finished yet (a crashed incarnation's; the step will write it again)."""
     finished = sorted(s for s in steps if s <= last_step)
-    kept = set(finished[-keep:]) if keep > 0 else set()
-    return [s for s in finished if s not in kept and s not in needed]
+    users = [s for s in finished if s not in resume_points]
+    kept = {s for s in finished[-KEEP_NEWEST:] if s in resume_points} | set(needed)
+    kept |= set(users if keep is None else users[-keep:] if keep > 0 else [])
+    return [s for s in finished if s not in kept]
 
 
 def _step_of(path: str | None) -> int | None:
@@ -108,15 +119,18 @@ def _step_of(path: str | None) -> int | None:
     return int(m[1]) if m else None
 
 
-def _drop(folder: Path, keep: int, last_step: int, needed: set[int]) -> list[int]:
+def _drop(folder: Path, keep: int | None, last_step: int, needed: set[int]) -> list[int]:
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
         return []
     steps = [int(m[1]) for n in names if (m := _CKPT.match(n))]
-    dropped = checkpoints_to_drop(steps, keep, last_step, needed)
+    marked = frozenset(int(m[1]) for n in names if (m := _MARK.match(n)))
+    dropped = checkpoints_to_drop(steps, keep, last_step, needed, marked)
     for step in dropped:
-        for suffix in (".state", ".pt"):  # the snapshot first: it names the checkpoint
+        # The snapshot first (it names the checkpoint); a resume point's mark last: the
+        # .pt is never left unmarked.
+        for suffix in (".state", ".pt", RESUME_MARK):
             path = folder / f"step-{step:06d}{suffix}"
             try:
                 path.unlink()
@@ -186,12 +200,10 @@ async def retain(
                                  below, readers=keys.events_readers(rollouter_ranks), fence=fence,
                                  location_key=keys.archive,
                                  before_trim=_pusher(events_mirror))
-    dropped: list[int] = []
-    if keep_checkpoints is not None:
-        dropped = await asyncio.to_thread(_drop, folder, keep_checkpoints, last_step,
-                                          _needed(current, found))
-        if dropped and mirror is not None:
-            await asyncio.to_thread(mirror.delete, dropped)
+    dropped = await asyncio.to_thread(_drop, folder, keep_checkpoints, last_step,
+                                      _needed(current, found))
+    if dropped and mirror is not None:
+        await asyncio.to_thread(mirror.delete, dropped)
     return Retained(events, tuple(dropped))
 
 
