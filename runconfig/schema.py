@@ -160,6 +160,13 @@ class RewardModelConfig(_Section, frozen=True):
     reward_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+class RewardConfig(_Section, frozen=True):
+    """What the trainer accepts of the rewards the rollouters report (not verl's ``reward``
+    section, whose keys map onto ``custom_reward_function``/``reward_model``)."""
+
+    bounds: tuple[float, float] = (-1e6, 1e6)
+
+
 class TrainerConfig(_Section, frozen=True):
     total_training_steps: PosInt = 300
     total_epochs: PosInt | None = None
@@ -344,6 +351,7 @@ class Config(_Section, frozen=True):
     data: DataConfig = DataConfig()
     custom_reward_function: CustomRewardConfig = CustomRewardConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
+    reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
     rollout: RolloutConfig = RolloutConfig()
     async_training: AsyncTrainingConfig = AsyncTrainingConfig()

@@ -28,6 +28,7 @@ from runschema.messages import (
     Sample,
     StepFinished,
     StepStarted,
+    TicketsClaimed,
     TicketsClosed,
     TicketsIssued,
     ValidationFinished,
@@ -104,6 +105,7 @@ class Shell:
         self.entry_of: dict[str, str] = {}  # ticket id (latest attempt) -> its entry
         self.trained: list[str] = []  # sample ids handed to the worker, in order
         self.written: list[Action] = []
+        self.claims = True  # each answer's rollouter claimed its ticket (trainer.claims)
 
     def deliver(self, *msgs: Any) -> list[Delivery]:
         return [Delivery(f"s-{next(self.sample_ids)}", m, 1, KEYS.samples) for m in msgs]
@@ -128,6 +130,14 @@ class Shell:
         return list(actions)
 
     def take(self, reads: Reads) -> list[Action]:
+        """One turn; the rollouters' claims of the answers delivered come with it, as the
+        log has them (each replica claims what it answers), unless ``reads`` names its own
+        or :attr:`claims` is off."""
+        if self.claims and reads.deliveries and not reads.claims:
+            reads = reads._replace(claims=[
+                TicketsClaimed(ticket_ids=[d.msg.ticket_id], attempts=[d.msg.attempt],
+                               rank=d.msg.rank)
+                for d in reads.deliveries if isinstance(d.msg, Sample)])
         return self.act(self.core.take(reads), reads.now)
 
     def start(self, now: float = 0.0) -> list[Action]:
@@ -362,7 +372,11 @@ def test_refused_entries_are_dead_lettered_with_their_reason() -> None:
                            "DeadLetter"]
     assert out[0] == DeadLetter(read[0], "expected a Sample, got Heartbeat")
     assert out[1] == DeadLetter(read[1], "ticket 't7' was never issued")
-    assert out[2] == DeadLetter(read[2], "invalid answer of t0: reward nan is not finite")
+    assert out[2] == DeadLetter(read[2], "invalid answer of t0: t0/0: reward nan is not finite "
+                                         "(reward check)")
+    # The rest of that group is refused with it, naming the member and the check.
+    assert out[4] == DeadLetter(read[3], "group of t0 attempt 0 refused whole: member t0/0: "
+                                         "reward nan is not finite (reward check)")
     # One new attempt for the bad group, whatever else of it is refused.
     assert isinstance(out[3], IssueTickets) and out[3].event.attempt == 1
     assert out[3].event.reason == "an answer was invalid"
