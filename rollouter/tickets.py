@@ -22,6 +22,7 @@ from runschema.messages import (
     PromptTicket,
     RolloutFailed,
     Sample,
+    TicketsClaimed,
     ValidationRequested,
 )
 
@@ -158,12 +159,25 @@ class TicketDesk:
             self.prefetching = asyncio.create_task(self._read_ahead())
 
     async def _read_ahead(self) -> list[Delivery]:
-        """The next tickets (a blocking XREADGROUP, at most 200 ms), then the events after
-        them."""
+        """The next tickets (a blocking XREADGROUP, at most 200 ms; claimed), then the
+        events after them."""
         deliveries = await self.source.read(count=self.batch, block_ms=200)
         if deliveries:
+            await self.claim(deliveries)
             await self._poll()
         return deliveries
+
+    async def claim(self, deliveries: Sequence[Delivery]) -> None:
+        """State in the log that the tickets among ``deliveries`` are this replica's now,
+        before generating for them: the trainer trains an answer only from a replica that
+        claimed its ticket (trainer.claims), and this claim precedes the answer in the log.
+        Every way a ticket reaches a replica (a read, its own pending entries read again, a
+        reclaim) comes through here; a retry is the same claim."""
+        tickets = [d.msg for d in deliveries if isinstance(d.msg, PromptTicket)]
+        if tickets:
+            await self._publish(TicketsClaimed(ticket_ids=[t.ticket_id for t in tickets],
+                                               attempts=[t.attempt for t in tickets],
+                                               rank=self.rank))
 
     def has_ready(self) -> bool:
         """Tickets are here to serve now: retries, or a read ahead that has returned."""
@@ -182,7 +196,9 @@ class TicketDesk:
         """Tickets pending on replicas whose liveness key has lapsed (by Redis's clock): a
         slow replica generating for minutes keeps its tickets; a dead one's come back."""
         dead = await self._find_dead()
-        return await self.source.reclaim_from(dead) if dead else []
+        reclaimed = await self.source.reclaim_from(dead) if dead else []
+        await self.claim(reclaimed)
+        return reclaimed
 
     async def drop_unservable(self, deliveries: list[Delivery], tickets: list[Ticket],
                               newest: int) -> list[Ticket]:

@@ -4,6 +4,7 @@ naming the key to change, before anything starts."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,15 @@ def check_cross_fields(cfg: Config) -> None:
     _check_checkpoint_contents(cfg)
     _check_redis_cluster(cfg)
     _check_ranks(cfg)
+    _check_reward_bounds(cfg)
+
+
+def _check_reward_bounds(cfg: Config) -> None:
+    """The rewards the trainer accepts: a finite range, low below high."""
+    low, high = cfg.reward.bounds
+    if not (math.isfinite(low) and math.isfinite(high)) or low >= high:
+        raise ConfigError("reward.bounds", f"[{low}, {high}] must be two finite numbers, "
+                          "the first below the second")
 
 
 def _check_ranks(cfg: Config) -> None:

@@ -91,8 +91,9 @@ def verl_heads() -> frozenset[str]:
 
 
 _VERLS_OWN = frozenset({"reward"})
-"""Sections that stay verl's although rlbus has a key there (``reward.max_failure_ratio``):
-``reward.num_workers=8`` is a verl line, rlbus's own key alone is not (:func:`_verl_line`)."""
+"""Sections that stay verl's although rlbus has keys there (``reward.max_failure_ratio``,
+``reward.bounds``): ``reward.num_workers=8`` is a verl line, rlbus's own keys alone are not
+(:func:`_verl_line`)."""
 
 
 # --------------------------------------------------------------------------- override grammar

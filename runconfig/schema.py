@@ -166,11 +166,14 @@ class RewardModelConfig(_Section, frozen=True):
 
 
 class RewardConfig(_Section, frozen=True):
-    """What a run does with rewards that fail. ``reward`` is verl's section name (its newer
-    reward settings, read through runconfig.verl's table); this key is rlbus's own: verl
-    has no such setting and stops at the first reward function error, as 0 does here."""
+    """What a run does with rewards that fail or are absurd. ``reward`` is verl's section
+    name (its newer reward settings, read through runconfig.verl's table); these keys are
+    rlbus's own: verl has no such settings. It stops at the first reward function error, as
+    ``max_failure_ratio`` 0 does here, and trains whatever finite or infinite reward it is
+    given, where ``bounds`` refuses a group with a reward outside them (or NaN/inf)."""
 
     max_failure_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    bounds: tuple[float, float] = (-1e6, 1e6)
 
 
 class TrainerConfig(_Section, frozen=True):

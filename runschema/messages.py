@@ -17,6 +17,7 @@ StepStarted(v=1, step=1, param_version=0, ts=...)
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Literal, Protocol
 
@@ -53,6 +54,7 @@ __all__ = [
     "StepFinished",
     "StepStarted",
     "StopProfile",
+    "TicketsClaimed",
     "TicketsClosed",
     "TicketsIssued",
     "TrainerResumed",
@@ -62,6 +64,7 @@ __all__ = [
     "WeightsPublished",
     "decode",
     "encode",
+    "prompt_digest",
 ]
 
 SCHEMA_VERSION = 1
@@ -366,6 +369,19 @@ class TicketsClosed(_Base, frozen=True):
     ts: float = msgspec.field(default_factory=_now)
 
 
+class TicketsClaimed(_Base, frozen=True):
+    """Rollouter ``rank`` (consumer ``rollouter-{rank}`` of the prompts group) took these
+    tickets: Redis delivered them to it (a read, its own pending entries read again, or a
+    reclaim from a dead replica). Stated before it generates for them, so a sample's claim
+    precedes it in the log: the trainer trains an answer only from a rollouter that claimed
+    that attempt of its ticket. ``attempts[i]`` is the attempt of ``ticket_ids[i]``."""
+
+    ticket_ids: list[str]
+    attempts: list[int]
+    rank: int
+    ts: float = msgspec.field(default_factory=_now)
+
+
 class RunFinished(_Base, frozen=True):
     """Last event of a run."""
 
@@ -404,6 +420,11 @@ class PromptTicket(_Base, frozen=True):
     extra_info: dict[str, Any] | None = None
     """verl data: the record's ``extra_info``, passed to the reward function (untyped: the
     dataset's shape)."""
+    prompt_digest: str = ""
+    """The digest of the prompt's token ids as the rollouter generates from them
+    (:func:`prompt_digest`), written by the trainer that issues the ticket: a sample whose
+    ``prompt_tokens`` digest otherwise is not trained. Empty: not known (older logs, or a
+    text prompt the issuer could not encode)."""
 
 
 class Sample(_Base, frozen=True):
@@ -534,6 +555,7 @@ Event = (
     | WarningRaised
     | TicketsIssued
     | TicketsClosed
+    | TicketsClaimed
     | RunFinished
     | ValidationFinished
 )
@@ -544,6 +566,21 @@ Command = StartProfile | StopProfile
 
 Message = Event | Command | PromptTicket | ValidationRequested | Sample | DeadLetter
 """Every message of every stream."""
+
+
+def prompt_digest(tokens: Array | npt.ArrayLike) -> str:
+    """The digest of a prompt's token ids: BLAKE2b-128 (hex) of them as little-endian int32,
+    the form a rollouter packs them in (one hash over the buffer, no copy then). Ids
+    outside int32 have no digest a ticket can carry (``"out of range"``)."""
+    if isinstance(tokens, Array) and tokens.dtype == "<i4":
+        data = tokens.data
+    else:
+        arr = tokens.numpy() if isinstance(tokens, Array) else np.asarray(tokens)
+        if arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < -(2**31)
+                         or int(arr.max()) >= 2**31):
+            return "out of range"
+        data = arr.astype("<i4").tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 class DecodeError(ValueError):

@@ -9,13 +9,24 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bus import Bus, GroupGone, RunKeys, StreamGone
-from runschema.messages import Array, DeadLetter, Sample, TicketsIssued, WarningRaised, decode
+from policy.tokenizer import CharTokenizer
+from runschema.messages import (
+    Array,
+    DeadLetter,
+    PromptTicket,
+    Sample,
+    TicketsClaimed,
+    TicketsIssued,
+    WarningRaised,
+    decode,
+)
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.waits import event, wait_for, wait_until
 from trainer.dispatch import ROLLOUTER_GROUP
@@ -72,11 +83,13 @@ async def test_a_wedged_rollouter_with_a_fresh_pulse_loses_its_tickets(
     assert held_tickets <= {t for e in reissued for t in e.ticket_ids}
 
 
-def _invalid_sample(ticket: str, index: int, n: int) -> Sample:
-    """A well-formed answer of attempt 0 of ``ticket`` with a reward that is not finite."""
+def _invalid_sample(ticket: PromptTicket, index: int, n: int) -> Sample:
+    """A well-formed answer of attempt 0 of ``ticket`` (its prompt, from rollouter 0, which
+    claimed it) with a reward that is not finite."""
+    prompt = CharTokenizer().encode(ticket.prompt, bos=True)
     return Sample(
-        sample_id=f"{ticket}/{index}", ticket_id=ticket, prompt_id="p", index=index, n=n,
-        prompt_tokens=Array.of(np.asarray([1, 2, 3], dtype=np.int32)),
+        sample_id=f"{ticket.ticket_id}/{index}", ticket_id=ticket.ticket_id, prompt_id="p",
+        index=index, n=n, prompt_tokens=Array.of(np.asarray(prompt, dtype=np.int32)),
         response_tokens=Array.of(np.asarray([4], dtype=np.int32)),
         logprobs=Array.of(np.asarray([-0.5], dtype=np.float32)),
         reward=float("nan"), min_version=0, max_version=0,
@@ -93,8 +106,14 @@ async def test_one_invalid_group_gives_one_reissue(
     args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}")
     procs.spawn("trainer", "trainer", *args)
     await wait_for(bus, run_keys.events, event(TicketsIssued), 60, procs.watch("trainer"))
+    tickets = [m async for _, m in bus.read_all(run_keys.prompts) if isinstance(m, PromptTicket)]
+    t0 = tickets[0]
+    assert t0.ticket_id == "t0"
+    # As rollouter0 states it when Redis delivers it t0: the answers are its own.
+    await bus.publish(run_keys.log("rollouter"),
+                      TicketsClaimed(ticket_ids=["t0"], attempts=[0], rank=0))
     for i in range(n):
-        await bus.publish(run_keys.samples, _invalid_sample("t0", i, n))
+        await bus.publish(run_keys.samples, _invalid_sample(t0, i, n))
 
     async def refused() -> list[DeadLetter] | None:
         letters = [m async for _, m in bus.read_all(run_keys.dlq) if isinstance(m, DeadLetter)]
@@ -110,7 +129,11 @@ async def test_one_invalid_group_gives_one_reissue(
     assert_every_step_once(events, steps)
     letters = [m async for _, m in bus.read_all(run_keys.dlq) if isinstance(m, DeadLetter)]
     bad = [decode(m.raw) for m in letters if "not finite" in m.reason]
-    assert sorted(s.sample_id for s in bad) == [f"t0/{i}" for i in range(n)]
+    assert sorted(s.sample_id for s in bad if math.isnan(s.reward)) == [f"t0/{i}"
+                                                                        for i in range(n)]
+    # rollouter0's own answers of attempt 0, if it gave any, went with that group: the
+    # attempt's group is refused whole, whoever's members come after.
+    assert all(s.ticket_id == "t0" and s.attempt == 0 for s in bad)
     reissued = [(t, e.attempt) for e in events if isinstance(e, TicketsIssued)
                 and e.attempt > 0 for t in e.ticket_ids]
     assert reissued == [("t0", 1)], reissued

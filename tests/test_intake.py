@@ -64,12 +64,16 @@ def test_garbage_and_unissued_tickets_are_refused() -> None:
     assert intake.refused == 2
 
 
-def test_an_invalid_answer_is_refused_its_partial_group_dropped_and_its_ticket_reissued() -> None:
+def test_an_invalid_answer_is_refused_with_its_partial_group_and_its_ticket_reissued() -> None:
     intake = Intake(max_new_tokens=5, max_staleness=1)
     ledger = _ledger({3: (0, 1)})
     _judge(intake, ledger, _sample(3, 0))
-    (verdict,) = _judge(intake, ledger, _sample(3, 1, reward=float("nan")))
+    verdict, member = _judge(intake, ledger, _sample(3, 1, reward=float("nan")))
     assert isinstance(verdict, Refuse) and verdict.reissue == 3 and "not finite" in verdict.reason
+    # The member gathered before is refused with its group, naming the invalid one.
+    assert isinstance(member, Refuse) and member.reissue is None
+    assert (member.delivery.id, member.delivery.msg.sample_id) == ("1-0", "t3/0")
+    assert member.reason.startswith("group of t3 attempt 0 refused whole: member t3/1: reward")
     assert intake.groups == {} and 3 not in intake.taken
 
 

@@ -16,10 +16,12 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
 from bus import Delivery, RunKeys
+from policy.tokenizer import CharTokenizer
 from runconfig import Config, load_config
 from runschema.messages import (
     Array,
@@ -28,10 +30,12 @@ from runschema.messages import (
     Sample,
     StepFinished,
     StepStarted,
+    TicketsClaimed,
     TicketsClosed,
     TicketsIssued,
     ValidationFinished,
     ValidationRequested,
+    prompt_digest,
 )
 from tasks import build_prompt_source
 from trainer.actions import (
@@ -106,6 +110,7 @@ class Shell:
         self.entry_of: dict[str, str] = {}  # ticket id (latest attempt) -> its entry
         self.trained: list[str] = []  # sample ids handed to the worker, in order
         self.written: list[Action] = []
+        self.claims = True  # each answer's rollouter claimed its ticket (trainer.claims)
 
     def deliver(self, *msgs: Any) -> list[Delivery]:
         return [Delivery(f"s-{next(self.sample_ids)}", m, 1, KEYS.samples) for m in msgs]
@@ -130,6 +135,14 @@ class Shell:
         return list(actions)
 
     def take(self, reads: Reads) -> list[Action]:
+        """One turn; the rollouters' claims of the answers delivered come with it, as the
+        log has them (each replica claims what it answers), unless ``reads`` names its own
+        or :attr:`claims` is off."""
+        if self.claims and reads.deliveries and not reads.claims:
+            reads = reads._replace(claims=[
+                TicketsClaimed(ticket_ids=[d.msg.ticket_id], attempts=[d.msg.attempt],
+                               rank=d.msg.rank)
+                for d in reads.deliveries if isinstance(d.msg, Sample)])
         return self.act(self.core.take(reads), reads.now)
 
     def start(self, now: float = 0.0) -> list[Action]:
@@ -445,7 +458,11 @@ def test_refused_entries_are_dead_lettered_with_their_reason() -> None:
                            "DeadLetter"]
     assert out[0] == DeadLetter(read[0], "expected a Sample, got Heartbeat")
     assert out[1] == DeadLetter(read[1], "ticket 't7' was never issued")
-    assert out[2] == DeadLetter(read[2], "invalid answer of t0: reward nan is not finite")
+    assert out[2] == DeadLetter(read[2], "invalid answer of t0: t0/0: reward nan is not finite "
+                                         "(reward check)")
+    # The rest of that group is refused with it, naming the member and the check.
+    assert out[4] == DeadLetter(read[3], "group of t0 attempt 0 refused whole: member t0/0: "
+                                         "reward nan is not finite (reward check)")
     # One new attempt for the bad group, whatever else of it is refused.
     assert isinstance(out[3], IssueTickets) and out[3].event.attempt == 1
     assert out[3].event.reason == "an answer was invalid"
@@ -457,6 +474,156 @@ def test_refused_entries_are_dead_lettered_with_their_reason() -> None:
     (again,) = shell.take(Reads(3.0, lost_samples=[lost, _sample(0, 1, attempt=1)]))
     assert isinstance(again, IssueTickets) and again.event.attempt == 2
     assert again.event.reason == "an answer was dead-lettered"
+
+
+# ---------------------------------------------------------------------------- samples vs tickets
+
+# What a rollouter answering another's ticket sends: its own rank, another prompt, log-probs
+# of 0.0 (issue 36); the core must refuse it on the claim and the prompt, not on the values.
+
+
+def _claim(ticket: int, rank: int, attempt: int = 0) -> TicketsClaimed:
+    return TicketsClaimed(ticket_ids=[ticket_id(ticket)], attempts=[attempt], rank=rank)
+
+
+def _checked_core(cfg: Config) -> Shell:
+    """A core whose tickets carry the digest of their text prompts (the char tokenizer, as
+    the rollouters encode them), issued at 0 with step 1 begun; each read states only the
+    claims the test gives."""
+    core = StepCore(cfg, build_prompt_source(cfg), KEYS, ledger=Ledger(), version=0,
+                    vocab_size=CharTokenizer().vocab_size, max_len=32, now=0.0,
+                    encode=lambda text: CharTokenizer().encode(text, bos=True))
+    shell = Shell(core)
+    shell.claims = False
+    shell.start(0.0)
+    shell.act(shell.core.start_step(1, 0.0), 0.0)
+    return shell
+
+
+def _real(shell: Shell, ticket: int, index: int, *, rank: int = 0, attempt: int = 0,
+          reward: float = 1.0, prompt: list[int] | None = None,
+          logprobs: list[float] | None = None) -> Sample:
+    """Response ``index`` of ``ticket`` with the ticket's real prompt (unless ``prompt``)."""
+    text = shell.core.dispatch.prompts.get(ticket).prompt
+    ids = CharTokenizer().encode(text, bos=True) if prompt is None else prompt
+    return msgspec.structs.replace(
+        _sample(ticket, index, attempt=attempt, reward=reward),
+        prompt_tokens=Array.of(np.asarray(ids, dtype=np.int32)), rank=rank,
+        logprobs=Array.of(np.asarray(logprobs or [-0.1, -0.2], dtype=np.float32)))
+
+
+def _letters(actions: Sequence[Action]) -> list[tuple[str, str]]:
+    return [(a.delivery.msg.sample_id, a.reason) for a in actions  # type: ignore[union-attr]
+            if isinstance(a, DeadLetter)]
+
+
+def test_tickets_carry_their_prompts_digest() -> None:
+    shell = _checked_core(_cfg())
+    (issued,) = [a for a in shell.written if isinstance(a, IssueTickets)]
+    for t in issued.tickets:
+        ids = CharTokenizer().encode(t.prompt, bos=True)
+        assert t.prompt_digest == prompt_digest(ids) != ""
+        assert t.prompt_digest == prompt_digest(Array.of(np.asarray(ids, dtype=np.int64)))
+
+
+def test_another_rollouters_forged_answer_is_refused_alone_and_never_trained() -> None:
+    """rollouter 1 answers t0, which rollouter 0 claimed, with another prompt and log-probs
+    of 0.0: each forged response is dead-lettered alone naming the holder check (no new
+    attempt: the holder's answer is on its way), and the holder's answer trains."""
+    shell = _checked_core(_cfg())
+    forged = shell.deliver(*(_real(shell, 0, i, rank=1, prompt=[1, 5, 6],
+                                   logprobs=[0.0, 0.0]) for i in range(N)))
+    out = shell.take(Reads(1.0, deliveries=forged, claims=[_claim(0, 0), _claim(1, 0)]))
+    assert _kinds(out) == ["DeadLetter", "DeadLetter"]
+    assert _letters(out) == [
+        (f"t0/{i}", f"t0/{i} refused alone: rollouter 1 answered attempt 0 of t0, claimed by "
+                    "rollouter 0 (holder check)") for i in range(N)]
+    # Read back from the dead-letter stream, they ask for no new attempt either.
+    assert shell.take(Reads(2.0, lost_samples=[d.msg for d in forged])) == []  # type: ignore[misc]
+    real = shell.deliver(*(_real(shell, t, i) for t in (0, 1) for i in range(N)))
+    (train,) = shell.take(Reads(3.0, deliveries=real))
+    assert isinstance(train, Train)
+    finished = next(a for a in shell.finish(4.0) if isinstance(a, FinishStep)).finished
+    assert finished.entry_ids == [d.id for d in real]
+    assert not {d.id for d in forged} & set(finished.entry_ids)
+    assert finished.metrics["samples/refused"] == 2.0
+
+
+def test_an_answer_nobody_claimed_is_refused_alone() -> None:
+    shell = _checked_core(_cfg())
+    read = shell.deliver(_real(shell, 0, 0, rank=3))
+    assert _letters(shell.take(Reads(1.0, deliveries=read))) == [
+        ("t0/0", "t0/0 refused alone: rollouter 3 answered attempt 0 of t0, claimed by no "
+                 "rollouter (holder check)")]
+
+
+def test_the_holders_answer_with_another_prompt_is_refused_with_its_group() -> None:
+    shell = _checked_core(_cfg())
+    good, bad = shell.deliver(_real(shell, 0, 0), _real(shell, 0, 1, prompt=[1, 5, 6]))
+    out = shell.take(Reads(1.0, deliveries=[good, bad], claims=[_claim(0, 0)]))
+    assert _kinds(out) == ["DeadLetter", "IssueTickets", "DeadLetter"]
+    assert _letters(out) == [
+        ("t0/1", "invalid answer of t0: t0/1: its 3 prompt tokens are not the prompt of t0 "
+                 "(prompt digest check)"),
+        ("t0/0", "group of t0 attempt 0 refused whole: member t0/1: its 3 prompt tokens are "
+                 "not the prompt of t0 (prompt digest check)")]
+
+
+@pytest.mark.parametrize(("reward", "check"), [
+    (1e300, "reward 1e+300 outside reward.bounds [-1e+06, 1e+06] (reward check)"),
+    (-1.7e308, "reward -1.7e+308 outside reward.bounds [-1e+06, 1e+06] (reward check)"),
+    (float("nan"), "reward nan is not finite (reward check)"),
+    (float("inf"), "reward inf is not finite (reward check)"),
+])
+def test_a_group_with_one_invalid_reward_is_refused_whole(reward: float, check: str) -> None:
+    """Two prompts of n=3: t0's middle member has an absurd or non-finite reward, its other
+    members come before and after it. Every member of t0 is dead-lettered naming t0/1 and
+    the check; t0 is answered again once; t1 trains, and t0's new attempt completes the
+    step."""
+    shell = _checked_core(_cfg("rollout.n=3"))
+    claims = [_claim(0, 0), _claim(1, 0)]
+    first = shell.deliver(*(msgspec.structs.replace(s, n=3) for s in (
+        _real(shell, 0, 0), _real(shell, 0, 1, reward=reward), _real(shell, 1, 0))))
+    out = shell.take(Reads(1.0, deliveries=first, claims=claims))
+    rest = shell.deliver(*(msgspec.structs.replace(s, n=3) for s in (
+        _real(shell, 0, 2), _real(shell, 1, 1), _real(shell, 1, 2))))
+    out += shell.take(Reads(2.0, deliveries=rest))
+    assert [a.event.attempt for a in out if isinstance(a, IssueTickets)] == [1]
+    assert _letters(out) == [
+        ("t0/1", f"invalid answer of t0: t0/1: {check}"),
+        ("t0/0", f"group of t0 attempt 0 refused whole: member t0/1: {check}"),
+        ("t0/2", f"group of t0 attempt 0 refused whole: member t0/1: {check}")]
+    assert shell.trained == []  # t1 waits for a second group to fill the mini-batch
+    again = shell.deliver(*(msgspec.structs.replace(_real(shell, 0, i, attempt=1), n=3)
+                            for i in range(3)))
+    (train,) = shell.take(Reads(3.0, deliveries=again, claims=[_claim(0, 0, attempt=1)]))
+    assert isinstance(train, Train)
+    assert shell.trained == ["t1/0", "t1/1", "t1/2", "t0/0", "t0/1", "t0/2"]
+    finished = next(a for a in shell.finish(4.0) if isinstance(a, FinishStep)).finished
+    assert finished.entry_ids == [first[2].id, rest[1].id, rest[2].id, *(d.id for d in again)]
+    assert finished.metrics["samples/refused"] == 3.0
+    assert all(s.reward == 1.0 for g in train.groups for s in g)
+
+
+def test_a_reissued_ticket_is_answered_by_its_new_holder() -> None:
+    """t0 claimed by rollouter 0, whose liveness lapses; reissued (attempt 1) and claimed by
+    rollouter 1: rollouter 1's answer of attempt 1 trains; its answer of attempt 0 (which
+    it never claimed) would not."""
+    shell = _checked_core(_cfg(QUIET))
+    shell.take(Reads(0.5, claims=[_claim(0, 0), _claim(1, 0)]))
+    assert _idle(shell, 1.0, [_hb(0), _hb(1)]) == []
+    (reissue,) = _idle(shell, 31.0, [_hb(1)])
+    assert isinstance(reissue, IssueTickets) and reissue.event.attempt == 1
+    stray = shell.deliver(_real(shell, 0, 0, rank=1))
+    assert _letters(shell.take(Reads(32.0, deliveries=stray, claims=[
+        _claim(0, 1, attempt=1), _claim(1, 1, attempt=1)]))) == [
+        ("t0/0", "t0/0 refused alone: rollouter 1 answered attempt 0 of t0, claimed by "
+                 "rollouter 0 (holder check)")]
+    answers = shell.deliver(*(_real(shell, t, i, rank=1, attempt=1)
+                              for t in (0, 1) for i in range(N)))
+    (train,) = shell.take(Reads(33.0, deliveries=answers))
+    assert isinstance(train, Train)
+    assert shell.trained == ["t0/0", "t0/1", "t1/0", "t1/1"]
 
 
 # ---------------------------------------------------------------------------- (d) validation

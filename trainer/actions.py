@@ -37,6 +37,7 @@ from runschema.messages import (
     RolloutFailed,
     Sample,
     StepFinished,
+    TicketsClaimed,
     TicketsIssued,
     ValidationFinished,
     ValidationRequested,
@@ -69,7 +70,9 @@ class Reads(NamedTuple):
     ``failures``: RolloutFailed events; ``validated``: ValidationFinished events;
     ``peers``: the heartbeats of the rollouters alive now (None: not read this turn);
     ``idle``: the samples stream had nothing for the trainer, so the run's health is judged
-    (with ``peers`` and ``holders`` as :meth:`trainer.core.StepCore.due` asked)."""
+    (with ``peers`` and ``holders`` as :meth:`trainer.core.StepCore.due` asked);
+    ``claims``: the rollouters' claims of tickets stated since the last turn, read after
+    ``deliveries`` (so every claim an answer of them follows is here: trainer.claims)."""
 
     now: float
     deliveries: Sequence[Delivery] = ()
@@ -80,6 +83,7 @@ class Reads(NamedTuple):
     peers: Sequence[Heartbeat] | None = None
     holders: Holders | None = None
     idle: bool = False
+    claims: Sequence[TicketsClaimed] = ()
 
 
 class Due(NamedTuple):

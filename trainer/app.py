@@ -54,7 +54,8 @@ class Trainer(TrainerProcess):
         self.core = StepCore(self.cfg, self.prompts, self.keys, ledger=state.ledger,
                              version=learner.version, vocab_size=learner.vocab_size,
                              max_len=learner.max_len, now=time.monotonic(),
-                             since_checkpoint=state.last_step - state.checkpoint()[0])
+                             since_checkpoint=state.last_step - state.checkpoint()[0],
+                             encode=self.encode_prompt)
         if self.profiler is not None and not resumed:
             await self._wait_for_profiler()
         await self.apply_commands()
@@ -126,8 +127,9 @@ class Trainer(TrainerProcess):
                 deliveries = await self.consumer.read(count=256, block_ms=500)
                 if not work.running:  # nothing to compute: the trainer waits for samples
                     self.meter.wait_s += time.monotonic() - t_read
-                if deliveries:
-                    reads = Reads(time.monotonic(), deliveries=deliveries)
+                if deliveries:  # with the claims stated before them (trainer.claims)
+                    reads = Reads(time.monotonic(), deliveries=deliveries,
+                                  claims=await self.watch.read_claims())
                 else:  # only then: answers that came during a long update are read first
                     reads = await self._idle_reads(time.monotonic())
                 await self._act(self.core.take(reads), work)

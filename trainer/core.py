@@ -63,7 +63,7 @@ from trainer.actions import (
     Warn,
 )
 from trainer.budget import max_staleness
-from trainer.dispatch import Dispatch
+from trainer.dispatch import Dispatch, Encode
 from trainer.health import Health
 from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale
 from trainer.ledger import Ledger
@@ -81,11 +81,13 @@ class StepCore:
     """The decisions of one trainer incarnation's steps, from the ``ledger`` and weights
     ``version`` the log (and a resume) left, at ``now``; ``vocab_size`` and ``max_len``:
     the model's, for checking samples (trainer.validate); ``since_checkpoint``: the steps
-    the log finished after its newest checkpoint (trainer.resumepoints)."""
+    the log finished after its newest checkpoint (trainer.resumepoints); ``encode``: a text
+    prompt's token ids as the rollouters encode it, for the prompt digest its tickets carry
+    (None: only verl data's token ids are digested)."""
 
     def __init__(self, cfg: Config, prompts: PromptSource, keys: RunKeys, *, ledger: Ledger,
                  version: int, vocab_size: int | None, max_len: int | None,
-                 now: float, since_checkpoint: int = 0) -> None:
+                 now: float, since_checkpoint: int = 0, encode: Encode | None = None) -> None:
         self.cfg = cfg
         tc, ac = cfg.trainer, cfg.async_training
         self.trigger = ac.trigger_parameter_sync_step
@@ -96,8 +98,9 @@ class StepCore:
         """The weights version the trainer holds (one more after every sync)."""
         self.vocab_size, self.max_len = vocab_size, max_len
         self.intake = Intake(cfg.rollout.max_new_tokens, max_staleness(
-            ac.staleness_threshold, self.trigger, ac.require_batches, tc.ppo_mini_batch_size))
-        self.dispatch = Dispatch(cfg, prompts, keys.dlq)
+            ac.staleness_threshold, self.trigger, ac.require_batches, tc.ppo_mini_batch_size),
+            reward_bounds=cfg.reward.bounds)
+        self.dispatch = Dispatch(cfg, prompts, keys.dlq, encode=encode)
         self.dispatch.restart_leases(ledger, now)
         self.health = Health(cfg.heartbeat, keys, now)
         self.validations = ValidationRequests(cfg)
@@ -197,6 +200,8 @@ class StepCore:
         self._take_reports(out, reads)
         if reads.peers is not None:
             self.health.observe(reads.peers, reads.now)
+        for claim in reads.claims:  # before the answers they precede in the log
+            self.dispatch.claims.claimed(claim)
         if reads.deliveries:
             self.health.samples_arrived()
             self._take_samples(out, reads.deliveries, reads.now)
@@ -225,7 +230,11 @@ class StepCore:
             for index in closed:
                 self.intake.drop_partial(index)
             out += self.issue()
-        lost = self.dispatch.lost_answers(self.ledger, reads.lost_samples, self.intake.taken)
+        # An answer refused alone (no member of its ticket's group) asks for no new attempt.
+        alone = self.intake.alone
+        answers = [s for s in reads.lost_samples
+                   if (s.sample_id, s.attempt, s.rank) not in alone]
+        lost = self.dispatch.lost_answers(self.ledger, answers, self.intake.taken)
         if lost:
             self._reissue(out, lost, "an answer was dead-lettered")
 
@@ -233,7 +242,9 @@ class StepCore:
                       ) -> None:
         """The intake's verdicts on one read, in order."""
         for verdict in self.intake.judge(deliveries, self.ledger, self.version,
-                                         self.vocab_size, self.max_len):
+                                         self.vocab_size, self.max_len,
+                                         claims=self.dispatch.claims,
+                                         digest=self.dispatch.digest):
             match verdict:
                 case Refuse(delivery, reason, reissue):
                     out.append(DeadLetter(delivery, reason))

@@ -25,7 +25,7 @@ replace only the attempt they belong to, so one bad group gives one new attempt.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Container, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Mapping, Sequence
 
 from bus import RunKeys
 from runconfig import Config
@@ -36,10 +36,12 @@ from runschema.messages import (
     TicketsClosed,
     TicketsIssued,
     WarningRaised,
+    prompt_digest,
 )
-from tasks import PromptSource
+from tasks import Prompt, PromptSource
 from trainer.actions import Holders, IssueTickets
 from trainer.budget import ticket_budget
+from trainer.claims import Claims
 from trainer.health import Progress
 from trainer.ledger import Ledger, OpenTicket, ticket_id, ticket_index
 
@@ -64,14 +66,24 @@ def _shown(tickets: Sequence[int]) -> str:
     return ", ".join(ticket_id(i) for i in tickets[:8]) + (" ..." if len(tickets) > 8 else "")
 
 
+Encode = Callable[[str], Sequence[int]]
+"""A text prompt's token ids as the rollouters encode it (``tokenizer.encode(text, bos=True)``)."""
+
+
 class Dispatch:
     """Issues, leases and reissues the run's prompt tickets; ``dlq``: the dead-letter
-    stream (named in what the trainer says of tickets that went there)."""
+    stream (named in what the trainer says of tickets that went there); ``encode``: how a
+    text prompt becomes token ids, for its digest (None: text prompts carry none, only
+    verl data's token ids are digested)."""
 
-    def __init__(self, cfg: Config, prompts: PromptSource, dlq: str) -> None:
+    def __init__(self, cfg: Config, prompts: PromptSource, dlq: str, *,
+                 encode: Encode | None = None) -> None:
         self.cfg = cfg
         self.prompts = prompts
         self.dlq = dlq
+        self.encode = encode
+        self.digests: dict[int, str] = {}  # ticket -> its prompt's digest (open tickets)
+        self.claims = Claims()
         ac = cfg.async_training
         self.capacity = ticket_budget(ac.staleness_threshold, ac.trigger_parameter_sync_step,
                                       ac.require_batches, cfg.trainer.ppo_mini_batch_size)
@@ -112,6 +124,8 @@ class Dispatch:
         for index in indices:
             self.issued_at.pop(index, None)
             self.ticket_entry.pop(index, None)
+            self.digests.pop(index, None)
+        self.claims.forget(indices)
 
     def restart_leases(self, ledger: Ledger, now: float) -> None:
         """When the trainer (re)starts: open tickets are still out (pending, unread, or
@@ -127,6 +141,7 @@ class Dispatch:
             assert index is not None
             self.ticket_entry[index] = entry_id
             self.issued_at[index] = now
+            self.claims.issued(index, t.attempt)
 
     def expired(self, ledger: Ledger, taken: Container[int], now: float) -> list[int]:
         """Open tickets not ``taken`` unanswered for longer than the ticket lease."""
@@ -148,7 +163,32 @@ class Dispatch:
             answer=prompt.answer, n=n, min_version=version, attempt=attempt,
             prompt_ids=prompt.prompt_ids, data_source=prompt.data_source,
             ground_truth=prompt.ground_truth, extra_info=prompt.extra_info,
+            prompt_digest=self._digest(index, prompt),
         )
+
+    def digest(self, index: int) -> str:
+        """The prompt digest of ticket ``index`` (what its ticket carries): kept from its
+        issue, or, for a ticket issued before this incarnation, made again from the prompt
+        source (deterministic: the same index gives the same prompt)."""
+        known = self.digests.get(index)
+        return known if known is not None else self._digest(index, self.prompts.get(index))
+
+    def _digest(self, index: int, prompt: Prompt) -> str:
+        """Once per ticket (reissues reuse it): verl data's token ids hashed, or a text
+        prompt encoded first as the rollouters encode it."""
+        known = self.digests.get(index)
+        if known is None:
+            if prompt.prompt_ids is not None:
+                known = prompt_digest(prompt.prompt_ids)
+            elif self.encode is not None:
+                try:
+                    known = prompt_digest(self.encode(prompt.prompt))
+                except (KeyError, ValueError):  # not encodable: the rollouters fail it too
+                    known = ""
+            else:
+                known = ""
+            self.digests[index] = known
+        return known
 
     def issue(self, ledger: Ledger, version: int) -> IssueTickets | None:
         """What the sync window's staleness budget still allows (trainer.budget): right

@@ -19,6 +19,7 @@ import secrets
 import time
 
 from bus import RUNS_STREAM, Bus, Consumer, Fenced, Lease, entry_key
+from policy.text import TextTokenizer, build_tokenizer
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from runconfig import Config, config_to_dict
@@ -89,12 +90,21 @@ class TrainerProcess(Component):
         # sample once another trainer holds the lease.
         self.consumer = Consumer(bus, self.keys.samples, GROUP, consumer_name(self.epoch),
                                  dlq_stream=self.keys.dlq, fence=self.writer)
+        self.tokenizer: TextTokenizer | None = None  # built on the first text prompt
         self.upcoming: StepWork | None = None  # the next step, begun early (StepCore.close_step)
         self.waiting: str | None = None  # what start-up waits for, told by the heartbeat
 
     async def run_loop(self, resumed: bool) -> int:
         """The run, once the incarnation is up to the log's state; the exit code."""
         raise NotImplementedError
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's token ids as a rollouter encodes it (rollouter.context), for the
+        prompt digest its tickets carry; the tokenizer is built once, on first use (verl
+        data carry their token ids and never need it)."""
+        if self.tokenizer is None:
+            self.tokenizer = build_tokenizer(self.cfg.model)
+        return self.tokenizer.encode(text, bos=True)
 
     # ------------------------------------------------------------------ the component
 

@@ -1,8 +1,12 @@
 """Checks a Sample against the ticket it claims to answer, before it is trained on.
 
 Pure (numpy only). Anything a writer to Redis can append must be refused here with a reason,
-never crash or stall the update: the trainer dead-letters a refused sample and reissues its
-ticket.
+never crash or stall the update: the trainer dead-letters a refused sample, with the rest of
+its group (trainer.intake), and reissues its ticket. What is checked: the sample is one of
+the ticket's responses (attempt, n, index, id), its arrays' kinds and lengths, token ids in
+the vocabulary, log-probs finite and <= 0, its prompt the ticket's (the digest the ticket
+carries), its reward finite and within ``reward.bounds``, its weights versions. Which
+rollouter may answer is trainer.claims'.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from runschema.messages import Sample
+from runschema.messages import Sample, prompt_digest
 from trainer.ledger import OpenTicket
 
-__all__ = ["check_sample", "values_in_range"]
+__all__ = ["check_sample", "reward_problem", "values_in_range"]
 
 _INT_KINDS = "iu"
 
@@ -29,10 +33,14 @@ def check_sample(
     max_len: int | None = None,
     vocab_size: int | None = None,
     values_checked: bool = False,
+    reward_bounds: tuple[float, float] | None = None,
+    digest: str = "",
 ) -> str | None:
     """Why ``s`` cannot be trained as an answer of ``ticket`` while the trainer holds weights
     ``version``; None when it can. ``values_checked``: :func:`values_in_range` has shown
-    for a batch holding ``s`` that its token ids and log-probs are in range."""
+    for a batch holding ``s`` that its token ids and log-probs are in range;
+    ``reward_bounds``: ``reward.bounds`` (None: any finite reward); ``digest``: the
+    ticket's prompt digest (empty: not known, not checked)."""
     problem = _identity_problem(s, ticket)
     if problem is not None:
         return problem
@@ -45,7 +53,30 @@ def check_sample(
     return (_shape_problem(prompt, response, logprobs, max_new_tokens, max_len)
             or (None if values_checked else _value_problem(prompt, response, logprobs,
                                                             vocab_size))
+            or _prompt_problem(s, digest)
+            or reward_problem(s.reward, reward_bounds)
             or _version_problem(s, ticket, version))
+
+
+def _prompt_problem(s: Sample, digest: str) -> str | None:
+    """The sample's prompt is not the one its ticket was issued with: one hash of its
+    prompt's bytes (a ticket's n responses share one prompt, so this is cheap)."""
+    if digest and prompt_digest(s.prompt_tokens) != digest:
+        return (f"its {len(s.prompt_tokens)} prompt tokens are not the prompt of "
+                f"{s.ticket_id} (prompt digest check)")
+    return None
+
+
+def reward_problem(reward: float, bounds: tuple[float, float] | None) -> str | None:
+    """A reward that is not finite, or outside ``bounds`` (``reward.bounds``): a finite
+    but absurd reward (1e300) would swamp every advantage of its group and the step's
+    ``reward/*`` metrics as surely as a NaN would poison them."""
+    if not math.isfinite(reward):
+        return f"reward {reward} is not finite (reward check)"
+    if bounds is not None and not bounds[0] <= reward <= bounds[1]:
+        return (f"reward {reward:g} outside reward.bounds [{bounds[0]:g}, {bounds[1]:g}] "
+                "(reward check)")
+    return None
 
 
 def _identity_problem(s: Sample, ticket: OpenTicket) -> str | None:
@@ -93,9 +124,7 @@ def _value_problem(prompt: np.ndarray, response: np.ndarray, logprobs: np.ndarra
 
 
 def _version_problem(s: Sample, ticket: OpenTicket, version: int) -> str | None:
-    """A finite reward, and weights versions between the ticket's and the trainer's."""
-    if not math.isfinite(s.reward):
-        return f"reward {s.reward} is not finite"
+    """Weights versions between the ticket's and the trainer's."""
     # An older attempt's answer may still win; its own issue version is not kept, so only
     # the current attempt's lower bound is checked.
     low = ticket.version if s.attempt == ticket.attempt else 0

@@ -11,6 +11,9 @@ The shell's reader for the step core (trainer.core), which judges what is read h
 - Reports: a background reader of the events log (RolloutFailed, ProfilerReady) and of the
   dead-letter stream (tickets and samples of ours that went there), whose findings the step
   loop takes in between reads of samples.
+- Claims: the rollouters' TicketsClaimed, read by the step loop itself right after each read
+  of samples (not in the background), so a claim is always read before the answers that
+  follow it (trainer.claims).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from runschema.messages import (
     PromptTicket,
     RolloutFailed,
     Sample,
+    TicketsClaimed,
     decode,
 )
 from runtime import Follower, LogFollower, since
@@ -52,6 +56,8 @@ class Watch:
         # The other roles' facts the trainer acts on: rollouts failing, the profiler ready.
         self.events = LogFollower(bus, keys, ("rollouter", "profiler"), fold=self._fold_events)
         self.dead = Follower(bus, keys.dlq, fold=self._fold_dead)
+        # Its own reader of the rollouters' stream: the background one's reads may lag.
+        self.claims = Follower(bus, keys.log("rollouter"))
 
     # ------------------------------------------------------------------ reports
 
@@ -59,6 +65,18 @@ class Watch:
         """Reports start after ``position`` (the log the trainer folded: the past is not
         news)."""
         self.events.start_at_end(dict.fromkeys(self.events.positions, since(position)))
+        # Tickets this incarnation issues come after it: so do all claims it judges by.
+        self.claims.position = since(position)
+
+    async def read_claims(self) -> list[TicketsClaimed]:
+        """The rollouters' claims stated since the last call (to the end of their stream:
+        every claim an answer already read follows). Wraps XREAD (non-blocking)."""
+        out: list[TicketsClaimed] = []
+        while True:
+            entries = await self.claims.poll()
+            out += [msg for _, msg in entries if isinstance(msg, TicketsClaimed)]
+            if self.claims.caught_up:
+                return out
 
     async def follow(self) -> None:
         """Background, until cancelled: new events (a blocking read) and dead letters."""

@@ -1,0 +1,66 @@
+"""The pure checks of a sample against its ticket (issue 36): the prompt digest, the reward's
+bounds, the holder's claim (trainer.validate, trainer.claims, runschema.messages)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runschema.messages import Array, Sample, TicketsClaimed, prompt_digest
+from trainer.claims import Claims
+from trainer.validate import reward_problem
+
+BOUNDS = (-1e6, 1e6)
+ids = st.lists(st.integers(0, 2**31 - 1), max_size=40)
+
+
+@given(ids, ids)
+def test_a_prompt_digest_tells_prompts_apart_whatever_their_int_width(a: list[int],
+                                                                      b: list[int]) -> None:
+    packed = Array.of(np.asarray(a, dtype=np.int32))
+    assert prompt_digest(packed) == prompt_digest(a)
+    assert prompt_digest(Array.of(np.asarray(a, dtype=np.int64))) == prompt_digest(a)
+    assert (prompt_digest(a) == prompt_digest(b)) == (a == b)
+
+
+def test_ids_outside_int32_have_no_digest_a_ticket_carries() -> None:
+    assert prompt_digest([2**31]) == "out of range" != prompt_digest([0])
+    assert prompt_digest(Array.of(np.asarray([0.5], dtype=np.float32))) == "out of range"
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_a_reward_is_refused_exactly_when_not_finite_or_out_of_bounds(r: float) -> None:
+    refused = reward_problem(r, BOUNDS) is not None
+    assert refused == (not math.isfinite(r) or not BOUNDS[0] <= r <= BOUNDS[1])
+    assert (reward_problem(r, None) is not None) == (not math.isfinite(r))
+
+
+def _sample(tid: str, attempt: int, rank: int) -> Sample:
+    arr = Array.of(np.asarray([1], dtype=np.int32))
+    return Sample(sample_id=f"{tid}/0", ticket_id=tid, prompt_id="p", index=0, n=1,
+                  prompt_tokens=arr, response_tokens=arr,
+                  logprobs=Array.of(np.asarray([-1.0], dtype=np.float32)), reward=0.0,
+                  min_version=0, max_version=0, attempt=attempt, rank=rank)
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(0, 3)),
+                max_size=20),
+       st.integers(0, 3), st.integers(0, 2), st.integers(0, 3))
+def test_only_a_claimer_of_a_watched_attempt_may_answer_it(
+        claims: list[tuple[int, int, int]], ticket: int, attempt: int, rank: int) -> None:
+    """Issued: attempts 0 and 1 of tickets 0-2 (ticket 3 and attempt 2: not watched).
+    A sample passes iff its attempt is not watched or its rank claimed that attempt."""
+    book = Claims()
+    for t in range(3):
+        for a in (0, 1):
+            book.issued(t, a)
+    for t, a, r in claims:
+        book.claimed(TicketsClaimed(ticket_ids=[f"t{t}"], attempts=[a], rank=r))
+    watched = ticket < 3 and attempt < 2
+    ok = not watched or (ticket, attempt, rank) in claims
+    assert (book.problem(_sample(f"t{ticket}", attempt, rank)) is None) == ok
+    book.forget([ticket])
+    assert book.problem(_sample(f"t{ticket}", attempt, rank)) is None
