@@ -34,6 +34,9 @@ _CONNECTION = ("resetchannels -@all +ping +hello +client|setname +select +multi 
                # The run's one clock (Bus.server_time: an entry's age by Redis's clock, never
                # by comparing hosts' clocks), which any role may read: keyless, read only.
                " +time"
+               # A write refused for the server's memory names used/max (bus.client): INFO
+               # is keyless and read only, and holds no secret.
+               " +info"
                # Redis Cluster (bus.client): the slot table and the command table (where each
                # command's keys are) a cluster client reads at connect, ASKING while a slot
                # moves; CLUSTER MYID tells a plain URL that names a cluster node.

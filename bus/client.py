@@ -47,6 +47,7 @@ Decisions:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
@@ -63,6 +64,7 @@ from redis.exceptions import (
     ClusterDownError,
     MovedError,
     NoPermissionError,
+    OutOfMemoryError,
     RedisClusterException,
     ResponseError,
     SlotNotCoveredError,
@@ -75,11 +77,14 @@ from bus.cluster import SlotPipelines
 from bus.errors import (
     BusAuthError,
     BusClusterError,
+    BusOutOfMemory,
     BusPermissionError,
+    BusRefusedWrite,
     BusUnavailable,
     describe,
     redact_url,
     seconds,
+    server_refusal,
 )
 from bus.retry import RetryHook, RetryPolicy, retry_async
 from bus.urls import split_cluster
@@ -268,7 +273,7 @@ class BusClient:
             wait.tries += 1
             # A cancelled redis-py read closes its connection, so no stale reply is left.
             async with asyncio.timeout(block_s + min(op_timeout_s, left_s)):
-                return await fn()
+                return await self._answer(op, fn)
 
         def retrying(attempt: int, exc: BaseException) -> None:
             wait.error = exc
@@ -321,6 +326,39 @@ class BusClient:
         if isinstance(exc, NoPermissionError):
             return BusPermissionError(f"Redis at {self.url} refused {op}: {exc}")
         return BusAuthError(f"Redis at {self.url} refused the credentials: {exc}")
+
+    async def _answer(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """``fn``'s reply; a write the server refused for its own state (out of memory,
+        unable to persist) raised as the :class:`BusRefusedWrite` that says so."""
+        try:
+            return await fn()
+        except ResponseError as exc:
+            # redis-py names an OOM reply (its code stripped); a script's is in its message.
+            refused = (BusOutOfMemory if isinstance(exc, OutOfMemoryError)
+                       else server_refusal(str(exc)))
+            if refused is None:
+                raise
+            raise refused(await self._refusal_line(op, exc, refused)) from exc
+
+    async def _refusal_line(self, op: str, exc: ResponseError,
+                            kind: type[BusRefusedWrite]) -> str:
+        """What a write the server refused for its own state says: the server, the op, and
+        for memory its ``used_memory``/``maxmemory`` (INFO memory, read once: a read is not
+        refused for memory; the numbers are left out when INFO is not answered)."""
+        reply = str(exc).strip().splitlines()[0][:200]
+        if kind is BusOutOfMemory:
+            numbers = ""
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(min(self.op_timeout_s, 5.0)):
+                    info = await self._redis.execute_command("INFO", "memory")
+                numbers = (f": used_memory {info.get('used_memory_human', '?')} of maxmemory "
+                           f"{info.get('maxmemory_human', '?')} (policy "
+                           f"{info.get('maxmemory_policy', '?')})")
+            return (f"Redis at {self.url} is out of memory{numbers}; it refused {op} ({reply}): "
+                    f"free memory or raise maxmemory, then resume the run")
+        return (f"Redis at {self.url} cannot persist its writes and refused {op} ({reply}): its "
+                f"RDB/AOF could not be written, often a full disk; free space where it writes "
+                f"(CONFIG GET dir), then resume the run")
 
     def _tick_s(self) -> float:
         # A fifth of the shorter period: a warning falls due at most this late.
@@ -480,6 +518,30 @@ class BusClient:
         while len(parts) < 3:
             parts.append(0)
         return parts[0], parts[1], parts[2]
+
+    async def write_refusal(self) -> str | None:
+        """Why the server refuses writes now, in one line (None: it does not seem to):
+        ``used_memory`` at its ``maxmemory`` with a policy that cannot evict for it, or its
+        last AOF write / RDB save failed (MISCONF). Wraps INFO memory and persistence; a
+        user without INFO gets None. What a peer says of a part that went silent: a write
+        refused to every part is why, and the silent one could not say so itself."""
+        try:
+            memory = await self.command("INFO", "memory")
+            persistence = await self.command("INFO", "persistence")
+        except (BusAuthError, ResponseError):
+            return None
+        limit, used = int(memory.get("maxmemory", 0)), int(memory.get("used_memory", 0))
+        policy = str(memory.get("maxmemory_policy", ""))
+        if limit and used >= limit * 0.98 and not policy.startswith("allkeys"):
+            return (f"Redis at {self.url} is out of memory: used_memory "
+                    f"{memory.get('used_memory_human', used)} of maxmemory "
+                    f"{memory.get('maxmemory_human', limit)} (policy {policy}): no part can "
+                    f"write")
+        if "err" in (str(persistence.get("aof_last_write_status", "ok")),
+                     str(persistence.get("rdb_last_bgsave_status", "ok"))):
+            return (f"Redis at {self.url} cannot persist its writes (its last AOF write or "
+                    f"RDB save failed, often a full disk): it refuses every write")
+        return None
 
     # ------------------------------------------------------------------ lifetime
 

@@ -14,9 +14,12 @@ __all__ = [
     "BlobError",
     "BlobNotFound",
     "BusAuthError",
+    "BusCannotPersist",
     "BusClusterError",
     "BusError",
+    "BusOutOfMemory",
     "BusPermissionError",
+    "BusRefusedWrite",
     "BusUnavailable",
     "EntryGone",
     "Fenced",
@@ -27,6 +30,7 @@ __all__ = [
     "RedisStartError",
     "StreamGone",
     "redact_url",
+    "server_refusal",
 ]
 
 
@@ -97,6 +101,36 @@ class BusPermissionError(BusAuthError):
     """Redis's ACL refused a command or key to our user (NOPERM): the user lacks that right
     (retrying cannot help). The message names the command, the key or command refused, and
     the user."""
+
+
+class BusRefusedWrite(BusError):
+    """Redis refused a write for a state of its own, not ours: retrying cannot help until
+    an operator acts (frees memory or disk). The message names the server and the numbers
+    it gave."""
+
+
+class BusOutOfMemory(BusRefusedWrite):
+    """OOM: the server's ``used_memory`` reached its ``maxmemory`` and its policy evicts
+    nothing it may (``noeviction``, or only keys with a TTL under ``volatile-*``)."""
+
+
+class BusCannotPersist(BusRefusedWrite):
+    """MISCONF: the server could not write its RDB snapshot or its AOF (a full or read-only
+    disk, most often) and refuses writes until it can (``stop-writes-on-bgsave-error``, or
+    an AOF write error)."""
+
+
+def server_refusal(message: str) -> type[BusRefusedWrite] | None:
+    """The bus error for a Redis error reply ``message`` that refuses a write for the
+    server's own state (None: another error, for the caller)."""
+    # The reply's code leads, or, raised by a command inside a Lua script, follows the
+    # script's own "Error running script" prefix.
+    words = message.replace(":", " ").split()
+    if "OOM" in words[:12] or "OOM command not allowed" in message:
+        return BusOutOfMemory
+    if "MISCONF" in words[:12]:
+        return BusCannotPersist
+    return None
 
 
 class BusClusterError(BusError):

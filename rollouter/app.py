@@ -104,7 +104,7 @@ class Rollouter(Component):
             # One reader of the log for the rollout loop and the step watcher alike.
             log=LogFollower(bus, self.keys, ("trainer", "rollouter"), count=1000),
             trainer=TrainerPresence(bus, self.keys.trainer_lease, self.run_id,
-                                    cfg.heartbeat.timeout_s),
+                                    cfg.heartbeat.timeout_s, self.keys.log("trainer")),
             fetch=self.fetcher.fetch, load=self._load, stranded=self.fetcher.stranded,
             find_dead=lambda: dead_replicas(bus, self.keys, self.consumer.name),
             publish=self.publish, complain=lambda text: self.say(text, error=True),

@@ -11,6 +11,7 @@ import time
 from typing import Protocol
 
 from bus import Bus
+from runschema.messages import ComponentFailed
 from runtime import Failure
 
 __all__ = ["Presence", "TrainerGone", "TrainerPresence"]
@@ -32,9 +33,12 @@ class TrainerGone(Failure):
 class TrainerPresence:
     """The trainer lease ``lease_key`` of run ``run_id``, watched by a rollouter."""
 
-    def __init__(self, bus: Bus, lease_key: str, run_id: str, timeout_s: float) -> None:
+    def __init__(self, bus: Bus, lease_key: str, run_id: str, timeout_s: float,
+                 trainer_log: str | None = None) -> None:
         self.bus = bus
         self.lease_key = lease_key
+        self.trainer_log = trainer_log
+        """The trainer's log stream: a trainer that failed said why there last."""
         self.run_id = run_id
         self.timeout_s = timeout_s
         self.absent_since: float | None = time.monotonic()  # judged from construction on
@@ -58,6 +62,18 @@ class TrainerPresence:
                 f"no trainer: no trainer lease ({self.lease_key}) for run {self.run_id!r} in "
                 f"{waited:.0f} s (heartbeat.timeout_s={self.timeout_s}); is the trainer "
                 "running?")
+        cause = await self._cause()
         raise TrainerGone(
-            f"trainer is gone: its lease {self.lease_key} lapsed and stayed absent for "
-            f"{waited:.0f} s (heartbeat.timeout_s={self.timeout_s})")
+            f"trainer is gone: {cause + '; ' if cause else ''}its lease {self.lease_key} "
+            f"lapsed and stayed absent for {waited:.0f} s "
+            f"(heartbeat.timeout_s={self.timeout_s})")
+
+    async def _cause(self) -> str | None:
+        """Why the trainer went, as it stated it (its last entry a ComponentFailed), or, when
+        it could not state it, why Redis refuses every write (out of memory, unable to
+        persist): the trainer's cause, repeated rather than "lease lapsed"."""
+        if self.trainer_log is not None:
+            last = await self.bus.latest(self.trainer_log)
+            if last is not None and isinstance(last.msg, ComponentFailed):
+                return f"it failed: {last.msg.error}"
+        return await self.bus.write_refusal()

@@ -43,7 +43,16 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, ClassVar, ParamSpec, TypeVar, TypeVarTuple
 
-from bus import ROLE_LOG_MAXLEN, Bus, RankClaim, RankLost, RunKeys, pulse_forever
+from bus import (
+    ROLE_LOG_MAXLEN,
+    Bus,
+    BusPermissionError,
+    BusRefusedWrite,
+    RankClaim,
+    RankLost,
+    RunKeys,
+    pulse_forever,
+)
 from runconfig import Config
 from runschema.messages import Command, ComponentFailed, Event, Heartbeat, StartProfile, StopProfile
 
@@ -248,6 +257,17 @@ class Component:
             return await self.serve()
         except Failure as exc:
             return await self._failed(exc)
+        except (BusRefusedWrite, BusPermissionError) as exc:
+            # Redis refused a write for its own state (memory, disk) or the ACL a right: the
+            # bus's one line says which; nothing here can mend it.
+            return await self._failed(Failure(str(exc)))
+        except OSError as exc:
+            from runtime.faults import disk_full  # it imports this module
+
+            full = disk_full(exc, exc.filename or os.getcwd(), "a file")
+            if full is None:
+                raise
+            return await self._failed(full)
         except asyncio.CancelledError:
             if self._lost is None or self._main is None:
                 raise

@@ -104,7 +104,8 @@ class Trainer(TrainerProcess):
             await self._act(self.core.published(step))
         if closing.save or closing.resume_point:
             _, events = await self.checkpoints.save(step, self.learner, self.writer,
-                                                    resume_point=closing.resume_point)
+                                                    resume_point=closing.resume_point,
+                                                    warn=self._warn)
             await self.publish(*events)
         now = time.monotonic()
         if self.core.due(now, leases=False).peers:  # rollouter/idle_ratio, as fresh as pulses

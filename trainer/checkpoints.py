@@ -11,12 +11,14 @@ that made it (trainer.retention), off the step's critical path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from bus import Bus, Lease, RunKeys
 from runconfig import Config
 from runschema.messages import CheckpointSaved, Event, WarningRaised
+from runtime.faults import disk_full, space_warning
 from trainer.export import HFExport, RunOff
 from trainer.learner import Learner
 from trainer.resume import write_checkpoint
@@ -43,17 +45,30 @@ class Checkpoints:
         stream is trimmed only below them."""
 
     async def save(self, step: int, learner: Learner, writer: Writer, *,
-                   resume_point: bool = False) -> tuple[Path, list[Event]]:
+                   resume_point: bool = False,
+                   warn: Callable[[WarningRaised], Awaitable[None]] | None = None,
+                   ) -> tuple[Path, list[Event]]:
         """Model, optimizer and the folded state, durable (and in a remote storage) before
         the log says so; the HF directory written beside it while training goes on (not for
         a ``resume_point``: trainer.resumepoints). Returns the checkpoint file and the
         events to publish, ``CheckpointSaved`` last."""
-        saved, files = await self.off(write_checkpoint, self.files.ckpt_dir, step,
-                                      learner.version, learner.checkpoint_payload,
-                                      writer.snapshot(), learner.shard_digests,
-                                      resume_point=resume_point)
-        await self.files.upload(saved)
+        folder = self.files.ckpt_dir
         events: list[Event] = []
+        what = f"the checkpoint of step {step}"
+        short = await asyncio.to_thread(space_warning, folder,
+                                        self._expected_size(writer, learner), what)
+        if short is not None and warn is not None:  # now: the write may be what fails
+            await warn(WarningRaised(source="trainer", code="checkpoint_space", message=short))
+        try:
+            saved, files = await self.off(write_checkpoint, folder, step, learner.version,
+                                          learner.checkpoint_payload, writer.snapshot(),
+                                          learner.shard_digests, resume_point=resume_point)
+        except (OSError, RuntimeError) as exc:
+            full = await asyncio.to_thread(disk_full, exc, folder, what)
+            if full is None:
+                raise
+            raise full from exc
+        await self.files.upload(saved)
         hf_path = None
         if self.hf_export is not None and not resume_point:
             target, warning = await self.hf_export.start(self.off, learner.module,
@@ -66,6 +81,14 @@ class Checkpoints:
                                       param_version=learner.version, hf_path=hf_path,
                                       files=files, resume_point=resume_point))
         return saved, events
+
+    def _expected_size(self, writer: Writer, learner: Learner) -> int:
+        """About how many bytes the next checkpoint takes: the last one's files (their
+        digests record sizes), else the weights and two optimizer moments of each."""
+        _, last = writer.state.checkpoint()
+        if last is not None and (files := writer.state.files_of(last)):
+            return sum(f.size for f in files.values())
+        return 3 * sum(p.numel() * p.element_size() for p in learner.module.parameters())
 
     async def exported(self) -> WarningRaised | None:
         """Before RunFinished: the last checkpoint's HF directory is whole (or why not)."""
