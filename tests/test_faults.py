@@ -454,7 +454,8 @@ async def test_trim_then_resume_rebuilds_the_same_model(
     assert resumed[0].checkpoint_step == 6
     # Only the log after the step-6 snapshot was read.
     assert 0 < resumed[0].events_read < events_before / 2, (resumed[0], events_before)
-    # Samples of steps before the last checkpoint (the final step) are gone.
+    # Samples of steps before the checkpoint before the last (step 6's, kept for a fallback
+    # from the final step's) are gone.
     produced = sum(len(e.sample_ids) for e in _finished(events))
     assert await bus.length(run_keys.samples) < produced / 2
     assert await bus.length(run_keys.prompts) < steps * 4

@@ -162,6 +162,9 @@ class TrainerProcess(Component):
         await self._report_refused()
         self.watch.follow_from(self.writer.position)  # reports: what comes next only
         state, total = self.writer.state, self.cfg.trainer.total_training_steps
+        # The next checkpoint trims samples below the ones its fallback (the log's newest
+        # checkpoint) re-applies after: what this incarnation's first trim may drop.
+        self.checkpoints.fallback = list(state.entries_of(state.checkpoint()[0]))
         if state.finished and state.last_step >= total:
             self.say(f"run {self.run_id} already finished at step {state.last_step}")
             return 0

@@ -92,6 +92,11 @@ class TrainerState(msgspec.Struct, frozen=True):
         """The digests recorded for the checkpoint at ``path`` (empty: none recorded)."""
         return self.checkpoint_files.get(path, {})
 
+    def entries_of(self, step: int) -> tuple[str, ...]:
+        """The sample entry ids step ``step`` trained, when its record is kept (empty: not
+        kept, or written before entry ids were recorded)."""
+        return next((s.entry_ids for s in self.steps if s.step == step), ())
+
     def steps_after_checkpoint(self, step: int | None = None) -> tuple[StepRecord, ...]:
         """Finished steps that the checkpoint of ``step`` (default: the usable one) does not
         hold yet (to re-apply)."""
