@@ -30,6 +30,7 @@ from bus.groups import (
     Delivery,
     GroupCommands,
     GroupInfo,
+    Refusal,
     default_dlq,
 )
 from bus.keyspace import KeyCommands
@@ -47,6 +48,7 @@ __all__ = [
     "Delivery",
     "Entry",
     "GroupInfo",
+    "Refusal",
     "default_dlq",
     "entry_key",
 ]
