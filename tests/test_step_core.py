@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bus import Delivery, RunKeys
+from bus import Delivery, Refusal, RunKeys
 from runconfig import Config, load_config
 from runschema.messages import (
     Array,
@@ -49,7 +49,7 @@ from trainer.actions import (
     Train,
     Warn,
 )
-from trainer.core import StepCore
+from trainer.core import MAX_READ_SIZE, READ_SIZE, StepCore, next_read_size
 from trainer.health import PeerDead
 from trainer.ledger import Ledger, ticket_id
 from trainer.ledger import apply as ledger_apply
@@ -222,14 +222,14 @@ def test_duplicates_are_acked_and_never_trained_twice() -> None:
     read = shell.deliver(_sample(0, 0), _sample(0, 1), _sample(0, 1))
     assert shell.take(Reads(2.0, deliveries=read)) == [Ack([read[2].id])]
     copy = shell.deliver(_sample(0, 0), _sample(0, 1))
-    assert shell.take(Reads(3.0, deliveries=copy)) == [Ack([copy[0].id]), Ack([copy[1].id])]
+    assert shell.take(Reads(3.0, deliveries=copy)) == [Ack([copy[0].id, copy[1].id])]
     _answer(shell, 1, 4.0)
     finished = next(a for a in shell.finish(5.0) if isinstance(a, FinishStep)).finished
     assert finished.entry_ids == [read[0].id, read[1].id, "s-5", "s-6"]
     # A trained sample delivered again (a redelivery after a restart): acked, not trained.
     again = shell.deliver(_sample(0, 0), _sample(1, 1))
     shell.act(shell.core.start_step(2, 6.0), 6.0)
-    assert shell.take(Reads(7.0, deliveries=again)) == [Ack([again[0].id]), Ack([again[1].id])]
+    assert shell.take(Reads(7.0, deliveries=again)) == [Ack([again[0].id, again[1].id])]
     assert sorted(shell.trained) == ["t0/0", "t0/1", "t1/0", "t1/1"]
     assert not any(isinstance(a, DeadLetter) for a in shell.written)
 
@@ -441,14 +441,16 @@ def test_refused_entries_are_dead_lettered_with_their_reason() -> None:
     read = shell.deliver(_hb(0), _sample(7, 0), _sample(0, 0, reward=float("nan")),
                          _sample(0, 1, reward=float("inf")))
     out = shell.take(Reads(1.0, deliveries=read))
-    assert _kinds(out) == ["DeadLetter", "DeadLetter", "DeadLetter", "IssueTickets",
-                           "DeadLetter"]
-    assert out[0] == DeadLetter(read[0], "expected a Sample, got Heartbeat")
-    assert out[1] == DeadLetter(read[1], "ticket 't7' was never issued")
-    assert out[2] == DeadLetter(read[2], "invalid answer of t0: reward nan is not finite")
+    # The read's refusals in one dead-letter batch (one round trip), before the reissue.
+    assert _kinds(out) == ["DeadLetter", "IssueTickets"]
+    assert out[0] == DeadLetter([
+        Refusal(read[0], "expected a Sample, got Heartbeat", "not a sample"),
+        Refusal(read[1], "ticket 't7' was never issued", "ticket never issued"),
+        Refusal(read[2], "invalid answer of t0: reward nan is not finite", "invalid answer"),
+        Refusal(read[3], "invalid answer of t0: reward inf is not finite", "invalid answer")])
     # One new attempt for the bad group, whatever else of it is refused.
-    assert isinstance(out[3], IssueTickets) and out[3].event.attempt == 1
-    assert out[3].event.reason == "an answer was invalid"
+    assert isinstance(out[1], IssueTickets) and out[1].event.attempt == 1
+    assert out[1].event.reason == "an answer was invalid"
     # The dead letter of a refused answer asks for nothing more: that attempt was replaced.
     bad = read[2].msg
     assert isinstance(bad, Sample) and shell.take(Reads(2.0, lost_samples=[bad])) == []
@@ -457,6 +459,43 @@ def test_refused_entries_are_dead_lettered_with_their_reason() -> None:
     (again,) = shell.take(Reads(3.0, lost_samples=[lost, _sample(0, 1, attempt=1)]))
     assert isinstance(again, IssueTickets) and again.event.attempt == 2
     assert again.event.reason == "an answer was dead-lettered"
+
+
+def test_a_flood_of_junk_is_one_dead_letter_batch_per_read_and_reads_grow() -> None:
+    """Thousands of bad entries in one read: one DeadLetter with all of them (one round trip
+    for the shell), counted by kind; full reads mostly refused ask for twice as many next
+    time, up to MAX_READ_SIZE, and a read of samples again goes back to READ_SIZE."""
+    shell = _issued_at_zero(_cfg())
+    core = shell.core
+    assert core.read_size == READ_SIZE
+    junk = [_hb(i % 3) if i % 2 else _sample(10**6 + i, 0) for i in range(READ_SIZE)]
+    read = shell.deliver(*junk)
+    out = shell.take(Reads(1.0, deliveries=read))
+    assert _kinds(out) == ["DeadLetter"]
+    (letter,) = out
+    assert isinstance(letter, DeadLetter) and [r.entry for r in letter.refusals] == list(read)
+    kinds = [r.kind for r in letter.refusals]
+    assert kinds.count("not a sample") == kinds.count("ticket never issued") == READ_SIZE // 2
+    assert core.read_size == 2 * READ_SIZE
+    # A full read of undecodable entries (refused by the consumer, never delivered) grows
+    # it too, as an idle turn; up to the cap.
+    for _ in range(10):
+        shell.take(Reads(2.0, refused=core.read_size, idle=True))
+    assert core.read_size == MAX_READ_SIZE
+    # Reports alone are not a read: the size stays.
+    shell.take(Reads(3.0))
+    assert core.read_size == MAX_READ_SIZE
+    # The junk drained: a read of real samples goes back to the usual size.
+    shell.take(Reads(4.0, deliveries=shell.deliver(_sample(0, 0))))
+    assert core.read_size == READ_SIZE
+
+
+@pytest.mark.parametrize(("size", "read", "refused", "after"), [
+    (256, 256, 256, 512), (256, 256, 128, 512), (256, 256, 127, READ_SIZE),
+    (512, 300, 300, READ_SIZE), (MAX_READ_SIZE, MAX_READ_SIZE, MAX_READ_SIZE, MAX_READ_SIZE),
+    (256, 0, 0, READ_SIZE)])
+def test_next_read_size(size: int, read: int, refused: int, after: int) -> None:
+    assert next_read_size(size, read, refused) == after
 
 
 # ---------------------------------------------------------------------------- (d) validation

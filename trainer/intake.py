@@ -32,7 +32,14 @@ from runschema.messages import Sample
 from trainer.ledger import Ledger, ticket_id, ticket_index
 from trainer.validate import check_sample, values_in_range
 
-__all__ = ["Complete", "Duplicate", "Group", "Intake", "Refuse", "Stale", "Verdict"]
+__all__ = ["INVALID_ANSWER", "NEVER_ISSUED", "NOT_A_SAMPLE", "Complete", "Duplicate", "Group",
+           "Intake", "Refuse", "Stale", "Verdict"]
+
+# What a refusal is counted as in the line that sums a read's refusals (bus.Refusal.kind):
+# the reasons themselves name tickets, so a flood would be one kind per entry.
+NOT_A_SAMPLE = "not a sample"
+NEVER_ISSUED = "ticket never issued"
+INVALID_ANSWER = "invalid answer"
 
 
 class Group(msgspec.Struct):
@@ -65,6 +72,7 @@ class Refuse(NamedTuple):
     delivery: Delivery
     reason: str
     reissue: int | None = None  # the ticket to answer again
+    kind: str = ""  # what the refusal is counted as in the trainer's log line (bus.Refusal)
 
 
 class Duplicate(NamedTuple):
@@ -131,10 +139,12 @@ class Intake:
                max_len: int | None, values_checked: bool) -> Verdict | None:
         msg = delivery.msg
         if not isinstance(msg, Sample):
-            return self._refuse(delivery, f"expected a Sample, got {type(msg).__name__}")
+            return self._refuse(delivery, f"expected a Sample, got {type(msg).__name__}",
+                                kind=NOT_A_SAMPLE)
         index = ticket_index(msg.ticket_id)
         if index is None or index >= ledger.issued:
-            return self._refuse(delivery, f"ticket {msg.ticket_id!r} was never issued")
+            return self._refuse(delivery, f"ticket {msg.ticket_id!r} was never issued",
+                                kind=NEVER_ISSUED)
         ticket = ledger.open.get(index)
         if ticket is None or index in self.taken:
             if ticket is None:
@@ -148,7 +158,8 @@ class Intake:
             # That attempt's group cannot complete; other attempts' partial groups may.
             self.groups.pop((index, msg.attempt), None)
             return self._refuse(delivery, f"invalid answer of {msg.ticket_id}: {problem}",
-                                reissue=self._replacement(index, msg.attempt, ticket.attempt))
+                                reissue=self._replacement(index, msg.attempt, ticket.attempt),
+                                kind=INVALID_ANSWER)
         key = (index, msg.attempt)
         group = self.groups.get(key)
         if group is None:
@@ -169,9 +180,10 @@ class Intake:
         self.replaced[index] = latest
         return index
 
-    def _refuse(self, delivery: Delivery, reason: str, reissue: int | None = None) -> Refuse:
+    def _refuse(self, delivery: Delivery, reason: str, reissue: int | None = None, *,
+                kind: str) -> Refuse:
         self.refused += 1
-        return Refuse(delivery, reason, reissue)
+        return Refuse(delivery, reason, reissue, kind)
 
     def _completed(self, group: Group, version: int) -> Stale | Complete:
         """The first complete answer wins; every other attempt's partial copy is dropped
