@@ -66,7 +66,6 @@ __all__ = [
     "Fence",
     "GroupCommands",
     "GroupInfo",
-    "Refusal",
     "default_dlq",
 ]
 

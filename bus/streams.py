@@ -30,7 +30,6 @@ from bus.groups import (
     Delivery,
     GroupCommands,
     GroupInfo,
-    Refusal,
     default_dlq,
 )
 from bus.keyspace import KeyCommands
@@ -48,7 +47,6 @@ __all__ = [
     "Delivery",
     "Entry",
     "GroupInfo",
-    "Refusal",
     "default_dlq",
     "entry_key",
 ]
