@@ -2,8 +2,8 @@
 
 Callers import what they use from here, never from its modules (tests/test_layering.py): ``from bus
 import Bus, Consumer, Lease, RunKeys, BusError``. It re-exports the ``__all__`` of :mod:`bus.acl`,
-:mod:`bus.errors`, :mod:`bus.keys`, :mod:`bus.liveness`, :mod:`bus.ranks`, :mod:`bus.retry`,
-:mod:`bus.streams` and :mod:`bus.urls`. Its other modules are its parts.
+:mod:`bus.errors`, :mod:`bus.keys`, :mod:`bus.liveness`, :mod:`bus.ranks`, :mod:`bus.refusals`,
+:mod:`bus.retry`, :mod:`bus.streams` and :mod:`bus.urls`. Its other modules are its parts.
 
 Not here: the run's schema (:mod:`runschema`); the log read across the archive and the stream
 (:mod:`runtime.history`); files, ``run.storage`` and the events archive (:mod:`storage`); weight
@@ -53,10 +53,12 @@ if TYPE_CHECKING:
         default_dlq,
     )
     from bus.keys import (
+        DLQ_MAXLEN,
         LOG_ROLES,
         ROLE_LOG_MAXLEN,
         RUNS_STREAM,
         RunKeys,
+        dlq_dropped_key,
         log_order,
         validate_run_id,
     )
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
         holder_pid_host,
         holder_token,
     )
+    from bus.refusals import REFUSAL_LOG_S, Refusal, RefusalTally, refusal_kind
     from bus.retry import BUDGET_S, FIRST_CONTACT_S, RetryHook, RetryPolicy, retry_async
     from bus.streams import Bus
     from bus.urls import (
@@ -87,11 +90,13 @@ __all__ = [
     "BUDGET_S",
     "CLUSTER_SCHEMES",
     "COMPONENT_USERS",
+    "DLQ_MAXLEN",
     "EXCEEDED_REASON",
     "FENCE_LUA",
     "FIRST_CONTACT_S",
     "LOG_ROLES",
     "MAX_RANKS",
+    "REFUSAL_LOG_S",
     "ROLE_LOG_MAXLEN",
     "RUNS_STREAM",
     "TRIMMED_REASON",
@@ -122,6 +127,8 @@ __all__ = [
     "RankLost",
     "RedisBinaryNotFound",
     "RedisStartError",
+    "Refusal",
+    "RefusalTally",
     "RetryHook",
     "RetryPolicy",
     "RunKeys",
@@ -133,6 +140,7 @@ __all__ = [
     "claim_lowest_rank",
     "claim_rank",
     "default_dlq",
+    "dlq_dropped_key",
     "entry_key",
     "expand_env",
     "holder_pid_host",
@@ -145,6 +153,7 @@ __all__ = [
     "pulse_forever",
     "redact_url",
     "redis_host",
+    "refusal_kind",
     "retry_async",
     "split_cluster",
     "validate_run_id",
@@ -163,11 +172,12 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "group_admin": ("GroupInfo",),
     "groups": ("EXCEEDED_REASON", "TRIMMED_REASON", "Consumer", "ConsumerStats", "Delivery",
                "default_dlq",),
-    "keys": ("LOG_ROLES", "ROLE_LOG_MAXLEN", "RUNS_STREAM", "RunKeys", "log_order",
-             "validate_run_id",),
+    "keys": ("DLQ_MAXLEN", "LOG_ROLES", "ROLE_LOG_MAXLEN", "RUNS_STREAM", "RunKeys",
+             "dlq_dropped_key", "log_order", "validate_run_id",),
     "liveness": ("FENCE_LUA", "Lease", "members_key", "peers", "pulse", "pulse_forever",),
     "ranks": ("MAX_RANKS", "RankClaim", "RankHeld", "RankLost", "claim_lowest_rank", "claim_rank",
               "holder_pid_host", "holder_token",),
+    "refusals": ("REFUSAL_LOG_S", "Refusal", "RefusalTally", "refusal_kind",),
     "retry": ("BUDGET_S", "FIRST_CONTACT_S", "RetryHook", "RetryPolicy", "retry_async",),
     "streams": ("Bus",),
     "urls": ("CLUSTER_SCHEMES", "as_cluster_url", "bus_error_line", "expand_env", "local_address",

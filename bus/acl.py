@@ -58,6 +58,13 @@ def _read_log(p: str) -> str:
     return f"({_keys(p, 'events', 'events:*', 'control', read_only=True)} {_READ_STREAM})"
 
 
+def _dead_letters(p: str) -> str:
+    """Selectors for a writer of the dead-letter stream (bus.groups): each batch of dead
+    letters trims the stream to its cap and counts what that dropped. XTRIM gives no more
+    than XADD's own MAXLEN already does."""
+    return f"({_keys(p, 'dlq')} +xtrim) ({_keys(p, 'dlq:dropped')} +incrby)"
+
+
 def _scripts(p: str) -> str:
     return f"(~{p}:* +eval +evalsha)"
 
@@ -70,7 +77,7 @@ def _trainer(p: str) -> str:
         _LIVENESS, "+srem +incr",
         f"({_keys(p, 'events', 'prompts', 'samples', 'dlq')} ~rlbus:runs +xadd {_READ_STREAM} "
         f"{_GROUP} +xgroup|delconsumer +xtrim)",
-        _read_log(p), _scripts(p),
+        _dead_letters(p), _read_log(p), _scripts(p),
     ])
 
 
@@ -90,7 +97,8 @@ def _rollouter(p: str) -> str:
                       reads=("blob:*", "barrier", "trainer-lease", "weights-round"),
                       appends=("events:rollouter", "samples", "dlq"),
                       extra=f"{_keys(p, 'rank:rollouter:*')} "
-                            f"({_keys(p, 'prompts')} {_GROUP} {_READ_STREAM})")
+                            f"({_keys(p, 'prompts')} {_GROUP} {_READ_STREAM}) "
+                            f"{_dead_letters(p)}")
 
 
 def _profiler(p: str) -> str:

@@ -10,7 +10,15 @@ Decisions (the contract other packages rely on):
 - **Bad entries in a group** (undecodable bytes, unknown type, newer schema version, a type
   not in ``accept``, delivered more than ``max_deliveries`` times) are written to the DLQ
   stream as a :class:`~runschema.messages.DeadLetter` (source stream, entry id, reason, raw bytes,
-  deliveries, group, consumer) and XACKed in the same MULTI/EXEC. They are never returned.
+  deliveries, group, consumer) and XACKed in the same script, one per batch (a read's bad
+  entries, or a handler's refusals, :meth:`Consumer.dead_letter_many`): refusing a flood of
+  junk costs one round trip per read, not one per entry. They are never returned.
+- **The dead-letter stream is capped**: each batch ends with ``XTRIM MAXLEN ~ dlq_max``
+  (:data:`~bus.keys.DLQ_MAXLEN` by default, ``redis.dead_letter_max``), and the number of
+  older dead letters it trimmed is added to the counter :func:`~bus.keys.dlq_dropped_key`
+  in the same script, so what was dropped is known.
+- **Refusals are said per interval**, never per entry (:class:`~bus.refusals.RefusalTally`):
+  one log line at most every ``refusal_log_s`` with the counts by kind.
 - **Entries trimmed away while pending** are dead-lettered too, with reason
   :data:`TRIMMED_REASON` and empty ``raw`` (so nothing vanishes silently), and removed from
   the PEL. Both shapes are handled: Redis 7 XAUTOCLAIM's third reply element, Redis 6.2
@@ -32,6 +40,7 @@ Decisions (the contract other packages rely on):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeVar
@@ -42,8 +51,9 @@ from bus.client import Arg, BusClient, Reply, block_args
 from bus.entries import entry_key, raw_of, split_fields
 from bus.errors import BusError, BusUnavailable
 from bus.group_admin import GroupCommands, GroupInfo, in_group, member_names
-from bus.keys import RunKeys
+from bus.keys import DLQ_MAXLEN, RunKeys, dlq_dropped_key
 from bus.publish import xadd_args
+from bus.refusals import REFUSAL_LOG_S, Refusal, RefusalTally, refusal_kind
 from bus.retry import RetryHook
 from runschema.messages import FIELD, DeadLetter, DecodeError, Message, decode, encode
 
@@ -68,6 +78,19 @@ TRIMMED_REASON = "trimmed while pending"
 
 EXCEEDED_REASON = "exceeded max deliveries"
 """DeadLetter reason for an entry delivered more than ``max_deliveries`` times."""
+
+UNEXPECTED_KIND = "unexpected message type"
+"""What an entry of a type its stream does not ``accept`` is counted as (log lines)."""
+
+
+class _Bad(NamedTuple):
+    """One entry to dead-letter: id, reason, bytes kept, deliveries, kind (log counts)."""
+
+    id: str
+    reason: str
+    raw: bytes
+    deliveries: int
+    kind: str
 
 
 class Delivery(NamedTuple):
@@ -122,7 +145,8 @@ class Consumer:
     restricts the message types this stream may carry; others are dead-lettered.
     ``min_idle_ms`` is the default idleness after which :meth:`reclaim` takes an entry over
     from another (presumably dead) member. With ``fence``, every call that changes the group
-    runs behind it (see the module docstring).
+    runs behind it (see the module docstring). ``dlq_max``: about how many dead letters
+    the DLQ keeps; ``refusal_log_s``: seconds between two lines about refused entries.
     """
 
     def __init__(
@@ -137,6 +161,8 @@ class Consumer:
         dlq_stream: str | None = None,
         accept: tuple[type, ...] | None = None,
         fence: Fence | None = None,
+        dlq_max: int = DLQ_MAXLEN,
+        refusal_log_s: float = REFUSAL_LOG_S,
     ) -> None:
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
@@ -147,6 +173,8 @@ class Consumer:
         self.max_deliveries = max_deliveries
         self.min_idle_ms = min_idle_ms
         self.dlq_stream = dlq_stream or default_dlq(stream)
+        self.dlq_max = dlq_max
+        self.tally = RefusalTally(stream, group, refusal_log_s)
         self.accept = accept
         self.fence = fence
         self.stats = ConsumerStats()
@@ -223,6 +251,7 @@ class Consumer:
 
         Returns [] when nothing arrived in time. Bad entries are dead-lettered, not returned.
         """
+        self._say_refusals()  # counts of a flood that stopped are said within an interval
         if self._backlog:
             out = await self._read_backlog(count)
             if out:
@@ -285,7 +314,7 @@ return {false, last[1][1]}
         accept = self.accept
         inflight = self._inflight
         out: list[Delivery] = []
-        bad: list[tuple[str, str, bytes, int]] = []
+        bad: list[_Bad] = []
         for entry_id, fields in reply[0][1]:
             eid = entry_id.decode()
             # Inlined split_fields fast path: this loop is the consumer's hot path.
@@ -296,10 +325,11 @@ return {false, last[1][1]}
             try:
                 msg = decode(raw)
             except DecodeError as exc:
-                bad.append((eid, exc.reason, raw_of(fields), 1))
+                bad.append(_Bad(eid, exc.reason, raw_of(fields), 1, refusal_kind(exc.reason)))
                 continue
             if accept is not None and not isinstance(msg, accept):
-                bad.append((eid, _unexpected(msg, stream), raw_of(fields), 1))
+                bad.append(_Bad(eid, _unexpected(msg, stream), raw_of(fields), 1,
+                                UNEXPECTED_KIND))
                 continue
             inflight.add(eid)
             out.append(Delivery(eid, msg, 1, stream))
@@ -344,7 +374,7 @@ return {false, last[1][1]}
         """Deliveries for re-delivered (backlog or reclaimed) entries; bad ones go to the DLQ:
         nil fields (trimmed), over ``max_deliveries``, undecodable or unexpected type."""
         out: list[Delivery] = []
-        bad: list[tuple[str, str, bytes, int]] = []
+        bad: list[_Bad] = []
         trimmed = 0
         for eid, fields in entries:
             # An id missing from XPENDING was acked meanwhile by someone else: skip it.
@@ -352,21 +382,21 @@ return {false, last[1][1]}
             if n is None:
                 continue
             if fields is None:
-                bad.append((eid, TRIMMED_REASON, b"", n))
+                bad.append(_Bad(eid, TRIMMED_REASON, b"", n, TRIMMED_REASON))
                 trimmed += 1
                 continue
             if n > self.max_deliveries:
-                bad.append(
-                    (eid, f"{EXCEEDED_REASON} ({n} > {self.max_deliveries})", raw_of(fields), n)
-                )
+                bad.append(_Bad(eid, f"{EXCEEDED_REASON} ({n} > {self.max_deliveries})",
+                                raw_of(fields), n, EXCEEDED_REASON))
                 continue
             try:
                 msg = decode(split_fields(fields))
             except DecodeError as exc:
-                bad.append((eid, exc.reason, raw_of(fields), n))
+                bad.append(_Bad(eid, exc.reason, raw_of(fields), n, refusal_kind(exc.reason)))
                 continue
             if self.accept is not None and not isinstance(msg, self.accept):
-                bad.append((eid, _unexpected(msg, self.stream), raw_of(fields), n))
+                bad.append(_Bad(eid, _unexpected(msg, self.stream), raw_of(fields), n,
+                                UNEXPECTED_KIND))
                 continue
             self._inflight.add(eid)
             out.append(Delivery(eid, msg, n, self.stream))
@@ -443,30 +473,71 @@ return {ids, acked}
         self.stats.acked += len(keys)
 
     async def dead_letter(self, entry: str | Delivery, reason: str, raw: bytes = b"") -> None:
-        """Give up on an entry: write a DeadLetter with ``reason`` and XACK it, atomically
-        (XADD to the DLQ + XACK in MULTI/EXEC). For handlers that find a message invalid.
-        ``raw`` defaults to the re-encoded message of a Delivery."""
-        if isinstance(entry, Delivery):
-            eid, n = entry.id, entry.deliveries
-            raw = raw or encode(entry.msg)
-        else:
-            eid, n = entry, 1
-        await self._dead_letter_many([(eid, reason, raw, n)])
+        """Give up on an entry: write a DeadLetter with ``reason`` and XACK it, atomically.
+        For handlers that find a message invalid. ``raw`` defaults to the re-encoded message
+        of a Delivery. :meth:`dead_letter_many` for several at once."""
+        await self.dead_letter_many([Refusal(entry, reason, raw=raw)])
 
-    async def _dead_letter_many(self, items: Sequence[tuple[str, str, bytes, int]]) -> None:
-        """Wraps MULTI; XADD dlq (one DeadLetter per item); XACK stream group ids; EXEC."""
+    async def dead_letter_many(self, refusals: Sequence[Refusal]) -> int:
+        """Give up on several entries in one round trip: a DeadLetter for each and their
+        XACK in one script (see :meth:`_dead_letter_many`). Returns how many older dead
+        letters the DLQ's cap dropped."""
+        bad = []
+        for r in refusals:
+            if isinstance(r.entry, Delivery):
+                eid, n, raw = r.entry.id, r.entry.deliveries, r.raw or encode(r.entry.msg)
+            else:
+                eid, n, raw = r.entry, 1, r.raw
+            bad.append(_Bad(eid, r.reason, raw, n, refusal_kind(r.reason, r.kind)))
+        return await self._dead_letter_many(bad)
+
+    # XACK KEYS[3] ARGV[3] (ids ARGV[n+7..], a thousand at a time: Lua's unpack has a stack
+    # limit), then XADD KEYS[4] * ARGV[4] ARGV[6+i] for i = 1..n (n = ARGV[6]), then XTRIM
+    # KEYS[4] MAXLEN ~ ARGV[5] and INCRBY KEYS[5] by what it trimmed. Returns {how many were
+    # pending, how many dead letters were dropped}.
+    _DEAD_LETTER_LUA = """
+local n = tonumber(ARGV[6])
+local acked = 0
+local first = n + 7
+while first <= #ARGV do
+  local last = math.min(first + 999, #ARGV)
+  local r = redis.pcall('XACK', KEYS[3], ARGV[3], unpack(ARGV, first, last))
+  if type(r) == 'table' and r.err then return r end
+  acked = acked + r
+  first = last + 1
+end
+for i = 1, n do redis.call('XADD', KEYS[4], '*', ARGV[4], ARGV[6 + i]) end
+local dropped = redis.call('XTRIM', KEYS[4], 'MAXLEN', '~', ARGV[5])
+if dropped > 0 then redis.call('INCRBY', KEYS[5], dropped) end
+return {acked, dropped}
+"""
+
+    async def _dead_letter_many(self, items: Sequence[_Bad]) -> int:
+        """One script for the batch, behind the fence if we have one: XACK the ids, XADD a
+        DeadLetter for each to the DLQ, XTRIM it to its cap and count what that dropped.
+        The refusals are tallied and said once per interval (never one line per entry: a
+        flood would fill the log). Returns how many dead letters were dropped."""
         letters = [
-            encode(DeadLetter(source_stream=self.stream, entry_id=eid, reason=reason, raw=raw,
-                              deliveries=n, group=self.group, consumer=self.name))
-            for eid, reason, raw, n in items
+            encode(DeadLetter(source_stream=self.stream, entry_id=b.id, reason=b.reason,
+                              raw=b.raw, deliveries=b.deliveries, group=self.group,
+                              consumer=self.name))
+            for b in items
         ]
-        for eid, reason, _, _ in items:
-            log.warning(
-                "dead-lettering %s of %s (group %s): %s", eid, self.stream, self.group, reason
-            )
-        await self._add_and_ack("DLQ", self.dlq_stream, letters,
-                                [eid for eid, _, _, _ in items])
+        ids = [b.id for b in items]
+        _, dropped = await self._script(
+            self._DEAD_LETTER_LUA, [self.dlq_stream, dlq_dropped_key(self.dlq_stream)],
+            [self.group, FIELD, self.dlq_max, len(letters), *letters, *ids], op="DLQ")
+        self._inflight.difference_update(ids)
         self.stats.dead_lettered += len(items)
+        self.tally.add([(b.id, b.reason, b.kind) for b in items], int(dropped))
+        self._say_refusals()
+        return int(dropped)
+
+    def _say_refusals(self) -> None:
+        """The line about refused entries, when one is due (RefusalTally)."""
+        line = self.tally.line(time.monotonic())
+        if line is not None:
+            log.warning("%s", line)
 
     # ------------------------------------------------------------------ reclaiming
 
@@ -586,7 +657,7 @@ return {held, redis.call(unpack(claim))}
                 if gone:  # Redis 7: dropped from the PEL, never claimed
                     self.stats.trimmed += len(gone)
                     await self._dead_letter_many(
-                        [(g.decode(), TRIMMED_REASON, b"", 1) for g in gone])
+                        [_Bad(g.decode(), TRIMMED_REASON, b"", 1, TRIMMED_REASON) for g in gone])
                 taken[member] += len(claimed)
         if any(taken.values()):
             self._lost_reply(0, BusError())  # read our own pending entries (now theirs) first

@@ -8,8 +8,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-__all__ = ["LOG_ROLES", "ROLE_LOG_MAXLEN", "RUNS_STREAM", "RunKeys", "log_order",
-           "validate_run_id"]
+__all__ = ["DLQ_MAXLEN", "LOG_ROLES", "ROLE_LOG_MAXLEN", "RUNS_STREAM", "RunKeys",
+           "dlq_dropped_key", "log_order", "validate_run_id"]
 
 RUNS_STREAM = "rlbus:runs"
 """One entry per run (discovery), written by the trainer."""
@@ -35,6 +35,18 @@ ROLE_LOG_MAXLEN = 100_000
 appends with ``MAXLEN ~``): warnings, profile sessions, validation answers and requests, far
 fewer than that in a run, but never unbounded. The trainer's stream keeps every fact
 (archived by retention)."""
+
+DLQ_MAXLEN = 100_000
+"""About how many dead letters a dead-letter stream keeps (``redis.dead_letter_max``): each
+batch of dead letters is followed by ``XTRIM MAXLEN ~`` (whole stream nodes, so a little
+more may stay), and what that trims is counted in :func:`dlq_dropped_key`. A flood of junk
+then costs a bounded stream, not memory without end."""
+
+
+def dlq_dropped_key(dlq: str) -> str:
+    """The counter of dead letters trimmed from ``dlq`` by its cap (INCRBY, same slot)."""
+    return f"{dlq}:dropped"
+
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -103,6 +115,11 @@ class RunKeys(msgspec.Struct, frozen=True):
     @property
     def dlq(self) -> str:
         return f"{self.prefix}:dlq"
+
+    @property
+    def dlq_dropped(self) -> str:
+        """How many dead letters the dead-letter stream's cap dropped (a counter)."""
+        return dlq_dropped_key(self.dlq)
 
     @property
     def barrier(self) -> str:

@@ -87,7 +87,8 @@ class Rollouter(Component):
         super().__init__(cfg, bus, rank=cfg.rollout.rank or 0)
         rc = cfg.rollout
         self.consumer = Consumer(bus, self.keys.prompts, GROUP,
-                                 RunKeys.rollouter_consumer(self.rank), dlq_stream=self.keys.dlq)
+                                 RunKeys.rollouter_consumer(self.rank), dlq_stream=self.keys.dlq,
+                                 dlq_max=cfg.redis.dead_letter_max)
         self.device = resolve_device(rc.device)
         self.tokenizer = build_tokenizer(cfg.model)
         self.engine: Engine | None = None  # _build(), on the worker thread

@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Protocol
 
-from bus import Bus, Delivery, RunKeys, peers
+from bus import Bus, Delivery, Refusal, RunKeys, peers
 from runschema.messages import (
     Event,
     Message,
@@ -53,6 +53,8 @@ class TicketSource(Protocol):
                               *ids: str | Delivery) -> list[str]: ...
 
     async def dead_letter(self, entry: str | Delivery, reason: str, raw: bytes = b"") -> None: ...
+
+    async def dead_letter_many(self, refusals: Sequence[Refusal]) -> int: ...
 
     async def reclaim_from(self, owners: Iterable[str], count: int = 100) -> list[Delivery]: ...
 
@@ -101,19 +103,22 @@ class TicketDesk:
 
     async def accept(self, deliveries: list[Delivery]) -> list[Ticket]:
         """The tickets among ``deliveries``; validation requests are kept for after the
-        batch; anything else is dead-lettered with a reason."""
+        batch; anything else is dead-lettered with a reason, all in one round trip."""
         tickets = []
+        refused: list[Refusal] = []
         for d in deliveries:
             if isinstance(d.msg, PromptTicket) and 1 <= d.msg.n <= MAX_N:
                 tickets.append((d.id, d.msg))
             elif isinstance(d.msg, PromptTicket):
-                await self.source.dead_letter(d, f"ticket asks for n={d.msg.n} responses "
-                                                   f"(1..{MAX_N})")
+                refused.append(Refusal(d, f"ticket asks for n={d.msg.n} responses (1..{MAX_N})",
+                                       "ticket out of range"))
             elif isinstance(d.msg, ValidationRequested) and self.validates:
                 self.val_requests.append(d)
             else:
-                await self.source.dead_letter(d, f"expected a PromptTicket, got "
-                                                   f"{type(d.msg).__name__}")
+                refused.append(Refusal(d, f"expected a PromptTicket, got {type(d.msg).__name__}",
+                                       "not a ticket"))
+        if refused:
+            await self.source.dead_letter_many(refused)
         return tickets
 
     async def retry_or_give_up(self, deliveries: list[Delivery], failed: dict[str, str]

@@ -62,6 +62,9 @@ class RedisConfig(_Section, frozen=True):
     binary: str | None = None
     port: Annotated[int, Meta(ge=1, le=65535)] | None = None
     cluster: bool = False
+    # About how many dead letters the run's dead-letter stream keeps (bus.keys.DLQ_MAXLEN);
+    # what its cap trims is counted in rlbus:{RUN}:dlq:dropped.
+    dead_letter_max: PosInt = 100_000
 
 
 class RayPlacementConfig(_Section, frozen=True):

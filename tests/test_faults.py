@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bus import Bus, RunKeys
+from bus import Bus, RunKeys, entry_key
 from runschema.messages import (
     FIELD,
     Array,
@@ -34,6 +34,7 @@ from runschema.messages import (
     TrainerResumed,
     WarningRaised,
     WeightsPublished,
+    encode,
 )
 from tests.aof import aof_path, cut_aof_before
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
@@ -503,3 +504,50 @@ def _entry_ms(entry_id: str) -> int:
 def samples_ticket(sample_id: str) -> str:
     """``t12/3`` -> ``t12``: a sample id is its ticket id and its index."""
     return sample_id.split("/")[0]
+
+
+async def test_a_flood_of_junk_does_not_stop_training(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    """20 000 junk entries in the samples stream (undecodable bytes and samples of tickets
+    never issued), half before the rollouter starts and half while the run trains: every
+    step finishes, each junk entry the trainer read is a dead letter kept or counted as
+    dropped by the stream's cap, and the trainer says it in a few lines, not one per entry."""
+    steps, cap, half = 6, 5000, 10_000
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                    f"redis.dead_letter_max={cap}")
+    procs.spawn("trainer", "trainer", *args)
+    await wait_for(bus, run_keys.events, event(TicketsIssued), 60, procs.watch("trainer"))
+    injected = await _flood(bus, run_keys, half)  # ahead of every real sample
+    procs.spawn("rollouter0", "rollouter", *args)
+    await wait_for(bus, run_keys.events, event(StepFinished, step=1), 120,
+                   procs.watch("trainer"))
+    injected += await _flood(bus, run_keys, half)
+    assert procs.wait("trainer", 300) == 0, procs.log("trainer")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    assert_every_step_once(await events_of(bus, run_keys.events), steps)
+    # What the trainer read of the junk (all of the first half, maybe not all the second's).
+    last = (await bus.groups(run_keys.samples))[0].last_delivered_id
+    read = [i for i in injected if entry_key(i) <= entry_key(last)]
+    assert len(read) >= half
+    kept = [m.entry_id async for _, m in bus.read_all(run_keys.dlq)
+            if isinstance(m, DeadLetter) and m.source_stream == run_keys.samples]
+    dropped = int(await bus.command("GET", run_keys.dlq_dropped) or 0)
+    assert set(kept) <= set(read)
+    assert await bus.command("XLEN", run_keys.dlq) < cap + 100  # XTRIM ~: whole nodes of 100
+    assert dropped == len(read) - len(kept) > 0
+    said = [line for line in procs.log("trainer").splitlines() if "refused " in line]
+    assert 0 < len(said) < 50, said[:5]
+
+
+async def _flood(bus: Bus, keys: RunKeys, n: int) -> list[str]:
+    """``n`` junk entries in pipelines of 1000: every other one undecodable, the others
+    samples of tickets never issued. Their entry ids."""
+    ids: list[str] = []
+    for start in range(0, n, 1000):
+        replies = await bus.pipeline([
+            ("XADD", keys.samples, "*", FIELD,
+             b"\xc1junk" if i % 2 else encode(_forged_sample(f"t{10**7 + i}", n=4)))
+            for i in range(start, start + 1000)])
+        ids += [r.decode() for r in replies]
+    return ids

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from bus import Delivery, Entry, RunKeys
+from bus import Delivery, Entry, Refusal, RunKeys
 from policy import EosIds, Generation
 from policy.tokenizer import CharTokenizer
 from rollouter.batch import BatchRollout
@@ -101,6 +101,11 @@ class ScriptedSource:
 
     async def dead_letter(self, entry: str | Delivery, reason: str, raw: bytes = b"") -> None:
         self.dead.append((entry.id if isinstance(entry, Delivery) else entry, reason))
+
+    async def dead_letter_many(self, refusals: Sequence[Refusal]) -> int:
+        for r in refusals:
+            await self.dead_letter(r.entry, r.reason, r.raw)
+        return 0
 
     async def reclaim_from(self, owners: Iterable[str], count: int = 100) -> list[Delivery]:
         return []

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from bus import Delivery, RunKeys
+from bus import Delivery, Refusal, RunKeys
 from policy.tokenizer import CharTokenizer
 from runconfig import Config, load_config
 from runschema.messages import (
@@ -53,7 +53,7 @@ from trainer.actions import (
     Train,
     Warn,
 )
-from trainer.core import StepCore
+from trainer.core import MAX_READ_SIZE, READ_SIZE, StepCore, next_read_size
 from trainer.health import PeerDead
 from trainer.ledger import Ledger, ticket_id
 from trainer.ledger import apply as ledger_apply
@@ -235,14 +235,14 @@ def test_duplicates_are_acked_and_never_trained_twice() -> None:
     read = shell.deliver(_sample(0, 0), _sample(0, 1), _sample(0, 1))
     assert shell.take(Reads(2.0, deliveries=read)) == [Ack([read[2].id])]
     copy = shell.deliver(_sample(0, 0), _sample(0, 1))
-    assert shell.take(Reads(3.0, deliveries=copy)) == [Ack([copy[0].id]), Ack([copy[1].id])]
+    assert shell.take(Reads(3.0, deliveries=copy)) == [Ack([copy[0].id, copy[1].id])]
     _answer(shell, 1, 4.0)
     finished = next(a for a in shell.finish(5.0) if isinstance(a, FinishStep)).finished
     assert finished.entry_ids == [read[0].id, read[1].id, "s-5", "s-6"]
     # A trained sample delivered again (a redelivery after a restart): acked, not trained.
     again = shell.deliver(_sample(0, 0), _sample(1, 1))
     shell.act(shell.core.start_step(2, 6.0), 6.0)
-    assert shell.take(Reads(7.0, deliveries=again)) == [Ack([again[0].id]), Ack([again[1].id])]
+    assert shell.take(Reads(7.0, deliveries=again)) == [Ack([again[0].id, again[1].id])]
     assert sorted(shell.trained) == ["t0/0", "t0/1", "t1/0", "t1/1"]
     assert not any(isinstance(a, DeadLetter) for a in shell.written)
 
@@ -454,18 +454,19 @@ def test_refused_entries_are_dead_lettered_with_their_reason() -> None:
     read = shell.deliver(_hb(0), _sample(7, 0), _sample(0, 0, reward=float("nan")),
                          _sample(0, 1, reward=float("inf")))
     out = shell.take(Reads(1.0, deliveries=read))
-    assert _kinds(out) == ["DeadLetter", "DeadLetter", "DeadLetter", "IssueTickets",
-                           "DeadLetter"]
-    assert out[0] == DeadLetter(read[0], "expected a Sample, got Heartbeat")
-    assert out[1] == DeadLetter(read[1], "ticket 't7' was never issued")
-    assert out[2] == DeadLetter(read[2], "invalid answer of t0: t0/0: reward nan is not finite "
-                                         "(reward check)")
-    # The rest of that group is refused with it, naming the member and the check.
-    assert out[4] == DeadLetter(read[3], "group of t0 attempt 0 refused whole: member t0/0: "
-                                         "reward nan is not finite (reward check)")
+    # The read's refusals in one dead-letter batch (one round trip), before the reissue; the
+    # rest of the bad group is refused with it, naming the member and the check.
+    assert _kinds(out) == ["DeadLetter", "IssueTickets"]
+    assert out[0] == DeadLetter([
+        Refusal(read[0], "expected a Sample, got Heartbeat", "not a sample"),
+        Refusal(read[1], "ticket 't7' was never issued", "ticket never issued"),
+        Refusal(read[2], "invalid answer of t0: t0/0: reward nan is not finite (reward check)",
+                "invalid answer"),
+        Refusal(read[3], "group of t0 attempt 0 refused whole: member t0/0: reward nan is not "
+                         "finite (reward check)", "invalid answer")])
     # One new attempt for the bad group, whatever else of it is refused.
-    assert isinstance(out[3], IssueTickets) and out[3].event.attempt == 1
-    assert out[3].event.reason == "an answer was invalid"
+    assert isinstance(out[1], IssueTickets) and out[1].event.attempt == 1
+    assert out[1].event.reason == "an answer was invalid"
     # The dead letter of a refused answer asks for nothing more: that attempt was replaced.
     bad = read[2].msg
     assert isinstance(bad, Sample) and shell.take(Reads(2.0, lost_samples=[bad])) == []
@@ -513,8 +514,9 @@ def _real(shell: Shell, ticket: int, index: int, *, rank: int = 0, attempt: int 
 
 
 def _letters(actions: Sequence[Action]) -> list[tuple[str, str]]:
-    return [(a.delivery.msg.sample_id, a.reason) for a in actions  # type: ignore[union-attr]
-            if isinstance(a, DeadLetter)]
+    """Every refusal of the dead-letter batches in ``actions``: (sample id, reason)."""
+    return [(r.entry.msg.sample_id, r.reason)  # type: ignore[union-attr]
+            for a in actions if isinstance(a, DeadLetter) for r in a.refusals]
 
 
 def test_tickets_carry_their_prompts_digest() -> None:
@@ -534,7 +536,7 @@ def test_another_rollouters_forged_answer_is_refused_alone_and_never_trained() -
     forged = shell.deliver(*(_real(shell, 0, i, rank=1, prompt=[1, 5, 6],
                                    logprobs=[0.0, 0.0]) for i in range(N)))
     out = shell.take(Reads(1.0, deliveries=forged, claims=[_claim(0, 0), _claim(1, 0)]))
-    assert _kinds(out) == ["DeadLetter", "DeadLetter"]
+    assert _kinds(out) == ["DeadLetter"]  # one batch
     assert _letters(out) == [
         (f"t0/{i}", f"t0/{i} refused alone: rollouter 1 answered attempt 0 of t0, claimed by "
                     "rollouter 0 (holder check)") for i in range(N)]
@@ -561,7 +563,7 @@ def test_the_holders_answer_with_another_prompt_is_refused_with_its_group() -> N
     shell = _checked_core(_cfg())
     good, bad = shell.deliver(_real(shell, 0, 0), _real(shell, 0, 1, prompt=[1, 5, 6]))
     out = shell.take(Reads(1.0, deliveries=[good, bad], claims=[_claim(0, 0)]))
-    assert _kinds(out) == ["DeadLetter", "IssueTickets", "DeadLetter"]
+    assert _kinds(out) == ["DeadLetter", "IssueTickets"]
     assert _letters(out) == [
         ("t0/1", "invalid answer of t0: t0/1: its 3 prompt tokens are not the prompt of t0 "
                  "(prompt digest check)"),
@@ -624,6 +626,43 @@ def test_a_reissued_ticket_is_answered_by_its_new_holder() -> None:
     (train,) = shell.take(Reads(33.0, deliveries=answers))
     assert isinstance(train, Train)
     assert shell.trained == ["t0/0", "t0/1", "t1/0", "t1/1"]
+
+
+def test_a_flood_of_junk_is_one_dead_letter_batch_per_read_and_reads_grow() -> None:
+    """Thousands of bad entries in one read: one DeadLetter with all of them (one round trip
+    for the shell), counted by kind; full reads mostly refused ask for twice as many next
+    time, up to MAX_READ_SIZE, and a read of samples again goes back to READ_SIZE."""
+    shell = _issued_at_zero(_cfg())
+    core = shell.core
+    assert core.read_size == READ_SIZE
+    junk = [_hb(i % 3) if i % 2 else _sample(10**6 + i, 0) for i in range(READ_SIZE)]
+    read = shell.deliver(*junk)
+    out = shell.take(Reads(1.0, deliveries=read))
+    assert _kinds(out) == ["DeadLetter"]
+    (letter,) = out
+    assert isinstance(letter, DeadLetter) and [r.entry for r in letter.refusals] == list(read)
+    kinds = [r.kind for r in letter.refusals]
+    assert kinds.count("not a sample") == kinds.count("ticket never issued") == READ_SIZE // 2
+    assert core.read_size == 2 * READ_SIZE
+    # A full read of undecodable entries (refused by the consumer, never delivered) grows
+    # it too, as an idle turn; up to the cap.
+    for _ in range(10):
+        shell.take(Reads(2.0, refused=core.read_size, idle=True))
+    assert core.read_size == MAX_READ_SIZE
+    # Reports alone are not a read: the size stays.
+    shell.take(Reads(3.0))
+    assert core.read_size == MAX_READ_SIZE
+    # The junk drained: a read of real samples goes back to the usual size.
+    shell.take(Reads(4.0, deliveries=shell.deliver(_sample(0, 0))))
+    assert core.read_size == READ_SIZE
+
+
+@pytest.mark.parametrize(("size", "read", "refused", "after"), [
+    (256, 256, 256, 512), (256, 256, 128, 512), (256, 256, 127, READ_SIZE),
+    (512, 300, 300, READ_SIZE), (MAX_READ_SIZE, MAX_READ_SIZE, MAX_READ_SIZE, MAX_READ_SIZE),
+    (256, 0, 0, READ_SIZE)])
+def test_next_read_size(size: int, read: int, refused: int, after: int) -> None:
+    assert next_read_size(size, read, refused) == after
 
 
 # ---------------------------------------------------------------------------- (d) validation

@@ -10,8 +10,9 @@ the order the shell must carry them out:
 - :class:`Warn`: one warning to publish, said on stderr first when ``say``;
 - :class:`IssueTickets`: prompt tickets and the ``TicketsIssued`` that records them, in one
   fenced script; the shell tells the core their entry ids (``StepCore.tickets_written``);
-- :class:`DeadLetter`, :class:`Ack`: a samples entry refused with its reason, or acked and
-  dropped (through the fenced samples consumer);
+- :class:`DeadLetter`, :class:`Ack`: the samples entries of one read refused, each with its
+  reason, or acked and dropped (through the fenced samples consumer, one round trip each:
+  a flood of junk costs a script per read, not per entry);
 - :class:`Train`: a mini-batch to hand to the worker (``optimize``: its first-epoch optimizer
   step may run now);
 - :class:`RequestValidation`: a ``ValidationRequested`` into the prompts stream;
@@ -29,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
-from bus import Delivery
+from bus import Delivery, Refusal
 from runschema.messages import (
     Event,
     Heartbeat,
@@ -72,7 +73,10 @@ class Reads(NamedTuple):
     ``idle``: the samples stream had nothing for the trainer, so the run's health is judged
     (with ``peers`` and ``holders`` as :meth:`trainer.core.StepCore.due` asked);
     ``claims``: the rollouters' claims of tickets stated since the last turn, read after
-    ``deliveries`` (so every claim an answer of them follows is here: trainer.claims)."""
+    ``deliveries`` (so every claim an answer of them follows is here: trainer.claims);
+    ``refused``: entries of the read the consumer dead-lettered itself (undecodable), which
+    the core never sees but counts for the size of the next read
+    (:attr:`trainer.core.StepCore.read_size`)."""
 
     now: float
     deliveries: Sequence[Delivery] = ()
@@ -84,6 +88,7 @@ class Reads(NamedTuple):
     holders: Holders | None = None
     idle: bool = False
     claims: Sequence[TicketsClaimed] = ()
+    refused: int = 0
 
 
 class Due(NamedTuple):
@@ -127,8 +132,7 @@ class IssueTickets(NamedTuple):
 
 
 class DeadLetter(NamedTuple):
-    delivery: Delivery
-    reason: str
+    refusals: list[Refusal]
 
 
 class Ack(NamedTuple):

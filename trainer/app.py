@@ -125,14 +125,16 @@ class Trainer(TrainerProcess):
                 await self._act(self.core.take(self._reports()), work)
                 work.raise_failures()
                 t_read = time.monotonic()
-                deliveries = await self.consumer.read(count=256, block_ms=500)
+                before = self.consumer.stats.dead_lettered
+                deliveries = await self.consumer.read(count=self.core.read_size, block_ms=500)
+                refused = self.consumer.stats.dead_lettered - before  # undecodable entries
                 if not work.running:  # nothing to compute: the trainer waits for samples
                     self.meter.wait_s += time.monotonic() - t_read
                 if deliveries:  # with the claims stated before them (trainer.claims)
-                    reads = Reads(time.monotonic(), deliveries=deliveries,
+                    reads = Reads(time.monotonic(), deliveries=deliveries, refused=refused,
                                   claims=await self.watch.read_claims())
                 else:  # only then: answers that came during a long update are read first
-                    reads = await self._idle_reads(time.monotonic())
+                    reads = (await self._idle_reads(time.monotonic()))._replace(refused=refused)
                 await self._act(self.core.take(reads), work)
             return await work.finish()
         finally:
@@ -190,8 +192,8 @@ class Trainer(TrainerProcess):
             case IssueTickets():
                 ids = await self.writer.issue(action)
                 self.core.tickets_written(action, ids, time.monotonic())
-            case DeadLetter(delivery, reason):
-                await self.consumer.dead_letter(delivery, reason)
+            case DeadLetter(refusals):
+                await self.consumer.dead_letter_many(refusals)
             case Ack(entry_ids):
                 await self.consumer.ack(*entry_ids)
             case RequestValidation(request):

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from bus import Delivery, RunKeys
+from bus import Delivery, Refusal, RunKeys
 from runconfig import Config
 from runconfig.stepunit import is_save_update
 from runschema.messages import StepFinished, StepStarted, WarningRaised
@@ -74,7 +74,24 @@ from trainer.rewardfail import RewardGuard, reward_metrics
 from trainer.stepwork import may_stream
 from trainer.validation import ValidationRequests, last_version
 
-__all__ = ["StepCore"]
+__all__ = ["MAX_READ_SIZE", "READ_SIZE", "StepCore", "next_read_size"]
+
+READ_SIZE = 256
+"""Entries the trainer asks of the samples stream in one read, normally."""
+MAX_READ_SIZE = 4096
+"""The most it asks for while reads come back full and mostly refused (a flood of junk)."""
+
+
+def next_read_size(size: int, read: int, refused: int) -> int:
+    """How many entries the next read asks for, after a read of ``size`` that returned
+    ``read`` entries of which ``refused`` were dead-lettered. A full read, at least half
+    refused, means junk is queued ahead of the samples: twice as many, up to
+    :data:`MAX_READ_SIZE`, so refusing it costs fewer round trips and the real samples
+    behind it come sooner. Otherwise (the backlog drained, or samples again) the usual
+    :data:`READ_SIZE`."""
+    if read >= size and 2 * refused >= read:
+        return min(2 * size, MAX_READ_SIZE)
+    return READ_SIZE
 
 
 class StepCore:
@@ -117,6 +134,8 @@ class StepCore:
         self.stale_share = 0.0
         self.trim = False  # the streams are trimmed after the closed step
         self.resume_points = ResumePoints(cfg, since_checkpoint)
+        self.read_size = READ_SIZE
+        """How many entries the shell's next read of the samples stream asks for."""
 
     # ------------------------------------------------------------------ writes
 
@@ -202,9 +221,13 @@ class StepCore:
             self.health.observe(reads.peers, reads.now)
         for claim in reads.claims:  # before the answers they precede in the log
             self.dispatch.claims.claimed(claim)
+        refused = reads.refused
         if reads.deliveries:
             self.health.samples_arrived()
-            self._take_samples(out, reads.deliveries, reads.now)
+            refused += self._take_samples(out, reads.deliveries, reads.now)
+        if reads.deliveries or reads.refused or reads.idle:  # a read of the samples stream
+            self.read_size = next_read_size(self.read_size,
+                                            len(reads.deliveries) + reads.refused, refused)
         if reads.idle:
             self._judge_health(out, reads)
         out.extend(self._feed())
@@ -239,29 +262,40 @@ class StepCore:
             self._reissue(out, lost, "an answer was dead-lettered")
 
     def _take_samples(self, out: list[Action], deliveries: Sequence[Delivery], now: float
-                      ) -> None:
-        """The intake's verdicts on one read, in order."""
+                      ) -> int:
+        """The intake's verdicts on one read: its refusals as one dead-letter batch and its
+        duplicates as one ack, first (one round trip each, however many: a flood of junk
+        must not cost one per entry), then the rest in order. Returns how many it refused."""
+        refused: list[Refusal] = []
+        duplicates: list[str] = []
+        rest: list[Action] = []
         for verdict in self.intake.judge(deliveries, self.ledger, self.version,
                                          self.vocab_size, self.max_len,
                                          claims=self.dispatch.claims,
                                          digest=self.dispatch.digest):
             match verdict:
-                case Refuse(delivery, reason, reissue):
-                    out.append(DeadLetter(delivery, reason))
+                case Refuse(delivery, reason, reissue, kind):
+                    refused.append(Refusal(delivery, reason, kind))
                     if reissue is not None:
-                        self._reissue(out, [reissue], "an answer was invalid")
+                        self._reissue(rest, [reissue], "an answer was invalid")
                 case Duplicate(entry_ids):
-                    out.append(Ack(entry_ids))
+                    duplicates += entry_ids
                 case Stale(group, message):
                     self.dispatch.answered(group.index, now)
-                    out.append(Ack(group.entry_ids()))
-                    out.append(Warn(WarningRaised(source="trainer",
-                                                  code="stale_group_discarded",
-                                                  message=message)))
-                    self._reissue(out, [group.index], "answer too stale")
+                    rest.append(Ack(group.entry_ids()))
+                    rest.append(Warn(WarningRaised(source="trainer",
+                                                   code="stale_group_discarded",
+                                                   message=message)))
+                    self._reissue(rest, [group.index], "answer too stale")
                 case Complete(group):
                     self.dispatch.answered(group.index, now)
                     self.health.progressed(now)
+        if refused:
+            out.append(DeadLetter(refused))
+        if duplicates:
+            out.append(Ack(duplicates))
+        out += rest
+        return len(refused)
 
     # ------------------------------------------------------------------ health
 

@@ -38,7 +38,15 @@ from trainer.claims import Claims
 from trainer.ledger import Ledger, OpenTicket, ticket_id, ticket_index
 from trainer.validate import check_sample, values_in_range
 
-__all__ = ["Complete", "Duplicate", "Group", "Intake", "Refuse", "Stale", "Verdict"]
+__all__ = ["INVALID_ANSWER", "NEVER_ISSUED", "NOT_A_SAMPLE", "REFUSED_ALONE", "Complete",
+           "Duplicate", "Group", "Intake", "Refuse", "Stale", "Verdict"]
+
+# What a refusal is counted as in the line that sums a read's refusals (bus.Refusal.kind):
+# the reasons themselves name tickets, so a flood would be one kind per entry.
+NOT_A_SAMPLE = "not a sample"
+NEVER_ISSUED = "ticket never issued"
+INVALID_ANSWER = "invalid answer"
+REFUSED_ALONE = "stray answer (unclaimed, or of an attempt never issued)"
 
 
 class Group(msgspec.Struct):
@@ -71,6 +79,7 @@ class Refuse(NamedTuple):
     delivery: Delivery
     reason: str
     reissue: int | None = None  # the ticket to answer again
+    kind: str = ""  # what the refusal is counted as in the trainer's log line (bus.Refusal)
 
 
 class Duplicate(NamedTuple):
@@ -153,10 +162,12 @@ class Intake:
                digest: Callable[[int], str] | None) -> list[Verdict]:
         msg = delivery.msg
         if not isinstance(msg, Sample):
-            return [self._refuse(delivery, f"expected a Sample, got {type(msg).__name__}")]
+            return [self._refuse(delivery, f"expected a Sample, got {type(msg).__name__}",
+                                 kind=NOT_A_SAMPLE)]
         index = ticket_index(msg.ticket_id)
         if index is None or index >= ledger.issued:
-            return [self._refuse(delivery, f"ticket {msg.ticket_id!r} was never issued")]
+            return [self._refuse(delivery, f"ticket {msg.ticket_id!r} was never issued",
+                                 kind=NEVER_ISSUED)]
         ticket = ledger.open.get(index)
         if ticket is None or index in self.taken:
             if ticket is None:
@@ -166,11 +177,12 @@ class Intake:
         alone = self._stray(msg, ticket, claims)
         if alone is not None:
             self.alone.add((msg.sample_id, msg.attempt, msg.rank))
-            return [self._refuse(delivery, f"{msg.sample_id} refused alone: {alone}")]
+            return [self._refuse(delivery, f"{msg.sample_id} refused alone: {alone}",
+                                 kind=REFUSED_ALONE)]
         key = (index, msg.attempt)
         failed = self.failed.get(key)
         if failed is not None:
-            return [self._refuse(delivery, failed)]
+            return [self._refuse(delivery, failed, kind=INVALID_ANSWER)]
         problem = check_sample(msg, ticket, version=version, max_new_tokens=self.max_new_tokens,
                                max_len=max_len, vocab_size=vocab_size,
                                values_checked=values_checked, reward_bounds=self.reward_bounds,
@@ -204,11 +216,12 @@ class Intake:
                   f"{s.sample_id}: {problem}")
         self.failed[(index, s.attempt)] = member
         out: list[Verdict] = [self._refuse(delivery, why, reissue=self._replacement(
-            index, s.attempt, ticket.attempt))]
+            index, s.attempt, ticket.attempt), kind=INVALID_ANSWER)]
         # That attempt's group cannot be trained; other attempts' partial groups may.
         group = self.groups.pop((index, s.attempt), None)
         for entry_id, other in ([] if group is None else group.ordered()):
-            out.append(self._refuse(Delivery(entry_id, other, 1, delivery.stream), member))
+            out.append(self._refuse(Delivery(entry_id, other, 1, delivery.stream), member,
+                                    kind=INVALID_ANSWER))
         return out
 
     def _replacement(self, index: int, answered: int, latest: int) -> int | None:
@@ -222,9 +235,10 @@ class Intake:
         self.replaced[index] = latest
         return index
 
-    def _refuse(self, delivery: Delivery, reason: str, reissue: int | None = None) -> Refuse:
+    def _refuse(self, delivery: Delivery, reason: str, reissue: int | None = None, *,
+                kind: str) -> Refuse:
         self.refused += 1
-        return Refuse(delivery, reason, reissue)
+        return Refuse(delivery, reason, reissue, kind)
 
     def _completed(self, group: Group, version: int) -> Stale | Complete:
         """The first complete answer wins; every other attempt's partial copy is dropped

@@ -89,7 +89,8 @@ class TrainerProcess(Component):
         # Fenced by the writer: a zombie of this trainer cannot read, ack or dead-letter a
         # sample once another trainer holds the lease.
         self.consumer = Consumer(bus, self.keys.samples, GROUP, consumer_name(self.epoch),
-                                 dlq_stream=self.keys.dlq, fence=self.writer)
+                                 dlq_stream=self.keys.dlq, fence=self.writer,
+                                 dlq_max=cfg.redis.dead_letter_max)
         self.tokenizer: TextTokenizer | None = None  # built on the first text prompt
         self.upcoming: StepWork | None = None  # the next step, begun early (StepCore.close_step)
         self.waiting: str | None = None  # what start-up waits for, told by the heartbeat

@@ -82,7 +82,11 @@ class Watch:
         """Background, until cancelled: new events (a blocking read) and dead letters."""
         while True:
             await self.events.poll(block_ms=1000)
+            # To its end each turn, not a batch a second: under a flood of refused junk a
+            # rollouter's dead ticket is seen at once, before the capped stream drops it.
             await self.dead.poll()
+            while not self.dead.caught_up:
+                await self.dead.poll()
 
     def _fold_events(self, entries: Sequence[Entry]) -> None:
         for _, msg in entries:
