@@ -2,7 +2,8 @@
 a streaming engine is generating (:class:`Admission`), and when the engine must be emptied
 (:func:`sync_action`).
 
-A ticket's ``n`` responses are streamed under the keys ``"{ticket_id}/{index}"``; the engine
+A ticket's ``n`` responses are streamed under the keys ``"{ticket_id}#{attempt}/{index}"``
+(:func:`stream_key`); the engine
 reports what each generated (:class:`rollouter.engine.Delta`) with the weights version it
 held, and a ticket is done once all its responses have ended.
 """
@@ -19,7 +20,7 @@ from rollouter.answers import Seq
 from rollouter.engine import Delta
 from runschema.messages import PromptTicket
 
-__all__ = ["Action", "Admission", "Group", "sync_action"]
+__all__ = ["Action", "Admission", "Group", "stream_key", "sync_action"]
 
 
 class Group(msgspec.Struct):
@@ -39,6 +40,12 @@ class Group(msgspec.Struct):
         return self.ticket.ticket_id
 
 
+def stream_key(ticket: PromptTicket, index: int) -> str:
+    """The engine's key of response ``index`` of ``ticket``: ``tN#A/i`` for attempt ``A``, so
+    that a reissue of a ticket whose older attempt still runs never reuses a running key."""
+    return f"{ticket.ticket_id}#{ticket.attempt}/{index}"
+
+
 class Admission:
     """The tickets admitted to the engine and not yet done. ``max_new_tokens``: a response
     that reaches it has ended (rollout.max_new_tokens)."""
@@ -48,6 +55,8 @@ class Admission:
         self.groups: dict[str, Group] = {}
         self.running: dict[str, Seq] = {}  # responses not yet ended, by stream key
         self._group_of: dict[str, str] = {}  # stream key -> ticket id
+        self.superseded: list[Group] = []
+        """Groups replaced by a newer attempt of their ticket, their entries to ack."""
 
     @property
     def seqs(self) -> int:
@@ -56,11 +65,18 @@ class Admission:
 
     def open(self, delivery: Delivery, ticket: PromptTicket, prompt: list[int],
              now: float) -> list[tuple[str, Seq]]:
-        """Admit ``ticket``: its ``n`` responses, each with the key to stream it under."""
+        """Admit ``ticket``: its ``n`` responses, each with the key to stream it under (its
+        attempt in it). A newer attempt of a ticket admitted already (reissued by the trainer
+        and claimed by this same rollouter) replaces it: the older group is dropped, what the
+        engine still reports for it ignored, and it waits in :attr:`superseded` for its ack
+        (the trainer takes the first whole answer of any attempt)."""
+        older = self.groups.get(ticket.ticket_id)
+        if older is not None and older.ticket.attempt < ticket.attempt:
+            self.superseded += self.drop([ticket.ticket_id])
         group = Group(delivery, ticket, prompt,
                       [Seq(ticket, i, prompt, [], []) for i in range(ticket.n)], now)
         self.groups[ticket.ticket_id] = group
-        keyed = [(f"{ticket.ticket_id}/{s.index}", s) for s in group.seqs]
+        keyed = [(stream_key(ticket, s.index), s) for s in group.seqs]
         for key, seq in keyed:
             self.running[key] = seq
             self._group_of[key] = ticket.ticket_id
@@ -100,7 +116,7 @@ class Admission:
         dropped = [self.groups.pop(t) for t in ticket_ids if t in self.groups]
         for group in dropped:
             for s in group.seqs:
-                key = f"{group.ticket_id}/{s.index}"
+                key = stream_key(group.ticket, s.index)
                 self.running.pop(key, None)
                 self._group_of.pop(key, None)
         return dropped

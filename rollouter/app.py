@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
+import time
 
 import msgspec
 import torch
@@ -64,6 +66,10 @@ def rollout_loop(ctx: RolloutContext, engine: Engine) -> RolloutLoop:
     return BatchRollout(ctx, engine)
 
 
+class EngineStartTimeout(Failure):
+    """The engine did not start within ``rollout.engine_start_timeout_s``."""
+
+
 class Rollouter(Component):
     """One rollouter replica (``rollout.rank``, claimed at :meth:`join`); :meth:`run` returns
     the exit code."""
@@ -92,6 +98,8 @@ class Rollouter(Component):
         self.device = resolve_device(rc.device)
         self.tokenizer = build_tokenizer(cfg.model)
         self.engine: Engine | None = None  # _build(), on the worker thread
+        self.born = time.monotonic()  # when the engine's start-up began (heartbeat)
+        self.abandoned = False  # the engine's start-up ran past its bound, still running
         self.engine_warnings: list[str] = []
         self.fetcher = WeightsFetcher(
             bus, self.keys, Member(self.rank, os.getpid()), root=blob_root(cfg, self.run_id),
@@ -122,6 +130,12 @@ class Rollouter(Component):
 
     async def teardown(self) -> None:
         self.context.scorer.close()
+        if self.abandoned:
+            # The build still runs on the worker thread, which the interpreter's exit would
+            # join: the failure is said and published, the process ends here.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EngineStartTimeout.code)
         if self.engine is not None:
             # Its own thread: the worker may still be inside a generate call, and a vLLM
             # engine with processes of its own (tensor_model_parallel_size > 1) must not
@@ -140,6 +154,20 @@ class Rollouter(Component):
         if agent is not None:
             self.profiler = StepProfiler(agent, self.off)
         return self.engine
+
+    async def _start_engine(self) -> Engine:
+        """The engine, built on the worker (:meth:`build`) within
+        ``rollout.engine_start_timeout_s``: no ticket is claimed before (the heartbeat says
+        the engine is starting, with no progress counter to judge)."""
+        bound = self.cfg.rollout.engine_start_timeout_s
+        building = asyncio.ensure_future(self.off(self.build))
+        try:
+            return await asyncio.wait_for(asyncio.shield(building), bound)
+        except TimeoutError:
+            self.abandoned = True
+            raise EngineStartTimeout(
+                f"the {self.cfg.rollout.name} engine did not start in {bound:g} s "
+                f"(rollout.engine_start_timeout_s): no ticket was claimed") from None
 
     async def _tell_engine(self, engine: Engine) -> None:
         """Say which engine generates, and publish what its build warned about."""
@@ -179,6 +207,11 @@ class Rollouter(Component):
             metrics["rollouter/weights_load_s"] = held.load_s
             metrics["rollouter/weights_sync_s"] = held.sync_s
         metrics.update(ctx.scorer.metrics())
+        if self.engine is None:  # no progress counter: the trainer judges none (dispatch)
+            return Heartbeat(role="rollouter", rank=self.rank, pid=os.getpid(),
+                             state=f"engine starting ({time.monotonic() - self.born:.0f} s)",
+                             metrics=metrics, progress=None,
+                             weights_receiver=self.fetcher.receiver is not None)
         state = f"weights v{held.version}"
         doing = self.loop.describe() if self.loop is not None else None
         if doing:
@@ -198,7 +231,7 @@ class Rollouter(Component):
         # look like death.
         # Kineto on the thread that imported torch, before the worker's agent warms up.
         prepare_main_thread(self.cfg, str(self.device))
-        engine = await self.off(self.build)
+        engine = await self._start_engine()
         await self._tell_engine(engine)
         settle_heap()
         await self.consumer.ensure_group()

@@ -65,6 +65,7 @@ class ContinuousRollout:
                 if self.ctx.finished:
                     break
                 await self._generate(self._admit() if admitting else [])
+                await self._drop_superseded()
                 await self._finish()
                 await self._look_around()
             await self.ctx.off(self.engine.abort)  # the run ended: what runs is not needed
@@ -114,6 +115,13 @@ class ContinuousRollout:
             self.waiting.pop(0)
             out += self.book.open(delivery, ticket, self.ctx.prompt_ids(ticket), time.time())
         return out
+
+    async def _drop_superseded(self) -> None:
+        """Ack the entries of the attempts a newer attempt of their ticket replaced in the
+        engine (Admission.open): nobody waits for their answer any more."""
+        if self.book.superseded:
+            gone, self.book.superseded = self.book.superseded, []
+            await self.ctx.tickets.source.ack(*(g.delivery for g in gone))
 
     # ------------------------------------------------------------------ weights
 

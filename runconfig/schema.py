@@ -282,6 +282,9 @@ class RolloutConfig(_Section, frozen=True):
     weights_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     weights_transport: Literal["auto", "redis", "storage", "collective"] = "auto"
     weights_fetch_timeout_s: PosFloat = 60.0
+    # The engine's start-up (weights load, vLLM's profiling and CUDA graph capture): the
+    # rollouter claims no ticket before it ends, and exits 1 past this bound.
+    engine_start_timeout_s: PosFloat = 1800.0
     weights_collective_host: str = ""
     # The engine (docs/engines.md): hf = the built-in decode loop, vllm = vLLM in the
     # rollouter's process. The vLLM limits are verl's keys with verl's defaults, except

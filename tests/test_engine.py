@@ -4,6 +4,7 @@ engine is the policy's decode loop, and samples carry the version the engine hol
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -122,3 +123,42 @@ async def test_samples_carry_the_version_the_engine_holds(
 
 def _no_warning(text: str) -> None:
     raise AssertionError(f"unexpected engine warning: {text}")
+
+
+@pytest.mark.asyncio
+async def test_an_engine_that_starts_slowly_claims_nothing_and_is_not_judged(
+    redis_url: str, run_id: str, bus: Bus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A vLLM engine's start-up takes minutes (CUDA graph capture; 200+ s under load): the
+    heartbeat says the engine is starting and reports no progress counter, which the
+    trainer's no-progress judge passes over (trainer.dispatch.no_progress), and no ticket is
+    claimed before the engine exists; past rollout.engine_start_timeout_s the start is one
+    named failure."""
+    from rollouter import app as rollouter_app
+    from rollouter.app import EngineStartTimeout
+    from trainer.dispatch import no_progress
+    from trainer.health import observe_progress
+
+    cfg = load_config(overrides=[f"redis.url={redis_url}", f"run.id={run_id}",
+                                 f"run.output_dir={tmp_path}",
+                                 "rollout.engine_start_timeout_s=0.5"])
+    release = threading.Event()
+
+    def slow_build(*_: object) -> _LaggingEngine:
+        release.wait(10)
+        return _LaggingEngine()
+
+    monkeypatch.setattr(rollouter_app, "build_engine", slow_build)
+    r = Rollouter(cfg, bus)
+    hb = r.heartbeat()
+    assert hb.state.startswith("engine starting (") and hb.progress is None
+    seen = observe_progress({}, [hb], now=0.0)
+    assert no_progress({"rollouter-0": [1, 2]}, {c: p.since for c, p in seen.items()},
+                       now=10**6, bound=1.0) == {}
+    with pytest.raises(EngineStartTimeout, match=r"did not start in 0\.5 s \(rollout\."
+                                                 r"engine_start_timeout_s\)"):
+        await r._start_engine()
+    assert r.loop is None  # the loop that claims tickets starts only with an engine
+    release.set()
+    r.worker.shutdown(wait=True)
+    assert r.engine is not None and r.abandoned

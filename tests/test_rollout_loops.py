@@ -516,10 +516,10 @@ async def test_continuous_a_ticket_needing_newer_weights_waits_for_the_sync() ->
     assert {(s.min_version, s.max_version) for s in samples["b"]} == {(1, 1)}
     log = h.engine.log
     a_ended = max(i for i, (what, key, _) in enumerate(log) if what == "ended"
-                  and key.startswith("a/"))
+                  and key.startswith("a#"))
     loaded = log.index(("load", "", 1))
     b_in = [(i, v) for i, (what, key, v) in enumerate(log) if what == "submit"
-            and key.startswith("b/")]
+            and key.startswith("b#")]
     assert a_ended < loaded < min(i for i, _ in b_in) and {v for _, v in b_in} == {1}
 
 
