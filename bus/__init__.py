@@ -28,8 +28,10 @@ if TYPE_CHECKING:
         BlobError,
         BlobNotFound,
         BusAuthError,
+        BusCannotPersist,
         BusClusterError,
         BusError,
+        BusOutOfMemory,
         BusPermissionError,
         BusRefusedWrite,
         BusUnavailable,
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
         RedisStartError,
         StreamGone,
         redact_url,
+        server_refusal,
     )
     from bus.group_admin import GroupInfo
     from bus.groups import (
@@ -106,8 +109,10 @@ __all__ = [
     "BlobNotFound",
     "Bus",
     "BusAuthError",
+    "BusCannotPersist",
     "BusClusterError",
     "BusError",
+    "BusOutOfMemory",
     "BusPermissionError",
     "BusRefusedWrite",
     "BusUnavailable",
@@ -155,6 +160,7 @@ __all__ = [
     "redis_host",
     "refusal_kind",
     "retry_async",
+    "server_refusal",
     "split_cluster",
     "validate_run_id",
 ]
@@ -164,11 +170,11 @@ __all__ = [
 _MODULES: dict[str, tuple[str, ...]] = {
     "acl": ("COMPONENT_USERS", "acl_file", "acl_rules",),
     "entries": ("BadEntry", "Entry", "entry_key",),
-    "errors": ("BlobCorrupt", "BlobError", "BlobNotFound", "BusAuthError", "BusClusterError",
-               "BusError", "BusPermissionError", "BusRefusedWrite", "BusUnavailable",
-               "EntryGone", "Fenced",
+    "errors": ("BlobCorrupt", "BlobError", "BlobNotFound", "BusAuthError", "BusCannotPersist",
+               "BusClusterError", "BusError", "BusOutOfMemory", "BusPermissionError",
+               "BusRefusedWrite", "BusUnavailable", "EntryGone", "Fenced",
                "GoneError", "GroupGone", "PortInUse", "RedisBinaryNotFound", "RedisStartError",
-               "StreamGone", "redact_url",),
+               "StreamGone", "redact_url", "server_refusal",),
     "group_admin": ("GroupInfo",),
     "groups": ("EXCEEDED_REASON", "TRIMMED_REASON", "Consumer", "ConsumerStats", "Delivery",
                "default_dlq",),

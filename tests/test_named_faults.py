@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bus import Bus, RunKeys
-from bus.errors import BusCannotPersist, BusOutOfMemory, server_refusal
+from bus import Bus, BusCannotPersist, BusOutOfMemory, RunKeys, server_refusal
 from rollouter.presence import TrainerGone, TrainerPresence
 from runschema.messages import ComponentFailed, StepFinished, WarningRaised
 from runtime.faults import DiskFull, disk_full, space_warning
