@@ -62,6 +62,7 @@ class RedisConfig(_Section, frozen=True):
     binary: str | None = None
     port: Annotated[int, Meta(ge=1, le=65535)] | None = None
     cluster: bool = False
+    give_up_s: PosFloat = 600.0  # = bus.retry.BUDGET_S (bus is not imported by the schema)
 
 
 class RayPlacementConfig(_Section, frozen=True):

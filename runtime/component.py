@@ -24,7 +24,10 @@ the one object that owns its process's life on the bus:
 
 Before it is built, a component may :meth:`~Component.join` its run (a rollouter claims its
 rank on the bus, :mod:`bus.ranks`); the claim is refreshed at every pulse, and one lost to
-another process ends the component (:class:`ClaimLost`, exit 1).
+another process ends the component (:class:`ClaimLost`, exit 1). A process that did not run
+for a while (SIGSTOP, a frozen VM: the bus's watchdog, :mod:`bus.reach`) pulses at once on
+waking, so it re-checks its claim (and the trainer its lease) before blaming anything on
+Redis: still held, it goes on; taken, it exits with the claim-lost line.
 
 A :class:`Failure` raised from setup or serve is the component's named error: one line on
 stderr, a ``ComponentFailed`` event (unless the failure says the log must not be written),
@@ -240,6 +243,10 @@ class Component:
         except Failure as exc:
             self.say(str(exc), error=True)
             return exc.code
+        # A process that did not run (SIGSTOP, a frozen VM) may have lost its rank or lease
+        # meanwhile: the pulse re-checks it at once (ClaimLost, or the trainer fenced out)
+        # rather than an interval later, after the work it woke into.
+        self.bus.on_pause = lambda _s: self.pulse_now()
         hb = self.cfg.heartbeat
         self.spawn(pulse_forever(self.bus, self.keys.alive(self.role, self.rank), self.heartbeat,
                                  hb.interval_s, hb.timeout_s, before=self._pulse_step,
