@@ -205,7 +205,8 @@ class BusClient:
         self.on_pause: Callable[[float], None] | None = None
         """Optional hook ``(seconds)`` run when the watchdog finds this process did not run
         for that long (SIGSTOP, a frozen VM): what it holds must be re-checked (the runtime
-        pulses at once: rank claim, lease)."""
+        pulses at once: rank claim, lease). The hook says it; without one the client logs a
+        WARNING."""
         for name in _RAW_COMMANDS:
             client.set_response_callback(name, _raw)
         self._slots: SlotPipelines | None = None
@@ -407,12 +408,14 @@ class BusClient:
         log.warning("%s", self._silence_line(silent[0], silent[1:], now))
 
     def _paused(self, seconds_: float) -> None:
-        """The watchdog found this process did not run for ``seconds_``: say so (the waits
-        it interrupted are not Redis's silence) and let the owner re-check what it holds."""
-        log.warning("this process did not run for %s s (stopped, frozen, or its event loop "
-                    "blocked); not counted as Redis's silence", seconds(seconds_))
+        """The watchdog found this process did not run for ``seconds_``: the owner's hook
+        re-checks what it holds and says it; without one, a WARNING says it (the waits it
+        interrupted are not Redis's silence either way)."""
         if self.on_pause is not None:
             self.on_pause(seconds_)
+            return
+        log.warning("this process did not run for %s s (stopped, frozen, or its event loop "
+                    "blocked); not counted as Redis's silence", seconds(seconds_))
 
     def _silence_line(self, wait: _Wait, others: Sequence[_Wait], now: float) -> str:
         """``redis URL has not answered OP for N s; waiting up to B s (redis.give_up_s)``, with the

@@ -246,7 +246,7 @@ class Component:
         # A process that did not run (SIGSTOP, a frozen VM) may have lost its rank or lease
         # meanwhile: the pulse re-checks it at once (ClaimLost, or the trainer fenced out)
         # rather than an interval later, after the work it woke into.
-        self.bus.on_pause = lambda _s: self.pulse_now()
+        self.bus.on_pause = self._paused
         hb = self.cfg.heartbeat
         self.spawn(pulse_forever(self.bus, self.keys.alive(self.role, self.rank), self.heartbeat,
                                  hb.interval_s, hb.timeout_s, before=self._pulse_step,
@@ -262,6 +262,14 @@ class Component:
             return await self._failed(self._lost)
         finally:
             await self._wind_down()
+
+    def _paused(self, seconds: float) -> None:
+        """The bus's watchdog: this process did not run for ``seconds``. One line, and the
+        pulse at once (the claim re-checked, the lease renewed)."""
+        held = "its rank claim" if self.claim is not None else "what it holds"
+        self.say(f"this process did not run for {seconds:.1f} s (stopped or frozen; not "
+                 f"Redis's silence): re-checking {held} before going on", error=True)
+        self.pulse_now()
 
     async def _failed(self, exc: Failure) -> int:
         """A named failure: one line, a ComponentFailed event (if it may be written), its

@@ -152,6 +152,10 @@ def _print(out: TextIO | None, line: str) -> None:
     print(line, file=out if out is not None else sys.stdout, flush=True)
 
 
+def _said_by_the_component(_seconds: float) -> None:
+    """The progress bus's pause hook: the component's own bus says the pause (one line)."""
+
+
 class ProgressThread:
     """:func:`follow_progress` on its own thread, event loop and connection.
 
@@ -177,6 +181,7 @@ class ProgressThread:
             self._ready.set()
             bus = Bus.from_url(self.url, retry=self.retry,
                                client_name=f"rlbus-progress-{self.spec.role}")
+            bus.on_pause = _said_by_the_component
             try:
                 await follow_progress(bus, self.spec, self.out)
             finally:
