@@ -70,6 +70,7 @@ if TYPE_CHECKING:
         holder_pid_host,
         holder_token,
     )
+    from bus.reach import PAUSE_S, REACH_GRACE_S, Reach, Stalls
     from bus.retry import BUDGET_S, FIRST_CONTACT_S, RetryHook, RetryPolicy, retry_async
     from bus.streams import Bus
     from bus.urls import (
@@ -91,6 +92,8 @@ __all__ = [
     "FIRST_CONTACT_S",
     "LOG_ROLES",
     "MAX_RANKS",
+    "PAUSE_S",
+    "REACH_GRACE_S",
     "ROLE_LOG_MAXLEN",
     "RUNS_STREAM",
     "TRIMMED_REASON",
@@ -118,11 +121,13 @@ __all__ = [
     "RankClaim",
     "RankHeld",
     "RankLost",
+    "Reach",
     "RedisBinaryNotFound",
     "RedisStartError",
     "RetryHook",
     "RetryPolicy",
     "RunKeys",
+    "Stalls",
     "StreamGone",
     "acl_file",
     "acl_rules",
@@ -165,6 +170,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "liveness": ("FENCE_LUA", "Lease", "members_key", "peers", "pulse", "pulse_forever",),
     "ranks": ("MAX_RANKS", "RankClaim", "RankHeld", "RankLost", "claim_lowest_rank", "claim_rank",
               "holder_pid_host", "holder_token",),
+    "reach": ("PAUSE_S", "REACH_GRACE_S", "Reach", "Stalls",),
     "retry": ("BUDGET_S", "FIRST_CONTACT_S", "RetryHook", "RetryPolicy", "retry_async",),
     "streams": ("Bus",),
     "urls": ("CLUSTER_SCHEMES", "as_cluster_url", "bus_error_line", "expand_env", "local_address",

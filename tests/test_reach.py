@@ -18,8 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from bus import Bus, BusUnavailable, Consumer, RetryPolicy
-from bus.reach import PAUSE_S, Reach, Stalls
+from bus import PAUSE_S, Bus, BusUnavailable, Consumer, Reach, RetryPolicy, Stalls, bus_error_line
 from rlbus.redis_server import EmbeddedRedis
 from runconfig import load_config
 
@@ -182,8 +181,6 @@ async def test_a_silent_redis_past_the_budget_is_one_error_naming_the_key(
                 await bus.command("SET", "k", "v")
     finally:
         os.kill(server.pid, signal.SIGCONT)
-    from bus import bus_error_line
-
     line = bus_error_line("rollouter0", info.value)
     assert "cannot reach Redis at redis://127.0.0.1:" in line
     assert "gave up after 1.5 s, redis.give_up_s" in line
