@@ -76,6 +76,7 @@ if TYPE_CHECKING:
         holder_pid_host,
         holder_token,
     )
+    from bus.reach import PAUSE_S, REACH_GRACE_S, Reach, Stalls
     from bus.refusals import REFUSAL_LOG_S, Refusal, RefusalTally, refusal_kind
     from bus.retry import BUDGET_S, FIRST_CONTACT_S, RetryHook, RetryPolicy, retry_async
     from bus.streams import Bus
@@ -99,6 +100,8 @@ __all__ = [
     "FIRST_CONTACT_S",
     "LOG_ROLES",
     "MAX_RANKS",
+    "PAUSE_S",
+    "REACH_GRACE_S",
     "REFUSAL_LOG_S",
     "ROLE_LOG_MAXLEN",
     "RUNS_STREAM",
@@ -130,6 +133,7 @@ __all__ = [
     "RankClaim",
     "RankHeld",
     "RankLost",
+    "Reach",
     "RedisBinaryNotFound",
     "RedisStartError",
     "Refusal",
@@ -137,6 +141,7 @@ __all__ = [
     "RetryHook",
     "RetryPolicy",
     "RunKeys",
+    "Stalls",
     "StreamGone",
     "acl_file",
     "acl_rules",
@@ -184,6 +189,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "ranks": ("MAX_RANKS", "RankClaim", "RankHeld", "RankLost", "claim_lowest_rank", "claim_rank",
               "holder_pid_host", "holder_token",),
     "refusals": ("REFUSAL_LOG_S", "Refusal", "RefusalTally", "refusal_kind",),
+    "reach": ("PAUSE_S", "REACH_GRACE_S", "Reach", "Stalls",),
     "retry": ("BUDGET_S", "FIRST_CONTACT_S", "RetryHook", "RetryPolicy", "retry_async",),
     "streams": ("Bus",),
     "urls": ("CLUSTER_SCHEMES", "as_cluster_url", "bus_error_line", "expand_env", "local_address",

@@ -14,9 +14,10 @@ Decisions:
 
 - **Connection loss** → every call is retried with bounded exponential backoff + jitter
   (:class:`~bus.retry.RetryPolicy`) within one wall-clock budget: a call gives up
-  :data:`~bus.retry.BUDGET_S` (60 s) after its first try began, plus the time it asked to
-  block, whether its tries were refused or hung, then raises :class:`~bus.errors.BusUnavailable`
-  naming the redacted URL, the command, the tries and the budget. A client that has never
+  ``redis.give_up_s`` (:data:`~bus.retry.BUDGET_S`, 600 s, by default) after its first try
+  began, plus the time it asked to block, whether its tries were refused or hung, then raises
+  :class:`~bus.errors.BusUnavailable` naming the redacted URL, the command, the tries and the
+  budget. A client that has never
   been answered (a wrong URL) gives up after :data:`~bus.retry.FIRST_CONTACT_S` (10 s), quietly:
   the caller's one-line error says it. A retried XADD may land twice (the reply, not the
   write, was lost): delivery is at-least-once and handlers are idempotent. Refused credentials
@@ -26,6 +27,12 @@ Decisions:
   command and how long it has waited, and again every :data:`SILENCE_REPEAT_S` (10 s) while
   the wait lasts (one line per client per period, naming the other calls waiting too).
   Components log WARNINGs to stderr, so a stopped Redis is never a silent process.
+- **A pause is not Redis's silence**: a watchdog timer, due every second while calls are in
+  flight, that comes 5 s or more late means this process did not run (SIGSTOP, a frozen
+  VM, a blocked loop). That time is left out of the budget and of the silence lines
+  (:class:`~bus.reach.Stalls`); one WARNING says it, and :attr:`BusClient.on_pause` lets the
+  owner re-check what it holds. :meth:`BusClient.reach_clock` is a clock that stops while
+  Redis is silent (:class:`~bus.reach.Reach`), to judge peers' liveness keys by.
 - **No wait is unbounded**: each try of a call (one command or one pipeline) has a deadline
   of ``op_timeout_s`` (or the budget left, if less) plus its ``block_ms``; a missed deadline
   counts as a connection failure (retried, then :class:`~bus.errors.BusUnavailable`).
@@ -86,6 +93,7 @@ from bus.errors import (
     seconds,
     server_refusal,
 )
+from bus.reach import Reach, Stalls
 from bus.retry import RetryHook, RetryPolicy, retry_async
 from bus.urls import split_cluster
 
@@ -196,6 +204,14 @@ class BusClient:
         self._watch: asyncio.TimerHandle | None = None
         self._watch_loop: asyncio.AbstractEventLoop | None = None
         self._next_line = float("-inf")  # no new warning line before (loop time)
+        # The watchdog's lateness: time this process did not run, never blamed on Redis.
+        self._stalls = Stalls()
+        self._reach = Reach()
+        self.on_pause: Callable[[float], None] | None = None
+        """Optional hook ``(seconds)`` run when the watchdog finds this process did not run
+        for that long (SIGSTOP, a frozen VM): what it holds must be re-checked (the runtime
+        pulses at once: rank claim, lease). The hook says it; without one the client logs a
+        WARNING."""
         for name in _RAW_COMMANDS:
             client.set_response_callback(name, _raw)
         self._slots: SlotPipelines | None = None
@@ -264,7 +280,12 @@ class BusClient:
         loop = asyncio.get_running_loop()
         answered = self._answered
         budget_s = self.retry.budget_s if answered else self.retry.first_contact_s
-        wait = _Wait(op, loop.time(), block_s, budget_s)
+        stalls = self._stalls
+
+        def clock() -> float:  # the loop's, less this process's pauses: Redis's time to answer
+            return stalls.clock(loop.time())
+
+        wait = _Wait(op, clock(), block_s, budget_s)
         if answered:
             self._track(wait, loop)
         op_timeout_s = self.op_timeout_s
@@ -275,41 +296,78 @@ class BusClient:
             async with asyncio.timeout(block_s + min(op_timeout_s, left_s)):
                 return await self._answer(op, fn)
 
-        def retrying(attempt: int, exc: BaseException) -> None:
-            wait.error = exc
-            log.info("%s on %s failed (%s); retry %d", op, self.url, exc, attempt + 1)
-            if on_retry is not None:
-                on_retry(attempt, exc)
-            if self.on_retry is not None:
-                self.on_retry(op, attempt, exc)
-
+        heard = False
         try:
             result = await retry_async(
-                self.retry, attempt, retry_on=_RETRY_ON, no_retry=_NO_RETRY, on_retry=retrying,
-                budget_s=budget_s, clock=loop.time,
+                self.retry, attempt, retry_on=_RETRY_ON, no_retry=_NO_RETRY,
+                on_retry=self._retrying(wait, on_retry), budget_s=budget_s, clock=clock,
             )
+            heard = True
         except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
             raise self._refused(op, exc) from exc
         except _RETRY_ON as exc:
             counted = self.retry.attempts is not None and wait.tries >= self.retry.attempts
             raise BusUnavailable(
-                self.url, op, wait.tries, exc, waited_s=loop.time() - wait.started,
+                self.url, op, wait.tries, exc, waited_s=clock() - wait.started,
                 budget_s=None if counted else budget_s,
             ) from exc
         except (MovedError, RedisClusterException) as exc:
             raise self._misnamed(exc) from exc
+        except ResponseError:
+            heard = True  # an error reply (NOGROUP, a script's error) is Redis answering
+            raise
         finally:
             if answered:
+                self._reach.ended(clock(), self._oldest(), answered=heard)
                 del self._waits[wait]
         self._answered = True
         return result
+
+    def _retrying(self, wait: _Wait, on_retry: RetryHook | None) -> RetryHook:
+        """The hook run before each retry wait of ``wait``'s call: noted, logged, passed on."""
+
+        def retrying(attempt: int, exc: BaseException) -> None:
+            wait.error = exc
+            log.info("%s on %s failed (%s); retry %d", wait.op, self.url, exc, attempt + 1)
+            if on_retry is not None:
+                on_retry(attempt, exc)
+            if self.on_retry is not None:
+                self.on_retry(wait.op, attempt, exc)
+
+        return retrying
+
+    def _oldest(self) -> float | None:
+        """When the longest-waiting call in flight began to wait for its answer (run clock)."""
+        return min((w.started + w.block_s for w in self._waits), default=None)
+
+    def since_dark_s(self) -> float:
+        """Seconds since Redis last failed to answer this client for over 5 s (0 while it
+        does not; inf: never). A liveness key read sooner may have lapsed while its owner
+        could not refresh it: absence is no proof of death yet. Call it on the client's
+        event loop."""
+        run = self._stalls.clock(asyncio.get_running_loop().time())
+        return self._reach.since_dark_s(run, self._oldest())
+
+    def reach_clock(self) -> float:
+        """The loop's clock less every second Redis did not answer this client (past a 5 s
+        grace, :class:`bus.reach.Reach`): the clock to judge peers' liveness keys by, since
+        none could be refreshed while Redis was silent. Non-decreasing; call it on the
+        client's event loop."""
+        now = asyncio.get_running_loop().time()
+        run = self._stalls.clock(now)
+        return now - (run - self._reach.clock(run, self._oldest()))
 
     def _track(self, wait: _Wait, loop: asyncio.AbstractEventLoop) -> None:
         """Watch ``wait`` for silence (the client's one timer, started if not running)."""
         self._waits[wait] = None
         if self._watch is None or self._watch_loop is not loop:
             self._watch_loop = loop
-            self._watch = loop.call_later(self._tick_s(), self._watch_waits)
+            self._arm(loop)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        tick = self._tick_s()
+        self._stalls.armed(loop.time() + tick)
+        self._watch = loop.call_later(tick, self._watch_waits)
 
     def _misnamed(self, exc: BaseException) -> BaseException:
         """:class:`BusClusterError` when ``exc`` says the URL's form is not the server's: a
@@ -368,12 +426,15 @@ class BusClient:
         """The timer of the calls in flight: one WARNING line for the client when one of
         them is silent ``silence_warn_s`` (the longest-silent named), again every
         ``silence_repeat_s`` while any is; the timer stops when no call is in flight."""
+        loop = asyncio.get_running_loop()
+        paused = self._stalls.fired(loop.time())
+        if paused:
+            self._paused(paused)
         if not self._waits:
             self._watch = None
             return
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        self._watch = loop.call_later(self._tick_s(), self._watch_waits)
+        now = self._stalls.clock(loop.time())
+        self._arm(loop)
         silent = [w for w in self._waits if w.silent_s(now) >= self.silence_warn_s]
         if not silent:
             self._next_line = float("-inf")  # the next silence is reported when it is due
@@ -384,15 +445,25 @@ class BusClient:
         silent.sort(key=lambda w: -w.silent_s(now))
         log.warning("%s", self._silence_line(silent[0], silent[1:], now))
 
+    def _paused(self, seconds_: float) -> None:
+        """The watchdog found this process did not run for ``seconds_``: the owner's hook
+        re-checks what it holds and says it; without one, a WARNING says it (the waits it
+        interrupted are not Redis's silence either way)."""
+        if self.on_pause is not None:
+            self.on_pause(seconds_)
+            return
+        log.warning("this process did not run for %s s (stopped, frozen, or its event loop "
+                    "blocked); not counted as Redis's silence", seconds(seconds_))
+
     def _silence_line(self, wait: _Wait, others: Sequence[_Wait], now: float) -> str:
-        """``redis URL has not answered OP for N s; waiting (gives up after B s)``, with the
+        """``redis URL has not answered OP for N s; waiting up to B s (redis.give_up_s)``, with the
         block time, the tries and last error, and the ``others`` (three named), if any."""
         line = f"redis {self.url} has not answered {wait.op} for {seconds(wait.silent_s(now))} s"
         if wait.block_s:
             line += f" past its {seconds(wait.block_s)} s BLOCK"
         if wait.error is not None:
             line += f" ({wait.tries} try(s), last: {describe(wait.error)})"
-        line += f"; waiting (gives up after {seconds(wait.budget_s)} s)"
+        line += f"; waiting up to {seconds(wait.budget_s)} s (redis.give_up_s)"
         if others:
             named = ", ".join(f"{w.op} ({seconds(w.silent_s(now))} s)" for w in others[:3])
             more = f" and {len(others) - 3} more" if len(others) > 3 else ""

@@ -33,9 +33,14 @@ T = TypeVar("T")
 RetryHook = Callable[[int, BaseException], None]
 """Called ``(attempt, error)`` before each retry wait of one call."""
 
-BUDGET_S = 60.0
+BUDGET_S = 600.0
 """How long one command waits for Redis, from its first try, before it gives up (plus the
-time it asked to block). Long enough to ride out a restart of Redis that reloads its AOF."""
+time it asked to block): ``redis.give_up_s``'s default. Ten minutes: a restart that reloads a
+large AOF (minutes for tens of GB), a Sentinel or Cluster failover (``down-after`` plus the
+election: well under a minute by default) or a paused VM migrated, with room to spare; a
+week-long run then needs nobody to restart it. Silence is said every 10 s meanwhile
+(bus.client), so the wait is never silent. Time this process itself did not run is not
+counted (bus.reach)."""
 
 FIRST_CONTACT_S = 10.0
 """The budget while a client has never had an answer (a wrong URL, a server not started yet):

@@ -67,7 +67,8 @@ def bus_error_line(name: str, exc: BusUnavailable | BusAuthError) -> str:
         return (f"{name}: error: {exc} (check the user and password in redis.url, or the "
                 "environment variable it names)")
     spent = f" in {seconds(exc.waited_s)} s" if exc.waited_s is not None else ""
-    bound = f"; gave up after {seconds(exc.budget_s)} s" if exc.budget_s is not None else ""
+    bound = (f"; gave up after {seconds(exc.budget_s)} s, redis.give_up_s"
+             if exc.budget_s is not None else "")
     return (f"{name}: error: cannot reach Redis at {exc.url} ({exc.op} failed after "
             f"{exc.attempts} attempt(s){spent}{bound}); is the server running there? "
             "check redis.url")

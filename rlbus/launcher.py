@@ -414,7 +414,7 @@ class _Up:
                          policy=RestartPolicy(self.cfg.run.max_restarts), env=self.env,
                          placement_timeout_s=self.cfg.run.ray.placement_timeout_s)
         try:
-            return asyncio.run(watch.run(self.url, self.log_ends))
+            return asyncio.run(watch.run(self.url, self.log_ends, self.cfg.redis.give_up_s))
         finally:
             progress.close()
 

@@ -216,15 +216,18 @@ class RunWatch:
         self.started = time.monotonic()
         self.finished_at: float | None = None
 
-    async def run(self, url: str, ends: Mapping[str, str] | None = None) -> int:
+    async def run(self, url: str, ends: Mapping[str, str] | None = None,
+                  give_up_s: float | None = None) -> int:
         """Show the run's log (every role's stream, merged) after ``ends`` (each stream's
         newest entry before this session's components started: what an earlier session
         stated, a failure included, is not this session's news; None: a new run, from the
-        start) until the run ends; the exit code."""
-        from bus import Bus
+        start) until the run ends; the exit code. ``give_up_s``: redis.give_up_s (the
+        watch waits out a silent Redis as long as the parts do; None: the bus's default)."""
+        from bus import Bus, RetryPolicy
         from runtime import LogFollower
 
-        bus = Bus.from_url(url)
+        bus = Bus.from_url(url, retry=None if give_up_s is None else RetryPolicy(
+            budget_s=give_up_s))
         try:
             log = LogFollower(bus, self.keys, count=500)
             log.start_at_end(ends or {})

@@ -115,7 +115,8 @@ class Rollouter(Component):
             trainer=TrainerPresence(bus, self.keys.trainer_lease, self.run_id,
                                     cfg.heartbeat.timeout_s, self.keys.log("trainer")),
             fetch=self.fetcher.fetch, load=self._load, stranded=self.fetcher.stranded,
-            find_dead=lambda: dead_replicas(bus, self.keys, self.consumer.name),
+            find_dead=lambda: dead_replicas(bus, self.keys, self.consumer.name,
+                                            cfg.heartbeat.timeout_s),
             publish=self.publish, complain=lambda text: self.say(text, error=True),
             commands=self.apply_commands, profiler=lambda: self.profiler)
         self.loop: RolloutLoop | None = None  # serve(), once the engine is built

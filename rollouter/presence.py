@@ -7,7 +7,6 @@ never block, so a long training step is not silence: only a key absent for
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 from bus import Bus
@@ -41,14 +40,17 @@ class TrainerPresence:
         """The trainer's log stream: a trainer that failed said why there last."""
         self.run_id = run_id
         self.timeout_s = timeout_s
-        self.absent_since: float | None = time.monotonic()  # judged from construction on
+        self.absent_since: float | None = bus.reach_clock()  # judged from construction on
         self.seen = False
 
     async def check(self) -> None:
         """Raise :class:`TrainerGone` once the lease key has been absent for longer than
         the timeout (Redis ``EXISTS``)."""
-        now = time.monotonic()
-        if await self.bus.exists(self.lease_key):
+        exists = await self.bus.exists(self.lease_key)
+        # After the read, on the clock that stops while Redis is silent: a lease that lapsed
+        # during an outage (nobody could renew it) is judged by the time since Redis answered.
+        now = self.bus.reach_clock()
+        if exists:
             self.absent_since = None
             self.seen = True
             return

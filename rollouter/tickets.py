@@ -59,14 +59,19 @@ class TicketSource(Protocol):
     async def reclaim_from(self, owners: Iterable[str], count: int = 100) -> list[Delivery]: ...
 
 
-async def dead_replicas(bus: Bus, keys: RunKeys, own: str) -> list[str]:
+async def dead_replicas(bus: Bus, keys: RunKeys, own: str, settle_s: float = 0.0
+                        ) -> list[str]:
     """The members of the rollouters' group other than ``own`` whose liveness key has lapsed
-    (by Redis's clock): a slow replica generating for minutes is alive; a dead one is not."""
+    (by Redis's clock): a slow replica generating for minutes is alive; a dead one is not.
+    None within ``settle_s`` of an outage of Redis (the heartbeat timeout): every key may
+    have lapsed while nobody could refresh it, and live replicas re-pulse meanwhile."""
     members = await bus.consumers(keys.prompts, GROUP)
     if not members:
         return []
     alive = {RunKeys.rollouter_consumer(hb.rank)
              for hb in await peers(bus, keys.alive_pattern("rollouter"))}
+    if bus.since_dark_s() < settle_s:
+        return []
     return [m for m in members if m not in alive and m != own]
 
 

@@ -65,6 +65,7 @@ class RedisConfig(_Section, frozen=True):
     # About how many dead letters the run's dead-letter stream keeps (bus.keys.DLQ_MAXLEN);
     # what its cap trims is counted in rlbus:{RUN}:dlq:dropped.
     dead_letter_max: PosInt = 100_000
+    give_up_s: PosFloat = 600.0  # = bus.retry.BUDGET_S (bus is not imported by the schema)
 
 
 class RayPlacementConfig(_Section, frozen=True):

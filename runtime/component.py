@@ -24,7 +24,10 @@ the one object that owns its process's life on the bus:
 
 Before it is built, a component may :meth:`~Component.join` its run (a rollouter claims its
 rank on the bus, :mod:`bus.ranks`); the claim is refreshed at every pulse, and one lost to
-another process ends the component (:class:`ClaimLost`, exit 1).
+another process ends the component (:class:`ClaimLost`, exit 1). A process that did not run
+for a while (SIGSTOP, a frozen VM: the bus's watchdog, :mod:`bus.reach`) pulses at once on
+waking, so it re-checks its claim (and the trainer its lease) before blaming anything on
+Redis: still held, it goes on; taken, it exits with the claim-lost line.
 
 A :class:`Failure` raised from setup or serve is the component's named error: one line on
 stderr, a ``ComponentFailed`` event (unless the failure says the log must not be written),
@@ -249,6 +252,10 @@ class Component:
         except Failure as exc:
             self.say(str(exc), error=True)
             return exc.code
+        # A process that did not run (SIGSTOP, a frozen VM) may have lost its rank or lease
+        # meanwhile: the pulse re-checks it at once (ClaimLost, or the trainer fenced out)
+        # rather than an interval later, after the work it woke into.
+        self.bus.on_pause = self._paused
         hb = self.cfg.heartbeat
         self.spawn(pulse_forever(self.bus, self.keys.alive(self.role, self.rank), self.heartbeat,
                                  hb.interval_s, hb.timeout_s, before=self._pulse_step,
@@ -275,6 +282,14 @@ class Component:
             return await self._failed(self._lost)
         finally:
             await self._wind_down()
+
+    def _paused(self, seconds: float) -> None:
+        """The bus's watchdog: this process did not run for ``seconds``. One line, and the
+        pulse at once (the claim re-checked, the lease renewed)."""
+        held = "its rank claim" if self.claim is not None else "what it holds"
+        self.say(f"this process did not run for {seconds:.1f} s (stopped or frozen; not "
+                 f"Redis's silence): re-checking {held} before going on", error=True)
+        self.pulse_now()
 
     async def _failed(self, exc: Failure) -> int:
         """A named failure: one line, a ComponentFailed event (if it may be written), its

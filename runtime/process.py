@@ -180,10 +180,19 @@ def entry_point(role: str, module: str, name: str, *, heavy: bool = False,
 
 
 async def _serve(cfg: Config, url: str, prog: str, factory: Callable[..., Component]) -> int:
-    from bus import Bus, BusAuthError, BusClusterError, BusUnavailable, RunKeys, bus_error_line
+    from bus import (
+        Bus,
+        BusAuthError,
+        BusClusterError,
+        BusUnavailable,
+        RetryPolicy,
+        RunKeys,
+        bus_error_line,
+    )
     from runtime.progress import ProgressSpec, ProgressThread
 
-    bus = Bus.from_url(url, client_name=f"rlbus-{prog}-{cfg.run.id}")
+    retry = RetryPolicy(budget_s=cfg.redis.give_up_s)
+    bus = Bus.from_url(url, retry=retry, client_name=f"rlbus-{prog}-{cfg.run.id}")
     if cfg.run.id:  # on a cluster, TIME and INFO ask the master holding the run's keys
         bus.home_key = RunKeys(cfg.run.id).events
     progress: ProgressThread | None = None
@@ -201,7 +210,7 @@ async def _serve(cfg: Config, url: str, prog: str, factory: Callable[..., Compon
                 handler.setFormatter(logging.Formatter(f"{prog}: %(message)s"))
         progress = ProgressThread(url, ProgressSpec(
             cfg.run.id or "", cfg.trainer.total_training_steps, prog,
-            cfg.run.progress_interval_s)).start()
+            cfg.run.progress_interval_s), retry=retry).start()
         return await _run_restarting(cfg, bus, prog, factory, claim)
     except (BusUnavailable, BusAuthError) as exc:
         print(bus_error_line(prog, exc), file=sys.stderr, flush=True)

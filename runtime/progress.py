@@ -19,7 +19,7 @@ from typing import TextIO
 
 import msgspec
 
-from bus import Bus, BusError, RunKeys, log_order
+from bus import Bus, BusError, RetryPolicy, RunKeys, log_order
 from runschema.authority import refusal
 from runschema.facts import run_finished_refusal
 from runschema.messages import Message, RunFinished, StepFinished, ValidationFinished
@@ -152,16 +152,23 @@ def _print(out: TextIO | None, line: str) -> None:
     print(line, file=out if out is not None else sys.stdout, flush=True)
 
 
+def _said_by_the_component(_seconds: float) -> None:
+    """The progress bus's pause hook: the component's own bus says the pause (one line)."""
+
+
 class ProgressThread:
     """:func:`follow_progress` on its own thread, event loop and connection.
 
     ``start()`` then ``stop()`` (idempotent; waits at most ``join_s`` for the thread).
     """
 
-    def __init__(self, url: str, spec: ProgressSpec, out: TextIO | None = None) -> None:
+    def __init__(self, url: str, spec: ProgressSpec, out: TextIO | None = None, *,
+                 retry: RetryPolicy | None = None) -> None:
         self.url = url
         self.spec = spec
         self.out = out
+        self.retry = retry
+        """The component's retry policy (redis.give_up_s): its progress waits as long."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._ready = threading.Event()
@@ -172,7 +179,9 @@ class ProgressThread:
             self._loop = asyncio.get_running_loop()
             self._task = asyncio.current_task()
             self._ready.set()
-            bus = Bus.from_url(self.url, client_name=f"rlbus-progress-{self.spec.role}")
+            bus = Bus.from_url(self.url, retry=self.retry,
+                               client_name=f"rlbus-progress-{self.spec.role}")
+            bus.on_pause = _said_by_the_component
             try:
                 await follow_progress(bus, self.spec, self.out)
             finally:

@@ -47,13 +47,20 @@ class Trainer(TrainerProcess):
     core: StepCore
     """The step's decisions, built when the loop starts from what the log and a resume left."""
 
+    def clock(self) -> float:
+        """The core's clock: the loop's, stopped while Redis does not answer (the bus's
+        reach clock). A liveness key, a ticket lease or a progress counter that could not
+        be refreshed during an outage is not judged by the outage: after a 90 s Redis pause
+        the rollouters re-pulse before they could count as gone."""
+        return self.bus.reach_clock()
+
     # ------------------------------------------------------------------ the run
 
     async def run_loop(self, resumed: bool) -> int:
         state, learner = self.writer.state, self.learner
         self.core = StepCore(self.cfg, self.prompts, self.keys, ledger=state.ledger,
                              version=learner.version, vocab_size=learner.vocab_size,
-                             max_len=learner.max_len, now=time.monotonic(),
+                             max_len=learner.max_len, now=self.clock(),
                              since_checkpoint=state.last_step - state.checkpoint()[0],
                              encode=self.encode_prompt)
         if self.profiler is not None and not resumed:
@@ -89,7 +96,7 @@ class Trainer(TrainerProcess):
         self.writer.check_fenced()
         await self.apply_commands()
         work, self.upcoming = self.upcoming or StepWork(self.submit, self.learner.step()), None
-        await self._act(self.core.start_step(step, time.monotonic()), work)
+        await self._act(self.core.start_step(step, self.clock()), work)
         update = await self._gather(work)
         closing = self.core.close_step(profiled=self.profiler is not None)
         # Close step+1 to commands before its weights (or our next control read) exist.
@@ -107,13 +114,13 @@ class Trainer(TrainerProcess):
                                                     resume_point=closing.resume_point,
                                                     warn=self._warn)
             await self.publish(*events)
-        now = time.monotonic()
+        now = self.clock()
         if self.core.due(now, leases=False).peers:  # rollouter/idle_ratio, as fresh as pulses
             await self._act(self.core.take(Reads(now, peers=await self.watch.read_peers())),
                             self.upcoming)
         measured = Measured(self.meter.wait_s, work.busy_s, self.meter.loop_cpu(),
                             self.ranks.world)
-        await self._act(self.core.finish_step(update, measured, time.monotonic()))
+        await self._act(self.core.finish_step(update, measured, self.clock()))
 
     async def _gather(self, work: StepWork) -> dict[str, float]:
         """Read until the core has the step's groups, each mini-batch training on the
@@ -131,10 +138,10 @@ class Trainer(TrainerProcess):
                 if not work.running:  # nothing to compute: the trainer waits for samples
                     self.meter.wait_s += time.monotonic() - t_read
                 if deliveries:  # with the claims stated before them (trainer.claims)
-                    reads = Reads(time.monotonic(), deliveries=deliveries, refused=refused,
+                    reads = Reads(self.clock(), deliveries=deliveries, refused=refused,
                                   claims=await self.watch.read_claims())
                 else:  # only then: answers that came during a long update are read first
-                    reads = (await self._idle_reads(time.monotonic()))._replace(refused=refused)
+                    reads = (await self._idle_reads(self.clock()))._replace(refused=refused)
                 await self._act(self.core.take(reads), work)
             return await work.finish()
         finally:
@@ -143,7 +150,7 @@ class Trainer(TrainerProcess):
     def _reports(self) -> Reads:
         """What the followers read since the last turn (trainer.watch, trainer.validation)."""
         watch = self.watch
-        return Reads(time.monotonic(), dead_tickets=watch.take_dead_tickets(),
+        return Reads(self.clock(), dead_tickets=watch.take_dead_tickets(),
                      lost_samples=watch.take_lost_samples(), failures=watch.take_failures(),
                      validated=self.validations.take())
 
@@ -156,7 +163,7 @@ class Trainer(TrainerProcess):
 
     async def _check_peers(self) -> None:
         """Between reads at the run's end: rollouts failing, rollouters gone."""
-        await self._act(self.core.take(await self._idle_reads(time.monotonic(), leases=False)))
+        await self._act(self.core.take(await self._idle_reads(self.clock(), leases=False)))
 
     async def _act(self, actions: Sequence[Action], work: StepWork | None = None) -> None:
         """Carry out the core's actions in order (trainer.actions); ``work``: the step the
@@ -191,7 +198,7 @@ class Trainer(TrainerProcess):
                 await self.writer.publish(warning)
             case IssueTickets():
                 ids = await self.writer.issue(action)
-                self.core.tickets_written(action, ids, time.monotonic())
+                self.core.tickets_written(action, ids, self.clock())
             case DeadLetter(refusals):
                 await self.consumer.dead_letter_many(refusals)
             case Ack(entry_ids):
