@@ -30,6 +30,11 @@ One step ``k`` through the core:
    the staleness budget allows for the next steps, and after a checkpoint the trim of the
    streams.
 
+After the last step, :meth:`StepCore.end`: the shell reads (idle turns through
+:meth:`StepCore.take`) until :attr:`StepCore.settled`, the answers of the validations still
+asked in the log; the run's health is judged on those turns as while a step gathers, so
+that wait is said (naming the requests) and fails past ``heartbeat.stall_timeout_s``.
+
 The ledger the core decides on is folded from the events it emits, exactly as the writer
 folds them when it writes them (trainer.ledger), so a decision later in one call sees the
 tickets an earlier one issued.
@@ -37,7 +42,7 @@ tickets an earlier one issued.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from bus import Delivery, RunKeys
 from runconfig import Config
@@ -81,11 +86,13 @@ class StepCore:
     """The decisions of one trainer incarnation's steps, from the ``ledger`` and weights
     ``version`` the log (and a resume) left, at ``now``; ``vocab_size`` and ``max_len``:
     the model's, for checking samples (trainer.validate); ``since_checkpoint``: the steps
-    the log finished after its newest checkpoint (trainer.resumepoints)."""
+    the log finished after its newest checkpoint (trainer.resumepoints); ``validated``: the
+    validation requests the log answered already (trainer.validation)."""
 
     def __init__(self, cfg: Config, prompts: PromptSource, keys: RunKeys, *, ledger: Ledger,
                  version: int, vocab_size: int | None, max_len: int | None,
-                 now: float, since_checkpoint: int = 0) -> None:
+                 now: float, since_checkpoint: int = 0, validated: Iterable[str] = ()
+                 ) -> None:
         self.cfg = cfg
         tc, ac = cfg.trainer, cfg.async_training
         self.trigger = ac.trigger_parameter_sync_step
@@ -100,7 +107,7 @@ class StepCore:
         self.dispatch = Dispatch(cfg, prompts, keys.dlq)
         self.dispatch.restart_leases(ledger, now)
         self.health = Health(cfg.heartbeat, keys, now)
-        self.validations = ValidationRequests(cfg)
+        self.validations = ValidationRequests(cfg, validated)
         self.window = StaleWindow()
         self.rewards = RewardGuard(cfg)
         self.step = 0
@@ -114,6 +121,8 @@ class StepCore:
         self.stale_share = 0.0
         self.trim = False  # the streams are trimmed after the closed step
         self.resume_points = ResumePoints(cfg, since_checkpoint)
+        self.ending = False
+        """The last step is finished: only the answers of validations are awaited."""
 
     # ------------------------------------------------------------------ writes
 
@@ -149,11 +158,20 @@ class StepCore:
             self._emit(out, issued)
 
     def published(self, step: int) -> list[Action]:
-        """Weights :attr:`version` were published after ``step`` updates: their validation
-        when it is due (trainer.validation); never waited for here."""
-        request = self.validations.due(self.version, step, last_version(
+        """Weights :attr:`version` were published after ``step`` updates (a resumed trainer
+        publishes the version it holds again, mid-window too): their validation when it is
+        due and not answered already (trainer.validation); never waited for here."""
+        request = self.validations.due(self.version, self.published_at(step), last_version(
             step, self.trigger, self.cfg.trainer.total_training_steps))
         return [] if request is None else [RequestValidation(request)]
+
+    def published_at(self, step: int) -> int:
+        """The update after which weights :attr:`version` were first published, ``step``
+        updates done: the last sync (one every ``trigger`` updates), so that a validation
+        asked again after a resume mid-window names the step an uninterrupted run names.
+        ``step`` itself when the versions do not count syncs of this trigger (a run resumed
+        with another one)."""
+        return step - step % self.trigger if step // self.trigger == self.version else step
 
     # ------------------------------------------------------------------ a step
 
@@ -193,7 +211,8 @@ class StepCore:
         """What to write and do after one turn's ``reads`` (see the module docstring)."""
         out: list[Action] = []
         self.health.failed(reads.failures)
-        self.validations.answered(reads.validated)
+        if self.validations.answered(reads.validated):
+            self.health.progressed(reads.now)  # the wait at the run's end moved on
         self._take_reports(out, reads)
         if reads.peers is not None:
             self.health.observe(reads.peers, reads.now)
@@ -270,7 +289,7 @@ class StepCore:
             self.health.check_peers(reads.now)
         if reads.holders is not None:
             self._reissue_lost(out, reads.holders, reads.now)
-        if self.batch is not None:
+        if self.batch is not None or not self.settled:
             warning = self.health.check_stall(reads.now, self.waiting_for)
             if warning is not None:
                 out.append(Warn(warning, say=True))
@@ -293,8 +312,23 @@ class StepCore:
 
     def waiting_for(self) -> str:
         """What the trainer waits for, in words (stall warnings and failures)."""
+        if self.ending:
+            return (f"{self.validations.waiting_for()}, after its last step {self.step}; "
+                    f"rollouters: {self.health.rollouters_state()}")
         return self.intake.waiting_for(self.ledger, self.need, self.step, self.version,
                                        self.health.rollouters_state())
+
+    # ------------------------------------------------------------------ the run's end
+
+    def end(self) -> None:
+        """The last step is finished: what is left is the answers of the validations asked
+        (:attr:`settled`)."""
+        self.ending = True
+
+    @property
+    def settled(self) -> bool:
+        """Nothing is awaited at the run's end (before :meth:`end`: True)."""
+        return not (self.ending and self.validations.pending)
 
     # ------------------------------------------------------------------ the step's end
 

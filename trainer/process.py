@@ -90,7 +90,7 @@ class TrainerProcess(Component):
         self.consumer = Consumer(bus, self.keys.samples, GROUP, consumer_name(self.epoch),
                                  dlq_stream=self.keys.dlq, fence=self.writer)
         self.upcoming: StepWork | None = None  # the next step, begun early (StepCore.close_step)
-        self.waiting: str | None = None  # what start-up waits for, told by the heartbeat
+        self.waiting: str | None = None  # what start-up or the run's end waits for (heartbeat)
 
     async def run_loop(self, resumed: bool) -> int:
         """The run, once the incarnation is up to the log's state; the exit code."""
