@@ -6,7 +6,7 @@ verl's DAPO line shape on the chat demo's tiny model: weights synced every 2 upd
 trainer once waited for ever at the run's end, after its last step and its last validation,
 with no RunFinished and no line: mid-window, after a validated version's publication (it
 asked again for a validation answered before the kill, which no rollouter answers twice),
-and right after a validation request, before the step that made it finished. Restarted
+and right after a validation request. Restarted
 alone, and through ``rlbus up`` with ``trainer.resume_mode=auto``, the run ends with
 RunFinished and exit 0, every step once, every validation once.
 """
@@ -75,7 +75,9 @@ def _mid_window(msg: Message) -> bool:
 
 
 def _after_request(msg: Message) -> bool:
-    """Weights v2 published: their validation is asked next, before StepFinished(4)."""
+    """Weights v2 published: their validation is asked next; the kill lands right after the
+    request, before or just after StepFinished(4) (the race is not pinned: either way a
+    resumed trainer once asked again for an answered val-v2, or missed its answer)."""
     return isinstance(msg, WeightsPublished) and msg.version == 2
 
 
