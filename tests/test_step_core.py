@@ -689,13 +689,74 @@ def test_a_validation_answer_mid_step_changes_none_of_the_steps_writes() -> None
         return shell
 
     told, untold = step(answer_at=0), step(answer_at=None)
-    assert told.core.validations.pending == set()
-    assert untold.core.validations.pending == {"val-v0"}  # the run's end waits for it
+    assert not told.core.validations.pending
+    assert set(untold.core.validations.pending) == {"val-v0"}  # the run's end waits for it
     assert _kinds(told.written) == _kinds(untold.written)
     assert told.trained == untold.trained
     # The next version is validated after its publication (test_freq=1), never waited for.
     (request,) = told.core.published(1)
     assert isinstance(request, RequestValidation) and request.request.version == 1
+
+
+def _resumed(validated: Sequence[str], *overrides: str) -> StepCore:
+    """The core of a trainer resumed after step 17 of 20 (T=2: weights v8, published after
+    step 16), validation every 2 versions."""
+    cfg = _cfg("data.val_files=[/none/val.parquet]", "trainer.test_freq=2",
+               "async_training.trigger_parameter_sync_step=2", "trainer.total_training_steps=20",
+               *overrides)
+    return StepCore(cfg, build_prompt_source(cfg), KEYS, ledger=Ledger(), version=8,
+                    vocab_size=16, max_len=32, now=0.0, validated=validated)
+
+
+def test_a_resumed_trainer_never_asks_again_for_a_validation_the_log_answered() -> None:
+    """The decision that once hung a resumed run at its end: it published v8 again after
+    step 17 and asked for val-v8 again, answered before the kill; no rollouter answers a
+    request twice, so the run's end waited for ever."""
+    answered = [f"val-v{v}" for v in (0, 2, 4, 6, 8)]
+    assert _resumed(answered).published(17) == []
+    # Asked and not answered before the kill: asked again, named as the uninterrupted run
+    # names it (the step that published v8), and awaited.
+    (again,) = _resumed(answered[:-1]).published(17)
+    assert isinstance(again, RequestValidation)
+    assert (again.request.request_id, again.request.version, again.request.step) == (
+        "val-v8", 8, 16)
+    # An answer read later (a copy asked before the kill) is one of the same request.
+    core = _resumed(answered[:-1])
+    core.published(17)
+    core.take(Reads(1.0, validated=[ValidationFinished(
+        request_id="val-v8", version=8, step=16, rank=0, metrics={})]))
+    assert not core.validations.pending and core.published(17) == []
+    # A run resumed with another trigger: the versions do not count its syncs.
+    (other,) = _resumed(answered[:-1], "async_training.trigger_parameter_sync_step=1",
+                        "trainer.total_training_steps=40").published(17)
+    assert isinstance(other, RequestValidation) and other.request.step == 17
+
+
+def test_the_wait_for_the_last_validation_is_said_then_fails_past_the_bound() -> None:
+    core = _resumed([], "heartbeat.stall_warn_s=10", "heartbeat.stall_timeout_s=30",
+                    "heartbeat.timeout_s=100")
+    assert core.settled
+    core.version = 10  # steps 18..20 closed: the last sync (the shell's work)
+    (request,) = core.published(20)
+    assert isinstance(request, RequestValidation) and request.request.request_id == "val-v10"
+    core.end()
+    assert not core.settled
+    peers = [_hb(0)]
+    assert core.take(Reads(5.0, peers=peers, idle=True)) == []
+    (warn,) = core.take(Reads(11.0, peers=peers, idle=True))
+    assert isinstance(warn, Warn) and warn.say and warn.warning.code == "trainer_stalled"
+    assert "val-v10 (weights v10, asked after step 20)" in warn.warning.message
+    assert "rollouter0" in warn.warning.message
+    with pytest.raises(PeerDead, match=r"stall_timeout_s.*val-v10"):
+        core.take(Reads(31.0, peers=peers, idle=True))
+    # Answered in time: settled, nothing said.
+    core = _resumed([], "heartbeat.stall_warn_s=10")
+    core.version = 10
+    core.published(20)
+    core.end()
+    assert core.take(Reads(9.0, validated=[ValidationFinished(
+        request_id="val-v10", version=10, step=20, rank=0, metrics={})], idle=True)) == []
+    assert core.settled
 
 
 # ---------------------------------------------------------------------------- (e) heavy update

@@ -62,7 +62,8 @@ class Trainer(TrainerProcess):
                              version=learner.version, vocab_size=learner.vocab_size,
                              max_len=learner.max_len, now=self.clock(),
                              since_checkpoint=state.last_step - state.checkpoint()[0],
-                             encode=self.encode_prompt)
+                             encode=self.encode_prompt,
+                             validated=await self.validations.start())
         if self.profiler is not None and not resumed:
             await self._wait_for_profiler()
         await self.apply_commands()
@@ -80,12 +81,15 @@ class Trainer(TrainerProcess):
         total = self.cfg.trainer.total_training_steps
         for step in range(first, total + 1):
             await self._step(step)
-        await self.validations.settle(self.core.validations, self._check_peers)
+        await self._settle()
         if self.profiler is not None:
+            self.waiting = "closing the profiler (its last traces)"
             await self.publish(*(await self.profiler.close()))
             self.profiler = None
+        self.waiting = "writing the last checkpoint's Hugging Face directory"
         if (warning := await self.checkpoints.exported()) is not None:  # before RunFinished
             await self.publish(warning)
+        self.waiting = None
         # The steps the log holds (a run resumed with fewer total steps has more).
         await self.publish(RunFinished(run_id=self.run_id, steps=self.writer.state.last_step))
         self.say(f"run {self.run_id} finished ({total} steps)")
@@ -161,9 +165,25 @@ class Trainer(TrainerProcess):
         return Reads(now, peers=await self.watch.read_peers() if due.peers else None,
                      holders=await self.watch.holders(due) if due.expired else None, idle=True)
 
-    async def _check_peers(self) -> None:
-        """Between reads at the run's end: rollouts failing, rollouters gone."""
-        await self._act(self.core.take(await self._idle_reads(self.clock(), leases=False)))
+    async def _settle(self) -> None:
+        """After the last step, before RunFinished: read until the answers of the validations
+        still asked are in (the last version's figures are in the log when the run finishes).
+        Each turn is an idle turn of the core: a stall is said, naming the requests, and
+        fails the trainer past ``heartbeat.stall_timeout_s``; no rollouter alive fails it
+        too (trainer.health)."""
+        self.core.end()
+        while not self.core.settled:
+            self.waiting = self.core.waiting_for()  # the heartbeat's state
+            self.writer.check_fenced()
+            await self.validations.poll(block_ms=500)
+            now = self.clock()
+            due = self.core.due(now, leases=False)
+            reads = Reads(now, failures=self.watch.take_failures(),
+                          validated=self.validations.take(),
+                          peers=await self.watch.read_peers() if due.peers else None,
+                          idle=True)
+            await self._act(self.core.take(reads))
+        self.waiting = None
 
     async def _act(self, actions: Sequence[Action], work: StepWork | None = None) -> None:
         """Carry out the core's actions in order (trainer.actions); ``work``: the step the

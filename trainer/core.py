@@ -30,6 +30,11 @@ One step ``k`` through the core:
    the staleness budget allows for the next steps, and after a checkpoint the trim of the
    streams.
 
+After the last step, :meth:`StepCore.end`: the shell reads (idle turns through
+:meth:`StepCore.take`) until :attr:`StepCore.settled`, the answers of the validations still
+asked in the log; the run's health is judged on those turns as while a step gathers, so
+that wait is said (naming the requests) and fails past ``heartbeat.stall_timeout_s``.
+
 The ledger the core decides on is folded from the events it emits, exactly as the writer
 folds them when it writes them (trainer.ledger), so a decision later in one call sees the
 tickets an earlier one issued.
@@ -37,7 +42,7 @@ tickets an earlier one issued.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from bus import Delivery, Refusal, RunKeys
 from runconfig import Config
@@ -100,11 +105,13 @@ class StepCore:
     the model's, for checking samples (trainer.validate); ``since_checkpoint``: the steps
     the log finished after its newest checkpoint (trainer.resumepoints); ``encode``: a text
     prompt's token ids as the rollouters encode it, for the prompt digest its tickets carry
-    (None: only verl data's token ids are digested)."""
+    (None: only verl data's token ids are digested); ``validated``: the validation requests
+    the log answered already (trainer.validation)."""
 
     def __init__(self, cfg: Config, prompts: PromptSource, keys: RunKeys, *, ledger: Ledger,
                  version: int, vocab_size: int | None, max_len: int | None,
-                 now: float, since_checkpoint: int = 0, encode: Encode | None = None) -> None:
+                 now: float, since_checkpoint: int = 0, encode: Encode | None = None,
+                 validated: Iterable[str] = ()) -> None:
         self.cfg = cfg
         tc, ac = cfg.trainer, cfg.async_training
         self.trigger = ac.trigger_parameter_sync_step
@@ -120,7 +127,7 @@ class StepCore:
         self.dispatch = Dispatch(cfg, prompts, keys.dlq, encode=encode)
         self.dispatch.restart_leases(ledger, now)
         self.health = Health(cfg.heartbeat, keys, now)
-        self.validations = ValidationRequests(cfg)
+        self.validations = ValidationRequests(cfg, validated)
         self.window = StaleWindow()
         self.rewards = RewardGuard(cfg)
         self.step = 0
@@ -136,6 +143,8 @@ class StepCore:
         self.resume_points = ResumePoints(cfg, since_checkpoint)
         self.read_size = READ_SIZE
         """How many entries the shell's next read of the samples stream asks for."""
+        self.ending = False
+        """The last step is finished: only the answers of validations are awaited."""
 
     # ------------------------------------------------------------------ writes
 
@@ -171,11 +180,20 @@ class StepCore:
             self._emit(out, issued)
 
     def published(self, step: int) -> list[Action]:
-        """Weights :attr:`version` were published after ``step`` updates: their validation
-        when it is due (trainer.validation); never waited for here."""
-        request = self.validations.due(self.version, step, last_version(
+        """Weights :attr:`version` were published after ``step`` updates (a resumed trainer
+        publishes the version it holds again, mid-window too): their validation when it is
+        due and not answered already (trainer.validation); never waited for here."""
+        request = self.validations.due(self.version, self.published_at(step), last_version(
             step, self.trigger, self.cfg.trainer.total_training_steps))
         return [] if request is None else [RequestValidation(request)]
+
+    def published_at(self, step: int) -> int:
+        """The update after which weights :attr:`version` were first published, ``step``
+        updates done: the last sync (one every ``trigger`` updates), so that a validation
+        asked again after a resume mid-window names the step an uninterrupted run names.
+        ``step`` itself when the versions do not count syncs of this trigger (a run resumed
+        with another one)."""
+        return step - step % self.trigger if step // self.trigger == self.version else step
 
     # ------------------------------------------------------------------ a step
 
@@ -215,7 +233,8 @@ class StepCore:
         """What to write and do after one turn's ``reads`` (see the module docstring)."""
         out: list[Action] = []
         self.health.failed(reads.failures)
-        self.validations.answered(reads.validated)
+        if self.validations.answered(reads.validated):
+            self.health.progressed(reads.now)  # the wait at the run's end moved on
         self._take_reports(out, reads)
         if reads.peers is not None:
             self.health.observe(reads.peers, reads.now)
@@ -315,7 +334,7 @@ class StepCore:
             self.health.check_peers(reads.now)
         if reads.holders is not None:
             self._reissue_lost(out, reads.holders, reads.now)
-        if self.batch is not None:
+        if self.batch is not None or not self.settled:
             warning = self.health.check_stall(reads.now, self.waiting_for)
             if warning is not None:
                 out.append(Warn(warning, say=True))
@@ -338,8 +357,23 @@ class StepCore:
 
     def waiting_for(self) -> str:
         """What the trainer waits for, in words (stall warnings and failures)."""
+        if self.ending:
+            return (f"{self.validations.waiting_for()}, after its last step {self.step}; "
+                    f"rollouters: {self.health.rollouters_state()}")
         return self.intake.waiting_for(self.ledger, self.need, self.step, self.version,
                                        self.health.rollouters_state())
+
+    # ------------------------------------------------------------------ the run's end
+
+    def end(self) -> None:
+        """The last step is finished: what is left is the answers of the validations asked
+        (:attr:`settled`)."""
+        self.ending = True
+
+    @property
+    def settled(self) -> bool:
+        """Nothing is awaited at the run's end (before :meth:`end`: True)."""
+        return not (self.ending and self.validations.pending)
 
     # ------------------------------------------------------------------ the step's end
 

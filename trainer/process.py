@@ -93,7 +93,7 @@ class TrainerProcess(Component):
                                  dlq_max=cfg.redis.dead_letter_max)
         self.tokenizer: TextTokenizer | None = None  # built on the first text prompt
         self.upcoming: StepWork | None = None  # the next step, begun early (StepCore.close_step)
-        self.waiting: str | None = None  # what start-up waits for, told by the heartbeat
+        self.waiting: str | None = None  # what start-up or the run's end waits for (heartbeat)
 
     async def run_loop(self, resumed: bool) -> int:
         """The run, once the incarnation is up to the log's state; the exit code."""
