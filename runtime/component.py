@@ -118,6 +118,10 @@ class Component:
         self.cfg = cfg
         self.bus = bus
         self.rank = rank
+        self.progressed = False
+        """This instance did useful work (a trainer: finished a step): a :class:`Restart`
+        after it is not "in a row" with the ones before (a week brings several outages, each
+        survivable)."""
         self.run_id = cfg.run.id or ""
         self.keys = RunKeys(self.run_id)
         self.stopping = asyncio.Event()

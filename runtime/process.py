@@ -248,7 +248,8 @@ async def _join(cfg: Config, bus: Bus, prog: str, factory: Callable[..., Compone
 async def _run_restarting(cfg: Config, bus: Bus, prog: str,
                           factory: Callable[..., Component],
                           claim: RankClaim | None = None) -> int:
-    """A fresh component after each :class:`runtime.Restart`, a bounded number of times."""
+    """A fresh component after each :class:`runtime.Restart`, a bounded number of times in
+    a row: one that progressed before its restart starts the count again."""
     from runtime.component import Restart
 
     restarts = 0
@@ -258,6 +259,8 @@ async def _run_restarting(cfg: Config, bus: Bus, prog: str,
         try:
             return await _run_until_stopped(component, prog, cfg.run.stop_grace_s / 2)
         except Restart as exc:
+            if component.progressed:  # only restarts with no progress between count
+                restarts = 0
             if restarts >= component.max_restarts:
                 print(f"{prog}: {exc}; started over {restarts} time(s) already: giving up",
                       file=sys.stderr, flush=True)

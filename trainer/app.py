@@ -125,6 +125,7 @@ class Trainer(TrainerProcess):
         measured = Measured(self.meter.wait_s, work.busy_s, self.meter.loop_cpu(),
                             self.ranks.world)
         await self._act(self.core.finish_step(update, measured, self.clock()))
+        self.progressed = True
 
     async def _gather(self, work: StepWork) -> dict[str, float]:
         """Read until the core has the step's groups, each mini-batch training on the

@@ -1,0 +1,59 @@
+"""A component started over (runtime.Restart) a bounded number of times *in a row*: one that
+made progress before its restart starts the count again, so a week of survivable outages
+(each one a lease lost and the log read back) never adds up to giving up. No process."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from runconfig import load_config
+from runtime import Restart
+from runtime import process as runtime_process
+
+
+class _Instance:
+    max_restarts = 2
+    restart_says = "resuming from the log"
+
+    def __init__(self, progressed: bool) -> None:
+        self.progressed, self.claim = progressed, None
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, outcomes: list[bool | int]) -> tuple[int, int]:
+    """Instances whose runs end as ``outcomes`` says, in order: True/False a Restart after
+    progress or none, an int the exit code. Returns the code and how many instances ran."""
+    made: list[_Instance] = []
+    plan = iter(outcomes)
+    current: dict[str, Any] = {}
+
+    def factory(*_: Any) -> _Instance:
+        outcome = next(plan)
+        current["outcome"] = outcome
+        made.append(_Instance(progressed=outcome is True))
+        return made[-1]
+
+    async def run(*_: Any) -> int:
+        outcome = current["outcome"]
+        if isinstance(outcome, bool):
+            raise Restart("the trainer lease had vanished")
+        return outcome
+
+    monkeypatch.setattr(runtime_process, "_run_until_stopped", run)
+    code = asyncio.run(runtime_process._run_restarting(load_config(), None, "trainer",
+                                                       factory))  # type: ignore[arg-type]
+    return code, len(made)
+
+
+def test_restarts_without_progress_in_a_row_give_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _run(monkeypatch, [False, False, False, 0]) == (1, 3)
+
+
+def test_progress_between_restarts_starts_the_count_again(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Five outages, each after the trainer finished steps: it goes on every time.
+    assert _run(monkeypatch, [True, True, True, True, True, 0]) == (0, 6)
+    assert "(1/2)" in capsys.readouterr().err
