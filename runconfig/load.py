@@ -535,8 +535,19 @@ def _verl_line(assignments: list[Assignment], preset: bool) -> str | None:
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
-    """The config as plain builtins (for RunStarted events and child processes)."""
-    return msgspec.to_builtins(cfg)
+    """The config as plain builtins (for RunStarted events and child processes), as they
+    read back from the log: a pair such as ``reward.bounds`` is a list, so a config compared
+    with the one a run recorded differs only where a value does."""
+    tree: dict[str, Any] = _as_lists(msgspec.to_builtins(cfg))
+    return tree
+
+
+def _as_lists(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _as_lists(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_lists(v) for v in value]
+    return value
 
 
 # Not compared: locations verl's defaults only hold placeholders for (~/models/...,

@@ -1,6 +1,7 @@
 """A component started over (runtime.Restart) a bounded number of times *in a row*: one that
 made progress before its restart starts the count again, so a week of survivable outages
-(each one a lease lost and the log read back) never adds up to giving up. No process."""
+(each one a lease lost and the log read back) never adds up to giving up; and a lease that
+lapsed during an outage is such a restart, not a fence. No component process."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from typing import Any
 
 import pytest
 
+from bus import Bus, Fenced, Lease, RunKeys
 from runconfig import load_config
+from runschema.messages import RunStarted
 from runtime import Restart
 from runtime import process as runtime_process
+from trainer.writer import LogBehind, Writer
 
 
 class _Instance:
@@ -57,3 +61,27 @@ def test_progress_between_restarts_starts_the_count_again(
     # Five outages, each after the trainer finished steps: it goes on every time.
     assert _run(monkeypatch, [True, True, True, True, True, 0]) == (0, 6)
     assert "(1/2)" in capsys.readouterr().err
+
+
+@pytest.mark.asyncio
+async def test_a_lapsed_lease_our_own_pulse_took_back_is_a_resume_not_a_fence(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    """Redis was silent past the trainer's lease (its TTL ran out meanwhile, by Redis's
+    clock). The pulse takes the lapsed lease back (Writer.renew) a moment before the step's
+    next write is refused for it: the write must read as "our lease vanished, resume from the
+    log" (LogBehind, a Restart), not as another trainer owning the run (Fenced: exit 1), which
+    it did when the pulse won that race (test_redis_outage under a busy make test)."""
+    lease = Lease(bus, run_keys.trainer_lease, "host:1:epoch", ttl_s=60)
+    assert await lease.acquire() is None
+    writer = Writer(bus, run_keys, lease)
+    await writer.publish(RunStarted(run_id=run_keys.run_id, config={}))
+    await bus.delete(run_keys.trainer_lease)  # lapsed while Redis was silent
+
+    async def refused_then_taken_back(_: object) -> None:
+        await writer.renew()  # our pulse got there first: the key is ours again
+        raise Fenced(run_keys.trainer_lease, lease.token, None)
+
+    with pytest.raises(LogBehind, match="had vanished"):
+        await writer._checked(refused_then_taken_back)
+    assert writer.fenced is None

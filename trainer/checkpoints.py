@@ -101,7 +101,8 @@ class Checkpoints:
         files = self.files
         # Samples are kept back to the checkpoint before this one: a resume that finds this
         # one corrupt falls back to that one and re-applies the steps after it
-        # (trainer.resume). The first checkpoint of an incarnation trims no samples.
+        # (trainer.resume). The first of an incarnation trims below the samples of the log's
+        # newest checkpoint (set at start, trainer.process).
         below, self.fallback = self.fallback, list(trained)
         return await trim_after_checkpoint(
             self.bus, self.keys, files.run_dir, below, keep_weights=KEEP_WEIGHTS,

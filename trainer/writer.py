@@ -109,9 +109,10 @@ class Writer:
             raise LogBehind(f"StepFinished({self.state.last_step}) is gone from the log "
                             f"({exc})") from exc
         except Fenced as exc:
-            if exc.holder is None and await self.lease.acquire() is None:
-                # Our lease vanished (Redis restarted, maybe without its last writes): it is
-                # ours again, but the state must come from the log as it is now.
+            # Our lease vanished (Redis restarted, maybe without its last writes; or it lapsed
+            # while Redis was silent): it is ours again (taken now, or by our own pulse in the
+            # meantime, renew), but the state must come from the log as it is now.
+            if exc.holder is None and await self.lease.acquire() in (None, self.lease.token):
                 raise LogBehind(f"the lease {self.keys.trainer_lease} had vanished") from exc
             self.fenced = exc.holder or "nobody (the lease lapsed)"
             raise
