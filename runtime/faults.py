@@ -13,8 +13,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from pathlib import Path
 
+from runconfig.paths import local_path
 from runtime.component import Failure
 
 __all__ = ["LOW_SPACE_BYTES", "DiskFull", "disk_full", "free_bytes", "human", "space_warning"]
@@ -43,9 +43,9 @@ def human(n: float) -> str:
 def free_bytes(path: str | os.PathLike[str]) -> int | None:
     """The bytes free to us on the file system holding ``path`` (its nearest existing
     folder); None when it cannot be told (a remote URL, a folder gone)."""
-    if "://" in str(path) and not str(path).startswith("file://"):
+    where = local_path(str(path))
+    if where is None:
         return None
-    where = Path(str(path).removeprefix("file://"))
     while not where.exists():
         if where.parent == where:
             return None

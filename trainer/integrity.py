@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import BinaryIO
 
+from runconfig.paths import local_path
 from runschema.messages import FileDigest
 
 __all__ = ["HashingWriter", "bytes_digest", "file_digest", "folder_digests", "verify_files"]
@@ -75,20 +76,12 @@ def file_digest(path: Path) -> FileDigest:
     return FileDigest(size=size, sha256=h.hexdigest())
 
 
-def _remote(folder: str) -> bool:
-    return "://" in folder and not folder.startswith("file://")
-
-
-def _local(folder: str) -> Path:
-    return Path(folder.removeprefix("file://"))
-
-
 def folder_digests(folder: str, prefix: str) -> dict[str, FileDigest]:
     """The digest of every file under ``folder`` (a local path or an fsspec URL), named
     ``prefix/relative/path``. A remote folder's files get their sizes only (module
     docstring)."""
-    if not _remote(folder):
-        root = _local(folder)
+    root = local_path(folder)
+    if root is not None:
         return {f"{prefix}/{p.relative_to(root).as_posix()}": file_digest(p)
                 for p in sorted(root.rglob("*")) if p.is_file()}
     from fsspec.core import url_to_fs
@@ -103,7 +96,8 @@ def folder_digests(folder: str, prefix: str) -> dict[str, FileDigest]:
 
 def _fault(path: str, want: FileDigest) -> str | None:
     """Why the file at ``path`` is not what ``want`` says it was (None: it is)."""
-    if _remote(path):
+    local = local_path(path)
+    if local is None:
         from fsspec.core import url_to_fs
 
         fs, where = url_to_fs(path)
@@ -112,7 +106,6 @@ def _fault(path: str, want: FileDigest) -> str | None:
         size = int(fs.size(where))
         return None if size == want.size else (
             f"{path} holds {size} bytes, {want.size} were written")
-    local = _local(path)
     try:
         size = os.stat(local).st_size
     except FileNotFoundError:

@@ -44,6 +44,7 @@ __all__ = [
     "WeightsMismatch",
     "Written",
     "checkpoint_fault",
+    "confirmed",
     "load_checkpoint",
     "missing_checkpoint",
     "no_checkpoint_serves",
@@ -53,6 +54,8 @@ __all__ = [
     "rebuild",
     "refusal_warnings",
     "replay_groups",
+    "snapshot_fault",
+    "snapshot_files",
     "snapshots",
     "write_checkpoint",
 ]
@@ -219,11 +222,11 @@ def snapshots(folder: Path) -> Iterator[Snapshot]:
     """The state snapshots saved with checkpoints under ``folder``, newest first, decoded one
     at a time (a resume stops at the first the log confirms; torn or foreign files are
     skipped)."""
-    for _, _, snap in _snapshot_files(folder):
+    for _, _, snap in snapshot_files(folder):
         yield snap
 
 
-def _snapshot_files(folder: Path, skip: frozenset[str] = frozenset()
+def snapshot_files(folder: Path, skip: frozenset[str] = frozenset()
                     ) -> Iterator[tuple[Path, FileDigest, Snapshot]]:
     """``(path, digest of its bytes, snapshot)`` of each ``step-K.state`` under ``folder``
     not named in ``skip``, newest first; torn or foreign files are skipped."""
@@ -235,6 +238,14 @@ def _snapshot_files(folder: Path, skip: frozenset[str] = frozenset()
             yield path, bytes_digest(data), msgspec.msgpack.decode(data, type=Snapshot)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             continue
+
+
+async def confirmed(bus: Bus, keys: RunKeys, snap: Snapshot) -> bool:
+    """Whether the log still holds both the position ``snap`` was folded to and its last
+    StepFinished (a log that lost its tail may hold neither, or later entries at new ids):
+    only then may a resume fold from it."""
+    wanted = [snap.position] + ([snap.last_finished_id] if snap.last_finished_id else [])
+    return len(await bus.read_ids(keys.events, wanted)) == len(set(wanted))
 
 
 def snapshot_fault(state: TrainerState, path: Path, digest: FileDigest) -> str | None:
@@ -261,13 +272,10 @@ async def read_log(bus: Bus, keys: RunKeys, folder: Path, archive: Path | None =
     dropped and the log read again without it (:func:`snapshot_fault`)."""
     state, start, last_finished = TrainerState(), "0", None
     used: tuple[Path, FileDigest] | None = None
-    found = _snapshot_files(folder, skip)
+    found = snapshot_files(folder, skip)
     while (item := await asyncio.to_thread(next, found, None)) is not None:
         path, digest, snap = item
-        # Both its position and its last StepFinished must still be in the log (a log that
-        # lost its tail may hold neither, or later entries at new ids).
-        wanted = [snap.position] + ([snap.last_finished_id] if snap.last_finished_id else [])
-        if len(await bus.read_ids(keys.events, wanted)) == len(set(wanted)):
+        if await confirmed(bus, keys, snap):
             state, start, last_finished = snap.state, snap.position, snap.last_finished_id
             used = path, digest
             break

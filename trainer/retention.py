@@ -29,7 +29,7 @@ import asyncio
 import os
 import re
 import shutil
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -40,7 +40,7 @@ from runtime.history import Archived, archive_below, events_folder
 from storage.files import fsync_path
 from trainer.export import step_folder
 from trainer.mirror import CheckpointMirror, EventsMirror
-from trainer.resume import RESUME_MARK, Snapshot
+from trainer.resume import RESUME_MARK, Snapshot, confirmed, snapshot_files
 
 __all__ = ["Retained", "checkpoints_to_drop", "events_safe_point", "newest_snapshot",
            "retain", "trim_after_checkpoint"]
@@ -49,24 +49,13 @@ _CKPT = re.compile(r"^step-(\d+)\.pt$")
 _MARK = re.compile(r"^step-(\d+)\.resume$")
 
 
-def _snapshot_files(folder: Path) -> Iterator[tuple[Path, Snapshot]]:
-    """``(path, snapshot)`` of each ``step-K.state`` under ``folder``, newest first (torn or
-    foreign files skipped)."""
-    for path in sorted(folder.glob("step-*.state"), reverse=True):
-        try:
-            yield path, msgspec.msgpack.decode(path.read_bytes(), type=Snapshot)
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-            continue
-
-
 async def newest_snapshot(bus: Bus, keys: RunKeys, folder: Path) -> tuple[Path, Snapshot] | None:
     """The snapshot a resume would use now (the newest whose position and last StepFinished
     the log holds), made durable (file and folder fsynced); None when there is none."""
-    found = _snapshot_files(folder)
+    found = snapshot_files(folder)
     while (item := await asyncio.to_thread(next, found, None)) is not None:
-        path, snap = item
-        wanted = [snap.position] + ([snap.last_finished_id] if snap.last_finished_id else [])
-        if len(await bus.read_ids(keys.events, wanted)) == len(set(wanted)):
+        path, _, snap = item
+        if await confirmed(bus, keys, snap):
             await asyncio.to_thread(fsync_path, path)
             await asyncio.to_thread(fsync_path, folder)
             return path, snap
