@@ -409,9 +409,7 @@ class BusClient:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(min(self.op_timeout_s, 5.0)):
                     info = await self._redis.execute_command("INFO", "memory")
-                numbers = (f": used_memory {info.get('used_memory_human', '?')} of maxmemory "
-                           f"{info.get('maxmemory_human', '?')} (policy "
-                           f"{info.get('maxmemory_policy', '?')})")
+                numbers = f": {_memory_numbers(info)}"
             return (f"Redis at {self.url} is out of memory{numbers}; it refused {op} ({reply}): "
                     f"free memory or raise maxmemory, then resume the run")
         return (f"Redis at {self.url} cannot persist its writes and refused {op} ({reply}): its "
@@ -604,10 +602,8 @@ class BusClient:
         limit, used = int(memory.get("maxmemory", 0)), int(memory.get("used_memory", 0))
         policy = str(memory.get("maxmemory_policy", ""))
         if limit and used >= limit * 0.98 and not policy.startswith("allkeys"):
-            return (f"Redis at {self.url} is out of memory: used_memory "
-                    f"{memory.get('used_memory_human', used)} of maxmemory "
-                    f"{memory.get('maxmemory_human', limit)} (policy {policy}): no part can "
-                    f"write")
+            return (f"Redis at {self.url} is out of memory: {_memory_numbers(memory)}: no "
+                    f"part can write")
         if "err" in (str(persistence.get("aof_last_write_status", "ok")),
                      str(persistence.get("rdb_last_bgsave_status", "ok"))):
             return (f"Redis at {self.url} cannot persist its writes (its last AOF write or "
@@ -635,3 +631,9 @@ class BusClient:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+def _memory_numbers(info: dict[str, Any]) -> str:
+    """What INFO memory says of a full server, in a line's words."""
+    return (f"used_memory {info.get('used_memory_human', '?')} of maxmemory "
+            f"{info.get('maxmemory_human', '?')} (policy {info.get('maxmemory_policy', '?')})")
