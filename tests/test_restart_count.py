@@ -82,6 +82,34 @@ async def test_a_lapsed_lease_our_own_pulse_took_back_is_a_resume_not_a_fence(
         await writer.renew()  # our pulse got there first: the key is ours again
         raise Fenced(run_keys.trainer_lease, lease.token, None)
 
-    with pytest.raises(LogBehind, match="had vanished"):
+    with pytest.raises(LogBehind, match="is ours again"):
         await writer._checked(refused_then_taken_back)
     assert writer.fenced is None
+
+
+@pytest.mark.asyncio
+async def test_a_refusal_that_read_our_own_token_as_holder_is_a_resume_not_a_fence(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    """The other order of the same race (CI, stop 42): the script is refused for the lapsed
+    lease, then the pulse re-takes it, then the refusal reads the holder: it names our own
+    token. That is our lease again (LogBehind), never "no longer ours: now held by" ourselves;
+    and the same for a refusal that reached the trainer's top (retention's fenced trim)."""
+    lease = Lease(bus, run_keys.trainer_lease, "host:1:epoch", ttl_s=60)
+    assert await lease.acquire() is None
+    writer = Writer(bus, run_keys, lease)
+
+    async def refused_naming_ourselves(_: object) -> None:
+        raise Fenced(run_keys.trainer_lease, lease.token, lease.token)
+
+    with pytest.raises(LogBehind, match="is ours again"):
+        await writer._checked(refused_naming_ourselves)
+    with pytest.raises(LogBehind):
+        await writer.judge_refusal(Fenced(run_keys.trainer_lease, lease.token, lease.token))
+    assert writer.fenced is None
+    # Another trainer's token is a fence, and it is remembered.
+    other = Lease(bus, run_keys.trainer_lease, "host:2:epoch", ttl_s=60)
+    await bus.delete(run_keys.trainer_lease)
+    assert await other.acquire() is None
+    await writer.judge_refusal(Fenced(run_keys.trainer_lease, lease.token, other.token))
+    assert writer.fenced == other.token

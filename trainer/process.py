@@ -191,6 +191,9 @@ class TrainerProcess(Component):
             self.spawn(self.watch.follow(), "watch")
             return await self.run_loop(resumed)
         except Fenced as exc:
+            # Any fenced call (a write, the samples group, retention's trim) comes here:
+            # a lease that is ours again is a resume from the log, not a second trainer.
+            await self.writer.judge_refusal(exc)
             self.say(f"fenced out, another trainer owns run {self.run_id!r}: {exc}", error=True)
             return 1
         finally:

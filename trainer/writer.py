@@ -109,13 +109,22 @@ class Writer:
             raise LogBehind(f"StepFinished({self.state.last_step}) is gone from the log "
                             f"({exc})") from exc
         except Fenced as exc:
-            # Our lease vanished (Redis restarted, maybe without its last writes; or it lapsed
-            # while Redis was silent): it is ours again (taken now, or by our own pulse in the
-            # meantime, renew), but the state must come from the log as it is now.
-            if exc.holder is None and await self.lease.acquire() in (None, self.lease.token):
-                raise LogBehind(f"the lease {self.keys.trainer_lease} had vanished") from exc
-            self.fenced = exc.holder or "nobody (the lease lapsed)"
+            await self.judge_refusal(exc)
             raise
+
+    async def judge_refusal(self, exc: Fenced) -> None:
+        """A fenced write was refused: raise :class:`LogBehind` when the lease is ours
+        again, else record who holds it (:attr:`fenced`) and return.
+
+        Our lease vanished (Redis restarted, maybe without its last writes) or lapsed while
+        Redis was silent; it may even hold our token again by the time the refusal read the
+        holder (our own pulse re-took it between the script and the GET). Then it is ours
+        (taken now, or already), but the state must come from the log as it is now."""
+        if exc.holder in (None, self.lease.token) and \
+                await self.lease.acquire() in (None, self.lease.token):
+            raise LogBehind(f"the lease {self.keys.trainer_lease} had lapsed or vanished "
+                            "and is ours again") from exc
+        self.fenced = exc.holder or "nobody (the lease lapsed)"
 
     def fold(self, *events: Event) -> None:
         """Fold events this trainer wrote into :attr:`state`."""
