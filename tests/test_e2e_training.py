@@ -28,6 +28,7 @@ from runschema.messages import (
 from tests.procs import FAST, Procs, events_of, run_cli
 from tests.waits import event, wait_for
 from trainer.budget import max_staleness, ticket_budget
+from trainer.timing import PHASES
 
 REQUIRED_METRICS = (
     "reward/mean",
@@ -140,6 +141,16 @@ async def test_two_rollouters_train_every_sample_once_within_staleness(
         assert e.metrics["trainer/update_s"] > 0
         assert 0 < e.metrics["trainer/loop_cpu_s"] < 60
     assert fresh >= 1  # step 1 at least: its samples all come from version 0
+    # The step windows tile the run (trainer.timing): each step's laps add up to its
+    # timing_s/step, and the windows of steps 2..n add up to the time between StepFinished
+    # 1 and n (the time the trainer stamped on them), within 5%.
+    for e in finished:
+        laps = [v for k, v in e.metrics.items() if k.startswith("timing_s/") and k[9:] in PHASES]
+        assert len(laps) == len(PHASES) and min(laps) >= 0, e.metrics
+        assert sum(laps) == pytest.approx(e.metrics["timing_s/step"], rel=1e-6)
+        assert e.metrics["timing_s/wait_update"] + e.metrics["timing_s/read_samples"] > 0
+    windows = sum(e.metrics["timing_s/step"] for e in finished[1:])
+    assert windows == pytest.approx(finished[-1].ts - finished[0].ts, rel=0.05)
     # Weight sync into the rollouters' engines, timed (after several loads, a pulse told it).
     last = finished[-1].metrics
     assert 0 <= last["rollouter/weights_load_s"] <= last["rollouter/weights_sync_s"] < 60

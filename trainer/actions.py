@@ -112,6 +112,8 @@ class Measured(NamedTuple):
     update_s: float
     loop_cpu_s: float
     ranks: int
+    laps: Mapping[str, float] = {}
+    """The step window's wall time by what the shell did (trainer.timing)."""
 
 
 # ---------------------------------------------------------------------------- out

@@ -37,8 +37,18 @@ from trainer.actions import (
 from trainer.core import StepCore
 from trainer.process import GROUP, TrainerProcess
 from trainer.stepwork import StepWork
+from trainer.timing import StepClock
 
 __all__ = ["Trainer"]
+
+
+# The lap an action's time goes to (trainer.timing); the rest (Train: a mini-batch queued
+# on the worker) is the core's judging.
+_PHASE: dict[type, str] = {
+    ProfileStep: "profiler", Trim: "retention", Publish: "write_events", Warn: "write_events",
+    IssueTickets: "issue_tickets", DeadLetter: "acknowledge", Ack: "acknowledge",
+    RequestValidation: "write_events", FinishStep: "write_step",
+}
 
 
 class Trainer(TrainerProcess):
@@ -46,6 +56,8 @@ class Trainer(TrainerProcess):
 
     core: StepCore
     """The step's decisions, built when the loop starts from what the log and a resume left."""
+    laps: StepClock
+    """The step window's wall time, lap by lap (trainer.timing): StepFinished's timing_s/*."""
 
     def clock(self) -> float:
         """The core's clock: the loop's, stopped while Redis does not answer (the bus's
@@ -58,6 +70,7 @@ class Trainer(TrainerProcess):
 
     async def run_loop(self, resumed: bool) -> int:
         state, learner = self.writer.state, self.learner
+        self.laps = StepClock()  # step 1's window holds the loop's start
         self.core = StepCore(self.cfg, self.prompts, self.keys, ledger=state.ledger,
                              version=learner.version, vocab_size=learner.vocab_size,
                              max_len=learner.max_len, now=self.clock(),
@@ -97,14 +110,18 @@ class Trainer(TrainerProcess):
 
     async def _step(self, step: int) -> None:
         """Train step ``step``, publish what it made, finish it (trainer.core, steps 1-4)."""
+        laps = self.laps
         self.writer.check_fenced()
         await self.apply_commands()
+        laps.lap("commands")
         work, self.upcoming = self.upcoming or StepWork(self.submit, self.learner.step()), None
         await self._act(self.core.start_step(step, self.clock()), work)
         update = await self._gather(work)
         closing = self.core.close_step(profiled=self.profiler is not None)
+        laps.lap("judge")
         # Close step+1 to commands before its weights (or our next control read) exist.
         await self.bus.set_barrier(self.keys.barrier, step + 1)
+        laps.lap("commands")
         self.learner.version = self.core.version
         serialised = self.submit(self.learner.snapshot) if closing.sync else None
         if closing.early is not None:  # the next step's work, queued behind the weights
@@ -112,18 +129,21 @@ class Trainer(TrainerProcess):
             await self._act(closing.early, self.upcoming)
         if serialised is not None:
             await self.weights.publish(self.learner.version, step, serialised)
+            laps.lap("update_weights")
             await self._act(self.core.published(step))
         if closing.save or closing.resume_point:
             _, events = await self.checkpoints.save(step, self.learner, self.writer,
                                                     resume_point=closing.resume_point,
                                                     warn=self._warn)
             await self.publish(*events)
+            laps.lap("save_checkpoint")
         now = self.clock()
         if self.core.due(now, leases=False).peers:  # rollouter/idle_ratio, as fresh as pulses
-            await self._act(self.core.take(Reads(now, peers=await self.watch.read_peers())),
-                            self.upcoming)
+            peers = await self.watch.read_peers()
+            laps.lap("read_peers")
+            await self._act(self.core.take(Reads(now, peers=peers)), self.upcoming)
         measured = Measured(self.meter.wait_s, work.busy_s, self.meter.loop_cpu(),
-                            self.ranks.world)
+                            self.ranks.world, laps.close("judge"))
         await self._act(self.core.finish_step(update, measured, self.clock()))
         self.progressed = True
 
@@ -131,6 +151,7 @@ class Trainer(TrainerProcess):
         """Read until the core has the step's groups, each mini-batch training on the
         worker as it comes; the update's metrics once the worker is done with it."""
         self.meter.wait_s = 0.0
+        laps = self.laps
         try:
             while not self.core.gathered:
                 self.writer.check_fenced()
@@ -142,15 +163,23 @@ class Trainer(TrainerProcess):
                 refused = self.consumer.stats.dead_lettered - before  # undecodable entries
                 if not work.running:  # nothing to compute: the trainer waits for samples
                     self.meter.wait_s += time.monotonic() - t_read
+                    laps.lap("wait_samples")
+                else:
+                    laps.lap("read_samples")
                 if deliveries:  # with the claims stated before them (trainer.claims)
+                    claims = await self.watch.read_claims()
+                    laps.lap("read_claims")
                     reads = Reads(self.clock(), deliveries=deliveries, refused=refused,
-                                  claims=await self.watch.read_claims())
+                                  claims=claims)
                 else:  # only then: answers that came during a long update are read first
                     reads = (await self._idle_reads(self.clock()))._replace(refused=refused)
+                    laps.lap("read_peers")
                 await self._act(self.core.take(reads), work)
+            laps.lap("judge")
             return await work.finish()
         finally:
             await work.settle()
+            laps.lap("wait_update")
 
     def _reports(self) -> Reads:
         """What the followers read since the last turn (trainer.watch, trainer.validation)."""
@@ -189,6 +218,7 @@ class Trainer(TrainerProcess):
     async def _act(self, actions: Sequence[Action], work: StepWork | None = None) -> None:
         """Carry out the core's actions in order (trainer.actions); ``work``: the step the
         mini-batches go to."""
+        self.laps.lap("judge")  # the core's decisions that made them
         for action in actions:
             match action:
                 case Train():
@@ -206,6 +236,7 @@ class Trainer(TrainerProcess):
                     await self.publish(*([] if warning is None else [warning]))
                 case _:
                     await self._write(action)
+            self.laps.lap(_PHASE.get(type(action), "judge"))
 
     async def _write(self, action: Action) -> None:
         """One of the core's writes, through the fenced writer (or the samples consumer it

@@ -414,6 +414,7 @@ class StepCore:
             capacity=self.dispatch.capacity, reissued=self.dispatch.reissued,
             intake=self.intake, health=self.health))
         metrics["trainer/ranks"] = float(measured.ranks)
+        metrics.update(measured.laps)  # timing_s/step and its laps (trainer.timing)
         metrics.update(verl_step_metrics([s for _, s in trained],
                                          self.cfg.rollout.max_new_tokens, measured.update_s))
         metrics.update(reward_metrics(s for _, s in trained))
