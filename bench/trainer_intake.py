@@ -43,7 +43,7 @@ figure on purpose: an RL rollout with a long tail of lengths runs below peak), s
 fleet x tokens/s / response tokens samples/s, each of the size measured. It fits when that
 is below the trainer's measured samples/s.
 
-    python bench/trainer_intake.py                      # 2.5 and 64 KiB (~1.5 min)
+    python bench/trainer_intake.py                      # 2.5 and 64 KiB (~1 min, 2 cores)
     python bench/trainer_intake.py --sizes 2.5 --steps 10
     python bench/trainer_intake.py --fleet-tokens 5000 --json
     python bench/trainer_intake.py --sizes 2.5 --update tiny   # the real tiny forward
