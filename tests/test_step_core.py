@@ -352,6 +352,29 @@ def test_a_failure_taken_early_for_the_next_step_lets_this_step_finish() -> None
         shell.core.start_step(2, 5.0)
 
 
+def test_groups_read_while_the_update_ends_train_behind_the_weights() -> None:
+    """The shell reads on while a gathered step's update ends (Trainer._finish): the next
+    step's groups that complete meanwhile are its first mini-batch at the close (``early``,
+    queued behind this step's weights), and its StepFinished counts them."""
+    shell = Shell(_core(_cfg("async_training.staleness_threshold=1")))
+    shell.start()  # a budget of 4 tickets: 2 for step 1, 2 for step 2
+    shell.act(shell.core.start_step(1, 1.0), 1.0)
+    _answer(shell, 0, 2.0)
+    _answer(shell, 1, 2.5)
+    assert shell.core.gathered
+    assert _answer(shell, 2, 3.0) == [] and _answer(shell, 3, 3.5) == []  # read, queued
+    closing = shell.core.close_step(profiled=False)
+    (early,) = _trains(closing.early or [])
+    assert [g[0].ticket_id for g in early.groups] == ["t2", "t3"]
+    shell.act(list(closing.early or []) + shell.core.finish_step({}, MEASURED, 4.0), 4.0)
+    shell.act(shell.core.start_step(2, 4.0), 4.0)
+    assert shell.core.gathered  # nothing left to read for step 2
+    shell.core.close_step(profiled=False)
+    (finished,) = [a for a in shell.core.finish_step({}, MEASURED, 5.0)
+                   if isinstance(a, FinishStep)]
+    assert finished.finished.metrics["trainer/early_groups"] == 2.0
+
+
 # ---------------------------------------------------------------------------- (c) dead peers
 
 

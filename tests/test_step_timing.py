@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer.timing import PHASES, StepClock
+from trainer.timing import PHASES, step_clock
 
 
 class _Clock:
@@ -20,7 +20,7 @@ class _Clock:
 
 def test_laps_go_to_their_names_and_add_up_to_the_window() -> None:
     clock = _Clock()
-    laps = StepClock(clock)
+    laps = step_clock(clock)
     clock.now += 0.5
     laps.lap("wait_samples")
     clock.now += 0.25
@@ -42,7 +42,7 @@ def test_laps_go_to_their_names_and_add_up_to_the_window() -> None:
 
 def test_an_unknown_name_is_refused() -> None:
     with pytest.raises(KeyError):
-        StepClock(_Clock()).lap("lunch")
+        step_clock(_Clock()).lap("lunch")
 
 
 @given(st.lists(st.lists(st.tuples(st.sampled_from(PHASES),
@@ -53,7 +53,7 @@ def test_windows_tile_the_clock(steps: list[list[tuple[str, float]]]) -> None:
     to the time the clock moved."""
     clock = _Clock()
     start = clock.now
-    laps = StepClock(clock)
+    laps = step_clock(clock)
     total = 0.0
     for step in steps:
         for name, seconds in step:

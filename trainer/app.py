@@ -15,10 +15,12 @@ What comes before the run (the lease, the ranks, the log folded, a resume's rebu
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 
 from runschema.messages import RunFinished, WarningRaised
+from runtime.laps import Laps
 from trainer.actions import (
     Ack,
     Action,
@@ -37,10 +39,14 @@ from trainer.actions import (
 from trainer.core import StepCore
 from trainer.process import GROUP, TrainerProcess
 from trainer.stepwork import StepWork
-from trainer.timing import StepClock
+from trainer.timing import step_clock
 
 __all__ = ["Trainer"]
 
+
+# While a step's update ends, the next step's samples are read this often (Trainer._finish):
+# each read is one Redis round trip of the event loop beside the update.
+_READ_AHEAD_S = 0.01
 
 # The lap an action's time goes to (trainer.timing); the rest (Train: a mini-batch queued
 # on the worker) is the core's judging.
@@ -56,7 +62,7 @@ class Trainer(TrainerProcess):
 
     core: StepCore
     """The step's decisions, built when the loop starts from what the log and a resume left."""
-    laps: StepClock
+    laps: Laps
     """The step window's wall time, lap by lap (trainer.timing): StepFinished's timing_s/*."""
 
     def clock(self) -> float:
@@ -70,7 +76,7 @@ class Trainer(TrainerProcess):
 
     async def run_loop(self, resumed: bool) -> int:
         state, learner = self.writer.state, self.learner
-        self.laps = StepClock()  # step 1's window holds the loop's start
+        self.laps = step_clock()  # step 1's window holds the loop's start
         self.core = StepCore(self.cfg, self.prompts, self.keys, ledger=state.ledger,
                              version=learner.version, vocab_size=learner.vocab_size,
                              max_len=learner.max_len, now=self.clock(),
@@ -151,35 +157,63 @@ class Trainer(TrainerProcess):
         """Read until the core has the step's groups, each mini-batch training on the
         worker as it comes; the update's metrics once the worker is done with it."""
         self.meter.wait_s = 0.0
-        laps = self.laps
         try:
             while not self.core.gathered:
                 self.writer.check_fenced()
                 await self._act(self.core.take(self._reports()), work)
                 work.raise_failures()
-                t_read = time.monotonic()
-                before = self.consumer.stats.dead_lettered
-                deliveries = await self.consumer.read(count=self.core.read_size, block_ms=500)
-                refused = self.consumer.stats.dead_lettered - before  # undecodable entries
-                if not work.running:  # nothing to compute: the trainer waits for samples
-                    self.meter.wait_s += time.monotonic() - t_read
-                    laps.lap("wait_samples")
-                else:
-                    laps.lap("read_samples")
-                if deliveries:  # with the claims stated before them (trainer.claims)
-                    claims = await self.watch.read_claims()
-                    laps.lap("read_claims")
-                    reads = Reads(self.clock(), deliveries=deliveries, refused=refused,
-                                  claims=claims)
-                else:  # only then: answers that came during a long update are read first
-                    reads = (await self._idle_reads(self.clock()))._replace(refused=refused)
-                    laps.lap("read_peers")
-                await self._act(self.core.take(reads), work)
-            laps.lap("judge")
-            return await work.finish()
+                await self._read_turn(work, block_ms=500)
+            return await self._finish(work)
         finally:
             await work.settle()
-            laps.lap("wait_update")
+            self.laps.lap("wait_update")
+
+    async def _read_turn(self, work: StepWork, block_ms: int | None) -> bool:
+        """One read of the samples stream (waiting at most ``block_ms``; None: not at all)
+        and the core's verdicts on it; whether anything came. With ``block_ms``, a read
+        that found nothing is an idle turn (the peers, expired tickets' holders)."""
+        laps = self.laps
+        t_read = time.monotonic()
+        before = self.consumer.stats.dead_lettered
+        deliveries = await self.consumer.read(count=self.core.read_size, block_ms=block_ms)
+        refused = self.consumer.stats.dead_lettered - before  # undecodable entries
+        if not work.running:  # nothing to compute: the trainer waits for samples
+            self.meter.wait_s += time.monotonic() - t_read
+            laps.lap("wait_samples")
+        else:
+            laps.lap("read_samples")
+        if deliveries:  # with the claims stated before them (trainer.claims)
+            claims = await self.watch.read_claims()
+            laps.lap("read_claims")
+            reads = Reads(self.clock(), deliveries=deliveries, refused=refused, claims=claims)
+        elif block_ms is not None:  # answers that came during a long update are read first
+            reads = (await self._idle_reads(self.clock()))._replace(refused=refused)
+            laps.lap("read_peers")
+        elif refused:
+            reads = Reads(self.clock(), refused=refused)
+        else:
+            return False
+        await self._act(self.core.take(reads), work)
+        return bool(deliveries)
+
+    async def _finish(self, work: StepWork) -> dict[str, float]:
+        """The step's update, once the worker is done with it. Meanwhile the next step's
+        samples are read as they come (never blocking: the update's end is not delayed by a
+        read), so its mini-batches that are ready when this step closes train behind this
+        step's weights (StepCore.close_step's ``early``) instead of the worker idling while
+        the weights, StepFinished and tickets go out."""
+        finish = asyncio.ensure_future(work.finish())
+        try:
+            while True:
+                done, _ = await asyncio.wait({finish}, timeout=_READ_AHEAD_S)
+                self.laps.lap("wait_update")
+                if done:
+                    return finish.result()
+                self.writer.check_fenced()
+                await self._read_turn(work, block_ms=None)
+        finally:
+            if not finish.done():  # failed or cancelled meanwhile: never leave it unawaited
+                finish.cancel()
 
     def _reports(self) -> Reads:
         """What the followers read since the last turn (trainer.watch, trainer.validation)."""

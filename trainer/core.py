@@ -138,6 +138,10 @@ class StepCore:
         gathers)."""
         self.closed: list[Group] = []
         """The groups of the step closed and not yet finished."""
+        self.early_groups = 0
+        """Groups the step being gathered took before it started (trainer/early_groups):
+        read while the step before it closed, their mini-batches trained behind its
+        weights."""
         self.stale_share = 0.0
         self.trim = False  # the streams are trimmed after the closed step
         self.resume_points = ResumePoints(cfg, since_checkpoint)
@@ -205,6 +209,7 @@ class StepCore:
                              Publish([StepStarted(step=step, param_version=self.version)])]
         if self.batch is None:
             self.batch = []
+        self.early_groups = len(self.batch)  # taken while the step before closed
         out.extend(self._feed())
         self._judge_rewards()
         return out
@@ -414,6 +419,7 @@ class StepCore:
             capacity=self.dispatch.capacity, reissued=self.dispatch.reissued,
             intake=self.intake, health=self.health))
         metrics["trainer/ranks"] = float(measured.ranks)
+        metrics["trainer/early_groups"] = float(self.early_groups)
         metrics.update(measured.laps)  # timing_s/step and its laps (trainer.timing)
         metrics.update(verl_step_metrics([s for _, s in trained],
                                          self.cfg.rollout.max_new_tokens, measured.update_s))

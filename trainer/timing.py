@@ -1,14 +1,13 @@
 """A trainer step's wall time, accounted lap by lap (``timing_s/*`` of StepFinished).
 
-The trainer's event loop runs its steps back to back. :class:`StepClock` cuts that time
-into *windows*, one per step: step k's window runs from the moment step k-1's StepFinished
-was made (:meth:`StepClock.close`) to the moment step k's is, so the windows tile the run
-(their sum is the run's wall time, start-up to the last step) and ``timing_s/step`` is one
-window. Inside a window the shell calls :meth:`StepClock.lap` after each thing it does,
-naming it: the time since the previous lap goes to that name. The laps therefore add up to
-the window exactly; what the accounting can get wrong is a name, never a sum. (The write of
-step k's own StepFinished and what follows it, its tickets and retention, are the first
-laps of step k+1's window: a message cannot carry the time of its own write.)
+The trainer's event loop runs its steps back to back. :func:`step_clock`
+(:class:`runtime.laps.Laps` over :data:`PHASES`) cuts that time into *windows*, one per
+step: step k's window runs from the moment step k-1's StepFinished was made to the moment
+step k's is, so the windows tile the run (their sum is the run's wall time, start-up to the
+last step) and ``timing_s/step`` is one window. The shell laps after each thing it does,
+naming it; the laps add up to the window exactly. (The write of step k's own StepFinished
+and what follows it, its tickets and retention, are the first laps of step k+1's window: a
+message cannot carry the time of its own write.)
 
 The names (seconds in the window):
 
@@ -41,7 +40,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["PHASES", "StepClock"]
+from runtime.laps import Laps
+
+__all__ = ["PHASES", "step_clock"]
 
 PHASES = ("wait_samples", "read_samples", "read_claims", "read_peers", "judge", "acknowledge",
           "wait_update", "update_weights", "save_checkpoint", "write_step", "write_events",
@@ -49,26 +50,6 @@ PHASES = ("wait_samples", "read_samples", "read_claims", "read_peers", "judge", 
 """Every lap's name (see the module docstring)."""
 
 
-class StepClock:
-    """The current step window's laps."""
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._clock = clock
-        self._mark = self._opened = clock()
-        self._spent = dict.fromkeys(PHASES, 0.0)
-
-    def lap(self, phase: str) -> None:
-        """The time since the previous lap was spent on ``phase``."""
-        now = self._clock()
-        self._spent[phase] += now - self._mark  # KeyError: a name not in PHASES
-        self._mark = now
-
-    def close(self, phase: str) -> dict[str, float]:
-        """Lap ``phase``, end the window, open the next one: ``timing_s/<name>`` for every
-        name and ``timing_s/step``, the window's wall time (their sum)."""
-        self.lap(phase)
-        laps = {f"timing_s/{name}": spent for name, spent in self._spent.items()}
-        laps["timing_s/step"] = self._mark - self._opened
-        self._opened = self._mark
-        self._spent = dict.fromkeys(PHASES, 0.0)
-        return laps
+def step_clock(clock: Callable[[], float] = time.perf_counter) -> Laps:
+    """The trainer's step window: ``timing_s/<phase>`` and ``timing_s/step``."""
+    return Laps(PHASES, prefix="timing_s/", total="step", clock=clock)
