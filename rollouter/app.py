@@ -208,6 +208,7 @@ class Rollouter(Component):
             metrics["rollouter/weights_load_s"] = held.load_s
             metrics["rollouter/weights_sync_s"] = held.sync_s
         metrics.update(ctx.scorer.metrics())
+        metrics.update(ctx.laps.take())  # the loop's laps since the last pulse
         if self.engine is None:  # no progress counter: the trainer judges none (dispatch)
             return Heartbeat(role="rollouter", rank=self.rank, pid=os.getpid(),
                              state=f"engine starting ({time.monotonic() - self.born:.0f} s)",

@@ -12,15 +12,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from bus import Delivery
 from rollouter.answers import Seq, to_samples
 from rollouter.context import RolloutContext
 from rollouter.engine import Engine
+from rollouter.tickets import Ticket
 from runschema.messages import PromptTicket, Sample
 from runtime import Failure
 
-__all__ = ["BatchRollout"]
+__all__ = ["BatchRollout", "Generated"]
+
+
+class Generated(NamedTuple):
+    """A batch's responses, decoded, before their rewards: the sequences, their texts, the
+    prompts' ids by ticket, the generation's seconds and its end (wall clock)."""
+
+    seqs: list[Seq]
+    texts: list[str]
+    prompts: dict[str, list[int]]
+    gen_s: float
+    ended: float
 
 
 class BatchRollout:
@@ -40,20 +53,24 @@ class BatchRollout:
         """Until the run's end: every batch's tickets delivered once, or retried, or
         dead-lettered; when there is nothing to do, the log, new weights, the trainer's
         health and, every heartbeat interval, the tickets of dead replicas."""
-        ctx = self.ctx
+        ctx, laps = self.ctx, self.ctx.laps
         while not ctx.finished:
             deliveries, polled = await ctx.tickets.next()
+            laps.lap("idle")  # waiting for tickets (a read ahead brought them, or a read)
             if not deliveries:
                 await ctx.events.poll()
                 await ctx.weights.swap(wait=False)
                 if ctx.finished:
+                    laps.lap("idle")
                     break
                 await ctx.trainer.check()
                 deliveries, polled = await self._reclaim(), False
+                laps.lap("idle")
                 if not deliveries:
                     continue
             await self.serve(deliveries, polled)
             await ctx.validations.serve(self.engine)
+            laps.lap("validate")
 
     async def _reclaim(self) -> list[Delivery]:
         if time.monotonic() - self.last_reclaim <= self.ctx.cfg.heartbeat.interval_s:
@@ -64,45 +81,68 @@ class BatchRollout:
     async def serve(self, deliveries: list[Delivery], polled: bool = False) -> None:
         """Generate for ``deliveries``' tickets and publish the answers; ``polled``: the
         events stream was read after these tickets were (rollouter.tickets)."""
-        ctx = self.ctx
-        tickets = await ctx.weights.for_tickets(deliveries,
-                                                await ctx.tickets.accept(deliveries))
+        ctx, laps = self.ctx, self.ctx.laps
+        accepted = await ctx.tickets.accept(deliveries)
+        laps.lap("claim")
+        tickets = await ctx.weights.for_tickets(deliveries, accepted)  # new weights they need
+        laps.lap("weights")
         if not tickets:
             return
         # These tickets were issued after the StepFinished that begins the step they belong
         # to: read it now, so that their generation lands in that step (profiling.steps).
         if not polled:
             await ctx.events.poll()
+        laps.lap("events")
         if ctx.finished:
             return
         await ctx.weights.swap(wait=False)
+        laps.lap("weights")
         if not ctx.finished:
             ctx.tickets.prefetch()
         try:
-            samples, failed = await self.rollout([t for _, t in tickets])
+            generated = await self.rollout([t for _, t in tickets])
         except Failure:
             raise  # the engine is broken (EngineBroken): this rollouter's named end
         except Exception as exc:  # a failed rollout is an event, never "end of data"
             error = f"generation failed: {type(exc).__name__}: {exc}"
-            samples, failed = {}, {t.ticket_id: error for _, t in tickets}
-        await ctx.tickets.retry_or_give_up(deliveries, failed)
-        await ctx.tickets.deliver([(i, t) for i, t in tickets if t.ticket_id in samples],
-                                  samples)
+            await ctx.tickets.retry_or_give_up(deliveries, {t.ticket_id: error
+                                                            for _, t in tickets})
+            laps.lap("publish")
+            return
+        # Scored and published in the background while the next batch generates; this
+        # waits for the batch before (one in flight).
+        await ctx.tickets.deliver_later(self.answers(deliveries, tickets, generated))
+        laps.lap("publish")
 
-    async def rollout(self, tickets: Sequence[PromptTicket]
-                      ) -> tuple[dict[str, list[Sample]], dict[str, str]]:
-        """Generate every ticket's responses: (samples by ticket id, errors by ticket id)."""
+    async def rollout(self, tickets: Sequence[PromptTicket]) -> Generated:
+        """Generate every ticket's responses and decode them (on the worker, before the
+        next batch's generation is queued there)."""
         ctx = self.ctx
         # A ticket's n responses share its prompt: encoded once.
         prompts = {t.ticket_id: ctx.prompt_ids(t) for t in tickets}
         seqs = [Seq(t, i, prompts[t.ticket_id], [], []) for t in tickets for i in range(t.n)]
         t0 = time.monotonic()
         await self.generate_all(seqs)
+        ended = time.time()
         gen_s = time.monotonic() - t0
         ctx.idle.add(gen_s)
-        scores = await ctx.scorer.score(seqs)
-        return to_samples(seqs, scores, prompts, gen_s=gen_s, rank=ctx.rank,
-                          eos_id=ctx.tokenizer.eos_id, fails_ticket=ctx.scorer.fails_ticket)
+        ctx.laps.lap("generate")
+        texts = await ctx.scorer.decode(seqs)
+        ctx.laps.lap("score")
+        return Generated(seqs, texts, prompts, gen_s, ended)
+
+    async def answers(self, deliveries: list[Delivery], tickets: Sequence[Ticket],
+                      generated: Generated) -> tuple[list[Ticket], dict[str, list[Sample]]]:
+        """In the background: the generated responses scored (the reward pool's threads)
+        and made samples; failed tickets retried or dead-lettered. The tickets answered and
+        their samples, to publish."""
+        ctx, (seqs, texts, prompts, gen_s, ended) = self.ctx, generated
+        scores = await ctx.scorer.score_items(ctx.scorer.items(seqs, texts))
+        samples, failed = to_samples(seqs, scores, prompts, gen_s=gen_s, rank=ctx.rank,
+                                     eos_id=ctx.tokenizer.eos_id,
+                                     fails_ticket=ctx.scorer.fails_ticket, ts=ended)
+        await ctx.tickets.retry_or_give_up(deliveries, failed)
+        return [(i, t) for i, t in tickets if t.ticket_id in samples], samples
 
     async def generate_all(self, seqs: list[Seq]) -> None:
         """Every sequence to its end; with ``partial_rollout``, in chunks between which new

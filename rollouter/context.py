@@ -40,6 +40,7 @@ from rollouter.validation import ValidationServer
 from rollouter.weights import HeldWeights, State, WeightsHolder
 from runconfig import Config
 from runschema.messages import PromptTicket, WarningRaised, WeightsPublished
+from runtime.laps import Laps
 
 __all__ = ["IdleMeter", "RolloutContext", "RolloutLoop"]
 
@@ -58,6 +59,23 @@ class RolloutLoop(Protocol):
     def describe(self) -> str | None:
         """What the loop is doing, for the heartbeat's state (None: nothing to add)."""
         ...
+
+
+ROLLOUT_LAPS = ("idle", "claim", "events", "weights", "generate", "score", "publish",
+                "validate")
+"""The rollout loop's laps (runtime.laps), per heartbeat window (``rollouter/timing_s/*``):
+
+- ``idle``: waiting for tickets (the read ahead's, or a read; with none, reading the log,
+  the trainer's presence, dead replicas' tickets);
+- ``claim``: tickets accepted; ``events``: the log read;
+- ``weights``: new weights fetched and loaded (with the continuous loop, validations
+  served at a sync too);
+- ``generate``: the engine generating; ``score``: the responses decoded (the built-in
+  engine's loop; their rewards are computed in the background);
+- ``publish``: waiting for the batch before to be scored and published (failed tickets
+  retried), or, in the continuous loop, for the engine's finished answers to go out;
+- ``validate``: serving validation requests between batches.
+"""
 
 
 class IdleMeter:
@@ -108,6 +126,8 @@ class RolloutContext:
         self.publish, self.complain = publish, complain
         self.trainer = trainer
         self.idle = IdleMeter()
+        self.laps = Laps(ROLLOUT_LAPS, prefix="rollouter/timing_s/", total="window")
+        """What the rollout loop did, lap by lap; the heartbeat takes each window."""
         held = HeldWeights(self.name, fetch=fetch, load=load, warn=publish,
                            reread=lambda: self.events.poll(), stranded=stranded)
         self.events = EventPoller(log, saw_weights=held.saw,

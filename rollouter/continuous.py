@@ -59,15 +59,21 @@ class ContinuousRollout:
     async def run(self) -> None:
         """Until the run's end: every ticket delivered once, or retried, or dead-lettered."""
         try:
+            laps = self.ctx.laps
             while not self.ctx.finished:
                 await self._claim()
+                laps.lap("claim" if self.waiting or self.engine.in_flight else "idle")
                 admitting = await self._sync()
+                laps.lap("weights")
                 if self.ctx.finished:
                     break
                 await self._generate(self._admit() if admitting else [])
+                laps.lap("generate")
                 await self._drop_superseded()
                 await self._finish()
+                laps.lap("publish")
                 await self._look_around()
+                laps.lap("events")
             await self.ctx.off(self.engine.abort)  # the run ended: what runs is not needed
             await self._finish(wait=True)
         finally:

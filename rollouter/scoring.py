@@ -345,14 +345,21 @@ class Scorer:
 
     async def score(self, seqs: Sequence[Seq]) -> list[Score]:
         """Every response's reward (off the loop, a batch at once)."""
-        texts = await self.off(lambda: [self.tokenizer.decode(s.tokens) for s in seqs])
-        items = [ScoreItem(
+        return await self.score_items(self.items(seqs, await self.decode(seqs)))
+
+    async def decode(self, seqs: Sequence[Seq]) -> list[str]:
+        """The responses' texts (on the worker thread)."""
+        return await self.off(lambda: [self.tokenizer.decode(s.tokens) for s in seqs])
+
+    @staticmethod
+    def items(seqs: Sequence[Seq], texts: Sequence[str]) -> list[ScoreItem]:
+        """What the reward function is called with, per response."""
+        return [ScoreItem(
             data_source=s.ticket.data_source, solution_str=text,
             ground_truth=s.ticket.answer if s.ticket.ground_truth is None
             else s.ticket.ground_truth,
             extra_info=s.ticket.extra_info, response_len=len(s.tokens),
         ) for s, text in zip(seqs, texts, strict=True)]
-        return await self.score_items(items)
 
     async def score_items(self, items: list[ScoreItem]) -> list[Score]:
         """Score ``items``; the one warning about failed scoring is published when it first

@@ -157,6 +157,26 @@ class TicketDesk:
                                                 *(entry_id for entry_id, _ in done))
         self.delivering = asyncio.ensure_future(publish)
 
+    async def deliver_later(
+        self, answers: Awaitable[tuple[list[Ticket], dict[str, list[Sample]]]]
+    ) -> None:
+        """As :meth:`deliver`, for answers still being made (scored): ``answers`` runs in
+        the background after the batch before is out, then its samples are published with
+        their tickets' acks. Its failure is raised by the next delivery (or
+        :meth:`delivered`)."""
+        await self.delivered()
+        self.delivering = asyncio.ensure_future(self._deliver(answers))
+
+    async def _deliver(self, answers: Awaitable[tuple[list[Ticket], dict[str, list[Sample]]]]
+                       ) -> list[str]:
+        done, samples = await answers
+        if not done:
+            return []
+        batch = [sample for _, t in done for sample in samples[t.ticket_id]]
+        self.published += len(batch)
+        return await self.source.publish_and_ack(self.samples, batch,
+                                                 *(entry_id for entry_id, _ in done))
+
     async def delivered(self) -> None:
         """Wait for the batch being published (if any); its failure is raised here."""
         task, self.delivering = self.delivering, None

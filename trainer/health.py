@@ -147,6 +147,22 @@ class Health:
                 if "rollouter/idle_ratio" in hb.metrics]
         return sum(idle) / len(idle) if idle else float("nan")
 
+    def rollout_shares(self) -> dict[str, float]:
+        """What the rollouters' loops did, from their latest pulses: per lap
+        (``rollouter/timing_s/<lap>``, rollouter.context), its share of the pulse's window,
+        the mean over the rollouters (``rollouter/timing_share/<lap>``); absent until one
+        reported a window."""
+        prefix, window = "rollouter/timing_s/", "rollouter/timing_s/window"
+        shares: dict[str, list[float]] = {}
+        for hb in self.rollouters:
+            total = hb.metrics.get(window, 0.0)
+            if total <= 0:
+                continue
+            for key, seconds in hb.metrics.items():
+                if key.startswith(prefix) and key != window:
+                    shares.setdefault(key[len(prefix):], []).append(seconds / total)
+        return {f"rollouter/timing_share/{lap}": sum(v) / len(v) for lap, v in shares.items()}
+
     def weights_sync(self) -> dict[str, float]:
         """The slowest rollouter's last weights load, from their latest pulses: seconds
         copying into its engine (``rollouter/weights_load_s``) and from the publication to

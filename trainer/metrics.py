@@ -5,7 +5,9 @@ they count. ``trainer/idle_ratio`` is the share of the step the worker had nothi
 while the trainer waited for samples; ``trainer/update_s`` the worker's compute time;
 ``trainer/loop_cpu_s`` the CPU the event loop spent since the previous step (reading,
 decoding and checking samples, publishing): with the trainer on one core a step takes about
-``update_s + loop_cpu_s``.
+``update_s + loop_cpu_s``. ``trainer/early_groups``: the step's groups read while the step
+before it closed, whose mini-batches trained behind its weights (the step boundary
+overlapped); ``timing_s/step`` and its laps: trainer.timing.
 
 :func:`verl_step_metrics` adds the figures verl users read, with verl's names and
 definitions (verl/trainer/ppo/metric_utils.py ``compute_data_metrics`` and
@@ -102,6 +104,7 @@ def step_gauges(duration: float, n_samples: int, measured: Measured, *, ledger: 
         "rollout/failures": float(health.rollout_failures),
         "staleness/discarded_groups": float(intake.discarded),
         **health.weights_sync(),
+        **health.rollout_shares(),
     }
 
 
