@@ -139,8 +139,15 @@ def _plot(run_id: str, events: list[tuple[str, Message]], path: str, target: flo
     curves = {key: ([s.step for s in steps], [s.metrics.get(key, float("nan")) for s in steps])
               for key in keys}
     curves.update(validation_curves([m for _, m in events]))
-    fig, axes = plt.subplots(len(curves), 1, figsize=(7, 2.2 * len(curves)), sharex=True)
-    for i, (ax, (key, (xs, ys))) in enumerate(zip(axes, curves.items(), strict=True)):
+    stacks = step_stacks(steps)
+    fig, axes = plt.subplots(len(curves) + len(stacks), 1,
+                             figsize=(7, 2.2 * (len(curves) + len(stacks))), sharex=True)
+    for ax, (title, (xs, layers)) in zip(axes[len(curves):], stacks.items(), strict=True):
+        ax.stackplot(xs, *layers.values(), labels=list(layers), alpha=0.85)
+        ax.set_ylabel(title, fontsize=8)
+        ax.legend(fontsize=6, loc="upper left", ncol=4)
+        ax.grid(alpha=0.3)
+    for i, (ax, (key, (xs, ys))) in enumerate(zip(axes, curves.items(), strict=False)):
         ax.plot(xs, ys, marker="o" if key.startswith("val-") else None, markersize=3)
         ax.set_ylabel(key, fontsize=8)
         ax.grid(alpha=0.3)
@@ -154,6 +161,26 @@ def _plot(run_id: str, events: list[tuple[str, Message]], path: str, target: flo
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def step_stacks(steps: list[StepFinished]
+                ) -> dict[str, tuple[list[int], dict[str, list[float]]]]:
+    """Where each step's time went, as stacked layers against the step: the trainer's
+    ``timing_s/<lap>`` in ms (trainer.timing: they add up to ``timing_s/step``) and the
+    rollouters' ``rollouter/timing_share/<lap>`` (their loops' laps, shares of a pulse's
+    window). A lap that is zero in every step is left out; a run without them adds none."""
+    out: dict[str, tuple[list[int], dict[str, list[float]]]] = {}
+    for title, prefix, scale, skip in (
+            ("trainer step (ms)", "timing_s/", 1000.0,
+             {"timing_s/step", "timing_s/gen", "timing_s/reward", "timing_s/update_actor"}),
+            ("rollouter loop (share)", "rollouter/timing_share/", 1.0, set())):
+        keys = sorted({k for s in steps for k in s.metrics
+                       if k.startswith(prefix) and k not in skip})
+        layers = {k[len(prefix):]: [scale * s.metrics.get(k, 0.0) for s in steps] for k in keys}
+        layers = {name: ys for name, ys in layers.items() if any(ys)}
+        if layers:
+            out[title] = ([s.step for s in steps], layers)
+    return out
 
 
 def validation_curves(events: list[Message]) -> dict[str, tuple[list[int], list[float]]]:

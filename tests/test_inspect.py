@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, RunKeys, pulse
-from rlbus.inspect import validation_curves
+from rlbus.inspect import step_stacks, validation_curves
 from runconfig import config_to_dict, load_config
 from runschema.messages import Heartbeat, RunStarted, StepFinished, ValidationFinished
 from tests.procs import run_cli
@@ -81,3 +81,25 @@ def test_validation_curves_are_each_data_source_s_headline_by_step() -> None:
         "val-core/gsm8k/acc/mean@1": ([0, 4], [0.1, 0.5]),
         "val-core/math/acc/mean@1": ([0, 4], [0.2, 0.6]),
     }
+
+
+def test_step_stacks_are_the_laps_of_each_step_without_the_all_zero_ones() -> None:
+    """--plot's stacked panels: the trainer's laps in ms (not the totals beside them) and
+    the rollouters' shares; a lap zero in every step is not drawn, a run without laps
+    draws no panel."""
+    steps = [
+        StepFinished(step=1, sample_ids=[], duration_s=1.0, metrics={
+            "timing_s/step": 0.1, "timing_s/wait_samples": 0.06, "timing_s/judge": 0.04,
+            "timing_s/profiler": 0.0, "timing_s/update_actor": 0.08,
+            "rollouter/timing_share/generate": 0.7, "rollouter/timing_share/idle": 0.3}),
+        StepFinished(step=2, sample_ids=[], duration_s=1.0, metrics={
+            "timing_s/step": 0.05, "timing_s/wait_samples": 0.0, "timing_s/judge": 0.05,
+            "timing_s/profiler": 0.0, "timing_s/update_actor": 0.04}),
+    ]
+    stacks = step_stacks(steps)
+    assert list(stacks) == ["trainer step (ms)", "rollouter loop (share)"]
+    xs, trainer = stacks["trainer step (ms)"]
+    assert xs == [1, 2]
+    assert trainer == {"judge": [40.0, 50.0], "wait_samples": [60.0, 0.0]}
+    assert stacks["rollouter loop (share)"][1] == {"generate": [0.7, 0.0], "idle": [0.3, 0.0]}
+    assert step_stacks([StepFinished(step=1, sample_ids=[], metrics={}, duration_s=1.0)]) == {}
