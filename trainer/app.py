@@ -212,8 +212,10 @@ class Trainer(TrainerProcess):
                 self.writer.check_fenced()
                 await self._read_turn(work, block_ms=None)
         finally:
-            if not finish.done():  # failed or cancelled meanwhile: never leave it unawaited
+            if not finish.done():  # a read failed meanwhile: the update is settled by _gather
                 finish.cancel()
+            elif not finish.cancelled():
+                finish.exception()  # retrieved: a failure of both is raised once, the read's
 
     def _reports(self) -> Reads:
         """What the followers read since the last turn (trainer.watch, trainer.validation)."""
