@@ -215,7 +215,12 @@ class TicketDesk:
 
     async def next(self) -> tuple[list[Delivery], bool]:
         """Tickets to serve next (retries first, then the read ahead, else a read now, each
-        followed by the events after it) and whether the events were read after them."""
+        followed by the events after it) and whether the events were read after them. A
+        publication that failed meanwhile is raised here, not only at the next delivery:
+        with no ticket left to answer there may be none (Redis refused the last batch's
+        samples, and the trainer, refused too, issues no more)."""
+        if self.delivering is not None and self.delivering.done():
+            await self.delivered()
         if self.retry:
             deliveries, self.retry = self.retry, []
             return deliveries, False

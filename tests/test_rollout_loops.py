@@ -32,6 +32,7 @@ from rollouter.validation import Validator
 from rollouter.weights import State
 from runconfig import Config, load_config
 from runschema.messages import (
+    Array,
     BlobRef,
     Event,
     Message,
@@ -544,3 +545,49 @@ async def test_the_loops_implement_one_interface() -> None:
                                 ContinuousRollout(h.ctx, StreamingCountingEngine())]
     assert [loop.describe() for loop in loops] == [
         None, "0 responses of 0 tickets in the engine, 0 tickets waiting"]
+
+
+class _RefusingSource(ScriptedSource):
+    """Redis refuses the samples' publication (out of memory): the trainer, refused too,
+    issues no more tickets."""
+
+    async def publish_and_ack(self, stream: str, msgs: Sequence[Message],
+                              *ids: str | Delivery) -> list[str]:
+        await asyncio.sleep(0)
+        raise RuntimeError("redis is out of memory")
+
+
+@pytest.mark.asyncio
+async def test_a_failed_publication_is_raised_by_the_next_read_of_tickets() -> None:
+    """The last batch's publication fails in the background and no ticket is left to
+    answer: the replica's next look for tickets raises it (its one line), never a wait
+    that ends as "trainer is gone" (test_named_faults' maxmemory case, seen in make test)."""
+    from rollouter.tickets import TicketDesk
+
+    async def nothing() -> None:
+        return None
+
+    async def publish(_: object) -> None:
+        return None
+
+    async def no_dead() -> list[str]:
+        return []
+
+    desk = TicketDesk(_RefusingSource(), KEYS.samples, rank=0, batch=8, poll=nothing,
+                      publish=publish, validates=False, find_dead=no_dead)
+
+    async def answers() -> tuple[list[tuple[str, PromptTicket]], dict[str, list[Sample]]]:
+        ticket = PromptTicket(ticket_id="t0", prompt_id="p0", prompt="1", answer="1", n=1,
+                              min_version=0)
+        tokens = Array.of(np.asarray([1], dtype=np.int32))
+        sample = Sample(sample_id="t0/0", ticket_id="t0", prompt_id="p0", index=0, n=1,
+                        prompt_tokens=tokens, response_tokens=tokens,
+                        logprobs=Array.of(np.asarray([-0.1], dtype=np.float32)), reward=1.0,
+                        min_version=0, max_version=0)
+        return [("1-0", ticket)], {"t0": [sample]}
+
+    await desk.deliver_later(answers())
+    await asyncio.sleep(0.01)  # the background publication fails meanwhile
+    with pytest.raises(RuntimeError, match="out of memory"):
+        await desk.next()
+    assert desk.delivering is None  # raised once
