@@ -168,10 +168,10 @@ class Trainer(TrainerProcess):
             await work.settle()
             self.laps.lap("wait_update")
 
-    async def _read_turn(self, work: StepWork, block_ms: int | None) -> bool:
+    async def _read_turn(self, work: StepWork, block_ms: int | None) -> None:
         """One read of the samples stream (waiting at most ``block_ms``; None: not at all)
-        and the core's verdicts on it; whether anything came. With ``block_ms``, a read
-        that found nothing is an idle turn (the peers, expired tickets' holders)."""
+        and the core's verdicts on it. With ``block_ms``, a read that found nothing is an
+        idle turn (the peers, expired tickets' holders)."""
         laps = self.laps
         t_read = time.monotonic()
         before = self.consumer.stats.dead_lettered
@@ -192,9 +192,8 @@ class Trainer(TrainerProcess):
         elif refused:
             reads = Reads(self.clock(), refused=refused)
         else:
-            return False
+            return
         await self._act(self.core.take(reads), work)
-        return bool(deliveries)
 
     async def _finish(self, work: StepWork) -> dict[str, float]:
         """The step's update, once the worker is done with it. Meanwhile the next step's
