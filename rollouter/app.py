@@ -182,6 +182,10 @@ class Rollouter(Component):
         if self.engine is None:
             raise RuntimeError("weights to load before the engine is built")
         await self.off(self.engine.load_state, state, version)
+        # A state worth telling now (the heartbeat names the weights and their load and
+        # sync times): the pulse runs once this load's figures are set (rollouter.weights
+        # sets them before the loop yields), before the samples these weights make go out.
+        self.pulse_now()
 
     # ------------------------------------------------------------------ liveness
 

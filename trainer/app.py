@@ -144,7 +144,10 @@ class Trainer(TrainerProcess):
             await self.publish(*events)
             laps.lap("save_checkpoint")
         now = self.clock()
-        if self.core.due(now, leases=False).peers:  # rollouter/idle_ratio, as fresh as pulses
+        last = step == self.cfg.trainer.total_training_steps
+        # rollouter/idle_ratio and weights sync, as fresh as pulses; the run's last step
+        # always reads them (its StepFinished is every dashboard's last point).
+        if last or self.core.due(now, leases=False).peers:
             peers = await self.watch.read_peers()
             laps.lap("read_peers")
             await self._act(self.core.take(Reads(now, peers=peers)), self.upcoming)
