@@ -36,6 +36,12 @@ MAX_N = 4096  # responses one ticket may ask for; more is not a ticket we wrote
 Ticket = tuple[str, PromptTicket]  # (entry id, ticket)
 
 
+async def _ready(done: list[Ticket], samples: dict[str, list[Sample]]
+                 ) -> tuple[list[Ticket], dict[str, list[Sample]]]:
+    """Answers already made, as :meth:`TicketDesk.deliver_later` takes them."""
+    return done, samples
+
+
 class TicketSource(Protocol):
     """Where a replica's tickets come from and where its answers go with their acks: its
     member of the rollouters' group (:class:`bus.Consumer`), or a scripted one in tests."""
@@ -148,22 +154,16 @@ class TicketDesk:
     async def deliver(self, done: list[Ticket], samples: dict[str, list[Sample]]) -> None:
         """All responses of these tickets land together with the acks of their tickets, in
         the background: the next batch generates meanwhile."""
-        if not done:
-            return
-        batch = [sample for _, t in done for sample in samples[t.ticket_id]]
-        await self.delivered()
-        self.published += len(batch)
-        publish = self.source.publish_and_ack(self.samples, batch,
-                                                *(entry_id for entry_id, _ in done))
-        self.delivering = asyncio.ensure_future(publish)
+        if done:
+            await self.deliver_later(_ready(done, samples))
 
     async def deliver_later(
         self, answers: Awaitable[tuple[list[Ticket], dict[str, list[Sample]]]]
     ) -> None:
         """As :meth:`deliver`, for answers still being made (scored): ``answers`` runs in
         the background after the batch before is out, then its samples are published with
-        their tickets' acks. Its failure is raised by the next delivery (or
-        :meth:`delivered`)."""
+        their tickets' acks. Its failure is raised by the next delivery, the next look for
+        tickets (:meth:`next`) or :meth:`delivered`."""
         await self.delivered()
         self.delivering = asyncio.ensure_future(self._deliver(answers))
 
