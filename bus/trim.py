@@ -38,24 +38,34 @@ end
 """
 
 
+# The floor of a group stream: the lowest of every group's oldest pending entry and first
+# undelivered entry (nil: no group).
+_LUA_FLOOR = """
+local function group_floor(key)
+  local floor = nil
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    local gfloor
+    if tonumber(info['pending']) > 0 then
+      gfloor = redis.call('XPENDING', key, info['name'])[2]
+    else
+      local _, seq, ms = parse(info['last-delivered-id'])
+      gfloor = ms .. '-' .. string.format('%d', seq + 1)
+    end
+    if floor == nil or less(gfloor, floor) then floor = gfloor end
+  end
+  return floor
+end
+"""
+
+
 # Atomic safe trim. KEYS[1] stream; ARGV[1] "maxlen" | "minid"; ARGV[2] value.
 # The cut never passes any group's oldest pending entry nor its first undelivered entry.
-_TRIM_LUA = _LUA_ID_ORDER + """
+_TRIM_LUA = _LUA_ID_ORDER + _LUA_FLOOR + """
 local key = KEYS[1]
 if redis.call('EXISTS', key) == 0 then return 0 end
-local floor = nil
-for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
-  local info = {}
-  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-  local gfloor
-  if tonumber(info['pending']) > 0 then
-    gfloor = redis.call('XPENDING', key, info['name'])[2]
-  else
-    local _, seq, ms = parse(info['last-delivered-id'])
-    gfloor = ms .. '-' .. string.format('%d', seq + 1)
-  end
-  if floor == nil or less(gfloor, floor) then floor = gfloor end
-end
+local floor = group_floor(key)
 if ARGV[1] == 'minid' then
   local cut = ARGV[2]
   if floor ~= nil and less(floor, cut) then cut = floor end
@@ -73,6 +83,13 @@ while seen <= n do
 end
 if seen <= n then return redis.call('XTRIM', key, 'MAXLEN', n) end
 return redis.call('XTRIM', key, 'MINID', floor)
+"""
+
+
+# KEYS[1] stream: its group floor ('' when the stream or its groups do not exist).
+_FLOOR_LUA = _LUA_ID_ORDER + _LUA_FLOOR + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return '' end
+return group_floor(KEYS[1]) or ''
 """
 
 
@@ -122,6 +139,14 @@ class TrimCommands(BusClient):
             _check_minid(minid)
         mode, value = ("maxlen", str(maxlen)) if maxlen is not None else ("minid", str(minid))
         return int(await self.run_script(_TRIM_LUA, [stream], [mode, value], op="XTRIM"))
+
+    async def trim_floor(self, stream: str) -> str | None:
+        """The id below which :meth:`trim_safely` may cut now: the lowest of every group's
+        oldest pending entry and first undelivered one (None: no group, or no stream). Never
+        lower later (acks and deliveries only raise it), so everything below it is done with:
+        a copy of it made now (the run's record) is what a trim below it removes."""
+        floor = to_text(await self.run_script(_FLOOR_LUA, [stream], [], op="XINFO"))
+        return floor or None
 
     async def trim_log(
         self,

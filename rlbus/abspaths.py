@@ -26,6 +26,7 @@ PATH_KEYS: tuple[str, ...] = (
     "data.val_files",
     "custom_reward_function.path",
     "trainer.default_local_dir",
+    "trainer.rollout_data_dir",
     "global_profiler.save_path",
     "redis.binary",
     "run.storage",

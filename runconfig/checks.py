@@ -24,6 +24,15 @@ def check_cross_fields(cfg: Config) -> None:
     _check_redis_cluster(cfg)
     _check_ranks(cfg)
     _check_reward_bounds(cfg)
+    _check_record(cfg)
+
+
+def _check_record(cfg: Config) -> None:
+    """verl's ``rollout_data_dir`` dump is written with the run's record (trainer.record)."""
+    if cfg.trainer.rollout_data_dir is not None and cfg.run.record == "none":
+        raise ConfigError("trainer.rollout_data_dir",
+                          "the generations are dumped as the run's record is written: set "
+                          "run.record=all or trained (run.record=none keeps no sample)")
 
 
 def _check_reward_bounds(cfg: Config) -> None:

@@ -20,8 +20,19 @@ from pathlib import Path
 
 from runconfig.schema import Config
 
-__all__ = ["RUN_MARKER", "blob_root", "checkpoint_dir", "checkpoint_url", "events_dir",
-           "events_url", "local_path", "local_root", "storage_root", "storage_url"]
+__all__ = [
+    "RUN_MARKER",
+    "blob_root",
+    "checkpoint_dir",
+    "checkpoint_url",
+    "events_dir",
+    "events_url",
+    "local_path",
+    "local_root",
+    "record_dir",
+    "storage_root",
+    "storage_url",
+]
 
 RUN_MARKER = "rlbus_run.json"
 """The file in ``trainer.default_local_dir`` naming the run whose checkpoints it holds."""
@@ -74,6 +85,11 @@ def checkpoint_url(cfg: Config, run_id: str) -> str:
 def events_dir(cfg: Config, run_id: str) -> Path:
     """The run's events archive folder: ``local_root/events``."""
     return local_root(cfg, run_id) / "events"
+
+
+def record_dir(cfg: Config, run_id: str) -> Path:
+    """The run's record folder (``run.record``, trainer.record): ``local_root/record``."""
+    return local_root(cfg, run_id) / "record"
 
 
 def events_url(cfg: Config, run_id: str) -> str:

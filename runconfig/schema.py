@@ -86,6 +86,9 @@ class RunConfig(_Section, frozen=True):
     stop_grace_s: PosFloat = 10.0
     progress_interval_s: PosFloat = 10.0
     retention: Literal["checkpoint", "all"] = "checkpoint"
+    # The run's record (trainer.record): every consumed sample with its verdict, as parquet
+    # beside the events archive; "trained": the trained ones only; "none": not kept.
+    record: Literal["all", "trained", "none"] = "all"
     # The trainer's own checkpoints (trainer.resumepoints): the streams stay bounded however
     # rarely the user checkpoints (0: off).
     resume_point_steps: NonNegInt = 100
@@ -187,6 +190,7 @@ class TrainerConfig(_Section, frozen=True):
     ppo_epochs: PosInt = 1
     save_freq: NonNegInt = 100
     max_actor_ckpt_to_keep: PosInt | None = None
+    rollout_data_dir: str | None = None  # verl's: each step's trained generations as JSONL
     lr: PosFloat = 1e-3
     clip_ratio_low: NonNegFloat = 0.2
     clip_ratio_high: NonNegFloat = 0.28

@@ -370,7 +370,6 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("trainer.max_critic_ckpt_to_keep", "rlbus has no critic"),
     _ignored("trainer.esi_redundant_time", _CKPT),
     _ignored("trainer.critic_warmup", "rlbus has no critic"),
-    _ignored("trainer.rollout_data_dir", "every sample is in the run's samples stream"),
     _ignored("trainer.ray_wait_register_center_timeout", _INFRA),
     _ignored("trainer.use_legacy_worker_impl", _INFRA),
     _ignored("trainer.worker_env.*", "components inherit rlbus up's environment"),
@@ -416,6 +415,7 @@ TABLE: tuple[VerlKey, ...] = (
 SHARED: frozenset[str] = frozenset({
     *(f"trainer.{k}" for k in (
         "total_training_steps", "total_epochs", "save_freq", "max_actor_ckpt_to_keep",
+        "rollout_data_dir",
         "logger", "project_name", "experiment_name", "test_freq", "val_before_train",
         "log_val_generations", "default_local_dir", "resume_mode")),
     *(f"data.{k}" for k in (

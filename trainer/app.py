@@ -108,6 +108,8 @@ class Trainer(TrainerProcess):
         self.waiting = "writing the last checkpoint's Hugging Face directory"
         if (warning := await self.checkpoints.exported()) is not None:  # before RunFinished
             await self.publish(warning)
+        if (warning := await self.checkpoints.record_rest()) is not None:
+            await self.publish(warning)
         self.waiting = None
         # The steps the log holds (a run resumed with fewer total steps has more).
         await self.publish(RunFinished(run_id=self.run_id, steps=self.writer.state.last_step))

@@ -19,8 +19,10 @@ from bus import Bus, Lease, RunKeys
 from runconfig import Config
 from runschema.messages import CheckpointSaved, Event, WarningRaised
 from runtime.faults import disk_full, space_warning
+from storage.record import RecordCorrupt
 from trainer.export import HFExport, RunOff
 from trainer.learner import Learner
+from trainer.record import Recorder
 from trainer.resume import write_checkpoint
 from trainer.retention import trim_after_checkpoint
 from trainer.runfiles import RunFiles
@@ -40,6 +42,8 @@ class Checkpoints:
         tc = cfg.trainer
         self.hf_export = HFExport(cfg.model.path, files.mirror) if (
             "hf_model" in tc.checkpoint_contents and cfg.model.path) else None
+        self.recorder: Recorder | None = None
+        """The run's record (run.record): samples are copied there before they are trimmed."""
         self.fallback: list[str] = []
         """The samples the step of the checkpoint before the newest trained: the samples
         stream is trimmed only below them."""
@@ -109,7 +113,20 @@ class Checkpoints:
             checkpoints=files.ckpt_dir, mirror=files.mirror, events_mirror=files.events_mirror,
             keep_checkpoints=self.cfg.trainer.max_actor_ckpt_to_keep, last_step=last_step,
             current=current, fence=(self.keys.trainer_lease, self.lease.token),
-            rollouter_ranks=rollouter_ranks)
+            rollouter_ranks=rollouter_ranks, recorder=self.recorder)
+
+    async def record_rest(self) -> WarningRaised | None:
+        """At the run's end, before RunFinished: the samples not recorded yet go into the
+        run's record (trainer.record), so that it holds the whole run; the warning to
+        publish when it could not be written."""
+        if self.recorder is None:
+            return None
+        try:
+            await self.recorder.record_below(None)
+        except (OSError, RecordCorrupt) as exc:
+            return WarningRaised(source="trainer", code="record_not_written",
+                                 message=f"the run's record misses its last samples: {exc}")
+        return None
 
     def close(self) -> None:
         if self.hf_export is not None:

@@ -17,23 +17,33 @@ import contextlib
 import os
 import secrets
 import time
+from pathlib import Path
 
 from bus import RUNS_STREAM, Bus, Consumer, Fenced, Lease, entry_key
 from policy.text import TextTokenizer, build_tokenizer
 from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from runconfig import Config, config_to_dict
-from runconfig.paths import blob_root
-from runschema.messages import Event, Heartbeat, RunStarted, TrainerResumed, WarningRaised
+from runconfig.paths import blob_root, record_dir
+from runschema.messages import (
+    Event,
+    Heartbeat,
+    RunStarted,
+    Sample,
+    TrainerResumed,
+    WarningRaised,
+)
 from runtime import Component
 from tasks import build_prompt_source
 from trainer.checkpoints import Checkpoints
 from trainer.dispatch import ROLLOUTER_GROUP
 from trainer.learner import Learner
 from trainer.lease import acquire, token
+from trainer.ledger import ticket_index
 from trainer.metrics import StepMeter
 from trainer.rankprofile import RankedAgent
 from trainer.ranks import LocalRanks
+from trainer.record import Described, Recorder, TextDecoder
 from trainer.resume import WeightsMismatch, rebuild, refusal_warnings
 from trainer.runfiles import RunFiles
 from trainer.stepwork import StepWork
@@ -71,6 +81,7 @@ class TrainerProcess(Component):
         self.writer = Writer(bus, self.keys, self.lease)
         self.checkpoints = Checkpoints(cfg, bus, self.keys, self.files, self.lease, self.off)
         self.prompts = build_prompt_source(cfg)  # verl data: loaded by the precheck, cached
+        self.checkpoints.recorder = self._recorder()
         self.watch = Watch(cfg, bus, self.keys)
         self.local_ranks = LocalRanks(cfg.trainer)  # this process is rank 0 (trainer.ranks)
         self.ranks = self.local_ranks.group
@@ -98,6 +109,28 @@ class TrainerProcess(Component):
     async def run_loop(self, resumed: bool) -> int:
         """The run, once the incarnation is up to the log's state; the exit code."""
         raise NotImplementedError
+
+    def _recorder(self) -> Recorder | None:
+        """The run's record (``run.record``; trainer.record), None when it is off."""
+        mode = self.cfg.run.record
+        if mode == "none":
+            return None
+        data_dir = self.cfg.trainer.rollout_data_dir
+        return Recorder(self.bus, self.keys, record_dir(self.cfg, self.run_id),
+                        self.files.events_dir, mode=mode, describe=self._describe,
+                        decode_text=TextDecoder(self.cfg.model).decode,
+                        jsonl_dir=None if data_dir is None else Path(data_dir))
+
+    def _describe(self, sample: Sample) -> Described:
+        """What the data say of a sample's prompt (its ticket's prompt: trainer.dispatch)."""
+        index = ticket_index(sample.ticket_id)
+        try:
+            prompt = self.prompts.get(index) if index is not None else None
+        except IndexError:
+            prompt = None
+        if prompt is None:
+            return Described("", "", "")
+        return Described(prompt.data_source, prompt.prompt, prompt.answer)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A text prompt's token ids as a rollouter encodes it (rollouter.context), for the

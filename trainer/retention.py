@@ -38,8 +38,10 @@ from bus import Bus, RunKeys, entry_key
 from runschema.messages import WarningRaised, WeightsPublished
 from runtime.history import Archived, archive_below, events_folder
 from storage.files import fsync_path
+from storage.record import RecordCorrupt
 from trainer.export import step_folder
 from trainer.mirror import CheckpointMirror, EventsMirror
+from trainer.record import Recorder
 from trainer.resume import RESUME_MARK, Snapshot, confirmed, snapshot_files
 
 __all__ = ["Retained", "checkpoints_to_drop", "events_safe_point", "newest_snapshot",
@@ -201,13 +203,28 @@ async def trim_after_checkpoint(
     keep_checkpoints: int | None, last_step: int, current: str | None,
     fence: tuple[str, str], rollouter_ranks: Sequence[int], checkpoints: Path | None = None,
     mirror: CheckpointMirror | None = None, events_mirror: EventsMirror | None = None,
+    recorder: Recorder | None = None,
 ) -> WarningRaised | None:
     """Retention (``run.retention=checkpoint``) after the durable checkpoint of the step that
-    trained the samples ``trained``: samples before the newest of them, tickets before the
-    newest ticket, and the events before the safe point (:func:`retain`). Returns the
-    warning to publish when the archive could not be written (then nothing was trimmed)."""
+    trained the samples ``trained``: samples before the newest of them (copied to the run's
+    record first: ``recorder``), tickets before the newest ticket, and the events before the
+    safe point (:func:`retain`). Returns the warning to publish when the record or the
+    archive could not be written (then nothing they would hold was trimmed)."""
     if trained:
-        await bus.trim_safely(keys.samples, minid=max(trained, key=entry_key))
+        cut = max(trained, key=entry_key)
+        if recorder is not None:
+            # Only entries below the group's floor are done with: record exactly what the
+            # trim will remove (the floor never drops, so the trim removes no more).
+            floor = await bus.trim_floor(keys.samples)
+            if floor is not None:
+                cut = min(cut, floor, key=entry_key)
+            try:
+                await recorder.record_below(cut)
+            except (OSError, RecordCorrupt) as exc:
+                return WarningRaised(source="trainer", code="record_not_written",
+                                     message=f"samples stream not trimmed: the run's record "
+                                             f"failed: {exc}")
+        await bus.trim_safely(keys.samples, minid=cut)
     latest = await bus.latest(keys.prompts)
     if latest is not None:
         await bus.trim_safely(keys.prompts, minid=latest.id)
