@@ -1,5 +1,5 @@
-"""The ``rlbus`` command: ``up``, one component, ``redis``, ``profile``, ``inspect``, ``model``,
-``config``.
+"""The ``rlbus`` command: ``up``, one component, ``redis``, ``profile``, ``inspect``,
+``replay``, ``model``, ``config``.
 
 Every sub-command takes ``--config FILE`` and dotted ``KEY=VALUE`` overrides and validates the
 whole config before it does anything: an invalid config or argument exits with code 2 and a
@@ -61,12 +61,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "SPEC), with the reason; 1: no answer within --timeout (the request is then\n"
                 "withdrawn so it is never served later)."),
     "inspect": ("rlbus inspect --run RUN [--json] [--heartbeats] [--plot FILE.png] "
-                f"[--target R] [--trace FILE.json] {COMMON}",
+                f"[--target R] [--trace FILE.json] [--samples --step K] {COMMON}",
                 "A run's log: a timeline with wall-clock times, one JSON object per event\n"
                 "(--json), a metrics and validation plot (--plot, only the plot; needs\n"
                 "matplotlib), or the whole run as one Chrome/Perfetto trace (--trace: a track per\n"
                 "component; open it at ui.perfetto.dev). --heartbeats adds the components alive\n"
-                "now with their latest pulse (pulses are liveness keys, not log entries)."),
+                "now with their latest pulse (pulses are liveness keys, not log entries).\n"
+                "--samples --step K: the prompts, responses and scores step K trained (the\n"
+                "run's record, else the samples stream)."),
+    "replay": (f"rlbus replay --run RUN [--step K] [--check] {COMMON}",
+               "Rebuild a run's model after step K (default: its last step) on this machine:\n"
+               "the newest intact checkpoint at or before K, then each later step re-applied\n"
+               "on the samples it trained (the run's record, else the samples stream); the\n"
+               "model is compared with the weights the run published at the last version\n"
+               "boundary replayed. --check compares at every boundary and names the first step\n"
+               "that differs. Exit 0: it matches (or nothing to compare, said), 1: it differs,\n"
+               "2: the step cannot be replayed (the reason in one line)."),
     "model": (f"rlbus model --run RUN --out DIR [--step K] {COMMON}",
               "Copy the Hugging Face directory of a run's checkpoint (the newest exported step,\n"
               "or --step K) to DIR, from this node's checkpoint folder or from run.storage:\n"
@@ -219,13 +229,33 @@ def _inspect(argv: list[str]) -> int:
             ("--plot", {"default": None}),
             ("--target", {"type": float, "default": 0.9}),
             ("--trace", {"default": None}),
+            ("--samples", {"action": "store_true"}),
+            ("--step", {"type": int, "default": None}),
         ],
     )
     cfg = load_config(ns.config, [*overrides, f"run.id={ns.run}"])
+    if ns.samples != (ns.step is not None):
+        raise _ArgError("--samples and --step K go together: the samples step K trained")
+    if ns.samples:
+        from rlbus.step_samples import print_step_samples
+
+        return print_step_samples(cfg, ns.step, ns.json)
     from rlbus.inspect import inspect_run
 
     return inspect_run(cfg, as_json=ns.json, plot=ns.plot, heartbeats=ns.heartbeats,
                        target=ns.target, trace=ns.trace)
+
+
+def _replay(argv: list[str]) -> int:
+    ns, overrides = _split("rlbus replay", argv, [
+        ("--run", {"required": True}),
+        ("--step", {"type": int, "default": None}),
+        ("--check", {"action": "store_true"}),
+    ])
+    cfg = load_config(ns.config, [*overrides, f"run.id={ns.run}"])
+    from rlbus.replay import replay_run
+
+    return replay_run(cfg, ns.step, ns.check)
 
 
 def _model(argv: list[str]) -> int:
@@ -366,6 +396,7 @@ _HANDLERS = {
     "redis": _redis,
     "profile": _profile,
     "inspect": _inspect,
+    "replay": _replay,
     "model": _model,
     "config": _config,
 }

@@ -1,0 +1,194 @@
+"""Replaying a run's steps away from the run (``rlbus replay``): the model after step K
+rebuilt from the newest intact checkpoint at or before it plus the samples the log says
+each later step trained (the run's record, else the samples stream), and its hash compared
+with the weights the run published.
+
+The same arithmetic as a resume (trainer.resume.rebuild: ``Learner.update`` on the groups
+of each step, in the order its StepFinished recorded), without Redis: the shell
+(rlbus.replay) reads the log and the samples, this module folds and trains.
+
+- :class:`RunLog`: what replay needs of a run's events, folded incrementally
+  (``log.take(msg)``; pure).
+- :func:`plan`: which checkpoints may start a replay to step K and which steps follow.
+- :class:`Replayer`: one model, loaded and stepped (blocking; torch).
+
+What replays bit for bit (docs/operations.md, "Replay and fork"): the same device type, the
+same torch build and thread count, one rank where the run had one. The run's own steps on
+several ranks, or on a GPU (nondeterministic kernels), replay within a tolerance only: the
+shell says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import msgspec
+
+from runconfig import Config
+from runschema.messages import (
+    CheckpointSaved,
+    FileDigest,
+    Message,
+    RunStarted,
+    Sample,
+    StepFinished,
+    WeightsPublished,
+)
+from trainer.learner import Learner, make_optimizer
+from trainer.resume import LOAD_ERRORS, checkpoint_fault
+from trainer.state import StepRecord
+from weights.transport import weights_digest
+
+__all__ = ["NotReplayable", "Plan", "Published", "Replayer", "RunLog", "first_start",
+           "group_in_order", "plan"]
+
+
+class Published(NamedTuple):
+    """The digest weights ``version`` were published under, and how it was computed."""
+
+    sha256: str
+    manifest: bool
+    step: int
+
+
+class RunLog(msgspec.Struct):
+    """What a replay needs of a run's events: steps, checkpoints, publications, configs."""
+
+    steps: dict[int, StepRecord] = {}
+    durations: dict[int, float] = {}
+    checkpoints: dict[int, tuple[str, dict[str, FileDigest]]] = {}
+    published: dict[int, Published] = {}
+    configs: list[tuple[int, dict[str, Any]]] = []
+    """Each RunStarted's config, with the last step finished before it."""
+    last_step: int = 0
+
+    def take(self, msg: Message) -> None:
+        """Fold one event (log order)."""
+        match msg:
+            case RunStarted(config=config):
+                self.configs.append((self.last_step, config))
+            case StepFinished():
+                self.steps[msg.step] = StepRecord(msg.step, tuple(msg.sample_ids),
+                                                  msg.param_version, tuple(msg.entry_ids))
+                self.durations[msg.step] = msg.duration_s
+                self.last_step = max(self.last_step, msg.step)
+            case CheckpointSaved():
+                self.checkpoints[msg.step] = (msg.path, dict(msg.files))
+            case WeightsPublished():
+                ref = msg.manifest or msg.ref
+                self.published[msg.version] = Published(ref.sha256, msg.manifest is not None,
+                                                        msg.step)
+            case _:
+                pass
+
+    def config_at(self, step: int) -> dict[str, Any] | None:
+        """The config the trainer ran with when it trained the step after ``step``: the
+        newest RunStarted written with ``step`` or fewer steps finished."""
+        found = [cfg for before, cfg in self.configs if before <= step]
+        return found[-1] if found else (self.configs[0][1] if self.configs else None)
+
+
+class Plan(NamedTuple):
+    """A replay to ``target``: the checkpoints that may start it, newest first (``(0,
+    None)`` last: the model as built from the config), and the steps up to the target."""
+
+    target: int
+    starts: list[tuple[int, str | None]]
+
+    def steps_after(self, start: int) -> list[int]:
+        return list(range(start + 1, self.target + 1))
+
+
+class NotReplayable(Exception):
+    """What the log lacks for the replay asked (one line)."""
+
+
+def plan(log: RunLog, target: int) -> Plan:
+    """The replay of steps up to ``target``: every checkpoint of a step at or before it (the
+    newest first), then the config's fresh model. :class:`NotReplayable` when the log has
+    not finished that step, or lacks one of the steps a start would need."""
+    if target < 1 or target > log.last_step:
+        raise NotReplayable(f"step {target} is not a finished step of this run (its log "
+                            f"finished steps 1-{log.last_step})")
+    starts: list[tuple[int, str | None]] = [
+        (s, log.checkpoints[s][0]) for s in sorted(log.checkpoints, reverse=True)
+        if s <= target]
+    starts.append((0, None))
+    return Plan(target, starts)
+
+
+def group_in_order(rec: StepRecord, by_entry: Mapping[str, Sample]) -> list[list[Sample]]:
+    """Step ``rec``'s samples grouped by ticket, the groups in the order its StepFinished
+    named them, each by index (as trainer.resume.replay_groups groups them)."""
+    groups: dict[str, list[Sample]] = {}
+    for eid in rec.entry_ids:
+        s = by_entry[eid]
+        groups.setdefault(s.ticket_id, []).append(s)
+    return [sorted(g, key=lambda s: s.index) for g in groups.values()]
+
+
+class Replayer:
+    """One model of a run, built from its config on this machine (one rank), loaded from a
+    checkpoint and stepped as the run stepped it (blocking)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.trigger = cfg.async_training.trigger_parameter_sync_step
+        self.learner = Learner(cfg)
+        self.learner.build()
+        self.learner.optimizer, self.learner.scheduler = make_optimizer(
+            self.learner.policy.parameters(), cfg.trainer)
+        self.step = 0
+        self.train_s = 0.0
+
+    def load(self, path: str, files: dict[str, FileDigest]) -> str | None:
+        """Load the checkpoint at ``path`` after checking its files against the digests its
+        CheckpointSaved recorded; why it cannot serve (None: loaded)."""
+        why = checkpoint_fault(self.learner, path, files)
+        if why is not None:
+            return why
+        try:
+            self.learner.load_checkpoint(path)
+        except LOAD_ERRORS as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            return f"{path} could not be loaded ({type(exc).__name__}: {first})"
+        return None
+
+    def apply(self, rec: StepRecord, groups: Sequence[Sequence[Sample]]) -> None:
+        """Train step ``rec`` on ``groups`` with the version the run held for it."""
+        began = time.perf_counter()
+        self.learner.version = (rec.step - 1) // self.trigger
+        self.learner.update(groups)
+        self.step = rec.step
+        self.train_s += time.perf_counter() - began
+
+    def digest(self, manifest: bool) -> str:
+        """The digest the model's weights would be published under now."""
+        if manifest:
+            return str(weights_digest(self.learner.snapshot()))
+        return hashlib.sha256(self.learner.state_bytes()).hexdigest()
+
+    def version_at(self, step: int) -> int | None:
+        """The weights version published after ``step`` (None: no publication follows it)."""
+        return step // self.trigger if step % self.trigger == 0 else None
+
+
+def first_start(replayer_for: Callable[[], Replayer], log: RunLog, p: Plan,
+                locate: Callable[[str], str]) -> tuple[Replayer, int, list[str]]:
+    """A model at the newest start of ``p`` that serves (its files verify and load), the
+    step it is at, and why each newer one could not serve."""
+    skipped: list[str] = []
+    replayer = replayer_for()
+    for step, path in p.starts:
+        if path is None:
+            return replayer, 0, skipped
+        why = replayer.load(locate(path), log.checkpoints[step][1])
+        if why is None:
+            replayer.step = step
+            return replayer, step, skipped
+        skipped.append(why)
+        replayer = replayer_for()  # a half-loaded model is not the one built
+    return replayer, 0, skipped
