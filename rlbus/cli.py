@@ -77,6 +77,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "boundary replayed. --check compares at every boundary and names the first step\n"
                "that differs. Exit 0: it matches (or nothing to compare, said), 1: it differs,\n"
                "2: the step cannot be replayed (the reason in one line)."),
+    "retrain": (f"rlbus retrain --from RUN [--steps A-B] [--name NAME] {COMMON}",
+                "Train a copy of a run's model as it was before step A on exactly the samples\n"
+                "the run trained in steps A..B (default: all), with the trainer settings given\n"
+                "as KEY=VALUE (clip ratios, KL, entropy, zero_adv, lr): the controlled\n"
+                "comparison of losses on identical data. Writes the run's curves and the\n"
+                "retrain's side by side under run.output_dir/RUN/retrain/NAME/tensorboard.\n"
+                "A key that changes the samples or the model is refused (exit 2)."),
     "model": (f"rlbus model --run RUN --out DIR [--step K] {COMMON}",
               "Copy the Hugging Face directory of a run's checkpoint (the newest exported step,\n"
               "or --step K) to DIR, from this node's checkpoint folder or from run.storage:\n"
@@ -258,6 +265,21 @@ def _replay(argv: list[str]) -> int:
     return replay_run(cfg, ns.step, ns.check)
 
 
+def _retrain(argv: list[str]) -> int:
+    ns, overrides = _split("rlbus retrain", argv, [
+        ("--from", {"required": True, "dest": "run"}),
+        ("--steps", {"default": None}),
+        ("--name", {"default": None}),
+    ])
+    # The overrides are the retrain's settings, applied on the config the run recorded; only
+    # where the run's data lives (run.*, redis.*) is read from them here.
+    where = [o for o in overrides if o.lstrip("+~").startswith(("run.", "redis."))]
+    cfg = load_config(ns.config, [*where, f"run.id={ns.run}"])
+    from rlbus.retrain import retrain_run
+
+    return retrain_run(cfg, overrides, ns.steps, ns.name)
+
+
 def _model(argv: list[str]) -> int:
     ns, overrides = _split("rlbus model", argv, [("--run", {"required": True}),
                                                  ("--out", {"required": True}),
@@ -397,6 +419,7 @@ _HANDLERS = {
     "profile": _profile,
     "inspect": _inspect,
     "replay": _replay,
+    "retrain": _retrain,
     "model": _model,
     "config": _config,
 }

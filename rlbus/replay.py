@@ -40,10 +40,19 @@ from trainer.replay import (
 )
 from trainer.state import StepRecord
 
-__all__ = ["replay_run"]
+__all__ = [
+    "ReplayError",
+    "Walk",
+    "compare_published",
+    "read_run_log",
+    "replay_run",
+    "run_config",
+    "start_model",
+    "trained_samples",
+]
 
 
-class _Fail(Exception):
+class ReplayError(Exception):
     """One line to print; the exit code."""
 
     def __init__(self, line: str, code: int = 2) -> None:
@@ -62,7 +71,7 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-async def _read_log(url: str, run_id: str, archive: Path) -> RunLog:
+async def read_run_log(url: str, run_id: str, archive: Path) -> RunLog:
     bus = Bus.from_url(url)
     keys = RunKeys(run_id)
     log = RunLog()
@@ -96,57 +105,60 @@ async def _from_stream(url: str, run_id: str, ids: list[str]) -> dict[str, Sampl
     return {eid: m for eid, m in found.items() if isinstance(m, Sample)}
 
 
-def _samples(url: str, run_id: str, folder: Path, recs: list[StepRecord]
+def trained_samples(url: str, run_id: str, folder: Path, recs: list[StepRecord]
              ) -> dict[str, Sample]:
     """Every sample ``recs`` trained: the record's, then what the stream still holds."""
     try:
         found = _from_record(folder, {r.step for r in recs})
     except RecordCorrupt as exc:
-        raise _Fail(str(exc)) from None
+        raise ReplayError(str(exc)) from None
     wanted = [eid for r in recs for eid in r.entry_ids if eid not in found]
     if wanted:
         found.update(asyncio.run(_from_stream(url, run_id, wanted)))
     for r in recs:
         if not r.entry_ids:
-            raise _Fail(f"step {r.step}: its StepFinished names no samples-stream entries "
+            raise ReplayError(f"step {r.step}: its StepFinished names no samples-stream entries "
                         f"(a log written before entry ids were recorded): not replayable")
         missing = [eid for eid in r.entry_ids if eid not in found]
         if missing:
-            raise _Fail(f"step {r.step}: {len(missing)} of its samples are neither in the "
+            raise ReplayError(f"step {r.step}: {len(missing)} of its samples are neither in the "
                         f"run's record ({folder}) nor in the samples stream (first: "
                         f"{missing[0]})")
     return found
 
 
-def _run_config(cli: Config, recorded: dict[str, Any] | None) -> Config:
+def run_config(cli: Config, recorded: dict[str, Any] | None) -> Config:
     from rlbus.runlog import recorded_config
 
     if recorded is None:
-        raise _Fail(f"run {cli.run.id}: its log holds no RunStarted (no config to replay with)")
+        raise ReplayError(f"run {cli.run.id}: its log holds no RunStarted (no config to "
+                          f"replay with)")
     warnings: list[str] = []
     cfg = load_config(None, [], base=recorded_config(recorded, cli, warnings.append),
                       on_warning=warnings.append)
     return cfg
 
 
-class _Walk(NamedTuple):
+class Walk(NamedTuple):
     replayer: Replayer
     start: int
     skipped: list[str]
 
 
-def _start(cfg: Config, log: RunLog, target: int, locate: Callable[[str], str],
-           oldest: bool) -> _Walk:
+def start_model(cfg: Config, log: RunLog, target: int, locate: Callable[[str], str],
+                oldest: bool, build: Config | None = None) -> Walk:
     """The model to replay from: the newest start that serves, or with ``oldest`` (--check)
-    the oldest (the model built from the config: every step is walked)."""
+    the oldest (the model built from the config: every step is walked). ``build``: the
+    config to build the model with when not ``cfg`` (rlbus retrain: one with a KL reference
+    the run had none of)."""
     p = plan(log, target)
     if oldest:
         p = p._replace(starts=p.starts[::-1])
-    replayer, start, skipped = first_start(lambda: Replayer(cfg), log, p, locate)
-    return _Walk(replayer, start, skipped)
+    replayer, start, skipped = first_start(lambda: Replayer(cfg, build), log, p, locate)
+    return Walk(replayer, start, skipped)
 
 
-def _compare(walk: _Walk, log: RunLog, step: int) -> tuple[str, bool] | None:
+def compare_published(walk: Walk, log: RunLog, step: int) -> tuple[str, bool] | None:
     """The line and verdict of the comparison at ``step`` (None: no publication there)."""
     version = walk.replayer.version_at(step)
     published = None if version is None else log.published.get(version)
@@ -160,30 +172,30 @@ def _compare(walk: _Walk, log: RunLog, step: int) -> tuple[str, bool] | None:
 
 
 def _walk(url: str, cli: Config, log: RunLog, target: int, every: bool) -> Outcome:
-    cfg = _run_config(cli, log.config_at(target))
+    cfg = run_config(cli, log.config_at(target))
     from trainer.runfiles import RunFiles
 
     files = RunFiles(cfg, cli.run.id or "")
     began = time.perf_counter()
-    walk = _start(cfg, log, target, files.locate, every)
+    walk = start_model(cfg, log, target, files.locate, every)
     lines = [f"skipped: {why}" for why in walk.skipped]
     where = (f"the checkpoint of step {walk.start}" if walk.start
              else "the model built from the config (step 0)")
     recs = [log.steps[s] for s in range(walk.start + 1, target + 1) if s in log.steps]
     if len(recs) != target - walk.start:
         gap = next(s for s in range(walk.start + 1, target + 1) if s not in log.steps)
-        raise _Fail(f"step {gap} has no StepFinished in the log: not replayable")
-    samples = _samples(url, cli.run.id or "", record_dir(cfg, cli.run.id or ""), recs)
+        raise ReplayError(f"step {gap} has no StepFinished in the log: not replayable")
+    samples = trained_samples(url, cli.run.id or "", record_dir(cfg, cli.run.id or ""), recs)
     lines.append(f"replaying steps {walk.start + 1}-{target} from {where}")
     code, compared = 0, 0
-    if every and (c := _compare(walk, log, walk.start)) is not None:
+    if every and (c := compare_published(walk, log, walk.start)) is not None:
         compared += 1
         lines.append(c[0])
     for rec in recs:
         walk.replayer.apply(rec, group_in_order(rec, samples))
         if not (every or rec.step == target or _last_boundary(walk, rec.step, target)):
             continue
-        c = _compare(walk, log, rec.step)
+        c = compare_published(walk, log, rec.step)
         if c is None:
             continue
         compared += 1
@@ -197,13 +209,13 @@ def _walk(url: str, cli: Config, log: RunLog, target: int, every: bool) -> Outco
     return Outcome(lines, code)
 
 
-def _last_boundary(walk: _Walk, step: int, target: int) -> bool:
+def _last_boundary(walk: Walk, step: int, target: int) -> bool:
     """Whether ``step`` is the last version boundary at or before ``target``."""
     trigger = walk.replayer.trigger
     return step == target - target % trigger
 
 
-def _tail(walk: _Walk, log: RunLog, recs: list[StepRecord], compared: int, target: int,
+def _tail(walk: Walk, log: RunLog, recs: list[StepRecord], compared: int, target: int,
           took: float, cfg: Config) -> list[str]:
     ran = sum(log.durations.get(r.step, 0.0) for r in recs)
     lines = [f"step {target}: model sha256 {walk.replayer.digest(False)} (serialised state)"]
@@ -230,15 +242,15 @@ def replay_run(cli: Config, step: int | None, check: bool) -> int:
     _fetch_archive(cli, run_id)
     try:
         with redis_for_reading(cli) as url:
-            log = asyncio.run(_read_log(url, run_id, events_dir(cli, run_id)))
+            log = asyncio.run(read_run_log(url, run_id, events_dir(cli, run_id)))
             if not log.configs:
-                raise _Fail(f"run {run_id!r} has no events at this Redis", 1)
+                raise ReplayError(f"run {run_id!r} has no events at this Redis", 1)
             target = log.last_step if step is None else step
             outcome = _walk(url, cli, log, target, check)
     except (RunDataMissing, NotReplayable) as exc:
         print(f"rlbus replay: error: {exc}", file=sys.stderr)
         return 2
-    except _Fail as exc:
+    except ReplayError as exc:
         print(f"rlbus replay: error: {exc}", file=sys.stderr)
         return exc.code
     for line in outcome.lines:

@@ -59,6 +59,8 @@ class RunLog(msgspec.Struct):
 
     steps: dict[int, StepRecord] = {}
     durations: dict[int, float] = {}
+    metrics: dict[int, dict[str, float]] = {}
+    """Each step's metrics as its StepFinished said them (rlbus retrain draws them)."""
     checkpoints: dict[int, tuple[str, dict[str, FileDigest]]] = {}
     published: dict[int, Published] = {}
     configs: list[tuple[int, dict[str, Any]]] = []
@@ -74,6 +76,7 @@ class RunLog(msgspec.Struct):
                 self.steps[msg.step] = StepRecord(msg.step, tuple(msg.sample_ids),
                                                   msg.param_version, tuple(msg.entry_ids))
                 self.durations[msg.step] = msg.duration_s
+                self.metrics[msg.step] = msg.metrics
                 self.last_step = max(self.last_step, msg.step)
             case CheckpointSaved():
                 self.checkpoints[msg.step] = (msg.path, dict(msg.files))
@@ -134,15 +137,30 @@ class Replayer:
     """One model of a run, built from its config on this machine (one rank), loaded from a
     checkpoint and stepped as the run stepped it (blocking)."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, build: Config | None = None) -> None:
         self.cfg = cfg
         self.trigger = cfg.async_training.trigger_parameter_sync_step
-        self.learner = Learner(cfg)
+        self.learner = Learner(build or cfg)
         self.learner.build()
         self.learner.optimizer, self.learner.scheduler = make_optimizer(
             self.learner.policy.parameters(), cfg.trainer)
+        self.learner.cfg = cfg
         self.step = 0
         self.train_s = 0.0
+
+    def use(self, cfg: Config) -> None:
+        """Train the next steps with ``cfg``'s trainer settings (rlbus retrain: another loss
+        on the same samples); a new ``trainer.lr`` becomes the schedule's base."""
+        lr = cfg.trainer.lr
+        if lr != self.cfg.trainer.lr and self.learner.scheduler is not None:
+            scheduler = self.learner.scheduler
+            scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+            for group, factor in zip(self.learner.optimizer.param_groups,
+                                     [lam(scheduler.last_epoch) for lam in scheduler.lr_lambdas],
+                                     strict=True):
+                group["initial_lr"] = lr
+                group["lr"] = lr * factor
+        self.cfg = self.learner.cfg = cfg
 
     def load(self, path: str, files: dict[str, FileDigest]) -> str | None:
         """Load the checkpoint at ``path`` after checking its files against the digests its
@@ -157,13 +175,15 @@ class Replayer:
             return f"{path} could not be loaded ({type(exc).__name__}: {first})"
         return None
 
-    def apply(self, rec: StepRecord, groups: Sequence[Sequence[Sample]]) -> None:
-        """Train step ``rec`` on ``groups`` with the version the run held for it."""
+    def apply(self, rec: StepRecord, groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
+        """Train step ``rec`` on ``groups`` with the version the run held for it; the
+        update's metrics."""
         began = time.perf_counter()
         self.learner.version = (rec.step - 1) // self.trigger
-        self.learner.update(groups)
+        metrics = self.learner.update(groups)
         self.step = rec.step
         self.train_s += time.perf_counter() - began
+        return metrics
 
     def digest(self, manifest: bool) -> str:
         """The digest the model's weights would be published under now."""

@@ -1,0 +1,120 @@
+"""The run's record (``run.record``): its cost on the step time, its size, and replay speed.
+
+Runs the demo job (``configs/demo.yaml``: embedded Redis, trainer and rollouter processes)
+for ``--steps`` steps with a checkpoint every 10 (retention trims, and the record is written,
+after each) with ``run.record=all`` and ``run.record=none``, interleaved ``--repeat`` times,
+and compares side by side:
+
+- the run's training throughput: finished steps per second between the first StepFinished
+  after ``--skip`` and the last (the steady state; start-up excluded), and the mean
+  ``timing_s/step`` over the same steps; ratio all / none (aim: the record costs <= 2%);
+- the mean ``timing_s/retention`` of the checkpoint steps (where the record is written);
+- the record's size per 1 000 samples (parquet, zstd; ``raw`` holds each sample exactly);
+- ``rlbus replay --check`` over the whole run (from the config's model): its training
+  seconds and wall seconds against the run's own training time (the StepFinished durations).
+
+Run it with nothing else loading the machine.
+
+    .venv/bin/python bench/record_cost.py [--steps 100] [--repeat 3] [--skip 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+COMMON = ["--config", "configs/demo.yaml", "trainer.save_freq=10", "trainer.logger=[]",
+          "global_profiler.tool=null"]
+
+
+def _run(out: Path, run_id: str, steps: int, mode: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "rlbus", "up", *COMMON, f"run.output_dir={out}",
+           f"run.id={run_id}", f"trainer.total_training_steps={steps}", f"run.record={mode}"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise SystemExit(f"{run_id} failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    res = subprocess.run([sys.executable, "-m", "rlbus", "inspect", "--run", run_id, "--json",
+                          f"run.output_dir={out}"], capture_output=True, text=True, check=True)
+    return [json.loads(line) for line in res.stdout.splitlines()]
+
+
+def _stats(events: list[dict], skip: int) -> dict[str, float]:
+    steps = [e for e in events if e["type"] == "StepFinished" and e["step"] > skip]
+    span = steps[-1]["ts"] - steps[0]["ts"]
+    checkpoint_steps = [e for e in steps if e["step"] % 10 == 0]
+    return {
+        "steps_per_s": (len(steps) - 1) / span,
+        "step_s": statistics.fmean(e["metrics"]["timing_s/step"] for e in steps),
+        "retention_s": statistics.fmean(e["metrics"].get("timing_s/retention", 0.0)
+                                        for e in checkpoint_steps),
+        "samples": sum(len(e["sample_ids"]) for e in events if e["type"] == "StepFinished"),
+    }
+
+
+def _replay(out: Path, run_id: str) -> dict[str, float]:
+    began = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "rlbus", "replay", "--run", run_id, "--check",
+                          f"run.output_dir={out}"], capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - began
+    if res.returncode != 0:
+        raise SystemExit(f"replay failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    m = re.search(r"replayed (\d+) steps in ([\d.]+) s of training \(([\d.]+) s in all\); "
+                  r"the run trained them in ([\d.]+) s", res.stdout)
+    assert m is not None, res.stdout
+    return {"steps": int(m[1]), "train_s": float(m[2]), "all_s": float(m[3]),
+            "run_train_s": float(m[4]), "wall_s": wall,
+            "matched": res.stdout.count("matches weights version")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--skip", type=int, default=5)
+    a = p.parse_args(argv)
+    results: dict[str, list[dict[str, float]]] = {"all": [], "none": []}
+    with tempfile.TemporaryDirectory(prefix="record-bench-") as tmp:
+        out = Path(tmp)
+        last = ""
+        for i in range(a.repeat):
+            for mode in ("all", "none") if i % 2 == 0 else ("none", "all"):
+                run_id = f"{mode}-{i}"
+                stats = _stats(_run(out, run_id, a.steps, mode), a.skip)
+                results[mode].append(stats)
+                print(f"{run_id}: {stats['steps_per_s']:.2f} steps/s, step "
+                      f"{stats['step_s'] * 1000:.1f} ms, retention at checkpoints "
+                      f"{stats['retention_s'] * 1000:.1f} ms", flush=True)
+                if mode == "all":
+                    last = run_id
+        folder = out / last / "record"
+        size = sum(f.stat().st_size for f in folder.glob("samples-*.parquet"))
+        samples = results["all"][-1]["samples"]
+        replay = _replay(out, last)
+    best = {m: max(r["steps_per_s"] for r in rs) for m, rs in results.items()}
+    step = {m: min(r["step_s"] for r in rs) for m, rs in results.items()}
+    print(f"\nthroughput (best of {a.repeat}): record=all {best['all']:.2f} steps/s, "
+          f"none {best['none']:.2f}: all/none {best['all'] / best['none']:.3f}")
+    print(f"step time (best mean of {a.repeat}): all {step['all'] * 1000:.1f} ms, none "
+          f"{step['none'] * 1000:.1f} ms: {100 * (step['all'] / step['none'] - 1):+.1f}%")
+    print(f"retention at checkpoint steps (mean): all "
+          f"{statistics.fmean(r['retention_s'] for r in results['all']) * 1000:.1f} ms, none "
+          f"{statistics.fmean(r['retention_s'] for r in results['none']) * 1000:.1f} ms")
+    print(f"record size: {size / 1024:.0f} KiB for {int(samples)} samples: "
+          f"{size / samples * 1000 / 1024:.0f} KiB per 1000 samples")
+    print(f"replay --check of {replay['steps']} steps: {replay['train_s']:.2f} s training, "
+          f"{replay['wall_s']:.2f} s wall; the run trained them in {replay['run_train_s']:.2f} s "
+          f"({replay['matched']} publications matched)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
