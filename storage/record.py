@@ -17,8 +17,9 @@ yet. A writer that starts again continues from the newest segment's mark, so sta
 incrementally and nothing is recorded twice.
 
 Crash safety: a segment is written whole (a temporary file, fsynced, renamed, the folder
-fsynced): a crash leaves it or nothing. A segment that does not read (flipped bytes, a
-truncated copy) is :class:`RecordCorrupt`: one line naming the file.
+fsynced): a crash leaves it or nothing. Its pages carry checksums, verified on reading: a
+segment that does not read (flipped bytes, a truncated copy) is :class:`RecordCorrupt`, one
+line naming the file, never a wrong value.
 
 Functions (all blocking: call them from a worker thread)
     ``write_segment(folder, rows, mark) -> Path``
@@ -162,7 +163,9 @@ def write_segment(folder: Path, rows: Sequence[dict[str, Any]], mark: RecordMark
     table = pa.Table.from_pylist(list(rows), schema=schema)
     path = folder / f"samples-{number:06d}.parquet"
     with atomic_file(path) as fh:
-        pq.write_table(table, fh, compression="zstd")
+        # Page checksums: a flipped byte in a value is an error on reading, never a value a
+        # replay would train on.
+        pq.write_table(table, fh, compression="zstd", write_page_checksum=True)
     fsync_path(folder)
     return path
 
@@ -180,13 +183,13 @@ def read_rows(folder: Path, steps: Collection[int] | None = None,
     rows: list[dict[str, Any]] = []
     for path in segments(folder):
         try:
-            table = pq.read_table(path, columns=wanted)
-        except (OSError, ValueError) as exc:
+            table = pq.read_table(path, columns=wanted, page_checksum_verification=True)
+            if steps is not None:
+                table = table.filter(pc.is_in(table["step"], value_set=_int_array(steps)))
+            rows.extend(table.to_pylist())
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
             raise RecordCorrupt(f"record segment {path} does not read "
                                 f"({type(exc).__name__}: {_first_line(exc)})") from None
-        if steps is not None:
-            table = table.filter(pc.is_in(table["step"], value_set=_int_array(steps)))
-        rows.extend(table.to_pylist())
     return rows
 
 

@@ -173,6 +173,8 @@ class Recorder:
 
     def _judge(self, mark: RecordMark, entry_id: str, fields: list[bytes]) -> _Pending | None:
         """A samples entry with its verdict (None: not a sample, or not recorded)."""
+        step = mark.trained.pop(entry_id, None)
+        reason = mark.refused.pop(entry_id, "")  # junk's dead letters too: the mark stays small
         raw = _field(fields)
         try:
             msg = decode(raw)
@@ -180,8 +182,6 @@ class Recorder:
             return None  # junk: its dead letter holds its bytes
         if not isinstance(msg, Sample) or raw is None:
             return None
-        step = mark.trained.pop(entry_id, None)
-        reason = mark.refused.pop(entry_id, "")
         verdict = "trained" if step is not None else "refused" if reason else "not_trained"
         if verdict != "trained" and self.mode == "trained":
             return None
@@ -229,9 +229,9 @@ class Recorder:
                      ) -> RecordMark:
         mark = msgspec.structs.replace(mark, through=through)
         rows = await asyncio.to_thread(rows_of, batch, self.decode_text)
-        await asyncio.to_thread(write_segment, self.folder, rows, mark)
-        if self.jsonl_dir is not None:
+        if self.jsonl_dir is not None:  # first: a failed segment is written again, lines too
             await asyncio.to_thread(_write_jsonl, self.jsonl_dir, rows)
+        await asyncio.to_thread(write_segment, self.folder, rows, mark)
         self.mark = mark
         return mark
 

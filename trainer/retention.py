@@ -210,21 +210,7 @@ async def trim_after_checkpoint(
     record first: ``recorder``), tickets before the newest ticket, and the events before the
     safe point (:func:`retain`). Returns the warning to publish when the record or the
     archive could not be written (then nothing they would hold was trimmed)."""
-    if trained:
-        cut = max(trained, key=entry_key)
-        if recorder is not None:
-            # Only entries below the group's floor are done with: record exactly what the
-            # trim will remove (the floor never drops, so the trim removes no more).
-            floor = await bus.trim_floor(keys.samples)
-            if floor is not None:
-                cut = min(cut, floor, key=entry_key)
-            try:
-                await recorder.record_below(cut)
-            except (OSError, RecordCorrupt) as exc:
-                return WarningRaised(source="trainer", code="record_not_written",
-                                     message=f"samples stream not trimmed: the run's record "
-                                             f"failed: {exc}")
-        await bus.trim_safely(keys.samples, minid=cut)
+    warning = await _record_and_trim(bus, keys, trained, recorder) if trained else None
     latest = await bus.latest(keys.prompts)
     if latest is not None:
         await bus.trim_safely(keys.prompts, minid=latest.id)
@@ -236,4 +222,25 @@ async def trim_after_checkpoint(
     except OSError as exc:
         return WarningRaised(source="trainer", code="events_not_archived",
                              message=f"events stream not trimmed: the archive failed: {exc}")
+    return warning
+
+
+async def _record_and_trim(bus: Bus, keys: RunKeys, trained: Sequence[str],
+                           recorder: Recorder | None) -> WarningRaised | None:
+    """Trim the samples before the newest of ``trained``, copied to the run's record first;
+    the warning when the record could not be written (then nothing is trimmed)."""
+    cut = max(trained, key=entry_key)
+    if recorder is not None:
+        # Only entries below the group's floor are done with: record exactly what the trim
+        # will remove (the floor never drops, so the trim removes no more).
+        floor = await bus.trim_floor(keys.samples)
+        if floor is not None:
+            cut = min(cut, floor, key=entry_key)
+        try:
+            await recorder.record_below(cut)
+        except (OSError, RecordCorrupt) as exc:
+            return WarningRaised(source="trainer", code="record_not_written",
+                                 message=f"samples stream not trimmed: the run's record "
+                                         f"failed: {exc}")
+    await bus.trim_safely(keys.samples, minid=cut)
     return None
