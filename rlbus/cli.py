@@ -84,6 +84,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "comparison of losses on identical data. Writes the run's curves and the\n"
                 "retrain's side by side under run.output_dir/RUN/retrain/NAME/tensorboard.\n"
                 "A key that changes the samples or the model is refused (exit 2)."),
+    "fork": (f"rlbus fork --run RUN --at K --new-run NEW {COMMON}",
+             "A new run NEW that goes on from RUN's state after step K with the settings given\n"
+             "as KEY=VALUE (lr, clip ratios, KL, staleness, reward function, ...): its\n"
+             "checkpoint is RUN's model and optimizer after K (rebuilt and checked against\n"
+             "RUN's published weights), its data position RUN's, its log RUN's steps 1-K and\n"
+             "a RunForked naming RUN. Then `rlbus up run.id=NEW` trains from step K+1."),
     "model": (f"rlbus model --run RUN --out DIR [--step K] {COMMON}",
               "Copy the Hugging Face directory of a run's checkpoint (the newest exported step,\n"
               "or --step K) to DIR, from this node's checkpoint folder or from run.storage:\n"
@@ -280,6 +286,21 @@ def _retrain(argv: list[str]) -> int:
     return retrain_run(cfg, overrides, ns.steps, ns.name)
 
 
+def _fork(argv: list[str]) -> int:
+    ns, overrides = _split("rlbus fork", argv, [
+        ("--run", {"required": True}),
+        ("--at", {"type": int, "required": True}),
+        ("--new-run", {"required": True}),
+    ])
+    # As retrain: the overrides are the fork's settings, applied on the parent's recorded config.
+    where = [o for o in overrides if o.lstrip("+~").startswith(("run.", "redis."))]
+    cfg = load_config(ns.config, [*where, f"run.id={ns.run}"])
+    load_config(None, [f"run.id={ns.new_run}"])  # a bad run id exits 2 naming run.id
+    from rlbus.fork import fork_run
+
+    return fork_run(cfg, ns.at, ns.new_run, overrides)
+
+
 def _model(argv: list[str]) -> int:
     ns, overrides = _split("rlbus model", argv, [("--run", {"required": True}),
                                                  ("--out", {"required": True}),
@@ -420,6 +441,7 @@ _HANDLERS = {
     "inspect": _inspect,
     "replay": _replay,
     "retrain": _retrain,
+    "fork": _fork,
     "model": _model,
     "config": _config,
 }

@@ -28,6 +28,7 @@ from runschema.messages import (
     Heartbeat,
     Message,
     ProfileStopped,
+    RunForked,
     Sample,
     StepFinished,
     ValidationFinished,
@@ -38,7 +39,7 @@ from runtime.history import find_archive
 from runtime.progress import validation_line
 from storage.run_storage import StorageError
 
-__all__ = ["event_to_json", "inspect_run", "summary_line", "validation_curves",
+__all__ = ["event_to_json", "inspect_run", "lineage", "summary_line", "validation_curves",
            "validations_table"]
 
 _json = msgspec.json.Encoder()
@@ -81,6 +82,17 @@ def summary_line(entry_id: str, msg: Message, t0: float | None = None) -> str:
             fields.pop(noisy, None)
         text = " ".join(f"{k}={v}" for k, v in fields.items())
     return f"{stamp} {rel}  {name:<18} {text}"[:220]
+
+
+def lineage(events: list[tuple[str, Message]]) -> list[str]:
+    """The run's parents (``rlbus fork``), one line each: which run, which step, what changed."""
+    lines = []
+    for _, msg in events:
+        if isinstance(msg, RunForked):
+            changed = " ".join(msg.overrides) or "no change"
+            lines.append(f"lineage: forked from run {msg.parent} after step {msg.step} "
+                         f"({changed}); steps 1-{msg.step} are the parent's")
+    return lines
 
 
 def validations_table(events: list[tuple[str, Message]]) -> list[str]:
@@ -324,6 +336,8 @@ def _print_events(run_id: str, events: list[tuple[str, Message]], as_json: bool)
             span = _entry_time(events[-1][0]) - t0
             out.write(f"run {run_id}: {len(shown)} events from {first} over {span:.1f} s\n"
                       .encode())
+            for line in lineage(events):
+                out.write(line.encode() + b"\n")
         for entry_id, msg in shown:
             if as_json:
                 out.write(event_to_json(msg) + b"\n")

@@ -226,10 +226,12 @@ def _tail(walk: Walk, log: RunLog, recs: list[StepRecord], compared: int, target
     lines.append(f"replayed {len(recs)} steps in {walk.replayer.train_s:.2f} s of training "
                  f"({took:.2f} s in all); the run trained them in {ran:.2f} s")
     ranks = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    if ranks > 1 or cfg.trainer.device not in ("cpu", "auto"):
-        lines.append(f"note: the run trained on {ranks} rank(s) (trainer.device="
-                     f"{cfg.trainer.device}); replayed on one: equal within float tolerance "
-                     "only, not bit for bit (docs/operations.md)")
+    device = walk.replayer.learner.device
+    if ranks > 1 or getattr(device, "type", "cpu") != "cpu":
+        lines.append(f"note: the run trained on {ranks} rank(s), replayed on one {device}: "
+                     "expect equality within float tolerance, not bit for bit (several ranks "
+                     "sum in another order; GPU kernels may be nondeterministic: "
+                     "docs/operations.md)")
     return lines
 
 

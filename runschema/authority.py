@@ -25,6 +25,7 @@ from runschema.messages import (
     ProfileStopped,
     RolloutFailed,
     RunFinished,
+    RunForked,
     RunStarted,
     StepFinished,
     StepStarted,
@@ -43,7 +44,8 @@ _ANYONE: tuple[type, ...] = (WarningRaised, ComponentFailed)
 
 FACTS: dict[str, tuple[type, ...]] = {
     "trainer": (RunStarted, StepStarted, StepFinished, WeightsPublished, TrainerResumed,
-                CheckpointSaved, TicketsIssued, TicketsClosed, RunFinished, ProfileStarted,
+                CheckpointSaved, TicketsIssued, TicketsClosed, RunFinished, RunForked,
+                ProfileStarted,
                 ProfileStopped, *_ANYONE),
     "rollouter": (RolloutFailed, ValidationFinished, TicketsClaimed, ProfileStarted, ProfileStopped,
                   *_ANYONE),

@@ -48,6 +48,7 @@ __all__ = [
     "PromptTicket",
     "RolloutFailed",
     "RunFinished",
+    "RunForked",
     "RunStarted",
     "Sample",
     "StartProfile",
@@ -391,6 +392,27 @@ class RunFinished(_Base, frozen=True):
     ts: float = msgspec.field(default_factory=_now)
 
 
+class RunForked(_Base, frozen=True):
+    """This run goes on from run ``parent``'s state after ``step`` (``rlbus fork``): its log
+    holds the parent's StepFinished events up to there (their metrics; their samples are in
+    the parent's record), then this fact; its checkpoint ``checkpoint`` is the parent's model
+    and optimizer after ``step``, rebuilt and checked against the weights the parent
+    published (``weights_sha256``). ``overrides``: the settings changed from the parent's.
+    ``dropped_tickets``: the parent's tickets open at ``step`` (issued, not trained), whose
+    prompts this run does not train (it issues tickets from the parent's data position)."""
+
+    run_id: str
+    parent: str
+    step: int
+    parent_position: str
+    """The parent's StepFinished of ``step`` (its entry id in the parent's log)."""
+    checkpoint: str
+    overrides: list[str] = []
+    weights_sha256: str = ""
+    dropped_tickets: list[str] = []
+    ts: float = msgspec.field(default_factory=_now)
+
+
 # --------------------------------------------------------------------------- work items
 
 
@@ -558,6 +580,7 @@ Event = (
     | TicketsClaimed
     | RunFinished
     | ValidationFinished
+    | RunForked
 )
 """Everything that goes to ``rlbus:{RUN}:events``."""
 

@@ -34,8 +34,8 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _events(out: Path) -> list[dict]:
-    res = run_cli("inspect", "--run", RUN, "--json", f"run.output_dir={out}")
+def _events(out: Path, run: str = RUN) -> list[dict]:
+    res = run_cli("inspect", "--run", run, "--json", f"run.output_dir={out}")
     assert res.returncode == 0, res.stderr
     return [json.loads(line) for line in res.stdout.splitlines()]
 
@@ -103,6 +103,42 @@ def test_retrain_reproduces_the_run_with_its_settings_and_differs_with_others(
                       f"run.output_dir={finished_run}")
     assert refused.returncode == 2
     assert refused.stderr.strip().startswith("rlbus retrain: error: rollout.n: ")
+
+
+def test_a_fork_at_step_20_goes_on_from_the_parents_state_with_its_overrides(
+        finished_run: Path) -> None:
+    fork = run_cli("fork", "--run", RUN, "--at", "20", "--new-run", "rec-lr",
+                   "actor_rollout_ref.actor.optim.lr=5e-4", f"run.output_dir={finished_run}",
+                   timeout_s=240)
+    assert fork.returncode == 0, fork.stdout + fork.stderr
+    assert "matches weights version 20" in fork.stdout
+    again = run_cli("fork", "--run", RUN, "--at", "20", "--new-run", "rec-lr",
+                    f"run.output_dir={finished_run}")
+    assert again.returncode == 2 and "already has a log" in again.stderr
+    up = run_cli("up", f"run.output_dir={finished_run}", "run.id=rec-lr", timeout_s=280)
+    assert up.returncode == 0, up.stdout + up.stderr
+    res = run_cli("inspect", "--run", "rec-lr", f"run.output_dir={finished_run}")
+    assert res.returncode == 0, res.stderr
+    assert ("lineage: forked from run rec after step 20 (actor_rollout_ref.actor.optim.lr=5e-4)"
+            in res.stdout)
+    mine = _events(finished_run, "rec-lr")
+    parents = {e["step"]: e for e in _events(finished_run) if e["type"] == "StepFinished"}
+    steps = {e["step"]: e for e in mine if e["type"] == "StepFinished"}
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    for step in range(1, 21):  # the parent's, as they were
+        assert steps[step]["metrics"] == parents[step]["metrics"]
+    resumed = [e for e in mine if e["type"] == "TrainerResumed"]
+    assert [(r["step"], r["weights_match"], r["replayed_steps"]) for r in resumed] == [
+        (20, True, 0)]
+    started = [e for e in mine if e["type"] == "RunStarted"]
+    assert started[-1]["config"]["trainer"]["lr"] == 5e-4
+    # the fork's own steps replay from its checkpoint; the parent's are the parent's
+    own = run_cli("replay", "--run", "rec-lr", "--step", "24",
+                  f"run.output_dir={finished_run}", timeout_s=240)
+    assert own.returncode == 0 and "matches weights version 24" in own.stdout, own.stderr
+    theirs = run_cli("replay", "--run", "rec-lr", "--step", "15",
+                     f"run.output_dir={finished_run}")
+    assert theirs.returncode == 2 and "step 15 is run rec's" in theirs.stderr
 
 
 def test_inspect_prints_a_steps_samples(finished_run: Path) -> None:

@@ -15,6 +15,7 @@ from runschema.messages import (
     BlobRef,
     CheckpointSaved,
     FileDigest,
+    RunForked,
     RunStarted,
     Sample,
     StepFinished,
@@ -76,6 +77,16 @@ def test_a_plan_starts_from_checkpoints_at_or_before_the_target_newest_first(
 def test_a_step_the_run_did_not_finish_is_not_replayable(target: int) -> None:
     with pytest.raises(NotReplayable, match=f"step {target} is not a finished step"):
         plan(_log(5), target)
+
+
+def test_a_fork_replays_from_its_own_checkpoints_and_names_its_parent() -> None:
+    log = _log(30, checkpoints=(25,))
+    log.take(RunForked(run_id="f", parent="p", step=20, parent_position="1-0",
+                       checkpoint="/f/step-000020.pt"))
+    assert [s for s, _ in plan(log, 27).starts] == [25, 20]  # never the config's model
+    assert [s for s, _ in plan(log, 22).starts] == [20]
+    with pytest.raises(NotReplayable, match=r"step 12 is run p's: .* after step 20"):
+        plan(log, 12)
 
 
 def _sample(ticket: str, index: int) -> Sample:

@@ -32,6 +32,7 @@ from runschema.messages import (
     CheckpointSaved,
     FileDigest,
     Message,
+    RunForked,
     RunStarted,
     Sample,
     StepFinished,
@@ -66,6 +67,9 @@ class RunLog(msgspec.Struct):
     configs: list[tuple[int, dict[str, Any]]] = []
     """Each RunStarted's config, with the last step finished before it."""
     last_step: int = 0
+    forked: tuple[str, int] | None = None
+    """``(parent run, step)`` when the run was forked (rlbus fork): its steps up to there
+    are the parent's."""
 
     def take(self, msg: Message) -> None:
         """Fold one event (log order)."""
@@ -80,6 +84,9 @@ class RunLog(msgspec.Struct):
                 self.last_step = max(self.last_step, msg.step)
             case CheckpointSaved():
                 self.checkpoints[msg.step] = (msg.path, dict(msg.files))
+            case RunForked():  # a fork's first checkpoint is the one rlbus fork wrote
+                self.checkpoints[msg.step] = (msg.checkpoint, {})
+                self.forked = (msg.parent, msg.step)
             case WeightsPublished():
                 ref = msg.manifest or msg.ref
                 self.published[msg.version] = Published(ref.sha256, msg.manifest is not None,
@@ -116,10 +123,17 @@ def plan(log: RunLog, target: int) -> Plan:
     if target < 1 or target > log.last_step:
         raise NotReplayable(f"step {target} is not a finished step of this run (its log "
                             f"finished steps 1-{log.last_step})")
+    first = 0
+    if log.forked is not None:
+        parent, first = log.forked
+        if target <= first:
+            raise NotReplayable(f"step {target} is run {parent}'s: this run was forked from it "
+                                f"after step {first} (replay it with --run {parent})")
     starts: list[tuple[int, str | None]] = [
         (s, log.checkpoints[s][0]) for s in sorted(log.checkpoints, reverse=True)
-        if s <= target]
-    starts.append((0, None))
+        if first <= s <= target]
+    if log.forked is None:
+        starts.append((0, None))  # the config's model: a fork has none of its own
     return Plan(target, starts)
 
 
@@ -211,4 +225,5 @@ def first_start(replayer_for: Callable[[], Replayer], log: RunLog, p: Plan,
             return replayer, step, skipped
         skipped.append(why)
         replayer = replayer_for()  # a half-loaded model is not the one built
-    return replayer, 0, skipped
+    raise NotReplayable(f"no checkpoint at or before step {p.target} serves: "
+                        f"{'; '.join(skipped) or 'the log names none'}")
