@@ -8,7 +8,8 @@ and compares side by side:
 - the run's training throughput: finished steps per second between the first StepFinished
   after ``--skip`` and the last (the steady state; start-up excluded), and the mean
   ``timing_s/step`` over the same steps; ratio all / none (aim: the record costs <= 2%);
-- the mean ``timing_s/retention`` of the checkpoint steps (where the record is written);
+- the mean ``timing_s/retention`` of the steps after a checkpoint (where retention, the
+  record included, is started: it runs beside the steps, so this is only its start);
 - the record's size per 1 000 samples (parquet, zstd; ``raw`` holds each sample exactly);
 - ``rlbus replay --check`` over the whole run (from the config's model): its training
   seconds and wall seconds against the run's own training time (the StepFinished durations).
@@ -50,7 +51,7 @@ def _run(out: Path, run_id: str, steps: int, mode: str) -> list[dict]:
 def _stats(events: list[dict], skip: int) -> dict[str, float]:
     steps = [e for e in events if e["type"] == "StepFinished" and e["step"] > skip]
     span = steps[-1]["ts"] - steps[0]["ts"]
-    checkpoint_steps = [e for e in steps if e["step"] % 10 == 0]
+    checkpoint_steps = [e for e in steps if e["step"] % 10 == 1]
     return {
         "steps_per_s": (len(steps) - 1) / span,
         "step_s": statistics.fmean(e["metrics"]["timing_s/step"] for e in steps),
@@ -100,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         samples = results["all"][-1]["samples"]
         replay = _replay(out, last)
     best = {m: max(r["steps_per_s"] for r in rs) for m, rs in results.items()}
+    median = {m: statistics.median(r["steps_per_s"] for r in rs) for m, rs in results.items()}
     step = {m: min(r["step_s"] for r in rs) for m, rs in results.items()}
     print(f"\nthroughput (best of {a.repeat}): record=all {best['all']:.2f} steps/s, "
-          f"none {best['none']:.2f}: all/none {best['all'] / best['none']:.3f}")
+          f"none {best['none']:.2f}: all/none {best['all'] / best['none']:.3f}; medians "
+          f"{median['all']:.2f} and {median['none']:.2f}: {median['all'] / median['none']:.3f}")
     print(f"step time (best mean of {a.repeat}): all {step['all'] * 1000:.1f} ms, none "
           f"{step['none'] * 1000:.1f} ms: {100 * (step['all'] / step['none'] - 1):+.1f}%")
     print(f"retention at checkpoint steps (mean): all "

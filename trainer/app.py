@@ -108,8 +108,9 @@ class Trainer(TrainerProcess):
         self.waiting = "writing the last checkpoint's Hugging Face directory"
         if (warning := await self.checkpoints.exported()) is not None:  # before RunFinished
             await self.publish(warning)
-        if (warning := await self.checkpoints.record_rest()) is not None:
-            await self.publish(warning)
+        for warning in (await self.checkpoints.retained(), await self.checkpoints.record_rest()):
+            if warning is not None:
+                await self.publish(warning)
         self.waiting = None
         # The steps the log holds (a run resumed with fewer total steps has more).
         await self.publish(RunFinished(run_id=self.run_id, steps=self.writer.state.last_step))
@@ -121,6 +122,8 @@ class Trainer(TrainerProcess):
         laps = self.laps
         self.writer.check_fenced()
         await self.apply_commands()
+        if (warning := self.checkpoints.collect()) is not None:  # a retention that ended
+            await self.publish(warning)
         laps.lap("commands")
         work, self.upcoming = self.upcoming or StepWork(self.submit, self.learner.step()), None
         await self._act(self.core.start_step(step, self.clock()), work)
@@ -270,7 +273,7 @@ class Trainer(TrainerProcess):
                 case ProfileStep():
                     pass
                 case Trim(entry_ids, ranks):
-                    warning = await self.checkpoints.trim(
+                    warning = await self.checkpoints.trim_later(
                         entry_ids, last_step=self.writer.state.last_step,
                         current=self.writer.state.checkpoint()[1], rollouter_ranks=ranks)
                     await self.publish(*([] if warning is None else [warning]))

@@ -42,6 +42,8 @@ class Checkpoints:
         tc = cfg.trainer
         self.hf_export = HFExport(cfg.model.path, files.mirror) if (
             "hf_model" in tc.checkpoint_contents and cfg.model.path) else None
+        self.retaining: asyncio.Future[WarningRaised | None] | None = None
+        """The retention running beside the steps (:meth:`trim_later`), one at a time."""
         self.recorder: Recorder | None = None
         """The run's record (run.record): samples are copied there before they are trimmed."""
         self.fallback: list[str] = []
@@ -115,6 +117,33 @@ class Checkpoints:
             current=current, fence=(self.keys.trainer_lease, self.lease.token),
             rollouter_ranks=rollouter_ranks, recorder=self.recorder)
 
+    async def trim_later(self, trained: Sequence[str], *, last_step: int, current: str | None,
+                         rollouter_ranks: Sequence[int]) -> WarningRaised | None:
+        """Start :meth:`trim` beside the next steps: the run's record, the events archive
+        and the trims are file work and Redis reads the steps need not wait for. One at a
+        time: the previous one (a checkpoint window ago) is awaited first; its warning is
+        returned."""
+        warning = await self.retained()
+        self.retaining = asyncio.ensure_future(self.trim(
+            trained, last_step=last_step, current=current, rollouter_ranks=rollouter_ranks))
+        return warning
+
+    def collect(self) -> WarningRaised | None:
+        """The warning of a retention that has finished (None: none, or still running); its
+        failure is raised here, on the trainer's path."""
+        if self.retaining is None or not self.retaining.done():
+            return None
+        task, self.retaining = self.retaining, None
+        return task.result()
+
+    async def retained(self) -> WarningRaised | None:
+        """Wait for the retention running now (before the next one, and at the run's end);
+        its warning."""
+        if self.retaining is None:
+            return None
+        task, self.retaining = self.retaining, None
+        return await task
+
     async def record_rest(self) -> WarningRaised | None:
         """At the run's end, before RunFinished: the samples not recorded yet go into the
         run's record (trainer.record), so that it holds the whole run; the warning to
@@ -129,5 +158,7 @@ class Checkpoints:
         return None
 
     def close(self) -> None:
+        if self.retaining is not None:  # a trainer that stops: its trim is done again later
+            self.retaining.cancel()
         if self.hf_export is not None:
             self.hf_export.close()
