@@ -10,6 +10,11 @@ and compares side by side:
   ``timing_s/step`` over the same steps; ratio all / none (aim: the record costs <= 2%);
 - the mean ``timing_s/retention`` of the steps after a checkpoint (where retention, the
   record included, is started: it runs beside the steps, so this is only its start);
+- the record's CPU cost, measured alone (deterministic, unlike the A/B throughput of a
+  2-core machine where both processes share the cores): the seconds of CPU to decode the
+  run's samples as they come from Redis, build their rows (text decoded) and write them as
+  segments, per 1 000 samples, and as a share of the machine's capacity over the time the
+  run without a record took to train 1 000 samples (its cores x its seconds);
 - the record's size per 1 000 samples (parquet, zstd; ``raw`` holds each sample exactly);
 - ``rlbus replay --check`` over the whole run (from the config's model): its training
   seconds and wall seconds against the run's own training time (the StepFinished durations).
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -76,6 +82,35 @@ def _replay(out: Path, run_id: str) -> dict[str, float]:
             "matched": res.stdout.count("matches weights version")}
 
 
+def _record_cpu(folder: Path, model: str) -> tuple[float, int]:
+    """CPU seconds to record again the samples of the segments in ``folder`` (decode their
+    raw bytes, build rows, write segments), and how many."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from runconfig import load_config
+    from runschema.messages import decode
+    from storage.record import RecordMark, read_rows, write_segment
+    from trainer.record import SEGMENT_ROWS, Described, TextDecoder, _Pending, columns_of
+
+    cfg = load_config("configs/demo.yaml", [f"model.kind={model}"])
+    raws = [(r["entry_id"], r["raw"]) for r in read_rows(folder, columns=["entry_id", "raw"])]
+    text = TextDecoder(cfg.model)
+    text.decode([1])
+    scratch = folder.parent / "record-again"
+    write_segment(scratch, [], RecordMark())  # pyarrow's first write: once per process
+    pq.read_schema(next(scratch.glob("*.parquet")))
+    began = time.process_time()
+    for i in range(0, len(raws), SEGMENT_ROWS):
+        part = [_Pending(eid, decode(raw), raw, 1, "trained", "", Described("", "", ""))
+                for eid, raw in raws[i:i + SEGMENT_ROWS]]
+        write_segment(scratch, columns_of(part, text.decode), RecordMark())  # type: ignore[arg-type]
+    spent = time.process_time() - began
+    shutil.rmtree(scratch)
+    return spent, len(raws)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=100)
@@ -100,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         size = sum(f.stat().st_size for f in folder.glob("samples-*.parquet"))
         samples = results["all"][-1]["samples"]
         replay = _replay(out, last)
+        cpu_s, recorded = _record_cpu(folder, "tiny")
     best = {m: max(r["steps_per_s"] for r in rs) for m, rs in results.items()}
     median = {m: statistics.median(r["steps_per_s"] for r in rs) for m, rs in results.items()}
     step = {m: min(r["step_s"] for r in rs) for m, rs in results.items()}
@@ -111,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"retention at checkpoint steps (mean): all "
           f"{statistics.fmean(r['retention_s'] for r in results['all']) * 1000:.1f} ms, none "
           f"{statistics.fmean(r['retention_s'] for r in results['none']) * 1000:.1f} ms")
+    per_1000 = cpu_s / recorded * 1000
+    wall_1000 = statistics.median(1000 / (r["steps_per_s"] * r["samples"] / a.steps)
+                                  for r in results["none"])
+    cores = os.cpu_count() or 1
+    print(f"record CPU: {per_1000 * 1000:.1f} ms per 1000 samples; the run without a record "
+          f"trains 1000 samples in {wall_1000:.2f} s on {cores} cores: "
+          f"{100 * per_1000 / (wall_1000 * cores):.2f}% of the machine")
     print(f"record size: {size / 1024:.0f} KiB for {int(samples)} samples: "
           f"{size / samples * 1000 / 1024:.0f} KiB per 1000 samples")
     print(f"replay --check of {replay['steps']} steps: {replay['train_s']:.2f} s training, "

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,9 +149,11 @@ def last_mark(folder: Path) -> RecordMark | None:
     return _mark_of(found[-1]) if found else None
 
 
-def write_segment(folder: Path, rows: Sequence[dict[str, Any]], mark: RecordMark) -> Path:
-    """Write ``rows`` (dicts of :data:`COLUMNS`) as the next segment, with ``mark`` as its
-    metadata (its ``segment`` set to the new number); whole or not at all. Returns its path."""
+def write_segment(folder: Path, rows: Sequence[dict[str, Any]] | Mapping[str, Any],
+                  mark: RecordMark) -> Path:
+    """Write ``rows`` (dicts of :data:`COLUMNS`, or the columns themselves: lists or arrow
+    arrays by name) as the next segment, with ``mark`` as its metadata (its ``segment`` set
+    to the new number); whole or not at all. Returns its path."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -160,7 +162,10 @@ def write_segment(folder: Path, rows: Sequence[dict[str, Any]], mark: RecordMark
     number = _number(found[-1]) + 1 if found else 1
     mark = msgspec.structs.replace(mark, segment=number)
     schema = _schema().with_metadata({MARK_KEY: msgspec.json.encode(mark)})
-    table = pa.Table.from_pylist(list(rows), schema=schema)
+    if isinstance(rows, Mapping):
+        table = pa.Table.from_pydict(dict(rows), schema=schema)
+    else:
+        table = pa.Table.from_pylist(list(rows), schema=schema)
     path = folder / f"samples-{number:06d}.parquet"
     with atomic_file(path) as fh:
         # Page checksums: a flipped byte in a value is an error on reading, never a value a

@@ -36,7 +36,7 @@ from runschema.messages import FIELD, DeadLetter, DecodeError, Sample, StepFinis
 from runtime.history import read_history
 from storage.record import RecordMark, last_mark, write_segment
 
-__all__ = ["Described", "Recorder", "TextDecoder", "rows_of"]
+__all__ = ["Described", "Recorder", "TextDecoder", "columns_of"]
 
 SEGMENT_ROWS = 2048
 """Rows per segment at most (a segment is built in memory before it is written)."""
@@ -65,46 +65,70 @@ class _Pending(NamedTuple):
     described: Described
 
 
-def rows_of(pending: Sequence[_Pending], decode_text: Callable[[Iterable[int]], str] | None
-            ) -> list[dict[str, Any]]:
-    """Rows of storage.record.COLUMNS (blocking: the text decoding)."""
-    rows = []
-    for p in pending:
-        s = p.sample
-        prompt_tokens = s.prompt_tokens.numpy().tolist()
-        response_tokens = s.response_tokens.numpy().tolist()
-        response = decode_text(response_tokens) if decode_text is not None else ""
-        prompt = p.described.prompt
-        if not prompt and decode_text is not None:
-            prompt = decode_text(prompt_tokens)
-        rows.append({
-            "step": p.step, "verdict": p.verdict, "reason": p.reason,
-            "data_source": p.described.data_source, "prompt": prompt, "response": response,
-            "ground_truth": p.described.ground_truth, "score": float(s.reward),
-            "entry_id": p.entry_id, "sample_id": s.sample_id, "ticket_id": s.ticket_id,
-            "prompt_id": s.prompt_id, "index": s.index, "n": s.n, "attempt": s.attempt,
-            "rank": s.rank, "min_version": s.min_version, "max_version": s.max_version,
-            "finish_reason": s.finish_reason, "reward_error": s.reward_error,
-            "gen_time_s": float(s.gen_time_s), "ts": float(s.ts),
-            "prompt_tokens": prompt_tokens, "response_tokens": response_tokens,
-            "logprobs": s.logprobs.numpy().tolist(), "raw": p.raw,
-        })
-    return rows
+def columns_of(pending: Sequence[_Pending], decode_text: Callable[[Iterable[int]], str] | None
+            ) -> dict[str, Any]:
+    """The columns of storage.record.COLUMNS for ``pending`` (blocking: the text decoding).
+    Token ids and log-probs go from each sample's bytes to arrow lists without Python lists;
+    a prompt without text from the data is decoded once per ticket."""
+    import numpy as np
+    import pyarrow as pa
+
+    samples = [p.sample for p in pending]
+    asked = [s.prompt_tokens.numpy() for s in samples]
+    answered = [s.response_tokens.numpy() for s in samples]
+    prompts: dict[str, str] = {}
+    prompt_text, responses = [], []
+    for p, tokens, response in zip(pending, asked, answered, strict=True):
+        text = p.described.prompt
+        if not text and decode_text is not None:
+            tid = p.sample.ticket_id
+            text = prompts.get(tid) or prompts.setdefault(tid, decode_text(tokens))
+        prompt_text.append(text)
+        responses.append(decode_text(response) if decode_text else "")
+
+    def listed(arrays: list[np.ndarray], dtype: Any) -> Any:
+        offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+        np.cumsum([len(a) for a in arrays], out=offsets[1:])
+        values = np.concatenate(arrays) if arrays else np.zeros(0)
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(dtype)))
+
+    return {
+        "step": [p.step for p in pending], "verdict": [p.verdict for p in pending],
+        "reason": [p.reason for p in pending],
+        "data_source": [p.described.data_source for p in pending], "prompt": prompt_text,
+        "response": responses, "ground_truth": [p.described.ground_truth for p in pending],
+        "score": [float(s.reward) for s in samples],
+        "entry_id": [p.entry_id for p in pending], "sample_id": [s.sample_id for s in samples],
+        "ticket_id": [s.ticket_id for s in samples], "prompt_id": [s.prompt_id for s in samples],
+        "index": [s.index for s in samples], "n": [s.n for s in samples],
+        "attempt": [s.attempt for s in samples], "rank": [s.rank for s in samples],
+        "min_version": [s.min_version for s in samples],
+        "max_version": [s.max_version for s in samples],
+        "finish_reason": [s.finish_reason for s in samples],
+        "reward_error": [s.reward_error for s in samples],
+        "gen_time_s": [float(s.gen_time_s) for s in samples],
+        "ts": [float(s.ts) for s in samples],
+        "prompt_tokens": listed(asked, np.int32), "response_tokens": listed(answered, np.int32),
+        "logprobs": listed([s.logprobs.numpy() for s in samples], np.float32),
+        "raw": [p.raw for p in pending],
+    }
 
 
-def _write_jsonl(folder: Path, rows: Sequence[dict[str, Any]]) -> None:
+def _write_jsonl(folder: Path, columns: dict[str, Any]) -> None:
     """verl's ``rollout_data_dir`` dump of the trained rows: ``{step}.jsonl``, appended."""
-    by_step: dict[int, list[dict[str, Any]]] = {}
-    for r in rows:
-        if r["step"] is not None:
-            by_step.setdefault(r["step"], []).append(r)
+    by_step: dict[int, list[int]] = {}
+    for i, step in enumerate(columns["step"]):
+        if step is not None:
+            by_step.setdefault(step, []).append(i)
     folder.mkdir(parents=True, exist_ok=True)
-    for step, items in by_step.items():
+    for step, rows in by_step.items():
         with open(folder / f"{step}.jsonl", "a", encoding="utf-8") as fh:
-            for r in items:
-                fh.write(json.dumps({"input": r["prompt"], "output": r["response"],
-                                     "gts": r["ground_truth"], "score": r["score"],
-                                     "step": step}, ensure_ascii=False) + "\n")
+            for i in rows:
+                fh.write(json.dumps({"input": columns["prompt"][i],
+                                     "output": columns["response"][i],
+                                     "gts": columns["ground_truth"][i],
+                                     "score": columns["score"][i], "step": step},
+                                    ensure_ascii=False) + "\n")
 
 
 class TextDecoder:
@@ -120,7 +144,7 @@ class TextDecoder:
             from policy.text import build_tokenizer
 
             self.tokenizer = build_tokenizer(self.model_cfg)
-        return str(self.tokenizer.decode(ids))
+        return self.tokenizer.decode(ids)  # type: ignore[no-any-return]
 
 
 class Recorder:
@@ -228,7 +252,7 @@ class Recorder:
     async def _write(self, batch: list[_Pending], mark: RecordMark, through: str
                      ) -> RecordMark:
         mark = msgspec.structs.replace(mark, through=through)
-        rows = await asyncio.to_thread(rows_of, batch, self.decode_text)
+        rows = await asyncio.to_thread(columns_of, batch, self.decode_text)
         if self.jsonl_dir is not None:  # first: a failed segment is written again, lines too
             await asyncio.to_thread(_write_jsonl, self.jsonl_dir, rows)
         await asyncio.to_thread(write_segment, self.folder, rows, mark)
