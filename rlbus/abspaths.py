@@ -27,6 +27,7 @@ PATH_KEYS: tuple[str, ...] = (
     "custom_reward_function.path",
     "trainer.default_local_dir",
     "trainer.rollout_data_dir",
+    "trainer.validation_data_dir",
     "global_profiler.save_path",
     "redis.binary",
     "run.storage",

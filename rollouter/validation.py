@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,8 +40,10 @@ from rollouter.scoring import Scorer
 from rollouter.tickets import TicketDesk, TicketSource
 from rollouter.weights import WeightsHolder
 from runconfig import Config
+from runconfig.paths import record_dir
 from runschema.messages import ValidationFinished, ValidationRequested
 from runtime import Failure
+from storage.record import write_validation
 from tasks.valmetrics import validation_metrics
 
 __all__ = ["GEN_SEED", "ValidationServer", "Validator", "build_validator", "sampling",
@@ -136,10 +141,35 @@ class Validator:
             scoring.append(asyncio.ensure_future(self.score(self._items(out))))
         scores = [s for part in await asyncio.gather(*scoring) for s in part]
         metrics = self._metrics(done, scores)
+        await asyncio.to_thread(self._keep, request.step, version, rank, done, scores)
         return ValidationFinished(
             request_id=request.request_id, version=version, step=request.step, rank=rank,
             metrics=metrics, generations=self._logged(done, scores),
             duration_s=time.monotonic() - t0)
+
+    def _keep(self, step: int, version: int, rank: int, done: list[tuple[Any, str, int]],
+              scores: Sequence[Any]) -> None:
+        """Every answer into the run's record (``run.record``; this node's record folder)
+        and verl's ``trainer.validation_data_dir`` JSONL (``{step}.jsonl``); blocking. A
+        file that cannot be written is one line here, and the validation goes on."""
+        columns: dict[str, list[Any]] = {
+            "step": [step] * len(done), "version": [version] * len(done),
+            "rank": [rank] * len(done),
+            "data_source": [r.data_source or "" for r, _, _ in done],
+            "prompt": [r.text for r, _, _ in done], "response": [t for _, t, _ in done],
+            "ground_truth": ["" if r.ground_truth is None else str(r.ground_truth)
+                             for r, _, _ in done],
+            "score": [float(s.reward) for s in scores],
+            "response_length": [length for _, _, length in done]}
+        try:
+            if self.cfg.run.record != "none":
+                write_validation(record_dir(self.cfg, self.cfg.run.id or ""), step, version,
+                                 rank, columns)
+            if self.cfg.trainer.validation_data_dir is not None:
+                _write_jsonl(Path(self.cfg.trainer.validation_data_dir), step, columns)
+        except OSError as exc:
+            print(f"rollouter: validation v{version}'s answers not kept: {exc}",
+                  file=sys.stderr, flush=True)
 
     def _metrics(self, done: list[tuple[Any, str, int]], scores: Sequence[Any]
                  ) -> dict[str, float]:
@@ -162,6 +192,18 @@ class Validator:
         order = np.arange(len(rows))
         np.random.RandomState(GEN_SEED).shuffle(order)
         return [rows[i] for i in order[:want]]
+
+
+def _write_jsonl(folder: Path, step: int, columns: dict[str, list[Any]]) -> None:
+    """verl's validation dump: ``{step}.jsonl`` (``input``, ``output``, ``gts``, ``score``,
+    ``step``), one line per answer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{step}.jsonl", "a", encoding="utf-8") as fh:
+        for i in range(len(columns["score"])):
+            fh.write(json.dumps({"input": columns["prompt"][i], "output": columns["response"][i],
+                                 "gts": columns["ground_truth"][i],
+                                 "score": columns["score"][i], "step": step},
+                                ensure_ascii=False) + "\n")
 
 
 def _generator(policy: Any, seed: int) -> torch.Generator:

@@ -191,6 +191,7 @@ class TrainerConfig(_Section, frozen=True):
     save_freq: NonNegInt = 100
     max_actor_ckpt_to_keep: PosInt | None = None
     rollout_data_dir: str | None = None  # verl's: each step's trained generations as JSONL
+    validation_data_dir: str | None = None  # verl's: each validation's answers as JSONL
     lr: PosFloat = 1e-3
     clip_ratio_low: NonNegFloat = 0.2
     clip_ratio_high: NonNegFloat = 0.28

@@ -362,7 +362,6 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("algorithm.pf_ppo.*", "no PF-PPO"),
     # ---- trainer (verl's trainer section; rlbus's own trainer.* keys win)
     _ignored("trainer.val_only", "rlbus validates during training only"),
-    _ignored("trainer.validation_data_dir", "validation results are events in the run's log"),
     _ignored("trainer.default_hdfs_dir", _CKPT),
     _ignored("trainer.del_local_ckpt_after_load", _CKPT),
     _ignored("trainer.resume_from_path", "resume_mode auto resumes the run found in "
@@ -415,7 +414,7 @@ TABLE: tuple[VerlKey, ...] = (
 SHARED: frozenset[str] = frozenset({
     *(f"trainer.{k}" for k in (
         "total_training_steps", "total_epochs", "save_freq", "max_actor_ckpt_to_keep",
-        "rollout_data_dir",
+        "rollout_data_dir", "validation_data_dir",
         "logger", "project_name", "experiment_name", "test_freq", "val_before_train",
         "log_val_generations", "default_local_dir", "resume_mode")),
     *(f"data.{k}" for k in (

@@ -26,6 +26,10 @@ Functions (all blocking: call them from a worker thread)
     ``last_mark(folder) -> RecordMark | None``
     ``read_rows(folder, steps=None, columns=None) -> list[dict]``
     ``segments(folder) -> list[Path]``
+    ``write_validation(folder, step, version, rank, columns) -> Path``
+
+Validations: every answer of each validation, written by the rollouter that served it as
+``validation-STEP-vVERSION-rRANK.parquet`` in the same folder (on that rollouter's node).
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ import msgspec
 
 from storage.files import atomic_file, fsync_path
 
-__all__ = ["COLUMNS", "MARK_KEY", "RecordCorrupt", "RecordMark", "last_mark", "read_rows",
-           "segments", "write_segment"]
+__all__ = ["COLUMNS", "MARK_KEY", "VALIDATION_COLUMNS", "RecordCorrupt", "RecordMark",
+           "last_mark", "read_rows", "segments", "write_segment", "write_validation"]
 
 MARK_KEY = b"rlbus.record"
 
@@ -170,6 +174,28 @@ def write_segment(folder: Path, rows: Sequence[dict[str, Any]] | Mapping[str, An
     with atomic_file(path) as fh:
         # Page checksums: a flipped byte in a value is an error on reading, never a value a
         # replay would train on.
+        pq.write_table(table, fh, compression="zstd", write_page_checksum=True)
+    fsync_path(folder)
+    return path
+
+
+VALIDATION_COLUMNS = ("step", "version", "rank", "data_source", "prompt", "response",
+                      "ground_truth", "score", "response_length")
+"""The columns of a validation's answers (``validation-STEP-vVERSION-rRANK.parquet``)."""
+
+
+def write_validation(folder: Path, step: int, version: int, rank: int,
+                     columns: Mapping[str, Sequence[Any]]) -> Path:
+    """Every answer of one validation (weights ``version``, requested at ``step``, served
+    by rollouter ``rank``) as one parquet file of :data:`VALIDATION_COLUMNS` in ``folder``
+    (the run's record folder), written whole. Returns its path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"validation-{step:06d}-v{version}-r{rank}.parquet"
+    table = pa.table({name: list(columns[name]) for name in VALIDATION_COLUMNS})
+    with atomic_file(path) as fh:
         pq.write_table(table, fh, compression="zstd", write_page_checksum=True)
     fsync_path(folder)
     return path

@@ -4,6 +4,7 @@ reward file; trainer and rollouter as real processes. Needs the verl data loader
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,8 @@ async def test_a_verl_job_reports_validation_per_data_source(
             f"data.val_files={demo / 'val.parquet'}",
             f"custom_reward_function.path={demo / 'reward.py'}",
             "rollout.max_new_tokens=8", "trainer.total_training_steps=4",
-            "trainer.test_freq=2", "rollout.val_kwargs.n=2", "trainer.log_val_generations=2"]
+            "trainer.test_freq=2", "rollout.val_kwargs.n=2", "trainer.log_val_generations=2",
+            f"trainer.validation_data_dir={tmp_path / 'val-dump'}"]
     procs.spawn("rollouter0", "rollouter", *args)
     procs.spawn("trainer", "trainer", *args)
     assert procs.wait("trainer", 300) == 0, procs.log("trainer")
@@ -54,6 +56,17 @@ async def test_a_verl_job_reports_validation_per_data_source(
         assert len(a.generations) == 2 and "Reverse" in a.generations[0][0]
     finished = [i for i, e in enumerate(events) if isinstance(e, RunFinished)]
     assert finished and finished[-1] > events.index(answers[-1])
+    # Every answer kept (issue 39): the run's record and verl's validation_data_dir JSONL.
+    import pyarrow.parquet as pq
+
+    kept = sorted((tmp_path / run_id / "record").glob("validation-*.parquet"))
+    assert [p.name for p in kept] == [f"validation-{a.step:06d}-v{a.version}-r{a.rank}.parquet"
+                                      for a in answers]
+    table = pq.read_table(kept[-1]).to_pylist()
+    assert len(table) == 8 * 2  # every record, val_kwargs.n answers each
+    assert {r["data_source"] for r in table} == {DATA_SOURCE}
+    dumped = (tmp_path / "val-dump" / f"{answers[-1].step}.jsonl").read_text().splitlines()
+    assert [json.loads(line)["output"] for line in dumped] == [r["response"] for r in table]
     # The plot draws the validation curve beside the training metrics.
     png = tmp_path / "run.png"
     res = run_cli("inspect", "--run", run_id, "--plot", str(png), f"redis.url={redis_url}")
