@@ -116,7 +116,7 @@ def fork_run(cli: Config, at: int, new_run: str, overrides: list[str]) -> int:
     """``rlbus fork``: the exit code (0 forked, 1 the rebuilt model differs, 2 refused)."""
     from rlbus.inspect import _fetch_archive
     from rlbus.launcher import RunDataMissing, redis_for_reading
-    from rlbus.replay import ReplayError, read_run_log
+    from rlbus.replay import ReplayError, fetch_record, read_run_log
     from trainer.replay import NotReplayable
 
     run_id = cli.run.id or ""
@@ -124,6 +124,7 @@ def fork_run(cli: Config, at: int, new_run: str, overrides: list[str]) -> int:
         print(f"rlbus fork: error: {why}", file=sys.stderr)
         return 2
     _fetch_archive(cli, run_id)
+    fetch_record(cli, run_id, "rlbus fork")
     try:
         with redis_for_reading(cli) as url:
             log = asyncio.run(read_run_log(url, run_id, events_dir(cli, run_id)))

@@ -44,6 +44,7 @@ __all__ = [
     "ReplayError",
     "Walk",
     "compare_published",
+    "fetch_record",
     "read_run_log",
     "replay_run",
     "run_config",
@@ -235,6 +236,19 @@ def _tail(walk: Walk, log: RunLog, recs: list[StepRecord], compared: int, target
     return lines
 
 
+def fetch_record(cfg: Config, run_id: str, prog: str) -> None:
+    """On a remote run.storage, the record segments the trainer mirrored there that this
+    node lacks (a storage that fails is a warning: what is local is read)."""
+    from runtime.events_archive import fetch_for_reading
+    from storage.run_storage import StorageError
+
+    try:
+        fetch_for_reading(cfg, run_id, record=True)
+    except StorageError as exc:
+        print(f"{prog}: warning: the run's record could not be fetched from run.storage "
+              f"({exc})", file=sys.stderr)
+
+
 def replay_run(cli: Config, step: int | None, check: bool) -> int:
     """``rlbus replay``: print what the replay found; the exit code."""
     from rlbus.inspect import _fetch_archive
@@ -242,6 +256,7 @@ def replay_run(cli: Config, step: int | None, check: bool) -> int:
 
     run_id = cli.run.id or ""
     _fetch_archive(cli, run_id)
+    fetch_record(cli, run_id, "rlbus replay")
     try:
         with redis_for_reading(cli) as url:
             log = asyncio.run(read_run_log(url, run_id, events_dir(cli, run_id)))

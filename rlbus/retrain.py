@@ -96,12 +96,13 @@ def retrain_run(cli: Config, overrides: list[str], steps: str | None, name: str 
 
     from rlbus.inspect import _fetch_archive
     from rlbus.launcher import RunDataMissing, redis_for_reading
-    from rlbus.replay import ReplayError, read_run_log
+    from rlbus.replay import ReplayError, fetch_record, read_run_log
     from runconfig.paths import events_dir
     from trainer.replay import NotReplayable
 
     run_id = cli.run.id or ""
     _fetch_archive(cli, run_id)
+    fetch_record(cli, run_id, "rlbus retrain")
     try:
         with redis_for_reading(cli) as url:
             log = asyncio.run(read_run_log(url, run_id, events_dir(cli, run_id)))

@@ -68,8 +68,10 @@ def _line(row: dict[str, Any]) -> str:
 def print_step_samples(cfg: Config, step: int, as_json: bool) -> int:
     """Print step ``step``'s samples; exit 1 when none are found, 2 for a corrupt record."""
     from rlbus.launcher import RunDataMissing, redis_for_reading
+    from rlbus.replay import fetch_record
 
     run_id = cfg.run.id or ""
+    fetch_record(cfg, run_id, "rlbus inspect")
     try:
         rows = [r for r in read_rows(record_dir(cfg, run_id), steps={step},
                                      columns=list(_SHOWN)) if r["verdict"] == "trained"]

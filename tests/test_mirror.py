@@ -18,7 +18,7 @@ from bus import Bus, RunKeys
 from runconfig import load_config
 from runconfig.paths import checkpoint_dir, local_path
 from runschema.messages import RunStarted, StepFinished, TrainerResumed
-from runtime.events_archive import fetch_for_reading, segments_to_read
+from runtime.events_archive import RECORD_SEGMENT, fetch_for_reading, segments_to_read
 from storage.run_storage import RunStorage
 from tests.procs import Procs, assert_every_step_once, events_of, run_args, run_cli
 from tests.waits import event, wait_for, wait_trimmed
@@ -147,6 +147,26 @@ def test_the_events_mirror_pushes_and_fetches(tmp_path: Path) -> None:
     assert EventsMirror(storage, b, "r1/events").fetch() == ["archive-000001.rlev"]
     assert sorted(p.name for p in b.iterdir()) == ["archive-000001.rlev"]
     assert (b / "archive-000001.rlev").read_bytes() == b"one more"
+
+
+def test_the_records_segments_mirror_like_the_archives(tmp_path: Path) -> None:
+    storage = RunStorage(f"{PROTOCOL}://{tmp_path / 'remote'}")
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (a / "samples-000001.parquet").write_bytes(b"one")
+    (a / "validation-000002-v2-r0.parquet").write_bytes(b"a rollouter's, not mirrored")
+    (a / "archive-000001.rlev").write_bytes(b"not a record segment")
+    EventsMirror(storage, a, "r1/record", RECORD_SEGMENT).push()
+    assert storage.sizes("r1/record") == {"samples-000001.parquet": 3}
+    b.mkdir()
+    (b / "samples-000009.parquet").write_bytes(b"never uploaded: its samples were not trimmed")
+    assert EventsMirror(storage, b, "r1/record", RECORD_SEGMENT).fetch() == [
+        "samples-000001.parquet"]
+    assert sorted(p.name for p in b.iterdir()) == ["samples-000001.parquet"]
+    cfg = load_config(None, [f"run.output_dir={tmp_path / 'out'}",
+                            f"run.storage={PROTOCOL}://{tmp_path / 'remote'}"])
+    assert fetch_for_reading(cfg, "r1", record=True) == ["samples-000001.parquet"]
+    assert (tmp_path / "out" / "r1" / "record" / "samples-000001.parquet").read_bytes() == b"one"
 
 
 def test_the_test_protocol_is_remote_to_the_paths(tmp_path: Path) -> None:
@@ -339,3 +359,17 @@ async def test_a_trimming_trainer_on_another_node_resumes_with_the_whole_log(
     events = await events_of(bus, run_keys.events)
     assert_every_step_once(events, 8)
     assert [e.resumed for e in events if isinstance(e, RunStarted)] == [False, True]
+    # The run's record went the same way (issue 39): node A's segments were on the storage
+    # before their samples were trimmed, node B fetched them and went on: every trained
+    # sample of the 8 steps once, on node B and on the storage.
+    from storage.record import read_rows
+
+    assert list((remote / run_id / "record").glob("samples-*.parquet"))
+    rows = [r for r in read_rows(node_b / run_id / "record",
+                                 columns=["entry_id", "step", "verdict"])]
+    assert len({r["entry_id"] for r in rows}) == len(rows)
+    trained = sorted(r["step"] for r in rows if r["verdict"] == "trained")
+    finished = {e.step: len(e.sample_ids) for e in events if isinstance(e, StepFinished)}
+    assert trained == sorted(s for s, n in finished.items() for _ in range(n))
+    assert sorted(p.name for p in (remote / run_id / "record").iterdir()) == sorted(
+        p.name for p in (node_b / run_id / "record").glob("samples-*.parquet"))

@@ -41,14 +41,21 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from runconfig.paths import checkpoint_dir, events_dir, local_path, storage_url
+from runconfig.paths import checkpoint_dir, events_dir, local_path, record_dir, storage_url
 from runconfig.schema import Config
-from runtime.events_archive import SEGMENT, fetch_segments, local_sizes, segments_to_fetch
+from runtime.events_archive import (
+    RECORD_SEGMENT,
+    SEGMENT,
+    fetch_segments,
+    local_sizes,
+    segments_to_fetch,
+)
 from storage.run_storage import RunStorage
 from trainer.export import hf_dir, step_folder
 
 __all__ = ["HF_COMPLETE", "SEGMENT", "CheckpointMirror", "EventsMirror", "checkpoint_mirror",
-           "events_mirror", "hf_files", "remote_names", "segments_to_fetch", "segments_to_push",
+           "events_mirror", "hf_files", "record_mirror", "remote_names", "segments_to_fetch",
+           "segments_to_push",
            "to_download", "upload_order"]
 
 HF_COMPLETE = ".rlbus-complete"
@@ -203,22 +210,25 @@ def checkpoint_mirror(cfg: Config, run_id: str) -> CheckpointMirror | None:
                             f"{run_id}/checkpoints")
 
 
-def segments_to_push(local: dict[str, int], sent: dict[str, int]
-                     ) -> tuple[list[str], list[str]]:
+def segments_to_push(local: dict[str, int], sent: dict[str, int],
+                     pattern: re.Pattern[str] = SEGMENT) -> tuple[list[str], list[str]]:
     """``(upload, delete)`` before a trim: the local segments whose size differs from what
     was last sent (``sent``), and the sent ones no longer here (truncated away)."""
-    here = {n: size for n, size in local.items() if SEGMENT.match(n)}
+    here = {n: size for n, size in local.items() if pattern.match(n)}
     return ([n for n in sorted(here) if sent.get(n) != here[n]],
             sorted(n for n in sent if n not in here))
 
 
 class EventsMirror:
-    """The events archive folder ``folder`` mirrored to ``prefix/`` in ``storage``."""
+    """The events archive folder ``folder`` mirrored to ``prefix/`` in ``storage`` (the
+    run's record folder too: segments named by ``pattern``)."""
 
-    def __init__(self, storage: RunStorage, folder: Path, prefix: str) -> None:
+    def __init__(self, storage: RunStorage, folder: Path, prefix: str,
+                 pattern: re.Pattern[str] = SEGMENT) -> None:
         self.storage = storage
         self.folder = folder
         self.prefix = prefix.strip("/")
+        self.pattern = pattern
         self.sent: dict[str, int] = {}  # what the storage holds, as this process knows it
 
     def where(self) -> str:
@@ -229,23 +239,34 @@ class EventsMirror:
         """Make the local archive the storage's copy (:func:`segments_to_fetch`); returns
         the segments fetched (blocking)."""
         remote = self.storage.sizes(self.prefix)
-        fetch, remove = segments_to_fetch(remote, local_sizes(self.folder))
+        fetch, remove = segments_to_fetch(remote, local_sizes(self.folder), self.pattern)
         fetch_segments(self.storage, self.prefix, self.folder, fetch)
         for name in remove:
             (self.folder / name).unlink(missing_ok=True)
-        self.sent = {n: size for n, size in remote.items() if SEGMENT.match(n)}
+        self.sent = {n: size for n, size in remote.items() if self.pattern.match(n)}
         return fetch
 
     def push(self) -> None:
         """Upload the segments that changed since the last push (blocking)."""
         local = local_sizes(self.folder)
-        upload, delete = segments_to_push(local, self.sent)
+        upload, delete = segments_to_push(local, self.sent, self.pattern)
         for name in upload:
             self.storage.upload(self.folder / name, f"{self.prefix}/{name}")
             self.sent[name] = local[name]
         for name in delete:
             self.storage.delete(f"{self.prefix}/{name}")
             self.sent.pop(name, None)
+
+
+def record_mirror(cfg: Config, run_id: str) -> EventsMirror | None:
+    """The mirror of run ``run_id``'s record (trainer.record), None when the storage is
+    local: its segments go to ``STORAGE/RUN/record/`` before the samples they hold are
+    trimmed, as the archive's do before the events are."""
+    url = storage_url(cfg)
+    if local_path(url) is not None:
+        return None
+    return EventsMirror(RunStorage(url), record_dir(cfg, run_id), f"{run_id}/record",
+                        RECORD_SEGMENT)
 
 
 def events_mirror(cfg: Config, run_id: str) -> EventsMirror | None:

@@ -119,7 +119,9 @@ class TrainerProcess(Component):
         return Recorder(self.bus, self.keys, record_dir(self.cfg, self.run_id),
                         self.files.events_dir, mode=mode, describe=self._describe,
                         decode_text=TextDecoder(self.cfg.model).decode,
-                        jsonl_dir=None if data_dir is None else Path(data_dir))
+                        jsonl_dir=None if data_dir is None else Path(data_dir),
+                        push=None if self.files.record_mirror is None
+                        else self.files.record_mirror.push)
 
     def _describe(self, sample: Sample) -> Described:
         """What the data say of a sample's prompt (its ticket's prompt: trainer.dispatch)."""

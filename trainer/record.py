@@ -153,15 +153,19 @@ class Recorder:
     ``describe(sample)``: the data's source, prompt text and ground truth of a sample's
     prompt (cheap: a lookup); ``decode_text``: token ids to text (run on the worker thread;
     None: no text columns). ``archive``: the events archive folder (the fold reads it, then
-    the stream: runtime.history)."""
+    the stream: runtime.history). ``push``: uploads the folder's new segments to
+    ``run.storage`` (blocking; before :meth:`record_below` returns, so before the trim)."""
 
     def __init__(self, bus: Bus, keys: RunKeys, folder: Path, archive: Path, *,
                  mode: Literal["all", "trained"], describe: Callable[[Sample], Described],
                  decode_text: Callable[[Iterable[int]], str] | None = None,
-                 jsonl_dir: Path | None = None) -> None:
+                 jsonl_dir: Path | None = None, push: Callable[[], None] | None = None
+                 ) -> None:
         self.bus, self.keys, self.folder, self.archive = bus, keys, folder, archive
         self.mode, self.describe, self.decode_text = mode, describe, decode_text
         self.jsonl_dir = jsonl_dir
+        self.push = push
+        """Uploads the new segments to run.storage (trainer.mirror), before the trim."""
         self.mark: RecordMark | None = None
         self.recorded = 0
         """Rows this incarnation wrote."""
@@ -245,6 +249,8 @@ class Recorder:
         if batch or entry_key(after) > entry_key(mark.through):
             mark = await self._write(batch, mark, after)
             written += len(batch)
+        if self.push is not None:  # on a remote storage: there before the trim
+            await asyncio.to_thread(self.push)
         self.mark = mark
         self.recorded += written
         return written

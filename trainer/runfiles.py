@@ -14,7 +14,7 @@ from pathlib import Path
 
 from runconfig import Config
 from runconfig.paths import checkpoint_dir, local_root
-from trainer.mirror import checkpoint_mirror, events_mirror
+from trainer.mirror import checkpoint_mirror, events_mirror, record_mirror
 from trainer.resume import LogRead, ResumeFailed, RunNotCovered, missing_checkpoint, not_covered
 
 __all__ = ["RunFiles"]
@@ -30,6 +30,7 @@ class RunFiles:
         # On a remote run.storage the local checkpoint folder is a cache of the storage's.
         self.mirror = checkpoint_mirror(cfg, run_id)
         self.events_mirror = events_mirror(cfg, run_id)  # its events archive too
+        self.record_mirror = record_mirror(cfg, run_id)  # and its record (trainer.record)
 
     @property
     def events_dir(self) -> Path:
@@ -45,11 +46,14 @@ class RunFiles:
             if fetched:
                 lines.append(f"fetched {len(fetched)} checkpoint files from "
                              f"{self.mirror.where()} into {self.ckpt_dir}")
-        if self.events_mirror is not None:
-            segments = await asyncio.to_thread(self.events_mirror.fetch)
+        for mirror, what in ((self.events_mirror, "events archive"),
+                             (self.record_mirror, "record")):
+            if mirror is None:
+                continue
+            segments = await asyncio.to_thread(mirror.fetch)
             if segments:
-                lines.append(f"fetched {len(segments)} events archive segments from "
-                             f"{self.events_mirror.where()} into {self.events_mirror.folder}")
+                lines.append(f"fetched {len(segments)} {what} segments from "
+                             f"{mirror.where()} into {mirror.folder}")
         return lines
 
     def locate(self, path: str) -> str:
