@@ -204,7 +204,7 @@ def write_validation(folder: Path, step: int, version: int, rank: int,
 def read_rows(folder: Path, steps: Collection[int] | None = None,
               columns: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """The rows of every segment in order, those of ``steps`` only when given;
-    :class:`RecordCorrupt` names the first segment that does not read."""
+    :class:`RecordCorrupt` names the first segment that does not read, or is missing."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -212,7 +212,11 @@ def read_rows(folder: Path, steps: Collection[int] | None = None,
     if wanted is not None and steps is not None and "step" not in wanted:
         wanted.append("step")
     rows: list[dict[str, Any]] = []
-    for path in segments(folder):
+    found = segments(folder)
+    for number, path in enumerate(found, 1):
+        if _number(path) != number:  # segments are numbered 1, 2, ... as they are written
+            raise RecordCorrupt(f"record segment {folder / f'samples-{number:06d}.parquet'} "
+                                f"is missing (the folder holds up to {found[-1].name})")
         try:
             table = pq.read_table(path, columns=wanted, page_checksum_verification=True)
             if steps is not None:

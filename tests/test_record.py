@@ -513,3 +513,15 @@ async def test_a_record_that_cannot_be_written_trims_no_sample(
     rows = read_rows(folder)
     assert [r["entry_id"] for r in rows] == ids[:4]
     assert [(r["verdict"], r["step"]) for r in rows] == [("trained", 1)] * 4
+
+
+def test_a_missing_segment_is_record_corrupt_naming_it(tmp_path: Path) -> None:
+    folder = tmp_path / "record"
+    for i in range(3):
+        write_segment(folder, [_row(i, 1)], RecordMark(through=f"1700000000000-{i}"))
+    (folder / "samples-000002.parquet").unlink()
+    with pytest.raises(RecordCorrupt) as caught:
+        read_rows(folder)
+    line = str(caught.value)
+    assert str(folder / "samples-000002.parquet") in line and "missing" in line
+    assert "\n" not in line
