@@ -82,9 +82,9 @@ def columns_of(pending: Sequence[_Pending], decode_text: Callable[[Iterable[int]
         text = p.described.prompt
         if not text and decode_text is not None:
             tid = p.sample.ticket_id
-            text = prompts.get(tid) or prompts.setdefault(tid, decode_text(tokens))
+            text = prompts.get(tid) or prompts.setdefault(tid, decode_text(tokens.tolist()))
         prompt_text.append(text)
-        responses.append(decode_text(response) if decode_text else "")
+        responses.append(decode_text(response.tolist()) if decode_text else "")
 
     def listed(arrays: list[np.ndarray], dtype: Any) -> Any:
         offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
