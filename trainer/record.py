@@ -32,7 +32,15 @@ from typing import Any, Literal, NamedTuple
 import msgspec
 
 from bus import Bus, RunKeys, entry_key
-from runschema.messages import FIELD, DeadLetter, DecodeError, Sample, StepFinished, decode
+from runschema.messages import (
+    FIELD,
+    Array,
+    DeadLetter,
+    DecodeError,
+    Sample,
+    StepFinished,
+    decode,
+)
 from runtime.history import read_history
 from storage.record import RecordMark, last_mark, write_segment
 
@@ -74,8 +82,16 @@ def columns_of(pending: Sequence[_Pending], decode_text: Callable[[Iterable[int]
     import pyarrow as pa
 
     samples = [p.sample for p in pending]
-    asked = [s.prompt_tokens.numpy() for s in samples]
-    answered = [s.response_tokens.numpy() for s in samples]
+    dtypes: dict[str, np.dtype[Any]] = {}
+
+    def view(a: Array) -> np.ndarray:  # Array.numpy without building its dtype each time
+        dtype = dtypes.get(a.dtype)
+        if dtype is None:
+            dtype = dtypes.setdefault(a.dtype, np.dtype(a.dtype))
+        return np.frombuffer(a.data, dtype=dtype)
+
+    asked = [view(s.prompt_tokens) for s in samples]
+    answered = [view(s.response_tokens) for s in samples]
     prompts: dict[str, str] = {}
     prompt_text, responses = [], []
     for p, tokens, response in zip(pending, asked, answered, strict=True):
@@ -109,7 +125,7 @@ def columns_of(pending: Sequence[_Pending], decode_text: Callable[[Iterable[int]
         "gen_time_s": [float(s.gen_time_s) for s in samples],
         "ts": [float(s.ts) for s in samples],
         "prompt_tokens": listed(asked, np.int32), "response_tokens": listed(answered, np.int32),
-        "logprobs": listed([s.logprobs.numpy() for s in samples], np.float32),
+        "logprobs": listed([view(s.logprobs) for s in samples], np.float32),
         "raw": [p.raw for p in pending],
     }
 
