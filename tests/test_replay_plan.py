@@ -130,3 +130,21 @@ def _tree(cfg: object) -> dict:
     from runconfig import config_to_dict
 
     return config_to_dict(cfg)  # type: ignore[arg-type]
+
+
+def test_state_difference_holds_a_replay_to_the_stated_tolerance() -> None:
+    import torch
+
+    from trainer.replay import TOLERANCE, state_difference
+
+    atol, rtol = TOLERANCE
+    theirs = {"w": torch.tensor([1.0, -2.0, 0.0]), "b": torch.tensor([0.5])}
+    same = state_difference({k: v.clone() for k, v in theirs.items()}, theirs)
+    assert same == (0.0, 0.0, True)
+    close = {"w": theirs["w"] * (1 + rtol / 2), "b": theirs["b"]}
+    worst_abs, _, within = state_difference(close, theirs)
+    assert within and worst_abs == pytest.approx(2.0 * rtol / 2, rel=1e-3)  # float32
+    far = {"w": theirs["w"] + torch.tensor([0.0, 0.0, 10 * atol]), "b": theirs["b"]}
+    assert state_difference(far, theirs)[2] is False
+    assert state_difference({"w": theirs["w"]}, theirs)[2] is False  # a weight missing
+    assert state_difference({"w": theirs["w"][:2], "b": theirs["b"]}, theirs)[2] is False

@@ -43,8 +43,8 @@ from trainer.resume import LOAD_ERRORS, checkpoint_fault
 from trainer.state import StepRecord
 from weights.transport import weights_digest
 
-__all__ = ["NotReplayable", "Plan", "Published", "Replayer", "RunLog", "first_start",
-           "group_in_order", "plan"]
+__all__ = ["TOLERANCE", "NotReplayable", "Plan", "Published", "Replayer", "RunLog",
+           "first_start", "group_in_order", "plan", "state_difference"]
 
 
 class Published(NamedTuple):
@@ -199,6 +199,10 @@ class Replayer:
         self.train_s += time.perf_counter() - began
         return metrics
 
+    def weights(self) -> dict[str, Any]:
+        """The model's weights by name, whole, on the CPU."""
+        return {k: v.detach().cpu() for k, v in self.learner.checkpoint_state()[0].items()}
+
     def digest(self, manifest: bool) -> str:
         """The digest the model's weights would be published under now."""
         if manifest:
@@ -208,6 +212,32 @@ class Replayer:
     def version_at(self, step: int) -> int | None:
         """The weights version published after ``step`` (None: no publication follows it)."""
         return step // self.trigger if step % self.trigger == 0 else None
+
+
+TOLERANCE = (1e-5, 1e-3)
+"""``(atol, rtol)`` a replay that cannot be bit for bit (several ranks, a GPU) is held to:
+every weight ``|replayed - checkpoint| <= atol + rtol * |checkpoint|``."""
+
+
+def state_difference(ours: Mapping[str, Any], theirs: Mapping[str, Any]
+                     ) -> tuple[float, float, bool]:
+    """The largest absolute and relative difference between two models' weights, and
+    whether every weight is within :data:`TOLERANCE` (a missing or reshaped one is not)."""
+    atol, rtol = TOLERANCE
+    worst_abs = worst_rel = 0.0
+    within = set(ours) == set(theirs)
+    for name, b in theirs.items():
+        a = ours.get(name)
+        if a is None or tuple(a.shape) != tuple(b.shape):
+            within = False
+            continue
+        a, b = a.detach().double().cpu(), b.detach().double().cpu()
+        diff = (a - b).abs()
+        worst_abs = max(worst_abs, float(diff.max()) if diff.numel() else 0.0)
+        rel = diff / b.abs().clamp_min(1e-12)
+        worst_rel = max(worst_rel, float(rel.max()) if rel.numel() else 0.0)
+        within = within and bool((diff <= atol + rtol * b.abs()).all())
+    return worst_abs, worst_rel, within
 
 
 def first_start(replayer_for: Callable[[], Replayer], log: RunLog, p: Plan,
