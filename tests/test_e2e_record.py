@@ -164,3 +164,20 @@ def test_a_step_past_the_run_and_a_corrupt_segment_are_one_line(finished_run: Pa
     assert res.returncode == 2, res.stdout + res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and str(segment) in lines[0], res.stderr
+
+
+def test_a_two_rank_run_replays_within_the_stated_tolerance(tmp_path: Path) -> None:
+    """Two trainer ranks sum in another order than the one-rank replay: not bit for bit, so
+    the replay is held to its stated tolerance against the run's checkpoints (dcp shards,
+    loaded into one rank) and says so."""
+    out = tmp_path / "out"
+    up = run_cli("up", f"run.output_dir={out}", "run.id=ranks", *FAST,
+                 "trainer.total_training_steps=6", "trainer.save_freq=3",
+                 "trainer.n_gpus_per_node=2", "trainer.logger=[]", timeout_s=280)
+    assert up.returncode == 0, up.stdout + up.stderr
+    res = run_cli("replay", "--run", "ranks", "--step", "6", "--check",
+                  f"run.output_dir={out}", timeout_s=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    within = [line for line in res.stdout.splitlines() if "is within tolerance" in line]
+    assert [line.split(":")[0] for line in within] == ["step 3", "step 6"], res.stdout
+    assert "not bit for bit" in res.stdout and "rank(s)" in res.stdout
