@@ -21,7 +21,8 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# What `rlbus up --config configs/demo.yaml` imports: the package, torch, TensorBoard.
+# What `rlbus up --config configs/demo.yaml` imports: the package (pyarrow for the run's
+# record among its requirements), torch, TensorBoard.
 $(RUNTIME): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[logger]" "$(TORCH)"
@@ -35,7 +36,8 @@ $(FULL): $(RUNTIME)
 	$(PY) -m pip install --quiet --no-deps "$(HTA)"
 	touch $@
 
-# The chat demo's extra: transformers, safetensors, pyarrow (a verl user's model and data).
+# The chat demo's extra: transformers, safetensors (a verl user's model; parquet data is read
+# with pyarrow, a requirement of the package).
 $(CHAT): $(RUNTIME)
 	$(PY) -m pip install --quiet -e ".[logger,hf]" "$(TORCH)"
 	touch $@
