@@ -59,7 +59,7 @@ from runconfig import (
     parse_config_args,
     resolve_run_id,
 )
-from runconfig.paths import checkpoint_dir, events_dir
+from runconfig.paths import checkpoint_dir, events_dir, record_dir
 from runtime.events_archive import fetch_for_reading
 from runtime.process import expanded_url
 from runtime.storage import check_storage
@@ -456,6 +456,9 @@ class _Up:
             out(f"  hf models    {ckpt / 'global_step_K' / 'actor' / 'huggingface'} (each "
                 "checkpoint K kept)")
         out(f"  logs         {self.run_dir / 'logs'}")
+        if cfg.run.record != "none":
+            out(f"  record       {record_dir(cfg, self.run_id)} (every sample, parquet; "
+                f"{_prog()} replay --run {self.run_id} --step K)")
         if wants_logger(cfg):
             out(f"  tensorboard  tensorboard --logdir {self.run_dir / 'tensorboard'}")
         if cfg.global_profiler.tool is not None:
