@@ -112,6 +112,26 @@ def _fork_state(parent: TrainerState, step: int, total: int, pt: str, files: dic
     return state, dropped
 
 
+_OWN_FOLDERS = ("trainer.default_local_dir", "trainer.rollout_data_dir",
+                "trainer.validation_data_dir")
+"""Folders a run writes its own files into by a fixed name (checkpoints ``step-K.pt``, dumps
+``{step}.jsonl``): a fork that inherited the parent's would write over the parent's files."""
+
+
+def _own_folders(base: Config, new: Config) -> tuple[Config, list[str]]:
+    """``new`` without the parent's folders it inherited unchanged (the fork's checkpoints
+    go to its own run folder, its dumps nowhere until given), and a line for each."""
+    tree, parent, lines = config_to_dict(new), config_to_dict(base), []
+    for key in _OWN_FOLDERS:
+        section, leaf = key.split(".")
+        value = tree[section][leaf]
+        if value is not None and value == parent[section][leaf]:
+            tree[section][leaf] = None
+            lines.append(f"{key}={value} is the parent's: not the fork's (give it a folder of "
+                         f"its own to set it)")
+    return (load_config(None, [], base=tree), lines) if lines else (new, [])
+
+
 def fork_run(cli: Config, at: int, new_run: str, overrides: list[str]) -> int:
     """``rlbus fork``: the exit code (0 forked, 1 the rebuilt model differs, 2 refused)."""
     from rlbus.inspect import _fetch_archive
@@ -157,6 +177,7 @@ def _fork(url: str, cli: Config, log: Any, at: int, new_run: str, overrides: lis
     base = run_config(cli, log.config_at(at))
     try:
         new = load_config(None, [*overrides, f"run.id={new_run}"], base=config_to_dict(base))
+        new, moved = _own_folders(base, new)
     except Exception as exc:  # ConfigError: one line naming the key
         raise ReplayError(str(exc)) from None
     if not asyncio.run(_log_is_empty(url, new_run)):
@@ -191,7 +212,7 @@ def _fork(url: str, cli: Config, log: Any, at: int, new_run: str, overrides: lis
     snapshot = Snapshot(state=state, position=position, last_finished_id=last_finished)
     atomic_write(written.path.with_suffix(".state"), msgspec.msgpack.encode(snapshot))
     lines = [f"run {new_run} forked from run {run_id} after step {at} "
-             f"({' '.join(changed) or 'no change'}): checkpoint {pt}"]
+             f"({' '.join(changed) or 'no change'}): checkpoint {pt}", *moved]
     if compared is not None:
         lines.append(compared[0])
     if dropped:

@@ -148,3 +148,21 @@ def test_state_difference_holds_a_replay_to_the_stated_tolerance() -> None:
     assert state_difference(far, theirs)[2] is False
     assert state_difference({"w": theirs["w"]}, theirs)[2] is False  # a weight missing
     assert state_difference({"w": theirs["w"][:2], "b": theirs["b"]}, theirs)[2] is False
+
+
+def test_a_fork_writes_into_no_folder_of_its_parents() -> None:
+    from rlbus.fork import _own_folders
+    from runconfig import config_to_dict
+
+    parent = load_config(None, ["trainer.default_local_dir=/runs/ckpt",
+                                "trainer.rollout_data_dir=/runs/dump"])
+    inherited = load_config(None, ["run.id=child"], base=config_to_dict(parent))
+    fork, lines = _own_folders(parent, inherited)
+    assert fork.trainer.default_local_dir is None and fork.trainer.rollout_data_dir is None
+    assert [line.split("=")[0] for line in lines] == ["trainer.default_local_dir",
+                                                      "trainer.rollout_data_dir"]
+    given = load_config(None, ["trainer.default_local_dir=/runs/child"],
+                        base=config_to_dict(parent))
+    fork, lines = _own_folders(parent, given)
+    assert fork.trainer.default_local_dir == "/runs/child"
+    assert [line.split("=")[0] for line in lines] == ["trainer.rollout_data_dir"]
