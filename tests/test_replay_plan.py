@@ -137,17 +137,18 @@ def test_state_difference_holds_a_replay_to_the_stated_tolerance() -> None:
 
     from trainer.replay import TOLERANCE, state_difference
 
-    atol, rtol = TOLERANCE
-    theirs = {"w": torch.tensor([1.0, -2.0, 0.0]), "b": torch.tensor([0.5])}
-    same = state_difference({k: v.clone() for k, v in theirs.items()}, theirs)
-    assert same == (0.0, 0.0, True)
-    close = {"w": theirs["w"] * (1 + rtol / 2), "b": theirs["b"]}
-    worst_abs, _, within = state_difference(close, theirs)
-    assert within and worst_abs == pytest.approx(2.0 * rtol / 2, rel=1e-3)  # float32
-    far = {"w": theirs["w"] + torch.tensor([0.0, 0.0, 10 * atol]), "b": theirs["b"]}
-    assert state_difference(far, theirs)[2] is False
-    assert state_difference({"w": theirs["w"]}, theirs)[2] is False  # a weight missing
-    assert state_difference({"w": theirs["w"][:2], "b": theirs["b"]}, theirs)[2] is False
+    start = {"w": torch.tensor([1.0, -2.0, 0.0]), "b": torch.tensor([0.5])}
+    run = {"w": torch.tensor([1.3, -2.4, 0.0]), "b": torch.tensor([0.5])}  # moved by 0.5
+    same = state_difference({k: v.clone() for k, v in run.items()}, run, start)
+    assert same.distance == 0.0 and same.update == pytest.approx(0.5) and same.within
+    near = {"w": run["w"] + torch.tensor([0.0, 0.0, 0.5 * TOLERANCE * 0.5]), "b": run["b"]}
+    d = state_difference(near, run, start)
+    assert d.within and d.ratio == pytest.approx(TOLERANCE / 2, rel=1e-5)
+    far = {"w": run["w"] + torch.tensor([0.0, 0.0, 2 * TOLERANCE * 0.5]), "b": run["b"]}
+    assert not state_difference(far, run, start).within
+    assert not state_difference(start, run, start).within  # a step not applied: 100%
+    assert not state_difference({"w": run["w"]}, run, start).within  # a weight missing
+    assert not state_difference({"w": run["w"][:2], "b": run["b"]}, run, start).within
 
 
 def test_a_fork_writes_into_no_folder_of_its_parents() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -43,7 +44,7 @@ from trainer.resume import LOAD_ERRORS, checkpoint_fault
 from trainer.state import StepRecord
 from weights.transport import weights_digest
 
-__all__ = ["TOLERANCE", "NotReplayable", "Plan", "Published", "Replayer", "RunLog",
+__all__ = ["TOLERANCE", "Difference", "NotReplayable", "Plan", "Published", "Replayer", "RunLog",
            "first_start", "group_in_order", "plan", "state_difference"]
 
 
@@ -183,7 +184,9 @@ class Replayer:
         if why is not None:
             return why
         try:
-            self.learner.load_checkpoint(path)
+            with warnings.catch_warnings():  # dcp shards into one process: what replay does
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                self.learner.load_checkpoint(path)
         except LOAD_ERRORS as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             return f"{path} could not be loaded ({type(exc).__name__}: {first})"
@@ -200,8 +203,10 @@ class Replayer:
         return metrics
 
     def weights(self) -> dict[str, Any]:
-        """The model's weights by name, whole, on the CPU."""
-        return {k: v.detach().cpu() for k, v in self.learner.checkpoint_state()[0].items()}
+        """A copy of the model's weights by name, whole, on the CPU (not views: the model
+        trains on)."""
+        return {k: v.detach().cpu().clone() for k, v in
+                self.learner.checkpoint_state()[0].items()}
 
     def digest(self, manifest: bool) -> str:
         """The digest the model's weights would be published under now."""
@@ -214,30 +219,42 @@ class Replayer:
         return step // self.trigger if step % self.trigger == 0 else None
 
 
-TOLERANCE = (1e-5, 1e-3)
-"""``(atol, rtol)`` a replay that cannot be bit for bit (several ranks, a GPU) is held to:
-every weight ``|replayed - checkpoint| <= atol + rtol * |checkpoint|``."""
+TOLERANCE = 0.05
+"""How far a replay that cannot be bit for bit (several ranks, a GPU) may land from the
+run's checkpoint at the end of a window of steps, relative to how far the run moved in that
+window: ``||replayed - run|| <= TOLERANCE * ||run - window's start||`` (L2 over every
+weight). Rounding in another order makes two trajectories drift apart as they train
+(measured on 2 CPU ranks: 0.0015% of the update over steps 1-20, 0.37% over 21-40); a wrong
+sample, order or setting moves the update by its whole size."""
 
 
-def state_difference(ours: Mapping[str, Any], theirs: Mapping[str, Any]
-                     ) -> tuple[float, float, bool]:
-    """The largest absolute and relative difference between two models' weights, and
-    whether every weight is within :data:`TOLERANCE` (a missing or reshaped one is not)."""
-    atol, rtol = TOLERANCE
-    worst_abs = worst_rel = 0.0
-    within = set(ours) == set(theirs)
+class Difference(NamedTuple):
+    """How a replayed model differs from the run's: L2 of the difference, L2 of the run's
+    update over the window, their ratio, and whether it is within :data:`TOLERANCE`."""
+
+    distance: float
+    update: float
+    ratio: float
+    within: bool
+
+
+def state_difference(ours: Mapping[str, Any], theirs: Mapping[str, Any],
+                     start: Mapping[str, Any]) -> Difference:
+    """How far ``ours`` (the replayed weights) lies from ``theirs`` (the run's), against the
+    run's move from ``start``; a missing or reshaped weight is never within."""
+    same_names = set(ours) == set(theirs) == set(start)
+    distance = update = 0.0
     for name, b in theirs.items():
-        a = ours.get(name)
-        if a is None or tuple(a.shape) != tuple(b.shape):
-            within = False
+        a, s = ours.get(name), start.get(name)
+        if a is None or s is None or a.shape != b.shape or s.shape != b.shape:
+            same_names = False
             continue
-        a, b = a.detach().double().cpu(), b.detach().double().cpu()
-        diff = (a - b).abs()
-        worst_abs = max(worst_abs, float(diff.max()) if diff.numel() else 0.0)
-        rel = diff / b.abs().clamp_min(1e-12)
-        worst_rel = max(worst_rel, float(rel.max()) if rel.numel() else 0.0)
-        within = within and bool((diff <= atol + rtol * b.abs()).all())
-    return worst_abs, worst_rel, within
+        b = b.detach().double()
+        distance += float(((a.detach().double() - b) ** 2).sum())
+        update += float(((b - s.detach().double()) ** 2).sum())
+    distance, update = distance ** 0.5, update ** 0.5
+    ratio = distance / update if update > 0 else (0.0 if distance == 0 else float("inf"))
+    return Difference(distance, update, ratio, same_names and ratio <= TOLERANCE)
 
 
 def first_start(replayer_for: Callable[[], Replayer], log: RunLog, p: Plan,
