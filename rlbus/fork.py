@@ -134,32 +134,13 @@ def _own_folders(base: Config, new: Config) -> tuple[Config, list[str]]:
 
 def fork_run(cli: Config, at: int, new_run: str, overrides: list[str]) -> int:
     """``rlbus fork``: the exit code (0 forked, 1 the rebuilt model differs, 2 refused)."""
-    from rlbus.inspect import _fetch_archive
-    from rlbus.launcher import RunDataMissing, redis_for_reading
-    from rlbus.replay import ReplayError, fetch_record, read_run_log
-    from trainer.replay import NotReplayable
+    from rlbus.replay import Outcome, on_the_log
 
-    run_id = cli.run.id or ""
     if (why := _refusal(overrides)) is not None:
         print(f"rlbus fork: error: {why}", file=sys.stderr)
         return 2
-    _fetch_archive(cli, run_id)
-    fetch_record(cli, run_id, "rlbus fork")
-    try:
-        with redis_for_reading(cli) as url:
-            log = asyncio.run(read_run_log(url, run_id, events_dir(cli, run_id)))
-            if not log.configs:
-                raise ReplayError(f"run {run_id!r} has no events at this Redis", 1)
-            lines = _fork(url, cli, log, at, new_run, overrides)
-    except (RunDataMissing, NotReplayable) as exc:
-        print(f"rlbus fork: error: {exc}", file=sys.stderr)
-        return 2
-    except ReplayError as exc:
-        print(f"rlbus fork: error: {exc}", file=sys.stderr)
-        return exc.code
-    for line in lines:
-        print(line, flush=True)
-    return 0
+    return on_the_log(cli, "rlbus fork", lambda url, log: Outcome(
+        _fork(url, cli, log, at, new_run, overrides), 0))
 
 
 def _fork(url: str, cli: Config, log: Any, at: int, new_run: str, overrides: list[str]

@@ -43,10 +43,12 @@ from trainer.replay import (
 from trainer.state import StepRecord
 
 __all__ = [
+    "Outcome",
     "ReplayError",
     "Walk",
     "compare_published",
     "fetch_record",
+    "on_the_log",
     "read_run_log",
     "replay_run",
     "run_config",
@@ -319,27 +321,36 @@ def fetch_record(cfg: Config, run_id: str, prog: str) -> None:
               f"({exc})", file=sys.stderr)
 
 
-def replay_run(cli: Config, step: int | None, check: bool) -> int:
-    """``rlbus replay``: print what the replay found; the exit code."""
+def on_the_log(cli: Config, prog: str, body: Callable[[str, RunLog], Outcome]) -> int:
+    """The shell of replay, retrain and fork: the run's archive and record fetched from
+    run.storage where this node lacks them, its Redis opened (the embedded server's saved
+    data, or redis.url), its log folded, ``body(url, log)`` run; its lines printed and its
+    code returned, or one line and exit 2 (1 for a run with no events) for what it cannot
+    do."""
     from rlbus.inspect import _fetch_archive
     from rlbus.launcher import RunDataMissing, redis_for_reading
 
     run_id = cli.run.id or ""
     _fetch_archive(cli, run_id)
-    fetch_record(cli, run_id, "rlbus replay")
+    fetch_record(cli, run_id, prog)
     try:
         with redis_for_reading(cli) as url:
             log = asyncio.run(read_run_log(url, run_id, events_dir(cli, run_id)))
             if not log.configs:
                 raise ReplayError(f"run {run_id!r} has no events at this Redis", 1)
-            target = log.last_step if step is None else step
-            outcome = _walk(url, cli, log, target, check)
+            outcome = body(url, log)
     except (RunDataMissing, NotReplayable) as exc:
-        print(f"rlbus replay: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except ReplayError as exc:
-        print(f"rlbus replay: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return exc.code
     for line in outcome.lines:
         _say(line)
     return outcome.code
+
+
+def replay_run(cli: Config, step: int | None, check: bool) -> int:
+    """``rlbus replay``: print what the replay found; the exit code."""
+    return on_the_log(cli, "rlbus replay", lambda url, log: _walk(
+        url, cli, log, log.last_step if step is None else step, check))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -92,36 +91,16 @@ def _sink(folder: Path) -> Any:
 
 def retrain_run(cli: Config, overrides: list[str], steps: str | None, name: str | None) -> int:
     """``rlbus retrain``: the exit code (0 done, 1 the reproduction differs, 2 refused)."""
-    import asyncio
+    from rlbus.replay import Outcome, ReplayError, on_the_log
 
-    from rlbus.inspect import _fetch_archive
-    from rlbus.launcher import RunDataMissing, redis_for_reading
-    from rlbus.replay import ReplayError, fetch_record, read_run_log
-    from runconfig.paths import events_dir
-    from trainer.replay import NotReplayable
-
-    run_id = cli.run.id or ""
-    _fetch_archive(cli, run_id)
-    fetch_record(cli, run_id, "rlbus retrain")
-    try:
-        with redis_for_reading(cli) as url:
-            log = asyncio.run(read_run_log(url, run_id, events_dir(cli, run_id)))
-            if not log.configs:
-                raise ReplayError(f"run {run_id!r} has no events at this Redis", 1)
+    def body(url: str, log: Any) -> Outcome:
+        try:
             first, last = parse_steps(steps, log.last_step)
-            lines, code = _retrain(url, cli, log, overrides, first, last, name)
-    except ValueError as exc:
-        print(f"rlbus retrain: error: {exc}", file=sys.stderr)
-        return 2
-    except (RunDataMissing, NotReplayable) as exc:
-        print(f"rlbus retrain: error: {exc}", file=sys.stderr)
-        return 2
-    except ReplayError as exc:
-        print(f"rlbus retrain: error: {exc}", file=sys.stderr)
-        return exc.code
-    for line in lines:
-        print(line, flush=True)
-    return code
+        except ValueError as exc:
+            raise ReplayError(str(exc)) from None
+        return Outcome(*_retrain(url, cli, log, overrides, first, last, name))
+
+    return on_the_log(cli, "rlbus retrain", body)
 
 
 def _retrain(url: str, cli: Config, log: Any, overrides: list[str], first: int, last: int,

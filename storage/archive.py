@@ -46,7 +46,7 @@ from typing import BinaryIO, NamedTuple
 
 import msgspec
 
-from storage.files import atomic_write, fsync_path
+from storage.files import atomic_write, fsync_path, numbered_files
 
 __all__ = [
     "MAGIC",
@@ -94,11 +94,7 @@ def _number(name: str) -> int:
 
 def segments(folder: Path) -> list[Path]:
     """The segment files of ``folder`` in log order ([] when it does not exist)."""
-    try:
-        names = [n for n in os.listdir(folder) if _NAME.match(n)]
-    except FileNotFoundError:
-        return []
-    return [folder / n for n in sorted(names, key=_number)]
+    return numbered_files(folder, _NAME)
 
 
 def _records(fh: BinaryIO) -> Iterator[tuple[int, int, ArchivedEntry]]:

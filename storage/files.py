@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["atomic_file", "atomic_write", "fsync_path"]
+__all__ = ["atomic_file", "atomic_write", "fsync_path", "numbered_files"]
 
 _TMP_PREFIX = ".tmp-"
 
@@ -81,3 +82,14 @@ def atomic_write(
     a temporary file in the same folder, write, fsync, ``os.replace``, fsync the folder."""
     with atomic_file(path, durable=durable, mode=mode) as fh:
         fh.write(data)
+
+
+def numbered_files(folder: Path, name: re.Pattern[str]) -> list[Path]:
+    """The files of ``folder`` whose name ``name`` matches, by the number its first group
+    captures (segment files: ``archive-000007.rlev``, ``samples-000007.parquet``); [] when
+    the folder does not exist."""
+    try:
+        found = [(int(m[1]), n) for n in os.listdir(folder) if (m := name.match(n))]
+    except FileNotFoundError:
+        return []
+    return [folder / n for _, n in sorted(found)]

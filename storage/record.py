@@ -34,7 +34,6 @@ Validations: every answer of each validation, written by the rollouter that serv
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -42,7 +41,7 @@ from typing import Any
 
 import msgspec
 
-from storage.files import atomic_file, fsync_path
+from storage.files import atomic_file, fsync_path, numbered_files
 
 __all__ = ["COLUMNS", "MARK_KEY", "VALIDATION_COLUMNS", "RecordCorrupt", "RecordMark",
            "last_mark", "read_rows", "segments", "write_segment", "write_validation"]
@@ -123,11 +122,7 @@ def _number(path: Path) -> int:
 
 def segments(folder: Path) -> list[Path]:
     """The segment files of ``folder`` in order ([] when it does not exist)."""
-    try:
-        names = [n for n in os.listdir(folder) if _NAME.match(n)]
-    except FileNotFoundError:
-        return []
-    return sorted((folder / n for n in names), key=_number)
+    return numbered_files(folder, _NAME)
 
 
 def _mark_of(path: Path) -> RecordMark:
