@@ -588,12 +588,31 @@ class BusClient:
             parts.append(0)
         return parts[0], parts[1], parts[2]
 
-    async def write_refusal(self) -> str | None:
+    async def memory_refusals(self) -> int | None:
+        """How many commands the server has refused for memory since it started (INFO
+        errorstats ``errorstat_OOM``); None for a user without INFO."""
+        try:
+            stats = await self.command("INFO", "errorstats")
+        except (BusAuthError, ResponseError):
+            return None
+        oom = stats.get("errorstat_OOM")
+        return int(oom.get("count", 0)) if isinstance(oom, dict) else 0
+
+    async def write_refusal(self, memory_refusals_before: int | None = None,
+                            since: str = "since the silent part was last seen"
+                            ) -> str | None:
         """Why the server refuses writes now, in one line (None: it does not seem to):
         ``used_memory`` at its ``maxmemory`` with a policy that cannot evict for it, or its
         last AOF write / RDB save failed (MISCONF). Wraps INFO memory and persistence; a
         user without INFO gets None. What a peer says of a part that went silent: a write
-        refused to every part is why, and the silent one could not say so itself."""
+        refused to every part is why, and the silent one could not say so itself.
+
+        ``memory_refusals_before``: :meth:`memory_refusals` read while the silent part was
+        alive (``since`` says when, in the line). A server that refused writes for memory
+        since then is named even when its ``used_memory`` has fallen back below the limit:
+        a large write (a batch of samples) counts its own request against ``maxmemory`` and
+        is refused, and the memory it held is freed when its client goes, so a small write
+        passes a moment later."""
         try:
             memory = await self.command("INFO", "memory")
             persistence = await self.command("INFO", "persistence")
@@ -604,6 +623,12 @@ class BusClient:
         if limit and used >= limit * 0.98 and not policy.startswith("allkeys"):
             return (f"Redis at {self.url} is out of memory: {_memory_numbers(memory)}: no "
                     f"part can write")
+        refused = (None if memory_refusals_before is None or not limit
+                   else await self.memory_refusals())
+        if refused is not None and memory_refusals_before is not None and (
+                refused > memory_refusals_before):
+            return (f"Redis at {self.url} is out of memory: {_memory_numbers(memory)}: it "
+                    f"refused {refused - memory_refusals_before} write(s) for memory {since}")
         if "err" in (str(persistence.get("aof_last_write_status", "ok")),
                      str(persistence.get("rdb_last_bgsave_status", "ok"))):
             return (f"Redis at {self.url} cannot persist its writes (its last AOF write or "

@@ -7,6 +7,7 @@ never block, so a long training step is not silence: only a key absent for
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Protocol
 
 from bus import Bus
@@ -14,6 +15,11 @@ from runschema.messages import ComponentFailed
 from runtime import Failure
 
 __all__ = ["Presence", "TrainerGone", "TrainerPresence"]
+
+REFUSALS_EVERY_S = 30.0
+REFUSALS_KEPT = 10
+"""About five minutes of counts: the line names refusals of that window, not of the server's
+lifetime (an episode an hour ago, since mended, is not why the trainer went now)."""
 
 
 class Presence(Protocol):
@@ -42,6 +48,10 @@ class TrainerPresence:
         self.timeout_s = timeout_s
         self.absent_since: float | None = bus.reach_clock()  # judged from construction on
         self.seen = False
+        self.memory_refusals: deque[tuple[float, int]] = deque(maxlen=REFUSALS_KEPT)
+        """(clock, Redis's count of writes refused for memory), read every
+        ``REFUSALS_EVERY_S`` while the trainer is there: a trainer that went silent because
+        Redis refused its writes could not say so, and a count that grew says it for it."""
 
     async def check(self) -> None:
         """Raise :class:`TrainerGone` once the lease key has been absent for longer than
@@ -53,6 +63,7 @@ class TrainerPresence:
         if exists:
             self.absent_since = None
             self.seen = True
+            await self._count_refusals(now)
             return
         if self.absent_since is None:
             self.absent_since = now
@@ -78,4 +89,15 @@ class TrainerPresence:
             last = await self.bus.latest(self.trainer_log)
             if last is not None and isinstance(last.msg, ComponentFailed):
                 return f"it failed: {last.msg.error}"
-        return await self.bus.write_refusal()
+        if not self.memory_refusals:
+            return await self.bus.write_refusal()
+        read_at, count = self.memory_refusals[0]
+        return await self.bus.write_refusal(
+            count, f"in the last {self.bus.reach_clock() - read_at:.0f} s")
+
+    async def _count_refusals(self, now: float) -> None:
+        if self.memory_refusals and now - self.memory_refusals[-1][0] < REFUSALS_EVERY_S:
+            return
+        count = await self.bus.memory_refusals()
+        if count is not None:
+            self.memory_refusals.append((now, count))

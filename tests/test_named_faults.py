@@ -160,3 +160,72 @@ async def test_a_rollouter_repeats_the_trainers_stated_cause(
     assert str(stated.value).startswith(
         "trainer is gone: it failed: disk full: writing the checkpoint of step 6 to /c; its "
         "lease ")
+
+
+@pytest.mark.asyncio
+async def test_a_rollouter_names_writes_refused_for_memory_after_the_memory_came_back(
+    redis_factory, make_bus, run_id: str
+) -> None:
+    """The trainer's large write (a batch of samples) counts its own request against
+    ``maxmemory`` and is refused; its memory is freed with the refusal, so Redis is below the
+    limit again when the lease lapses. The rollouter still names memory: Redis counted the
+    refusal while the trainer was there."""
+    server = redis_factory()
+    bus: Bus = await make_bus(server.url)
+    keys = RunKeys(run_id)
+    presence = TrainerPresence(bus, keys.trainer_lease, run_id, 0.0, keys.log("trainer"))
+    await bus.command("SET", keys.trainer_lease, "token")
+    await presence.check()  # the trainer is there: Redis's count of refusals is read
+    used = int((await bus.command("INFO", "memory"))["used_memory"])
+    await bus.command("CONFIG", "SET", "maxmemory", str(used + 256 * 1024))
+    trainer: Bus = await make_bus(server.url)
+    with pytest.raises(BusOutOfMemory):
+        await trainer.command("SET", "a-batch-of-samples", "x" * (2 << 20))
+    await trainer.close()  # the trainer exits: its request's buffer is freed with its client
+    await _memory_below_its_limit(bus)
+    await bus.command("SET", "a-small-write", "x")  # it passes: memory came back
+    await bus.command("DEL", keys.trainer_lease)
+    await presence.check()  # absent from now on
+    await asyncio.sleep(0.01)
+    with pytest.raises(TrainerGone) as gone:
+        await presence.check()
+    line = str(gone.value)
+    assert line.startswith(f"trainer is gone: Redis at {server.url} is out of memory: "
+                           "used_memory "), line
+    assert "it refused 1 write(s) for memory in the last 0 s; its lease" in line, line
+
+
+@pytest.mark.asyncio
+async def test_a_trainer_gone_without_a_refusal_is_not_blamed_on_memory(
+    redis_factory, make_bus, run_id: str
+) -> None:
+    """Writes refused for memory before the trainer was last counted are not why it went."""
+    server = redis_factory()
+    bus: Bus = await make_bus(server.url)
+    keys = RunKeys(run_id)
+    used = int((await bus.command("INFO", "memory"))["used_memory"])
+    await bus.command("CONFIG", "SET", "maxmemory", str(used + 256 * 1024))
+    old: Bus = await make_bus(server.url)
+    with pytest.raises(BusOutOfMemory):
+        await old.command("SET", "an-old-episode", "x" * (2 << 20))
+    await old.close()
+    await _memory_below_its_limit(bus)
+    presence = TrainerPresence(bus, keys.trainer_lease, run_id, 0.0, keys.log("trainer"))
+    await bus.command("SET", keys.trainer_lease, "token")
+    await presence.check()
+    await bus.command("DEL", keys.trainer_lease)
+    await presence.check()  # absent from now on
+    await asyncio.sleep(0.01)
+    with pytest.raises(TrainerGone) as gone:
+        await presence.check()
+    assert str(gone.value).startswith("trainer is gone: its lease "), gone.value
+
+
+async def _memory_below_its_limit(bus: Bus) -> None:
+    """Wait (30 s at most) until the server has freed a closed client's buffers."""
+    async with asyncio.timeout(30):
+        while True:
+            memory = await bus.command("INFO", "memory")
+            if int(memory["used_memory"]) < int(memory["maxmemory"]):
+                return
+            await asyncio.sleep(0.05)
