@@ -195,6 +195,7 @@ class TrainerConfig(_Section, frozen=True):
     lr: PosFloat = 1e-3
     clip_ratio_low: NonNegFloat = 0.2
     clip_ratio_high: NonNegFloat = 0.28
+    clip_ratio_c: Annotated[float, Meta(gt=1)] | None = 3.0  # verl's dual-clip bound
     grad_clip: PosFloat = 1.0
     entropy_coeff: NonNegFloat = 0.01
     tis_cap: PosFloat | None = 2.0

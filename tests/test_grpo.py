@@ -15,6 +15,7 @@ from trainer.grpo import (
     build_batch,
     group_advantages,
     masked_mean,
+    policy_loss,
     ppo_clip_loss,
     tis_weights,
 )
@@ -109,6 +110,30 @@ def test_ppo_gradient_sign() -> None:
     loss.backward()
     assert far.grad is not None and torch.equal(far.grad, torch.zeros(1, 2))
     assert clipfrac.item() == 1.0
+
+
+def test_dual_clip_caps_a_negative_advantage_as_verl_does() -> None:
+    """verl's vanilla loss (clip_ratio_c=3): a token with A < 0 whose ratio grew past 3
+    loses -A x 3, with no gradient; below the bound the loss is the plain clipped one, value
+    and gradient alike; figures as verl names them."""
+    logp_old = torch.zeros(1, 3)
+    logp_new = torch.log(torch.tensor([[5.0, 2.0, 0.5]])).requires_grad_()
+    adv = torch.tensor([-2.0])
+    pg = policy_loss(logp_new, logp_old, adv, torch.ones(1, 3), 0.2, 0.28)
+    # Tokens: 2 x 3 (capped, instead of 2 x 5), 2 x 2 (unclipped side: max(-A r, -A clip)),
+    # 2 x 0.8 (the clip's lower edge holds it).
+    assert pg.loss.item() == pytest.approx((6.0 + 4.0 + 1.6) / 3)
+    assert pg.clipfrac_lower.item() == pytest.approx(1 / 3)
+    assert pg.ppo_kl.item() == pytest.approx(-(math.log(5.0) + math.log(2.0) + math.log(0.5)) / 3)
+    pg.loss.backward()
+    assert logp_new.grad is not None and logp_new.grad[0, 0].item() == 0.0
+    plain = logp_new.detach().clone().requires_grad_()
+    off = policy_loss(plain, logp_old, adv, torch.ones(1, 3), 0.2, 0.28, clip_ratio_c=None)
+    assert off.loss.item() == pytest.approx((10.0 + 4.0 + 1.6) / 3)
+    assert off.clipfrac_lower.item() == 0.0
+    off.loss.backward()
+    assert plain.grad is not None
+    assert torch.equal(plain.grad[0, 1:], logp_new.grad[0, 1:])  # below the bound: the same
 
 
 def test_tis_weights_capped_and_detached() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -17,12 +17,14 @@ import torch
 __all__ = [
     "KL_LOSS_TYPES",
     "Batch",
+    "PolicyLoss",
     "approx_kl",
     "build_batch",
     "group_advantages",
     "kl_penalty",
     "masked_mean",
     "micro_batches",
+    "policy_loss",
     "ppo_clip_loss",
     "probs_diff",
     "tis_weights",
@@ -152,6 +154,62 @@ def tis_weights(
     return torch.exp(logp_proximal.detach() - logp_behaviour.detach()).clamp(max=cap)
 
 
+class PolicyLoss(NamedTuple):
+    """A micro-batch's policy-gradient loss and verl's figures of it (detached but ``loss``):
+    ``clipfrac`` (``actor/pg_clipfrac``), ``clipfrac_lower`` (``actor/pg_clipfrac_lower``:
+    the tokens whose loss the dual-clip bound capped) and ``ppo_kl`` (``actor/ppo_kl``: the
+    token mean of log pi_old - log pi)."""
+
+    loss: torch.Tensor
+    clipfrac: torch.Tensor
+    clipfrac_lower: torch.Tensor
+    ppo_kl: torch.Tensor
+
+
+def policy_loss(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    logp_behaviour: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    clip_ratio_c: float | None = 3.0,
+) -> PolicyLoss:
+    """Token-level PPO clipped surrogate, mask-aware means over tokens (verl's vanilla loss).
+
+    advantages is [B] (one per sequence) or [B, R]. clip_high > clip_low is "clip-higher"
+    (DAPO). ``clip_ratio_c`` is dual-clip PPO's bound (verl's ``clip_ratio_c``, default 3):
+    a token with a negative advantage loses at most ``-A * clip_ratio_c`` however far its
+    ratio grew (None: no bound). With `tis_cap` set and `logp_behaviour` given, each token's
+    loss is then weighted by `tis_weights(logp_old, logp_behaviour, tis_cap)`; tis_cap None
+    turns that off. clipfrac is the fraction of tokens whose gradient the clip removed.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    advantages = advantages.to(logp_new.dtype).expand_as(logp_new)
+    log_ratio = logp_new - logp_old.detach()
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    capped = torch.zeros_like(per_token, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        bound = -advantages * clip_ratio_c
+        capped = (advantages < 0) & (per_token > bound)
+        # where, not minimum: a token below the bound keeps its value and gradient exactly.
+        per_token = torch.where(capped, bound, per_token)
+    if tis_cap is not None and logp_behaviour is not None:
+        per_token = per_token * tis_weights(logp_old, logp_behaviour, tis_cap)
+    dtype = logp_new.dtype
+    return PolicyLoss(
+        loss=masked_mean(per_token, mask),
+        clipfrac=masked_mean((clipped > unclipped).to(dtype), mask).detach(),
+        clipfrac_lower=masked_mean(capped.to(dtype), mask).detach(),
+        ppo_kl=masked_mean(-log_ratio.detach(), mask))
+
+
 def ppo_clip_loss(
     logp_new: torch.Tensor,
     logp_old: torch.Tensor,
@@ -161,26 +219,12 @@ def ppo_clip_loss(
     clip_high: float = 0.2,
     logp_behaviour: torch.Tensor | None = None,
     tis_cap: float | None = None,
+    clip_ratio_c: float | None = 3.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-level PPO clipped surrogate: (loss, clipfrac), both mask-aware means over tokens.
-
-    advantages is [B] (one per sequence) or [B, R]. clip_high > clip_low is "clip-higher"
-    (DAPO). With `tis_cap` set and `logp_behaviour` given, each token's loss is weighted by
-    `tis_weights(logp_old, logp_behaviour, tis_cap)`; tis_cap None turns that off.
-    clipfrac is the fraction of tokens whose gradient the clip removed.
-    """
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
-    advantages = advantages.to(logp_new.dtype).expand_as(logp_new)
-    ratio = torch.exp(logp_new - logp_old.detach())
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
-    if tis_cap is not None and logp_behaviour is not None:
-        per_token = per_token * tis_weights(logp_old, logp_behaviour, tis_cap)
-    loss = masked_mean(per_token, mask)
-    clipfrac = masked_mean((clipped > unclipped).to(logp_new.dtype), mask).detach()
-    return loss, clipfrac
+    """(loss, clipfrac) of :func:`policy_loss`."""
+    out = policy_loss(logp_new, logp_old, advantages, mask, clip_low, clip_high,
+                      logp_behaviour, tis_cap, clip_ratio_c)
+    return out.loss, out.clipfrac
 
 
 def probs_diff(logp_trainer: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor
