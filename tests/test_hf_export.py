@@ -22,6 +22,7 @@ from runschema.messages import CheckpointSaved, RunFinished, StepFinished
 from storage.run_storage import RunStorage
 from tests.procs import FAST, events_of, run_rollouter_and_trainer
 from tests.test_mirror import PROTOCOL, _sitecustomize
+from tests.test_verl_metrics import VERL_STEP_METRICS
 from trainer.export import HFExport, hf_dir, step_folder, write_hf_dir
 from trainer.mirror import HF_COMPLETE, CheckpointMirror
 from trainer.resume import write_checkpoint
@@ -198,6 +199,12 @@ async def test_a_run_exports_each_checkpoint_and_retention_deletes_them(
         assert m["timing_s/update_actor"] == m["trainer/update_s"] > 0
         assert 1 <= m["response_length/mean"] <= m["response_length/max"] <= 5
         assert 0 <= m["response_length/clip_ratio"] <= 1 and m["prompt_length/mean"] >= 1
+        assert [k for k in VERL_STEP_METRICS if k not in m] == [], e.step
+        assert m["training/global_step"] == e.step
+        assert m["perf/total_num_tokens"] > 0 and m["perf/throughput"] > 0
+        assert m["critic/score/mean"] == pytest.approx(m["reward/mean"])
+        assert m["critic/returns/mean"] == m["critic/advantages/mean"]
+        assert m["fully_async/count/current_param_version"] == e.param_version
 
 
 class _Recorded(RunStorage):

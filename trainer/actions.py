@@ -114,6 +114,8 @@ class Measured(NamedTuple):
     ranks: int
     laps: Mapping[str, float] = {}
     """The step window's wall time by what the shell did (trainer.timing)."""
+    memory: Mapping[str, float] = {}
+    """verl's ``perf/*memory*`` figures at the step's end (trainer.learner.memory_metrics)."""
 
 
 # ---------------------------------------------------------------------------- out

@@ -37,6 +37,7 @@ from trainer.actions import (
     Warn,
 )
 from trainer.core import StepCore
+from trainer.learner import memory_metrics
 from trainer.process import GROUP, TrainerProcess
 from trainer.stepwork import StepWork
 from trainer.timing import step_clock
@@ -82,7 +83,8 @@ class Trainer(TrainerProcess):
                              max_len=learner.max_len, now=self.clock(),
                              since_checkpoint=state.last_step - state.checkpoint()[0],
                              encode=self.encode_prompt,
-                             validated=await self.validations.start())
+                             validated=await self.validations.start(),
+                             counts=state.counts)
         if self.profiler is not None and not resumed:
             await self._wait_for_profiler()
         await self.apply_commands()
@@ -157,7 +159,8 @@ class Trainer(TrainerProcess):
             laps.lap("read_peers")
             await self._act(self.core.take(Reads(now, peers=peers)), self.upcoming)
         measured = Measured(self.meter.wait_s, work.busy_s, self.meter.loop_cpu(),
-                            self.ranks.world, laps.close("judge"))
+                            self.ranks.world, laps.close("judge"),
+                            memory_metrics(self.learner.device))
         await self._act(self.core.finish_step(update, measured, self.clock()))
         self.progressed = True
 

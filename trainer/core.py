@@ -42,7 +42,7 @@ tickets an earlier one issued.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Sized
 
 from bus import Delivery, Refusal, RunKeys
 from runconfig import Config
@@ -73,7 +73,7 @@ from trainer.health import Health
 from trainer.intake import Complete, Duplicate, Group, Intake, Refuse, Stale
 from trainer.ledger import Ledger
 from trainer.ledger import apply as ledger_apply
-from trainer.metrics import StaleWindow, step_gauges, verl_step_metrics
+from trainer.metrics import AsyncCounts, StaleWindow, StepShape, step_gauges, verl_step_metrics
 from trainer.resumepoints import ResumePoints, sample_bytes
 from trainer.rewardfail import RewardGuard, reward_metrics
 from trainer.stepwork import may_stream
@@ -106,12 +106,14 @@ class StepCore:
     the log finished after its newest checkpoint (trainer.resumepoints); ``encode``: a text
     prompt's token ids as the rollouters encode it, for the prompt digest its tickets carry
     (None: only verl data's token ids are digested); ``validated``: the validation requests
-    the log answered already (trainer.validation)."""
+    the log answered already (trainer.validation); ``counts``: the run's running counts as
+    the log's last StepFinished left them (trainer.metrics.AsyncCounts)."""
 
     def __init__(self, cfg: Config, prompts: PromptSource, keys: RunKeys, *, ledger: Ledger,
                  version: int, vocab_size: int | None, max_len: int | None,
                  now: float, since_checkpoint: int = 0, encode: Encode | None = None,
-                 validated: Iterable[str] = ()) -> None:
+                 validated: Iterable[str] = (), counts: dict[str, float] | None = None
+                 ) -> None:
         self.cfg = cfg
         tc, ac = cfg.trainer, cfg.async_training
         self.trigger = ac.trigger_parameter_sync_step
@@ -129,6 +131,9 @@ class StepCore:
         self.health = Health(cfg.heartbeat, keys, now)
         self.validations = ValidationRequests(cfg, validated)
         self.window = StaleWindow()
+        self.counts = AsyncCounts(counts)
+        self.trained_version = version
+        """The weights version the closed step trained on (before its sync)."""
         self.rewards = RewardGuard(cfg)
         self.step = 0
         """The step being gathered, or the last one."""
@@ -368,6 +373,19 @@ class StepCore:
         return self.intake.waiting_for(self.ledger, self.need, self.step, self.version,
                                        self.health.rollouters_state())
 
+    def _shape(self, duration: float, measured: Measured, last_prompt: int | None
+               ) -> StepShape:
+        """What verl's step metrics need beside the samples: ``last_prompt``, the step's
+        newest prompt index, gives the data epoch (a source of known size)."""
+        prompts = self.dispatch.prompts
+        size = len(prompts) if isinstance(prompts, Sized) else 0
+        epoch = last_prompt // size if size and last_prompt is not None else 0
+        devices = measured.ranks + (len(self.health.rollouters)
+                                    * self.cfg.rollout.tensor_model_parallel_size)
+        return StepShape(step=self.step, duration_s=duration, update_s=measured.update_s,
+                         devices=devices, max_prompt_length=self.cfg.data.max_prompt_length,
+                         max_response_length=self.cfg.rollout.max_new_tokens, epoch=epoch)
+
     # ------------------------------------------------------------------ the run's end
 
     def end(self) -> None:
@@ -388,6 +406,7 @@ class StepCore:
         tc = self.cfg.trainer
         self.closed, self.batch = self.batch or [], None
         self.stale_share = self.window.share(self.closed, self.version)
+        self.trained_version = self.version
         save = is_save_update(self.step, tc.save_freq, self.trigger, tc.total_training_steps)
         sync = self.step % self.trigger == 0
         if sync:
@@ -421,8 +440,15 @@ class StepCore:
         metrics["trainer/ranks"] = float(measured.ranks)
         metrics["trainer/early_groups"] = float(self.early_groups)
         metrics.update(measured.laps)  # timing_s/step and its laps (trainer.timing)
-        metrics.update(verl_step_metrics([s for _, s in trained],
-                                         self.cfg.rollout.max_new_tokens, measured.update_s))
+        metrics.update(measured.memory)
+        metrics.update(verl_step_metrics([s for _, s in trained], self._shape(
+            duration, measured, max((g.index for g in groups), default=None))))
+        metrics.update(self.counts.step([[s for _, s in g.ordered()] for g in groups],
+                                        self.trained_version))
+        metrics["fully_async/count/current_param_version"] = float(self.version)
+        metrics["fully_async/static/required_samples"] = float(self.need)
+        metrics["fully_async/static/staleness_threshold"] = (
+            self.cfg.async_training.staleness_threshold)
         metrics.update(reward_metrics(s for _, s in trained))
         out: list[Action] = []
         self._emit(out, FinishStep(StepFinished(

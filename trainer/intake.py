@@ -137,6 +137,10 @@ class Intake:
             done = {ticket_id(g.index) for g in groups}
             self.alone = {k for k in self.alone if k[0].rsplit("/", 1)[0] not in done}
 
+    def queued_groups(self) -> int:
+        """Groups held: ready, and still being answered."""
+        return len(self.ready) + len(self.groups)
+
     def queued_samples(self) -> int:
         """Samples held: in ready groups and in groups still being answered."""
         return (sum(len(g.samples) for g in self.ready)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -42,7 +43,8 @@ from trainer.sharding import (
 )
 from trainer.update import GrpoStep, grpo_update
 
-__all__ = ["Learner", "RankedStep", "frozen_copy", "lr_factor", "make_optimizer", "warmup_steps"]
+__all__ = ["Learner", "RankedStep", "frozen_copy", "lr_factor", "make_optimizer", "memory_metrics",
+           "warmup_steps"]
 
 _SCHEDULER_KEY = "lr_scheduler"
 """Where the lr schedule's state rides in the optimizer's state dict (so in checkpoints)."""
@@ -574,3 +576,16 @@ def _optimizer_like(optimizer: torch.optim.Optimizer, shape: dict[str, Any]) -> 
     state = {i: {k: params[int(i)] for k in v} for i, v in shape.get("state", {}).items()
              if int(i) < len(params)}
     return {"state": state}
+
+
+def memory_metrics(device: torch.device | str) -> dict[str, float]:
+    """verl's ``perf/max_memory_allocated_gb`` and ``perf/max_memory_reserved_gb`` (the
+    device's peaks since the trainer started; CUDA only) and ``perf/cpu_memory_used_gb``
+    (the machine's used memory, as psutil says)."""
+    gib = float(1 << 30)
+    out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / gib}
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(dev) / gib
+        out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(dev) / gib
+    return out

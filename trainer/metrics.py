@@ -27,6 +27,16 @@ definitions (verl/trainer/ppo/metric_utils.py ``compute_data_metrics`` and
   what verl's naive reward manager takes scoring them one after another.
 - ``timing_s/update_actor``: the worker's compute time for the step's update (the same
   figure as ``trainer/update_s``; it includes building the batches).
+- ``response_length/min``, ``response_length_non_aborted/*``, ``response/aborted_ratio``
+  (an aborted response is an empty one), ``prompt_length/max|min|clip_ratio``
+  (``data.max_prompt_length``), ``perf/total_num_tokens|time_per_step|throughput``
+  (``compute_throughout_metrics``: tokens per second of the step's window and device),
+  ``timing_per_token_ms/gen|update_actor``, ``training/global_step|epoch``.
+
+:func:`critic_metrics` (called by the update, which has the advantages) adds
+``critic/score|rewards|advantages|returns/*``; :class:`AsyncCounts` and
+:func:`step_gauges` the fully-async trainer's ``fully_async/*``. docs/config.md lists every
+name beside verl's definition.
 """
 
 from __future__ import annotations
@@ -34,17 +44,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from runschema.messages import Sample
 from trainer.actions import Measured
 from trainer.intake import Group, Intake
 from trainer.ledger import Ledger
+from trainer.state import RUNNING_COUNTS
 
 if TYPE_CHECKING:
     from trainer.health import Health
 
-__all__ = ["StaleWindow", "StepMeter", "step_gauges", "verl_step_metrics"]
+__all__ = ["AsyncCounts", "StaleWindow", "StepMeter", "StepShape", "critic_metrics",
+           "step_gauges", "verl_step_metrics"]
 
 
 class StepMeter:
@@ -103,6 +115,15 @@ def step_gauges(duration: float, n_samples: int, measured: Measured, *, ledger: 
         "samples/refused": float(intake.refused),
         "rollout/failures": float(health.rollout_failures),
         "staleness/discarded_groups": float(intake.discarded),
+        # verl's fully-async names of the same gauges (its trainer's idle is its wait for
+        # samples over the step; its queue holds prompts' groups; its budget is in prompts).
+        "fully_async/trainer/idle_ratio": idle,
+        "fully_async/total_wait_time": measured.wait_s,
+        "fully_async/rollouter/idle_ratio": health.idle_ratio(),
+        "fully_async/monitor/queue/mq_queue_size": float(intake.queued_groups()),
+        "fully_async/count/staleness_samples": float(ledger.window),
+        "fully_async/count/dropped_stale_samples": float(intake.discarded),
+        "fully_async/static/max_required_samples": float(capacity),
         **health.weights_sync(),
         **health.rollout_shares(),
     }
@@ -126,20 +147,125 @@ def _gen_seconds(samples: Sequence[Sample]) -> float:
     return total
 
 
-def verl_step_metrics(samples: Sequence[Sample], max_response_length: int,
-                      update_s: float) -> dict[str, float]:
-    """verl's data and timing metrics of one step (see the module docstring)."""
+def _stats(name: str, values: Sequence[float]) -> dict[str, float]:
+    """``name/mean|max|min`` of ``values`` (NaN where there are none, as verl)."""
+    if not values:
+        return {f"{name}/{k}": math.nan for k in ("mean", "max", "min")}
+    return {f"{name}/mean": sum(values) / len(values), f"{name}/max": float(max(values)),
+            f"{name}/min": float(min(values))}
+
+
+def critic_metrics(rewards: Sequence[float], advantages: Sequence[float],
+                   lengths: Sequence[int]) -> dict[str, float]:
+    """verl's ``critic/score|rewards|advantages|returns/mean|max|min`` of one step's samples
+    (their rewards, the advantages they trained with, their response lengths), as
+    ``compute_data_metrics`` takes them: scores and rewards over the samples with a response
+    (an empty one is aborted), advantages and returns over response tokens (a sample's
+    advantage counts once per token). With no KL in the reward (``use_kl_in_reward`` is
+    fixed False here) the reward is the score; for GRPO verl's returns are the advantages."""
+    scores = [r for r, n in zip(rewards, lengths, strict=True) if n > 0]
+    tokens = sum(n for n in lengths if n > 0)
+    out = {**_stats("critic/score", scores), **_stats("critic/rewards", scores)}
+    live = [a for a, n in zip(advantages, lengths, strict=True) if n > 0]
+    adv = _stats("critic/advantages", live)
+    if live:
+        adv["critic/advantages/mean"] = sum(
+            a * n for a, n in zip(advantages, lengths, strict=True)) / tokens
+    out.update(adv)
+    out.update({k.replace("advantages", "returns"): v for k, v in adv.items()})
+    return out
+
+
+def _percentile(ordered: Sequence[float], q: float) -> float:
+    """numpy's default (linear) percentile ``q`` of ``ordered`` (sorted, not empty)."""
+    at = (len(ordered) - 1) * q / 100
+    low = math.floor(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+class StepShape(NamedTuple):
+    """What the step core knows of a step beyond its samples (see :func:`verl_step_metrics`)."""
+
+    step: int
+    duration_s: float
+    """The step's window (``timing_s/step``)."""
+    update_s: float
+    devices: int
+    """The run's devices: trainer ranks + live rollouter replicas x their tensor-parallel
+    size (verl's ``total_gpus``: trainer and rollout GPUs)."""
+    max_prompt_length: int
+    max_response_length: int
+    epoch: int = 0
+
+
+def verl_step_metrics(samples: Sequence[Sample], shape: StepShape) -> dict[str, float]:
+    """verl's data, timing and throughput metrics of one step (see the module docstring)."""
+    base = {"training/global_step": float(shape.step), "training/epoch": float(shape.epoch),
+            "timing_s/update_actor": shape.update_s, "perf/time_per_step": shape.duration_s}
     if not samples:
-        return {"timing_s/update_actor": update_s}
+        return base
     responses = [len(s.response_tokens) for s in samples]
     prompts = [len(s.prompt_tokens) for s in samples]
     n = len(samples)
-    return {
-        "response_length/mean": sum(responses) / n,
-        "response_length/max": float(max(responses)),
-        "response_length/clip_ratio": sum(r == max_response_length for r in responses) / n,
-        "prompt_length/mean": sum(prompts) / n,
-        "timing_s/gen": _gen_seconds(samples),
+    kept = [r for r in responses if r > 0]
+    response_tokens, total = sum(responses), sum(responses) + sum(prompts)
+    gen_s = _gen_seconds(samples)
+    metrics = {
+        **base,
+        **_stats("response_length", responses),
+        "response_length/clip_ratio": sum(r == shape.max_response_length
+                                          for r in responses) / n,
+        **_stats("response_length_non_aborted", kept),
+        "response_length_non_aborted/clip_ratio": (
+            sum(r == shape.max_response_length for r in kept) / len(kept) if kept
+            else math.nan),
+        "response/aborted_ratio": (n - len(kept)) / n,
+        **_stats("prompt_length", prompts),
+        "prompt_length/clip_ratio": sum(p == shape.max_prompt_length for p in prompts) / n,
+        "timing_s/gen": gen_s,
         "timing_s/reward": float(sum(s.reward_s for s in samples)),
-        "timing_s/update_actor": update_s,
+        "perf/total_num_tokens": float(total),
+        "perf/throughput": (total / (shape.duration_s * max(shape.devices, 1))
+                            if shape.duration_s > 0 else 0.0),
     }
+    if response_tokens:
+        metrics["timing_per_token_ms/gen"] = gen_s * 1000 / response_tokens
+    if total:
+        metrics["timing_per_token_ms/update_actor"] = shape.update_s * 1000 / total
+    return metrics
+
+
+class AsyncCounts:
+    """verl's ``fully_async/*`` figures of each step, with the run's running counts: folded
+    step by step, and carried over a restart from the last StepFinished (``start``)."""
+
+    COUNTS = RUNNING_COUNTS
+
+    def __init__(self, start: dict[str, float] | None = None) -> None:
+        start = start or {}
+        self.stale_groups = int(start.get(self.COUNTS[0], 0))
+        """Prompts (groups) trained with a response begun on weights older than the step's."""
+        self.stale_responses = int(start.get(self.COUNTS[1], 0))
+        """Responses trained that ended on weights older than the step's."""
+
+    def step(self, groups: Sequence[Sequence[Sample]], version: int) -> dict[str, float]:
+        """The step's figures: ``groups`` trained on weights ``version``."""
+        flat = [s for g in groups for s in g]
+        self.stale_groups += sum(any(s.min_version < version for s in g) for g in groups)
+        self.stale_responses += sum(s.max_version < version for s in flat)
+        spans = [s.max_version - s.min_version for s in flat]
+        partial = sum(span > 0 for span in spans)
+        out = {self.COUNTS[0]: float(self.stale_groups),
+               self.COUNTS[1]: float(self.stale_responses),
+               "fully_async/partial/total_partial_num": float(partial),
+               "fully_async/partial/partial_ratio": partial / len(flat) if flat else 0.0,
+               "fully_async/partial/max_partial_span": float(max(spans, default=0))}
+        times = sorted(s.gen_time_s for s in flat)
+        if times:
+            out.update({"fully_async/processing_time/avg": sum(times) / len(times),
+                        "fully_async/processing_time/max": times[-1],
+                        "fully_async/processing_time/min": times[0],
+                        **{f"fully_async/processing_time/tp{q}": _percentile(times, q)
+                           for q in (50, 95, 99)}})
+        return out

@@ -74,6 +74,8 @@ class TrainerState(msgspec.Struct, frozen=True):
     checkpoint_files: dict[str, dict[str, FileDigest]] = {}
     """The digests each kept checkpoint's CheckpointSaved recorded, by its path (a resume
     verifies the files before it loads one: trainer.integrity)."""
+    counts: dict[str, float] = {}
+    """The run's running counts in its last StepFinished (:data:`RUNNING_COUNTS`)."""
 
     def checkpoint(self) -> tuple[int, str | None]:
         """The newest checkpoint of a *finished* step: ``(step, path)``, or ``(0, None)``.
@@ -109,6 +111,11 @@ class TrainerState(msgspec.Struct, frozen=True):
         refs = [ref for v, ref in self.weights if v == version]
         return refs[-1] if refs else None
 
+
+RUNNING_COUNTS = ("fully_async/count/stale_samples_processed",
+                  "fully_async/count/stale_trajectory_processed")
+"""Step metrics that count over the run (verl's): a restarted trainer goes on from the log's
+last StepFinished (trainer.metrics.AsyncCounts)."""
 
 KEEP_WEIGHT_EVENTS = 8  # newest WeightsPublished kept in the state (blob clean-up, hash check)
 KEEP_EARLIER_CHECKPOINTS = 1  # fallbacks when the newest checkpoint's file is missing
@@ -202,9 +209,12 @@ def _apply(state: TrainerState, msg: Message) -> TrainerState:
             return replace(state, started=True, finished=False,
                            total_steps=total if isinstance(total, int) else 0,
                            ranks=_ranks(trainer_cfg))
-        case StepFinished(step=step, sample_ids=ids, param_version=version, entry_ids=entry_ids):
+        case StepFinished(step=step, sample_ids=ids, param_version=version, entry_ids=entry_ids,
+                          metrics=metrics):
             record = StepRecord(step, tuple(ids), version, tuple(entry_ids))
-            return _promote(replace(state, last_step=step, steps=(*state.steps, record)))
+            counts = {k: metrics[k] for k in RUNNING_COUNTS if k in metrics}
+            return _promote(replace(state, last_step=step, steps=(*state.steps, record),
+                                    counts=counts or state.counts))
         case WeightsPublished(version=version, ref=ref):
             kept = (*state.weights, (version, ref))[-KEEP_WEIGHT_EVENTS:]
             return replace(state, weights=kept)

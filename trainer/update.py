@@ -22,15 +22,17 @@ from runschema.messages import Sample
 from tasks.rewards import extra_metrics
 from trainer.grpo import (
     Batch,
+    PolicyLoss,
     approx_kl,
     build_batch,
     group_advantages,
     kl_penalty,
     masked_mean,
     micro_batches,
-    ppo_clip_loss,
+    policy_loss,
     probs_diff,
 )
+from trainer.metrics import critic_metrics
 from trainer.ranks import RankGroup
 from trainer.rowsplit import balanced_rows, rank_loads, seqlen_metrics, strided_rows
 from trainer.sharding import reduce_gradients
@@ -178,7 +180,7 @@ class _Micro(NamedTuple):
         return x[:, : self.batch.response_len] if x.dim() == 2 else x
 
 
-_STATS = ("loss", "clip", "kll", "ent_sum", "ent_n", "kl_sum", "kl_n")
+_STATS = ("loss", "clip", "kll", "pg", "clipl", "pkl", "ent_sum", "ent_n", "kl_sum", "kl_n")
 """Per-rank sums in a step's stats, added up over the ranks at its end."""
 
 
@@ -188,6 +190,17 @@ class _Acc(NamedTuple):
     loss: float = 0.0
     clipfrac: float = 0.0
     kl_loss: float = 0.0
+    pg_loss: float = 0.0
+    clipfrac_lower: float = 0.0
+    ppo_kl: float = 0.0
+
+    def add(self, w: float, loss: torch.Tensor, pg: PolicyLoss, kl_loss: torch.Tensor
+            ) -> _Acc:
+        """These sums plus one micro-batch's figures, weighted by its share ``w`` (one
+        transfer from the device for all six)."""
+        figures = torch.stack([t.detach().float() for t in (
+            loss, pg.clipfrac, kl_loss, pg.loss, pg.clipfrac_lower, pg.ppo_kl)]).tolist()
+        return _Acc(*(a + f * w for a, f in zip(self, figures, strict=True)))
 
 
 class GrpoStep:
@@ -409,14 +422,12 @@ class GrpoStep:
             # Token-mean of the whole mini-batch: each micro-batch's mean weighted by its
             # share of the tokens (exactly 1.0 for a single micro-batch: same numbers).
             share = sub.sum() / total_t
-            loss, clipfrac, kl_loss = self._loss(mb, m, logp, entropy, sub, ref, bonus)
+            loss, pg, kl_loss = self._loss(mb, m, logp, entropy, sub, ref, bonus)
             if m.pad:  # only FSDP's collectives: no gradient, no figures
                 (loss * 0.0).backward()
                 continue
             (loss * share).backward()
-            w = float(share)
-            acc = _Acc(acc.loss + loss.item() * w, acc.clipfrac + clipfrac.item() * w,
-                       acc.kl_loss + kl_loss.item() * w)
+            acc = acc.add(float(share), loss, pg, kl_loss)
             parts.append((m, logp.detach(), entropy.detach()))  # the graph is spent
         if len(parts) == 1 and isinstance(parts[0][0].rows, slice):
             return parts[0][1], parts[0][2], acc
@@ -424,26 +435,28 @@ class GrpoStep:
 
     def _loss(self, mb: _MiniBatch, m: _Micro, logp: torch.Tensor, entropy: torch.Tensor,
               mask: torch.Tensor, ref: torch.Tensor | None, bonus: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One micro-batch's loss (token means over ``mask``), its clip fraction and KL
-        loss: PPO clip (+ TIS for stale samples) - entropy bonus + kl_loss_coef x KL."""
+              ) -> tuple[torch.Tensor, PolicyLoss, torch.Tensor]:
+        """One micro-batch's loss (token means over ``mask``), its policy-gradient part
+        and KL loss: PPO clip with the dual-clip bound (+ TIS for stale samples) - entropy
+        bonus + kl_loss_coef x KL."""
         tc = self.tc
         # The step's first stale mini-batch has no proximal log-probs yet: this forward's,
         # taken before the step's first optimizer step, are they.
         old = m.cut(mb.old) if mb.old is not None else logp.detach()
         use_tis = tc.tis_cap is not None and mb.stale
-        loss, clipfrac = ppo_clip_loss(
+        pg = policy_loss(
             logp, old, m.cut(mb.adv), mask, tc.clip_ratio_low, tc.clip_ratio_high,
             logp_behaviour=m.batch.old_logprobs if use_tis else None,
-            tis_cap=tc.tis_cap if use_tis else None,
+            tis_cap=tc.tis_cap if use_tis else None, clip_ratio_c=tc.clip_ratio_c,
         )
+        loss = pg.loss
         if bonus:
             loss = loss - tc.entropy_coeff * masked_mean(entropy, mask)
         kl_loss = torch.zeros(())
         if ref is not None:
             kl_loss = masked_mean(kl_penalty(logp, m.cut(ref), tc.kl_loss_type), mask)
             loss = loss + tc.kl_loss_coef * kl_loss
-        return loss, clipfrac, kl_loss.detach()
+        return loss, pg, kl_loss.detach()
 
     def _proximal(self, i: int, logp: torch.Tensor) -> _MiniBatch:
         """Mini-batch ``i`` with its proximal log-probs: if deferred (the step's first
@@ -479,6 +492,8 @@ class GrpoStep:
         st["guard"].append(float(shrunk))
         st["gn"].append(grad_norm)
         for key, value in (("loss", acc.loss), ("clip", acc.clipfrac), ("kll", acc.kl_loss),
+                           ("pg", acc.pg_loss), ("clipl", acc.clipfrac_lower),
+                           ("pkl", acc.ppo_kl),
                            ("ent_sum", float((entropy.detach() * m).sum())),
                            ("ent_n", float(m.sum())), ("kl_sum", kl_sum), ("kl_n", kl_count)):
             st[key].append(value)
@@ -503,6 +518,12 @@ class GrpoStep:
         if not self.group.active:
             return mine
         return [t for rank in self.group.gather(mine) for t in rank]
+
+    def _advantages(self) -> list[float]:
+        """The advantage each sample of the step trained with, in sample order (each
+        group's, as :meth:`add` computed them)."""
+        return [a for g in self.groups
+                for a in group_advantages([[s.reward for s in g]])[0].tolist()]
 
     def train(self) -> None:
         """First epoch of every mini-batch added and not yet trained."""
@@ -532,7 +553,10 @@ class GrpoStep:
             "staleness/max": float(max(staleness)) if staleness else 0.0,
             "staleness/stale_share": _mean([float(x > 0) for x in staleness]),
             "actor/loss": _mean(st["loss"]),
+            "actor/pg_loss": _mean(st["pg"]),
             "actor/pg_clipfrac": _mean(st["clip"]),
+            "actor/pg_clipfrac_lower": _mean(st["clipl"]),
+            "actor/ppo_kl": _mean(st["pkl"]),
             "actor/entropy": _mean(st["ent"]),
             "actor/grad_norm": _mean(st["gn"]),
             "actor/approx_kl": _mean(st["kl"]),
@@ -543,6 +567,7 @@ class GrpoStep:
                if self.reference is not None else {}),
             "actor/lr": lr,
             "response/length_mean": _mean(lengths),
+            **critic_metrics(rewards, self._advantages(), lengths),
             **_probs_diff_metrics(self._gaps()),
             **(seqlen_metrics(*self.seqlen) if self.group.active and tc.balance_batch else {}),
             **extra_metrics(s.reward_extra for s in flat_all),
@@ -585,3 +610,4 @@ def _scatter(response_mask: torch.Tensor, parts: Sequence[tuple[_Micro, torch.Te
         logp[idx, :r] = lp.float()
         ent[idx, :r] = e.float()
     return logp, ent
+
