@@ -14,6 +14,7 @@ import asyncio
 import gc
 from typing import Any
 
+import msgspec
 import pytest
 
 from bus import BlobNotFound
@@ -357,3 +358,18 @@ async def test_a_slow_fetch_that_will_complete_is_loaded_though_a_newer_one_appe
     w.held.saw(_pub(1))
     await asyncio.wait_for(w.held.swap(), 10)
     assert w.held.version == 1 and w.loaded == ["state1"] and w.rereads == 0
+
+
+def test_a_restarted_trainer_takes_the_run_counts_from_the_logs_last_step() -> None:
+    """verl's fully_async/count/* count over the run: the state keeps the last step's, and
+    a step without them (written before they existed) leaves them as they were."""
+    from trainer.metrics import AsyncCounts
+
+    log = _run(3)
+    counted = msgspec.structs.replace(log[3], metrics={
+        "fully_async/count/stale_samples_processed": 3.0, "reward/mean": 0.5})
+    state, refused = _fold([*log[:3], counted, *log[4:]])
+    assert refused == [] and state.last_step == 3
+    assert state.counts == {"fully_async/count/stale_samples_processed": 3.0}
+    counts = AsyncCounts(state.counts)
+    assert counts.step([], version=4)["fully_async/count/stale_samples_processed"] == 3.0

@@ -156,3 +156,4 @@ def test_a_step_without_samples_reports_only_its_update() -> None:
     assert verl_step_metrics([], _shape(0.25, step=4, epoch=1)) == {
         "timing_s/update_actor": 0.25, "perf/time_per_step": 2.0,
         "training/global_step": 4.0, "training/epoch": 1.0}
+
