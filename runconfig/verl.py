@@ -244,7 +244,11 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("actor_rollout_ref.rollout.checkpoint_engine.*", _INFRA),
     _ignored("actor_rollout_ref.rollout.prometheus.*", _INFRA),
     _ignored("actor_rollout_ref.rollout.agent.*", "rlbus has no agent loop"),
-    _ignored("actor_rollout_ref.rollout.multi_turn.*", "rlbus has no multi-turn rollout"),
+    _fixed("actor_rollout_ref.rollout.multi_turn.enable", (False,),
+           "rlbus generates one response per sample (no multi-turn agent loop yet): the job "
+           "would silently become single-turn"),
+    _ignored("actor_rollout_ref.rollout.multi_turn.*",
+             "only with multi_turn.enable=True, which rlbus refuses"),
     _ignored("actor_rollout_ref.rollout.trace.*", _INFRA),
     # ---- the model, the reference policy, the hybrid engine
     VerlKey("actor_rollout_ref.model.path", "alias",
@@ -264,6 +268,12 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("actor_rollout_ref.model.trust_remote_code", _INFRA),
     _ignored("actor_rollout_ref.model.external_lib", _INFRA),
     _ignored("actor_rollout_ref.model.mtp.*", "rlbus has no multi-token prediction"),
+    _fixed("actor_rollout_ref.model.lora_rank", (0,),
+           "rlbus trains every weight of the model (no LoRA adapters): the job would train "
+           "the full model instead"),
+    _ignored("actor_rollout_ref.model.lora_alpha", "only with lora_rank > 0 (refused)"),
+    _ignored("actor_rollout_ref.model.target_modules", "only with lora_rank > 0 (refused)"),
+    _ignored("actor_rollout_ref.model.exclude_modules", "only with lora_rank > 0 (refused)"),
     _ignored("actor_rollout_ref.ref.*", _REF),
     _ignored("actor_rollout_ref.hybrid_engine", _INFRA),
     # ---- per-role profiler switches (verl's profiler of each worker role)
@@ -297,7 +307,10 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("data.use_shm", _INFRA),
     _ignored("data.trust_remote_code", _INFRA),
     _ignored("data.tokenizer", "the tokenizer is model.path's"),
-    _ignored("data.custom_cls.*", "rlbus reads verl's record layout (RLHFDataset's)"),
+    _fixed("data.custom_cls.path", (None,),
+           "rlbus reads verl's record layout (RLHFDataset's); a custom dataset class is not "
+           "run"),
+    _ignored("data.custom_cls.*", "only with data.custom_cls.path (refused)"),
     _ignored("data.tool_config_path", "rlbus has no multi-turn rollout"),
     _ignored("data.function_tool_path", "rlbus has no multi-turn rollout"),
     _ignored("data.image_key", _MM),
@@ -357,11 +370,28 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("algorithm.lam", "GAE only; rlbus uses GRPO"),
     _fixed("algorithm.filter_groups.enable", (False,), "rlbus has no dynamic sampling filter"),
     _ignored("algorithm.filter_groups.*", "no dynamic sampling filter"),
+    VerlKey("algorithm.rollout_correction.rollout_is", "derived",
+            note="token: trainer.tis_cap = rollout_is_threshold (token-level truncated "
+                 "importance weights); null: trainer.tis_cap null; sequence: refused"),
+    VerlKey("algorithm.rollout_correction.rollout_is_threshold", "derived",
+            note="trainer.tis_cap, with rollout_is=token (a float; verl's lower_upper "
+                 "bounds are refused)"),
+    _fixed("algorithm.rollout_correction.rollout_rs", (None,),
+           "rlbus has no rejection sampling of rollouts by their importance ratio"),
+    _ignored("algorithm.rollout_correction.rollout_rs_threshold",
+             "only with rollout_rs, which rlbus refuses"),
+    _fixed("algorithm.rollout_correction.bypass_mode", (False,),
+           "rlbus's is verl's decoupled mode (proximal log-probs for stale samples)"),
+    _fixed("algorithm.rollout_correction.loss_type", ("ppo_clip",),
+           "rlbus's loss is PPO's clipped objective"),
+    _fixed("algorithm.rollout_correction.rollout_is_batch_normalize", (False,),
+           "rlbus's importance weights are not normalised over the batch"),
     _ignored("algorithm.rollout_correction.*", "see trainer.tis_cap"),
     _fixed("algorithm.use_pf_ppo", (False,), "rlbus has no PF-PPO"),
     _ignored("algorithm.pf_ppo.*", "no PF-PPO"),
     # ---- trainer (verl's trainer section; rlbus's own trainer.* keys win)
-    _ignored("trainer.val_only", "rlbus validates during training only"),
+    _fixed("trainer.val_only", (False,),
+           "rlbus validates during training only; the job would become a training run"),
     _ignored("trainer.default_hdfs_dir", _CKPT),
     _ignored("trainer.del_local_ckpt_after_load", _CKPT),
     _ignored("trainer.resume_from_path", "resume_mode auto resumes the run found in "
@@ -484,7 +514,8 @@ def derive(
     through an alias). Raises :class:`VerlError` naming the verl key at fault.
     """
     out: list[tuple[str, Any, str]] = []
-    for rule in (_response_length, _total_steps, _profiler_roles, _profiler_contents):
+    for rule in (_response_length, _total_steps, _profiler_roles, _profiler_contents,
+                 _importance_weights):
         found = rule(given, tree, explicit)
         if found is not None:
             out.append(found)
@@ -570,3 +601,35 @@ def _profiler_contents(given: Mapping[str, Any], tree: Mapping[str, Any],
     if "global_profiler.contents" in explicit and _get(tree, "global_profiler.contents") != value:
         raise VerlError(key, "conflicts with global_profiler.contents; give one of them")
     return "global_profiler.contents", value, key
+
+
+_IS, _IS_CAP = ("algorithm.rollout_correction.rollout_is",
+                "algorithm.rollout_correction.rollout_is_threshold")
+
+
+def _importance_weights(given: Mapping[str, Any], tree: Mapping[str, Any],
+                        explicit: frozenset[str] | set[str]) -> Derived:
+    """verl's rollout correction -> trainer.tis_cap: token-level weights min(pi_old / pi_rollout,
+    threshold) are what rlbus applies (to mini-batches holding samples older than the
+    trainer's weights); sequence-level weights and IcePop bounds are not built."""
+    if _IS not in given:
+        return None  # verl's default: no weights; a threshold alone does nothing in verl
+    level = given[_IS]
+    if level in (None, "null", "None"):
+        cap = None
+    elif level == "token":
+        threshold = given.get(_IS_CAP, 2.0)
+        try:
+            cap = float(threshold)
+        except (TypeError, ValueError):
+            raise VerlError(_IS_CAP, f"rlbus takes one upper bound (a float), got "
+                                     f"{threshold!r}: two-sided (IcePop) bounds are not "
+                                     "built") from None
+        if not cap > 0 or isinstance(threshold, bool):
+            raise VerlError(_IS_CAP, f"expected a positive float, got {threshold!r}")
+    else:
+        raise VerlError(_IS, f"rlbus supports only 'token' or null, got {level!r}: its "
+                             "importance weights are per token (trainer.tis_cap)")
+    if "trainer.tis_cap" in explicit and _get(tree, "trainer.tis_cap") != cap:
+        raise VerlError(_IS, "conflicts with trainer.tis_cap; give one of them")
+    return "trainer.tis_cap", cap, _IS

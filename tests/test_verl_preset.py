@@ -252,6 +252,8 @@ VALUES: dict[str, Any] = {
     "actor_rollout_ref.rollout.profiler.enable": True,
     "actor_rollout_ref.actor.profiler.tool_config.torch.contents": ["cpu"],
     "actor_rollout_ref.rollout.profiler.tool_config.torch.contents": ["cpu"],
+    "algorithm.rollout_correction.rollout_is": "token",
+    "algorithm.rollout_correction.rollout_is_threshold": 3.5,
 }
 EXPECT = {  # derived rows: the rlbus key and value they give
     "data.max_response_length": ("rollout.max_new_tokens", 6),
@@ -262,6 +264,10 @@ EXPECT = {  # derived rows: the rlbus key and value they give
         "global_profiler.contents", ["cpu"]),
     "actor_rollout_ref.rollout.profiler.tool_config.torch.contents": (
         "global_profiler.contents", ["cpu"]),
+    # rlbus's line keeps its tis_cap 2.0: rollout_is token takes verl's default threshold 2.0,
+    # a threshold alone does nothing (as in verl, where rollout_is defaults to null).
+    "algorithm.rollout_correction.rollout_is": ("trainer.tis_cap", 2.0),
+    "algorithm.rollout_correction.rollout_is_threshold": ("trainer.tis_cap", 2.0),
 }
 
 
@@ -327,3 +333,44 @@ def test_dapos_overlong_buffer_in_a_file_and_on_the_line(tmp_path: Path) -> None
                     "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True", RLBUS])
     assert (cfg.reward_model.overlong_buffer.enable, cfg.reward_model.overlong_buffer.len) == (
         True, 3)
+
+
+def test_verls_rollout_correction_is_honoured_as_token_weights_or_refused() -> None:
+    """The _mis scripts' correction: token-level importance weights are trainer.tis_cap;
+    what rlbus does not build (sequence weights, IcePop bounds, rejection sampling, bypass
+    mode) exits 2 naming the key, never warned and dropped."""
+    rc = "algorithm.rollout_correction"
+    short = "rollout.max_new_tokens=5"  # a verl line's 512 would not fit the tiny model
+    cfg, _ = _load([f"{rc}.rollout_is=token", f"{rc}.rollout_is_threshold=3.5", short])
+    assert cfg.trainer.tis_cap == 3.5
+    cfg, _ = _load([f"{rc}.rollout_is=null", RLBUS, short])  # rlbus's line had 2.0
+    assert cfg.trainer.tis_cap is None
+    refused = {
+        f"{rc}.rollout_is=sequence": f"{rc}.rollout_is",
+        f"{rc}.rollout_is_threshold=0.5_2.0": f"{rc}.rollout_is_threshold",
+        f"{rc}.rollout_rs=seq_mean_k1": f"{rc}.rollout_rs",
+        f"{rc}.bypass_mode=True": f"{rc}.bypass_mode",
+        f"{rc}.rollout_is_batch_normalize=True": f"{rc}.rollout_is_batch_normalize",
+        "trainer.tis_cap=4.0": f"{rc}.rollout_is",  # two values for one key
+    }
+    for line, key in refused.items():
+        with pytest.raises(ConfigError) as err:
+            _load([f"{rc}.rollout_is=token", line, short])
+        assert err.value.key == key, line
+
+
+@pytest.mark.parametrize("line", [
+    "actor_rollout_ref.rollout.multi_turn.enable=True",
+    "actor_rollout_ref.model.lora_rank=32",
+    "data.custom_cls.path=my_dataset.py",
+    "trainer.val_only=True",
+])
+def test_a_key_that_changes_what_the_job_is_is_refused(line: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _load([line, "rollout.max_new_tokens=5"])
+    key = line.split("=")[0]
+    assert err.value.key == key, err.value.key
+    assert "the job would" in err.value.message or "not run" in err.value.message
+    off = {"True": "False", "32": "0", "my_dataset.py": "null"}[line.split("=")[1]]
+    # The value meaning "not used" is accepted, silently.
+    _load([f"{key}={off}", "rollout.max_new_tokens=5"])
