@@ -73,6 +73,9 @@ class _Row(NamedTuple):
     data: dict[str, Any]
 
 
+MEDIA_COLUMNS = ("images", "videos", "audios")
+"""verl's multi-modal columns (data.image_key, video_key, audio_key by default)."""
+
 # ---------------------------------------------------------------------------- reading
 
 
@@ -158,6 +161,11 @@ def _check_columns(path: str, columns: list[str], rows: list[_Row], data_cfg: An
                and "ground_truth" in r.data["reward_model"] for r in rows):
         raise ConfigError(key, f"{path}: column 'reward_model' has no 'ground_truth' field "
                                "(the reward's ground truth)")
+    for col in MEDIA_COLUMNS:
+        carrying = next((r for r in rows if col in columns and r.data.get(col)), None)
+        if carrying is not None:
+            raise ConfigError(key, f"{path}: {carrying.where} carries '{col}': rlbus reads "
+                                   "text prompts only, so the job would train without them")
 
 
 # ---------------------------------------------------------------------------- records

@@ -372,6 +372,14 @@ def test_bad_files_are_refused_naming_file_and_column(tmp_path: Path, model_dir:
     bad_prompt = [rows[0], {**rows[1], "prompt": 42}]
     err = refused(_jsonl(bad_prompt, tmp_path / "bad_prompt.jsonl"))
     assert "bad_prompt.jsonl: line 2" in err.message and "'prompt'" in err.message
+    # A multi-modal record (verl's "images" column, geo3k's layout) is refused: the job would
+    # train on its text alone. An empty images list is text-only.
+    text_only = [{**r, "images": []} for r in rows]
+    assert check_data(_cfg(model_dir, "data.train_files="
+                           f"{write_parquet(text_only, tmp_path / 'text.parquet')}")) is not None
+    pictures = [*text_only[:2], {**rows[2], "images": [{"bytes": b"\x89PNG"}]}]
+    err = refused(write_parquet(pictures, tmp_path / "geo.parquet"))
+    assert "geo.parquet: row 2 carries 'images'" in err.message, err.message
     # A val file is named as such, after a good train file.
     good = write_parquet(rows, tmp_path / "good.parquet")
     err = _refused(_cfg(model_dir, f"data.train_files={good}", f"data.val_files={no_source}"))
