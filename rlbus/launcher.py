@@ -407,6 +407,9 @@ class _Up:
     def _watch(self) -> int:
         past = self.status.traces | manifest_traces(self.cfg) if self.status.started else set()
         self.summary.past_profiles = len(past)
+        if self.status.started:
+            self.summary.resumed(self.status.last_step, self.status.target_step,
+                                 self.status.first_step)
         progress = Progress(self.cfg.trainer.total_training_steps, self.status.last_step,
                              self.console)
         watch = RunWatch(self.run_id, self.children, self.sup, progress, self.summary, past,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,10 @@ process's (a run recorded with ``rank: 0`` must not make every rollouter started
 config.yaml ask for rank 0)."""
 
 
+REWARD_TARGET = 0.9
+"""The step reward a run's summary reports reaching (``rlbus up``'s last line)."""
+
+
 class RunStatus(msgspec.Struct):
     """What a run's log says about it (from its latest RunStarted on)."""
 
@@ -60,6 +65,10 @@ class RunStatus(msgspec.Struct):
     traces: set[tuple[str, str, int]] = msgspec.field(default_factory=set)
     ignored: list[str] = msgspec.field(default_factory=list)
     """Why each RunFinished that contradicts the log was not believed (runschema.facts)."""
+    first_step: int | None = None
+    """The oldest StepFinished the stream still holds (older ones are archived)."""
+    target_step: int | None = None
+    """The first step of those whose reward/mean reached :data:`REWARD_TARGET`."""
 
     def fold(self, msg: Message) -> None:
         """Take one event of the log, in log order. A RunFinished is believed only when it
@@ -74,6 +83,11 @@ class RunStatus(msgspec.Struct):
                 self.config = msg.config
             case StepFinished():
                 self.last_step = max(self.last_step, msg.step)
+                self.first_step = msg.step if self.first_step is None else min(
+                    self.first_step, msg.step)
+                reward = msg.metrics.get("reward/mean", math.nan)
+                if self.target_step is None and reward >= REWARD_TARGET:
+                    self.target_step = msg.step
             case RunFinished():
                 why = run_finished_refusal(msg.steps, self.last_step)
                 if why is None:

@@ -103,6 +103,18 @@ class Summary(msgspec.Struct):
     """The latest validation's val-core reward (runtime.progress.val_core_reward)."""
     val_version: int | None = None
     val_step: int | None = None
+    resumed_after: int = 0
+    """The last step an earlier session of the run finished (0: a new run)."""
+    earlier_target: int | None = None
+    """The first step of an earlier session whose reward reached the target, as far as the
+    log's stream still holds them (from step ``earlier_from``; older steps are archived)."""
+    earlier_from: int | None = None
+
+    def resumed(self, last_step: int, target_step: int | None, first_step: int | None
+                ) -> None:
+        """The run was resumed after ``last_step``; what its stream says of earlier steps."""
+        self.resumed_after, self.earlier_target, self.earlier_from = (
+            last_step, target_step, first_step)
 
     def add(self, ev: StepFinished, started: float, target: float = 0.9) -> None:
         r = ev.metrics.get("reward/mean")
@@ -114,7 +126,7 @@ class Summary(msgspec.Struct):
         self.first_reward = r if self.first_reward is None else self.first_reward
         self.last_reward = r
         self.best_reward = r if self.best_reward is None else max(self.best_reward, r)
-        if self.target_step is None and r >= target:
+        if self.target_step is None and self.earlier_target is None and r >= target:
             self.target_step = ev.step
             self.target_s = time.monotonic() - started
 
@@ -127,15 +139,23 @@ class Summary(msgspec.Struct):
 
     def line(self, run_id: str, total: int, wall_s: float) -> str:
         parts = [f"run {run_id}: {self.steps} step(s) this session (of {total}) in {wall_s:.1f} s"]
+        if self.resumed_after:
+            parts[0] += f", resumed after step {self.resumed_after}"
         if self.first_reward is not None:
             parts.append(f"reward {self.first_reward:.3f} -> {self.last_reward:.3f} "
                          f"(best {self.best_reward:.3f})")
         if self.val_reward is not None:
             parts.append(f"val-core reward {self.val_reward:.3f} (weights v{self.val_version}, "
                          f"step {self.val_step})")
-        if self.target_step is not None:
+        if self.earlier_target is not None:
+            parts.append(f"reward >= 0.9 first at step {self.earlier_target}, before this "
+                         "session" + ("" if self.earlier_from == 1 else
+                                      f" (of the steps from {self.earlier_from} on: the "
+                                      "older ones are archived)"))
+        elif self.target_step is not None:
+            into = " into this session" if self.resumed_after else ""
             parts.append(f"reward >= 0.9 first at step {self.target_step} "
-                         f"({self.target_s:.1f} s)")
+                         f"({self.target_s:.1f} s{into})")
         if self.step_s > 0:
             parts.append(f"{self.samples / self.step_s:.0f} samples/s")
         traces = f"{self.profiles} trace(s)"
