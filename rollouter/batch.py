@@ -5,7 +5,9 @@ Each batch is ``rollout.prompts_per_batch`` tickets claimed together, generated 
 in chunks of ``rollout.partial_chunk_tokens`` between which new weights are loaded: a
 sample's min and max versions then differ), scored, and published with the acks of its
 tickets while the next batch generates. New weights are loaded between batches, at once
-when a ticket needs them; validation requests read with a batch are served after it.
+when a ticket needs them; validation requests are served as soon as they are read, before
+the next batch and before newer weights load (so the before-training validation is of the
+initial model, as on vLLM).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class BatchRollout:
             laps.lap("idle")  # waiting for tickets (a read ahead brought them, or a read)
             if not deliveries:
                 await ctx.events.poll()
+                await self.validate()
                 await ctx.weights.swap(wait=False)
                 if ctx.finished:
                     laps.lap("idle")
@@ -72,6 +75,15 @@ class BatchRollout:
             await ctx.validations.serve(self.engine)
             laps.lap("validate")
 
+    async def validate(self) -> None:
+        """Serve the validation requests read so far on the weights the engine holds, before
+        newer ones are loaded: a request names the weights it wants (newer are allowed), and
+        the before-training one (v0) then validates the initial model, as on vLLM's emptied
+        engine, not the first update's."""
+        if self.ctx.tickets.validations_waiting:
+            await self.ctx.validations.serve(self.engine)
+            self.ctx.laps.lap("validate")
+
     async def _reclaim(self) -> list[Delivery]:
         if time.monotonic() - self.last_reclaim <= self.ctx.cfg.heartbeat.interval_s:
             return []
@@ -82,6 +94,7 @@ class BatchRollout:
         """Generate for ``deliveries``' tickets and publish the answers; ``polled``: the
         events stream was read after these tickets were (rollouter.tickets)."""
         ctx, laps = self.ctx, self.ctx.laps
+        await self.validate()
         accepted = await ctx.tickets.accept(deliveries)
         laps.lap("claim")
         tickets = await ctx.weights.for_tickets(deliveries, accepted)  # new weights they need

@@ -48,6 +48,8 @@ async def test_a_verl_job_reports_validation_per_data_source(
     events = await events_of(bus, RunKeys(run_id).events)
     answers = [e for e in events if isinstance(e, ValidationFinished)]
     assert [a.request_id for a in answers] == ["val-v0", "val-v2", "val-v4"]
+    # Before training: the initial model, on the built-in engine too (it said v1 before).
+    assert (answers[0].version, answers[0].step) == (0, 0)
     for a in answers:
         assert not a.error, a.error
         assert 0.0 <= a.metrics[f"val-core/{DATA_SOURCE}/reward/mean@2"] <= 1.0

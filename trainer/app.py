@@ -96,8 +96,11 @@ class Trainer(TrainerProcess):
         # tail); the newest publication in log order is what they load.
         await self.weights.publish(learner.version, state.last_step,
                                    self.submit(learner.snapshot))
+        # The validation of the weights published now before the tickets: a rollouter reads
+        # and serves it first, so the before-training one (verl's val_before_train) is of
+        # the initial model on every engine, not of whatever update a replica holds later.
+        await self._act(self.core.published(first - 1))
         await self._act(self.core.issue())
-        await self._act(self.core.published(first - 1))  # after the tickets: generated first
         await learner.optimizer_ready()  # the rollouters generate step `first` meanwhile
         total = self.cfg.trainer.total_training_steps
         for step in range(first, total + 1):
