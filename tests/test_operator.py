@@ -74,6 +74,35 @@ def test_metrics_logger_tensorboard_files_read_back(finished: FinishedRun) -> No
 
 
 @pytest.mark.e2e
+def test_tensorboards_own_ui_reader_finds_every_verl_curve(finished: FinishedRun) -> None:
+    """What TensorBoard's scalars dashboard reads (its data provider over the plugin
+    multiplexer, as `tensorboard --logdir` serves it): every verl name, every step. The
+    rollouters' idle share is known from their first pulse on (NaN before: not written)."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider
+    from tensorboard.backend.event_processing import plugin_event_multiplexer as pem
+
+    from tests.test_verl_metrics import VERL_STEP_METRICS
+
+    logdir = finished.out / RUN / "tensorboard"
+    mux = pem.EventMultiplexer()
+    mux.AddRunsFromDirectory(str(logdir))
+    mux.Reload()
+    provider = data_provider.MultiplexerDataProvider(mux, str(logdir))
+    curves = provider.read_scalars(context.RequestContext(), experiment_id="",
+                                   plugin_name="scalars", downsample=10_000)
+    assert len(curves) == 1, list(curves)
+    points = {tag: [p.step for p in series] for tag, series in next(iter(curves.values())).items()}
+    every = list(range(1, STEPS + 1))
+    for name in VERL_STEP_METRICS:
+        steps = points.get(name, [])
+        if name == "fully_async/rollouter/idle_ratio":
+            assert steps and steps == every[every.index(steps[0]):], (name, steps)
+        else:
+            assert steps == every, (name, steps)
+
+
+@pytest.mark.e2e
 def test_inspect_shows_wall_clock_times_and_no_pulses_of_a_finished_run(
     finished: FinishedRun,
 ) -> None:
