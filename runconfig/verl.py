@@ -297,8 +297,14 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("data.val_batch_size", "validation generates every data.val_files record"),
     _ignored("data.validation_shuffle", "validation reads data.val_files in order"),
     _ignored("data.filter_overlong_prompts_workers", _INFRA),
-    _ignored("data.train_batch_size",
-             "fully-async: a step takes ppo_mini_batch_size x require_batches prompts"),
+    VerlKey("data.train_batch_size", "derived",
+            note="a classic line (no async_training.* keys, no rollout.total_rollout_steps): "
+                 "prompts per step, async_training.require_batches = train_batch_size / "
+                 "ppo_mini_batch_size, on-policy (trigger_parameter_sync_step 1, "
+                 "staleness_threshold 0), and with data.train_files the steps are "
+                 "(records // train_batch_size) x total_epochs unless "
+                 "trainer.total_training_steps is given; a fully-async line: not used (a step "
+                 "takes ppo_mini_batch_size x require_batches prompts, as in verl)"),
     _ignored("data.gen_batch_size", "see rollout.prompts_per_batch"),
     _ignored("data.return_raw_chat", "rlbus applies the chat template itself"),
     _ignored("data.return_full_prompt", "rlbus applies the chat template itself"),
@@ -519,6 +525,7 @@ def derive(
         found = rule(given, tree, explicit)
         if found is not None:
             out.append(found)
+    out += _classic_batch(given, tree, explicit)
     return out
 
 
@@ -554,6 +561,9 @@ def _total_steps(given: Mapping[str, Any], tree: Mapping[str, Any],
         raise VerlError(key, f"expected a positive int, got {total!r}")
     if not (isinstance(mini, int) and isinstance(batches, int) and mini > 0 and batches > 0):
         return None  # the schema reports the bad batch key itself
+    data = _data_prompts(tree)
+    if data is not None and data < total:  # verl: min(total_rollout_steps, data x epochs)
+        total = data
     steps = total // (mini * batches)
     if steps < 1:
         raise VerlError(key, f"{total} prompts make no step of ppo_mini_batch_size x "
@@ -633,3 +643,57 @@ def _importance_weights(given: Mapping[str, Any], tree: Mapping[str, Any],
     if "trainer.tis_cap" in explicit and _get(tree, "trainer.tis_cap") != cap:
         raise VerlError(_IS, "conflicts with trainer.tis_cap; give one of them")
     return "trainer.tis_cap", cap, _IS
+
+
+def _data_prompts(tree: Mapping[str, Any]) -> int | None:
+    """The prompts ``trainer.total_epochs`` passes over ``data.train_files`` hold (None: no
+    data files or no epoch count): verl's ``len(train_dataloader) * total_epochs``."""
+    files, epochs = _get(tree, "data.train_files"), _get(tree, "trainer.total_epochs")
+    if files is None or not isinstance(epochs, int) or isinstance(epochs, bool):
+        return None
+    return _records(tree) * epochs
+
+
+def _records(tree: Mapping[str, Any]) -> int:
+    """The records of ``data.train_files`` after ``data.train_max_samples`` (a ConfigError
+    naming the file when one cannot be read). Counted, not loaded: the data check loads
+    them, and says when ``data.filter_overlong_prompts`` dropped enough to change the
+    steps (tasks.verl_data)."""
+    from tasks.verl_data import count_records
+
+    return count_records(_get(tree, "data.train_files"), _get(tree, "data.train_max_samples"))
+
+
+_CLASSIC = "data.train_batch_size"
+
+
+def _classic_batch(given: Mapping[str, Any], tree: Mapping[str, Any],
+                   explicit: frozenset[str] | set[str]) -> list[tuple[str, Any, str]]:
+    """A classic (synchronous) verl line's ``data.train_batch_size``: the prompts of one
+    step, trained on-policy, and its step count from the data (verl's ``ray_trainer``:
+    ``len(train_dataloader) * total_epochs``, the dataloader dropping the last partial
+    batch). A fully-async line (any ``async_training.*`` key or
+    ``rollout.total_rollout_steps``) takes its step size from those keys, as verl's does."""
+    if _CLASSIC not in given or "rollout.total_rollout_steps" in given or any(
+            k.startswith("async_training.") for k in explicit):
+        return []
+    batch, mini = given[_CLASSIC], _get(tree, "trainer.ppo_mini_batch_size")
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise VerlError(_CLASSIC, f"expected a positive int, got {batch!r}")
+    if not isinstance(mini, int) or mini < 1:
+        return []  # the schema reports the bad mini-batch key itself
+    if batch % mini:
+        raise VerlError(_CLASSIC, f"{batch} prompts do not split into mini-batches of "
+                                  f"ppo_mini_batch_size={mini}")
+    out = [("async_training.require_batches", batch // mini, _CLASSIC),
+           ("async_training.trigger_parameter_sync_step", 1, _CLASSIC),
+           ("async_training.staleness_threshold", 0.0, _CLASSIC)]
+    epochs = _get(tree, "trainer.total_epochs")
+    if (_get(tree, "data.train_files") is not None and isinstance(epochs, int)
+            and "trainer.total_training_steps" not in explicit):
+        steps = _records(tree) // batch * epochs
+        if steps < 1:
+            raise VerlError(_CLASSIC, f"data.train_files hold fewer than {batch} records: "
+                                      "no step")
+        out.append(("trainer.total_training_steps", steps, _CLASSIC))
+    return out

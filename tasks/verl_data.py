@@ -132,6 +132,28 @@ def _read_json(path: str, key: str) -> tuple[list[str], list[_Row]]:
     return list(columns), rows
 
 
+def count_records(files: str | Sequence[str] | None, max_samples: int = -1) -> int:
+    """How many records ``files`` hold after ``data.train_max_samples`` (verl's rule, as
+    :func:`load_records` picks them), without loading them: a parquet file's row count from
+    its footer, a JSON file's objects. A file that cannot be read is a ConfigError naming
+    ``data.train_files``."""
+    key, total = _SPLIT_KEYS["train"], 0
+    for path in data_files(files):
+        if not os.path.isfile(path):
+            raise ConfigError(key, f"no such file: {path}")
+        if path.endswith(".parquet"):
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            try:
+                total += pq.ParquetFile(path).metadata.num_rows
+            except (OSError, pa.ArrowException) as exc:
+                raise ConfigError(key, f"cannot read {path} as parquet: {exc}") from None
+        else:
+            total += len(_read_file(path, key)[1])
+    return total if max_samples <= 0 else min(total, max_samples)
+
+
 def _read_file(path: str, key: str) -> tuple[list[str], list[_Row]]:
     """The columns and rows of one data file; a ConfigError naming ``key`` and the file."""
     if not os.path.isfile(path):
@@ -367,10 +389,13 @@ def _check_epochs(cfg: Any, n: int) -> None:
     steps = n * epochs // need
     total = cfg.trainer.total_training_steps
     if total > steps:
+        dropped = count_records(cfg.data.train_files, cfg.data.train_max_samples) - n
+        why = (f" (data.filter_overlong_prompts dropped {dropped} of the files' records, and "
+               "the steps were counted from the files)" if dropped > 0 else "")
         raise ConfigError("trainer.total_epochs", f"{epochs} epoch(s) of {n} prompts make "
                           f"{steps} steps of {need} prompts (ppo_mini_batch_size x "
-                          f"require_batches), fewer than trainer.total_training_steps={total}; "
-                          f"set trainer.total_training_steps<={steps} or more epochs")
+                          f"require_batches), fewer than trainer.total_training_steps={total}"
+                          f"{why}; set trainer.total_training_steps<={steps} or more epochs")
 
 
 def check_data(cfg: Any) -> set[str]:

@@ -37,7 +37,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("pyarrow", reason="the hf extra is not installed")
     from tasks.chatdemo import build_demo
 
-    return build_demo(tmp_path_factory.mktemp("verl-preset"), n_train=16, n_val=4)
+    return build_demo(tmp_path_factory.mktemp("verl-preset"), n_train=600, n_val=4)
 
 
 def quickstart(root: Path) -> list[str]:
@@ -85,6 +85,11 @@ def test_the_quickstart_line_gets_verls_defaults(demo: Path) -> None:
     assert "data.train_files" not in notes[0]  # a shared section: not what made it verl's
     assert cfg.async_training.require_batches == 1
     assert cfg.trainer.ppo_mini_batch_size == 256
+    # main_ppo's run length and step: 600 // 256 batches (the last partial one dropped) x 15
+    # epochs, train_batch_size prompts a step, on-policy (a sync after every step).
+    assert cfg.trainer.total_training_steps == 2 * 15
+    assert cfg.async_training.trigger_parameter_sync_step == 1
+    assert cfg.async_training.staleness_threshold == 0.0
     assert cfg.trainer.lr == 1e-6
     assert cfg.trainer.entropy_coeff == 0.0
     assert cfg.trainer.clip_ratio_high == 0.2
@@ -171,7 +176,8 @@ def test_a_resumed_run_keeps_its_recorded_config(demo: Path) -> None:
     cfg, notes = _load(quickstart(demo), base=recorded)
     assert notes == []
     assert cfg.trainer.ppo_mini_batch_size == 8
-    assert cfg.async_training.require_batches == recorded["async_training"]["require_batches"]
+    # The line's train_batch_size still applies: 256 prompts a step, in mini-batches of 8.
+    assert cfg.async_training.require_batches == 256 // 8
     assert cfg.trainer.lr == 1e-6  # what the line gives still applies
 
 
@@ -254,6 +260,7 @@ VALUES: dict[str, Any] = {
     "actor_rollout_ref.rollout.profiler.tool_config.torch.contents": ["cpu"],
     "algorithm.rollout_correction.rollout_is": "token",
     "algorithm.rollout_correction.rollout_is_threshold": 3.5,
+    "data.train_batch_size": 32,
 }
 EXPECT = {  # derived rows: the rlbus key and value they give
     "data.max_response_length": ("rollout.max_new_tokens", 6),
@@ -268,6 +275,9 @@ EXPECT = {  # derived rows: the rlbus key and value they give
     # a threshold alone does nothing (as in verl, where rollout_is defaults to null).
     "algorithm.rollout_correction.rollout_is": ("trainer.tis_cap", 2.0),
     "algorithm.rollout_correction.rollout_is_threshold": ("trainer.tis_cap", 2.0),
+    # The line gives async_training.require_batches: a fully-async line, where verl does
+    # not use train_batch_size (test_verl_run_length: a classic line).
+    "data.train_batch_size": ("async_training.require_batches", 4),
 }
 
 
