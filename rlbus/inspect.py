@@ -17,7 +17,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -118,11 +118,33 @@ def _gap(after: str, first: str) -> None:
           file=sys.stderr)
 
 
+class DeadLetters(NamedTuple):
+    """The run's dead-letter stream: entries it holds, and those its cap dropped
+    (``redis.dead_letter_max``; counted in ``rlbus:{RUN}:dlq:dropped``)."""
+
+    kept: int = 0
+    dropped: int = 0
+
+    def line(self, run_id: str) -> str | None:
+        """One line for the timeline's head; None when there are none."""
+        if not (self.kept or self.dropped):
+            return None
+        return (f"dead letters: {self.kept} in rlbus:{{{run_id}}}:dlq"
+                + (f", {self.dropped} older ones dropped by its cap (redis.dead_letter_max)"
+                   if self.dropped else ""))
+
+
+async def dead_letters(bus: Bus, keys: RunKeys) -> DeadLetters:
+    """What the run's dead-letter stream holds and what its cap dropped."""
+    dropped = await bus.command("GET", keys.dlq_dropped)
+    return DeadLetters(await bus.length(keys.dlq), int(dropped or 0))
+
+
 async def _read(url: str, run_id: str, with_samples: bool, archive: Path | None = None) -> tuple[
-    list[tuple[str, Message]], list[Sample]
+    list[tuple[str, Message]], list[Sample], DeadLetters
 ]:
-    """The run's events (the archive of what retention trimmed, then the stream) and, when
-    asked, the samples still in the stream."""
+    """The run's events (the archive of what retention trimmed, then the stream), when
+    asked the samples still in the stream, and its dead letters' counts."""
     bus = Bus.from_url(url)
     keys = RunKeys(run_id)
     try:
@@ -133,7 +155,7 @@ async def _read(url: str, run_id: str, with_samples: bool, archive: Path | None 
         samples: list[Sample] = []
         if with_samples and events:
             samples = [m async for _, m in bus.read_all(keys.samples) if isinstance(m, Sample)]
-        return events, samples
+        return events, samples, await dead_letters(bus, keys)
     finally:
         await bus.close()
 
@@ -253,7 +275,7 @@ def inspect_run(
     _fetch_archive(cfg, run_id)
     try:
         with redis_for_reading(cfg) as url:
-            events, samples = asyncio.run(_read(
+            events, samples, dlq = asyncio.run(_read(
                 url, run_id, with_samples=trace is not None,
                 archive=events_dir(cfg, run_id)))
     except RunDataMissing as exc:
@@ -269,7 +291,7 @@ def inspect_run(
         if trace:
             _write_trace(cfg, run_id, events, samples, trace)
         return 0
-    rc = _print_events(run_id, events, as_json)
+    rc = _print_events(run_id, events, as_json, dlq)
     if heartbeats and rc == 0:
         with redis_for_reading(cfg) as url:
             _print_pulses(asyncio.run(_pulses(url, run_id)), as_json)
@@ -325,7 +347,8 @@ def _write_trace(cfg: Config, run_id: str, events: list[tuple[str, Message]],
           "ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
 
 
-def _print_events(run_id: str, events: list[tuple[str, Message]], as_json: bool) -> int:
+def _print_events(run_id: str, events: list[tuple[str, Message]], as_json: bool,
+                  dlq: DeadLetters | None = None) -> int:
     # Heartbeats of runs written before pulses left the log: not facts, not shown.
     shown = [(i, m) for i, m in events if not isinstance(m, Heartbeat)]
     out = sys.stdout.buffer
@@ -338,6 +361,8 @@ def _print_events(run_id: str, events: list[tuple[str, Message]], as_json: bool)
                       .encode())
             for line in lineage(events):
                 out.write(line.encode() + b"\n")
+            if dlq is not None and (said := dlq.line(run_id)) is not None:
+                out.write(said.encode() + b"\n")
         for entry_id, msg in shown:
             if as_json:
                 out.write(event_to_json(msg) + b"\n")

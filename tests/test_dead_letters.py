@@ -12,6 +12,7 @@ import logging
 import pytest
 
 from bus import Bus, Consumer, Lease, Refusal, RefusalTally, RunKeys
+from rlbus.inspect import dead_letters
 from runschema.messages import FIELD, DeadLetter, StepStarted, encode
 
 # ---------------------------------------------------------------------------- the log line
@@ -127,3 +128,9 @@ async def test_the_dead_letter_stream_is_capped_and_what_it_drops_is_counted(
     assert set(injected[-700:]) <= set(kept)
     assert dropped == len(injected) - len(kept) > 0
     assert consumer.stats.dead_lettered == len(injected)
+    # rlbus inspect says both in its timeline's head.
+    counts = await dead_letters(bus, run_keys)
+    assert counts == (len(kept), dropped)
+    assert counts.line(run_keys.run_id) == (
+        f"dead letters: {len(kept)} in rlbus:{{{run_keys.run_id}}}:dlq, {dropped} older ones "
+        "dropped by its cap (redis.dead_letter_max)")
