@@ -50,7 +50,7 @@ class TrainerPresence:
         self.seen = False
         self.memory_refusals: deque[tuple[float, int]] = deque(maxlen=REFUSALS_KEPT)
         """(clock, Redis's count of writes refused for memory), read every
-        ``REFUSALS_EVERY_S`` while the trainer is there: a trainer that went silent because
+        ``REFUSALS_EVERY_S`` from the first check on: a trainer that went silent because
         Redis refused its writes could not say so, and a count that grew says it for it."""
 
     async def check(self) -> None:
@@ -60,10 +60,10 @@ class TrainerPresence:
         # After the read, on the clock that stops while Redis is silent: a lease that lapsed
         # during an outage (nobody could renew it) is judged by the time since Redis answered.
         now = self.bus.reach_clock()
+        await self._count_refusals(now)  # from the first check on: before the trainer too
         if exists:
             self.absent_since = None
             self.seen = True
-            await self._count_refusals(now)
             return
         if self.absent_since is None:
             self.absent_since = now
