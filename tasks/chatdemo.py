@@ -81,8 +81,9 @@ REWARD_FILE = '''"""Reward of the chat demo, with verl's signature."""
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """Share of positions right, the end of the answer counting as one more position
-    (so a random policy earns a little and the stop is learned like a digit)."""
-    response, answer = solution_str.strip() + "\\0", str(ground_truth) + "\\0"
+    (so a random policy earns a little and the stop is learned like a digit). The response
+    is taken as it ends: whitespace after the answer is a wrong position, not an end."""
+    response, answer = solution_str.lstrip() + "\\0", str(ground_truth) + "\\0"
     right = sum(a == b for a, b in zip(response, answer))
     score = right / max(len(response), len(answer))
     return {"score": score, "exact": float(score == 1.0)}
@@ -105,7 +106,15 @@ def _corpus(n_digits: int, template: str) -> list[str]:
 def build_tokenizer(path: str | Path, n_digits: int = 4, template: str = "qwen2") -> Any:
     """A BPE tokenizer (digits one token each, as Qwen2's) trained on the task's text, with
     the special tokens and chat template of ``TEMPLATES[template]``; saved to ``path``."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     chat = TEMPLATES[template]
@@ -119,14 +128,18 @@ def build_tokenizer(path: str | Path, n_digits: int = 4, template: str = "qwen2"
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=64, special_tokens=list(chat.specials),
-                                  show_progress=False)
+    # Only the turn's end and <|endoftext|> are special (dropped from a decoded response):
+    # the role markers are ordinary tokens, kept whole. A response that runs past its
+    # answer into "<|assistant|>" then reads so and scores below 1, so the model learns to
+    # end its turn; with the markers special, "4321<|assistant|>" decoded to "4321" and
+    # scored 1.0, and the trained model never stopped (verl decodes rewards the same way).
+    ends = [chat.eos, "<|endoftext|>"]
+    trainer = trainers.BpeTrainer(vocab_size=64, special_tokens=[*ends], show_progress=False)
     tok.train_from_iterator(_corpus(n_digits, template), trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=chat.eos, pad_token="<|endoftext|>",
-        additional_special_tokens=[t for t in chat.specials
-                                   if t not in (chat.eos, "<|endoftext|>")],
-    )
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t in chat.specials if t not in ends])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=chat.eos,
+                                   pad_token="<|endoftext|>")
     fast.chat_template = chat.template
     fast.save_pretrained(str(path))
     return fast

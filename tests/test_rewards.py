@@ -165,6 +165,10 @@ def test_the_chat_demos_reward_file(tmp_path: Path) -> None:
     scorer = Scorer(spec_from_config(cfg))
     assert scorer(_item(" 4321", "4321", DATA_SOURCE)) == (1.0, {"exact": 1.0})
     assert scorer(_item("43", "4321", DATA_SOURCE)) == (0.4, {"exact": 0.0})
+    # What follows the answer counts: a turn that does not end there is not exact (a
+    # trailing space, or a role marker, which the demo's tokenizer keeps in the text).
+    assert scorer(_item("4321 ", "4321", DATA_SOURCE)) == (4 / 6, {"exact": 0.0})
+    assert scorer(_item("4321<|assistant|>", "4321", DATA_SOURCE))[0] < 1.0
 
 
 def test_async_custom_reward(tmp_path: Path) -> None:
