@@ -10,7 +10,7 @@ defaults are the tuned hyper-parameters:
     rollout   n 8, temperature 1.0, max_new_tokens 5 (max_digits + 1)
     step      32 prompts x 8 = 256 responses, 4 mini-batches of 8 prompts (64 responses),
               one Adam step each, one epoch; Adam lr 1e-3, grad-norm clip 1.0
-    loss      ppo_clip_loss, clip 0.2 / 0.28, token mean, minus 0.01 x entropy; no KL
+    loss      policy_loss, clip 0.2 / 0.28, token mean, minus 0.01 x entropy; no KL
               a mini-batch with all advantages 0: no optimizer step (--zero-adv skip)
     old logp  the rollout log-probs, at the sampling temperature
 

@@ -16,7 +16,6 @@ from trainer.grpo import (
     group_advantages,
     masked_mean,
     policy_loss,
-    ppo_clip_loss,
     tis_weights,
 )
 
@@ -61,7 +60,7 @@ def test_ppo_clip_loss_hand_computed() -> None:
     logp_new = torch.log(torch.tensor([[1.5, 0.5, 1.0, 9.0]]))
     adv = torch.tensor([[1.0, -1.0, 2.0, 100.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    loss, clipfrac = ppo_clip_loss(logp_new, logp_old, adv, mask, 0.2, 0.2)
+    loss, clipfrac = policy_loss(logp_new, logp_old, adv, mask, 0.2, 0.2)[:2]
     # token 1: max(-1.5, -1.2) = -1.2 (clipped); token 2: max(0.5, 0.8) = 0.8 (clipped);
     # token 3: -2.0 (ratio 1, not clipped).
     assert loss.item() == pytest.approx((-1.2 + 0.8 - 2.0) / 3, abs=1e-6)
@@ -73,7 +72,7 @@ def test_ppo_clip_higher_and_sequence_advantages() -> None:
     logp_old = torch.zeros(2, 2)
     adv = torch.tensor([1.0, -1.0])  # one advantage per sequence, broadcast over tokens
     mask = torch.ones(2, 2)
-    loss, clipfrac = ppo_clip_loss(logp_new, logp_old, adv, mask, clip_low=0.2, clip_high=0.28)
+    loss, clipfrac = policy_loss(logp_new, logp_old, adv, mask, clip_low=0.2, clip_high=0.28)[:2]
     # 1.25 < 1.28: not clipped, -1.25; 0.7 < 0.8: clipped to 0.8, loss 0.8.
     assert loss.item() == pytest.approx((-1.25 * 2 + 0.8 * 2) / 4, abs=1e-6)
     assert clipfrac.item() == pytest.approx(0.5)
@@ -85,9 +84,9 @@ def test_ppo_clip_loss_mask_respected() -> None:
     logp_old = torch.randn(3, 5, generator=g)
     adv = torch.randn(3, generator=g)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.float32)
-    loss, _ = ppo_clip_loss(logp_new, logp_old, adv, mask)
+    loss, _ = policy_loss(logp_new, logp_old, adv, mask)[:2]
     garbage = torch.where(mask.bool(), logp_new, torch.full_like(logp_new, 50.0))
-    loss2, _ = ppo_clip_loss(garbage, logp_old, adv, mask)
+    loss2, _ = policy_loss(garbage, logp_old, adv, mask)[:2]
     assert loss.item() == pytest.approx(loss2.item())
     # Token-level mean: the row with 5 tokens weighs 5x the row with 1.
     ratio = torch.exp(logp_new - logp_old)
@@ -99,14 +98,14 @@ def test_ppo_clip_loss_mask_respected() -> None:
 def test_ppo_gradient_sign() -> None:
     logp_new = torch.zeros(2, 3, requires_grad=True)
     adv = torch.tensor([1.0, -1.0])
-    loss, _ = ppo_clip_loss(logp_new, torch.zeros(2, 3), adv, torch.ones(2, 3))
+    loss, _ = policy_loss(logp_new, torch.zeros(2, 3), adv, torch.ones(2, 3))[:2]
     loss.backward()
     assert logp_new.grad is not None
     # Descent raises log-probs of positive-advantage tokens and lowers the others.
     assert (logp_new.grad[0] < 0).all() and (logp_new.grad[1] > 0).all()
     # Outside the clip range the gradient vanishes.
     far = torch.full((1, 2), math.log(2.0), requires_grad=True)
-    loss, clipfrac = ppo_clip_loss(far, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2))
+    loss, clipfrac = policy_loss(far, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2))[:2]
     loss.backward()
     assert far.grad is not None and torch.equal(far.grad, torch.zeros(1, 2))
     assert clipfrac.item() == 1.0
@@ -150,10 +149,10 @@ def test_ppo_with_tis() -> None:
     behaviour = torch.log(torch.tensor([[1.0, 0.25, 2.0]]))  # weights 1, 4 -> cap 2, 0.5
     adv = torch.tensor([1.0])
     mask = torch.ones(1, 3)
-    base, _ = ppo_clip_loss(logp_new, logp_old, adv, mask)
-    off, _ = ppo_clip_loss(logp_new, logp_old, adv, mask, logp_behaviour=behaviour)
+    base, _ = policy_loss(logp_new, logp_old, adv, mask)[:2]
+    off, _ = policy_loss(logp_new, logp_old, adv, mask, logp_behaviour=behaviour)[:2]
     assert off.item() == base.item()  # tis_cap None: off
-    on, _ = ppo_clip_loss(logp_new, logp_old, adv, mask, logp_behaviour=behaviour, tis_cap=2.0)
+    on, _ = policy_loss(logp_new, logp_old, adv, mask, logp_behaviour=behaviour, tis_cap=2.0)[:2]
     assert on.item() == pytest.approx(-(1.0 + 2.0 + 0.5) / 3)
 
 
@@ -270,7 +269,7 @@ def _sharp_case(max_kl: float | None) -> tuple[float, float, bool]:
     batch = build_batch(samples, pad_id=0)
     adv = group_advantages([[1.0] + [0.0] * 7]).reshape(-1)
     logp, _ = pol.logprobs_and_entropy(batch.input_ids, batch.attention_mask, R)
-    loss, _ = ppo_clip_loss(logp, logp.detach(), adv, batch.response_mask, 0.2, 0.28)
+    loss, _ = policy_loss(logp, logp.detach(), adv, batch.response_mask, 0.2, 0.28)[:2]
     opt.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(pol.parameters(), 1.0)

@@ -13,7 +13,7 @@ from policy.model import TinyConfig, TinyGPT
 from policy.tokenizer import CharTokenizer
 from policy.weights import from_bytes, to_bytes
 from tasks.digits import digits_reward
-from trainer.grpo import build_batch, group_advantages, ppo_clip_loss
+from trainer.grpo import build_batch, group_advantages, policy_loss
 
 TOK = CharTokenizer()
 PROMPTS = ["12>", "98765>", "4>", "3141>"]
@@ -211,7 +211,7 @@ def test_grpo_steps_increase_reward() -> None:
         adv = group_advantages(r.view(len(texts), n)).view(-1)
         b = build_batch(list(zip(prompts, gen.tokens, gen.logprobs, strict=True)))
         logp, _ = policy.logprobs_and_entropy(b.input_ids, b.attention_mask, b.response_len)
-        loss, _ = ppo_clip_loss(logp, b.old_logprobs, adv, b.response_mask)
+        loss, _ = policy_loss(logp, b.old_logprobs, adv, b.response_mask)[:2]
         opt.zero_grad()
         loss.backward()
         opt.step()

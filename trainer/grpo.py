@@ -25,7 +25,6 @@ __all__ = [
     "masked_mean",
     "micro_batches",
     "policy_loss",
-    "ppo_clip_loss",
     "probs_diff",
     "tis_weights",
 ]
@@ -208,23 +207,6 @@ def policy_loss(
         clipfrac=masked_mean((clipped > unclipped).to(dtype), mask).detach(),
         clipfrac_lower=masked_mean(capped.to(dtype), mask).detach(),
         ppo_kl=masked_mean(-log_ratio.detach(), mask))
-
-
-def ppo_clip_loss(
-    logp_new: torch.Tensor,
-    logp_old: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    logp_behaviour: torch.Tensor | None = None,
-    tis_cap: float | None = None,
-    clip_ratio_c: float | None = 3.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, clipfrac) of :func:`policy_loss`."""
-    out = policy_loss(logp_new, logp_old, advantages, mask, clip_low, clip_high,
-                      logp_behaviour, tis_cap, clip_ratio_c)
-    return out.loss, out.clipfrac
 
 
 def probs_diff(logp_trainer: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor
