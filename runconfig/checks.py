@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from runconfig.errors import ConfigError
+from runconfig.rejection import RejectionError, rejection_rules
 from runconfig.schema import Config
 
 __all__ = ["check_cross_fields"]
@@ -25,6 +26,15 @@ def check_cross_fields(cfg: Config) -> None:
     _check_ranks(cfg)
     _check_reward_bounds(cfg)
     _check_record(cfg)
+    _check_rejection(cfg)
+
+
+def _check_rejection(cfg: Config) -> None:
+    """verl's rejection sampling options and thresholds read as verl reads them."""
+    try:
+        rejection_rules(cfg.trainer.rollout_rs, cfg.trainer.rollout_rs_threshold)
+    except RejectionError as exc:
+        raise ConfigError(f"trainer.{exc.key}", str(exc)) from None
 
 
 def _check_record(cfg: Config) -> None:

@@ -494,7 +494,10 @@ def load_config(
             field = re.search(r"`([^`]*)`", text)
             key = f"{key}.{field.group(1)}" if field and key != "<config>" else key
         raise builder.error(key, text.split(" - at ")[0]) from None
-    check_cross_fields(cfg)
+    try:
+        check_cross_fields(cfg)
+    except ConfigError as exc:  # named as the user wrote it (maybe a verl spelling)
+        raise builder.error(exc.key, exc.message) from None
     _warn_profiling_off(builder, cfg)
     return cfg
 

@@ -382,10 +382,11 @@ TABLE: tuple[VerlKey, ...] = (
     VerlKey("algorithm.rollout_correction.rollout_is_threshold", "derived",
             note="trainer.tis_cap, with rollout_is=token (a float; verl's lower_upper "
                  "bounds are refused)"),
-    _fixed("algorithm.rollout_correction.rollout_rs", (None,),
-           "rlbus has no rejection sampling of rollouts by their importance ratio"),
-    _ignored("algorithm.rollout_correction.rollout_rs_threshold",
-             "only with rollout_rs, which rlbus refuses"),
+    _alias("algorithm.rollout_correction.rollout_rs", "trainer.rollout_rs",
+           "rejection of tokens or sequences whose rollout log-probs are too far from the "
+           "trainer's (runconfig.rejection)"),
+    _alias("algorithm.rollout_correction.rollout_rs_threshold",
+           "trainer.rollout_rs_threshold"),
     _fixed("algorithm.rollout_correction.bypass_mode", (False,),
            "rlbus's is verl's decoupled mode (proximal log-probs for stale samples)"),
     _fixed("algorithm.rollout_correction.loss_type", ("ppo_clip",),

@@ -133,7 +133,7 @@ def build_tokenizer(path: str | Path, n_digits: int = 4, template: str = "qwen2"
     # answer into "<|assistant|>" then reads so and scores below 1, so the model learns to
     # end its turn; with the markers special, "4321<|assistant|>" decoded to "4321" and
     # scored 1.0, and the trained model never stopped (verl decodes rewards the same way).
-    ends = [chat.eos, "<|endoftext|>"]
+    ends = [t for t in chat.specials if t in (chat.eos, "<|endoftext|>")]  # <|endoftext|> 0
     trainer = trainers.BpeTrainer(vocab_size=64, special_tokens=[*ends], show_progress=False)
     tok.train_from_iterator(_corpus(n_digits, template), trainer)
     tok.add_tokens([AddedToken(t, normalized=False, special=False)

@@ -202,6 +202,18 @@ def test_a_step_issues_trains_and_finishes_in_order() -> None:
     assert tickets.event.ticket_ids == ["t2", "t3"] and tickets.event.param_version == 1
 
 
+def test_with_rejection_sampling_a_step_trains_only_once_whole() -> None:
+    """verl's rollout_rs needs every mini-batch's log-probs on the step's starting weights:
+    no mini-batch optimizes before the step's last one is in."""
+    shell = Shell(_core(_cfg("trainer.rollout_rs=seq_mean_k1",
+                             "trainer.rollout_rs_threshold=0.99_1.001")))
+    shell.start()
+    shell.act(shell.core.start_step(1, 1.0), 1.0)
+    assert _answer(shell, 0, 2.0) == []
+    (train,) = _answer(shell, 1, 3.0)
+    assert isinstance(train, Train) and not train.optimize and shell.core.gathered
+
+
 def test_the_same_script_gives_the_same_writes() -> None:
     def script() -> list[Action]:
         shell = Shell(_core(_cfg()))

@@ -346,19 +346,25 @@ def test_dapos_overlong_buffer_in_a_file_and_on_the_line(tmp_path: Path) -> None
 
 
 def test_verls_rollout_correction_is_honoured_as_token_weights_or_refused() -> None:
-    """The _mis scripts' correction: token-level importance weights are trainer.tis_cap;
-    what rlbus does not build (sequence weights, IcePop bounds, rejection sampling, bypass
-    mode) exits 2 naming the key, never warned and dropped."""
+    """The _mis scripts' correction: token-level importance weights are trainer.tis_cap,
+    rejection sampling trainer.rollout_rs (verl's options and bounds); what rlbus does not
+    build (sequence weights, IcePop bounds, bypass mode) exits 2 naming the key, never
+    warned and dropped."""
     rc = "algorithm.rollout_correction"
     short = "rollout.max_new_tokens=5"  # a verl line's 512 would not fit the tiny model
     cfg, _ = _load([f"{rc}.rollout_is=token", f"{rc}.rollout_is_threshold=3.5", short])
     assert cfg.trainer.tis_cap == 3.5
     cfg, _ = _load([f"{rc}.rollout_is=null", RLBUS, short])  # rlbus's line had 2.0
     assert cfg.trainer.tis_cap is None
+    cfg, _ = _load([f"{rc}.rollout_is=token", f"{rc}.rollout_rs=seq_mean_k1",
+                    f"{rc}.rollout_rs_threshold=0.99_1.001", short])  # the _mis script's
+    assert (cfg.trainer.tis_cap, cfg.trainer.rollout_rs, cfg.trainer.rollout_rs_threshold) == (
+        2.0, "seq_mean_k1", "0.99_1.001")
     refused = {
         f"{rc}.rollout_is=sequence": f"{rc}.rollout_is",
         f"{rc}.rollout_is_threshold=0.5_2.0": f"{rc}.rollout_is_threshold",
-        f"{rc}.rollout_rs=seq_mean_k1": f"{rc}.rollout_rs",
+        f"{rc}.rollout_rs=seq_mean_k9": f"{rc}.rollout_rs",  # not one of verl's options
+        f"{rc}.rollout_rs=seq_mean_k1": "trainer.rollout_rs_threshold",  # it needs bounds
         f"{rc}.bypass_mode=True": f"{rc}.bypass_mode",
         f"{rc}.rollout_is_batch_normalize=True": f"{rc}.rollout_is_batch_normalize",
         "trainer.tis_cap=4.0": f"{rc}.rollout_is",  # two values for one key

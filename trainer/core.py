@@ -234,8 +234,11 @@ class StepCore:
             chunk = ready[:mini_batch]
             del ready[:mini_batch]
             batch.extend(chunk)
-            optimize = may_stream(ready, self.need - len(batch), self.ledger.open,
-                                  self.intake.taken, self.version)
+            # verl's rejection sampling needs every mini-batch's log-probs on the step's
+            # starting weights: no optimizer step before the step's last mini-batch is in.
+            optimize = self.cfg.trainer.rollout_rs is None and may_stream(
+                ready, self.need - len(batch), self.ledger.open, self.intake.taken,
+                self.version)
             out.append(Train([[s for _, s in g.ordered()] for g in chunk], optimize))
         return out
 

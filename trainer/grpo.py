@@ -7,12 +7,15 @@ response mask (1.0 = a real response token).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from runconfig.rejection import RejectionRule
 
 __all__ = [
     "KL_LOSS_TYPES",
@@ -26,6 +29,7 @@ __all__ = [
     "micro_batches",
     "policy_loss",
     "probs_diff",
+    "rejection_mask",
     "tis_weights",
 ]
 
@@ -207,6 +211,38 @@ def policy_loss(
         clipfrac=masked_mean((clipped > unclipped).to(dtype), mask).detach(),
         clipfrac_lower=masked_mean(capped.to(dtype), mask).detach(),
         ppo_kl=masked_mean(-log_ratio.detach(), mask))
+
+
+SAFETY_BOUND = 20.0
+"""verl's clamp of log pi_old - log pi_rollout before its estimators."""
+
+
+def rejection_mask(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
+                   rules: Sequence[RejectionRule]) -> torch.Tensor:
+    """verl's rejection sampling (``compute_rollout_rejection_mask``): ``mask`` [B, R] with
+    the tokens some rule rejects set to 0 (runconfig.rejection). ``logp_old`` is the
+    trainer's log-probs on the step's starting weights, ``logp_rollout`` the rollout's."""
+    r = (logp_old.detach() - logp_rollout.detach()).float().clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    valid = mask.bool()
+    m = valid.to(r.dtype)
+    estimates = {"k1": -r, "k2": 0.5 * r * r, "k3": torch.exp(r) - 1.0 - r}
+    keep = valid.clone()
+    for rule in rules:
+        v = estimates[rule.estimator]
+        if rule.level == "token":
+            x = v
+        elif rule.level == "seq_max":
+            x = v.masked_fill(~valid, -math.inf).max(dim=-1, keepdim=True).values
+            x = torch.where(torch.isinf(x), torch.zeros_like(x), x)
+        else:
+            x = (v * m).sum(dim=-1, keepdim=True)
+            if rule.level == "seq_mean":
+                x = x / m.sum(dim=-1, keepdim=True).clamp(min=1.0)
+        ok = x <= rule.upper
+        if rule.lower is not None:
+            ok = ok & (x >= rule.lower)
+        keep = keep & ok.expand_as(keep)
+    return keep.to(mask.dtype)
 
 
 def probs_diff(logp_trainer: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from runconfig import TrainerConfig
+from runconfig.rejection import rejection_rules
 from runschema.messages import Sample
 from tasks.rewards import extra_metrics
 from trainer.grpo import (
@@ -31,6 +32,7 @@ from trainer.grpo import (
     micro_batches,
     policy_loss,
     probs_diff,
+    rejection_mask,
 )
 from trainer.metrics import critic_metrics
 from trainer.ranks import RankGroup
@@ -164,6 +166,10 @@ class _MiniBatch(NamedTuple):
     # one again, weighted 0, so FSDP's collectives pair up.
     n_micro: int
     ref: torch.Tensor | None = None  # [B, R] the reference's log-probs (use_kl_loss), once
+    # [B, R] the tokens verl's rejection sampling keeps (trainer.rollout_rs), or None.
+    keep: torch.Tensor | None = None
+    # Its loss weights each token by min(pi_old / pi_rollout, tis_cap) (decoupled PPO).
+    weighted: bool = False
 
 
 class _Micro(NamedTuple):
@@ -246,6 +252,10 @@ class GrpoStep:
         if tc.use_kl_loss and reference is None:
             raise ValueError("trainer.use_kl_loss needs a reference policy")
         self.scheduler = scheduler
+        self.rules = rejection_rules(tc.rollout_rs, tc.rollout_rs_threshold)
+        self.rejected = [0.0, 0.0, 0.0]
+        """Over the step, every rank: response tokens rejected, sequences with a token
+        rejected, sequences (verl's ``rollout_corr/rollout_rs_*masked_fraction``)."""
         self.groups: list[Sequence[Sample]] = []
         self.minibatches: list[_MiniBatch] = []
         self.trained = 0  # mini-batches whose first epoch is done
@@ -265,12 +275,12 @@ class GrpoStep:
             return
         flat = [s for group in groups for s in group]
         stale = any(s.min_version < self.version for s in flat)
-        use_tis = self.tc.tis_cap is not None and stale
-        if use_tis and self.trained:
+        use_tis = self.tc.tis_cap is not None and (stale or bool(self.rules))
+        if (use_tis or self.rules) and self.trained:
+            older = f"with samples older than v{self.version} " if stale else ""
             raise LateStaleMiniBatch(
-                f"a mini-batch with samples older than v{self.version} came after "
-                f"{self.trained} optimizer step(s): its proximal log-probs need the weights "
-                "the step started from")
+                f"a mini-batch {older}came after {self.trained} optimizer step(s): its "
+                "proximal log-probs need the weights the step started from")
         rewards = torch.tensor([[s.reward for s in group] for group in groups])
         whole = build_batch(
             # Views on the message bytes: build_batch copies them into its tensors.
@@ -283,8 +293,9 @@ class GrpoStep:
         live = (adv_g != 0).any(dim=1, keepdim=True).expand_as(adv_g).reshape(-1)
         adv = adv_g.reshape(-1).to(self.device)
         live = live.to(self.device)
-        tokens = whole.response_mask.sum()
-        live_tokens = (whole.response_mask * live[:, None].to(whole.response_mask.dtype)).sum()
+        tokens = float(whole.response_mask.sum())
+        live_tokens = float(
+            (whole.response_mask * live[:, None].to(whole.response_mask.dtype)).sum())
         dead, all_live = not bool(live.any()), bool(live.all())
         batch = whole
         if self.group.active:  # this rank's share of the rows (the same split on a replay)
@@ -292,7 +303,20 @@ class GrpoStep:
             batch = whole.select(torch.tensor(rows, device=whole.input_ids.device))
             adv, live = adv[rows], live[rows]
         old: torch.Tensor | None = batch.old_logprobs
-        if use_tis and not self.minibatches:
+        keep = None
+        if self.rules:
+            # verl's rejection sampling needs every mini-batch's log-probs on the step's
+            # starting weights (verl's old_log_prob); the ratio is then taken against them,
+            # as verl's decoupled mode does (the step does not stream: core._feed).
+            with torch.no_grad():
+                old, _ = self.policy.logprobs_and_entropy(  # type: ignore[operator]
+                    batch.input_ids, batch.attention_mask, batch.response_len,
+                    temperature=self.temperature,
+                )
+            self._rollout_gap(len(self.minibatches), old, batch)
+            keep = rejection_mask(old, batch.old_logprobs, batch.response_mask, self.rules)
+            tokens, live_tokens = self._kept(batch, keep, live)
+        elif use_tis and not self.minibatches:
             old = None  # the first mini-batch: its training forward gives them, for free
         elif use_tis:
             # Decoupled PPO for stale samples: the ratio is taken against the current
@@ -309,8 +333,25 @@ class GrpoStep:
         self.groups.extend(groups)
         self.minibatches.append(_MiniBatch(
             batch, old, adv, stale, live, micro, dead=dead, all_live=all_live,
-            tokens=float(tokens), live_tokens=float(live_tokens),
-            n_micro=self.group.max_int(len(micro))))
+            tokens=tokens, live_tokens=live_tokens,
+            n_micro=self.group.max_int(len(micro)), keep=keep, weighted=use_tis))
+
+    def _kept(self, batch: Batch, keep: torch.Tensor, live: torch.Tensor
+              ) -> tuple[float, float]:
+        """The response tokens rejection sampling kept, and those of them in groups with
+        unequal rewards, over every rank (the token-mean denominators, as verl's loss over
+        its modified response mask); counts what it rejected for the step's figures."""
+        mask = batch.response_mask
+        kept = mask * keep
+        rows = mask.sum(dim=-1) > 0
+        counts = self.group.sum(torch.stack([
+            kept.sum(), (kept * live[:, None].to(kept.dtype)).sum(), mask.sum(),
+            ((kept.sum(dim=-1) < mask.sum(dim=-1)) & rows).sum(),
+            torch.tensor(float(len(rows)), device=mask.device)]).double().cpu()).tolist()
+        for i, value in enumerate(counts[2:]):
+            self.rejected[i] += value
+        self.rejected[0] -= counts[0]  # the tokens it dropped: response tokens - kept
+        return counts[0], counts[1]
 
     def _share(self, whole: Batch) -> list[int]:
         """This rank's rows of a mini-batch (trainer.rowsplit: balanced by tokens with
@@ -380,6 +421,8 @@ class GrpoStep:
                          shrunk=False)
             return
         mask, total = mb.batch.response_mask, mb.tokens
+        if mb.keep is not None:  # verl's rejection sampling: only the kept tokens train
+            mask = mask * mb.keep
         if mode == "drop" and not mb.all_live:
             # DAPO-style: groups of equal rewards leave the token mean (their policy-gradient
             # term is 0; they would only dilute the others' and add entropy pressure).
@@ -443,7 +486,7 @@ class GrpoStep:
         # The step's first stale mini-batch has no proximal log-probs yet: this forward's,
         # taken before the step's first optimizer step, are they.
         old = m.cut(mb.old) if mb.old is not None else logp.detach()
-        use_tis = tc.tis_cap is not None and mb.stale
+        use_tis = mb.weighted
         pg = policy_loss(
             logp, old, m.cut(mb.adv), mask, tc.clip_ratio_low, tc.clip_ratio_high,
             logp_behaviour=m.batch.old_logprobs if use_tis else None,
@@ -519,6 +562,16 @@ class GrpoStep:
             return mine
         return [t for rank in self.group.gather(mine) for t in rank]
 
+    def _rejection_metrics(self, kept: float) -> dict[str, float]:
+        """verl's ``rollout_corr/rollout_rs_masked_fraction`` (response tokens rejected) and
+        ``rollout_rs_seq_masked_fraction`` (sequences with a token rejected), over the step;
+        none without rejection sampling."""
+        if not self.rules:
+            return {}
+        dropped, seqs_hit, seqs = self.rejected
+        return {"rollout_corr/rollout_rs_masked_fraction": dropped / max(dropped + kept, 1.0),
+                "rollout_corr/rollout_rs_seq_masked_fraction": seqs_hit / max(seqs, 1.0)}
+
     def _advantages(self) -> list[float]:
         """The advantage each sample of the step trained with, in sample order (each
         group's, as :meth:`add` computed them)."""
@@ -568,6 +621,7 @@ class GrpoStep:
             "actor/lr": lr,
             "response/length_mean": _mean(lengths),
             **critic_metrics(rewards, self._advantages(), lengths),
+            **self._rejection_metrics(sum(mb.tokens for mb in self.minibatches)),
             **_probs_diff_metrics(self._gaps()),
             **(seqlen_metrics(*self.seqlen) if self.group.active and tc.balance_batch else {}),
             **extra_metrics(s.reward_extra for s in flat_all),
