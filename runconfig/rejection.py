@@ -78,8 +78,11 @@ def _rule(name: str, spec: str) -> RejectionRule:
         upper = _positive(upper_text, name, spec)
         lower = _positive(lower_text, name, spec) if lower_text else 1.0 / upper
         if lower > upper:
+            hint = ("" if "_" in spec else ": a one-number bound is the upper one, its inverse "
+                    "the lower (YAML reads 0.3_3 as 0.33: write lower_upper with a decimal "
+                    "point in each, 0.30_3.0)")
             raise RejectionError("rollout_rs_threshold",
-                                 f"{name}: lower bound above the upper one in {spec!r}")
+                                 f"{name}: lower bound above the upper one in {spec!r}{hint}")
         return RejectionRule(name, level, estimator, math.log(lower), math.log(upper))
     if "_" in spec:
         raise RejectionError("rollout_rs_threshold", f"{name} takes one upper bound, not "

@@ -96,7 +96,9 @@ def main(argv: list[str]) -> int:
         ranked = learner.step()
         for start in range(0, len(groups), mb):
             ranked.add(groups[start:start + mb])
-            if step != STEPS:  # fresh samples stream; the stale step trains at the end
+            # Fresh samples stream; the stale step trains at the end, and every step does
+            # with rejection sampling (StepCore._feed: not before the step is whole).
+            if step != STEPS and tc.rollout_rs is None:
                 ranked.train()
         metrics.append(ranked.finish())
         if step == STEPS - 1:  # as the trainer writes it (trainer.checkpoint_format)

@@ -27,6 +27,9 @@ def test_options_and_bounds_read_as_verl_reads_them() -> None:
     assert [(r.option, r.lower, r.upper) for r in rules] == [("token_k2", None, 0.5),
                                                             ("seq_max_k3", None, 3.0)]
     assert rejection_rules(None, "2") == () and rejection_rules(" ", None) == ()
+    # YAML (and Python) read 0.3_3 as the number 0.33: an upper bound below its inverse.
+    with pytest.raises(RejectionError, match="write lower_upper with a decimal point"):
+        rejection_rules("seq_mean_k1", 0.33)
     for options, threshold, key in [
         ("seq_max_k1", 2.0, "rollout_rs"),  # verl has no max of k1
         ("token_k1", None, "rollout_rs_threshold"),

@@ -87,7 +87,10 @@ def test_two_ranks_train_what_one_rank_trains(one_rank: dict[str, Any], strategy
     ["trainer.micro_batch_size=3", "trainer.use_kl_loss=true", "trainer.kl_loss_coef=0.5",
      "trainer.kl_guard=0.05", "trainer.zero_adv=drop", "trainer.ppo_epochs=2"],
     ["trainer.use_dynamic_bsz=true", "trainer.max_token_len=12"],  # uneven micro counts
-], ids=["micro_kl_guard_epochs", "dynamic_bsz"])
+    # verl's rejection sampling: the kept tokens counted over the ranks (one all-reduce).
+    ["trainer.rollout_rs=seq_mean_k1", "trainer.rollout_rs_threshold=0.30_3.0",
+     "trainer.micro_batch_size=3", "trainer.tis_cap=2.0"],
+], ids=["micro_kl_guard_epochs", "dynamic_bsz", "rejection_sampling"])
 def test_two_ranks_match_one_with_micro_batches_kl_and_epochs(extra: list[str],
                                                                tmp_path: Path) -> None:
     one = _harness(tmp_path / "one.pt", "trainer.n_gpus_per_node=1", *extra)
