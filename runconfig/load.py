@@ -196,10 +196,12 @@ def _warn_stderr(message: str) -> None:
 class _Builder:
     """Applies assignments to the defaults tree, remembering who set what."""
 
-    def __init__(self, tree: dict[str, Any], warn: Callable[[str], None]) -> None:
+    def __init__(self, tree: dict[str, Any], warn: Callable[[str], None],
+                 note: Callable[[str], None] | None = None) -> None:
         self.tree = tree
         self.defaults = copy.deepcopy(tree)
         self.warn = warn
+        self.note = note  # how a derived value was computed (the run's length)
         self.origin: dict[str, str] = {}  # rlbus key -> the key the user wrote
         self.explicit: set[str] = set()  # rlbus keys the user set
         self.derived: dict[str, Any] = {}  # verl keys resolved at the end
@@ -355,8 +357,10 @@ class _Builder:
             derived = verl_table.derive(self.derived, self.tree, frozenset(self.explicit))
         except verl_table.VerlError as exc:
             raise ConfigError(exc.key, exc.message) from None
-        for key, value, by in derived:
+        for key, value, by, how in derived:
             self.set(key, value, by)
+            if how and self.note is not None:
+                self.note(how)
         prof = self.tree["global_profiler"]
         if prof.get("steps", ()) is None:
             prof["steps"] = []  # verl's default: profile no step
@@ -481,7 +485,7 @@ def load_config(
         (on_note or _note_stderr)(
             f"verl's defaults for every key this line leaves out ({why}; "
             "runconfig/verl_defaults.yaml); run.defaults=rlbus keeps rlbus's")
-    builder = _Builder(tree, on_warning or _warn_stderr)
+    builder = _Builder(tree, on_warning or _warn_stderr, on_note or _note_stderr)
     for assignment in assignments:
         builder.apply(assignment)
     builder.finish()

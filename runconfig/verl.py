@@ -33,7 +33,7 @@ gets verl's defaults (``runconfig/verl_defaults.yaml``; see :func:`runconfig.loa
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -513,14 +513,14 @@ def verl_keys() -> list[str]:
 
 def derive(
     given: Mapping[str, Any], tree: Mapping[str, Any], explicit: frozenset[str] | set[str]
-) -> list[tuple[str, Any, str]]:
+) -> list[Derivation]:
     """rlbus assignments ``(rlbus key, value, verl key)`` for the derived keys in ``given``.
 
     ``given`` holds the derived verl keys the user set (last value wins); ``tree`` is the config
     with every other key applied; ``explicit`` the rlbus keys the user set (directly or
     through an alias). Raises :class:`VerlError` naming the verl key at fault.
     """
-    out: list[tuple[str, Any, str]] = []
+    out: list[Derivation] = []
     for rule in (_response_length, _total_steps, _profiler_roles, _profiler_contents,
                  _importance_weights):
         found = rule(given, tree, explicit)
@@ -537,7 +537,17 @@ def _get(tree: Mapping[str, Any], dotted: str) -> Any:
     return node
 
 
-Derived = tuple[str, Any, str] | None
+class Derivation(NamedTuple):
+    """An rlbus ``key`` set to ``value`` by the verl key ``by``; ``how``, when the value
+    was computed (the run's length), says from what, for a note at load time."""
+
+    key: str
+    value: Any
+    by: str
+    how: str = ""
+
+
+Derived = Derivation | None
 
 
 def _response_length(given: Mapping[str, Any], tree: Mapping[str, Any],
@@ -545,7 +555,7 @@ def _response_length(given: Mapping[str, Any], tree: Mapping[str, Any],
     """data.max_response_length -> rollout.max_new_tokens, unless that is given itself."""
     key = "data.max_response_length"
     if key in given and "rollout.max_new_tokens" not in explicit:
-        return "rollout.max_new_tokens", given[key], key
+        return Derivation("rollout.max_new_tokens", given[key], key)
     return None
 
 
@@ -562,7 +572,7 @@ def _total_steps(given: Mapping[str, Any], tree: Mapping[str, Any],
         raise VerlError(key, f"expected a positive int, got {total!r}")
     if not (isinstance(mini, int) and isinstance(batches, int) and mini > 0 and batches > 0):
         return None  # the schema reports the bad batch key itself
-    data = _data_prompts(tree)
+    data, asked = _data_prompts(tree), total
     if data is not None and data < total:  # verl: min(total_rollout_steps, data x epochs)
         total = data
     steps = total // (mini * batches)
@@ -573,7 +583,12 @@ def _total_steps(given: Mapping[str, Any], tree: Mapping[str, Any],
     if "trainer.total_training_steps" in explicit and configured != steps:
         raise VerlError(key, f"gives {steps} steps but trainer.total_training_steps="
                              f"{configured}; give one of them")
-    return "trainer.total_training_steps", steps, key
+    held = "" if data is None else f", the data hold {data} (records x trainer.total_epochs)"
+    return Derivation("trainer.total_training_steps", steps, key,
+                      f"trainer.total_training_steps={steps}: {total} prompts (of "
+                      f"rollout.total_rollout_steps={asked}{held}) // {mini * batches} a step "
+                      "(ppo_mini_batch_size x require_batches), as verl's fully-async "
+                      "trainer counts them")
 
 
 _ROLE_FLAGS = (("trainer", "actor_rollout_ref.actor.profiler.enable"),
@@ -592,7 +607,8 @@ def _profiler_roles(given: Mapping[str, Any], tree: Mapping[str, Any],
             raise VerlError(key, f"expected true or false, got {flags[role]!r}")
     if "global_profiler.roles" in explicit:
         raise VerlError(set_keys[0], "conflicts with global_profiler.roles; give one of them")
-    return "global_profiler.roles", [r for r, f in flags.items() if f], set_keys[0]
+    return Derivation("global_profiler.roles", [r for r, f in flags.items() if f],
+                      set_keys[0])
 
 
 _CONTENTS = ("actor_rollout_ref.actor.profiler.tool_config.torch.contents",
@@ -611,7 +627,7 @@ def _profiler_contents(given: Mapping[str, Any], tree: Mapping[str, Any],
                              "and the rollout's differ")
     if "global_profiler.contents" in explicit and _get(tree, "global_profiler.contents") != value:
         raise VerlError(key, "conflicts with global_profiler.contents; give one of them")
-    return "global_profiler.contents", value, key
+    return Derivation("global_profiler.contents", value, key)
 
 
 _IS, _IS_CAP = ("algorithm.rollout_correction.rollout_is",
@@ -643,7 +659,7 @@ def _importance_weights(given: Mapping[str, Any], tree: Mapping[str, Any],
                              "importance weights are per token (trainer.tis_cap)")
     if "trainer.tis_cap" in explicit and _get(tree, "trainer.tis_cap") != cap:
         raise VerlError(_IS, "conflicts with trainer.tis_cap; give one of them")
-    return "trainer.tis_cap", cap, _IS
+    return Derivation("trainer.tis_cap", cap, _IS)
 
 
 def _data_prompts(tree: Mapping[str, Any]) -> int | None:
@@ -669,7 +685,7 @@ _CLASSIC = "data.train_batch_size"
 
 
 def _classic_batch(given: Mapping[str, Any], tree: Mapping[str, Any],
-                   explicit: frozenset[str] | set[str]) -> list[tuple[str, Any, str]]:
+                   explicit: frozenset[str] | set[str]) -> list[Derivation]:
     """A classic (synchronous) verl line's ``data.train_batch_size``: the prompts of one
     step, trained on-policy, and its step count from the data (verl's ``ray_trainer``:
     ``len(train_dataloader) * total_epochs``, the dataloader dropping the last partial
@@ -686,15 +702,20 @@ def _classic_batch(given: Mapping[str, Any], tree: Mapping[str, Any],
     if batch % mini:
         raise VerlError(_CLASSIC, f"{batch} prompts do not split into mini-batches of "
                                   f"ppo_mini_batch_size={mini}")
-    out = [("async_training.require_batches", batch // mini, _CLASSIC),
-           ("async_training.trigger_parameter_sync_step", 1, _CLASSIC),
-           ("async_training.staleness_threshold", 0.0, _CLASSIC)]
+    out = [Derivation("async_training.require_batches", batch // mini, _CLASSIC),
+           Derivation("async_training.trigger_parameter_sync_step", 1, _CLASSIC),
+           Derivation("async_training.staleness_threshold", 0.0, _CLASSIC)]
     epochs = _get(tree, "trainer.total_epochs")
     if (_get(tree, "data.train_files") is not None and isinstance(epochs, int)
             and "trainer.total_training_steps" not in explicit):
-        steps = _records(tree) // batch * epochs
+        records = _records(tree)
+        steps = records // batch * epochs
         if steps < 1:
             raise VerlError(_CLASSIC, f"data.train_files hold fewer than {batch} records: "
                                       "no step")
-        out.append(("trainer.total_training_steps", steps, _CLASSIC))
+        out.append(Derivation(
+            "trainer.total_training_steps", steps, _CLASSIC,
+            f"trainer.total_training_steps={steps}: ({records} records // "
+            f"data.train_batch_size={batch}) x trainer.total_epochs={epochs}, as verl's "
+            "main_ppo counts them"))
     return out

@@ -200,7 +200,8 @@ def test_the_verl_launch_line_means_what_it_says(demo: dict[str, Path]) -> None:
     warnings: list[str] = []
     notes: list[str] = []
     cfg = load_config(None, _line(demo), on_warning=warnings.append, on_note=notes.append)
-    assert len(notes) == 1 and "verl's defaults" in notes[0]
+    assert len(notes) == 2 and "verl's defaults" in notes[0]
+    assert notes[1].startswith(f"trainer.total_training_steps={cfg.trainer.total_training_steps}:")
     tree = config_to_dict(cfg)
     for key, value in MAPPED.items():
         assert _get(tree, key) == value, key

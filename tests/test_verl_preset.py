@@ -81,7 +81,11 @@ def _load(args: list[str], **kw: Any) -> tuple[Any, list[str]]:
 
 def test_the_quickstart_line_gets_verls_defaults(demo: Path) -> None:
     cfg, notes = _load(quickstart(demo))
-    assert len(notes) == 1 and "verl's defaults" in notes[0]
+    assert len(notes) == 2 and "verl's defaults" in notes[0]
+    # The run's length, and how it was counted, said once.
+    assert notes[1] == ("trainer.total_training_steps=30: (600 records // "
+                        "data.train_batch_size=256) x trainer.total_epochs=15, as verl's "
+                        "main_ppo counts them")
     assert "data.train_files" not in notes[0]  # a shared section: not what made it verl's
     assert cfg.async_training.require_batches == 1
     assert cfg.trainer.ppo_mini_batch_size == 256
@@ -111,7 +115,11 @@ def test_an_rlbus_line_keeps_rlbus_defaults(tmp_path: Path) -> None:
             "rollout.total_rollout_steps=64", "reward_model.reward_manager=dapo",
             "reward.max_failure_ratio=0.1"]  # rlbus's own key in verl's reward section
     cfg, notes = _load(args)
-    assert notes == [] and cfg.reward.max_failure_ratio == 0.1
+    assert notes == [  # no verl defaults; the steps total_rollout_steps gives, said
+        "trainer.total_training_steps=4: 64 prompts (of rollout.total_rollout_steps=64) // "
+        "16 a step (ppo_mini_batch_size x require_batches), as verl's fully-async trainer "
+        "counts them"]
+    assert cfg.reward.max_failure_ratio == 0.1
     rlbus = default_dict()
     assert cfg.trainer.ppo_mini_batch_size == rlbus["trainer"]["ppo_mini_batch_size"]
     assert cfg.trainer.lr == rlbus["trainer"]["lr"]
@@ -174,7 +182,7 @@ def test_a_resumed_run_keeps_its_recorded_config(demo: Path) -> None:
     # put verl's defaults over what the run recorded.
     recorded = config_to_dict(load_config(None, ["trainer.ppo_mini_batch_size=8"]))
     cfg, notes = _load(quickstart(demo), base=recorded)
-    assert notes == []
+    assert not any("verl's defaults" in note for note in notes)
     assert cfg.trainer.ppo_mini_batch_size == 8
     # The line's train_batch_size still applies: 256 prompts a step, in mini-batches of 8.
     assert cfg.async_training.require_batches == 256 // 8

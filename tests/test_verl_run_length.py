@@ -27,8 +27,13 @@ def _data(tmp_path: Path, n: int, name: str = "train.parquet") -> Path:
     return path
 
 
+NOTES: list[str] = []
+
+
 def _load(*line: str) -> Config:
-    return load_config(None, [*line, "rollout.max_new_tokens=5"], on_warning=lambda m: None)
+    NOTES.clear()
+    return load_config(None, [*line, "rollout.max_new_tokens=5"], on_warning=lambda m: None,
+                       on_note=NOTES.append)
 
 
 FULLY_ASYNC = ("async_training.staleness_threshold=0.1", "actor_rollout_ref.actor."
@@ -61,6 +66,9 @@ def test_a_classic_line_runs_verls_steps_of_train_batch_size_prompts(tmp_path: P
                "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.total_epochs=15")
     cfg = _load(*classic)
     assert cfg.trainer.total_training_steps == 3750
+    assert NOTES[-1] == ("trainer.total_training_steps=3750: (2000 records // "
+                         "data.train_batch_size=8) x trainer.total_epochs=15, as verl's "
+                         "main_ppo counts them")
     asyn = cfg.async_training
     assert (asyn.require_batches, asyn.trigger_parameter_sync_step,
             asyn.staleness_threshold) == (2, 1, 0.0)
