@@ -257,6 +257,8 @@ class GrpoStep:
         """Over the step, every rank: response tokens rejected, sequences with a token
         rejected, sequences (verl's ``rollout_corr/rollout_rs_*masked_fraction``)."""
         self.groups: list[Sequence[Sample]] = []
+        self.advantages: list[float] = []
+        """Each sample's advantage, in the order of :attr:`groups` (verl's critic/*)."""
         self.minibatches: list[_MiniBatch] = []
         self.trained = 0  # mini-batches whose first epoch is done
         # Tokens per rank over the step: split as balance_batch=false would, and as trained.
@@ -290,6 +292,7 @@ class GrpoStep:
             device=self.device,
         )
         adv_g = group_advantages(rewards)
+        advantages = adv_g.reshape(-1).tolist()
         live = (adv_g != 0).any(dim=1, keepdim=True).expand_as(adv_g).reshape(-1)
         adv = adv_g.reshape(-1).to(self.device)
         live = live.to(self.device)
@@ -331,6 +334,7 @@ class GrpoStep:
             self._rollout_gap(len(self.minibatches), old, batch)
         micro = self._split(batch)
         self.groups.extend(groups)
+        self.advantages.extend(advantages)
         self.minibatches.append(_MiniBatch(
             batch, old, adv, stale, live, micro, dead=dead, all_live=all_live,
             tokens=tokens, live_tokens=live_tokens,
@@ -345,12 +349,10 @@ class GrpoStep:
         kept = mask * keep
         rows = mask.sum(dim=-1) > 0
         counts = self.group.sum(torch.stack([
-            kept.sum(), (kept * live[:, None].to(kept.dtype)).sum(), mask.sum(),
+            kept.sum(), (kept * live[:, None].to(kept.dtype)).sum(), (mask - kept).sum(),
             ((kept.sum(dim=-1) < mask.sum(dim=-1)) & rows).sum(),
             torch.tensor(float(len(rows)), device=mask.device)]).double().cpu()).tolist()
-        for i, value in enumerate(counts[2:]):
-            self.rejected[i] += value
-        self.rejected[0] -= counts[0]  # the tokens it dropped: response tokens - kept
+        self.rejected = [a + b for a, b in zip(self.rejected, counts[2:], strict=True)]
         return counts[0], counts[1]
 
     def _share(self, whole: Batch) -> list[int]:
@@ -562,21 +564,16 @@ class GrpoStep:
             return mine
         return [t for rank in self.group.gather(mine) for t in rank]
 
-    def _rejection_metrics(self, kept: float) -> dict[str, float]:
+    def _rejection_metrics(self) -> dict[str, float]:
         """verl's ``rollout_corr/rollout_rs_masked_fraction`` (response tokens rejected) and
         ``rollout_rs_seq_masked_fraction`` (sequences with a token rejected), over the step;
         none without rejection sampling."""
         if not self.rules:
             return {}
+        kept = sum(mb.tokens for mb in self.minibatches)
         dropped, seqs_hit, seqs = self.rejected
         return {"rollout_corr/rollout_rs_masked_fraction": dropped / max(dropped + kept, 1.0),
                 "rollout_corr/rollout_rs_seq_masked_fraction": seqs_hit / max(seqs, 1.0)}
-
-    def _advantages(self) -> list[float]:
-        """The advantage each sample of the step trained with, in sample order (each
-        group's, as :meth:`add` computed them)."""
-        return [a for g in self.groups
-                for a in group_advantages([[s.reward for s in g]])[0].tolist()]
 
     def train(self) -> None:
         """First epoch of every mini-batch added and not yet trained."""
@@ -620,8 +617,8 @@ class GrpoStep:
                if self.reference is not None else {}),
             "actor/lr": lr,
             "response/length_mean": _mean(lengths),
-            **critic_metrics(rewards, self._advantages(), lengths),
-            **self._rejection_metrics(sum(mb.tokens for mb in self.minibatches)),
+            **critic_metrics(rewards, self.advantages, lengths),
+            **self._rejection_metrics(),
             **_probs_diff_metrics(self._gaps()),
             **(seqlen_metrics(*self.seqlen) if self.group.active and tc.balance_batch else {}),
             **extra_metrics(s.reward_extra for s in flat_all),
