@@ -5,8 +5,10 @@ trainer's StepFinished durations.
 The profiler service, two rollouter replicas and the trainer run as real processes against a
 throwaway redis-server. Steps 1-3 are one continuous session, so ``sessions/s1-3/`` holds one
 trace per process: the trainer (rank 0) and rollouters 0 and 1 (ranks 1 and 2). A rollouter
-that comes up after another one served step 1 has no step 1 (it starts with newer weights), so
-a rollouter's trace holds the session's steps it lived through.
+profiles the session's steps it lived through: the trainer is started once both rollouters'
+engines are built (their heartbeats say so), since on two loaded cores a rollouter still
+starting could otherwise see the trainer through steps 1-3 on the other one's samples and
+rightly have no trace in the session.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 from bus import Bus, RunKeys
 from runschema.messages import StepFinished
 from tests.procs import FAST, Procs, events_of
+from tests.waits import wait_heartbeat
 
 hta = pytest.importorskip("hta.trace_analysis", reason="the dev extra (HTA) is not installed")
 
@@ -46,8 +49,12 @@ async def test_a_sessions_traces_load_in_hta_one_rank_per_file(
     procs = Procs(tmp_path / "logs")
     try:
         procs.spawn("profiler", "profiler_service", *args)
-        for rank in range(REPLICAS):
-            procs.spawn(f"rollouter{rank}", "rollouter", *args, f"rollout.rank={rank}")
+        rollouters = [procs.spawn(f"rollouter{rank}", "rollouter", *args, f"rollout.rank={rank}")
+                      for rank in range(REPLICAS)]
+        for proc in rollouters:
+            await wait_heartbeat(bus, run_keys.alive_pattern("rollouter"), proc, WAIT_S,
+                                 until=lambda beat: not beat.state.startswith("engine starting"),
+                                 what="an engine built")
         procs.spawn("trainer", "trainer", *args)
         for name in ("trainer", *(f"rollouter{r}" for r in range(REPLICAS)), "profiler"):
             assert procs.wait(name, WAIT_S) == 0, procs.log(name)[-3000:]
