@@ -230,7 +230,7 @@ class MetricsLogger(Component):
                     _write_validation(sink, msg)
                 wrote = True
             elif isinstance(msg, RunFinished):
-                why = run_finished_refusal(msg.steps, self.position.step)
+                why = run_finished_refusal(msg, self.position.step)
                 if why is None:
                     self.finished = True
                 else:  # not the trainer's: the run goes on

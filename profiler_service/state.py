@@ -173,7 +173,7 @@ def run_finished_doubt(state: ServiceState, msg: RunFinished) -> str | None:
     StepFinished events, it must name the last finished step."""
     if state.last_finished_step == 0:
         return None
-    return run_finished_refusal(msg.steps, state.last_finished_step)
+    return run_finished_refusal(msg, state.last_finished_step)
 
 
 def _step_finished(state: ServiceState, msg: StepFinished, _: str | None) -> ServiceState:

@@ -108,7 +108,7 @@ def _fork_state(parent: TrainerState, step: int, total: int, pt: str, files: dic
     state = msgspec.structs.replace(
         parent, finished=False, total_steps=total, checkpoint_at=(step, pt),
         earlier_checkpoints=(), unfinished_checkpoints=(), steps=(), ledger=ledger,
-        checkpoint_files={pt: files})
+        checkpoint_files={pt: files}, forked_at=step)
     return state, dropped
 
 

@@ -60,6 +60,7 @@ from runconfig import (
     resolve_run_id,
 )
 from runconfig.paths import checkpoint_dir, events_dir, record_dir
+from runschema.facts import validation_only_refusal
 from runtime.events_archive import fetch_for_reading
 from runtime.process import expanded_url
 from runtime.storage import check_storage
@@ -298,12 +299,18 @@ class _Up:
             self._take_recorded_config(self.status.config)
         for why in self.status.ignored:  # not the trainer's: the run is not finished
             self.console.say(f"warning: ignored a RunFinished of run {self.run_id}: {why}")
+        if self.cfg.trainer.val_only and (refused := validation_only_refusal(
+                self.run_id, self.status.last_step, self.status.forked_at)) is not None:
+            self.console.say(f"error: {refused}")
+            return 2
         total, done = self.cfg.trainer.total_training_steps, self.status.finished_steps
         if done is None:
             return None
-        if done >= total:
+        if done >= total or self.status.validation_only:
+            what = (f", validating the weights after step {done} (trainer.val_only)"
+                    if self.status.validation_only else f" after {done} steps")
             self.console.out(
-                f"run {self.run_id} already finished after {done} steps: nothing to do (a new "
+                f"run {self.run_id} already finished{what}: nothing to do (a new "
                 f"run needs a new run.id; inspect it with `{_prog()} inspect --run "
                 f"{self.run_id} run.output_dir={self.cfg.run.output_dir}`)")
             return 0

@@ -61,6 +61,10 @@ class RunStatus(msgspec.Struct):
     started: bool = False
     last_step: int = 0
     finished_steps: int | None = None
+    validation_only: bool = False
+    """The believed RunFinished says the run only validated (trainer.val_only)."""
+    forked_at: int | None = None
+    """The step its RunForked names (rlbus fork), None when it was not forked."""
     config: dict[str, Any] | None = None
     traces: set[tuple[str, str, int]] = msgspec.field(default_factory=set)
     ignored: list[str] = msgspec.field(default_factory=list)
@@ -74,7 +78,13 @@ class RunStatus(msgspec.Struct):
         """Take one event of the log, in log order. A RunFinished is believed only when it
         says the last finished step (runschema.facts.run_finished_refusal)."""
         from runschema.facts import run_finished_refusal
-        from runschema.messages import ProfileStopped, RunFinished, RunStarted, StepFinished
+        from runschema.messages import (
+            ProfileStopped,
+            RunFinished,
+            RunForked,
+            RunStarted,
+            StepFinished,
+        )
 
         match msg:
             case RunStarted():
@@ -89,11 +99,14 @@ class RunStatus(msgspec.Struct):
                 if self.target_step is None and reward >= REWARD_TARGET:
                     self.target_step = msg.step
             case RunFinished():
-                why = run_finished_refusal(msg.steps, self.last_step)
+                why = run_finished_refusal(msg, self.last_step)
                 if why is None:
                     self.finished_steps = msg.steps
+                    self.validation_only = msg.validation_only
                 else:
                     self.ignored.append(why)
+            case RunForked():
+                self.forked_at = msg.step
             case ProfileStopped(status="ok"):
                 self.traces.add(trace_key(msg))
 

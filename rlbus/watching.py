@@ -104,6 +104,7 @@ class Summary(msgspec.Struct):
     val_version: int | None = None
     val_step: int | None = None
     resumed_after: int = 0
+    validation_only: bool = False  # the run validated its weights, trained nothing
     """The last step an earlier session of the run finished (0: a new run)."""
     earlier_target: int | None = None
     """The first step of an earlier session whose reward reached the target, as far as the
@@ -139,6 +140,9 @@ class Summary(msgspec.Struct):
 
     def line(self, run_id: str, total: int, wall_s: float) -> str:
         parts = [f"run {run_id}: {self.steps} step(s) this session (of {total}) in {wall_s:.1f} s"]
+        if self.validation_only:
+            parts = [f"run {run_id}: validation only (trainer.val_only), nothing trained, in "
+                     f"{wall_s:.1f} s"]
         if self.resumed_after:
             parts[0] += f", resumed after step {self.resumed_after}"
         if self.first_reward is not None:
@@ -399,11 +403,16 @@ class RunWatch:
     def _finished(self, ev: RunFinished) -> None:
         from runschema.facts import run_finished_refusal
 
-        why = run_finished_refusal(ev.steps, self.last_step)
+        why = run_finished_refusal(ev, self.last_step)
         if why is not None:  # not the trainer's: the run goes on
             self.progress.say(f"rlbus up: ignored a RunFinished: {why}", err=True)
             return
-        self.progress.say(f"run {ev.run_id} finished after {ev.steps} steps ({ev.status})")
+        if ev.validation_only:
+            self.summary.validation_only = True
+            self.progress.say(f"run {ev.run_id} finished: the weights after step {ev.steps} "
+                              f"validated, nothing trained (trainer.val_only; {ev.status})")
+        else:
+            self.progress.say(f"run {ev.run_id} finished after {ev.steps} steps ({ev.status})")
         self.finished_at = time.monotonic()
 
 

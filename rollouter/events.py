@@ -106,11 +106,12 @@ class EventPoller:
             case ValidationFinished():
                 self.validated.add(msg.request_id)
             case RunFinished():
-                why = run_finished_refusal(msg.steps, last_step)
+                why = run_finished_refusal(msg, last_step)
                 if why is not None:  # not the trainer's: the run goes on
                     self.complain(f"ignored {entry_id} of {self.stream}: {why}")
-                # A run extended with more steps than it finished with goes on.
-                elif msg.steps >= self.total_steps:
+                # A run extended with more steps than it finished with goes on; one that
+                # only validated has no steps to go on with.
+                elif msg.validation_only or msg.steps >= self.total_steps:
                     self.finished = True
 
     async def stop(self) -> None:

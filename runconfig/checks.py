@@ -27,6 +27,7 @@ def check_cross_fields(cfg: Config) -> None:
     _check_reward_bounds(cfg)
     _check_record(cfg)
     _check_rejection(cfg)
+    _check_val_only(cfg)
 
 
 def _check_rejection(cfg: Config) -> None:
@@ -35,6 +36,24 @@ def _check_rejection(cfg: Config) -> None:
         rejection_rules(cfg.trainer.rollout_rs, cfg.trainer.rollout_rs_threshold)
     except RejectionError as exc:
         raise ConfigError(f"trainer.{exc.key}", str(exc)) from None
+
+
+def _check_val_only(cfg: Config) -> None:
+    """A validation-only run validates something: verl's ``val_only`` validates only when
+    ``val_before_train`` holds and there are validation files (else it exits having done
+    nothing, which here is refused); it trains no step, so none can be profiled."""
+    if not cfg.trainer.val_only:
+        return
+    if not cfg.data.val_files:
+        raise ConfigError("trainer.val_only", "validates the model on data.val_files, which "
+                          "is not set")
+    if not cfg.trainer.val_before_train:
+        raise ConfigError("trainer.val_only", "with trainer.val_before_train=False validates "
+                          "nothing (verl's val_only validates only before training)")
+    p = cfg.global_profiler
+    if p.tool is not None and p.steps:
+        raise ConfigError("global_profiler.steps", f"steps {list(p.steps)}: trainer.val_only="
+                          "True trains no step to profile")
 
 
 def _check_record(cfg: Config) -> None:

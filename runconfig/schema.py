@@ -225,6 +225,7 @@ class TrainerConfig(_Section, frozen=True):
     experiment_name: str | None = None
     test_freq: int = -1
     val_before_train: bool = True
+    val_only: bool = False  # verl's: validate the weights the run starts from, train nothing
     log_val_generations: NonNegInt = 0
     default_local_dir: str | None = None
     resume_mode: Literal["auto", "disable"] = "auto"

@@ -397,8 +397,6 @@ TABLE: tuple[VerlKey, ...] = (
     _fixed("algorithm.use_pf_ppo", (False,), "rlbus has no PF-PPO"),
     _ignored("algorithm.pf_ppo.*", "no PF-PPO"),
     # ---- trainer (verl's trainer section; rlbus's own trainer.* keys win)
-    _fixed("trainer.val_only", (False,),
-           "rlbus validates during training only; the job would become a training run"),
     _ignored("trainer.default_hdfs_dir", _CKPT),
     _ignored("trainer.del_local_ckpt_after_load", _CKPT),
     _ignored("trainer.resume_from_path", "resume_mode auto resumes the run found in "
@@ -453,7 +451,7 @@ SHARED: frozenset[str] = frozenset({
         "total_training_steps", "total_epochs", "save_freq", "max_actor_ckpt_to_keep",
         "rollout_data_dir", "validation_data_dir",
         "logger", "project_name", "experiment_name", "test_freq", "val_before_train",
-        "log_val_generations", "default_local_dir", "resume_mode")),
+        "val_only", "log_val_generations", "default_local_dir", "resume_mode")),
     *(f"data.{k}" for k in (
         "train_files", "val_files", "prompt_key", "reward_fn_key", "max_prompt_length",
         "truncation", "filter_overlong_prompts", "shuffle", "seed", "train_max_samples",

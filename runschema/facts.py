@@ -8,16 +8,34 @@ more (trainer.state).
 
 from __future__ import annotations
 
-__all__ = ["run_finished_refusal"]
+from runschema.messages import RunFinished
+
+__all__ = ["run_finished_refusal", "validation_only_refusal"]
 
 
-def run_finished_refusal(steps: int, last_step: int) -> str | None:
-    """Why a ``RunFinished(steps)`` read after the StepFinished of ``last_step`` (0: none)
-    is not believed, or None. The trainer writes it after the StepFinished of its last step,
-    saying that step: any other count contradicts the log."""
-    if steps < 1:
+def run_finished_refusal(finished: RunFinished, last_step: int) -> str | None:
+    """Why ``finished`` read after the StepFinished of ``last_step`` (0: none) is not
+    believed, or None. The trainer writes it after the StepFinished of its last step, saying
+    that step: any other count contradicts the log. A run finishes after at least one step,
+    unless it only validated (``trainer.val_only``: its steps are those it started from)."""
+    steps = finished.steps
+    if steps < 1 and not finished.validation_only:
         return f"RunFinished(steps={steps}): a run finishes after at least one step"
     if steps != last_step:
         return (f"RunFinished(steps={steps}) contradicts the log: its last StepFinished is of "
                 f"step {last_step}")
     return None
+
+
+def validation_only_refusal(run_id: str, last_step: int, forked_at: int | None) -> str | None:
+    """Why ``trainer.val_only`` may not run on run ``run_id`` whose log's last StepFinished
+    is of ``last_step`` (``forked_at``: the step its RunForked names, None without one), or
+    None. A validation-only run finishes once its answer is in; on a run with steps it
+    trained itself that would end its training. A fresh run validates the initial model; a
+    fork with no step after its fork point validates the parent's model after that step."""
+    if last_step in (0, forked_at):
+        return None
+    return (f"trainer.val_only=True: run {run_id} has trained {last_step} steps and validating "
+            f"it here would finish it; validate a fork instead: rlbus fork --run {run_id} "
+            f"--at {last_step} --new-run NEW trainer.val_only=True")
+

@@ -384,12 +384,14 @@ class TicketsClaimed(_Base, frozen=True):
 
 
 class RunFinished(_Base, frozen=True):
-    """Last event of a run."""
+    """Last event of a run. ``validation_only``: the run trained nothing, it validated the
+    weights it started from (``trainer.val_only``); ``steps`` are those it started from."""
 
     run_id: str
     steps: int
     status: str = "ok"
     ts: float = msgspec.field(default_factory=_now)
+    validation_only: bool = False
 
 
 class RunForked(_Base, frozen=True):

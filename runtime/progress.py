@@ -50,7 +50,7 @@ async def _read_log(bus: Bus, keys: RunKeys, cursors: dict[str, str],
 
 def _believed(msg: RunFinished, last: StepFinished | None) -> bool:
     """A RunFinished ends the lines only when it names the last finished step seen."""
-    return last is None or run_finished_refusal(msg.steps, last.step) is None
+    return last is None or run_finished_refusal(msg, last.step) is None
 
 
 def step_line(event: StepFinished, total: int) -> str:

@@ -26,6 +26,7 @@ from runschema.messages import (
     CheckpointSaved,
     Message,
     RunFinished,
+    RunForked,
     RunStarted,
     StepFinished,
     TicketsClosed,
@@ -210,9 +211,30 @@ def test_a_forged_checkpoint_of_the_step_in_progress_leaves_a_fallback() -> None
 
 
 def test_readers_believe_a_run_finished_only_when_it_says_the_last_step() -> None:
-    assert run_finished_refusal(24, 24) is None
-    assert run_finished_refusal(10**9, 24) is not None
-    assert run_finished_refusal(0, 0) is not None
+    assert run_finished_refusal(RunFinished(run_id="r", steps=24), 24) is None
+    assert run_finished_refusal(RunFinished(run_id="r", steps=10**9), 24) is not None
+    assert run_finished_refusal(RunFinished(run_id="r", steps=0), 0) is not None
+    # A validation-only run (trainer.val_only) finishes with the steps it started from.
+    only = RunFinished(run_id="r", steps=0, validation_only=True)
+    assert run_finished_refusal(only, 0) is None
+    assert run_finished_refusal(only, 3) is not None
+
+
+def test_the_trainer_folds_a_validation_only_end_and_a_forks_start() -> None:
+    started = RunStarted(run_id="r", config={})
+    only = RunFinished(run_id="r", steps=0, validation_only=True)
+    state, refused = _fold([started, only])
+    assert state.finished and state.last_step == 0 and not refused
+    state, refused = _fold([started, RunFinished(run_id="r", steps=0)])
+    assert not state.finished and refused
+    forked = RunForked(run_id="f", parent="r", step=2, parent_position="1-0",
+                       checkpoint="ckpt/step-000002.pt")
+    trained = _run(2)[:-1]  # without its RunFinished
+    state, _ = _fold([*trained, forked])
+    assert (state.last_step, state.forked_at) == (2, 2)
+    state, refused = _fold([*trained, forked, RunFinished(run_id="f", steps=2,
+                                                          validation_only=True)])
+    assert state.finished and not refused
     status = RunStatus()
     for msg in [*_run(24)[:-1], RunFinished(run_id="r", steps=10**9)]:
         status.fold(msg)

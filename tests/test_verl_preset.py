@@ -387,7 +387,6 @@ def test_verls_rollout_correction_is_honoured_as_token_weights_or_refused() -> N
     "actor_rollout_ref.rollout.multi_turn.enable=True",
     "actor_rollout_ref.model.lora_rank=32",
     "data.custom_cls.path=my_dataset.py",
-    "trainer.val_only=True",
 ])
 def test_a_key_that_changes_what_the_job_is_is_refused(line: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -100,16 +100,15 @@ class Trainer(TrainerProcess):
         # and serves it first, so the before-training one (verl's val_before_train) is of
         # the initial model on every engine, not of whatever update a replica holds later.
         await self._act(self.core.published(first - 1))
+        if self.cfg.trainer.val_only:
+            return await self._validate_only()
         await self._act(self.core.issue())
         await learner.optimizer_ready()  # the rollouters generate step `first` meanwhile
         total = self.cfg.trainer.total_training_steps
         for step in range(first, total + 1):
             await self._step(step)
         await self._settle()
-        if self.profiler is not None:
-            self.waiting = "closing the profiler (its last traces)"
-            await self.publish(*(await self.profiler.close()))
-            self.profiler = None
+        await self._close_profiler()
         self.waiting = "writing the last checkpoint's Hugging Face directory"
         if (warning := await self.checkpoints.exported()) is not None:  # before RunFinished
             await self.publish(warning)
@@ -121,6 +120,25 @@ class Trainer(TrainerProcess):
         await self.publish(RunFinished(run_id=self.run_id, steps=self.writer.state.last_step))
         self.say(f"run {self.run_id} finished ({total} steps)")
         return 0
+
+    async def _validate_only(self) -> int:
+        """verl's ``trainer.val_only``: the weights just published are validated (their
+        request went out with them: trainer.validation), no ticket is issued and nothing
+        trains; the run finishes once the answer is in the log."""
+        await self._settle()
+        await self._close_profiler()
+        state = self.writer.state
+        await self.publish(RunFinished(run_id=self.run_id, steps=state.last_step,
+                                       validation_only=True))
+        self.say(f"run {self.run_id} finished: weights v{self.learner.version} (after step "
+                 f"{state.last_step}) validated, nothing trained (trainer.val_only)")
+        return 0
+
+    async def _close_profiler(self) -> None:
+        if self.profiler is not None:
+            self.waiting = "closing the profiler (its last traces)"
+            await self.publish(*(await self.profiler.close()))
+            self.profiler = None
 
     async def _step(self, step: int) -> None:
         """Train step ``step``, publish what it made, finish it (trainer.core, steps 1-4)."""

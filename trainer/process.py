@@ -25,6 +25,7 @@ from profiling import create_agent, prepare_main_thread
 from profiling.driver import StepProfiler
 from runconfig import Config, config_to_dict
 from runconfig.paths import blob_root, record_dir
+from runschema.facts import validation_only_refusal
 from runschema.messages import (
     Event,
     Heartbeat,
@@ -33,7 +34,7 @@ from runschema.messages import (
     TrainerResumed,
     WarningRaised,
 )
-from runtime import Component
+from runtime import Component, Failure
 from tasks import build_prompt_source
 from trainer.checkpoints import Checkpoints
 from trainer.dispatch import ROLLOUTER_GROUP
@@ -201,7 +202,10 @@ class TrainerProcess(Component):
         # The next checkpoint trims samples below the ones its fallback (the log's newest
         # checkpoint) re-applies after: what this incarnation's first trim may drop.
         self.checkpoints.fallback = list(state.entries_of(state.checkpoint()[0]))
-        if state.finished and state.last_step >= total:
+        if self.cfg.trainer.val_only and (why := validation_only_refusal(
+                self.run_id, state.last_step, state.forked_at)) is not None:
+            raise ValidationOnlyRefused(why)
+        if state.finished and (state.last_step >= total or self.cfg.trainer.val_only):
             self.say(f"run {self.run_id} already finished at step {state.last_step}")
             return 0
         self.meter.loop_cpu_at = time.thread_time()
@@ -305,3 +309,12 @@ class TrainerProcess(Component):
                 f"changed since it was trained; trainer.resume_weights_mismatch=warn goes on)")
         await self._warn(WarningRaised(source="trainer", code="resume_weights_mismatch",
                                        message=what))
+
+
+
+class ValidationOnlyRefused(Failure):
+    """``trainer.val_only`` on a run that has trained steps of its own
+    (runschema.facts.validation_only_refusal): exit 2, nothing written."""
+
+    code = 2
+    publish = False

@@ -8,7 +8,8 @@ whoever wrote them, the trainer never would have. A StepFinished must be step ``
 (an earlier one is a copy of a write, passed over) training answers of open tickets
 (trainer.ledger); a CheckpointSaved must be of the step being finished (the trainer saves
 before it writes that step's StepFinished) and named ``step-K.pt`` for its step ``K``; a
-RunFinished must say the last finished step; a TicketsClosed may close only open tickets.
+RunFinished must say the last finished step (at least one, unless the run only validated:
+``trainer.val_only``); a TicketsClosed may close only open tickets.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from runschema.messages import (
     FileDigest,
     Message,
     RunFinished,
+    RunForked,
     RunStarted,
     StepFinished,
     WeightsPublished,
@@ -76,6 +78,8 @@ class TrainerState(msgspec.Struct, frozen=True):
     verifies the files before it loads one: trainer.integrity)."""
     counts: dict[str, float] = {}
     """The run's running counts in its last StepFinished (:data:`RUNNING_COUNTS`)."""
+    forked_at: int | None = None
+    """The step the run was forked at (``RunForked``: rlbus fork), None when it was not."""
 
     def checkpoint(self) -> tuple[int, str | None]:
         """The newest checkpoint of a *finished* step: ``(step, path)``, or ``(0, None)``.
@@ -172,8 +176,8 @@ def refusal(state: TrainerState, msg: Message) -> str | None:
                         f"({state.last_step + 1})")
             if PurePath(path).name != checkpoint_name(step):
                 return f"CheckpointSaved({step}) names {path!r}, not a {checkpoint_name(step)}"
-        case RunFinished(steps=steps):
-            if steps < 1 or steps != state.last_step:
+        case RunFinished(steps=steps, validation_only=validation_only):
+            if (steps < 1 and not validation_only) or steps != state.last_step:
                 return (f"RunFinished(steps={steps}) does not match the last finished step "
                         f"({state.last_step})")
         case _:
@@ -226,6 +230,8 @@ def _apply(state: TrainerState, msg: Message) -> TrainerState:
                                     checkpoint_files=digests))
         case RunFinished():
             return replace(state, finished=True)
+        case RunForked(step=step):
+            return replace(state, forked_at=step)
     return state
 
 

@@ -4,13 +4,15 @@ verl's rule (its fully-async trainer), in parameter versions (one per weight syn
 ``async_training.trigger_parameter_sync_step`` updates), never in updates: with
 ``data.val_files`` set, ``trainer.val_before_train`` validates version 0 (the initial
 weights), and ``trainer.test_freq > 0`` validates every version that is a multiple of it and
-the run's last version. A request is a ``ValidationRequested(request_id="val-v{v}")`` entry
-in the prompts stream, written through the trainer's fenced writer right after the weights it
-names were published: one rollouter serves it between its batches and publishes
-``ValidationFinished`` to the events log. Training never waits for it; only the end of the
-run does (trainer.app, before RunFinished), so the last version's figures are in the log when
-the run finishes; that wait is judged as a step's is (a stall said naming the requests, a
-failure past ``heartbeat.stall_timeout_s``: trainer.core).
+the run's last version; ``trainer.val_only`` validates the one version the run publishes
+(its initial weights, or a fork's) and trains nothing. A request is a
+``ValidationRequested(request_id="val-v{v}")`` entry in the prompts stream, written through
+the trainer's fenced writer right after the weights it names were published: one rollouter
+serves it between its batches and publishes ``ValidationFinished`` to the events log.
+Training never waits for it; only the end of the run does (trainer.app, before RunFinished),
+so the last version's figures are in the log when the run finishes; that wait is judged as a
+step's is (a stall said naming the requests, a failure past ``heartbeat.stall_timeout_s``:
+trainer.core).
 
 A version is validated once in a run, whatever the trainer's restarts: a resumed trainer
 starts from every answer already in the log (:meth:`Validations.start`) and never asks again
@@ -54,6 +56,8 @@ def validation_due(version: int, cfg: Config, last: bool) -> bool:
     module docstring); ``last``: no later version will be published in this run."""
     if not cfg.data.val_files:
         return False
+    if cfg.trainer.val_only:  # the one version it publishes is what the run is for
+        return True
     if version == 0:
         return cfg.trainer.val_before_train or (cfg.trainer.test_freq > 0 and last)
     freq = cfg.trainer.test_freq
