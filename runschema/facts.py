@@ -8,7 +8,10 @@ more (trainer.state).
 
 from __future__ import annotations
 
-from runschema.messages import RunFinished
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the launcher imports this module: no msgspec structs (numpy) at its start
+    from runschema.messages import RunFinished
 
 __all__ = ["run_finished_refusal", "validation_only_refusal"]
 
