@@ -104,7 +104,7 @@ def _step_stats(events: list[dict], skip: int) -> dict[str, float]:
         # NaN where no rollouter pulse had been read yet.
         "rollouter_idle": statistics.mean(
             v for e in steps if (v := e["metrics"]["rollouter/idle_ratio"]) == v),
-        "reward": steps[-1]["metrics"]["reward/mean"],
+        "reward": steps[-1]["metrics"]["critic/score/mean"],
         "staleness": statistics.mean(e["metrics"]["staleness/mean"] for e in steps),
     }
 

@@ -181,14 +181,15 @@ WEIGHTS_BLOB_BYTES = 4096
 """Bytes of each synthetic weights blob (a real one is the model; KEEP_WEIGHTS are kept)."""
 
 # The keys of the trainer's StepFinished metrics (trainer.update.grpo_update, the window's
-# stale share, trainer.metrics.step_gauges): the real event's size.
+# stale share, trainer.metrics.step_gauges and verl_step_metrics): the real event's size.
 METRIC_KEYS = (
-    "reward/mean", "reward/max", "staleness/mean", "staleness/max", "staleness/stale_share",
-    "actor/loss", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm", "actor/approx_kl",
-    "response/length_mean", "staleness/window_stale_share", "trainer/idle_ratio",
-    "trainer/update_s", "rollouter/idle_ratio", "samples/queue_depth",
-    "throughput/samples_per_s", "tickets/issued", "tickets/outstanding", "tickets/budget",
-    "tickets/reissued", "samples/refused", "rollout/failures", "staleness/discarded_groups",
+    "critic/score/mean", "critic/score/max", "staleness/mean", "staleness/max",
+    "staleness/stale_share", "actor/loss", "actor/pg_clipfrac", "actor/entropy",
+    "actor/grad_norm", "actor/approx_kl", "response_length/mean",
+    "staleness/window_stale_share", "trainer/idle_ratio", "trainer/update_s",
+    "rollouter/idle_ratio", "samples/queue_depth", "throughput/samples_per_s",
+    "tickets/issued", "tickets/outstanding", "tickets/budget", "tickets/reissued",
+    "samples/refused", "rollout/failures", "staleness/discarded_groups",
 )
 
 

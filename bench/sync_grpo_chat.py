@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                               version=step - 1, device=torch.device("cpu"))
         if step % args.val_every == 0 or step == 1:
             v = validate(policy, tok, val, fn, rc.max_new_tokens, eos)
-            print(f"step {step} reward {metrics.get('reward/mean', 0):.3f} val {v:.3f} "
+            print(f"step {step} reward {metrics['critic/score/mean']:.3f} val {v:.3f} "
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)
             if v >= args.target:
                 print(f"reached {args.target} at step {step}", flush=True)

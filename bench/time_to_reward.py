@@ -5,7 +5,7 @@ hyper-parameters (the defaults of runconfig/defaults.yaml, passed to bench/sync_
 
 - rlbus: `rlbus up` (embedded Redis; rollouter and trainer as separate processes, async
   mode from the defaults), timed from launching the command until the progress line of the
-  first step whose reward/mean >= target;
+  first step whose reward (critic/score/mean) >= target;
 - in-process: `bench/sync_grpo.py` (generate -> reward -> update in one process), run with
   1 and with 2 torch threads, the faster counting; timed from launching it until it prints
   that it reached the target.

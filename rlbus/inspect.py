@@ -24,6 +24,7 @@ import msgspec
 from bus import Bus, RunKeys
 from runconfig import Config
 from runconfig.paths import events_dir
+from runschema.facts import STEP_REWARD, step_reward
 from runschema.messages import (
     Heartbeat,
     Message,
@@ -71,7 +72,7 @@ def summary_line(entry_id: str, msg: Message, t0: float | None = None) -> str:
     if isinstance(msg, StepFinished):
         m = msg.metrics
         text = (f"step={msg.step} samples={len(msg.sample_ids)} "
-                f"reward={m.get('reward/mean', float('nan')):.3f} "
+                f"reward={step_reward(m):.3f} "
                 f"staleness={m.get('staleness/mean', 0.0):.2f} {msg.duration_s:.2f}s"
                 f"{_ranks(m)}")
     elif isinstance(msg, ValidationFinished):
@@ -169,9 +170,12 @@ def _plot(run_id: str, events: list[tuple[str, Message]], path: str, target: flo
     steps = [m for _, m in events if isinstance(m, StepFinished)]
     profiled = sorted({(m.first_step, m.last_step) for _, m in events
                        if isinstance(m, ProfileStopped) and m.status == "ok"})
-    keys = ["reward/mean", "staleness/mean", "trainer/idle_ratio", "throughput/samples_per_s"]
-    curves = {key: ([s.step for s in steps], [s.metrics.get(key, float("nan")) for s in steps])
-              for key in keys}
+    xs = [s.step for s in steps]
+    # The reward first: the target line is drawn on the first axes.
+    curves = {STEP_REWARD: (xs, [step_reward(s.metrics) for s in steps])}
+    curves.update({key: (xs, [s.metrics.get(key, float("nan")) for s in steps])
+                   for key in ("staleness/mean", "trainer/idle_ratio",
+                               "throughput/samples_per_s")})
     curves.update(validation_curves([m for _, m in events]))
     stacks = step_stacks(steps)
     fig, axes = plt.subplots(len(curves) + len(stacks), 1,

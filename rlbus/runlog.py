@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,12 +71,13 @@ class RunStatus(msgspec.Struct):
     first_step: int | None = None
     """The oldest StepFinished the stream still holds (older ones are archived)."""
     target_step: int | None = None
-    """The first step of those whose reward/mean reached :data:`REWARD_TARGET`."""
+    """The first step of those whose reward (runschema.facts.step_reward) reached
+    :data:`REWARD_TARGET`."""
 
     def fold(self, msg: Message) -> None:
         """Take one event of the log, in log order. A RunFinished is believed only when it
         says the last finished step (runschema.facts.run_finished_refusal)."""
-        from runschema.facts import run_finished_refusal
+        from runschema.facts import run_finished_refusal, step_reward
         from runschema.messages import (
             ProfileStopped,
             RunFinished,
@@ -95,8 +95,7 @@ class RunStatus(msgspec.Struct):
                 self.last_step = max(self.last_step, msg.step)
                 self.first_step = msg.step if self.first_step is None else min(
                     self.first_step, msg.step)
-                reward = msg.metrics.get("reward/mean", math.nan)
-                if self.target_step is None and reward >= REWARD_TARGET:
+                if self.target_step is None and step_reward(msg.metrics) >= REWARD_TARGET:
                     self.target_step = msg.step
             case RunFinished():
                 why = run_finished_refusal(msg, self.last_step)

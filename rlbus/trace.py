@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from runschema.facts import STEP_REWARD, step_reward
 from runschema.messages import (
     CheckpointSaved,
     ComponentFailed,
@@ -164,9 +165,9 @@ def _step_finished(log: _Log, msg: StepFinished) -> None:
     b.span(TRAINER_PID, STEPS_TID, f"step {msg.step}", start, msg.ts,
            {"step": msg.step, "param_version": msg.param_version,
             "samples": len(msg.sample_ids), **metrics}, cat="step")
-    reward = _clean(msg.metrics.get("reward/mean", float("nan")))
+    reward = _clean(step_reward(msg.metrics))
     if reward is not None:
-        b.counter(TRAINER_PID, "reward/mean", msg.ts, {"reward/mean": reward})
+        b.counter(TRAINER_PID, STEP_REWARD, msg.ts, {STEP_REWARD: reward})
     b.counter(TRAINER_PID, "staleness/mean", msg.ts,
               {"staleness/mean": msg.metrics.get("staleness/mean", 0.0)})
 

@@ -118,11 +118,13 @@ class Summary(msgspec.Struct):
             last_step, target_step, first_step)
 
     def add(self, ev: StepFinished, started: float, target: float = 0.9) -> None:
-        r = ev.metrics.get("reward/mean")
+        from runschema.facts import step_reward
+
+        r = step_reward(ev.metrics)
         self.steps += 1
         self.samples += len(ev.sample_ids)
         self.step_s += ev.duration_s
-        if r is None or r != r:  # NaN
+        if r != r:  # NaN: the step has no reward
             return
         self.first_reward = r if self.first_reward is None else self.first_reward
         self.last_reward = r
@@ -188,10 +190,12 @@ class Progress:
 
             self.console.out(step_line(ev, self.total))
             return
+        from runschema.facts import step_reward
+
         m = ev.metrics
         self.bar.update(max(0, ev.step - self.bar.n))
         self.bar.set_postfix_str(
-            f"reward {m.get('reward/mean', float('nan')):.3f} staleness "
+            f"reward {step_reward(m):.3f} staleness "
             f"{m.get('staleness/mean', 0.0):.2f} {m.get('throughput/samples_per_s', 0.0):.0f}/s"
         )
 

@@ -3,17 +3,24 @@
 A reader refuses a fact that contradicts the log it has read, whoever wrote it: the run's
 Redis ACLs keep other writers off the trainer's facts, and readers never fold them when they
 get in anyway. These are the rules shared by several readers; the trainer's own fold has
-more (trainer.state).
+more (trainer.state). :func:`step_reward` reads a step's reward in logs of every build,
+before and after the trainer kept only verl's name for it.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the launcher imports this module: no msgspec structs (numpy) at its start
     from runschema.messages import RunFinished
 
-__all__ = ["run_finished_refusal", "validation_only_refusal"]
+__all__ = ["STEP_REWARD", "run_finished_refusal", "step_reward", "validation_only_refusal"]
+
+STEP_REWARD = "critic/score/mean"
+"""The StepFinished metric that is the step's mean reward: verl's name, over every sample
+the step trained (verl leaves empty responses out; the trainer refuses them)."""
 
 
 def run_finished_refusal(finished: RunFinished, last_step: int) -> str | None:
@@ -42,3 +49,10 @@ def validation_only_refusal(run_id: str, last_step: int, forked_at: int | None) 
             f"it here would finish it; validate a fork instead: rlbus fork --run {run_id} "
             f"--at {last_step} --new-run NEW trainer.val_only=True")
 
+
+def step_reward(metrics: Mapping[str, float]) -> float:
+    """The step's mean reward in a StepFinished's ``metrics``: :data:`STEP_REWARD`, else
+    ``reward/mean``, the same figure under the trainer's own name in logs written before it
+    kept only verl's; NaN in a step with neither."""
+    reward = metrics.get(STEP_REWARD, metrics.get("reward/mean"))
+    return math.nan if reward is None else reward

@@ -21,7 +21,7 @@ import msgspec
 
 from bus import Bus, BusError, RetryPolicy, RunKeys, log_order
 from runschema.authority import refusal
-from runschema.facts import run_finished_refusal
+from runschema.facts import run_finished_refusal, step_reward
 from runschema.messages import Message, RunFinished, StepFinished, ValidationFinished
 
 __all__ = [
@@ -58,7 +58,7 @@ def step_line(event: StepFinished, total: int) -> str:
     ``  2 ranks`` when several trainer ranks trained it."""
     m = event.metrics
     return (
-        f"step {event.step:>4}/{total}  reward {m.get('reward/mean', float('nan')):.3f}  "
+        f"step {event.step:>4}/{total}  reward {step_reward(m):.3f}  "
         f"staleness {m.get('staleness/mean', 0.0):.2f} (max {m.get('staleness/max', 0.0):.0f})  "
         f"{m.get('throughput/samples_per_s', 0.0):6.1f} samples/s  {event.duration_s:5.2f}s"
         + (f"  {ranks} ranks" if (ranks := int(m.get("trainer/ranks", 1))) > 1 else "")

@@ -56,7 +56,7 @@ def test_every_trained_sample_is_in_the_record_after_the_run(finished_run: Path)
                                                        key=lambda i: tuple(map(int, i.split("-"))))
         assert sorted(r["sample_id"] for r in mine) == sorted(event["sample_ids"])
         assert sum(r["score"] for r in mine) / len(mine) == pytest.approx(
-            event["metrics"]["reward/mean"], abs=1e-9)
+            event["metrics"]["critic/score/mean"], abs=1e-9)
     # verl's dump of the same samples: {step}.jsonl with its keys
     dumped = [json.loads(line) for line in (out / "dump" / "7.jsonl").read_text().splitlines()]
     assert len(dumped) == len(finished[7]["sample_ids"])

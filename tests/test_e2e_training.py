@@ -31,7 +31,7 @@ from trainer.budget import max_staleness, ticket_budget
 from trainer.timing import PHASES
 
 REQUIRED_METRICS = (
-    "reward/mean",
+    "critic/score/mean",
     "staleness/mean",
     "staleness/max",
     "actor/pg_clipfrac",
@@ -305,7 +305,7 @@ async def test_rlbus_up_and_inspect_json(tmp_path: Path) -> None:
     assert "RunStarted" in types and types.index("RunStarted") < types.index("RunFinished")
     steps = [r for r in rows if r["type"] == "StepFinished"]
     assert [r["step"] for r in steps] == [1, 2, 3]
-    assert all(len(r["sample_ids"]) == 16 and "reward/mean" in r["metrics"] for r in steps)
+    assert all(len(r["sample_ids"]) == 16 and "critic/score/mean" in r["metrics"] for r in steps)
     png = tmp_path / "metrics.png"
     res = run_cli("inspect", "--run", "demo-e2e", "--plot", str(png), f"run.output_dir={out}")
     assert res.returncode == 0, res.stderr

@@ -202,7 +202,7 @@ async def test_a_run_exports_each_checkpoint_and_retention_deletes_them(
         assert [k for k in VERL_STEP_METRICS if k not in m] == [], e.step
         assert m["training/global_step"] == e.step
         assert m["perf/total_num_tokens"] > 0 and m["perf/throughput"] > 0
-        assert m["critic/score/mean"] == pytest.approx(m["reward/mean"])
+        assert not {"reward/mean", "reward/max", "response/length_mean"} & m.keys()
         assert m["critic/returns/mean"] == m["critic/advantages/mean"]
         assert m["fully_async/count/current_param_version"] == e.param_version
 

@@ -21,7 +21,7 @@ from runtime.progress import ProgressSpec, follow_progress, step_line
 
 def _step(k: int) -> StepFinished:
     return StepFinished(step=k, sample_ids=[f"t{k}/0"], duration_s=0.1,
-                        metrics={"reward/mean": k / 10, "staleness/mean": 0.5})
+                        metrics={"critic/score/mean": k / 10, "staleness/mean": 0.5})
 
 
 def _points(cfg_dir: Path) -> list[int]:
@@ -29,7 +29,7 @@ def _points(cfg_dir: Path) -> list[int]:
 
     acc = EventAccumulator(str(cfg_dir))
     acc.Reload()
-    return [e.step for e in acc.Scalars("reward/mean")]
+    return [e.step for e in acc.Scalars("critic/score/mean")]
 
 
 @pytest.mark.asyncio

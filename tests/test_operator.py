@@ -68,8 +68,8 @@ def test_metrics_logger_tensorboard_files_read_back(finished: FinishedRun) -> No
 
     acc = EventAccumulator(str(finished.out / RUN / "tensorboard"))
     acc.Reload()
-    assert "reward/mean" in acc.Tags()["scalars"]
-    assert [e.step for e in acc.Scalars("reward/mean")] == list(range(1, STEPS + 1))
+    assert "critic/score/mean" in acc.Tags()["scalars"]
+    assert [e.step for e in acc.Scalars("critic/score/mean")] == list(range(1, STEPS + 1))
     assert [e.step for e in acc.Scalars("timing/step_s")] == list(range(1, STEPS + 1))
 
 
@@ -143,7 +143,7 @@ def test_inspect_trace_has_a_track_per_component(finished: FinishedRun, tmp_path
     assert {"trainer", "rollouter0", "profiler service", f"run {RUN}"} <= names, names
     steps = [e for e in events if e["ph"] == "X" and e.get("cat") == "step"]
     assert [e["name"] for e in steps] == [f"step {k}" for k in range(1, STEPS + 1)]
-    assert all("reward/mean" in e["args"] for e in steps)
+    assert all("critic/score/mean" in e["args"] for e in steps)
     gen = [e for e in events if e.get("cat") == "generation"]
     assert gen and all(e["pid"] >= 10 for e in gen)
     profiles = [e for e in events if e.get("cat") == "profile"]

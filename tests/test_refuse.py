@@ -389,7 +389,7 @@ def test_a_restarted_trainer_takes_the_run_counts_from_the_logs_last_step() -> N
 
     log = _run(3)
     counted = msgspec.structs.replace(log[3], metrics={
-        "fully_async/count/stale_samples_processed": 3.0, "reward/mean": 0.5})
+        "fully_async/count/stale_samples_processed": 3.0, "critic/score/mean": 0.5})
     state, refused = _fold([*log[:3], counted, *log[4:]])
     assert refused == [] and state.last_step == 3
     assert state.counts == {"fully_async/count/stale_samples_processed": 3.0}

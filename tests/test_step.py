@@ -1,4 +1,5 @@
-"""A training step fed mini-batch by mini-batch computes what the batch update computes."""
+"""A training step fed mini-batch by mini-batch computes what the batch update computes; the
+step's reward is reported under verl's names only."""
 
 from __future__ import annotations
 
@@ -64,6 +65,20 @@ def test_streamed_step_equals_the_batch_update(epochs: int) -> None:
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+
+
+def test_the_steps_reward_is_reported_under_verls_names_only() -> None:
+    """The step's reward is verl's ``critic/score/mean|max``; the update no longer repeats
+    it, or verl's ``response_length/mean``, as ``reward/mean``, ``reward/max`` and
+    ``response/length_mean``."""
+    tc = TrainerConfig(ppo_mini_batch_size=2)
+    groups = _groups(2, 4, 0, seed=1)
+    rewards = [s.reward for g in groups for s in g]
+    policy, opt = _setup(tc)
+    m = grpo_update(policy, opt, groups, tc, temperature=1.0, version=0, device="cpu")
+    assert m["critic/score/mean"] == pytest.approx(sum(rewards) / len(rewards))
+    assert m["critic/score/max"] == max(rewards)
+    assert not {"reward/mean", "reward/max", "response/length_mean"} & m.keys()
 
 
 def test_a_stale_mini_batch_after_an_optimizer_step_is_refused() -> None:

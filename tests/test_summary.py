@@ -7,13 +7,15 @@ step 40). What the earlier sessions reached is folded from the log's stream
 
 from __future__ import annotations
 
+import math
+
 from rlbus.runlog import RunStatus
 from rlbus.watching import Summary
 from runschema.messages import RunStarted, StepFinished
 
 
 def _step(step: int, reward: float) -> StepFinished:
-    return StepFinished(step=step, sample_ids=["t/0"], metrics={"reward/mean": reward},
+    return StepFinished(step=step, sample_ids=["t/0"], metrics={"critic/score/mean": reward},
                         duration_s=0.5)
 
 
@@ -58,3 +60,26 @@ def test_a_target_reached_in_this_session_is_timed_from_its_start() -> None:
     fresh.add(_step(1, 0.95), started=0.0)
     assert "resumed" not in fresh.line("r", 10, 1.0)
     assert "into this session" not in fresh.line("r", 10, 1.0)
+
+
+def test_a_log_written_before_the_trainer_kept_only_verls_name_still_says_its_reward() -> None:
+    """Steps of an older build hold the reward only as ``reward/mean``: the summary, the
+    progress line and inspect's line read it there (runschema.facts.step_reward)."""
+    from rlbus.inspect import summary_line
+    from runschema.facts import step_reward
+    from runtime.progress import step_line
+
+    def old(step: int, reward: float) -> StepFinished:
+        return StepFinished(step=step, sample_ids=["t/0"], metrics={"reward/mean": reward},
+                            duration_s=0.5)
+
+    status = _status(old(1, 0.5), old(2, 0.93))
+    assert status.target_step == 2
+    summary = Summary()
+    summary.add(old(1, 0.95), started=0.0)
+    assert summary.last_reward == 0.95 and summary.target_step == 1
+    assert "reward 0.950" in step_line(old(1, 0.95), 10)
+    assert "reward=0.950" in summary_line("1700000000000-0", old(1, 0.95))
+    # Both names (builds before the rename wrote both, equal): verl's is read. Neither: NaN.
+    assert step_reward({"critic/score/mean": 0.25, "reward/mean": 0.75}) == 0.25
+    assert math.isnan(step_reward({}))

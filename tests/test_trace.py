@@ -61,7 +61,7 @@ LOG: list[Message] = [
     TicketsIssued(ticket_ids=["t0"], n=1, param_version=0, ts=T0 + 1.1),  # not drawn
     StepStarted(step=1, param_version=0, ts=T0 + 2),
     ProfileStarted(session_id="s1-1", role="trainer", rank=0, step=1, tool="torch", ts=T0 + 2),
-    StepFinished(step=1, sample_ids=["a"], metrics={"reward/mean": 0.5, "x": math.nan},
+    StepFinished(step=1, sample_ids=["a"], metrics={"critic/score/mean": 0.5, "x": math.nan},
                  duration_s=1.0, param_version=0, ts=T0 + 3),
     _stop("trainer", 0, T0 + 3),
     _stop("rollouter", 1, T0 + 3.5, path=""),  # no ProfileStarted: duration_s back from ts
@@ -109,12 +109,13 @@ def test_steps_are_spans_from_their_start_or_their_duration() -> None:
     (step1,) = _named(trace, "step 1")
     assert (step1["ph"], step1["pid"], step1["tid"]) == ("X", 1, 1)
     assert (step1["ts"], step1["dur"]) == (52e6, 1e6)
-    assert step1["args"]["reward/mean"] == 0.5 and step1["args"]["x"] is None
+    assert step1["args"]["critic/score/mean"] == 0.5 and step1["args"]["x"] is None
     assert step1["args"]["samples"] == 1
     (step2,) = _named(trace, "step 2")
     assert (step2["ts"], step2["dur"]) == (53.75e6, 0.25e6)
-    rewards = [e for e in trace["traceEvents"] if e["ph"] == "C" and e["name"] == "reward/mean"]
-    assert [e["args"]["reward/mean"] for e in rewards] == [0.5]  # step 2 has none
+    rewards = [e for e in trace["traceEvents"]
+               if e["ph"] == "C" and e["name"] == "critic/score/mean"]
+    assert [e["args"]["critic/score/mean"] for e in rewards] == [0.5]  # step 2 has none
     staleness = [e for e in trace["traceEvents"] if e["name"] == "staleness/mean"]
     assert len(staleness) == 2
 

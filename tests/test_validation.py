@@ -387,7 +387,7 @@ async def test_the_logger_writes_validation_metrics_at_the_requested_step(
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cfg = load_config(None, [f"run.id={run_id}", f"run.output_dir={tmp_path}"])
-    steps = [StepFinished(step=k, sample_ids=[], duration_s=0.1, metrics={"reward/mean": k})
+    steps = [StepFinished(step=k, sample_ids=[], duration_s=0.1, metrics={"critic/score/mean": k})
              for k in (1, 2, 3)]
     keys = RunKeys(run_id)
     for msg in [RunStarted(run_id=run_id, config={}), _finished(0, 0, 0.1), *steps[:2],
@@ -402,7 +402,7 @@ async def test_the_logger_writes_validation_metrics_at_the_requested_step(
     acc.Reload()
     points = [(e.step, round(e.value, 3)) for e in acc.Scalars("val-core/a/reward/mean@1")]
     assert points == [(0, 0.1), (1, 0.4), (3, 0.9)]
-    assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2, 3]
+    assert [e.step for e in acc.Scalars("critic/score/mean")] == [1, 2, 3]
 
 
 # --------------------------------------------------------------------------- a whole run

@@ -597,8 +597,6 @@ class GrpoStep:
         lengths = [len(s.response_tokens) for s in flat_all]
         st, tc = self._reduced(), self.tc
         return {
-            "reward/mean": _mean(rewards),
-            "reward/max": float(max(rewards)) if rewards else 0.0,
             "staleness/mean": _mean(staleness),
             "staleness/max": float(max(staleness)) if staleness else 0.0,
             "staleness/stale_share": _mean([float(x > 0) for x in staleness]),
@@ -616,7 +614,6 @@ class GrpoStep:
             **({"actor/kl_loss": _mean(st["kll"]), "actor/kl_coef": tc.kl_loss_coef}
                if self.reference is not None else {}),
             "actor/lr": lr,
-            "response/length_mean": _mean(lengths),
             **critic_metrics(rewards, self.advantages, lengths),
             **self._rejection_metrics(),
             **_probs_diff_metrics(self._gaps()),

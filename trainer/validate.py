@@ -70,7 +70,7 @@ def _prompt_problem(s: Sample, digest: str) -> str | None:
 def reward_problem(reward: float, bounds: tuple[float, float] | None) -> str | None:
     """A reward that is not finite, or outside ``bounds`` (``reward.bounds``): a finite
     but absurd reward (1e300) would swamp every advantage of its group and the step's
-    ``reward/*`` metrics as surely as a NaN would poison them."""
+    ``critic/score/*`` metrics as surely as a NaN would poison them."""
     if not math.isfinite(reward):
         return f"reward {reward} is not finite (reward check)"
     if bounds is not None and not bounds[0] <= reward <= bounds[1]:
