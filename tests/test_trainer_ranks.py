@@ -9,6 +9,7 @@ gradient is added in a different order than one rank's backward over all rows.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import os
@@ -321,6 +322,64 @@ def test_a_second_node_joins_with_rlbus_trainer_and_node_rank(tmp_path: Path) ->
     assert f"node 1: ranks 1..1 joining 127.0.0.1:{port}" in out, out
 
 
+def _two_nodes(tmp_path: Path) -> tuple[subprocess.Popen[str], Up, list[str]]:
+    """Two "nodes" on one machine, training: node 1's `rlbus trainer trainer.node_rank=1`
+    and `rlbus up` (rank 0), once step 3 is done."""
+    port = str(free_port())
+    nodes = ["trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.master_addr=127.0.0.1",
+             f"trainer.master_port={port}"]
+    node1 = subprocess.Popen([sys.executable, "-m", "rlbus", "trainer", "trainer.node_rank=1",
+                              *nodes], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    up = Up([sys.executable, "-m", "rlbus", "up", f"run.output_dir={tmp_path / 'out'}",
+             "run.id=nodes", *FAST, "trainer.logger=[console]", "heartbeat.timeout_s=600",
+             "trainer.total_training_steps=500", *nodes], tmp_path)
+    line = up.wait_line(lambda s: "trainer (pid " in s)
+    up.wait_line(lambda s: s.startswith("step ") and int(s.split()[1].split("/")[0]) >= 3)
+    return node1, up, [line.split("trainer (pid ")[1].split(")")[0]]
+
+
+@pytest.mark.procs
+def test_a_rank_of_another_node_that_dies_is_one_line_and_a_failure_in_the_log(
+        tmp_path: Path) -> None:
+    node1, up, _ = _two_nodes(tmp_path)
+    try:
+        (rank1,) = _rank_pids(node1.pid)
+        os.kill(rank1, signal.SIGKILL)
+        rc, text = up.finish()
+    finally:
+        up.kill()
+        os.killpg(node1.pid, signal.SIGKILL)
+        node1.communicate()
+    assert rc == 1, text
+    log = (tmp_path / "out" / "nodes" / "logs" / "trainer.log").read_text()
+    assert "[rank0]" not in log and "Traceback" not in log, log[-3000:]
+    said = [s for s in log.splitlines() if "a trainer rank on another node is gone" in s]
+    assert len(said) == 1, log[-3000:]
+    assert "this node's rank 0 is alive" in said[0], said[0]
+    inspect = run_cli("inspect", "--run", "nodes", "--json", f"run.output_dir={tmp_path / 'out'}")
+    failed = [json.loads(s) for s in inspect.stdout.splitlines() if "ComponentFailed" in s]
+    assert [f["role"] for f in failed] == ["trainer"], inspect.stdout[-3000:]
+    assert "a trainer rank on another node is gone" in failed[0]["error"], failed
+
+
+@pytest.mark.procs
+def test_a_rank_whose_rank_0_dies_says_so_in_one_line(tmp_path: Path) -> None:
+    node1, up, (trainer_pid,) = _two_nodes(tmp_path)
+    try:
+        os.kill(int(trainer_pid), signal.SIGKILL)
+        out, _ = node1.communicate(timeout=120)
+    finally:
+        up.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node1.pid, signal.SIGKILL)
+        node1.communicate()
+    assert node1.returncode == 1, out
+    lines = out.strip().splitlines()
+    assert len(lines) == 2 and lines[1].startswith("trainer rank 1: error: "), out
+    assert "Traceback" not in out and "[rank1]" not in out, out
+
+
 def _lone_follower(timeout_s: float, pings: int, every_s: float) -> int:
     """Rank 0 played by this test: a follower rank (``python -m trainer.rank``) gets the
     config, then ``pings`` keepalives ``every_s`` apart, then silence until it gives up
@@ -361,6 +420,26 @@ def test_a_rank_waits_as_long_as_rank_0_says_it_lives_and_gives_up_when_it_stops
     # loaded machine): 6 s. Then 6 pings 1.5 s apart: 9 s of idle rank 0, 1.5 timeouts.
     assert _lone_follower(6.0, pings=6, every_s=1.5) == 0
     assert _lone_follower(6.0, pings=0, every_s=0.0) == 1  # silence: it gives up
+
+
+def test_a_collective_that_lost_a_peer_is_told_from_rank_0_s_own_errors() -> None:
+    from runtime.component import Failure
+    from trainer.ranks import ChannelBroke, backend_line, collective_failure
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                        "closed by peer [127.0.0.1]:44449. This is typically caused by a remote "
+                        "worker crashing. Check the logs of the remote worker. GLHF!\nmore")
+    assert collective_failure(gloo) == ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc"
+                                        ":553] Connection closed by peer [127.0.0.1]:44449.")
+    nccl = torch.distributed.DistBackendError("NCCL communicator was aborted on rank 0")
+    assert collective_failure(nccl) == "NCCL communicator was aborted on rank 0"
+    broke = ChannelBroke("the trainer ranks' op channel broke: Connection reset by peer")
+    assert collective_failure(broke) == str(broke)
+    # Rank 0's own faults are its own, even when their words look alike.
+    assert collective_failure(RuntimeError("probability tensor contains inf")) is None
+    assert collective_failure(Failure("timed out waiting for samples: gloo")) is None
+    assert collective_failure(ValueError("connection reset by peer")) is None
+    assert backend_line("") == ""
 
 
 def test_a_rank_seen_exiting_after_rank_0_s_error_is_still_named() -> None:

@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from profiling import create_agent, prepare_main_thread
     from runconfig import Config
     from trainer.learner import Learner, make_optimizer
-    from trainer.ranks import RankFailed, RankGroup, RankSpec
+    from trainer.ranks import RankFailed, RankGroup, RankSpec, collective_failure
 
     device = resolve_device(args.device)
     if device.type == "cuda":
@@ -69,6 +69,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except RankFailed as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as exc:
+        # A collective that failed mid-operation: rank 0 or another rank went away (rank 0
+        # names the run's failure); one line, not the backend's traceback.
+        lost = collective_failure(exc)
+        if lost is None:
+            raise
+        print(f"{prog}: error: a collective with the other trainer ranks failed, rank 0 or "
+              f"another rank is gone or unreachable ({type(exc).__name__}: {lost})",
+              file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         return 130

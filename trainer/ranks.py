@@ -38,10 +38,13 @@ from runconfig import TrainerConfig
 from runtime.component import Failure
 
 __all__ = [
+    "ChannelBroke",
     "LocalRanks",
     "RankFailed",
     "RankGroup",
     "RankSpec",
+    "backend_line",
+    "collective_failure",
     "rank_device",
     "rank_zero_group",
     "spawn_ranks",
@@ -57,6 +60,42 @@ own (a killed rank's sockets reset before its exit can be reaped: trainer.ranks.
 class RankFailed(Failure):
     """A trainer rank died or stopped answering (its collective failed): one line naming
     it, a ComponentFailed, exit 1; the run resumes from the log as after a trainer kill."""
+
+
+class ChannelBroke(RankFailed):
+    """The op channel's broadcast failed: on rank 0 another rank is gone, on another rank
+    rank 0 is (:func:`collective_failure` takes it as a lost peer)."""
+
+
+# What a backend's error says when a peer rank went away mid-collective: gloo raises plain
+# RuntimeErrors ("Connection closed by peer", "Read error ... Connection reset by peer"), NCCL
+# DistBackendErrors; a timeout names the operation it waited for.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "gloo", "nccl", "timed out waiting", "socket timeout")
+
+
+def backend_line(text: str) -> str:
+    """A backend's error in one line: its first, without gloo's advice after it ("This is
+    typically caused by ... GLHF!")."""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return first.split(" This is typically caused by")[0][:300]
+
+
+def collective_failure(exc: BaseException) -> str | None:
+    """The first line of ``exc`` when it is a collective of the trainer ranks that failed
+    (torch.distributed's errors, or a backend's RuntimeError naming a lost peer), else
+    None: a failure of rank 0's own code is not blamed on the other ranks."""
+    if isinstance(exc, ChannelBroke):
+        return str(exc)
+    if isinstance(exc, Failure):  # a failure the trainer named already
+        return None
+    text = str(exc).strip()
+    first = backend_line(text) if text else type(exc).__name__
+    if isinstance(exc, dist.DistError):
+        return first
+    if isinstance(exc, RuntimeError) and any(m in text.lower() for m in _PEER_GONE):
+        return first
+    return None
 
 
 def world_size(tc: TrainerConfig) -> int:
@@ -151,7 +190,8 @@ class RankGroup:
         try:
             dist.broadcast_object_list(box, src=0, device=self._comm_device())
         except (RuntimeError, ValueError) as exc:
-            raise RankFailed(f"the trainer ranks' op channel broke: {exc}") from exc
+            raise ChannelBroke(f"the trainer ranks' op channel broke: "
+                               f"{backend_line(str(exc))}") from exc
 
     def _comm_device(self) -> torch.device | None:
         return self.device if self.device.type == "cuda" else None
@@ -282,9 +322,11 @@ class LocalRanks:
         self.procs = spawn_ranks(range(1, tc.n_gpus_per_node), tc.n_gpus_per_node,
                                  spec.world, spec.addr, spec.port, device=tc.device,
                                  timeout_s=tc.dist_timeout_s)
-        pids = ", ".join(str(p.pid) for p in self.procs) or "none"
-        lines = [f"{spec.world} trainer ranks ({tc.strategy}); ranks 1.."
-                 f"{tc.n_gpus_per_node - 1} here (pids {pids})"]
+        pids = ", ".join(str(p.pid) for p in self.procs)
+        here = (f"ranks 0..{tc.n_gpus_per_node - 1} here (1.. pids {pids})" if self.procs
+                else "rank 0 here")
+        lines = [f"{spec.world} trainer ranks ({tc.strategy}); {here}"
+                 + ("" if tc.nnodes == 1 else f", the others on {tc.nnodes - 1} other node(s)")]
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         if self.group.device.type == "cpu" and tc.n_gpus_per_node * tc.threads > cpus:
             lines.append(f"{tc.n_gpus_per_node} CPU ranks of {tc.threads} thread(s) share "
@@ -323,11 +365,19 @@ class LocalRanks:
         if dead is None and self.procs:
             await asyncio.to_thread(self._wait_any_exit, settle_s)
             dead = self.dead()
-        if dead is None:
+        if dead is not None:
+            return RankFailed(f"{dead} ({type(exc).__name__}: {backend_line(str(exc))})")
+        spec = self.group.spec
+        lost = collective_failure(exc)
+        if spec is None or spec.world == 1 or lost is None:
             return None
-        text = str(exc).strip()
-        first = text.splitlines()[0][:300] if text else ""
-        return RankFailed(f"{dead} ({type(exc).__name__}: {first})")
+        # None of this node's ranks died: a rank of another node did, or its node is gone or
+        # unreachable; that node's `rlbus trainer` says which rank and why.
+        alive = f"ranks 0..{len(self.procs)} are" if self.procs else "rank 0 is"
+        return RankFailed(
+            f"a trainer rank on another node is gone or unreachable: rank 0's collective with "
+            f"the {spec.world} ranks failed ({type(exc).__name__}: {lost}); this node's "
+            f"{alive} alive; see the other nodes' `rlbus trainer trainer.node_rank=N` logs")
 
     def keep_alive(self, submit: Callable[[Callable[[], None]], asyncio.Future[None]],
                    ping: Callable[[], None], busy: bool) -> None:
