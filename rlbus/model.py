@@ -19,6 +19,7 @@ from pathlib import Path
 from runconfig import Config
 from runconfig.paths import checkpoint_dir
 from trainer.export import hf_dir
+from trainer.integrity import verify_folder
 from trainer.mirror import CheckpointMirror, checkpoint_mirror
 
 __all__ = ["ModelNotFound", "exported_steps", "fetch_model"]
@@ -81,9 +82,26 @@ def fetch_model(cfg: Config, run_id: str, step: int | None, out: Path) -> tuple[
         raise FileExistsError(f"{out} exists and is not an empty folder")
     if found[step] == "local":
         shutil.copytree(hf_dir(folder, step), out, dirs_exist_ok=True)
-        return step, str(hf_dir(folder, step))
-    assert mirror is not None  # a step found in the storage
-    if not mirror.download_hf(step, out):
-        raise ModelNotFound(f"the Hugging Face directory of step {step} left "
-                            f"{mirror.hf_where(step)} while it was read (retention)")
-    return step, mirror.hf_where(step)
+        source = str(hf_dir(folder, step))
+    else:
+        assert mirror is not None  # a step found in the storage
+        if not mirror.download_hf(step, out):
+            raise ModelNotFound(f"the Hugging Face directory of step {step} left "
+                                f"{mirror.hf_where(step)} while it was read (retention)")
+        source = mirror.hf_where(step)
+    _verified(out, step, source, found)
+    return step, source
+
+
+def _verified(out: Path, step: int, source: str, found: dict[int, str]) -> None:
+    """The copy at ``out`` is every file as the trainer wrote it (its digests), or it is
+    removed and :class:`ModelNotFound` names the file and the other exported steps."""
+    why = verify_folder(out)
+    if why is None:
+        return
+    shutil.rmtree(out, ignore_errors=True)
+    others = sorted(s for s in found if s != step)
+    rest = (f"; other exported steps: {', '.join(map(str, others))} (--step K)" if others
+            else "")
+    raise ModelNotFound(f"the Hugging Face directory of step {step} at {source} is not as the "
+                        f"trainer wrote it: {why.replace(str(out), source)}{rest}")

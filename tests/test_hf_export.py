@@ -85,6 +85,12 @@ def test_the_exported_directory_loads_with_the_trained_weights(qwen: Path, tmp_p
     assert {"config.json", "model.safetensors", "generation_config.json",
             "tokenizer.json", "tokenizer_config.json"} <= names, names
     assert not [n for n in names if n.startswith(".")]
+    # Every file named with its digest, which a copy is verified against (rlbus model).
+    from trainer.integrity import HF_DIGESTS, verify_folder
+
+    digests = json.loads((target / HF_DIGESTS).read_text())
+    assert set(digests) == names - {HF_DIGESTS}, digests
+    assert verify_folder(target) is None
     exported = _weights(target)
     original = _weights(qwen)
     assert exported.keys() == trained.keys()

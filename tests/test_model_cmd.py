@@ -49,6 +49,34 @@ def test_the_newest_local_export_or_the_asked_step_is_copied(tmp_path: Path) -> 
         fetch_model(cfg, RUN, 2, tmp_path / "m4")  # never over another model
 
 
+def test_a_copy_is_verified_against_the_digests_the_export_wrote(tmp_path: Path) -> None:
+    from trainer.integrity import HF_DIGESTS, write_folder_digests
+
+    cfg = load_config(None, [f"run.output_dir={tmp_path / 'out'}"])
+    folder = tmp_path / "out" / RUN / "checkpoints"
+    for step in (2, 4):
+        write_folder_digests(_export(folder, step))
+    assert (hf_dir(folder, 4) / HF_DIGESTS).is_file()
+    assert fetch_model(cfg, RUN, None, tmp_path / "good")[0] == 4
+    weights = hf_dir(folder, 4) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[50] ^= 0xFF  # one flipped byte, same size
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ModelNotFound) as err:
+        fetch_model(cfg, RUN, None, tmp_path / "bad")
+    assert str(err.value) == (
+        f"the Hugging Face directory of step 4 at {hf_dir(folder, 4)} is not as the trainer "
+        f"wrote it: {weights} does not hash to the sha256 recorded when it was written "
+        "(corrupt); other exported steps: 2 (--step K)")
+    assert not (tmp_path / "bad").exists()  # no copy of a corrupt model is left
+    (hf_dir(folder, 2) / "config.json").unlink()
+    with pytest.raises(ModelNotFound, match=r"config.json is missing"):
+        fetch_model(cfg, RUN, 2, tmp_path / "bad")
+    # Exported before digests were written: copied as it is.
+    (hf_dir(folder, 4) / HF_DIGESTS).unlink()
+    assert fetch_model(cfg, RUN, 4, tmp_path / "old")[0] == 4
+
+
 def test_an_export_only_in_the_storage_is_fetched_whole_only(tmp_path: Path) -> None:
     """Another node wrote it: this node's folder is empty. An upload without its marker (cut
     short) does not count."""

@@ -5,7 +5,8 @@ Layout, as verl's: the weights of checkpoint ``step-K.pt`` also go to
 :func:`runconfig.paths.checkpoint_dir`): the model's ``save_pretrained`` (config.json and
 safetensors), the tokenizer files and ``generation_config.json`` of ``model.path``, so that
 ``AutoModelForCausalLM.from_pretrained`` and vLLM load it as they load the model it started
-from.
+from; beside them ``rlbus_digests.json`` names every file with its size and sha256
+(trainer.integrity), which ``rlbus model`` verifies the copy it makes against.
 
 Off the trainer's critical path: the weights are copied to CPU on the worker thread (the
 only blocking part, a device-to-host copy), then written by a thread of this exporter's own
@@ -40,6 +41,7 @@ import torch
 
 from runschema.messages import WarningRaised
 from storage.files import fsync_path
+from trainer.integrity import write_folder_digests
 
 if TYPE_CHECKING:  # trainer.mirror imports this module's layout
     from trainer.mirror import CheckpointMirror
@@ -140,6 +142,7 @@ def write_hf_dir(policy: torch.nn.Module, state: dict[str, torch.Tensor], model_
         generation = Path(model_path) / "generation_config.json"
         if generation.is_file():  # the model's own, as verl copies it (every EOS id)
             shutil.copyfile(generation, tmp / "generation_config.json")
+        write_folder_digests(tmp)  # what `rlbus model` verifies a copy against
         _fsync_tree(tmp)
         _replace_dir(tmp, target)
     except BaseException:

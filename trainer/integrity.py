@@ -29,10 +29,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import BinaryIO
 
+import msgspec
+
 from runconfig.paths import local_path
 from runschema.messages import FileDigest
 
-__all__ = ["HashingWriter", "bytes_digest", "file_digest", "folder_digests", "verify_files"]
+__all__ = ["HF_DIGESTS", "HashingWriter", "bytes_digest", "file_digest", "folder_digests",
+           "verify_files", "verify_folder", "write_folder_digests"]
 
 _CHUNK = 8 << 20
 
@@ -130,3 +133,35 @@ def verify_files(files: Mapping[str, FileDigest], where: Mapping[str, str]) -> s
         if why is not None:
             return why
     return None
+
+
+HF_DIGESTS = "rlbus_digests.json"
+"""The file in an exported Hugging Face directory (trainer.export) that names every other
+file of it with its size and sha256, written before the directory is renamed into place."""
+
+
+def write_folder_digests(root: Path) -> None:
+    """Write :data:`HF_DIGESTS` into ``root``: every file under it with its digest (read
+    back once: the exporter's thread, off the trainer's critical path)."""
+    digests = {p.relative_to(root).as_posix(): file_digest(p)
+               for p in sorted(root.rglob("*")) if p.is_file() and p.name != HF_DIGESTS}
+    (root / HF_DIGESTS).write_bytes(msgspec.json.encode(digests))
+
+
+def verify_folder(root: Path) -> str | None:
+    """Why the folder ``root`` (an exported Hugging Face directory, or a copy of it) is not
+    what its :data:`HF_DIGESTS` says was written (None: every file is; also None for a
+    directory exported before digests were written, which has no such file)."""
+    listing = root / HF_DIGESTS
+    if not listing.is_file():
+        return None
+    try:
+        digests = msgspec.json.decode(listing.read_bytes(), type=dict[str, FileDigest])
+    except msgspec.DecodeError as exc:
+        return f"{listing} is unreadable ({exc})"
+    for name, want in digests.items():
+        why = _fault(str(root / name), want)
+        if why is not None:
+            return why
+    return None
+
