@@ -72,16 +72,23 @@ class WeightsLost(Failure):
 
 async def fetch_within(fetch: Callable[[], Awaitable[State]], msg: WeightsPublished,
                        location: str, timeout_s: float, source: str,
-                       warn: Warn) -> State:
+                       warn: Warn, tries: Callable[[], int] | None = None) -> State:
     """``fetch()``, tried again with backoff (0.5 s doubling to 5 s) while the storage is
     unreachable (:class:`TransportUnreachable`): the first failure is told at once
     (``weights_unreachable``), and one lasting ``timeout_s`` is :class:`WeightsUnreachable`.
-    Other errors (missing, corrupt) are the caller's."""
+    ``tries``: how many times the sender has tried to bring it so far (the trainer's
+    broadcast rounds this rollouter was invited to); the bound counts from the last try, so
+    a rollouter whose rounds fail for another member's fault (one killed mid-round holds
+    the round for gloo's timeout) never gives up while the trainer keeps trying. Other
+    errors (missing, corrupt) are the caller's."""
     start, delay, told = time.monotonic(), 0.5, False
+    tried = None if tries is None else tries()
     while True:
         try:
             return await fetch()
         except TransportUnreachable as exc:
+            if tries is not None and tries() != tried:
+                tried, start = tries(), time.monotonic()
             waited = time.monotonic() - start
             if not told:
                 told = True
@@ -113,7 +120,7 @@ async def fetch_published(msg: WeightsPublished, *, bus: Bus, keys: RunKeys,
     if ref.store == COLLECTIVE:
         taker = receiver()
         return await fetch_within(lambda: taker.take(ref), msg, taker.location(ref),
-                                  timeout_s, source, warn)
+                                  timeout_s, source, warn, tries=lambda: taker.rounds)
     if is_manifest_ref(ref):
         transport = open_transport(ref.store, bus=bus, run_keys=keys, root=root)
         return await fetch_within(lambda: transport.fetch(ref), msg, transport.location(ref),

@@ -459,3 +459,34 @@ async def test_weights_that_cannot_be_written_are_a_named_failure(
     snapshot.set_result({"a": torch.ones(3)})
     with pytest.raises(WeightsUnwritable, match="weights v0 could not be written to"):
         await w.publish(0, 0, snapshot)
+
+
+async def test_a_fetch_gives_up_only_when_nothing_tries_to_bring_the_weights() -> None:
+    """The fetch bound counts from the sender's last try: a receiver whose broadcast rounds
+    keep failing (another member killed mid-round) while the trainer keeps inviting it never
+    gives up; one that no round invites gives up after the bound."""
+    from rollouter.weights import WeightsUnreachable, fetch_within
+
+    msg = WeightsPublished(version=3, ref=BlobRef(store="collective", key="k", size=1,
+                                                  sha256=""))
+    warned: list[WarningRaised] = []
+
+    async def warn(w: WarningRaised) -> None:
+        warned.append(w)
+
+    def failing(rounds: list[int], good_after: int) -> Callable[[], Awaitable[dict]]:
+        async def fetch() -> dict:
+            rounds[0] += 1  # one round per try: the trainer invited us again
+            await asyncio.sleep(0.02)  # each try outlasts the bound below
+            if rounds[0] > good_after:
+                return {"w": 1}
+            raise TransportUnreachable("round failed: Connection closed by peer")
+        return fetch
+
+    rounds = [0]
+    got = await fetch_within(failing(rounds, 6), msg, "the broadcast", 0.01, "r0", warn,
+                             tries=lambda: rounds[0])
+    assert got == {"w": 1} and rounds[0] == 7 and len(warned) == 1
+    with pytest.raises(WeightsUnreachable, match="stayed unreadable"):
+        await fetch_within(failing([0], 6), msg, "the broadcast", 0.01, "r0", warn,
+                           tries=lambda: 0)

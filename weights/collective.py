@@ -27,7 +27,9 @@ a group of its own, formed for the publication it sends and the receivers that l
 
 A member that dies in a round fails that round for the others (at once when its connections
 close, after ``timeout_s``, gloo's timeout, when it hangs); they are invited again, and the
-dead one no longer is once its liveness key expires. A new trainer (a resume) starts with
+dead one no longer is once its liveness key expires. A receiver never gives up on a
+publication while rounds keep inviting it (:attr:`Receiver.rounds`, which the rollouter's
+fetch bound counts from): the trainer is alive and trying. A new trainer (a resume) starts with
 nobody served and publishes at start, so every receiver is served again. The round key is a
 plain SET, not a fenced write: a zombie trainer's round can only hand receivers a
 publication that no event names (its events are fenced), which nobody asks for, and delay
@@ -246,6 +248,8 @@ class Receiver(WeightsFetcher):
         self.held: tuple[str, dict[str, torch.Tensor]] | None = None
         self.receiving: str | None = None  # the key of the round in progress
         self.last_round = ""
+        self.rounds = 0
+        """Rounds this receiver was invited to: the trainer trying to serve it."""
         self.outcome = "no round yet"  # the last round's outcome, for errors
         self.host = "?"
         self.changed = asyncio.Condition()
@@ -280,6 +284,7 @@ class Receiver(WeightsFetcher):
             return None  # not ours to fix: the trainer writes the next one whole
 
     async def _take_part(self, plan: RoundPlan) -> None:
+        self.rounds += 1
         self.host = f"{plan.host}:{plan.port}"
         index = plan.members.index(self.me) + 1
         try:
