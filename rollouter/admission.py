@@ -57,6 +57,8 @@ class Admission:
         self._group_of: dict[str, str] = {}  # stream key -> ticket id
         self.superseded: list[Group] = []
         """Groups replaced by a newer attempt of their ticket, their entries to ack."""
+        self.cancelled: list[str] = []
+        """Stream keys of those groups' responses still running: to end in the engine."""
 
     @property
     def seqs(self) -> int:
@@ -68,10 +70,14 @@ class Admission:
         """Admit ``ticket``: its ``n`` responses, each with the key to stream it under (its
         attempt in it). A newer attempt of a ticket admitted already (reissued by the trainer
         and claimed by this same rollouter) replaces it: the older group is dropped, what the
-        engine still reports for it ignored, and it waits in :attr:`superseded` for its ack
-        (the trainer takes the first whole answer of any attempt)."""
+        engine still reports for it ignored, its responses still running listed in
+        :attr:`cancelled` (the loop ends them in the engine, freeing their slots and KV
+        blocks), and it waits in :attr:`superseded` for its ack (the trainer takes the first
+        whole answer of any attempt)."""
         older = self.groups.get(ticket.ticket_id)
         if older is not None and older.ticket.attempt < ticket.attempt:
+            self.cancelled += [stream_key(older.ticket, s.index) for s in older.seqs
+                               if not s.finished]
             self.superseded += self.drop([ticket.ticket_id])
         group = Group(delivery, ticket, prompt,
                       [Seq(ticket, i, prompt, [], []) for i in range(ticket.n)], now)

@@ -165,8 +165,9 @@ class ContinuousRollout:
         if not submissions and self.engine.in_flight == 0:
             return
         began = time.monotonic()
+        cancelled, self.book.cancelled = self.book.cancelled, []
         try:
-            failed, deltas = await self.ctx.off(self._slice, submissions)
+            failed, deltas = await self.ctx.off(self._slice, submissions, cancelled)
         except Failure:
             raise  # the engine is broken (EngineBroken): this rollouter's named end
         except Exception as exc:  # a failed rollout is an event, never "end of data"
@@ -180,10 +181,14 @@ class ContinuousRollout:
             groups = self.book.drop(failed)
             await self.ctx.tickets.retry_or_give_up([g.delivery for g in groups], failed)
 
-    def _slice(self, submissions: list[tuple[str, Seq]]) -> tuple[dict[str, str], list[Delta]]:
-        """On the worker thread: submit each response (a ticket whose prompt the engine
-        refuses fails alone), then up to :data:`SLICE_STEPS` engine steps."""
+    def _slice(self, submissions: list[tuple[str, Seq]], cancelled: list[str]
+               ) -> tuple[dict[str, str], list[Delta]]:
+        """On the worker thread: end the ``cancelled`` responses (superseded attempts:
+        Admission.open), submit each response (a ticket whose prompt the engine refuses
+        fails alone), then up to :data:`SLICE_STEPS` engine steps."""
         ctx, rc = self.ctx, self.ctx.cfg.rollout
+        if cancelled:
+            self.engine.cancel(cancelled)
         failed: dict[str, str] = {}
         for key, seq in submissions:
             tid = seq.ticket.ticket_id

@@ -135,6 +135,11 @@ class StreamingEngine(Engine, Protocol):
         tokens so far appended to its prompt."""
         ...
 
+    def cancel(self, keys: Sequence[str]) -> None:
+        """End the streamed requests ``keys`` now (those still running; a newer attempt of
+        their ticket replaced them): what they generated is dropped, never reported."""
+        ...
+
 
 def streams(engine: Engine | None) -> TypeGuard[StreamingEngine]:
     """Whether ``engine`` takes requests one by one (:class:`StreamingEngine`)."""

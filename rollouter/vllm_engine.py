@@ -387,6 +387,17 @@ class VllmEngine:
         self._streamed.clear()
         return self._take()
 
+    def cancel(self, keys: Sequence[str]) -> None:
+        """End the streamed requests ``keys`` that still run (vLLM frees their KV blocks at
+        once); what they generated and was not reported is dropped."""
+        running = [k for k in keys if k in self._streamed]
+        if running:
+            self._llm.llm_engine.abort_request(running)
+        for key in keys:
+            self._streamed.discard(key)
+            self._pending.pop(key, None)
+            self._ended.discard(key)
+
     def _take(self) -> list[Delta]:
         out = [Delta(key, toks, logps, key in self._ended)
                for key, (toks, logps) in self._pending.items()]

@@ -68,6 +68,7 @@ def test_a_newer_attempt_of_a_running_ticket_replaces_it() -> None:
     keyed = book.open("d1", newer, [1], now=2.0)
     assert [k for k, _ in keyed] == ["a#1/0", "a#1/1"] and book.seqs == 2
     assert [(g.delivery, g.ticket.attempt) for g in book.superseded] == [("d0", 0)]
+    assert book.cancelled == ["a#0/0", "a#0/1"]  # ended in the engine by the loop
     assert book.apply([_delta("a#0/0", [4], finished=True), _delta("a#0/1", [5], True)], 0,
                       3.0) == []
     (done,) = book.apply([_delta("a#1/0", [6], True), _delta("a#1/1", [7], True)], 0, 4.0)

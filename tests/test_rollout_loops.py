@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -279,6 +280,11 @@ class StreamingCountingEngine(CountingEngine):
         self.streamed.clear()
         return []
 
+    def cancel(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            if self.streamed.pop(key, None) is not None:
+                self.log.append(("cancelled", key, self.version))
+
 
 # --------------------------------------------------------------------------- the context
 
@@ -522,6 +528,26 @@ async def test_continuous_a_ticket_needing_newer_weights_waits_for_the_sync() ->
     b_in = [(i, v) for i, (what, key, v) in enumerate(log) if what == "submit"
             and key.startswith("b#")]
     assert a_ended < loaded < min(i for i, _ in b_in) and {v for _, v in b_in} == {1}
+
+
+async def test_continuous_a_reissued_attempt_ends_the_older_one_in_the_engine() -> None:
+    """The trainer reissued ``a`` (attempt 1) and this rollouter claimed it while attempt 0
+    runs: attempt 0's requests are ended in the engine (their slots and KV blocks freed, not
+    run to their end and ignored), attempt 1 answers the ticket, attempt 0's entry is acked."""
+    h = _harness("continuous", "rollout.max_new_tokens=400", "model.max_len=512")
+    older = h.source.add(_ticket("a"))
+    newer = h.source.add(msgspec.structs.replace(_ticket("a"), attempt=1),
+                         when=lambda: h.engine.steps >= 2)
+    h.end_when(lambda: h.source.answered(older, newer))
+    await h.run()
+
+    log = h.engine.log
+    cancelled = [key for what, key, _ in log if what == "cancelled"]
+    assert cancelled == ["a#0/0", "a#0/1"], log
+    assert not [key for what, key, _ in log if what == "ended" and key.startswith("a#0/")]
+    (samples,) = [msgs for _, msgs, acked in h.source.answers if msgs]
+    assert {s.attempt for s in samples if isinstance(s, Sample)} == {1}
+    assert sorted(h.source.acked) == sorted([older, newer])
 
 
 @pytest.mark.parametrize("kind", LOOPS)

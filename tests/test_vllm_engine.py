@@ -264,6 +264,23 @@ def test_streamed_requests_join_a_running_engine(engine: VllmEngine, hf: HFPolic
 
 
 @pytest.mark.vllm
+def test_cancelled_requests_end_alone_and_report_nothing(engine: VllmEngine,
+                                                          hf: HFPolicy) -> None:
+    """A superseded attempt's requests are cancelled one by one: they leave the engine at
+    once and nothing more of them is reported; the others run to their end."""
+    engine.load_state(hf.weights(), 11)
+    for key, prompt in (("old/0", PROMPTS[0]), ("old/1", PROMPTS[1]), ("new/0", PROMPTS[2])):
+        engine.submit(key, prompt, 12, 1.0, [], generator=None, top_p=1.0, top_k=-1)
+    engine.advance(2)
+    engine.cancel(["old/0", "old/1", "gone/0"])  # a key not running is passed over
+    assert engine.in_flight == 1
+    rest = []
+    while engine.in_flight:
+        rest += engine.advance(4)
+    assert {d.key for d in rest} == {"new/0"} and rest[-1].finished
+
+
+@pytest.mark.vllm
 def test_aborted_requests_resume_from_their_tokens(engine: VllmEngine, hf: HFPolicy) -> None:
     """At a sync with partial rollout every streamed request is aborted and resubmitted
     with its tokens so far: the responses still run to eos or max_new_tokens, and every
