@@ -206,6 +206,11 @@ class TrainerResumed(_Base, frozen=True):
     ts: float = msgspec.field(default_factory=_now)
     events_read: int = 0
     """Log entries the resume folded (those after the checkpoint's snapshot position)."""
+    weights_gap: float | None = None
+    """When the trainer ranks changed since the run's last start (float sums in another
+    order, so no hash can match): how far the rebuilt model lies from the published weights
+    of ``param_version``, relative to how far the run moved since the checkpoint
+    (trainer.replay.TOLERANCE); None: not compared."""
 
 
 class FileDigest(msgspec.Struct, frozen=True):

@@ -182,3 +182,24 @@ def test_weights_with_a_nan_are_never_published() -> None:
     with pytest.raises(NonFiniteWeights, match=r"weights v4 hold 2 NaN or infinite values "
                                                r"in b\.bias"):
         check_finite(bad, 4)
+
+
+def test_a_changed_rank_count_is_judged_by_the_measured_gap_not_the_hash() -> None:
+    from trainer.replay import TOLERANCE
+    from trainer.resume import mismatch_verdict
+
+    what = "the resumed model does not hash to weights version 5"
+    # The same ranks: a mismatch, stopped or warned as the key says.
+    assert mismatch_verdict(what, None, None, "fail")[:2] == (True, "resume_weights_mismatch")
+    assert mismatch_verdict(what, None, None, "warn") == (False, "resume_weights_mismatch", what)
+    # Changed ranks: within the tolerance goes on, said with the figure.
+    stop, code, line = mismatch_verdict(what, (1, 2), TOLERANCE / 10, "fail")
+    assert (stop, code) == (False, "resume_weights_tolerance")
+    assert "changed from 1 to 2" in line and "0.5% of the run's move" in line
+    # Past it: a mismatch like any other.
+    stop, code, line = mismatch_verdict(what, (1, 2), 0.9, "fail")
+    assert stop and "90% of the run's move" in line and "past the 5% tolerance" in line
+    assert mismatch_verdict(what, (1, 2), 0.9, "warn")[0] is False
+    # Not measurable (the broadcast transport keeps no copy): said, never stopped.
+    stop, code, line = mismatch_verdict(what, (2, 1), None, "fail")
+    assert not stop and "not measured" in line

@@ -462,3 +462,33 @@ def test_a_rank_seen_exiting_after_rank_0_s_error_is_still_named() -> None:
     finally:
         ranks.procs[0].kill()
         ranks.procs[0].wait()
+
+
+@pytest.mark.procs
+def test_a_run_resumed_on_more_ranks_measures_its_replay_against_the_publication(
+        tmp_path: Path) -> None:
+    """A run of 1 rank (a checkpoint every 2 steps) killed after step 5, resumed with 2
+    ranks: the resume loads the newest checkpoint and re-applies the steps after it on 2
+    ranks, whose sums come in another order, so no hash can match; the model is measured
+    against the published weights of its version instead, lands within the tolerance, is
+    said so, and the run goes on to its end."""
+    out = tmp_path / "out"
+    args = [f"run.output_dir={out}", "run.id=grow", *FAST, "trainer.logger=[console]",
+            "trainer.save_freq=2", "run.retention=all", "trainer.total_training_steps=8"]
+    first = Up([sys.executable, "-m", "rlbus", "up", *args], tmp_path)
+    try:
+        first.wait_line(lambda s: s.startswith("step ") and int(s.split()[1].split("/")[0]) >= 5)
+    finally:
+        first.kill()
+    more = run_cli("up", *args, "trainer.n_gpus_per_node=2", timeout_s=600)
+    assert more.returncode == 0, more.stdout + more.stderr
+    events = [json.loads(s) for s in run_cli("inspect", "--run", "grow", "--json",
+                                              f"run.output_dir={out}").stdout.splitlines()]
+    (resumed,) = [e for e in events if e["type"] == "TrainerResumed"]
+    assert resumed["replayed_steps"] >= 1 and resumed["checkpoint_step"] % 2 == 0, resumed
+    assert resumed["weights_match"] is False and 0 <= resumed["weights_gap"] <= 0.05, resumed
+    said = [e["message"] for e in events if e["type"] == "WarningRaised"
+            and e["code"] == "resume_weights_tolerance"]
+    assert len(said) == 1 and "changed from 1 to 2" in said[0], said
+    finished = sorted({e["step"] for e in events if e["type"] == "StepFinished"})
+    assert finished == list(range(1, 9))

@@ -45,7 +45,7 @@ from trainer.metrics import StepMeter
 from trainer.rankprofile import RankedAgent
 from trainer.ranks import LocalRanks
 from trainer.record import Described, Recorder, TextDecoder
-from trainer.resume import WeightsMismatch, rebuild, refusal_warnings
+from trainer.resume import WeightsMismatch, mismatch_verdict, rebuild, refusal_warnings
 from trainer.runfiles import RunFiles
 from trainer.stepwork import StepWork
 from trainer.validation import Validations
@@ -285,30 +285,31 @@ class TrainerProcess(Component):
         resumed = await rebuild(self.bus, self.keys, self.writer.state, self.learner, self.off,
                                 self.cfg.async_training.trigger_parameter_sync_step,
                                 self.writer.entries_read, warn=self._warn,
-                                locate=self.files.locate)
+                                locate=self.files.locate,
+                                published_tensors=self.weights.published
+                                if self._ranks_changed() is not None else None)
         await self.publish(resumed)
         if resumed.weights_match is False:
             await self._mismatched(resumed)
         await self.weights.sweep()
 
-    async def _mismatched(self, resumed: TrainerResumed) -> None:
-        """The rebuilt model does not hash to the weights version it published: stop before
-        publishing anything (trainer.resume_weights_mismatch=fail), or say so and go on
-        (warn, or a rank count that changed: float sums in another order)."""
+    def _ranks_changed(self) -> tuple[int, int] | None:
+        """``(before, now)`` when the run's last start trained with another rank count."""
         tc = self.cfg.trainer
         before, now = self.writer.state.ranks, tc.nnodes * tc.n_gpus_per_node
+        return (before, now) if before and before != now else None
+
+    async def _mismatched(self, resumed: TrainerResumed) -> None:
+        """The rebuilt model does not hash to the weights version it published: stop before
+        publishing anything, or say so and go on (trainer.resume.mismatch_verdict)."""
         what = (f"the resumed model (checkpoint of step {resumed.checkpoint_step}, "
                 f"{resumed.replayed_steps} steps re-applied) does not hash to weights version "
                 f"{self.learner.version} that the trainer published before it stopped")
-        if before and before != now:
-            what += (f"; the trainer ranks changed from {before} to {now}, so the re-applied "
-                     f"steps summed floats in another order")
-        elif tc.resume_weights_mismatch == "fail":
-            raise WeightsMismatch(
-                f"{what}: stopping before anything is published (a checkpoint or a sample "
-                f"changed since it was trained; trainer.resume_weights_mismatch=warn goes on)")
-        await self._warn(WarningRaised(source="trainer", code="resume_weights_mismatch",
-                                       message=what))
+        fail, code, text = mismatch_verdict(what, self._ranks_changed(), resumed.weights_gap,
+                                            self.cfg.trainer.resume_weights_mismatch)
+        if fail:
+            raise WeightsMismatch(text)
+        await self._warn(WarningRaised(source="trainer", code=code, message=text))
 
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import pickle
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
@@ -21,7 +22,14 @@ import msgspec
 import torch
 
 from bus import Bus, RunKeys
-from runschema.messages import FileDigest, Sample, StepFinished, TrainerResumed, WarningRaised
+from runschema.messages import (
+    BlobRef,
+    FileDigest,
+    Sample,
+    StepFinished,
+    TrainerResumed,
+    WarningRaised,
+)
 from runtime import Failure
 from runtime.history import read_history
 from storage.archive import last_archived
@@ -425,6 +433,36 @@ async def _load_intact(state: TrainerState, learner: Learner, off: RunOff,
     return 0, None
 
 
+def mismatch_verdict(what: str, ranks_changed: tuple[int, int] | None, gap: float | None,
+                     mode: str) -> tuple[bool, str, str]:
+    """``(stop, warning code, line)`` for a resumed model that does not hash to the weights
+    it published (``what`` says which). With the same rank count it is a mismatch: it stops
+    (``mode`` = trainer.resume_weights_mismatch ``fail``) or is warned. With a rank count
+    that changed (float sums in another order) the ``gap`` measured (rebuild's
+    ``weights_gap``) decides: within trainer.replay.TOLERANCE it goes on with a
+    ``resume_weights_tolerance`` warning saying so, farther it is a mismatch, unmeasured (no
+    copy of the publication kept) it goes on with a warning saying that."""
+    from trainer.replay import TOLERANCE  # it imports this module
+
+    if ranks_changed is not None:
+        what += (f"; the trainer ranks changed from {ranks_changed[0]} to {ranks_changed[1]}, "
+                 f"so the re-applied steps summed floats in another order")
+        if gap is None:
+            return False, "resume_weights_mismatch", (
+                f"{what}: not measured (no copy of the publication is kept); going on")
+        if gap <= TOLERANCE:
+            return False, "resume_weights_tolerance", (
+                f"{what}: its distance from them is {100 * gap:.3g}% of the run's move since "
+                f"the checkpoint, within the {100 * TOLERANCE:g}% tolerance; going on")
+        what += (f", and its distance from them is {100 * gap:.3g}% of the run's move since "
+                 f"the checkpoint, past the {100 * TOLERANCE:g}% tolerance")
+    if mode == "fail":
+        return True, "resume_weights_mismatch", (
+            f"{what}: stopping before anything is published (a checkpoint or a sample changed "
+            f"since it was trained; trainer.resume_weights_mismatch=warn goes on)")
+    return False, "resume_weights_mismatch", what
+
+
 class WeightsMismatch(ResumeFailed):
     """A resume rebuilt a model that does not hash to the weights the trainer published
     for that version: it would publish weights its rollouters never had as the next
@@ -442,11 +480,15 @@ async def _published_digest(learner: Learner, off: RunOff, manifest: bool) -> st
     return hashlib.sha256(blob).hexdigest()
 
 
+Tensors = dict[str, torch.Tensor]
+
+
 async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner,
                   off: RunOff, trigger: int, events_read: int,
                   warn: Callable[[WarningRaised], Awaitable[Any]] | None = None,
                   locate: Callable[[str], str] | None = None,
-                  ) -> TrainerResumed:
+                  published_tensors: Callable[[BlobRef], Awaitable[Tensors | None]] | None
+                  = None) -> TrainerResumed:
     """Rebuild the model the trainer had: load the newest checkpoint of a finished step
     whose files verify (:func:`_load_intact`: a corrupt, truncated or missing newer one is
     told to ``warn``), re-apply the finished steps after it from the entries their
@@ -455,19 +497,27 @@ async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner
     ``version * trigger``: the model is hashed when it is at that step (after the load or
     the replayed step), not at the last step, which is mid-window with ``trigger`` > 1.
     ``off`` runs blocking work on the trainer's worker thread; ``locate``: the local file of
-    a checkpoint the log names (trainer.mirror; default: that path)."""
+    a checkpoint the log names (trainer.mirror; default: that path). ``published_tensors``
+    (given when the trainer ranks changed since the run's last start, so that the re-applied
+    steps sum floats in another order and no hash can match): the published weights read
+    back, against which the model re-applied to that version is measured
+    (``weights_gap``: trainer.replay.state_difference, relative to the move since the
+    checkpoint)."""
     await learner.optimizer_ready()
     where = (lambda path: path) if locate is None else locate
     ckpt_step, _ = await _load_intact(state, learner, off, where, warn)
+    start: Tensors | None = None  # the window's start, when the gap is measured
     # Derived from finished steps, not from the newest WeightsPublished: weights published
     # by a step that never finished are superseded when that step is trained again.
     version = state.last_step // trigger
     published = state.weights_of(version)
     at_step = version * trigger
     manifest = published is not None and is_manifest_ref(published)
-    digest = None
+    digest, gap = None, None
     if published is not None and ckpt_step == at_step:
         digest = await _published_digest(learner, off, manifest)
+    elif published is not None and published_tensors is not None and ckpt_step < at_step:
+        start = await off(learner.snapshot)
     replay = state.steps_after_checkpoint(ckpt_step)
     for rec in replay:
         groups = await replay_groups(bus, keys, rec)
@@ -475,9 +525,27 @@ async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner
         await off(learner.update, groups)
         if published is not None and rec.step == at_step:
             digest = await _published_digest(learner, off, manifest)
+            if start is not None and published_tensors is not None:
+                gap = await _gap(learner, off, start, published_tensors(published))
+                start = None
     learner.version = version
     # None: nothing to compare (never published, or published before the checkpoint).
     match = None if digest is None or published is None else digest == published.sha256
     return TrainerResumed(step=state.last_step, param_version=learner.version,
                           checkpoint_step=ckpt_step, replayed_steps=len(replay),
-                          weights_match=match, events_read=events_read)
+                          weights_match=match, events_read=events_read, weights_gap=gap)
+
+
+async def _gap(learner: Learner, off: RunOff, start: Tensors,
+               theirs: Awaitable[Tensors | None]) -> float | None:
+    """How far the learner's weights lie from the published ones (``theirs``, read back),
+    relative to the move from ``start``; None when no copy of them is kept."""
+    from trainer.replay import TOLERANCE, state_difference  # it imports this module
+
+    published = await theirs
+    if published is None:
+        return None
+    ours = await off(learner.snapshot)
+    d = await asyncio.to_thread(state_difference, ours, published, start)
+    # Within the bound yet not within: a weight missing or reshaped, never close.
+    return d.ratio if d.within or d.ratio > TOLERANCE else math.inf

@@ -102,6 +102,16 @@ class Weights:
         self.transport = transport
         self.broadcaster = broadcaster
 
+    async def published(self, ref: BlobRef) -> dict[str, torch.Tensor] | None:
+        """The tensors of one of this run's publications read back (a resume compares its
+        model with them), or None where no copy is kept: the broadcast transport's bytes
+        live only in the rollouters that received them, an older log's whole blob is not
+        read back."""
+        if not is_manifest_ref(ref) or ref.store == STORE:
+            return None
+        transport = open_transport(ref.store, bus=self.bus, run_keys=self.keys, root=self.root)
+        return await transport.fetch(ref)
+
     async def publish(self, version: int, step: int,
                       snapshot: asyncio.Future[dict[str, torch.Tensor]]) -> None:
         """Write the tensors ``snapshot`` resolves to, then announce them as weights
