@@ -96,6 +96,24 @@ def test_a_step_trains_only_the_tokens_kept() -> None:
     assert any(not torch.equal(a, b) for a, b in zip(loose, params, strict=True))
 
 
+def test_each_option_s_rejections_are_figured_beside_the_combined_ones() -> None:
+    """verl's ``rollout_rs_{option}_masked_fraction`` / ``_seq_masked_fraction`` per option,
+    beside the combined fractions: an option that keeps everything says 0, the one that
+    rejects says what it rejected, and the combined figure is the union of the two."""
+    groups = _groups(7, 4)
+    cfg = TrainerConfig(ppo_mini_batch_size=2, entropy_coeff=0.0, weight_decay=0.0,
+                        rollout_rs="seq_max_k3,seq_mean_k1", rollout_rs_threshold="1e30,0.3_3")
+    _, _, both = _run(cfg, groups)
+    _, _, alone = _run(_rs("0.3_3"), groups)
+    rc = "rollout_corr/rollout_rs"
+    assert both[f"{rc}_seq_max_k3_masked_fraction"] == 0.0
+    assert both[f"{rc}_seq_max_k3_seq_masked_fraction"] == 0.0
+    for figure in ("masked_fraction", "seq_masked_fraction"):
+        assert both[f"{rc}_seq_mean_k1_{figure}"] == alone[f"{rc}_{figure}"] > 0.0
+        assert both[f"{rc}_{figure}"] == alone[f"{rc}_{figure}"]
+        assert alone[f"{rc}_seq_mean_k1_{figure}"] == alone[f"{rc}_{figure}"]
+
+
 @pytest.mark.parametrize("split", [{"micro_batch_size": 2}, {"micro_batch_size": 1},
                                    {"use_dynamic_bsz": True, "max_token_len": 9}])
 def test_micro_batches_give_the_same_rejected_step(split: dict[str, object]) -> None:

@@ -217,16 +217,17 @@ SAFETY_BOUND = 20.0
 """verl's clamp of log pi_old - log pi_rollout before its estimators."""
 
 
-def rejection_mask(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
-                   rules: Sequence[RejectionRule]) -> torch.Tensor:
-    """verl's rejection sampling (``compute_rollout_rejection_mask``): ``mask`` [B, R] with
-    the tokens some rule rejects set to 0 (runconfig.rejection). ``logp_old`` is the
-    trainer's log-probs on the step's starting weights, ``logp_rollout`` the rollout's."""
+def rule_keeps(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
+               rules: Sequence[RejectionRule]) -> list[torch.Tensor]:
+    """verl's rejection sampling (``compute_rollout_rejection_mask``), rule by rule: for each
+    of ``rules`` the [B, R] bool mask of the response tokens of ``mask`` it keeps
+    (runconfig.rejection). ``logp_old`` is the trainer's log-probs on the step's starting
+    weights, ``logp_rollout`` the rollout's."""
     r = (logp_old.detach() - logp_rollout.detach()).float().clamp(-SAFETY_BOUND, SAFETY_BOUND)
     valid = mask.bool()
     m = valid.to(r.dtype)
     estimates = {"k1": -r, "k2": 0.5 * r * r, "k3": torch.exp(r) - 1.0 - r}
-    keep = valid.clone()
+    keeps: list[torch.Tensor] = []
     for rule in rules:
         v = estimates[rule.estimator]
         if rule.level == "token":
@@ -241,7 +242,16 @@ def rejection_mask(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: tor
         ok = x <= rule.upper
         if rule.lower is not None:
             ok = ok & (x >= rule.lower)
-        keep = keep & ok.expand_as(keep)
+        keeps.append(valid & ok.expand_as(valid))
+    return keeps
+
+
+def rejection_mask(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
+                   rules: Sequence[RejectionRule]) -> torch.Tensor:
+    """``mask`` [B, R] with the tokens some rule rejects set to 0 (:func:`rule_keeps`)."""
+    keep = mask.bool()
+    for rule_keep in rule_keeps(logp_old, logp_rollout, mask, rules):
+        keep = keep & rule_keep
     return keep.to(mask.dtype)
 
 

@@ -32,7 +32,7 @@ from trainer.grpo import (
     micro_batches,
     policy_loss,
     probs_diff,
-    rejection_mask,
+    rule_keeps,
 )
 from trainer.metrics import critic_metrics
 from trainer.ranks import RankGroup
@@ -253,9 +253,10 @@ class GrpoStep:
             raise ValueError("trainer.use_kl_loss needs a reference policy")
         self.scheduler = scheduler
         self.rules = rejection_rules(tc.rollout_rs, tc.rollout_rs_threshold)
-        self.rejected = [0.0, 0.0, 0.0]
+        self.rejected = [0.0] * (3 + 2 * len(self.rules))
         """Over the step, every rank: response tokens rejected, sequences with a token
-        rejected, sequences (verl's ``rollout_corr/rollout_rs_*masked_fraction``)."""
+        rejected, sequences, then each rule's own tokens and sequences rejected (verl's
+        ``rollout_corr/rollout_rs_*masked_fraction``, all and per option)."""
         self.groups: list[Sequence[Sample]] = []
         self.advantages: list[float] = []
         """Each sample's advantage, in the order of :attr:`groups` (verl's critic/*)."""
@@ -317,8 +318,12 @@ class GrpoStep:
                     temperature=self.temperature,
                 )
             self._rollout_gap(len(self.minibatches), old, batch)
-            keep = rejection_mask(old, batch.old_logprobs, batch.response_mask, self.rules)
-            tokens, live_tokens = self._kept(batch, keep, live)
+            keeps = rule_keeps(old, batch.old_logprobs, batch.response_mask, self.rules)
+            keep = batch.response_mask.bool()
+            for rule_keep in keeps:
+                keep = keep & rule_keep
+            keep = keep.to(batch.response_mask.dtype)
+            tokens, live_tokens = self._kept(batch, keep, live, keeps)
         elif use_tis and not self.minibatches:
             old = None  # the first mini-batch: its training forward gives them, for free
         elif use_tis:
@@ -340,18 +345,25 @@ class GrpoStep:
             tokens=tokens, live_tokens=live_tokens,
             n_micro=self.group.max_int(len(micro)), keep=keep, weighted=use_tis))
 
-    def _kept(self, batch: Batch, keep: torch.Tensor, live: torch.Tensor
-              ) -> tuple[float, float]:
+    def _kept(self, batch: Batch, keep: torch.Tensor, live: torch.Tensor,
+              keeps: Sequence[torch.Tensor]) -> tuple[float, float]:
         """The response tokens rejection sampling kept, and those of them in groups with
         unequal rewards, over every rank (the token-mean denominators, as verl's loss over
-        its modified response mask); counts what it rejected for the step's figures."""
+        its modified response mask); counts what it rejected for the step's figures, all
+        rules together and (``keeps``) each rule's own."""
         mask = batch.response_mask
         kept = mask * keep
         rows = mask.sum(dim=-1) > 0
+
+        def rejected(k: torch.Tensor) -> list[torch.Tensor]:
+            """Response tokens ``k`` drops, and rows where it drops one."""
+            dropped = mask * (1 - k.to(mask.dtype))
+            return [dropped.sum(), ((dropped.sum(dim=-1) > 0) & rows).sum()]
+
         counts = self.group.sum(torch.stack([
-            kept.sum(), (kept * live[:, None].to(kept.dtype)).sum(), (mask - kept).sum(),
-            ((kept.sum(dim=-1) < mask.sum(dim=-1)) & rows).sum(),
-            torch.tensor(float(len(rows)), device=mask.device)]).double().cpu()).tolist()
+            kept.sum(), (kept * live[:, None].to(kept.dtype)).sum(), *rejected(keep),
+            torch.tensor(float(len(rows)), device=mask.device),
+            *(c for k in keeps for c in rejected(k))]).double().cpu()).tolist()
         self.rejected = [a + b for a, b in zip(self.rejected, counts[2:], strict=True)]
         return counts[0], counts[1]
 
@@ -571,9 +583,16 @@ class GrpoStep:
         if not self.rules:
             return {}
         kept = sum(mb.tokens for mb in self.minibatches)
-        dropped, seqs_hit, seqs = self.rejected
-        return {"rollout_corr/rollout_rs_masked_fraction": dropped / max(dropped + kept, 1.0),
-                "rollout_corr/rollout_rs_seq_masked_fraction": seqs_hit / max(seqs, 1.0)}
+        dropped, seqs_hit, seqs, *each = self.rejected
+        tokens, seqs = max(dropped + kept, 1.0), max(seqs, 1.0)
+        out = {"rollout_corr/rollout_rs_masked_fraction": dropped / tokens,
+               "rollout_corr/rollout_rs_seq_masked_fraction": seqs_hit / seqs}
+        for rule, rule_tokens, rule_seqs in zip(self.rules, each[::2], each[1::2],
+                                                 strict=True):
+            name = f"rollout_corr/rollout_rs_{rule.option}"
+            out[f"{name}_masked_fraction"] = rule_tokens / tokens
+            out[f"{name}_seq_masked_fraction"] = rule_seqs / seqs
+        return out
 
     def train(self) -> None:
         """First epoch of every mini-batch added and not yet trained."""
