@@ -127,3 +127,39 @@ def test_micro_batches_give_the_same_rejected_step(split: dict[str, object]) -> 
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert m0["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(
         m1["rollout_corr/rollout_rs_masked_fraction"])
+
+
+def test_the_importance_weights_applied_are_figured_as_verl_figures_them() -> None:
+    """verl's token-level ``rollout_corr/rollout_is_*`` on weights worked by hand: tokens
+    [0.5, 1.0, 4.0] in one sequence and [1.0] in another, truncated at 2."""
+    from trainer.update import _is_weight_metrics
+
+    raw = torch.tensor([0.5, 1.0, 4.0, 1.0])
+    seq_raw = torch.tensor([5.5 / 3, 1.0])
+    seq_applied = torch.tensor([3.5 / 3, 1.0])
+    m = _is_weight_metrics(raw, seq_raw, seq_applied, cap=2.0)
+    p = "rollout_corr/rollout_is"
+    applied = [0.5, 1.0, 2.0, 1.0]
+    mean = sum(applied) / 4
+    assert m[f"{p}_mean"] == pytest.approx(mean)
+    assert (m[f"{p}_max"], m[f"{p}_min"]) == (2.0, 0.5)
+    assert m[f"{p}_ratio_fraction_high"] == 0.25  # 4.0 > 2
+    assert m[f"{p}_ratio_fraction_low"] == 0.0  # none < 1/2
+    assert m[f"{p}_std"] == pytest.approx((sum(a * a for a in applied) / 4 - mean ** 2) ** 0.5)
+    norm = [a / mean for a in applied]
+    assert m[f"{p}_eff_sample_size"] == pytest.approx(1 / (sum(x * x for x in norm) / 4),
+                                                      rel=1e-6)
+    assert m[f"{p}_seq_max_deviation"] == pytest.approx(3.5 / 3 - 1.0)
+    assert (m[f"{p}_seq_fraction_high"], m[f"{p}_seq_fraction_low"]) == (0.0, 0.0)
+    assert _is_weight_metrics(torch.zeros(0), torch.zeros(0), torch.zeros(0), 2.0) == {}
+
+
+def test_a_step_figures_the_weights_of_its_stale_samples_only() -> None:
+    cfg = TrainerConfig(ppo_mini_batch_size=2, entropy_coeff=0.0, weight_decay=0.0,
+                        tis_cap=2.0)
+    _, _, stale = _run(cfg, _groups(7, 4, stale=True))
+    assert 0.0 < stale["rollout_corr/rollout_is_mean"] <= 2.0
+    assert stale["rollout_corr/rollout_is_max"] <= 2.0
+    _, _, fresh = _run(cfg, _groups(7, 4))  # on-policy: no weight applied, none figured
+    assert not [k for k in fresh if k.startswith("rollout_corr/rollout_is")]
+

@@ -22,6 +22,7 @@ from runconfig.rejection import rejection_rules
 from runschema.messages import Sample
 from tasks.rewards import extra_metrics
 from trainer.grpo import (
+    SAFETY_BOUND,
     Batch,
     PolicyLoss,
     approx_kl,
@@ -63,6 +64,41 @@ def _probs_diff_metrics(diffs: Sequence[torch.Tensor]) -> dict[str, float]:
         "training/rollout_probs_diff_max": float(gaps.max()) if n else 0.0,
         "training/rollout_probs_diff_mean": float(gaps.mean()) if n else 0.0,
         "training/rollout_probs_diff_std": float(gaps.std()) if n > 1 else 0.0,
+    }
+
+
+def _is_weight_metrics(raw: torch.Tensor, seq_raw: torch.Tensor, seq_applied: torch.Tensor,
+                      cap: float) -> dict[str, float]:
+    """verl's token-level ``rollout_corr/rollout_is_*`` figures (its
+    ``compute_is_metrics``) of the truncated importance weights a step's loss applied:
+    ``raw`` every weighted response token's pi_prox / pi_rollout before truncation [N],
+    ``seq_raw`` / ``seq_applied`` each weighted sequence's mean raw and truncated weight
+    [S]; ``cap`` the truncation (trainer.tis_cap, verl's rollout_is_threshold; the lower
+    threshold is its reciprocal, as verl's default). Empty with no weighted token."""
+    if raw.numel() == 0:
+        return {}
+    raw, seq_raw, seq_applied = raw.double(), seq_raw.double(), seq_applied.double()
+    applied = raw.clamp(max=cap)
+    low = 1.0 / cap
+    mean = float(applied.mean())
+    var = float((applied.square().mean() - applied.mean().square()).clamp(min=0.0))
+    normalised = applied / (applied.mean() + 1e-8)
+    p = "rollout_corr/rollout_is"
+    return {
+        f"{p}_mean": mean,
+        f"{p}_ratio_fraction_high": float((raw > cap).double().mean()),
+        f"{p}_ratio_fraction_low": float((raw < low).double().mean()),
+        f"{p}_max": float(applied.max()),
+        f"{p}_min": float(applied.min()),
+        f"{p}_std": var ** 0.5 if raw.numel() > 1 else 0.0,
+        f"{p}_eff_sample_size": float(1.0 / normalised.square().mean()),
+        f"{p}_seq_mean": float(seq_applied.mean()),
+        f"{p}_seq_std": float(seq_applied.std()) if seq_applied.numel() > 1 else 0.0,
+        f"{p}_seq_max": float(seq_applied.max()),
+        f"{p}_seq_min": float(seq_applied.min()),
+        f"{p}_seq_max_deviation": float((seq_applied - 1.0).abs().max()),
+        f"{p}_seq_fraction_high": float((seq_raw > cap).double().mean()),
+        f"{p}_seq_fraction_low": float((seq_raw < low).double().mean()),
     }
 
 
@@ -576,6 +612,30 @@ class GrpoStep:
             return mine
         return [t for rank in self.group.gather(mine) for t in rank]
 
+    def _is_metrics(self) -> dict[str, float]:
+        """verl's ``rollout_corr/rollout_is_*`` over the tokens this step's loss weighted
+        by a truncated importance weight (decoupled PPO: stale samples, or every mini-batch
+        with rejection sampling), every rank's; none in a step that weighted none."""
+        cap = self.tc.tis_cap
+        if cap is None:
+            return {}
+        mine: list[torch.Tensor] = []
+        for mb in self.minibatches:
+            if not mb.weighted or mb.old is None:
+                continue
+            log_ratio = (mb.old - mb.batch.old_logprobs).float().clamp(-SAFETY_BOUND,
+                                                                       SAFETY_BOUND)
+            raw, m = torch.exp(log_ratio), mb.batch.response_mask.to(torch.float32)
+            rows = m.sum(dim=-1) > 0
+            count = m.sum(dim=-1).clamp(min=1.0)
+            mine += [raw[m.bool()].cpu(), ((raw * m).sum(dim=-1) / count)[rows].cpu(),
+                     ((raw.clamp(max=cap) * m).sum(dim=-1) / count)[rows].cpu()]
+        every = [t for rank in self.group.gather(mine) for t in rank]
+        if not every:
+            return {}
+        return _is_weight_metrics(torch.cat(every[0::3]), torch.cat(every[1::3]),
+                                  torch.cat(every[2::3]), cap)
+
     def _rejection_metrics(self) -> dict[str, float]:
         """verl's ``rollout_corr/rollout_rs_masked_fraction`` (response tokens rejected) and
         ``rollout_rs_seq_masked_fraction`` (sequences with a token rejected), over the step;
@@ -636,6 +696,7 @@ class GrpoStep:
             **critic_metrics(rewards, self.advantages, lengths),
             **self._rejection_metrics(),
             **_probs_diff_metrics(self._gaps()),
+            **self._is_metrics(),
             **(seqlen_metrics(*self.seqlen) if self.group.active and tc.balance_batch else {}),
             **extra_metrics(s.reward_extra for s in flat_all),
         }
