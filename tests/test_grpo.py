@@ -214,12 +214,20 @@ def test_build_batch_matches_the_row_by_row_layout(
         rng = np.random.default_rng(seed)
         samples.append((rng.integers(4, 20, p_len).tolist(), rng.integers(4, 20, r_len).tolist(),
                         (-rng.random(r_len)).tolist()))
-    b = build_batch(samples, pad_id=pad_id)
+    from trainer import grpo
+
     ids, attn, rmask, old = _reference_batch(samples, pad_id)
-    assert b.input_ids.tolist() == ids and b.attention_mask.tolist() == attn
-    assert b.response_mask.tolist() == rmask and b.old_logprobs.tolist() == old
-    assert (b.prompt_width, b.response_len) == (max(s[0] for s in shapes),
-                                                max(s[1] for s in shapes))
+    kept = grpo.ROW_COPY_TOKENS
+    try:
+        for threshold in (1 << 62, 0):  # the per-token scatter, then the per-row copy
+            grpo.ROW_COPY_TOKENS = threshold
+            b = build_batch(samples, pad_id=pad_id)
+            assert b.input_ids.tolist() == ids and b.attention_mask.tolist() == attn
+            assert b.response_mask.tolist() == rmask and b.old_logprobs.tolist() == old
+            assert (b.prompt_width, b.response_len) == (max(s[0] for s in shapes),
+                                                        max(s[1] for s in shapes))
+    finally:
+        grpo.ROW_COPY_TOKENS = kept
 
 
 def test_build_batch_length_mismatch() -> None:

@@ -77,6 +77,11 @@ def _as_1d(x: IntSeq | FloatSeq, dtype: np.dtype[Any]) -> np.ndarray:
     return np.asarray(x).astype(dtype, copy=False).reshape(-1)
 
 
+ROW_COPY_TOKENS = 64
+"""Tokens a row (prompt and response) on average from which :func:`build_batch` copies row
+by row instead of scattering (bench/build_batch.py: the crossover on this machine's CPU)."""
+
+
 def build_batch(
     samples: Sequence[tuple[IntSeq, IntSeq, FloatSeq]],
     pad_id: int = 0,
@@ -84,8 +89,10 @@ def build_batch(
 ) -> Batch:
     """Batch from (prompt_ids, response_ids, rollout_logprobs) triples, in order.
 
-    One scatter per tensor, not a Python loop over rows: on small models the loop was a
-    tenth of an update."""
+    Short rows: one scatter per tensor, not a Python loop over rows (on small models the
+    loop was a tenth of an update). Long rows (:data:`ROW_COPY_TOKENS` a row on average):
+    one slice copy per row, a memcpy each, where the scatter's per-token indices cost more
+    than the loop (bench/build_batch.py)."""
     prompts = [_as_1d(p, np.dtype(np.int64)) for p, _, _ in samples]
     responses = [_as_1d(r, np.dtype(np.int64)) for _, r, _ in samples]
     logps = [_as_1d(lp, np.dtype(np.float32)) for _, _, lp in samples]
@@ -102,7 +109,15 @@ def build_batch(
     attn = np.zeros((B, P + R), dtype=np.int64)
     rmask = np.zeros((B, R), dtype=np.float32)
     old = np.zeros((B, R), dtype=np.float32)
-    if B:
+    if B and (int(p_len.sum()) + int(r_len.sum())) >= ROW_COPY_TOKENS * B:
+        for i in range(B):  # left-padded prompt ending at column P, the response after it
+            p, r = int(p_len[i]), int(r_len[i])
+            ids[i, P - p:P] = prompts[i]
+            attn[i, P - p:P + r] = 1
+            ids[i, P:P + r] = responses[i]
+            rmask[i, :r] = 1.0
+            old[i, :r] = logps[i]
+    elif B:
         # Row i: its prompt ends at column P (left-padded), its response starts there.
         p_rows, p_pos = _ragged(p_len)
         p_cols = P - p_len[p_rows] + p_pos
