@@ -312,7 +312,6 @@ class TrainerProcess(Component):
         await self._warn(WarningRaised(source="trainer", code=code, message=text))
 
 
-
 class ValidationOnlyRefused(Failure):
     """``trainer.val_only`` on a run that has trained steps of its own
     (runschema.facts.validation_only_refusal): exit 2, nothing written."""
