@@ -490,6 +490,11 @@ class Sample(_Base, frozen=True):
     the sample then has reward 0. Empty: it scored."""
     reward_timed_out: bool = False
     """The reward function ran past ``rollout.reward_timeout_s`` (``reward_error`` says so)."""
+    response_mask: Array | None = None
+    """verl's ``response_mask`` of a multi-turn response: one 0/1 per response token, 0 for
+    the tokens the policy did not generate (a tool's output, a user turn appended to the
+    conversation), which are context for the tokens after them but never trained. None:
+    every response token was generated (a single-turn response)."""
 
 
 class ValidationRequested(_Base, frozen=True):

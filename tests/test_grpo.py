@@ -307,3 +307,10 @@ def test_kl_guard_bounds_a_late_blow_up_step_and_its_momentum() -> None:
     # The first moment was pulled back with the step, so the momentum-only step is small
     # by itself (the guard had nothing left to shrink).
     assert not shrunk2
+
+
+def test_a_response_mask_leaves_its_zeros_out_of_the_batch_s_response_mask() -> None:
+    samples = [([1, 2], [3, 4, 5], [-1.0, -1.0, -1.0]), ([1], [6, 7], [-1.0, -1.0])]
+    b = build_batch(samples, masks=[[1, 0, 1], None])
+    assert b.response_mask.tolist() == [[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 1, 0]]  # still context

@@ -151,3 +151,36 @@ def test_the_default_takes_one_micro_batch() -> None:
                     TrainerConfig(micro_batch_size=3), temperature=1.0, version=2, device="cpu")
     step.add(_groups(3, 2))
     assert step.minibatches[0].micro == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_tokens_a_response_mask_leaves_out_do_not_train() -> None:
+    """A multi-turn response's mask (0: a tool's output) keeps those tokens out of every
+    loss: their rollout log-probs can be anything, the step is the same; without the mask
+    it is not."""
+    import msgspec
+
+    cfg = TrainerConfig(ppo_mini_batch_size=2, entropy_coeff=0.0, weight_decay=0.0)
+
+    def masked(groups: list, logprob: float | None) -> list:
+        out = []
+        for group in groups:
+            row = []
+            for s in group:
+                n = len(s.response_tokens)
+                mask = np.ones(n, dtype=np.int8)
+                mask[n // 2:] = 0 if n > 1 else 1  # the second half: a tool's output
+                lp = s.logprobs.numpy().copy()
+                if logprob is not None and n > 1:
+                    lp[n // 2:] = logprob
+                row.append(msgspec.structs.replace(s, response_mask=Array.of(mask),
+                                                   logprobs=Array.of(lp)))
+            out.append(row)
+        return out
+
+    groups = _groups(11, 4)
+    _, a, _ = _run(cfg, masked(groups, None))
+    _, b, _ = _run(cfg, masked(groups, -7.0))
+    _, plain, _ = _run(cfg, groups)
+    for x, y in zip(a, b, strict=True):
+        assert torch.allclose(x, y, atol=1e-6)
+    assert any(not torch.allclose(x, y, atol=1e-6) for x, y in zip(a, plain, strict=True))

@@ -163,3 +163,4 @@ def test_a_step_figures_the_weights_of_its_stale_samples_only() -> None:
     _, _, fresh = _run(cfg, _groups(7, 4))  # on-policy: no weight applied, none figured
     assert not [k for k in fresh if k.startswith("rollout_corr/rollout_is")]
 
+

@@ -64,3 +64,29 @@ def test_only_a_claimer_of_a_watched_attempt_may_answer_it(
     assert (book.problem(_sample(f"t{ticket}", attempt, rank)) is None) == ok
     book.forget([ticket])
     assert book.problem(_sample(f"t{ticket}", attempt, rank)) is None
+
+
+def test_a_multi_turn_response_mask_is_checked_before_it_trains() -> None:
+    """verl's response mask (0: a tool's output, never trained) must give one 0/1 per
+    response token and keep one at least; a sample without one trains every token."""
+    import msgspec
+
+    from trainer.ledger import OpenTicket
+    from trainer.validate import check_sample
+
+    ticket = OpenTicket(index=0, n=1, attempt=0, version=0)
+    three = Array.of(np.asarray([5, 6, 7], dtype=np.int32))
+    base = msgspec.structs.replace(_sample("t0", 0, 0), response_tokens=three,
+                                   logprobs=Array.of(np.full(3, -1.0, dtype=np.float32)))
+
+    def problem(mask: list[int] | None, dtype: str = "int8") -> str | None:
+        packed = None if mask is None else Array.of(np.asarray(mask, dtype=dtype))
+        return check_sample(msgspec.structs.replace(base, response_mask=packed), ticket,
+                            version=0, max_new_tokens=8)
+
+    assert problem(None) is None and problem([1, 0, 1]) is None
+    assert problem([1, 1, 1], "bool") is None
+    assert "2 int8 values for 3 response tokens" in (problem([1, 0]) or "")
+    assert "only 0 and 1" in (problem([1, 2, 0]) or "")
+    assert "train one token at least" in (problem([0, 0, 0]) or "")
+    assert "for 3 response tokens" in (problem([1.0, 0.0, 1.0], "float32") or "")

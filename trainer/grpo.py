@@ -86,8 +86,12 @@ def build_batch(
     samples: Sequence[tuple[IntSeq, IntSeq, FloatSeq]],
     pad_id: int = 0,
     device: torch.device | str = "cpu",
+    masks: Sequence[IntSeq | None] | None = None,
 ) -> Batch:
-    """Batch from (prompt_ids, response_ids, rollout_logprobs) triples, in order.
+    """Batch from (prompt_ids, response_ids, rollout_logprobs) triples, in order; ``masks``:
+    each response's mask of trained tokens (a multi-turn response's: 0 for a tool's output;
+    None: every token), multiplied into the batch's ``response_mask``, so that every loss
+    and figure over it leaves those tokens out while they stay in the attention.
 
     Short rows: one scatter per tensor, not a Python loop over rows (on small models the
     loop was a tenth of an update). Long rows (:data:`ROW_COPY_TOKENS` a row on average):
@@ -128,6 +132,9 @@ def build_batch(
         attn[r_rows, P + r_pos] = 1
         rmask[r_rows, r_pos] = 1.0
         old[r_rows, r_pos] = np.concatenate(logps)
+    for i, mask in enumerate(masks or ()):
+        if mask is not None:
+            rmask[i, :r_len[i]] *= _as_1d(mask, np.dtype(np.float32))
     return Batch(torch.from_numpy(ids), torch.from_numpy(attn), torch.from_numpy(rmask),
                  torch.from_numpy(old), P, R).to(device)
 

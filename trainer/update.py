@@ -327,6 +327,8 @@ class GrpoStep:
              for s in flat],
             pad_id=self.policy.pad_id,  # type: ignore[arg-type]
             device=self.device,
+            masks=[None if s.response_mask is None else s.response_mask.numpy()
+                   for s in flat],
         )
         adv_g = group_advantages(rewards)
         advantages = adv_g.reshape(-1).tolist()

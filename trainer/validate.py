@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from runschema.messages import Sample, prompt_digest
+from runschema.messages import Array, Sample, prompt_digest
 from trainer.ledger import OpenTicket
 
 __all__ = ["check_sample", "reward_problem", "values_in_range"]
@@ -51,6 +51,7 @@ def check_sample(
     except (TypeError, ValueError) as exc:
         return f"undecodable token arrays: {exc}"
     return (_shape_problem(prompt, response, logprobs, max_new_tokens, max_len)
+            or _mask_problem(s.response_mask, len(response))
             or (None if values_checked else _value_problem(prompt, response, logprobs,
                                                             vocab_size))
             or _prompt_problem(s, digest)
@@ -107,6 +108,21 @@ def _shape_problem(prompt: np.ndarray, response: np.ndarray, logprobs: np.ndarra
         return f"{len(prompt) + len(response)} tokens, more than the model's max_len={max_len}"
     if len(logprobs) != len(response):
         return f"{len(logprobs)} log-probs for {len(response)} response tokens"
+    return None
+
+
+def _mask_problem(mask: Array | None, tokens: int) -> str | None:
+    """A response mask (multi-turn) of one 0/1 per response token, keeping one at least."""
+    if mask is None:
+        return None
+    try:
+        m = mask.numpy()
+    except (TypeError, ValueError) as exc:
+        return f"undecodable response mask: {exc}"
+    if m.dtype.kind not in _INT_KINDS + "b" or len(m) != tokens:
+        return f"a response mask of {len(m)} {m.dtype} values for {tokens} response tokens"
+    if not np.isin(m, (0, 1)).all() or not m.any():
+        return "a response mask must hold only 0 and 1, and train one token at least"
     return None
 
 
