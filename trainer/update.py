@@ -675,7 +675,10 @@ class GrpoStep:
         flat_all = [s for group in self.groups for s in group]
         rewards = [s.reward for s in flat_all]
         staleness = [self.version - s.min_version for s in flat_all]
-        lengths = [len(s.response_tokens) for s in flat_all]
+        # The tokens each sample trained (verl's critic/advantages are over its response
+        # mask: a multi-turn response's tool output leaves them out).
+        trained = [len(s.response_tokens) if s.response_mask is None
+                   else int(s.response_mask.numpy().sum()) for s in flat_all]
         st, tc = self._reduced(), self.tc
         return {
             "staleness/mean": _mean(staleness),
@@ -695,7 +698,7 @@ class GrpoStep:
             **({"actor/kl_loss": _mean(st["kll"]), "actor/kl_coef": tc.kl_loss_coef}
                if self.reference is not None else {}),
             "actor/lr": lr,
-            **critic_metrics(rewards, self.advantages, lengths),
+            **critic_metrics(rewards, self.advantages, trained),
             **self._rejection_metrics(),
             **_probs_diff_metrics(self._gaps()),
             **self._is_metrics(),
