@@ -104,8 +104,9 @@ class Summary(msgspec.Struct):
     val_version: int | None = None
     val_step: int | None = None
     resumed_after: int = 0
-    validation_only: bool = False  # the run validated its weights, trained nothing
     """The last step an earlier session of the run finished (0: a new run)."""
+    validation_only: bool = False
+    """The run validated the weights it started from and trained nothing (trainer.val_only)."""
     earlier_target: int | None = None
     """The first step of an earlier session whose reward reached the target, as far as the
     log's stream still holds them (from step ``earlier_from``; older steps are archived)."""
@@ -141,9 +142,11 @@ class Summary(msgspec.Struct):
             self.val_reward, self.val_version, self.val_step = reward, ev.version, ev.step
 
     def line(self, run_id: str, total: int, wall_s: float) -> str:
-        parts = [f"run {run_id}: {self.steps} step(s) this session (of {total}) in {wall_s:.1f} s"]
         if self.validation_only:
             parts = [f"run {run_id}: validation only (trainer.val_only), nothing trained, in "
+                     f"{wall_s:.1f} s"]
+        else:
+            parts = [f"run {run_id}: {self.steps} step(s) this session (of {total}) in "
                      f"{wall_s:.1f} s"]
         if self.resumed_after:
             parts[0] += f", resumed after step {self.resumed_after}"
