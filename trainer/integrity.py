@@ -164,4 +164,3 @@ def verify_folder(root: Path) -> str | None:
         if why is not None:
             return why
     return None
-

@@ -269,4 +269,3 @@ class AsyncCounts:
                         **{f"fully_async/processing_time/tp{q}": _percentile(times, q)
                            for q in (50, 95, 99)}})
         return out
-

@@ -470,17 +470,20 @@ class WeightsMismatch(ResumeFailed):
     (``trainer.resume_weights_mismatch=warn`` lets it go on)."""
 
 
-async def _published_digest(learner: Learner, off: RunOff, manifest: bool) -> str:
+Tensors = dict[str, torch.Tensor]
+
+
+async def _published_digest(learner: Learner, off: RunOff, manifest: bool,
+                            tensors: Tensors | None = None) -> str:
     """The digest the learner's weights would be published under (a transport's manifest
-    digest, or the sha256 of the serialised blob); off the loop."""
+    digest of ``tensors``, its snapshot taken here when not given, or the sha256 of the
+    serialised blob); off the loop."""
     if manifest:
-        tensors = await off(learner.snapshot)
+        if tensors is None:
+            tensors = await off(learner.snapshot)
         return str(await asyncio.to_thread(weights_digest, tensors))
     blob = await off(learner.state_bytes)
     return hashlib.sha256(blob).hexdigest()
-
-
-Tensors = dict[str, torch.Tensor]
 
 
 async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner,
@@ -506,7 +509,6 @@ async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner
     await learner.optimizer_ready()
     where = (lambda path: path) if locate is None else locate
     ckpt_step, _ = await _load_intact(state, learner, off, where, warn)
-    start: Tensors | None = None  # the window's start, when the gap is measured
     # Derived from finished steps, not from the newest WeightsPublished: weights published
     # by a step that never finished are superseded when that step is trained again.
     version = state.last_step // trigger
@@ -514,20 +516,25 @@ async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner
     at_step = version * trigger
     manifest = published is not None and is_manifest_ref(published)
     digest, gap = None, None
+    # The gap is measured only where the publication's bytes are kept (its tensors read
+    # back) and the model reaches its version by re-applied steps: from the window's start.
+    theirs = start = None
     if published is not None and ckpt_step == at_step:
         digest = await _published_digest(learner, off, manifest)
     elif published is not None and published_tensors is not None and ckpt_step < at_step:
-        start = await off(learner.snapshot)
+        theirs = await published_tensors(published)
+        start = await off(learner.snapshot) if theirs is not None else None
     replay = state.steps_after_checkpoint(ckpt_step)
     for rec in replay:
         groups = await replay_groups(bus, keys, rec)
         learner.version = (rec.step - 1) // trigger  # the version it held for that step
         await off(learner.update, groups)
         if published is not None and rec.step == at_step:
-            digest = await _published_digest(learner, off, manifest)
-            if start is not None and published_tensors is not None:
-                gap = await _gap(learner, off, start, published_tensors(published))
-                start = None
+            ours = await off(learner.snapshot) if manifest else None
+            digest = await _published_digest(learner, off, manifest, ours)
+            if ours is not None and theirs is not None and start is not None:
+                gap = await asyncio.to_thread(_gap, ours, theirs, start)
+                theirs = start = None
     learner.version = version
     # None: nothing to compare (never published, or published before the checkpoint).
     match = None if digest is None or published is None else digest == published.sha256
@@ -536,16 +543,11 @@ async def rebuild(bus: Bus, keys: RunKeys, state: TrainerState, learner: Learner
                           weights_match=match, events_read=events_read, weights_gap=gap)
 
 
-async def _gap(learner: Learner, off: RunOff, start: Tensors,
-               theirs: Awaitable[Tensors | None]) -> float | None:
-    """How far the learner's weights lie from the published ones (``theirs``, read back),
-    relative to the move from ``start``; None when no copy of them is kept."""
+def _gap(ours: Tensors, theirs: Tensors, start: Tensors) -> float:
+    """How far ``ours`` lies from the published ``theirs``, relative to the run's move from
+    ``start`` (trainer.replay.state_difference); blocking."""
     from trainer.replay import TOLERANCE, state_difference  # it imports this module
 
-    published = await theirs
-    if published is None:
-        return None
-    ours = await off(learner.snapshot)
-    d = await asyncio.to_thread(state_difference, ours, published, start)
+    d = state_difference(ours, theirs, start)
     # Within the bound yet not within: a weight missing or reshaped, never close.
     return d.ratio if d.within or d.ratio > TOLERANCE else math.inf
