@@ -268,13 +268,19 @@ def rule_keeps(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.T
     return keeps
 
 
-def rejection_mask(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
-                   rules: Sequence[RejectionRule]) -> torch.Tensor:
-    """``mask`` [B, R] with the tokens some rule rejects set to 0 (:func:`rule_keeps`)."""
+def kept_by_all(mask: torch.Tensor, keeps: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``mask`` [B, R] with the tokens some rule's ``keeps`` (:func:`rule_keeps`) rejects
+    set to 0: every option must keep a token, as verl's."""
     keep = mask.bool()
-    for rule_keep in rule_keeps(logp_old, logp_rollout, mask, rules):
+    for rule_keep in keeps:
         keep = keep & rule_keep
     return keep.to(mask.dtype)
+
+
+def rejection_mask(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
+                   rules: Sequence[RejectionRule]) -> torch.Tensor:
+    """``mask`` [B, R] with the tokens some rule rejects set to 0."""
+    return kept_by_all(mask, rule_keeps(logp_old, logp_rollout, mask, rules))
 
 
 def probs_diff(logp_trainer: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor

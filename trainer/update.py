@@ -28,6 +28,7 @@ from trainer.grpo import (
     approx_kl,
     build_batch,
     group_advantages,
+    kept_by_all,
     kl_penalty,
     masked_mean,
     micro_batches,
@@ -81,8 +82,8 @@ def _is_weight_metrics(raw: torch.Tensor, seq_raw: torch.Tensor, seq_applied: to
     applied = raw.clamp(max=cap)
     low = 1.0 / cap
     mean = float(applied.mean())
-    var = float((applied.square().mean() - applied.mean().square()).clamp(min=0.0))
-    normalised = applied / (applied.mean() + 1e-8)
+    var = max(float(applied.square().mean()) - mean * mean, 0.0)
+    normalised = applied / (mean + 1e-8)
     p = "rollout_corr/rollout_is"
     return {
         f"{p}_mean": mean,
@@ -357,10 +358,7 @@ class GrpoStep:
                 )
             self._rollout_gap(len(self.minibatches), old, batch)
             keeps = rule_keeps(old, batch.old_logprobs, batch.response_mask, self.rules)
-            keep = batch.response_mask.bool()
-            for rule_keep in keeps:
-                keep = keep & rule_keep
-            keep = keep.to(batch.response_mask.dtype)
+            keep = kept_by_all(batch.response_mask, keeps)
             tokens, live_tokens = self._kept(batch, keep, live, keeps)
         elif use_tis and not self.minibatches:
             old = None  # the first mini-batch: its training forward gives them, for free
