@@ -71,15 +71,18 @@ def function_tool(name: str | Callable[..., Any] | None = None, *,
                   schema: Mapping[str, Any] | None = None) -> Any:
     """Mark a function as a tool: ``@function_tool`` (named after the function),
     ``@function_tool("other_name")`` or ``@function_tool(schema={...})`` (a hand-written
-    OpenAI schema instead of the inferred one). The function itself is returned unchanged;
+    OpenAI schema instead of the inferred one, named by its ``function.name`` unless a name
+    is given). The function itself is returned unchanged;
     the schema is built here, so a function that cannot be described fails when its file
     loads, naming it."""
     def mark(fn: Callable[..., Any], tool_name: str | None) -> Callable[..., Any]:
-        final_name = tool_name or fn.__name__
         if schema is not None:
             built = json.loads(json.dumps(dict(schema)))  # a plain copy the caller cannot change
-            built.setdefault("function", {})["name"] = final_name
+            function = built.setdefault("function", {})
+            final_name = tool_name or function.get("name") or fn.__name__
+            function["name"] = final_name
         else:
+            final_name = tool_name or fn.__name__
             built = function_schema(fn, final_name)
         setattr(fn, _TOOL_ATTR, FunctionTool(fn, final_name, built))
         return fn
