@@ -66,7 +66,7 @@ def response_text(response: Any) -> str:
     if isinstance(response, str):
         return response
     text = getattr(response, "text", None)
-    if isinstance(text, str) or text is None and hasattr(response, "text"):
+    if isinstance(text, str) or (text is None and hasattr(response, "text")):
         return text or ""
     return str(response)
 
