@@ -25,7 +25,8 @@ the rollouter down nor wedge it. So each call of :meth:`CodeSandbox.run` gets
 
 What the limits do not cover: as root, the kernel does not enforce ``RLIMIT_NPROC`` (a fork
 bomb is bounded by the CPU and wall limits and the group kill only); a child that starts a
-new session escapes the group kill; the disk the children write is bounded per file, not in
+new session escapes the group kill and lives on (the call still ends, two seconds after the
+rest, its pipes closed); the disk the children write is bounded per file, not in
 total. The children run as the rollouter's user and can read what it can read.
 
 At most ``workers`` children run at once on one event loop; more calls wait their turn.
@@ -301,28 +302,25 @@ class CodeSandbox:
                          started: float) -> RunResult:
         cap = self.max_output_chars * 4 + 4  # bytes enough for that many UTF-8 characters
         assert child.stdout is not None and child.stderr is not None and child.stdin is not None
-        readers = [asyncio.create_task(_read_capped(child.stdout, cap)),
-                   asyncio.create_task(_read_capped(child.stderr, cap, tail=True))]
-        feeder = asyncio.create_task(_feed(child.stdin, stdin))
-        timed_out = False
+        out, err = _Capture(cap), _Capture(cap, tail=True)
+        tasks = [asyncio.create_task(out.drain(child.stdout)),
+                 asyncio.create_task(err.drain(child.stderr)),
+                 asyncio.create_task(_feed(child.stdin, stdin))]
+        timed_out = True  # unless it exits in time; a cancelled call kills it as well
         try:
-            await asyncio.wait_for(child.wait(), self.wall_s)
-        except TimeoutError:
-            timed_out = True
+            timed_out = not await _exited(child, self.wall_s)
         finally:
             _kill_group(child.pid)  # what the code left running, or all of it at a timeout
-            await child.wait()
-            outputs = await _collect(readers, feeder, child)
+            await _exited(child, 10.0)  # SIGKILL: at once, on a machine that is not stuck
+            await _collect(tasks, child)
         seconds = time.monotonic() - started
-        (out, out_total), (err, err_total) = outputs
         status = _status(child.returncode, timed_out)
-        return RunResult(status, self._text(out, out_total),
-                         self._text(err, err_total, tail=True), child.returncode, seconds)
+        return RunResult(status, self._text(out), self._text(err), child.returncode, seconds)
 
-    def _text(self, data: bytes, total: int, tail: bool = False) -> str:
-        text = data.decode(errors="replace")
-        return truncated(text, self.max_output_chars, total if total > len(data) else None,
-                         tail=tail)
+    def _text(self, capture: _Capture) -> str:
+        text = capture.kept.decode(errors="replace")
+        total = capture.total if capture.total > len(capture.kept) else None
+        return truncated(text, self.max_output_chars, total, tail=capture.tail)
 
 
 def _lay_out(root: str, code: str) -> tuple[str, str]:
@@ -347,24 +345,44 @@ def _status(return_code: int | None, timed_out: bool) -> Status:
     return "error"
 
 
+async def _exited(child: asyncio.subprocess.Process, within_s: float) -> bool:
+    """Whether ``child`` exited within ``within_s`` seconds. Not ``child.wait()``: on Python
+    3.11 that also waits for the pipes to close, which a process the code started in a new
+    session (out of reach of the group kill) may hold open indefinitely."""
+    deadline = time.monotonic() + within_s
+    pause = 0.005
+    while child.returncode is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(pause, left))
+        pause = min(pause * 2, 0.05)
+    return True
+
+
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int,
-                       tail: bool = False) -> tuple[bytes, int]:
-    """``cap`` bytes of ``stream`` (its first, or its last with ``tail``) and how many it
-    had: the rest is read and dropped, so a child printing without end costs no memory."""
-    kept = bytearray()
-    total = 0
-    while chunk := await stream.read(1 << 16):
-        total += len(chunk)
-        if tail:
-            kept = (kept + chunk)[-cap:]
-        elif len(kept) < cap:
-            kept += chunk[: cap - len(kept)]
-    return bytes(kept), total
+class _Capture:
+    """``cap`` bytes of a stream (its first, or its last with ``tail``) and how many it had:
+    the rest is read and dropped, so a child printing without end costs no memory here. What
+    was read stays when the reading is cancelled."""
+
+    def __init__(self, cap: int, tail: bool = False) -> None:
+        self.cap = cap
+        self.tail = tail
+        self.kept = bytearray()
+        self.total = 0
+
+    async def drain(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(1 << 16):
+            self.total += len(chunk)
+            if self.tail:
+                self.kept = (self.kept + chunk)[-self.cap:]
+            elif len(self.kept) < self.cap:
+                self.kept += chunk[: self.cap - len(self.kept)]
 
 
 async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
@@ -376,13 +394,11 @@ async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
         await stream.wait_closed()
 
 
-async def _collect(readers: list[asyncio.Task[tuple[bytes, int]]], feeder: asyncio.Task[None],
-                   child: asyncio.subprocess.Process) -> list[tuple[bytes, int]]:
-    """The readers' results once the child is gone. A process that left the group (a new
-    session) may hold the pipes open: after a grace period the readers stop there and the
-    pipes are closed."""
-    tasks: list[asyncio.Task[Any]] = [*readers, feeder]
-    done, pending = await asyncio.wait(tasks, timeout=2.0)
+async def _collect(tasks: list[asyncio.Task[None]], child: asyncio.subprocess.Process) -> None:
+    """Lets the readers and the feeder end once the child is gone. A process that left the
+    group (a new session) may hold the pipes open: after a grace period the reading stops
+    there (what was read is kept) and the pipes are closed."""
+    _, pending = await asyncio.wait(tasks, timeout=2.0)
     for task in pending:
         task.cancel()
     if pending:
@@ -390,7 +406,6 @@ async def _collect(readers: list[asyncio.Task[tuple[bytes, int]]], feeder: async
         if transport is not None:
             transport.close()
         await asyncio.gather(*pending, return_exceptions=True)
-    return [r.result() if r in done and not r.cancelled() else (b"", 0) for r in readers]
 
 
 DEFAULT_SCHEMA: dict[str, Any] = {

@@ -9,6 +9,7 @@ import json
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -256,3 +257,33 @@ def test_tool_runs_on_the_loop_that_calls_it() -> None:
     for _ in range(2):
         text, _, _ = asyncio.run(tool.execute("i", {"code": "print('x')"}))
         assert text == "x\n"
+
+
+@pytest.mark.asyncio
+async def test_cancelling_a_call_kills_its_child(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    code = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)"
+    call = asyncio.create_task(sandbox(wall_s=60.0).run(code))
+    for _ in range(400):
+        if _exists(str(pid_file)) and pid_file.read_text():
+            break
+        await asyncio.sleep(0.05)
+    pid = int(pid_file.read_text())
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert not _running(pid)
+
+
+@pytest.mark.asyncio
+async def test_a_process_that_leaves_the_group_does_not_hold_the_call() -> None:
+    """A child in a new session escapes the group kill and keeps the pipes open: the call
+    ends anyway, with what was printed (the child ends by itself a little later)."""
+    code = ("import os, time\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    time.sleep(3)\n"
+            "    os._exit(0)\n"
+            "print('parent done')")
+    result = await sandbox(wall_s=60.0).run(code)
+    assert (result.status, result.stdout) == ("ok", "parent done\n")
