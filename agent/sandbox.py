@@ -55,6 +55,7 @@ __all__ = [
     "CodeInterpreterTool",
     "CodeSandbox",
     "RunResult",
+    "Status",
     "print_last_expression",
     "strip_code_fence",
     "truncated",
