@@ -44,7 +44,9 @@ __all__ = [
     "function_tool",
     "load_function_tools",
     "load_tool_config",
+    "load_tools",
     "schema_dict",
+    "tool_schemas",
     "truncate",
 ]
 
@@ -66,6 +68,26 @@ def truncate(text: str, limit: int, side: str = "middle") -> str:
     half = limit // 2
     # text[len - half:], not verl's text[-half:]: with half 0 that would be the whole text.
     return text[:half] + "...(truncated)..." + text[len(text) - half:]
+
+
+def load_tools(multi_turn: Any) -> list[Tool]:
+    """The run's tools (``rollout.multi_turn``): those of ``tool_config_path``, then the
+    functions of ``function_tool_path``; one name each across both (ToolConfigError)."""
+    tools: list[Tool] = []
+    if multi_turn.tool_config_path:
+        tools += load_tool_config(multi_turn.tool_config_path)
+    if multi_turn.function_tool_path:
+        tools += load_function_tools(multi_turn.function_tool_path)
+    check_unique_names(tools)
+    return tools
+
+
+def tool_schemas(multi_turn: Any) -> tuple[dict[str, Any], ...]:
+    """The schemas of the run's tools (the chat template's ``tools=`` of a ``tool_agent``
+    prompt); none when ``multi_turn.enable`` is off."""
+    if not multi_turn.enable:
+        return ()
+    return tuple(schema_dict(t) for t in load_tools(multi_turn))
 
 
 def schema_dict(tool: Any) -> dict[str, Any]:

@@ -25,6 +25,8 @@ PATH_KEYS: tuple[str, ...] = (
     "data.train_files",
     "data.val_files",
     "custom_reward_function.path",
+    "rollout.multi_turn.tool_config_path",
+    "rollout.multi_turn.function_tool_path",
     "trainer.default_local_dir",
     "trainer.rollout_data_dir",
     "trainer.validation_data_dir",
@@ -58,11 +60,12 @@ def absolute_paths(cfg: Config, cwd: Path) -> Config:
     """``cfg`` with every :data:`PATH_KEYS` value absolute (``~`` expanded, relative ones
     joined to ``cwd``); nulls and absolute paths unchanged. Pure: reads no file."""
     for key in PATH_KEYS:
-        section_name, field = key.split(".")
-        section = getattr(cfg, section_name)
-        value = getattr(section, field)
-        new = _resolved(value, cwd, key)
-        if new != value:
-            section = msgspec.structs.replace(section, **{field: new})
-            cfg = msgspec.structs.replace(cfg, **{section_name: section})
+        cfg = _replaced(cfg, key.split("."), cwd, key)
     return cfg
+
+
+def _replaced(section: Any, path: list[str], cwd: Path, key: str) -> Any:
+    """``section`` with the value at ``path`` (its fields, nested) made absolute."""
+    value = getattr(section, path[0])
+    new = _resolved(value, cwd, key) if len(path) == 1 else _replaced(value, path[1:], cwd, key)
+    return section if new == value else msgspec.structs.replace(section, **{path[0]: new})

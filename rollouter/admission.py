@@ -40,10 +40,12 @@ class Group(msgspec.Struct):
         return self.ticket.ticket_id
 
 
-def stream_key(ticket: PromptTicket, index: int) -> str:
+def stream_key(ticket: PromptTicket, index: int, turn: int = 0) -> str:
     """The engine's key of response ``index`` of ``ticket``: ``tN#A/i`` for attempt ``A``, so
-    that a reissue of a ticket whose older attempt still runs never reuses a running key."""
-    return f"{ticket.ticket_id}#{ticket.attempt}/{index}"
+    that a reissue of a ticket whose older attempt still runs never reuses a running key;
+    ``tN#A/i~T`` for turn ``T`` > 0 of a conversation (each turn is a request of its own)."""
+    key = f"{ticket.ticket_id}#{ticket.attempt}/{index}"
+    return f"{key}~{turn}" if turn else key
 
 
 class Admission:
@@ -59,6 +61,9 @@ class Admission:
         """Groups replaced by a newer attempt of their ticket, their entries to ack."""
         self.cancelled: list[str] = []
         """Stream keys of those groups' responses still running: to end in the engine."""
+        self.turned: list[tuple[str, Seq]] = []
+        """Conversations whose assistant turn ended (ticket id, response): the loop decides
+        whether each goes on (its tools run meanwhile, outside the engine)."""
 
     @property
     def seqs(self) -> int:
@@ -76,8 +81,7 @@ class Admission:
         whole answer of any attempt)."""
         older = self.groups.get(ticket.ticket_id)
         if older is not None and older.ticket.attempt < ticket.attempt:
-            self.cancelled += [stream_key(older.ticket, s.index) for s in older.seqs
-                               if not s.finished]
+            self.cancelled += self._keys_of(ticket.ticket_id)
             self.superseded += self.drop([ticket.ticket_id])
         group = Group(delivery, ticket, prompt,
                       [Seq(ticket, i, prompt, [], []) for i in range(ticket.n)], now)
@@ -106,11 +110,38 @@ class Admission:
             seq.finished = d.finished or len(seq.tokens) >= self.max_new_tokens
             if seq.finished:
                 del self.running[d.key]
-                group = self.groups[self._group_of.pop(d.key)]
-                if all(s.finished for s in group.seqs):
-                    group.ended = now
-                    done.append(self.groups.pop(group.ticket_id))
+                tid = self._group_of.pop(d.key)
+                if seq.dialogue is not None and not seq.dialogue.over:
+                    self.turned.append((tid, seq))  # its conversation says what follows
+                    continue
+                ended = self.conclude(tid, now)
+                if ended is not None:
+                    done.append(ended)
         return done
+
+    def conclude(self, ticket_id: str, now: float) -> Group | None:
+        """The ticket's group, taken out as done at ``now``, once every response has ended
+        (a conversation's: its last turn); None while one has not."""
+        group = self.groups.get(ticket_id)
+        if group is None or not all(
+                s.finished and (s.dialogue is None or s.dialogue.over) for s in group.seqs):
+            return None
+        group.ended = now
+        return self.groups.pop(ticket_id)
+
+    def holds(self, ticket_id: str, seq: Seq) -> bool:
+        """Whether ``seq`` is still a response of an admitted ticket (not dropped, nor
+        replaced by a newer attempt) — what a conversation's tool turn checks on return."""
+        group = self.groups.get(ticket_id)
+        return group is not None and any(s is seq for s in group.seqs)
+
+    def rejoin(self, ticket_id: str, seq: Seq) -> tuple[str, Seq]:
+        """A conversation's next turn: ``seq`` running again under its turn's key."""
+        turn = seq.dialogue.assistant_turns if seq.dialogue is not None else 0
+        key = stream_key(seq.ticket, seq.index, turn)
+        self.running[key] = seq
+        self._group_of[key] = ticket_id
+        return key, seq
 
     def resumable(self) -> list[tuple[str, Seq]]:
         """Every response not yet ended, with its key: after an abort each is submitted
@@ -121,11 +152,14 @@ class Admission:
         """Stop tracking these tickets (failed ones); their groups."""
         dropped = [self.groups.pop(t) for t in ticket_ids if t in self.groups]
         for group in dropped:
-            for s in group.seqs:
-                key = stream_key(group.ticket, s.index)
+            for key in self._keys_of(group.ticket_id):
                 self.running.pop(key, None)
                 self._group_of.pop(key, None)
         return dropped
+
+    def _keys_of(self, ticket_id: str) -> list[str]:
+        """The stream keys running for ``ticket_id`` (any attempt, any turn)."""
+        return [k for k, t in self._group_of.items() if t == ticket_id]
 
 
 class Action(enum.Enum):

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 import msgspec
 import numpy as np
 
+from agent.conversation import AgentLimits, Dialogue, final_length
 from rollouter.scoring import Score
 from runschema.messages import Array, PromptTicket, Sample
 
@@ -26,11 +27,14 @@ class Seq(msgspec.Struct):
     finished: bool = False
     min_version: int = -1
     max_version: int = -1
+    dialogue: Dialogue | None = None
+    """A multi-turn response's conversation (mask, turns, tool calls); None: single-turn."""
 
 
 def to_samples(seqs: Sequence[Seq], scores: Sequence[Score], prompts: Mapping[str, list[int]],
                *, gen_s: float, rank: int, eos_id: int | None,
-               fails_ticket: Callable[[PromptTicket], bool], ts: float | None = None
+               fails_ticket: Callable[[PromptTicket], bool], ts: float | None = None,
+               limits: AgentLimits | None = None
                ) -> tuple[dict[str, list[Sample]], dict[str, str]]:
     """(samples by ticket id, errors by ticket id) for scored ``seqs``, generated in the
     ``gen_s`` seconds up to ``ts`` (None: now). A failed score fails
@@ -50,12 +54,14 @@ def to_samples(seqs: Sequence[Seq], scores: Sequence[Score], prompts: Mapping[st
             samples.pop(tid, None)
             continue
         samples.setdefault(tid, []).append(_sample(s, packed[tid], score, gen_s, rank, eos_id,
-                                                   ts))
+                                                   ts, limits))
     return samples, failed
 
 
 def _sample(s: Seq, prompt: Array, score: Score, gen_s: float, rank: int,
-            eos_id: int | None, ts: float | None) -> Sample:
+            eos_id: int | None, ts: float | None, limits: AgentLimits | None) -> Sample:
+    if s.dialogue is not None:
+        return _conversation(s, prompt, score, gen_s, rank, eos_id, ts, limits)
     tid = s.ticket.ticket_id
     return Sample(
         sample_id=f"{tid}/{s.index}", ticket_id=tid,
@@ -72,3 +78,20 @@ def _sample(s: Seq, prompt: Array, score: Score, gen_s: float, rank: int,
         ts=time.time() if ts is None else ts,  # None: made now
     )
 
+
+
+def _conversation(s: Seq, prompt: Array, score: Score, gen_s: float, rank: int,
+                  eos_id: int | None, ts: float | None, limits: AgentLimits | None) -> Sample:
+    """A multi-turn response's sample: every token after the prompt (assistant and tool
+    turns) with its mask, cut to the response's budget as verl cuts it, and the
+    conversation's counts."""
+    d = s.dialogue
+    assert d is not None
+    keep = len(s.tokens) if limits is None else final_length(d, len(s.tokens), limits)
+    cut = msgspec.structs.replace(s, tokens=s.tokens[:keep], logprobs=s.logprobs[:keep],
+                                  dialogue=None)
+    sample = _sample(cut, prompt, score, gen_s, rank, eos_id, ts, None)
+    return msgspec.structs.replace(
+        sample, response_mask=Array.of(np.asarray(d.mask[:keep], dtype=np.int8)),
+        num_turns=d.num_turns, tool_calls=d.tool_calls, tool_failures=d.tool_failures,
+        turn_versions=list(d.turn_versions))

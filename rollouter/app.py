@@ -36,6 +36,7 @@ from profiling.driver import StepProfiler
 from rollouter.batch import BatchRollout
 from rollouter.context import RolloutContext, RolloutLoop
 from rollouter.continuous import ContinuousRollout
+from rollouter.conversations import Conversations
 from rollouter.engine import Engine, build_engine, streams
 from rollouter.presence import TrainerGone, TrainerPresence
 from rollouter.tickets import GROUP, dead_replicas
@@ -64,6 +65,13 @@ def rollout_loop(ctx: RolloutContext, engine: Engine) -> RolloutLoop:
     if streams(engine):
         return ContinuousRollout(ctx, engine)
     return BatchRollout(ctx, engine)
+
+
+class BadToolConfig(Failure):
+    """The tools of ``rollout.multi_turn`` cannot load: exit 2."""
+
+    code = 2
+    publish = False
 
 
 class EngineStartTimeout(Failure):
@@ -128,9 +136,16 @@ class Rollouter(Component):
             self.context.scorer.open()
         except ConfigError as exc:
             raise BadRewardConfig(str(exc)) from None
+        try:  # loading a tool may import a user's file: off the loop
+            self.context.conversations = await asyncio.to_thread(
+                Conversations.build, self.cfg, self.tokenizer, off=self.off)
+        except ValueError as exc:  # ToolConfigError among them
+            raise BadToolConfig(f"rollout.multi_turn: {exc}") from None
 
     async def teardown(self) -> None:
         self.context.scorer.close()
+        if self.context.conversations is not None:
+            self.context.conversations.close()
         if self.abandoned:
             # The build still runs on the worker thread, which the interpreter's exit would
             # join: the failure is said and published, the process ends here.

@@ -12,6 +12,7 @@ initial model, as on vLLM).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -134,6 +135,8 @@ class BatchRollout:
         # A ticket's n responses share its prompt: encoded once.
         prompts = {t.ticket_id: ctx.prompt_ids(t) for t in tickets}
         seqs = [Seq(t, i, prompts[t.ticket_id], [], []) for t in tickets for i in range(t.n)]
+        if ctx.conversations is not None:
+            seqs = [ctx.conversations.start(s) for s in seqs]
         t0 = time.monotonic()
         await self.generate_all(seqs)
         ended = time.time()
@@ -153,16 +156,36 @@ class BatchRollout:
         scores = await ctx.scorer.score_items(ctx.scorer.items(seqs, texts))
         samples, failed = to_samples(seqs, scores, prompts, gen_s=gen_s, rank=ctx.rank,
                                      eos_id=ctx.tokenizer.eos_id,
-                                     fails_ticket=ctx.scorer.fails_ticket, ts=ended)
+                                     fails_ticket=ctx.scorer.fails_ticket, ts=ended,
+                                 limits=ctx.agent_limits)
         await ctx.tickets.retry_or_give_up(deliveries, failed)
         return [(i, t) for i, t in tickets if t.ticket_id in samples], samples
 
     async def generate_all(self, seqs: list[Seq]) -> None:
-        """Every sequence to its end; with ``partial_rollout``, in chunks between which new
-        weights are picked up mid-sequence."""
+        """Every sequence to its end; a conversation (rollout.multi_turn) turn by turn: the
+        batch's turns generated together, then every conversation whose turn called tools
+        runs them (all at once, on the tool threads), then the next turns."""
+        await self.generate_turn(seqs)
+        talks = self.ctx.conversations
+        if talks is None:
+            return
+        while True:
+            turned = [s for s in seqs if s.dialogue is not None and not s.dialogue.over]
+            if not turned:
+                return
+            going = await asyncio.gather(*(talks.after_turn(s) for s in turned))
+            if any(going):
+                await self.generate_turn(seqs)
+
+    async def generate_turn(self, seqs: list[Seq]) -> None:
+        """Every sequence to the end of its turn; with ``partial_rollout``, in chunks between
+        which new weights are picked up mid-turn."""
         ctx, rc = self.ctx, self.ctx.cfg.rollout
         if not ctx.cfg.async_training.partial_rollout:
-            await ctx.off(self.generate, seqs, rc.max_new_tokens)
+            # A conversation's later turns have what its earlier ones left of the budget.
+            left = rc.max_new_tokens - min((len(s.tokens) for s in seqs if not s.finished),
+                                           default=0)
+            await ctx.off(self.generate, seqs, left)
             return
         while any(not s.finished for s in seqs):
             left = rc.max_new_tokens - min(len(s.tokens) for s in seqs if not s.finished)

@@ -28,9 +28,11 @@ from typing import Protocol
 
 import torch
 
+from agent.conversation import AgentLimits
 from bus import RunKeys
 from policy.text import TextTokenizer
 from profiling.driver import StepProfiler
+from rollouter.conversations import Conversations
 from rollouter.engine import Engine, Off
 from rollouter.events import EventLog, EventPoller
 from rollouter.presence import Presence
@@ -140,10 +142,17 @@ class RolloutContext:
         self.weights = WeightsHolder(held, events=self.events, trainer=trainer,
                                      tickets=self.tickets, timeout_s=rc.weights_fetch_timeout_s)
         self.scorer = Scorer(cfg, tokenizer, off=off, warn=self.warn, rewards=rewards)
+        self.conversations: Conversations | None = None
+        """The multi-turn side (rollout.multi_turn.enable): set by the rollouter's setup."""
         self.validations = ValidationServer(
             cfg, rank=rank, tickets=self.tickets, source=source, answers=keys.log("rollouter"),
             events=self.events, weights=self.weights, scorer=self.scorer, tokenizer=tokenizer,
             off=off, busy=self.idle.add, complain=complain)
+
+    @property
+    def agent_limits(self) -> AgentLimits | None:
+        """The bounds a conversation's sample is cut to (None: no conversations)."""
+        return None if self.conversations is None else self.conversations.limits
 
     @property
     def finished(self) -> bool:

@@ -47,14 +47,17 @@ class ContinuousRollout:
         self.book = Admission(rc.max_new_tokens)
         self.waiting: list[tuple[Delivery, PromptTicket]] = []  # claimed, not yet admitted
         self.resume: list[tuple[str, Seq]] = []  # aborted at a sync: submitted again
+        self.returning: list[tuple[str, Seq]] = []  # conversations' next turns, to submit
+        self.talking: set[asyncio.Task[None]] = set()  # conversations' tool turns running
         self.done: list[Group] = []  # ended, to score and publish
         self.finishing: asyncio.Task[None] | None = None
         self.checked = self.reclaimed = time.monotonic()
 
     def describe(self) -> str:
         """What the engine is doing, for the heartbeat's state."""
+        talking = f", {len(self.talking)} conversations in their tools" if self.talking else ""
         return (f"{self.book.seqs} responses of {len(self.book.groups)} tickets in the engine, "
-                f"{len(self.waiting)} tickets waiting")
+                f"{len(self.waiting)} tickets waiting{talking}")
 
     async def run(self) -> None:
         """Until the run's end: every ticket delivered once, or retried, or dead-lettered."""
@@ -77,6 +80,8 @@ class ContinuousRollout:
             await self.ctx.off(self.engine.abort)  # the run ended: what runs is not needed
             await self._finish(wait=True)
         finally:
+            for task in self.talking:
+                task.cancel()
             if self.finishing is not None and not self.finishing.done():
                 self.finishing.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -111,7 +116,7 @@ class ContinuousRollout:
     def _admit(self) -> list[tuple[str, Seq]]:
         """The responses to submit now: those aborted at a sync first, then the waiting
         tickets in claim order while the engine has room (at least one when it is empty)."""
-        out, self.resume = self.resume, []
+        out, self.resume, self.returning = self.resume + self.returning, [], []
         while self.waiting:
             delivery, ticket = self.waiting[0]
             if ticket.min_version > self.ctx.weights.version:
@@ -119,7 +124,10 @@ class ContinuousRollout:
             if self.book.seqs + ticket.n > self.capacity and self.book.seqs > 0:
                 break
             self.waiting.pop(0)
-            out += self.book.open(delivery, ticket, self.ctx.prompt_ids(ticket), time.time())
+            opened = self.book.open(delivery, ticket, self.ctx.prompt_ids(ticket), time.time())
+            if self.ctx.conversations is not None:
+                opened = [(k, self.ctx.conversations.start(s)) for k, s in opened]
+            out += opened
         return out
 
     async def _drop_superseded(self) -> None:
@@ -146,7 +154,8 @@ class ContinuousRollout:
             return False
         if action is Action.ABORT:
             self._apply(await ctx.off(self.engine.abort))
-            self.resume = self.book.resumable()
+            # Every response running or about to run its next turn: all resumed after it.
+            self.resume, self.returning = self.book.resumable(), []
         if need > ctx.weights.version:
             served = await ctx.weights.for_tickets(
                 [d for d, _ in self.waiting], [(d.id, t) for d, t in self.waiting])
@@ -204,8 +213,39 @@ class ContinuousRollout:
         return failed, self.engine.advance(SLICE_STEPS) if self.engine.in_flight else []
 
     def _apply(self, deltas: list[Delta]) -> None:
-        """Fold what the engine generated (with the weights it holds) into the tickets."""
+        """Fold what the engine generated (with the weights it holds) into the tickets; a
+        conversation whose turn ended goes to its tools (:meth:`_tool_turn`), the engine
+        generating for the others meanwhile."""
         self.done += self.book.apply(deltas, self.engine.version, time.time())
+        turned, self.book.turned = self.book.turned, []
+        for ticket_id, seq in turned:
+            task = asyncio.create_task(self._tool_turn(ticket_id, seq))
+            self.talking.add(task)
+            task.add_done_callback(self.talking.discard)
+
+    async def _tool_turn(self, ticket_id: str, seq: Seq) -> None:
+        """A conversation between two turns: its tools run (rollouter.conversations); then
+        its next turn joins the engine, or its ticket is done once its last response is. A
+        ticket dropped meanwhile (failed, or a newer attempt admitted) is left alone; a turn
+        that cannot be made (the tool turn fails to render) fails its ticket."""
+        assert self.ctx.conversations is not None
+        try:
+            going = await self.ctx.conversations.after_turn(seq)
+        except Exception as exc:
+            if self.book.holds(ticket_id, seq):
+                groups = self.book.drop([ticket_id])
+                await self.ctx.tickets.retry_or_give_up(
+                    [g.delivery for g in groups],
+                    {ticket_id: f"tool turn failed: {type(exc).__name__}: {exc}"})
+            return
+        if not self.book.holds(ticket_id, seq):
+            return
+        if going:
+            self.returning.append(self.book.rejoin(ticket_id, seq))
+            return
+        ended = self.book.conclude(ticket_id, time.time())
+        if ended is not None:
+            self.done.append(ended)
 
     # ------------------------------------------------------------------ tickets out
 

@@ -349,16 +349,29 @@ class Scorer:
 
     async def decode(self, seqs: Sequence[Seq]) -> list[str]:
         """The responses' texts (on the worker thread)."""
-        return await self.off(lambda: [self.tokenizer.decode(s.tokens) for s in seqs])
+        return await self.off(lambda: [self._text(s) for s in seqs])
+
+    def _text(self, s: Seq) -> str:
+        """A response's text; a conversation's is every turn after the prompt, tool answers
+        included, special tokens skipped, as verl's reward managers decode it (the cut to
+        the response budget is the sample's: rollouter.answers)."""
+        if s.dialogue is None:
+            return self.tokenizer.decode(s.tokens)
+        keep = min(len(s.tokens), self.cfg.rollout.max_new_tokens)
+        hf: Any = getattr(self.tokenizer, "hf", None)
+        if hf is None:
+            return self.tokenizer.decode(s.tokens[:keep])
+        return str(hf.decode(s.tokens[:keep], skip_special_tokens=True))
 
     @staticmethod
     def items(seqs: Sequence[Seq], texts: Sequence[str]) -> list[ScoreItem]:
-        """What the reward function is called with, per response."""
+        """What the reward function is called with, per response; a conversation's
+        ``extra_info`` gains verl's ``num_turns``, ``tool_rewards`` and ``turn_scores``."""
         return [ScoreItem(
             data_source=s.ticket.data_source, solution_str=text,
             ground_truth=s.ticket.answer if s.ticket.ground_truth is None
             else s.ticket.ground_truth,
-            extra_info=s.ticket.extra_info, response_len=len(s.tokens),
+            extra_info=_extra_info(s), response_len=len(s.tokens),
         ) for s, text in zip(seqs, texts, strict=True)]
 
     async def score_items(self, items: list[ScoreItem]) -> list[Score]:
@@ -391,3 +404,12 @@ class Scorer:
     def close(self) -> None:
         if self.rewards is not None:
             self.rewards.close()
+
+
+def _extra_info(s: Seq) -> dict[str, Any] | None:
+    """The record's ``extra_info``, and for a conversation what verl's agent loop adds."""
+    d = s.dialogue
+    if d is None:
+        return s.ticket.extra_info
+    return {**(s.ticket.extra_info or {}), "num_turns": d.num_turns,
+            "tool_rewards": list(d.tool_rewards), "turn_scores": []}

@@ -28,6 +28,7 @@ def check_cross_fields(cfg: Config) -> None:
     _check_record(cfg)
     _check_rejection(cfg)
     _check_val_only(cfg)
+    _check_multi_turn(cfg)
 
 
 def _check_rejection(cfg: Config) -> None:
@@ -54,6 +55,21 @@ def _check_val_only(cfg: Config) -> None:
     if p.tool is not None and p.steps:
         raise ConfigError("global_profiler.steps", f"steps {list(p.steps)}: trainer.val_only="
                           "True trains no step to profile")
+
+
+def _check_multi_turn(cfg: Config) -> None:
+    """Conversations need tools to call, and the model's Hugging Face tokenizer and chat
+    template to write tool turns with (the built-in tasks' char tokenizer has neither); the
+    tool files are read when the data are (tasks.verl_data.agent_options)."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return
+    if cfg.model.kind != "hf":
+        raise ConfigError("rollout.multi_turn.enable", "conversations with tools need a Hugging "
+                          "Face model and its chat template (actor_rollout_ref.model.path)")
+    if not (mt.tool_config_path or mt.function_tool_path):
+        raise ConfigError("rollout.multi_turn.enable", "no tools: set rollout.multi_turn."
+                          "tool_config_path or function_tool_path (verl's keys)")
 
 
 def _check_record(cfg: Config) -> None:

@@ -267,6 +267,30 @@ class ValKwargs(_Section, frozen=True):
     do_sample: bool = False
 
 
+class MultiTurnConfig(_Section, frozen=True):
+    """verl's ``rollout.multi_turn``: conversations with tools (docs/agents.md), verl's
+    defaults; ``tool_timeout_s`` and ``tool_threads`` are rlbus's (a call's bound, and the
+    threads the tools run on, off the event loop and the engine's thread)."""
+
+    enable: bool = False
+    max_assistant_turns: PosInt | None = None
+    max_user_turns: PosInt | None = None
+    max_parallel_calls: PosInt = 1
+    max_tool_response_length: PosInt = 256
+    tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
+    tool_config_path: str | None = None
+    function_tool_path: str | None = None
+    format: Literal["hermes"] = "hermes"
+    tool_timeout_s: PosFloat = 60.0
+    tool_threads: PosInt = 4
+
+
+class AgentLoopConfig(_Section, frozen=True):
+    """verl's ``rollout.agent``: the agent loop of a record without ``agent_name``."""
+
+    default_agent_loop: Literal["single_turn_agent", "tool_agent"] = "single_turn_agent"
+
+
 class RolloutConfig(_Section, frozen=True):
     n: PosInt = 8
     replicas: PosInt = 1
@@ -285,6 +309,8 @@ class RolloutConfig(_Section, frozen=True):
     reward_workers: PosInt = 1
     reward_timeout_s: PosFloat = 30.0
     val_kwargs: ValKwargs = ValKwargs()
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
+    agent: AgentLoopConfig = AgentLoopConfig()
     # Weight sync (docs/architecture.md, "Weight sync"): the dtype published, where the chunks
     # go (auto: Redis up to 64 MiB, the run's storage above; collective: broadcast), how long
     # a rollouter keeps trying to read a publication before it fails (WeightsUnreachable),

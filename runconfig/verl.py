@@ -110,6 +110,7 @@ _REF = ("the reference policy is a frozen copy of the initial weights in the tra
         "(trainer.use_kl_loss); it has no settings of its own")
 _MM = "rlbus reads text prompts only (no images, videos or audio)"
 _OB = "overlong_buffer_cfg"
+_TOOLS_IN_PROMPT = "conversations' prompts are rendered with the tools of rollout.multi_turn"
 
 TABLE: tuple[VerlKey, ...] = (
     # ---- the actor: PPO/GRPO update
@@ -243,12 +244,27 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("actor_rollout_ref.rollout.engine_kwargs.*", _INFRA),
     _ignored("actor_rollout_ref.rollout.checkpoint_engine.*", _INFRA),
     _ignored("actor_rollout_ref.rollout.prometheus.*", _INFRA),
-    _ignored("actor_rollout_ref.rollout.agent.*", "rlbus has no agent loop"),
-    _fixed("actor_rollout_ref.rollout.multi_turn.enable", (False,),
-           "rlbus generates one response per sample (no multi-turn agent loop yet): the job "
-           "would silently become single-turn"),
-    _ignored("actor_rollout_ref.rollout.multi_turn.*",
-             "only with multi_turn.enable=True, which rlbus refuses"),
+    _alias("actor_rollout_ref.rollout.agent.default_agent_loop",
+           "rollout.agent.default_agent_loop",
+           "single_turn_agent or tool_agent, for records without agent_name"),
+    _fixed("actor_rollout_ref.rollout.agent.agent_loop_config_path", (None,),
+           "rlbus's agent loops are single_turn_agent and tool_agent; a custom loop class "
+           "is not run"),
+    _ignored("actor_rollout_ref.rollout.agent.*", _INFRA),
+    *(
+        _alias(f"actor_rollout_ref.rollout.multi_turn.{leaf}", f"rollout.multi_turn.{leaf}",
+               "conversations with tools (docs/agents.md)")
+        for leaf in ("enable", "max_assistant_turns", "max_user_turns", "max_parallel_calls",
+                     "max_tool_response_length", "tool_response_truncate_side",
+                     "tool_config_path", "function_tool_path", "format")
+    ),
+    _fixed("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", (False,),
+           "a conversation trains on the tokens generated, as verl's default"),
+    _fixed("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", (None,),
+           "each response is one conversation"),
+    _ignored("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode",
+             "tool turns are rendered once, never re-tokenized"),
+    _ignored("actor_rollout_ref.rollout.multi_turn.*", _INFRA),
     _ignored("actor_rollout_ref.rollout.trace.*", _INFRA),
     # ---- the model, the reference policy, the hybrid engine
     VerlKey("actor_rollout_ref.model.path", "alias",
@@ -314,11 +330,12 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("data.trust_remote_code", _INFRA),
     _ignored("data.tokenizer", "the tokenizer is model.path's"),
     _fixed("data.custom_cls.path", (None,),
-           "rlbus reads verl's record layout (RLHFDataset's); a custom dataset class is not "
-           "run"),
+           "rlbus reads verl's record layout (RLHFDataset's, agent_name included) and runs no "
+           "dataset class: one in verl's interface subclasses verl's RLHFDataset, which needs "
+           "verl; write the records it makes to parquet instead"),
     _ignored("data.custom_cls.*", "only with data.custom_cls.path (refused)"),
-    _ignored("data.tool_config_path", "rlbus has no multi-turn rollout"),
-    _ignored("data.function_tool_path", "rlbus has no multi-turn rollout"),
+    _ignored("data.tool_config_path", _TOOLS_IN_PROMPT),
+    _ignored("data.function_tool_path", _TOOLS_IN_PROMPT),
     _ignored("data.image_key", _MM),
     _ignored("data.video_key", _MM),
     _ignored("data.audio_key", _MM),

@@ -454,6 +454,9 @@ class PromptTicket(_Base, frozen=True):
     (:func:`prompt_digest`), written by the trainer that issues the ticket: a sample whose
     ``prompt_tokens`` digest otherwise is not trained. Empty: not known (older logs, or a
     text prompt the issuer could not encode)."""
+    agent_name: str = ""
+    """verl data: the record's agent loop (``tool_agent``: a conversation with tools, with
+    ``rollout.multi_turn.enable``); empty: a single response."""
 
 
 class Sample(_Base, frozen=True):
@@ -495,6 +498,16 @@ class Sample(_Base, frozen=True):
     the tokens the policy did not generate (a tool's output, a user turn appended to the
     conversation), which are context for the tokens after them but never trained. None:
     every response token was generated (a single-turn response)."""
+    num_turns: int = 0
+    """verl's ``num_turns`` of a multi-turn response (user turns + assistant turns + 1, the
+    ``num_turns/*`` metrics); 0: a single-turn response."""
+    tool_calls: int = 0
+    """Tool calls the conversation made (``tool_call_counts/*``); of them ``tool_failures``
+    ended in an error the model was told (unknown tool, bad arguments, raised, timed out)."""
+    tool_failures: int = 0
+    turn_versions: list[int] = []
+    """The weights version each assistant turn of the conversation ended on, in order
+    (between ``min_version`` and ``max_version``); empty for a single-turn response."""
 
 
 class ValidationRequested(_Base, frozen=True):

@@ -24,6 +24,7 @@ class Prompt(NamedTuple):
     data_source: str = ""  # verl data: the record's data_source
     ground_truth: Any = None  # verl data: reward_model.ground_truth as stored
     extra_info: dict[str, Any] | None = None  # verl data: the record's extra_info
+    agent_name: str = "single_turn_agent"  # verl data: the record's agent loop
 
 
 @runtime_checkable

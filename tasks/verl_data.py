@@ -38,6 +38,8 @@ from runconfig import ConfigError
 from tasks import Prompt
 
 __all__ = [
+    "AGENT_LOOPS",
+    "AgentOptions",
     "VerlPrompts",
     "VerlRecord",
     "check_data",
@@ -63,6 +65,27 @@ class VerlRecord(NamedTuple):
     data_source: str
     ground_truth: Any
     extra_info: dict[str, Any] | None
+    agent_name: str = "single_turn_agent"
+    """verl's agent loop of the record: its ``agent_name`` column, else
+    ``rollout.agent.default_agent_loop``; a ``tool_agent`` prompt is rendered with the tools'
+    schemas and generated as a conversation (rollout.multi_turn)."""
+
+
+AGENT_LOOPS = ("single_turn_agent", "tool_agent")
+"""verl's agent loops rlbus runs (a record's ``agent_name``)."""
+
+
+class AgentOptions(NamedTuple):
+    """How records become prompts of an agent loop: ``default`` for records without
+    ``agent_name``; ``tools``: the tools' OpenAI schemas a ``tool_agent`` prompt is rendered
+    with (the chat template's ``tools=``)."""
+
+    default: str = "single_turn_agent"
+    tools: tuple[dict[str, Any], ...] = ()
+
+
+SINGLE_TURN = AgentOptions()
+"""Every record a single response unless it says otherwise, no tools."""
 
 
 class _Row(NamedTuple):
@@ -270,8 +293,10 @@ def _renderer(tokenizer: Any, data_cfg: Any, key: str) -> Any:
                                "data.apply_chat_template_kwargs.chat_template, as verl asks)")
     options = {"add_generation_prompt": True, **kwargs, "tokenize": False}
 
-    def render(messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        text = hf.apply_chat_template(messages, **options)
+    def render(messages: list[dict[str, Any]],
+               tools: Sequence[dict[str, Any]] = ()) -> tuple[str, list[int]]:
+        with_tools = {**options, "tools": [dict(t) for t in tools]} if tools else options
+        text = hf.apply_chat_template(messages, **with_tools)
         return text, list(hf.encode(text, add_special_tokens=False))
 
     return render
@@ -292,7 +317,7 @@ def _select(rows: list[_Row], max_samples: int, data_cfg: Any) -> list[_Row]:
 
 
 def load_records(files: str | Sequence[str], data_cfg: Any, tokenizer: Any, *,
-                 split: str) -> list[VerlRecord]:
+                 split: str, agent: AgentOptions = SINGLE_TURN) -> list[VerlRecord]:
     """The records of ``files`` (split ``train`` or ``val``: which max_samples applies and
     which key errors name), rendered, filtered and truncated as verl does. Blocking."""
     key = _SPLIT_KEYS[split]
@@ -309,7 +334,7 @@ def load_records(files: str | Sequence[str], data_cfg: Any, tokenizer: Any, *,
     records: list[VerlRecord] = []
     longest = 0
     for row in rows:
-        record = _record(row, data_cfg, render, key, len(records))
+        record = _record(row, data_cfg, render, key, len(records), agent)
         if record is None:
             continue  # filtered: longer than max_prompt_length
         longest = max(longest, len(record.prompt_ids))
@@ -321,10 +346,12 @@ def load_records(files: str | Sequence[str], data_cfg: Any, tokenizer: Any, *,
     return records
 
 
-def _record(row: _Row, data_cfg: Any, render: Any, key: str, index: int) -> VerlRecord | None:
+def _record(row: _Row, data_cfg: Any, render: Any, key: str, index: int,
+            agent: AgentOptions) -> VerlRecord | None:
     messages, source, truth, extra = _fields(row, data_cfg, key)
+    loop = _agent_name(row, key, agent.default)
     try:
-        text, ids = render(messages)
+        text, ids = render(messages, agent.tools if loop == "tool_agent" else ())
     except Exception as exc:  # a template's error is the record's fault: name it
         raise ConfigError(key, f"{row.file}: {row.where}: the chat template fails on its "
                                f"'{data_cfg.prompt_key}': {type(exc).__name__}: {exc}") from None
@@ -338,7 +365,18 @@ def _record(row: _Row, data_cfg: Any, render: Any, key: str, index: int) -> Verl
                                f"longer than data.max_prompt_length={limit} "
                                "(data.truncation=error; or set data.filter_overlong_prompts="
                                "true, or truncation left/right/middle)") from None
-    return VerlRecord(index, ids, text, source, truth, extra)
+    return VerlRecord(index, ids, text, source, truth, extra, loop)
+
+
+def _agent_name(row: _Row, key: str, default: str) -> str:
+    """The record's agent loop: its ``agent_name`` (verl's column), else ``default``."""
+    name = row.data.get("agent_name")
+    if name is None or name == "":
+        return default
+    if name not in AGENT_LOOPS:
+        raise ConfigError(key, f"{row.file}: {row.where}: agent_name {name!r} is not an agent "
+                               f"loop rlbus runs ({', '.join(AGENT_LOOPS)})")
+    return str(name)
 
 
 # ---------------------------------------------------------------------------- run config
@@ -356,7 +394,24 @@ def _cache_key(cfg: Any, split: str) -> tuple[Any, ...]:
             stats.append((path, st.st_mtime_ns, st.st_size))
         except OSError:
             stats.append((path, None, None))
-    return (split, tuple(stats), msgspec.json.encode(cfg.data), cfg.model.kind, cfg.model.path)
+    return (split, tuple(stats), msgspec.json.encode(cfg.data), cfg.model.kind, cfg.model.path,
+            msgspec.json.encode(cfg.rollout.multi_turn), cfg.rollout.agent.default_agent_loop)
+
+
+def agent_options(cfg: Any) -> AgentOptions:
+    """How the run's records become prompts of an agent loop: ``rollout.agent``'s default
+    loop, and the tools' schemas (``rollout.multi_turn``, loaded: a bad tool config is a
+    ConfigError naming its key)."""
+    from agent.toolbox import ToolConfigError, tool_schemas
+
+    multi_turn = cfg.rollout.multi_turn
+    try:
+        tools = tool_schemas(multi_turn)
+    except ToolConfigError as exc:
+        raise ConfigError(exc.key.removeprefix("actor_rollout_ref."), str(exc)) from None
+    except ValueError as exc:
+        raise ConfigError("rollout.multi_turn.tool_config_path", str(exc)) from None
+    return AgentOptions(cfg.rollout.agent.default_agent_loop, tools)
 
 
 def records_for(cfg: Any, split: str, tokenizer: Any = None) -> list[VerlRecord]:
@@ -372,7 +427,7 @@ def records_for(cfg: Any, split: str, tokenizer: Any = None) -> list[VerlRecord]
         if len(_CACHE) >= 4:  # a long-lived process reloading other configs (tests)
             _CACHE.clear()
         _CACHE[key] = load_records(getattr(cfg.data, f"{split}_files"), cfg.data, tokenizer,
-                                   split=split)
+                                   split=split, agent=agent_options(cfg))
     return _CACHE[key]
 
 
@@ -407,6 +462,7 @@ def check_data(cfg: Any) -> set[str]:
     from tasks.rewards import check_scorers
 
     d = cfg.data
+    agent_options(cfg)  # the tool files load (a bad one exits 2 naming its key)
     if d.train_files is None and d.val_files is None:
         check_scorers(cfg, ())  # the reward settings alone (a reward file that cannot load)
         return set()
@@ -486,7 +542,7 @@ class VerlPrompts:
         r = self.records[self.order(epoch)[i]]
         answer = "" if r.ground_truth is None else str(r.ground_truth)
         return Prompt(f"p{index}", r.text, answer, list(r.prompt_ids), r.data_source,
-                      r.ground_truth, r.extra_info)
+                      r.ground_truth, r.extra_info, r.agent_name)
 
     def next(self) -> Prompt:
         p = self.get(self.index)

@@ -42,8 +42,18 @@ def test_nulls_and_bare_binary_names_are_kept() -> None:
 @pytest.mark.parametrize("key", PATH_KEYS)
 def test_every_path_key_names_a_config_field(key: str) -> None:
     cfg = load_config(None, [], on_warning=lambda _m: None)
-    section, field = key.split(".")
-    assert hasattr(getattr(cfg, section), field)
+    *sections, field = key.split(".")
+    for name in sections:
+        cfg = getattr(cfg, name)
+    assert hasattr(cfg, field)
+
+
+def test_nested_path_keys_become_absolute() -> None:
+    cfg = load_config(None, ["rollout.multi_turn.tool_config_path=tools.yaml"],
+                      on_warning=lambda _m: None)
+    out = absolute_paths(cfg, Path("/work/here"))
+    assert out.rollout.multi_turn.tool_config_path == "/work/here/tools.yaml"
+    assert out.rollout.multi_turn.function_tool_path is None
 
 
 def test_storage_paths_become_absolute_and_urls_are_kept() -> None:

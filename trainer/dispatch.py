@@ -164,6 +164,7 @@ class Dispatch:
             prompt_ids=prompt.prompt_ids, data_source=prompt.data_source,
             ground_truth=prompt.ground_truth, extra_info=prompt.extra_info,
             prompt_digest=self._digest(index, prompt),
+            agent_name="" if prompt.agent_name == "single_turn_agent" else prompt.agent_name,
         )
 
     def digest(self, index: int) -> str:

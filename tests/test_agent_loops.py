@@ -1,0 +1,298 @@
+"""Conversations with tools (rollout.multi_turn) in both rollout loops, driven as
+tests/test_rollout_loops.py drives them (parts in memory, no Redis, no processes), with a
+real Hugging Face tokenizer and chat template (tasks.agentdemo), the built-in calculator
+tool loaded from a verl tool config, and a scripted engine whose every assistant turn is
+the next line of a script: a conversation's tokens, mask and versions are checked token by
+token against what the chat template writes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from policy import EosIds, Generation
+from rollouter.batch import BatchRollout
+from rollouter.context import RolloutContext, RolloutLoop
+from rollouter.continuous import ContinuousRollout
+from rollouter.conversations import Conversations
+from rollouter.engine import Delta
+from rollouter.scoring import Score, ScoreItem
+from runconfig import Config, load_config
+from runschema.messages import Event, PromptTicket
+from tasks.agentdemo import build_model
+from tests.test_rollout_loops import (
+    BOUND_S,
+    KEYS,
+    Present,
+    ScriptedLog,
+    ScriptedSource,
+    _weights,
+)
+
+pytestmark = pytest.mark.asyncio
+
+CALL = '<tool_call>{{"name": "{tool}", "arguments": {{"expression": "{expr}"}}}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("agent") / "model")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Any:
+    from policy.text import HFTokenizer
+
+    return HFTokenizer(model_dir)
+
+
+class GatedTool:
+    """A tool (verl's interface) that answers only once :data:`GATE` is set: a conversation
+    held in its tool call while the test watches the others."""
+
+    def __init__(self, config: dict[str, Any], tool_schema: dict[str, Any] | None) -> None:
+        self.name = "slow"
+        self.tool_schema = tool_schema or {"type": "function", "function": {
+            "name": "slow", "description": "waits", "parameters": {"type": "object",
+                                                                    "properties": {}}}}
+
+    async def create(self, instance_id: str | None = None, **kwargs: Any) -> Any:
+        return "i", None
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kw: Any) -> Any:
+        await asyncio.to_thread(GATE.wait, BOUND_S)
+        return "late", 0.0, {}
+
+    async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        return 0.0
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        pass
+
+
+GATE = threading.Event()
+
+
+@dataclass
+class Rewards:
+    """Records what the reward function is given; reward 1 when the text names the truth."""
+
+    items: list[ScoreItem] = field(default_factory=list)
+    failures: int = 0
+    timeouts: int = 0
+
+    async def score(self, items: list[ScoreItem]) -> list[Score]:
+        self.items += items
+        return [Score(float(str(i.ground_truth) in i.solution_str), {}, 0.0, False)
+                for i in items]
+
+    def take_warning(self) -> str | None:
+        return None
+
+    def fails_ticket(self, data_source: str) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class ScriptedEngine:
+    """Assistant turn ``k`` of a conversation (``k`` = tool answers in its context so far)
+    is ``script[prompt][k]`` followed by the turn's end, cut to the tokens asked for;
+    log-prob -0.5 each. Batch (generate) and streaming (submit/advance) alike."""
+
+    tok: Any
+    script: dict[str, list[str]]
+    name: str = "scripted"
+    version: int = -1
+    steps: int = 0
+    streamed: dict[str, list[int]] = field(default_factory=dict)
+    submitted: list[tuple[str, int]] = field(default_factory=list)  # key, version
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.tok.eos_id,)
+
+    def _turn(self, context: Sequence[int]) -> list[int]:
+        text = self.tok.hf.decode(list(context))
+        question = next(q for q in self.script if q in text)
+        k = text.count("<tool_response>")
+        lines = self.script[question]
+        return [*self.tok.hf.encode(lines[min(k, len(lines) - 1)], add_special_tokens=False),
+                self.tok.eos_id]
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 temperature: float = 1.0, eos_id: EosIds = None, *,
+                 generator: torch.Generator | None = None, top_p: float = 1.0,
+                 top_k: int = -1) -> Generation:
+        out = [self._turn(p)[:max_new_tokens] for p in prompts]
+        self.steps += 1
+        return Generation(out, [np.full(len(t), -0.5, np.float32) for t in out],
+                          [bool(t) and t[-1] == self.tok.eos_id for t in out])
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.streamed)
+
+    def submit(self, key: str, prompt: Sequence[int], max_new_tokens: int,
+               temperature: float, eos_id: EosIds, *, generator: torch.Generator | None,
+               top_p: float, top_k: int) -> None:
+        self.streamed[key] = self._turn(prompt)[:max_new_tokens]
+        self.submitted.append((key, self.version))
+
+    def advance(self, max_steps: int) -> list[Delta]:
+        self.steps += 1
+        out = [Delta(k, t, [-0.5] * len(t), True) for k, t in self.streamed.items()]
+        self.streamed.clear()
+        return out
+
+    def abort(self) -> list[Delta]:
+        self.streamed.clear()
+        return []
+
+    def cancel(self, keys: Sequence[str]) -> None:
+        for k in keys:
+            self.streamed.pop(k, None)
+
+    def load_state(self, state: Any, version: int) -> None:
+        self.version = version
+
+    def close(self) -> None:
+        pass
+
+
+async def _off(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    await asyncio.sleep(0)
+    return fn(*args, **kwargs)
+
+
+@dataclass
+class Harness:
+    cfg: Config
+    source: ScriptedSource
+    log: ScriptedLog
+    engine: ScriptedEngine
+    ctx: RolloutContext
+    rewards: Rewards
+
+    def loop(self, kind: str) -> RolloutLoop:
+        if kind == "continuous":
+            return ContinuousRollout(self.ctx, self.engine)
+        return BatchRollout(self.ctx, self.engine)
+
+    async def run(self, kind: str) -> None:
+        await asyncio.wait_for(self.ctx.weights.first(), BOUND_S)
+        try:
+            await asyncio.wait_for(self.loop(kind).run(), BOUND_S)
+            await self.ctx.tickets.delivered()
+        finally:
+            await self.ctx.stop()
+            assert self.ctx.conversations is not None
+            self.ctx.conversations.close()
+
+    def end_when(self, gate: Any) -> None:
+        from runschema.messages import RunFinished, StepFinished
+
+        self.log.add(StepFinished(step=1, sample_ids=[], metrics={}, duration_s=0.0),
+                     RunFinished(run_id="loops", steps=1), when=gate)
+
+
+def _harness(tmp_path: Path, model_dir: Path, tokenizer: Any, script: dict[str, list[str]],
+             *overrides: str) -> Harness:
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(
+        "tools:\n"
+        "  - class_name: agent.calculator.CalculatorTool\n    config: {}\n"
+        "  - class_name: tests.test_agent_loops.GatedTool\n    config: {}\n")
+    cfg = load_config(None, [
+        "trainer.total_training_steps=1", "rollout.prompts_per_batch=4",
+        "rollout.max_new_tokens=200", "rollout.weights_fetch_timeout_s=5", "model.kind=hf",
+        f"model.path={model_dir}", "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.tool_config_path={tools}", *overrides])
+    engine = ScriptedEngine(tokenizer, script)
+    source, log = ScriptedSource(), ScriptedLog()
+    events: list[Event] = []
+    rewards = Rewards()
+
+    async def publish(*msgs: Event) -> None:
+        events.extend(msgs)
+
+    async def fetch(msg: Any) -> Any:
+        return {"w": torch.full((1,), float(msg.version))}
+
+    async def load(state: Any, version: int) -> None:
+        await _off(engine.load_state, state, version)
+
+    async def nobody() -> list[str]:
+        return []
+
+    async def nothing() -> None:
+        pass
+
+    ctx = RolloutContext(
+        cfg, rank=0, keys=KEYS, tokenizer=tokenizer, generator=torch.Generator(), off=_off,
+        source=source, log=log, trainer=Present(), fetch=fetch, load=load,
+        stranded=lambda msg: False, find_dead=nobody, publish=publish,
+        complain=lambda text: None, commands=nothing, profiler=lambda: None, rewards=rewards)
+    ctx.conversations = Conversations.build(cfg, tokenizer, off=_off)
+    log.add(_weights(0))
+    return Harness(cfg, source, log, engine, ctx, rewards)
+
+
+def _ticket(tid: str, question: str, tokenizer: Any, truth: str, n: int = 1) -> PromptTicket:
+    text = tokenizer.hf.apply_chat_template([{"role": "user", "content": question}],
+                                            add_generation_prompt=True, tokenize=False)
+    return PromptTicket(ticket_id=tid, prompt_id=tid, prompt=text, answer=truth, n=n,
+                        min_version=0, prompt_ids=tokenizer.hf.encode(text,
+                                                                     add_special_tokens=False),
+                        agent_name="tool_agent", extra_info={"index": 7})
+
+
+LOOPS = ["batch", "continuous"]
+TOOL_TURN = ("\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n"
+             "<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("kind", LOOPS)
+async def test_a_three_turn_conversation_is_one_sample_its_mask_exact(
+        kind: str, tmp_path: Path, model_dir: Path, tokenizer: Any) -> None:
+    turns = [CALL.format(tool="calculator", expr="2+3"),
+             CALL.format(tool="calculator", expr="5*7"), "The answer is 35."]
+    h = _harness(tmp_path, model_dir, tokenizer, {"What is (2+3)*7?": turns})
+    entry = h.source.add(_ticket("a", "What is (2+3)*7?", tokenizer, "35"))
+    h.end_when(lambda: h.source.answered(entry))
+    await h.run(kind)
+
+    (sample,) = h.source.samples()["a"]
+    enc = tokenizer.hf.encode
+    eos = tokenizer.eos_id
+    parts = [([*enc(turns[0], add_special_tokens=False), eos], 1),
+             (enc(TOOL_TURN.format("5"), add_special_tokens=False), 0),
+             ([*enc(turns[1], add_special_tokens=False), eos], 1),
+             (enc(TOOL_TURN.format("35"), add_special_tokens=False), 0),
+             ([*enc(turns[2], add_special_tokens=False), eos], 1)]
+    tokens = [t for ids, _ in parts for t in ids]
+    mask = [m for ids, m in parts for _ in ids]
+    assert sample.response_tokens.numpy().tolist() == tokens
+    assert sample.response_mask is not None
+    assert sample.response_mask.numpy().tolist() == mask
+    assert sample.logprobs.numpy().tolist() == [-0.5 if m else 0.0 for m in mask]
+    assert (sample.num_turns, sample.tool_calls, sample.tool_failures) == (6, 2, 0)
+    assert sample.turn_versions == [0, 0, 0]
+    assert (sample.min_version, sample.max_version, sample.finish_reason) == (0, 0, "eos")
+    assert sample.reward == 1.0
+    # The reward function reads the whole conversation and verl's extra_info additions.
+    (item,) = h.rewards.items
+    assert item.solution_str == tokenizer.hf.decode(tokens, skip_special_tokens=True)
+    assert "<tool_response>\n35\n</tool_response>" in item.solution_str
+    assert item.extra_info == {"index": 7, "num_turns": 6, "tool_rewards": [0.0, 0.0],
+                               "turn_scores": []}
