@@ -173,8 +173,12 @@ class BatchRollout:
             turned = [s for s in seqs if s.dialogue is not None and not s.dialogue.over]
             if not turned:
                 return
+            # A sync waits for turns, not for whole conversations: weights published by now
+            # are fetched while the tools run, and loaded before the next turns.
+            await self.ctx.events.poll()
             going = await asyncio.gather(*(talks.after_turn(s) for s in turned))
             if any(going):
+                await self.ctx.weights.swap(wait=False)
                 await self.generate_turn(seqs)
 
     async def generate_turn(self, seqs: list[Seq]) -> None:

@@ -26,7 +26,7 @@ from rollouter.conversations import Conversations
 from rollouter.engine import Delta
 from rollouter.scoring import Score, ScoreItem
 from runconfig import Config, load_config
-from runschema.messages import Event, PromptTicket
+from runschema.messages import Event, PromptTicket, Sample
 from tasks.agentdemo import build_model
 from tests.test_rollout_loops import (
     BOUND_S,
@@ -36,8 +36,6 @@ from tests.test_rollout_loops import (
     ScriptedSource,
     _weights,
 )
-
-pytestmark = pytest.mark.asyncio
 
 CALL = '<tool_call>{{"name": "{tool}", "arguments": {{"expression": "{expr}"}}}}</tool_call>'
 
@@ -55,11 +53,14 @@ def tokenizer(model_dir: Path) -> Any:
 
 
 class GatedTool:
-    """A tool (verl's interface) that answers only once :data:`GATE` is set: a conversation
-    held in its tool call while the test watches the others."""
+    """A tool (verl's interface) that answers only once its ``gate`` is set: a conversation
+    held in its tool call while the test watches the others. (Loaded by its dotted name,
+    this module may be a second copy of the test's: the test reaches the instance the
+    toolbox holds, :func:`_gate`.)"""
 
     def __init__(self, config: dict[str, Any], tool_schema: dict[str, Any] | None) -> None:
         self.name = "slow"
+        self.gate = threading.Event()
         self.tool_schema = tool_schema or {"type": "function", "function": {
             "name": "slow", "description": "waits", "parameters": {"type": "object",
                                                                     "properties": {}}}}
@@ -68,7 +69,7 @@ class GatedTool:
         return "i", None
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kw: Any) -> Any:
-        await asyncio.to_thread(GATE.wait, BOUND_S)
+        await asyncio.to_thread(self.gate.wait, BOUND_S)
         return "late", 0.0, {}
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
@@ -78,7 +79,11 @@ class GatedTool:
         pass
 
 
-GATE = threading.Event()
+def _gate(h: Harness) -> threading.Event:
+    """The gate of the GatedTool the harness's toolbox holds."""
+    assert h.ctx.conversations is not None
+    gate: threading.Event = h.ctx.conversations.toolbox._tools["slow"].gate
+    return gate
 
 
 @dataclass
@@ -262,6 +267,7 @@ TOOL_TURN = ("\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|
              "<|im_start|>assistant\n")
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("kind", LOOPS)
 async def test_a_three_turn_conversation_is_one_sample_its_mask_exact(
         kind: str, tmp_path: Path, model_dir: Path, tokenizer: Any) -> None:
@@ -296,3 +302,118 @@ async def test_a_three_turn_conversation_is_one_sample_its_mask_exact(
     assert "<tool_response>\n35\n</tool_response>" in item.solution_str
     assert item.extra_info == {"index": 7, "num_turns": 6, "tool_rewards": [0.0, 0.0],
                                "turn_scores": []}
+
+
+def test_a_steps_conversations_give_verls_turn_and_tool_call_figures() -> None:
+    from runschema.messages import Array
+    from trainer.metrics import conversation_metrics
+
+    def sample(turns: int, calls: int, failures: int) -> Any:
+        ids = Array.of(np.zeros(3, np.int32))
+        return Sample(sample_id="s", ticket_id="t", prompt_id="p", index=0, n=1,
+                      prompt_tokens=ids, response_tokens=ids,
+                      logprobs=Array.of(np.zeros(3, np.float32)), reward=0.0, min_version=0,
+                      max_version=0, num_turns=turns, tool_calls=calls, tool_failures=failures)
+
+    assert conversation_metrics([sample(0, 0, 0)]) == {}
+    got = conversation_metrics([sample(6, 2, 1), sample(0, 0, 0), sample(4, 2, 0)])
+    assert got == {"num_turns/mean": 4.0, "num_turns/max": 6.0, "num_turns/min": 2.0,
+                   "tool_call_counts/mean": 4 / 3, "tool_call_counts/max": 2.0,
+                   "tool_call_counts/min": 0.0, "tool_calls/failure_ratio": 0.25}
+
+
+async def _after(gate: Any, then: Any) -> None:
+    """``then()`` once ``gate()`` holds (polled on the loop, bounded)."""
+    for _ in range(int(BOUND_S / 0.005)):
+        if gate():
+            then()
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the gate never opened")
+
+
+@pytest.mark.asyncio
+async def test_a_conversation_in_its_tool_call_holds_back_no_other(
+        tmp_path: Path, model_dir: Path, tokenizer: Any) -> None:
+    h = _harness(tmp_path, model_dir, tokenizer, {
+        "Wait for it": ['<tool_call>{"name": "slow", "arguments": {}}</tool_call>', "Done 1."],
+        "What is 6*7?": [CALL.format(tool="calculator", expr="6*7"), "It is 42."]})
+    slow = h.source.add(_ticket("slow", "Wait for it", tokenizer, "1"))
+    fast = h.source.add(_ticket("fast", "What is 6*7?", tokenizer, "42"))
+    h.end_when(lambda: h.source.answered(slow, fast))
+    seen: list[bool] = []
+    release = asyncio.create_task(_after(lambda: h.source.answered(fast),
+                                         lambda: (seen.append(h.source.answered(slow)),
+                                                  _gate(h).set())))
+    await h.run("continuous")
+    await release
+    # The fast conversation made both its turns and went out while the slow one was still
+    # in its tool call; then the slow one ended too.
+    assert seen == [False]
+    by = h.source.samples()
+    assert by["fast"][0].reward == 1.0 and by["fast"][0].num_turns == 4
+    assert by["slow"][0].num_turns == 4 and by["slow"][0].tool_failures == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("kind", "partial"), [("batch", False), ("continuous", False),
+                                               ("continuous", True)])
+async def test_weights_that_come_during_a_tool_call_generate_the_next_turn(
+        kind: str, partial: bool, tmp_path: Path, model_dir: Path, tokenizer: Any) -> None:
+    h = _harness(tmp_path, model_dir, tokenizer, {
+        "Wait for it": ['<tool_call>{"name": "slow", "arguments": {}}</tool_call>', "Done."]},
+        f"async_training.partial_rollout={str(partial).lower()}")
+    entry = h.source.add(_ticket("a", "Wait for it", tokenizer, "Done"))
+    h.log.add(_weights(1), when=lambda: h.engine.steps >= 1)
+    h.end_when(lambda: h.source.answered(entry))
+    release = asyncio.create_task(_after(
+        lambda: h.ctx.weights.ready() or h.ctx.weights.version == 1, _gate(h).set))
+    await h.run(kind)
+    await release
+    (sample,) = h.source.samples()["a"]
+    # docs/agents.md: a sync waits for the turn under way, not for the conversation.
+    assert sample.turn_versions == [0, 1]
+    assert (sample.min_version, sample.max_version) == (0, 1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", LOOPS)
+async def test_turn_limits_budget_and_failed_calls_end_conversations_as_verl(
+        kind: str, tmp_path: Path, model_dir: Path, tokenizer: Any) -> None:
+    loop_forever = [CALL.format(tool="calculator", expr="1+1")]
+    h = _harness(tmp_path, model_dir, tokenizer, {
+        "Loop": loop_forever,
+        "Bad": ['<tool_call>{"name": "nope", "arguments": {}}</tool_call>', "Sorry."],
+        "Broken": ['<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}'
+                   "</tool_call>", "Sorry."]},
+        "rollout.multi_turn.max_assistant_turns=3")
+    entries = [h.source.add(_ticket(t, t, tokenizer, "x")) for t in ("Loop", "Bad", "Broken")]
+    h.end_when(lambda: h.source.answered(*entries))
+    await h.run(kind)
+    by = {tid: s for tid, (s,) in h.source.samples().items()}
+    # max_assistant_turns=3: the third turn's call is not run.
+    assert (by["Loop"].num_turns, by["Loop"].tool_calls) == (6, 2)
+    assert sum(by["Loop"].response_mask.numpy()) == 3 * (len(tokenizer.hf.encode(
+        loop_forever[0], add_special_tokens=False)) + 1)
+    # An unknown tool is told to the model, counted as a failure; the conversation goes on.
+    assert (by["Bad"].num_turns, by["Bad"].tool_calls, by["Bad"].tool_failures) == (4, 1, 1)
+    text = tokenizer.hf.decode(by["Bad"].response_tokens.numpy().tolist())
+    assert "Unknown function 'nope'" in text
+    assert by["Broken"].tool_calls == 1
+
+
+@pytest.mark.asyncio
+async def test_a_tool_turn_that_would_fill_the_budget_ends_the_conversation(
+        tmp_path: Path, model_dir: Path, tokenizer: Any) -> None:
+    call = CALL.format(tool="calculator", expr="2+2")
+    used = len(tokenizer.hf.encode(call, add_special_tokens=False)) + 1
+    h = _harness(tmp_path, model_dir, tokenizer, {"Q": [call, "Four."]},
+                 f"rollout.max_new_tokens={used + 5}")
+    entry = h.source.add(_ticket("a", "Q", tokenizer, "4"))
+    h.end_when(lambda: h.source.answered(entry))
+    await h.run("batch")
+    (sample,) = h.source.samples()["a"]
+    # verl: the tool turn is not appended when the response would reach response_length.
+    assert len(sample.response_tokens) == used
+    assert (sample.num_turns, sample.tool_calls) == (2, 1)
+    assert sample.response_mask.numpy().tolist() == [1] * used

@@ -32,6 +32,10 @@ definitions (verl/trainer/ppo/metric_utils.py ``compute_data_metrics`` and
   (``data.max_prompt_length``), ``perf/total_num_tokens|time_per_step|throughput``
   (``compute_throughout_metrics``: tokens per second of the step's window and device),
   ``timing_per_token_ms/gen|update_actor``, ``training/global_step|epoch``.
+- with conversations (rollout.multi_turn): ``num_turns/mean|max|min`` and
+  ``tool_call_counts/mean|max|min`` (:func:`conversation_metrics`). A conversation's
+  ``response_length`` counts every token after the prompt, tool answers included, as verl's
+  (its attention mask over the response); the loss trains the assistant tokens only.
 
 :func:`critic_metrics` (called by the update, which has the advantages) adds
 ``critic/score|rewards|advantages|returns/*``; :class:`AsyncCounts` and
@@ -55,8 +59,8 @@ from trainer.state import RUNNING_COUNTS
 if TYPE_CHECKING:
     from trainer.health import Health
 
-__all__ = ["AsyncCounts", "StaleWindow", "StepMeter", "StepShape", "critic_metrics",
-           "step_gauges", "verl_step_metrics"]
+__all__ = ["AsyncCounts", "StaleWindow", "StepMeter", "StepShape", "conversation_metrics",
+           "critic_metrics", "step_gauges", "verl_step_metrics"]
 
 
 class StepMeter:
@@ -229,11 +233,27 @@ def verl_step_metrics(samples: Sequence[Sample], shape: StepShape) -> dict[str, 
         "perf/throughput": (total / (shape.duration_s * max(shape.devices, 1))
                             if shape.duration_s > 0 else 0.0),
     }
+    metrics.update(conversation_metrics(samples))
     if response_tokens:
         metrics["timing_per_token_ms/gen"] = gen_s * 1000 / response_tokens
     if total:
         metrics["timing_per_token_ms/update_actor"] = shape.update_s * 1000 / total
     return metrics
+
+
+def conversation_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """verl's ``num_turns/*`` and ``tool_call_counts/*`` of a step with conversations
+    (rollout.multi_turn): a single response counts 2 turns, as verl's single-turn agent
+    loop says; and rlbus's ``tool_calls/failure_ratio``, the share of the step's tool calls
+    that ended in an error the model was told. None without conversations."""
+    if not any(s.num_turns for s in samples):
+        return {}
+    calls = [s.tool_calls for s in samples]
+    out = {**_stats("num_turns", [s.num_turns or 2 for s in samples]),
+           **_stats("tool_call_counts", calls)}
+    if sum(calls):
+        out["tool_calls/failure_ratio"] = sum(s.tool_failures for s in samples) / sum(calls)
+    return out
 
 
 class AsyncCounts:
