@@ -137,8 +137,9 @@ class Rollouter(Component):
         except ConfigError as exc:
             raise BadRewardConfig(str(exc)) from None
         try:  # loading a tool may import a user's file: off the loop
-            self.context.conversations = await asyncio.to_thread(
-                Conversations.build, self.cfg, self.tokenizer, off=self.off)
+            talks = await asyncio.to_thread(Conversations.build, self.cfg, self.tokenizer,
+                                            off=self.off)
+            self.context.conversations = self.context.validations.conversations = talks
         except ValueError as exc:  # ToolConfigError among them
             raise BadToolConfig(f"rollout.multi_turn: {exc}") from None
 

@@ -28,12 +28,13 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 
 from policy.text import TextTokenizer
+from rollouter.answers import Seq
 from rollouter.engine import Engine, Off
 from rollouter.events import EventPoller
 from rollouter.scoring import Scorer
@@ -41,13 +42,35 @@ from rollouter.tickets import TicketDesk, TicketSource
 from rollouter.weights import WeightsHolder
 from runconfig import Config
 from runconfig.paths import record_dir
-from runschema.messages import ValidationFinished, ValidationRequested
+from runschema.messages import PromptTicket, ValidationFinished, ValidationRequested
 from runtime import Failure
 from storage.record import write_validation
 from tasks.valmetrics import validation_metrics
 
-__all__ = ["GEN_SEED", "ValidationServer", "Validator", "build_validator", "sampling",
+if TYPE_CHECKING:  # rollouter.conversations builds on this module's neighbours
+    from rollouter.conversations import Conversations
+
+__all__ = ["GEN_SEED", "Answer", "ValidationServer", "Validator", "build_validator", "sampling",
            "val_generate"]
+
+class Answer(NamedTuple):
+    """One validation response: its record, its text, its length in tokens, and the
+    ``extra_info`` its score is given (None: the record's)."""
+
+    record: Any
+    text: str
+    length: int
+    extra_info: dict[str, Any] | None = None
+
+
+def _ticket_of(record: Any, n: int) -> PromptTicket:
+    """A validation record as the ticket a conversation is made from (its agent loop, its
+    tools' per-sample arguments)."""
+    return PromptTicket(ticket_id=f"val{record.index}", prompt_id=f"val{record.index}",
+                        prompt=record.text, answer="", n=n, min_version=0,
+                        prompt_ids=list(record.prompt_ids), extra_info=record.extra_info,
+                        agent_name=getattr(record, "agent_name", ""))
+
 
 GEN_SEED = 42
 """verl's seed of the logged generations' shuffle (``_maybe_log_val_generations``)."""
@@ -92,7 +115,8 @@ class Validator:
     rollouter's own, :mod:`rollouter.scoring`)."""
 
     def __init__(self, records: Sequence[Any], score: ScoreFn, cfg: Config, tokenizer: Any,
-                 *, item: Callable[..., Any] | None = None) -> None:
+                 *, item: Callable[..., Any] | None = None,
+                 conversations: Conversations | None = None) -> None:
         if item is None:
             from rollouter.scoring import ScoreItem
 
@@ -102,13 +126,16 @@ class Validator:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.item = item
+        self.conversations = conversations
+        """The rollouter's multi-turn side: ``tool_agent`` records are validated as
+        conversations (verl validates through its agent loop too)."""
 
     def _batches(self) -> list[list[Any]]:
         size = self.cfg.rollout.prompts_per_batch
         return [self.records[i:i + size] for i in range(0, len(self.records), size)]
 
     def _generate(self, policy: Any, batch: list[Any],
-                  generator: torch.Generator | None) -> list[tuple[Any, str, int]]:
+                  generator: torch.Generator | None) -> list[Answer]:
         """(record, response text, response length) per response of ``batch`` (worker)."""
         n = self.cfg.rollout.val_kwargs.n
         prompts = [list(r.prompt_ids) for r in batch for _ in range(n)]
@@ -118,13 +145,63 @@ class Validator:
         tokens = val_generate(policy, prompts, self.cfg.rollout.max_new_tokens, eos or None,
                               sampling(self.cfg), generator)
         owners = [r for r in batch for _ in range(n)]
-        return [(r, self.tokenizer.decode(t), len(t)) for r, t in zip(owners, tokens,
-                                                                     strict=True)]
+        return [Answer(r, self.tokenizer.decode(t), len(t)) for r, t in zip(owners, tokens,
+                                                                           strict=True)]
 
-    def _items(self, done: list[tuple[Any, str, int]]) -> list[Any]:
-        return [self.item(data_source=r.data_source, solution_str=text,
-                          ground_truth=r.ground_truth, extra_info=r.extra_info,
-                          response_len=length) for r, text, length in done]
+    async def _converse(self, policy: Any, batch: list[Any], generator: torch.Generator | None,
+                        off: Off) -> list[Answer]:
+        """``batch``'s responses where some records are conversations (``tool_agent``): turn
+        by turn as the built-in engine's loop trains them, with validation's sampling."""
+        talks = self.conversations
+        assert talks is not None
+        n = self.cfg.rollout.val_kwargs.n
+        seqs = [talks.start(Seq(_ticket_of(r, n), i, list(r.prompt_ids), [], []))
+                for r in batch for i in range(n)]
+        owners = [r for r in batch for _ in range(n)]
+        while True:
+            await off(self._extend, policy, seqs, generator)
+            turned = [s for s in seqs if s.dialogue is not None and not s.dialogue.over]
+            if not turned or not any(await asyncio.gather(*(talks.after_turn(s)
+                                                            for s in turned))):
+                break
+        return await off(lambda: [self._answer(r, s) for r, s in zip(owners, seqs,
+                                                                     strict=True)])
+
+    def _extend(self, policy: Any, seqs: list[Seq], generator: torch.Generator | None) -> None:
+        """Every response not at the end of its turn, to that end (worker)."""
+        live = [s for s in seqs if not s.finished]
+        if not live:
+            return
+        budget = self.cfg.rollout.max_new_tokens
+        asked = budget - min(len(s.tokens) for s in live)
+        eos = {i for i in (getattr(self.tokenizer, "eos_id", None),
+                           *getattr(policy, "eos_ids", ())) if i is not None}
+        out = val_generate(policy, [s.prompt + s.tokens for s in live], asked,
+                           sorted(eos) or None, sampling(self.cfg), generator)
+        for s, toks in zip(live, out, strict=True):
+            s.tokens.extend(toks)
+            s.logprobs.extend([0.0] * len(toks))
+            s.finished = (bool(toks) and toks[-1] in eos) or len(toks) < asked \
+                or len(s.tokens) >= budget
+
+    def _answer(self, record: Any, s: Seq) -> Answer:
+        """A response as scored: a conversation's whole text and verl's extra_info."""
+        if s.dialogue is None:
+            return Answer(record, self.tokenizer.decode(s.tokens), len(s.tokens))
+        keep = min(len(s.tokens), self.cfg.rollout.max_new_tokens)
+        hf = getattr(self.tokenizer, "hf", None)
+        text = (hf.decode(s.tokens[:keep], skip_special_tokens=True) if hf is not None
+                else self.tokenizer.decode(s.tokens[:keep]))
+        d = s.dialogue
+        extra = {**(record.extra_info or {}), "num_turns": d.num_turns,
+                 "tool_rewards": list(d.tool_rewards), "turn_scores": []}
+        return Answer(record, str(text), keep, extra)
+
+    def _items(self, done: list[Answer]) -> list[Any]:
+        return [self.item(data_source=a.record.data_source, solution_str=a.text,
+                          ground_truth=a.record.ground_truth,
+                          extra_info=a.record.extra_info if a.extra_info is None
+                          else a.extra_info, response_len=a.length) for a in done]
 
     async def run(self, request: ValidationRequested, *, policy: Any, off: Off, version: int,
                   rank: int) -> ValidationFinished:
@@ -132,10 +209,14 @@ class Validator:
         weights ``version``), generation through ``off`` (the worker thread)."""
         t0 = time.monotonic()
         generator = _generator(policy, self.cfg.rollout.seed * 1000 + version)
-        done: list[tuple[Any, str, int]] = []
+        done: list[Answer] = []
         scoring: list[asyncio.Future[Sequence[Any]]] = []
         for batch in self._batches():
-            out = await off(self._generate, policy, batch, generator)
+            if self.conversations is not None and any(
+                    r.agent_name == "tool_agent" for r in batch):
+                out = await self._converse(policy, batch, generator, off)
+            else:
+                out = await off(self._generate, policy, batch, generator)
             done.extend(out)
             # Scored while the next batch generates.
             scoring.append(asyncio.ensure_future(self.score(self._items(out))))
@@ -147,7 +228,7 @@ class Validator:
             metrics=metrics, generations=self._logged(done, scores),
             duration_s=time.monotonic() - t0)
 
-    def _keep(self, step: int, version: int, rank: int, done: list[tuple[Any, str, int]],
+    def _keep(self, step: int, version: int, rank: int, done: list[Answer],
               scores: Sequence[Any]) -> None:
         """Every answer into the run's record (``run.record``; this node's record folder)
         and verl's ``trainer.validation_data_dir`` JSONL (``{step}.jsonl``); blocking. A
@@ -155,12 +236,12 @@ class Validator:
         columns: dict[str, list[Any]] = {
             "step": [step] * len(done), "version": [version] * len(done),
             "rank": [rank] * len(done),
-            "data_source": [r.data_source or "" for r, _, _ in done],
-            "prompt": [r.text for r, _, _ in done], "response": [t for _, t, _ in done],
+            "data_source": [r.data_source or "" for r, *_ in done],
+            "prompt": [r.text for r, *_ in done], "response": [a.text for a in done],
             "ground_truth": ["" if r.ground_truth is None else str(r.ground_truth)
-                             for r, _, _ in done],
+                             for r, *_ in done],
             "score": [float(s.reward) for s in scores],
-            "response_length": [length for _, _, length in done]}
+            "response_length": [a.length for a in done]}
         try:
             if self.cfg.run.record != "none":
                 write_validation(record_dir(self.cfg, self.cfg.run.id or ""), step, version,
@@ -171,23 +252,23 @@ class Validator:
             print(f"rollouter: validation v{version}'s answers not kept: {exc}",
                   file=sys.stderr, flush=True)
 
-    def _metrics(self, done: list[tuple[Any, str, int]], scores: Sequence[Any]
+    def _metrics(self, done: list[Answer], scores: Sequence[Any]
                  ) -> dict[str, float]:
         keys = sorted({k for s in scores for k in (s.extra or {})} - {"reward"})
         variables: dict[str, Sequence[float]] = {"reward": [float(s.reward) for s in scores]}
         for key in keys:
             variables[key] = [float((s.extra or {}).get(key, 0.0)) for s in scores]
-        return validation_metrics([r.data_source or "unknown" for r, _, _ in done],
-                                  [r.index for r, _, _ in done], variables, None)
+        return validation_metrics([r.data_source or "unknown" for r, *_ in done],
+                                  [r.index for r, *_ in done], variables, None)
 
-    def _logged(self, done: list[tuple[Any, str, int]], scores: Sequence[Any]
+    def _logged(self, done: list[Answer], scores: Sequence[Any]
                 ) -> list[tuple[str, str, float]]:
         """verl's choice of generations to log: sorted by prompt, shuffled with seed 42,
         the first ``trainer.log_val_generations``."""
         want = self.cfg.trainer.log_val_generations
         if want <= 0:
             return []
-        rows = sorted(((r.text, text, float(s.reward)) for (r, text, _), s
+        rows = sorted(((a.record.text, a.text, float(s.reward)) for a, s
                        in zip(done, scores, strict=True)), key=lambda row: row[0])
         order = np.arange(len(rows))
         np.random.RandomState(GEN_SEED).shuffle(order)
@@ -214,11 +295,12 @@ def _generator(policy: Any, seed: int) -> torch.Generator:
     return gen
 
 
-def build_validator(cfg: Config, tokenizer: Any, score: ScoreFn | None = None) -> Validator:
+def build_validator(cfg: Config, tokenizer: Any, score: ScoreFn | None = None,
+                    conversations: Conversations | None = None) -> Validator:
     """The validator of ``data.val_files`` (read once, here): verl records
     (:func:`tasks.verl_data.load_records`) scored by ``score`` (default: a
     :class:`rollouter.scoring.RewardPool` of its own)."""
-    from tasks.verl_data import load_records
+    from tasks.verl_data import agent_options, load_records
 
     if score is None:
         from rollouter.scoring import RewardPool
@@ -226,8 +308,8 @@ def build_validator(cfg: Config, tokenizer: Any, score: ScoreFn | None = None) -
         score = RewardPool(cfg).score
     files = cfg.data.val_files
     records = load_records([files] if isinstance(files, str) else list(files or []),
-                           cfg.data, tokenizer, split="val")
-    return Validator(records, score, cfg, tokenizer)
+                           cfg.data, tokenizer, split="val", agent=agent_options(cfg))
+    return Validator(records, score, cfg, tokenizer, conversations=conversations)
 
 
 class ValidationServer:
@@ -246,6 +328,8 @@ class ValidationServer:
         self.answers, self.events, self.weights, self.scorer = answers, events, weights, scorer
         self.tokenizer, self.off, self.busy, self.complain = tokenizer, off, busy, complain
         self.validator: Validator | None = None
+        self.conversations: Conversations | None = None
+        """The replica's multi-turn side (set with the context's): conversations validated."""
         self.serving: str | None = None
         """The request being served (the heartbeat's state)."""
         self.answered: set[str] = set()
@@ -282,7 +366,8 @@ class ValidationServer:
                 # Scored by this rollouter's reward pool (validation runs between batches).
                 self.validator = await asyncio.to_thread(build_validator, self.cfg,
                                                          self.tokenizer,
-                                                         self.scorer.score_items)
+                                                         self.scorer.score_items,
+                                                         self.conversations)
             return await self.validator.run(request, policy=engine, off=self.off,
                                             version=self.weights.version, rank=self.rank)
         except Failure:

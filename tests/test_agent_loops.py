@@ -417,3 +417,37 @@ async def test_a_tool_turn_that_would_fill_the_budget_ends_the_conversation(
     assert len(sample.response_tokens) == used
     assert (sample.num_turns, sample.tool_calls) == (2, 1)
     assert sample.response_mask.numpy().tolist() == [1] * used
+
+
+@pytest.mark.asyncio
+async def test_a_tool_agent_record_is_validated_as_a_conversation(
+        tmp_path: Path, model_dir: Path, tokenizer: Any) -> None:
+    from rollouter.validation import Validator
+    from runschema.messages import ValidationRequested
+    from tasks.verl_data import VerlRecord
+
+    turns = [CALL.format(tool="calculator", expr="6*7"), "It is 42."]
+    h = _harness(tmp_path, model_dir, tokenizer, {"What is 6*7?": turns, "Say 42": ["42"]},
+                 "rollout.val_kwargs.n=2")
+
+    def record(i: int, question: str, agent: str) -> VerlRecord:
+        t = _ticket(f"v{i}", question, tokenizer, "42")
+        return VerlRecord(i, list(t.prompt_ids or []), t.prompt, f"src{i}", "42", {"i": i},
+                          agent)
+
+    assert h.ctx.conversations is not None
+    validator = Validator([record(0, "What is 6*7?", "tool_agent"),
+                           record(1, "Say 42", "single_turn_agent")], h.rewards.score, h.cfg,
+                          tokenizer, conversations=h.ctx.conversations)
+    try:
+        done = await validator.run(ValidationRequested(request_id="val-v0", version=0, step=0),
+                                   policy=h.engine, off=_off, version=0, rank=0)
+    finally:
+        h.ctx.conversations.close()
+    assert done.metrics["val-core/src0/reward/mean@2"] == 1.0
+    assert done.metrics["val-core/src1/reward/mean@2"] == 1.0
+    conv = [i for i in h.rewards.items if i.data_source == "src0"]
+    assert len(conv) == 2 and all(i.extra_info and i.extra_info["num_turns"] == 4
+                                  for i in conv)
+    assert all("<tool_response>\n42\n</tool_response>" in i.solution_str for i in conv)
+    assert [i.extra_info for i in h.rewards.items if i.data_source == "src1"] == [{"i": 1}] * 2
