@@ -90,3 +90,33 @@ def test_a_multi_turn_response_mask_is_checked_before_it_trains() -> None:
     assert "only 0 and 1" in (problem([1, 2, 0]) or "")
     assert "train one token at least" in (problem([0, 0, 0]) or "")
     assert "for 3 response tokens" in (problem([1.0, 0.0, 1.0], "float32") or "")
+
+
+def test_a_conversations_counts_that_contradict_each_other_are_refused() -> None:
+    """A conversation's turns, tool calls and versions per turn (rollout.multi_turn) must
+    agree with each other and with the sample's versions; a single response has none."""
+    import msgspec
+
+    from trainer.ledger import OpenTicket
+    from trainer.validate import check_sample
+
+    ticket = OpenTicket(index=0, n=1, attempt=0, version=0)
+    three = Array.of(np.asarray([5, 6, 7], dtype=np.int32))
+    base = msgspec.structs.replace(_sample("t0", 0, 0), response_tokens=three,
+                                   logprobs=Array.of(np.full(3, -1.0, dtype=np.float32)),
+                                   min_version=0, max_version=1,
+                                   response_mask=Array.of(np.asarray([1, 0, 1], np.int8)))
+
+    def problem(**fields: object) -> str | None:
+        return check_sample(msgspec.structs.replace(base, **fields), ticket, version=1,
+                            max_new_tokens=8)
+
+    good = {"num_turns": 4, "tool_calls": 1, "tool_failures": 0, "turn_versions": [0, 1]}
+    assert problem(**good) is None
+    assert problem() is None  # a single response
+    assert "no conversation" in (problem(tool_calls=1) or "")
+    assert "assistant turns" in (problem(**{**good, "turn_versions": [0, 1, 1, 1]}) or "")
+    assert "out of order" in (problem(**{**good, "turn_versions": [1, 0]}) or "")
+    assert "outside 0..1" in (problem(**{**good, "turn_versions": [0, 2]}) or "")
+    assert "failed tool calls" in (problem(**{**good, "tool_failures": 2}) or "")
+    assert "no response mask" in (problem(**good, response_mask=None) or "")

@@ -52,6 +52,7 @@ def check_sample(
         return f"undecodable token arrays: {exc}"
     return (_shape_problem(prompt, response, logprobs, max_new_tokens, max_len)
             or _mask_problem(s.response_mask, len(response))
+            or _conversation_problem(s)
             or (None if values_checked else _value_problem(prompt, response, logprobs,
                                                             vocab_size))
             or _prompt_problem(s, digest)
@@ -136,6 +137,29 @@ def _value_problem(prompt: np.ndarray, response: np.ndarray, logprobs: np.ndarra
             return f"token ids span {lo}..{hi}, outside the vocabulary 0..{vocab_size - 1}"
     if not _logprobs_ok(logprobs):
         return "log-probs must be finite and <= 0"
+    return None
+
+
+def _conversation_problem(s: Sample) -> str | None:
+    """A conversation's counts that contradict each other or its versions: a single
+    response has none; a conversation has 2 turns at least, at most one assistant turn per
+    turn after the prompt, versions per turn in order within its min..max, no more failed
+    tool calls than calls, and a response mask once a tool answered."""
+    if s.num_turns == 0:
+        if s.tool_calls or s.tool_failures or s.turn_versions:
+            return "tool calls or turn versions on a sample that is no conversation"
+        return None
+    v = s.turn_versions
+    if s.num_turns < 2 or not 1 <= len(v) <= s.num_turns - 1:
+        return f"{len(v)} assistant turns in a conversation of {s.num_turns} turns"
+    if any(a > b for a, b in zip(v, v[1:], strict=False)) or not (
+            s.min_version <= v[0] and v[-1] <= s.max_version):
+        return (f"turn versions {v} out of order or outside {s.min_version}.."
+                f"{s.max_version}")
+    if not 0 <= s.tool_failures <= s.tool_calls:
+        return f"{s.tool_failures} failed tool calls of {s.tool_calls}"
+    if s.tool_calls and s.num_turns > len(v) + 1 and s.response_mask is None:
+        return "a conversation with tool turns and no response mask"
     return None
 
 
