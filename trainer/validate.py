@@ -11,6 +11,7 @@ rollouter may answer is trainer.claims'.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -152,7 +153,7 @@ def _conversation_problem(s: Sample) -> str | None:
     v = s.turn_versions
     if s.num_turns < 2 or not 1 <= len(v) <= s.num_turns - 1:
         return f"{len(v)} assistant turns in a conversation of {s.num_turns} turns"
-    if any(a > b for a, b in zip(v, v[1:], strict=False)) or not (
+    if any(a > b for a, b in itertools.pairwise(v)) or not (
             s.min_version <= v[0] and v[-1] <= s.max_version):
         return (f"turn versions {v} out of order or outside {s.min_version}.."
                 f"{s.max_version}")
