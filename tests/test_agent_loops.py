@@ -8,6 +8,7 @@ token against what the chat template writes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -211,13 +212,15 @@ class Harness:
                      RunFinished(run_id="loops", steps=1), when=gate)
 
 
+TOOLS = ("tools:\n"
+         "  - class_name: agent.calculator.CalculatorTool\n    config: {}\n"
+         "  - class_name: tests.test_agent_loops.GatedTool\n    config: {}\n")
+
+
 def _harness(tmp_path: Path, model_dir: Path, tokenizer: Any, script: dict[str, list[str]],
-             *overrides: str) -> Harness:
+             *overrides: str, tools_yaml: str = TOOLS) -> Harness:
     tools = tmp_path / "tools.yaml"
-    tools.write_text(
-        "tools:\n"
-        "  - class_name: agent.calculator.CalculatorTool\n    config: {}\n"
-        "  - class_name: tests.test_agent_loops.GatedTool\n    config: {}\n")
+    tools.write_text(tools_yaml)
     cfg = load_config(None, [
         "trainer.total_training_steps=1", "rollout.prompts_per_batch=4",
         "rollout.max_new_tokens=200", "rollout.weights_fetch_timeout_s=5", "model.kind=hf",
@@ -451,3 +454,30 @@ async def test_a_tool_agent_record_is_validated_as_a_conversation(
                                   for i in conv)
     assert all("<tool_response>\n42\n</tool_response>" in i.solution_str for i in conv)
     assert [i.extra_info for i in h.rewards.items if i.data_source == "src1"] == [{"i": 1}] * 2
+
+
+@pytest.mark.asyncio
+async def test_code_that_runs_forever_or_eats_memory_is_killed_and_the_conversation_goes_on(
+        tmp_path: Path, model_dir: Path, tokenizer: Any) -> None:
+    def code(src: str) -> str:
+        call = {"name": "code_interpreter", "arguments": {"code": src}}
+        return f"<tool_call>{json.dumps(call)}</tool_call>"
+
+    h = _harness(tmp_path, model_dir, tokenizer, {
+        "Spin": [code("while True: pass"), "Gave up."],
+        "Eat": [code("x = bytearray(10 * 1024**3)"), "Gave up."],
+        "Add": [code("print(40 + 2)"), "42"]},
+        "rollout.multi_turn.max_tool_response_length=2000", "rollout.max_new_tokens=2000",
+        tools_yaml="tools:\n  - class_name: verl.tools.sandbox_fusion_tools.SandboxFusionTool\n"
+                   "    config: {default_timeout: 2, memory_limit_mb: 256, num_workers: 3}\n")
+    entries = [h.source.add(_ticket(t, t, tokenizer, "42")) for t in ("Spin", "Eat", "Add")]
+    h.end_when(lambda: h.source.answered(*entries))
+    await h.run("continuous")
+    by = {tid: s for tid, (s,) in h.source.samples().items()}
+    text = {tid: tokenizer.hf.decode(s.response_tokens.numpy().tolist())
+            for tid, s in by.items()}
+    assert "timed out" in text["Spin"] and text["Spin"].endswith("Gave up.<|im_end|>")
+    assert "memory" in text["Eat"] and text["Eat"].endswith("Gave up.<|im_end|>")
+    assert "<tool_response>\n42\n\n</tool_response>" in text["Add"]  # print's newline kept
+    assert by["Add"].reward == 1.0
+    assert all(s.num_turns == 4 and s.tool_calls == 1 for s in by.values())
