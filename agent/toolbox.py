@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from agent.functiontool import FunctionTool, function_tool
@@ -171,15 +173,23 @@ class _ToolThread:
                 pass
 
 
+def _no_span(name: str) -> AbstractContextManager[Any]:
+    """No range around a tool call (a toolbox without a profiler)."""
+    return contextlib.nullcontext()
+
+
 class ToolBox:
     """The run's tools, called as verl's tool agent loop calls them, on ``threads`` threads
     of their own. ``schemas`` (the chat template's ``tools=``) and ``names`` are in the
     tools' order. ``calls``, ``failures`` and ``timeouts`` count the calls made (a timeout
-    is also a failure), for the rollouter's metrics."""
+    is also a failure), for the rollouter's metrics. ``span(name)``: a context manager each
+    call runs in on its tool thread (the rollouter's: a profiler range, so that a profiled
+    step shows its tool calls)."""
 
     def __init__(self, tools: Sequence[Tool], *, timeout_s: float, threads: int = 2,
                  max_response_chars: int = 256, truncate_side: str = "middle",
-                 max_parallel_calls: int = 1) -> None:
+                 max_parallel_calls: int = 1,
+                 span: Callable[[str], AbstractContextManager[Any]] = _no_span) -> None:
         _check_settings(timeout_s, threads, max_response_chars, truncate_side,
                         max_parallel_calls)
         check_unique_names(tools)
@@ -187,6 +197,7 @@ class ToolBox:
         self.max_response_chars = max_response_chars
         self.truncate_side = truncate_side
         self.max_parallel_calls = max_parallel_calls
+        self.span = span
         self._tools = {tool_name(tool): tool for tool in tools}
         self.names = list(self._tools)
         self.schemas = [schema_dict(tool) for tool in tools]
@@ -233,7 +244,8 @@ class ToolBox:
         create_kwargs = _create_kwargs(tools_kwargs, call.name)
         thread = min(self._threads, key=lambda t: t.in_flight)
         waiting = asyncio.wrap_future(
-            thread.submit(lambda: _run_tool(tool, arguments, create_kwargs)))
+            thread.submit(lambda: _run_tool(tool, arguments, create_kwargs,
+                                            self.span(f"tool:{call.name}"))))
         try:
             done, _ = await asyncio.wait({waiting}, timeout=self.timeout_s)
         finally:
@@ -279,16 +291,18 @@ def _check_settings(timeout_s: float, threads: int, max_response_chars: int,
         raise ValueError(f"max_parallel_calls must be >= 1, not {max_parallel_calls!r}")
 
 
-async def _run_tool(tool: Tool, arguments: dict[str, Any],
-                    create_kwargs: dict[str, Any]) -> Any:
+async def _run_tool(tool: Tool, arguments: dict[str, Any], create_kwargs: dict[str, Any],
+                    span: AbstractContextManager[Any]) -> Any:
     """One call on a tool thread, as verl's agent loop makes it: create an instance, execute,
-    and release the instance whatever happened."""
-    created = await tool.create(create_kwargs=create_kwargs)
-    instance_id = created[0] if isinstance(created, tuple) else created
-    try:
-        return await tool.execute(instance_id, arguments)
-    finally:
-        await tool.release(instance_id)
+    and release the instance whatever happened; all of it within ``span``."""
+    with span:
+        created = await tool.create(create_kwargs=create_kwargs)
+        instance_id = created[0] if isinstance(created, tuple) else created
+        try:
+            return await tool.execute(instance_id, arguments)
+        finally:
+            await tool.release(instance_id)
+
 
 
 def _failed(text: str) -> ToolOutput:

@@ -55,6 +55,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.profiler
@@ -143,6 +144,7 @@ class ProfilerAgent(Agent):
         self.world_size = max(int(world_size or 0), self.trace_rank + 1)
         self.tools = tools if tools is not None else GlobalToolConfig()
         self.nsys_command: list[str] = []  # shown when nsys is not attached (create_agent)
+        self.all_threads = False  # record every thread, not only the steps' (create_agent)
         self.warm_thread: int | None = None  # thread the profiler was warmed up on
         self.run_dir = Path(run_dir)
         self.device = device
@@ -410,6 +412,7 @@ class ProfilerAgent(Agent):
                     record_shapes="shapes" in contents,
                     profile_memory=memory,
                     with_stack="stack" in contents,
+                    **self._thread_options(),
                 )
                 prof.start()
                 sess.prof = prof
@@ -428,6 +431,15 @@ class ProfilerAgent(Agent):
             )
         )
         return events
+
+    def _thread_options(self) -> dict[str, Any]:
+        """torch records the thread it was started on; with :attr:`all_threads` (a rollouter
+        whose tool calls run on threads of their own) every thread."""
+        if not self.all_threads:
+            return {}
+        from torch._C._profiler import _ExperimentalConfig
+
+        return {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
 
     def _history_kwargs(self) -> dict[str, object]:
         """verl's torch_memory options as ``_record_memory_history`` arguments."""
@@ -620,6 +632,8 @@ def create_agent(
         # Traces are written beside the next step, not before it (profiling.export).
         exporter=BackgroundExporter(),
     )
+    # A rollouter's conversations run their tools on threads of their own: recorded too.
+    agent.all_threads = role == "rollouter" and cfg.rollout.multi_turn.enable
     if prof.tool == "nsys":
         agent.nsys_command = nsys_command(cfg, role, rank, run_id)
     else:

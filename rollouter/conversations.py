@@ -13,6 +13,7 @@ on its own, the engine generating for the others meanwhile (docs/agents.md).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from agent.conversation import AgentLimits, Dialogue, append_tool_turn, end_assistant_turn
@@ -62,7 +63,7 @@ class Conversations:
         box = ToolBox(load_tools(mt), timeout_s=mt.tool_timeout_s, threads=mt.tool_threads,
                       max_response_chars=mt.max_tool_response_length,
                       truncate_side=mt.tool_response_truncate_side,
-                      max_parallel_calls=mt.max_parallel_calls)
+                      max_parallel_calls=mt.max_parallel_calls, span=_profiled)
         renderer = ToolTurnRenderer(hf, box.schemas, cfg.data.apply_chat_template_kwargs)
         return cls(cfg, tokenizer, off=off, toolbox=box, renderer=renderer)
 
@@ -115,6 +116,15 @@ class Conversations:
     def close(self) -> None:
         """Stop the tool threads."""
         self.toolbox.close()
+
+
+def _profiled(name: str) -> AbstractContextManager[Any]:
+    """A tool call as a range of a profiled step's trace (``rlbus:tool:NAME``, on its tool
+    thread: the rollouter's profiler records every thread when it has conversations). Costs
+    next to nothing while no profiler runs."""
+    import torch
+
+    return torch.profiler.record_function(f"rlbus:{name}")
 
 
 def _tools_kwargs(extra_info: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -793,3 +793,31 @@ def test_nsys_capture_ranges_per_session_or_per_step(
     events = step(agent, 1) + step(agent, 2)
     assert only_stopped(events).status == "ok"
     assert calls == expected
+
+
+def test_a_rollouters_profile_shows_the_tool_calls_of_its_conversations(
+        make_agent: Any, tmp_path: Path) -> None:
+    """With conversations (rollout.multi_turn) a rollouter's profiler records every thread:
+    a tool call made on the toolbox's threads during a profiled step is a range of its
+    trace, named after the tool."""
+    import asyncio
+
+    from agent.calculator import CalculatorTool
+    from agent.toolbox import ToolBox
+    from agent.toolcall import ToolCall
+    from rollouter.conversations import _profiled
+
+    box = ToolBox([CalculatorTool({}, None)], timeout_s=30, threads=2, span=_profiled)
+    try:
+        agent = make_agent(role="rollouter")
+        agent.all_threads = True
+        agent.on_command(start("s1", 1, 1))
+        agent.step_begin(1)
+        work()
+        (out,) = asyncio.run(box.call_all([ToolCall("calculator", '{"expression": "6*7"}')]))
+        stopped = only_stopped(agent.step_end(1))
+    finally:
+        box.close()
+    assert out.text == "42"
+    names = {e.get("name") for e in load_trace(agent.run_dir / stopped.path)["traceEvents"]}
+    assert "rlbus:tool:calculator" in names and "step:1" in names
