@@ -2,6 +2,7 @@
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY agent agent
 COPY bus bus
 COPY runschema runschema
 COPY storage storage

@@ -384,7 +384,7 @@ def test_verls_rollout_correction_is_honoured_as_token_weights_or_refused() -> N
 
 
 @pytest.mark.parametrize("line", [
-    "actor_rollout_ref.rollout.multi_turn.enable=True",
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path=loops.yaml",
     "actor_rollout_ref.model.lora_rank=32",
     "data.custom_cls.path=my_dataset.py",
 ])
@@ -393,7 +393,16 @@ def test_a_key_that_changes_what_the_job_is_is_refused(line: str) -> None:
         _load([line, "rollout.max_new_tokens=5"])
     key = line.split("=")[0]
     assert err.value.key == key, err.value.key
-    assert "the job would" in err.value.message or "not run" in err.value.message
-    off = {"True": "False", "32": "0", "my_dataset.py": "null"}[line.split("=")[1]]
+    assert any(why in err.value.message for why in ("the job would", "not run", "needs verl"))
+    off = {"loops.yaml": "null", "32": "0", "my_dataset.py": "null"}[line.split("=")[1]]
     # The value meaning "not used" is accepted, silently.
     _load([f"{key}={off}", "rollout.max_new_tokens=5"])
+
+
+def test_conversations_without_what_they_need_are_refused_naming_the_key() -> None:
+    """multi_turn.enable=True is honoured (docs/agents.md): refused only without a Hugging
+    Face model to write tool turns with, or without tools."""
+    with pytest.raises(ConfigError) as err:
+        _load(["actor_rollout_ref.rollout.multi_turn.enable=True", "rollout.max_new_tokens=5"])
+    assert err.value.key == "actor_rollout_ref.rollout.multi_turn.enable"
+    assert "Hugging Face model" in err.value.message
