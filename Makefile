@@ -13,7 +13,7 @@ CHAT    := $(VENV)/.installed-chat
 FULL    := $(VENV)/.installed-full
 VLLM    := $(VENV)/.installed-vllm
 
-.PHONY: venv demo demo-chat shim test test-fast lint bench bench-long clean vllm
+.PHONY: venv demo demo-chat demo-agent shim test test-fast lint bench bench-long clean vllm
 
 venv: $(RUNTIME)
 
@@ -64,6 +64,13 @@ endif
 demo-chat: $(CHAT)
 	$(PY) -m tasks.chatdemo outputs/chatdemo
 	$(VENV)/bin/rlbus up --config configs/chat_demo.yaml
+
+# verl's multi-turn tool agent loop: the same kind of job, each response a conversation (a
+# calculator call, its answer, the product); the model is warmed up on example conversations
+# first (tasks/agentdemo.py, a minute or two on the CPU).
+demo-agent: $(CHAT)
+	$(PY) -m tasks.agentdemo outputs/agentdemo
+	$(VENV)/bin/rlbus up --config configs/agent_demo.yaml
 
 # `rlbus` lives in .venv/bin: the demo says how to call it without activating the venv.
 demo: $(RUNTIME)

@@ -1,0 +1,62 @@
+"""The agent demo's config (configs/agent_demo.yaml, verl's keys, rollout.multi_turn) run end
+to end, shortened: ``rlbus up`` on the files ``tasks.agentdemo`` builds (a smaller model, a
+shorter warm-up), embedded Redis, rollouter, trainer as processes. The run must finish, and
+what it trained must be conversations: a calculator call, the tool's answer in the response
+as context (mask 0), then the assistant's answer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.procs import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+STEPS = 4
+
+
+def test_the_agent_demo_config_trains_on_conversations_with_the_calculator(
+        tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    import msgspec
+    import pyarrow.parquet as pq
+
+    from tasks.agentdemo import build_demo
+
+    # A warm-up long enough that the model writes calculator calls, short enough for a test.
+    files = build_demo(tmp_path / "agentdemo", n_train=64, n_val=8, hidden=64,
+                       warmup_steps=120)
+    out = tmp_path / "out"
+    done = run_cli(
+        "up", "--config", str(ROOT / "configs" / "agent_demo.yaml"),
+        f"data.train_files={files / 'train.parquet'}", f"data.val_files={files / 'val.parquet'}",
+        f"custom_reward_function.path={files / 'reward.py'}",
+        f"actor_rollout_ref.model.path={files / 'model'}",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={files / 'tools.yaml'}",
+        f"trainer.total_training_steps={STEPS}", "trainer.logger=[console]",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "async_training.require_batches=2",
+        f"run.output_dir={out}", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+        cwd=tmp_path, timeout_s=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run_dir,) = [p.parent for p in out.glob("*/config.yaml")]
+    shown = run_cli("inspect", "--run", run_dir.name, "--json", f"run.output_dir={out}",
+                    cwd=tmp_path, timeout_s=120)
+    assert shown.returncode == 0, shown.stderr
+    events = [json.loads(line) for line in shown.stdout.splitlines()]
+    steps = [e for e in events if e.get("type") == "StepFinished"]
+    assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
+    for e in steps:
+        assert "critic/score/mean" in e["metrics"]
+        assert "reward_extra/tool_answered/mean" in e["metrics"]  # the reward file's extras
+    # The trained samples, from the run's record: conversations with calculator calls.
+    trained = [msgspec.msgpack.decode(row["raw"])
+               for f in sorted((run_dir / "record").glob("samples-*.parquet"))
+               for row in pq.read_table(f).to_pylist() if row["verdict"] == "trained"]
+    assert trained
+    talks = [s for s in trained if s["num_turns"] > 2 and s["tool_calls"] > 0]
+    assert talks, [(s["num_turns"], s["tool_calls"]) for s in trained]
+    assert all(s["tool_failures"] == 0 for s in talks)  # the calculator answered each call
+    assert any(s["num_turns"] == 4 and len(s["turn_versions"]) == 2 for s in talks)
