@@ -37,6 +37,7 @@ def test_the_agent_demo_config_trains_on_conversations_with_the_calculator(
         f"actor_rollout_ref.model.path={files / 'model'}",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={files / 'tools.yaml'}",
         f"trainer.total_training_steps={STEPS}", "trainer.logger=[console]",
+        "trainer.test_freq=2", "trainer.val_before_train=true",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "async_training.require_batches=2",
         f"run.output_dir={out}", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
         cwd=tmp_path, timeout_s=240)
@@ -51,11 +52,22 @@ def test_the_agent_demo_config_trains_on_conversations_with_the_calculator(
     for e in steps:
         assert "critic/score/mean" in e["metrics"]
         assert "reward_extra/tool_answered/mean" in e["metrics"]  # the reward file's extras
+        assert e["metrics"]["num_turns/max"] >= 4 and "tool_call_counts/mean" in e["metrics"]
+    # Validation runs the conversations too (before training, and every test_freq versions).
+    vals = [e for e in events if e.get("type") == "ValidationFinished"]
+    assert sorted(e["version"] for e in vals) == [0, 2, 4], vals
+    assert all("val-core/rlbus/multiply_with_tools/reward_extra/tool_answered/mean@1"
+               in e["metrics"] or any("tool_answered" in k for k in e["metrics"])
+               for e in vals)
+    assert max(v for e in vals for k, v in e["metrics"].items() if "tool_answered" in k) > 0
     # The trained samples, from the run's record: conversations with calculator calls.
-    trained = [msgspec.msgpack.decode(row["raw"])
-               for f in sorted((run_dir / "record").glob("samples-*.parquet"))
-               for row in pq.read_table(f).to_pylist() if row["verdict"] == "trained"]
+    rows = [row for f in sorted((run_dir / "record").glob("samples-*.parquet"))
+            for row in pq.read_table(f).to_pylist() if row["verdict"] == "trained"]
+    trained = [msgspec.msgpack.decode(row["raw"]) for row in rows]
     assert trained
+    # The record's text of a conversation is all of it, the tool's answer included.
+    assert any("<tool_call>" in r["response"] and "<tool_response>" in r["response"]
+               for r in rows)
     talks = [s for s in trained if s["num_turns"] > 2 and s["tool_calls"] > 0]
     assert talks, [(s["num_turns"], s["tool_calls"]) for s in trained]
     assert all(s["tool_failures"] == 0 for s in talks)  # the calculator answered each call

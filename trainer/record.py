@@ -73,11 +73,13 @@ class _Pending(NamedTuple):
     described: Described
 
 
-def columns_of(pending: Sequence[_Pending], decode_text: Callable[[Iterable[int]], str] | None
+def columns_of(pending: Sequence[_Pending], decode_text: Callable[..., str] | None
             ) -> dict[str, Any]:
     """The columns of storage.record.COLUMNS for ``pending`` (blocking: the text decoding).
     Token ids and log-probs go from each sample's bytes to arrow lists without Python lists;
-    a prompt without text from the data is decoded once per ticket."""
+    a prompt without text from the data is decoded once per ticket; a conversation's
+    response is decoded whole (``decode_text(ids, whole=True)``: :meth:`TextDecoder.decode`),
+    tool answers included, as its reward function read it."""
     import numpy as np
     import pyarrow as pa
 
@@ -100,7 +102,12 @@ def columns_of(pending: Sequence[_Pending], decode_text: Callable[[Iterable[int]
             tid = p.sample.ticket_id
             text = prompts.get(tid) or prompts.setdefault(tid, decode_text(tokens.tolist()))
         prompt_text.append(text)
-        responses.append(decode_text(response.tolist()) if decode_text else "")
+        if decode_text is None:
+            responses.append("")
+        elif p.sample.num_turns:  # a conversation: every turn, as its reward read it
+            responses.append(decode_text(response.tolist(), whole=True))
+        else:
+            responses.append(decode_text(response.tolist()))
 
     def listed(arrays: list[np.ndarray], dtype: Any) -> Any:
         offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
@@ -155,11 +162,16 @@ class TextDecoder:
         self.model_cfg = model_cfg
         self.tokenizer: Any = None
 
-    def decode(self, ids: Iterable[int]) -> str:
+    def decode(self, ids: Iterable[int], whole: bool = False) -> str:
+        """The text of ``ids`` up to the first end token; ``whole``: all of them, special
+        tokens skipped (a conversation's turns, as verl's reward managers decode them)."""
         if self.tokenizer is None:
             from policy.text import build_tokenizer
 
             self.tokenizer = build_tokenizer(self.model_cfg)
+        hf = getattr(self.tokenizer, "hf", None)
+        if whole and hf is not None:
+            return str(hf.decode(list(ids), skip_special_tokens=True))
         return self.tokenizer.decode(ids)  # type: ignore[no-any-return]
 
 
@@ -174,7 +186,7 @@ class Recorder:
 
     def __init__(self, bus: Bus, keys: RunKeys, folder: Path, archive: Path, *,
                  mode: Literal["all", "trained"], describe: Callable[[Sample], Described],
-                 decode_text: Callable[[Iterable[int]], str] | None = None,
+                 decode_text: Callable[..., str] | None = None,
                  jsonl_dir: Path | None = None, push: Callable[[], None] | None = None
                  ) -> None:
         self.bus, self.keys, self.folder, self.archive = bus, keys, folder, archive
