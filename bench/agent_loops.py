@@ -61,7 +61,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bench.agent_sim import (  # noqa: E402
+from bench.agent_sim import (
     KEYS,
     Costs,
     Log,
@@ -71,13 +71,13 @@ from bench.agent_sim import (  # noqa: E402
     Source,
     weights,
 )
-from rollouter.answers import Seq  # noqa: E402
-from rollouter.batch import BatchRollout  # noqa: E402
-from rollouter.context import RolloutContext  # noqa: E402
-from rollouter.continuous import ContinuousRollout  # noqa: E402
-from rollouter.conversations import Conversations  # noqa: E402
-from runconfig import load_config  # noqa: E402
-from runschema.messages import PromptTicket, RunFinished, StepFinished  # noqa: E402
+from rollouter.answers import Seq
+from rollouter.batch import BatchRollout
+from rollouter.context import RolloutContext
+from rollouter.continuous import ContinuousRollout
+from rollouter.conversations import Conversations
+from runconfig import load_config
+from runschema.messages import PromptTicket, RunFinished, StepFinished
 
 __all__ = ["AIM_BUSY", "AIM_WAITING", "main", "run_bench"]
 
@@ -90,11 +90,11 @@ CALL = '<tool_call>{{"name": "wait", "arguments": {{"ms": {ms}}}}}</tool_call>'
 
 DEFAULTS: dict[str, Any] = {
     "conversations": 192, "capacity": 32, "turns": 3, "turn_tokens": (24, 40),
-    "tool_median_ms": 400.0, "tool_p99x": 20.0, "call_ms": 2.0, "step_ms": 20.0,
+    "tool_median_ms": 300.0, "tool_p99x": 20.0, "call_ms": 2.0, "step_ms": 20.0,
     "token_ms": 0.25, "train_batch": 32, "train_ms": 3000.0, "seed": 0,
 }
 QUICK: dict[str, Any] = {
-    "conversations": 32, "capacity": 8, "turn_tokens": (24, 32), "tool_median_ms": 200.0,
+    "conversations": 24, "capacity": 8, "turn_tokens": (24, 32), "tool_median_ms": 100.0,
     "step_ms": 5.0, "token_ms": 0.1, "train_batch": 8, "train_ms": 500.0,
 }
 
@@ -276,11 +276,16 @@ def params(quick: bool = False, **overrides: Any) -> dict[str, Any]:
 def run_bench(p: dict[str, Any], tmp: Path | None = None) -> dict[str, Any]:
     """Both loops over the same workload; the figures by loop, the ratios and the aim."""
     from policy.text import HFTokenizer
-    from tasks.agentdemo import build_model
+    from tasks.agentdemo import build_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="agentbench-") as scratch:
         root = Path(tmp or scratch)
-        model_dir = build_model(root / "model")
+        # The agent demo's tokenizer and chat template; no weights (nothing is loaded): the
+        # config.json only says the context length, which the config's checks read.
+        model_dir = root / "model"
+        build_tokenizer(model_dir)
+        (model_dir / "config.json").write_text(json.dumps(
+            {"model_type": "qwen2", "max_position_embeddings": 1 << 16}))
         tokenizer = HFTokenizer(model_dir)
         work = Workload(tokenizer, p)
         loops = {}
