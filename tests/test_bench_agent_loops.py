@@ -27,12 +27,15 @@ def test_quick_mode_serves_both_loops_and_continuous_keeps_the_engine_busier() -
     assert set(result) == {"params", "tool_ms", "loops", "ratio", "aim"}
     assert set(result["loops"]) == set(LOOPS)
     keys = {"samples_per_s", "engine_busy", "waiting_on_tools", "trainer_idle", "wall_s",
-            "engine_calls", "steps_per_call", "tokens_per_step"}
+            "engine_calls", "steps_per_call", "tokens_per_step", "engine_busy_steady",
+            "waiting_on_tools_steady", "steady_s"}
     for figures in result["loops"].values():
         assert set(figures) == keys
         assert all(math.isfinite(v) and v >= 0 for v in figures.values())
-        for share in ("engine_busy", "waiting_on_tools", "trainer_idle"):
+        for share in ("engine_busy", "waiting_on_tools", "trainer_idle", "engine_busy_steady",
+                      "waiting_on_tools_steady"):
             assert 0.0 <= figures[share] <= 1.0
+        assert 0 < figures["steady_s"] <= figures["wall_s"]
     assert set(result["ratio"]) == keys
     assert set(result["aim"]) == {"busy", "waiting", "holds"}
     # The workload is long-tailed as drawn (seeded): p99 well above the median.
