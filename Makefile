@@ -112,6 +112,7 @@ bench: $(FULL)
 	$(PY) bench/async_speedup.py
 	$(PY) bench/time_to_reward.py
 	$(PY) bench/profiler_overhead.py
+	$(PY) bench/agent_loops.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

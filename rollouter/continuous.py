@@ -32,6 +32,7 @@ __all__ = ["SLICE_STEPS", "ContinuousRollout"]
 
 SLICE_STEPS = 8  # engine steps between two looks at the log (fewer when a response ends)
 CHECK_S = 1.0  # the trainer's lease is checked at most this often
+TURN_WAIT_S = 0.2  # every conversation in its tools: the longest wait for tickets or one back
 
 
 class ContinuousRollout:
@@ -49,6 +50,7 @@ class ContinuousRollout:
         self.resume: list[tuple[str, Seq]] = []  # aborted at a sync: submitted again
         self.returning: list[tuple[str, Seq]] = []  # conversations' next turns, to submit
         self.talking: set[asyncio.Task[None]] = set()  # conversations' tool turns running
+        self.turn_back = asyncio.Event()  # a tool turn returned (the idle wait ends on it)
         self.done: list[Group] = []  # ended, to score and publish
         self.finishing: asyncio.Task[None] | None = None
         self.checked = self.reclaimed = time.monotonic()
@@ -100,6 +102,11 @@ class ContinuousRollout:
         if busy and not desk.has_ready():
             desk.prefetch()
             return
+        if not busy and self.talking and not desk.has_ready():
+            # Every conversation is in its tools: tickets, or the first to come back.
+            if not await desk.ready_within(self.turn_back, TURN_WAIT_S):
+                return
+        self.turn_back.clear()
         deliveries, _ = await desk.next()
         if not deliveries and not busy:
             deliveries = await self._reclaim()
@@ -238,6 +245,7 @@ class ContinuousRollout:
                     [g.delivery for g in groups],
                     {ticket_id: f"tool turn failed: {type(exc).__name__}: {exc}"})
             return
+        self.turn_back.set()
         if not self.book.holds(ticket_id, seq):
             return
         if going:

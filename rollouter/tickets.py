@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from bus import Bus, Delivery, Refusal, RunKeys, peers
 from runschema.messages import (
@@ -208,6 +208,20 @@ class TicketDesk:
             await self._publish(TicketsClaimed(ticket_ids=[t.ticket_id for t in tickets],
                                                attempts=[t.attempt for t in tickets],
                                                rank=self.rank))
+
+    async def ready_within(self, other: asyncio.Event, timeout_s: float) -> bool:
+        """Read ahead and wait, at most ``timeout_s``, until its tickets are here or
+        ``other`` is set; whether tickets are ready (the read goes on otherwise)."""
+        self.prefetch()
+        waiter = asyncio.ensure_future(other.wait())
+        waits: set[asyncio.Future[Any]] = {waiter}
+        if self.prefetching is not None:
+            waits.add(self.prefetching)
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        return self.has_ready()
 
     def has_ready(self) -> bool:
         """Tickets are here to serve now: retries, or a read ahead that has returned."""

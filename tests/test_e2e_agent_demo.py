@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rollouter.engine import vllm_installed
 from tests.procs import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,8 +19,16 @@ pytestmark = pytest.mark.e2e
 STEPS = 4
 
 
+ENGINES = ["hf", pytest.param("vllm", marks=[
+    pytest.mark.vllm, pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed "
+                                                                       "(make vllm)")])]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_the_agent_demo_config_trains_on_conversations_with_the_calculator(
-        tmp_path: Path) -> None:
+        tmp_path: Path, engine: str) -> None:
+    """On the built-in engine (a batch turn by turn) and on vLLM (continuous admission: a
+    conversation leaves the engine for its tool call and rejoins it)."""
     pytest.importorskip("transformers", reason="the hf extra is not installed")
     import msgspec
     import pyarrow.parquet as pq
@@ -40,7 +49,8 @@ def test_the_agent_demo_config_trains_on_conversations_with_the_calculator(
         "trainer.test_freq=2", "trainer.val_before_train=true",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "async_training.require_batches=2",
         f"run.output_dir={out}", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
-        cwd=tmp_path, timeout_s=240)
+        f"actor_rollout_ref.rollout.name={engine}", "actor_rollout_ref.rollout.enforce_eager=true",
+        cwd=tmp_path, timeout_s=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (run_dir,) = [p.parent for p in out.glob("*/config.yaml")]
     shown = run_cli("inspect", "--run", run_dir.name, "--json", f"run.output_dir={out}",
