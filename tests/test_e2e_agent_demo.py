@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from rollouter.engine import vllm_installed
+from runschema.messages import Sample, decode
 from tests.procs import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,3 +84,30 @@ def test_the_agent_demo_config_trains_on_conversations_with_the_calculator(
     assert talks, [(s["num_turns"], s["tool_calls"]) for s in trained]
     assert all(s["tool_failures"] == 0 for s in talks)  # the calculator answered each call
     assert any(s["num_turns"] == 4 and len(s["turn_versions"]) == 2 for s in talks)
+    # Token by token: a two-turn conversation's mask is 1 on its call (and its end token),
+    # 0 on exactly the tool turn the chat template writes for the calculator's answer, 1 on
+    # the answer.
+    checked = sum(_mask_is_exact(decode(row["raw"]), files / "model") for row in rows)
+    assert checked > 0
+
+
+def _mask_is_exact(sample: Any, model_dir: Path) -> bool:
+    """Whether ``sample`` is a two-turn conversation (False if not), asserting its mask."""
+    from agent.calculator import evaluate, render
+    from agent.render import ToolTurnRenderer
+    from agent.toolcall import parse_tool_calls
+    from policy.text import HFTokenizer
+    from tasks.agentdemo import SCHEMA
+
+    if not (isinstance(sample, Sample) and sample.num_turns == 4 and sample.tool_failures == 0):
+        return False
+    tok = HFTokenizer(model_dir)
+    tokens = sample.response_tokens.numpy().tolist()
+    end = tokens.index(tok.eos_id) + 1  # the call's turn, its end token included
+    _, (call,), _ = parse_tool_calls(tok.hf.decode(tokens[:end - 1]))
+    answer = render(evaluate(json.loads(call.arguments)["expression"]))
+    tool = ToolTurnRenderer(tok.hf, [SCHEMA]).tokens([answer], tok.eos_id)
+    assert tokens[end:end + len(tool)] == tool
+    mask = sample.response_mask.numpy().tolist()
+    assert mask == [1] * end + [0] * len(tool) + [1] * (len(tokens) - end - len(tool))
+    return True
