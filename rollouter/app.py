@@ -212,11 +212,14 @@ class Rollouter(Component):
 
     def progress(self) -> int:
         """What this process has done, as one counter that only grows: engine steps (a
-        long generation moves it at every token), reward calls ended and samples published.
+        long generation moves it at every token), reward calls ended, samples published and,
+        with conversations, tool calls ended.
         The pulse runs whatever generation does, so the trainer judges a wedged rollouter
         by this counter, not by its liveness key (trainer.dispatch)."""
         steps = self.engine.steps if self.engine is not None else 0
-        return steps + self.context.scorer.scored + self.context.tickets.published
+        talks = self.context.conversations
+        tools = talks.toolbox.calls if talks is not None else 0  # tool calls ended
+        return steps + self.context.scorer.scored + self.context.tickets.published + tools
 
     def heartbeat(self) -> Heartbeat:
         """This replica's pulse: its weights, the share of the time since the last pulse
@@ -228,6 +231,8 @@ class Rollouter(Component):
             metrics["rollouter/weights_load_s"] = held.load_s
             metrics["rollouter/weights_sync_s"] = held.sync_s
         metrics.update(ctx.scorer.metrics())
+        if ctx.conversations is not None:
+            metrics.update(ctx.conversations.metrics())
         metrics.update(ctx.laps.take())  # the loop's laps since the last pulse
         if self.engine is None:  # no progress counter: the trainer judges none (dispatch)
             return Heartbeat(role="rollouter", rank=self.rank, pid=os.getpid(),

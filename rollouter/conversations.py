@@ -113,6 +113,15 @@ class Conversations:
         hf: Any = getattr(self.tokenizer, "hf", None)
         return str(hf.decode(kept)) if hf is not None else self.tokenizer.decode(kept)
 
+    def metrics(self) -> dict[str, float]:
+        """The pulse's tool figures, over the replica's life: ``rollouter/tool_calls``,
+        ``rollouter/tool_failures`` (an error the model was told), ``rollouter/tool_timeouts``
+        (past ``rollout.multi_turn.tool_timeout_s``, failures too)."""
+        box = self.toolbox
+        return {"rollouter/tool_calls": float(box.calls),
+                "rollouter/tool_failures": float(box.failures),
+                "rollouter/tool_timeouts": float(box.timeouts)}
+
     def close(self) -> None:
         """Stop the tool threads."""
         self.toolbox.close()

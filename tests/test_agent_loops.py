@@ -302,6 +302,10 @@ async def test_a_three_turn_conversation_is_one_sample_its_mask_exact(
     # The reward function reads the whole conversation and verl's extra_info additions.
     (item,) = h.rewards.items
     assert item.solution_str == tokenizer.hf.decode(tokens, skip_special_tokens=True)
+    assert h.ctx.conversations is not None  # the pulse's figures
+    assert h.ctx.conversations.metrics() == {"rollouter/tool_calls": 2.0,
+                                             "rollouter/tool_failures": 0.0,
+                                             "rollouter/tool_timeouts": 0.0}
     assert "<tool_response>\n35\n</tool_response>" in item.solution_str
     assert item.extra_info == {"index": 7, "num_turns": 6, "tool_rewards": [0.0, 0.0],
                                "turn_scores": []}
@@ -481,3 +485,22 @@ async def test_code_that_runs_forever_or_eats_memory_is_killed_and_the_conversat
     assert "<tool_response>\n42\n\n</tool_response>" in text["Add"]  # print's newline kept
     assert by["Add"].reward == 1.0
     assert all(s.num_turns == 4 and s.tool_calls == 1 for s in by.values())
+
+
+def test_a_replica_whose_conversations_wait_on_a_slow_tool_is_slow_not_dead(
+        model_dir: Path) -> None:
+    """The trainer takes tickets from a live rollouter only after it made no progress for
+    longer than one tool call may take (a tool call ended moves its progress counter)."""
+    from tasks import build_prompt_source
+    from trainer.dispatch import Dispatch
+
+    def bound(*overrides: str) -> float:
+        cfg = load_config(None, ["heartbeat.timeout_s=30", "rollout.reward_timeout_s=30",
+                                 *overrides])
+        return Dispatch(cfg, build_prompt_source(cfg), dlq="dlq").progress_bound()
+
+    assert bound() == 30.0
+    assert bound("rollout.multi_turn.tool_timeout_s=300") == 30.0  # no conversations
+    assert bound("model.kind=hf", f"model.path={model_dir}", "rollout.multi_turn.enable=true",
+                 "rollout.multi_turn.function_tool_path=tools.py",
+                 "rollout.multi_turn.tool_timeout_s=300") == 300.0

@@ -102,10 +102,13 @@ class Dispatch:
     def progress_bound(self) -> float:
         """How long a live rollouter holding tickets may make no progress before they are
         taken from it: the longest of the ticket lease, the heartbeat timeout (a process
-        whose work stands still that long is treated as one that fell silent) and one
-        reward call's timeout (scoring moves the counter once per call)."""
+        whose work stands still that long is treated as one that fell silent), one
+        reward call's timeout (scoring moves the counter once per call) and, with
+        conversations, one tool call's (a tool call ended moves it too: a replica whose
+        conversations all wait on a slow tool is slow, not dead)."""
+        mt = self.cfg.rollout.multi_turn
         return max(self.lease_s(), self.cfg.heartbeat.timeout_s,
-                   self.cfg.rollout.reward_timeout_s)
+                   self.cfg.rollout.reward_timeout_s, mt.tool_timeout_s if mt.enable else 0.0)
 
     def owners_to_read(self) -> int:
         """How many pending entries of the rollouters' group a lease check reads the owners
