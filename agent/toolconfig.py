@@ -68,6 +68,8 @@ _TOOL_KEYS = ("type", "function")
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 _PARAMETERS_KEYS = ("type", "properties", "required")
 _PROPERTY_KEYS = ("type", "description", "enum")
+_SCHEMA_FIELDS = frozenset(_TOOL_KEYS + _FUNCTION_KEYS + _PARAMETERS_KEYS + _PROPERTY_KEYS)
+"""Every field of verl's schema models (an unset one reads as None, as there)."""
 
 
 class ToolConfigError(ValueError):
@@ -129,7 +131,7 @@ def _load_entry(file: Path, index: int, entry: Any) -> Tool:
     except _Problem as exc:
         raise ToolConfigError(file, f"{where}: {exc}") from None
     try:
-        tool = cls(config=config, tool_schema=schema)
+        tool = cls(config=config, tool_schema=None if schema is None else ToolSchema(schema))
         tool_name(tool)
     except Exception as exc:
         raise ToolConfigError(file, f"{where}: constructing it raised {type(exc).__name__}: "
@@ -154,6 +156,25 @@ def _entry_arguments(entry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
         return config, plain_schema(schema)
     except ValueError as exc:
         raise _Problem(f"tool_schema: {exc}") from None
+
+
+class ToolSchema(dict[str, Any]):
+    """A tool's schema as a tool is constructed with it: a plain dict that also reads as
+    verl's pydantic schema does (``tool_schema.function.name``, ``model_dump()``), so that a
+    tool written for verl's ``BaseTool`` finds what it expects."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            value = self[name]
+        except KeyError:
+            if name in _SCHEMA_FIELDS:
+                return None  # a field verl's model has, unset here
+            raise AttributeError(name) from None
+        return ToolSchema(value) if isinstance(value, dict) else value
+
+    def model_dump(self, **_options: Any) -> dict[str, Any]:
+        """A plain copy (None values are already out: verl's ``exclude_none``)."""
+        return copy.deepcopy(dict(self))
 
 
 def plain_schema(schema: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from agent.toolbox import (
     function_tool,
     load_function_tools,
     load_tool_config,
+    schema_dict,
     truncate,
 )
 from agent.toolcall import ToolCall
@@ -433,3 +434,34 @@ def test_function_tool_decorator_forms():
     from agent.functiontool import marked_tool
     assert marked_tool(plain).name == "half"
     assert marked_tool(given).tool_schema == _schema("given")
+
+
+def test_a_tool_written_for_verls_base_tool_reads_its_schema_as_there(tmp_path: Path) -> None:
+    """verl's BaseTool reads ``tool_schema.function.name`` and dumps the schema with
+    ``model_dump``: a tool that does so (without importing verl) loads here unchanged."""
+    (tmp_path / "verlish.py").write_text(
+        "class Echo:\n"
+        "    def __init__(self, config, tool_schema):\n"
+        "        self.config, self.tool_schema = config, tool_schema\n"
+        "        self.name = self.tool_schema.function.name\n"
+        "        self.dumped = tool_schema.model_dump(exclude_unset=True, exclude_none=True)\n"
+        "        self.strict = tool_schema.function.strict\n"
+        "    async def create(self, instance_id=None, **kw):\n"
+        "        return 'i', None\n"
+        "    async def execute(self, instance_id, parameters, **kw):\n"
+        "        return parameters['text'], 0.0, {}\n"
+        "    async def calc_reward(self, instance_id, **kw):\n"
+        "        return 0.0\n"
+        "    async def release(self, instance_id, **kw):\n"
+        "        pass\n")
+    (tmp_path / "tools.yaml").write_text(
+        "tools:\n  - class_name: verlish.py:Echo\n    config: {}\n    tool_schema:\n"
+        "      type: function\n      function:\n        name: echo\n"
+        "        description: says it back\n"
+        "        parameters: {type: object, properties: {text: {type: string}}}\n")
+    (tool,) = load_tool_config(tmp_path / "tools.yaml")
+    assert tool.name == "echo" and tool.strict is None
+    assert tool.dumped == {"type": "function", "function": {
+        "name": "echo", "description": "says it back",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}
+    assert type(tool.dumped) is dict and schema_dict(tool) == tool.dumped
