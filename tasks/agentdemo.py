@@ -210,22 +210,11 @@ def build_model(path: str | Path, *, hidden: int = 64, layers: int = 2, seed: in
     """:func:`build_tokenizer` and a freshly initialised tiny causal LM on it (Qwen2, or
     GPT-2's architecture: learned positions), saved to ``path`` (a generation_config listing
     both end ids)."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from tasks.chatdemo import _config
+    from tasks.chatdemo import save_fresh_model
 
     path = Path(path)
-    tok = build_tokenizer(path, split_digits=split_digits)
-    eos, eot = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    config = _config(arch, len(tok), hidden, layers, eos, eot)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
-    model.generation_config = GenerationConfig(eos_token_id=[eos, eot], pad_token_id=eot,
-                                               bos_token_id=None)
-    model.save_pretrained(str(path))
-    return path
+    tok = build_tokenizer(path, split_digits=split_digits)  # its eos token is <|im_end|>
+    return save_fresh_model(path, tok, arch=arch, hidden=hidden, layers=layers, seed=seed)
 
 
 # ----------------------------------------------------------------------------- the task

@@ -38,6 +38,7 @@ __all__ = [
     "build_model",
     "build_tokenizer",
     "records",
+    "save_fresh_model",
     "write_parquet",
 ]
 
@@ -166,11 +167,19 @@ def build_model(path: str | Path, *, arch: Literal["qwen2", "gpt2"] = "qwen2",
     """Tokenizer (Qwen2's template for ``qwen2``, the compact one for ``gpt2``) and a freshly
     initialised causal LM with head_dim 32 and a generation_config listing both EOS ids (the
     turn's end and ``<|endoftext|>``), saved to ``path``."""
+    path = Path(path)
+    tok = build_tokenizer(path, n_digits, "qwen2" if arch == "qwen2" else "compact")
+    return save_fresh_model(path, tok, arch=arch, hidden=hidden, layers=layers, seed=seed)
+
+
+def save_fresh_model(path: Path, tok: Any, *, arch: Literal["qwen2", "gpt2"], hidden: int,
+                     layers: int, seed: int) -> Path:
+    """A freshly initialised causal LM (seeded, head_dim 32) for the tokenizer ``tok``
+    (its eos token ends a turn, ``<|endoftext|>`` pads), saved to ``path`` with a
+    generation_config listing both end ids."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    path = Path(path)
-    tok = build_tokenizer(path, n_digits, "qwen2" if arch == "qwen2" else "compact")
     eos, eot = tok.convert_tokens_to_ids([tok.eos_token, "<|endoftext|>"])
     config = _config(arch, len(tok), hidden, layers, eos, eot)
     with torch.random.fork_rng(devices=[]):
