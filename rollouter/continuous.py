@@ -245,7 +245,8 @@ class ContinuousRollout:
                     [g.delivery for g in groups],
                     {ticket_id: f"tool turn failed: {type(exc).__name__}: {exc}"})
             return
-        self.turn_back.set()
+        finally:
+            self.turn_back.set()  # back from its tools either way: the idle wait may end
         if not self.book.holds(ticket_id, seq):
             return
         if going:

@@ -504,3 +504,27 @@ def test_a_replica_whose_conversations_wait_on_a_slow_tool_is_slow_not_dead(
     assert bound("model.kind=hf", f"model.path={model_dir}", "rollout.multi_turn.enable=true",
                  "rollout.multi_turn.function_tool_path=tools.py",
                  "rollout.multi_turn.tool_timeout_s=300") == 300.0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", LOOPS)
+async def test_a_tool_turn_that_cannot_be_made_fails_its_ticket_which_is_retried(
+        kind: str, tmp_path: Path, model_dir: Path, tokenizer: Any) -> None:
+    turns = [CALL.format(tool="calculator", expr="2+3"), "5."]
+    h = _harness(tmp_path, model_dir, tokenizer, {"Q": turns})
+    talks = h.ctx.conversations
+    assert talks is not None
+    render, calls = talks.renderer.tokens, []
+
+    def broken_once(answers: Any, last: Any) -> list[int]:
+        calls.append(answers)
+        if len(calls) == 1:
+            raise ValueError("the template failed")
+        return render(answers, last)
+
+    talks.renderer.tokens = broken_once  # type: ignore[method-assign]
+    entry = h.source.add(_ticket("a", "Q", tokenizer, "5"))
+    h.end_when(lambda: h.source.answered(entry))
+    await h.run(kind)
+    (sample,) = h.source.samples()["a"]
+    assert len(calls) == 2 and sample.num_turns == 4 and sample.reward == 1.0
