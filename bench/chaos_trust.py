@@ -507,7 +507,7 @@ class Trust:
                          f"believed?): {early}")
         # The zombie: repeated trainer facts and wrong dead letters inside its windows.
         repeats, repeats_zombie = self._repeats(log)
-        wrong, wrong_zombie = await self._wrong_letters(issued)
+        wrong, wrong_zombie = await self._wrong_letters(issued, _first_issues(log, c.inj))
         if wrong:
             fails.append(f"{len(wrong)} dead letter(s) of valid samples: {wrong[:3]}")
         if repeats_zombie:
@@ -582,10 +582,13 @@ class Trust:
                     zombie.append(what)
         return out, zombie
 
-    async def _wrong_letters(self, issued: set[int]) -> tuple[list[str], list[str]]:
+    async def _wrong_letters(self, issued: set[int], first_issue: dict[int, tuple[int, int]]
+                             ) -> tuple[list[str], list[str]]:
         """Dead letters saying "never issued" of valid samples (not the bench's, the sample
         decodes, its ticket is issued in the log): all, and those written while a zombie
-        was awake."""
+        was awake. Not wrong: an answer to an issue the AOF cut took away, dead-lettered
+        before the trainer issued that ticket number again (``first_issue``: where each
+        ticket's first issue the log kept is): the log never issued what it answers."""
         c = self.c
         wrong, zombie = [], []
         async for eid, m in c.b.read_all(c.keys.dlq):
@@ -600,8 +603,23 @@ class Trust:
             i = ticket_index(sample.ticket_id) if isinstance(sample, Sample) else None
             if i is None or i not in issued or "issued" not in m.reason:
                 continue
+            if i in c.tail_tickets and entry_key(eid) < first_issue.get(i, (0, 0)):
+                continue  # its issue went with the AOF's tail; the log's came later
             what = f"{m.entry_id} ({m.consumer or m.group}): {m.reason[:80]}"
             wrong.append(what)
             if any(a <= entry_key(eid)[0] <= b for a, b in self.fig.zombie_windows):
                 zombie.append(what)
         return wrong, zombie
+
+
+def _first_issues(log: list[tuple[str, str, Any]], injected: Any) -> dict[int, tuple[int, int]]:
+    """Where each ticket's first TicketsIssued the log kept is (its entry id's key); the
+    bench's own entries left out."""
+    first: dict[int, tuple[int, int]] = {}
+    for stream, eid, m in log:
+        if isinstance(m, TicketsIssued) and not injected.has(stream, eid):
+            for tid in m.ticket_ids:
+                i = ticket_index(tid)
+                if i is not None:
+                    first.setdefault(i, entry_key(eid))
+    return first

@@ -109,6 +109,29 @@ def test_window_restarts_at_a_sync_from_what_is_still_open() -> None:
     assert apply(ledger, TicketsClosed(ticket_ids=["t5"], reason="x")).room(6) == 1
 
 
+def test_a_step_that_trained_a_given_up_ticket_is_believed_over_the_close() -> None:
+    """bench/chaos.py (a busy machine): a TicketsClosed of an open ticket written into the
+    trainer's stream by a user the ACL cannot stop, then the trainer's own step training that
+    ticket (it never read the close). A reader believed the close and refused the step, so
+    a resumed trainer redid it without the ticket, which stayed given up: lost. The step
+    names answers; the close names nothing to check: the step wins."""
+    from trainer.ledger import GIVEN_UP_KEPT, refusal
+
+    ledger = fold([_issued(0, 4, 0), TicketsClosed(ticket_ids=["t2"], reason="forged")])
+    assert set(ledger.open) == {0, 1, 3} and set(ledger.given_up) == {2}
+    step = _finished(1, [1, 2], version=1)
+    assert refusal(ledger, step) is None
+    ledger = apply(ledger, step)
+    assert set(ledger.open) == {0, 3} and ledger.given_up == {}
+    # Trained once: a copy of the step now names tickets no longer open or given up.
+    assert refusal(ledger, _finished(2, [2], version=1)) is not None
+    # Bounded, whatever the closes.
+    many = fold([_issued(0, GIVEN_UP_KEPT + 10, 0),
+                 *(TicketsClosed(ticket_ids=[ticket_id(i)], reason="x")
+                   for i in range(GIVEN_UP_KEPT + 10))])
+    assert len(many.given_up) == GIVEN_UP_KEPT and 0 not in many.given_up
+
+
 def test_state_keeps_only_what_a_resume_needs() -> None:
     from runschema.messages import BlobRef, CheckpointSaved, WeightsPublished
 

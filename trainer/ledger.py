@@ -57,6 +57,9 @@ class Ledger(msgspec.Struct, frozen=True):
     open: dict[int, OpenTicket] = {}
     window: int = 0
     version: int = 0
+    given_up: dict[int, OpenTicket] = {}
+    """Tickets a TicketsClosed gave up (the latest :data:`GIVEN_UP_KEPT`): a StepFinished
+    that trains one of them anyway is believed over the close (:func:`_trained_refusal`)."""
 
     @property
     def outstanding(self) -> int:
@@ -71,15 +74,29 @@ class Ledger(msgspec.Struct, frozen=True):
         return max(0, budget - max(self.window, len(self.open)))
 
 
+GIVEN_UP_KEPT = 1024
+"""Given-up tickets the ledger remembers (the trainer gives up only tickets whose rollouts
+kept failing: a handful in a run; the bound keeps a flood of closes from growing it)."""
+
+
 def _close(ledger: Ledger, indices: Iterable[int | None], *, untrained: bool = False
            ) -> Ledger:
-    drop = {i for i in indices if i is not None and i in ledger.open}
+    wanted = {i for i in indices if i is not None}
+    drop = {i for i in wanted if i in ledger.open}
+    # A given-up ticket trained after all is no longer given up.
+    given_up = ({i: t for i, t in ledger.given_up.items() if i not in wanted}
+                if not untrained and wanted & ledger.given_up.keys() else ledger.given_up)
     if not drop:
-        return ledger
+        return ledger if given_up is ledger.given_up else msgspec.structs.replace(
+            ledger, given_up=given_up)
     opened = {i: t for i, t in ledger.open.items() if i not in drop}
+    if untrained:
+        given_up = {**ledger.given_up, **{i: ledger.open[i] for i in sorted(drop)}}
+        while len(given_up) > GIVEN_UP_KEPT:
+            given_up.pop(next(iter(given_up)))
     # A ticket given up without an answer generated no sample for the window.
     window = max(0, ledger.window - len(drop)) if untrained else ledger.window
-    return msgspec.structs.replace(ledger, open=opened, window=window)
+    return msgspec.structs.replace(ledger, open=opened, window=window, given_up=given_up)
 
 
 def _trained_refusal(ledger: Ledger, msg: StepFinished) -> str | None:
@@ -94,7 +111,12 @@ def _trained_refusal(ledger: Ledger, msg: StepFinished) -> str | None:
                 f"{len(ids)} samples")
     for sid in ids:
         index = ticket_of_sample(sid)
-        ticket = None if index is None else ledger.open.get(index)
+        # A step that trained a given-up ticket is believed over the close: only the
+        # trainer writes both, and a trainer never trains what it gave up, so the close is
+        # the one that was not its own (a forgery by a user the ACL cannot stop: its step
+        # names samples the rollouters' answers hold, the close names nothing to check).
+        ticket = None if index is None else (ledger.open.get(index)
+                                             or ledger.given_up.get(index))
         sample = sid.rsplit("/", 1)[-1]
         if ticket is None or not sample.isdigit() or int(sample) >= ticket.n:
             return (f"StepFinished({msg.step}) trained {sid!r}, not an answer of an open "
@@ -161,7 +183,7 @@ def _apply(ledger: Ledger, msg: Message) -> Ledger:
                 issued = max(issued, index + 1)
             # A reissue answers the same prompt again: not a new prompt for the window.
             window = ledger.window + (new if attempt == 0 else 0)
-            return Ledger(issued, opened, window, ledger.version)
+            return msgspec.structs.replace(ledger, issued=issued, open=opened, window=window)
         case StepFinished(sample_ids=ids, param_version=version):
             ledger = _close(ledger, (ticket_of_sample(sid) for sid in ids))
             if version != ledger.version:  # a weight sync: verl's count restarts
