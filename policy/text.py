@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from policy.tokenizer import CharTokenizer
 
-__all__ = ["HFTokenizer", "TextTokenizer", "build_tokenizer"]
+__all__ = ["HFTokenizer", "TextTokenizer", "build_tokenizer", "decode_conversation"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -63,6 +63,16 @@ class HFTokenizer:
                 break
             out.append(int(i))
         return self.hf.decode(out, skip_special_tokens=True)
+
+
+def decode_conversation(tokenizer: TextTokenizer, ids: Iterable[int]) -> str:
+    """The text of a conversation's response (rollout.multi_turn): every token, its turns'
+    end tokens stopping nothing, special tokens skipped, as verl's reward managers decode a
+    response; a tokenizer without a Hugging Face one decodes as it does."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        return tokenizer.decode(ids)
+    return str(hf.decode([int(i) for i in ids], skip_special_tokens=True))
 
 
 def _eos_ids(tokenizer_eos: int | None, path: Path) -> list[int]:

@@ -79,7 +79,6 @@ def _sample(s: Seq, prompt: Array, score: Score, gen_s: float, rank: int,
     )
 
 
-
 def _conversation(s: Seq, prompt: Array, score: Score, gen_s: float, rank: int,
                   eos_id: int | None, ts: float | None, limits: AgentLimits | None) -> Sample:
     """A multi-turn response's sample: every token after the prompt (assistant and tool

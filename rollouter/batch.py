@@ -157,7 +157,7 @@ class BatchRollout:
         samples, failed = to_samples(seqs, scores, prompts, gen_s=gen_s, rank=ctx.rank,
                                      eos_id=ctx.tokenizer.eos_id,
                                      fails_ticket=ctx.scorer.fails_ticket, ts=ended,
-                                 limits=ctx.agent_limits)
+                                     limits=ctx.agent_limits)
         await ctx.tickets.retry_or_give_up(deliveries, failed)
         return [(i, t) for i, t in tickets if t.ticket_id in samples], samples
 

@@ -29,16 +29,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import msgspec
 
+from policy.text import decode_conversation
 from tasks.rewards import RewardSpec, spec_from_config
 
 if TYPE_CHECKING:  # types only: rollouter.answers imports this module
+    from agent.conversation import Dialogue
     from policy.text import TextTokenizer
     from rollouter.answers import Seq
     from rollouter.engine import Off
     from runconfig import Config
     from runschema.messages import PromptTicket
 
-__all__ = ["RewardPool", "Rewards", "Score", "ScoreItem", "Scorer"]
+__all__ = ["RewardPool", "Rewards", "Score", "ScoreItem", "Scorer", "conversation_extra_info"]
 
 STARTUP_S = 60.0
 """Most seconds a new worker may take to load the reward function (imports included)."""
@@ -357,11 +359,7 @@ class Scorer:
         the response budget is the sample's: rollouter.answers)."""
         if s.dialogue is None:
             return self.tokenizer.decode(s.tokens)
-        keep = min(len(s.tokens), self.cfg.rollout.max_new_tokens)
-        hf: Any = getattr(self.tokenizer, "hf", None)
-        if hf is None:
-            return self.tokenizer.decode(s.tokens[:keep])
-        return str(hf.decode(s.tokens[:keep], skip_special_tokens=True))
+        return decode_conversation(self.tokenizer, s.tokens[:self.cfg.rollout.max_new_tokens])
 
     @staticmethod
     def items(seqs: Sequence[Seq], texts: Sequence[str]) -> list[ScoreItem]:
@@ -371,7 +369,8 @@ class Scorer:
             data_source=s.ticket.data_source, solution_str=text,
             ground_truth=s.ticket.answer if s.ticket.ground_truth is None
             else s.ticket.ground_truth,
-            extra_info=_extra_info(s), response_len=len(s.tokens),
+            extra_info=conversation_extra_info(s.ticket.extra_info, s.dialogue),
+            response_len=len(s.tokens),
         ) for s, text in zip(seqs, texts, strict=True)]
 
     async def score_items(self, items: list[ScoreItem]) -> list[Score]:
@@ -406,10 +405,11 @@ class Scorer:
             self.rewards.close()
 
 
-def _extra_info(s: Seq) -> dict[str, Any] | None:
-    """The record's ``extra_info``, and for a conversation what verl's agent loop adds."""
-    d = s.dialogue
+def conversation_extra_info(extra_info: dict[str, Any] | None, d: Dialogue | None
+                            ) -> dict[str, Any] | None:
+    """The ``extra_info`` a response is scored with: the record's, and for a conversation
+    what verl's agent loop adds (``num_turns``, ``tool_rewards``, ``turn_scores``)."""
     if d is None:
-        return s.ticket.extra_info
-    return {**(s.ticket.extra_info or {}), "num_turns": d.num_turns,
+        return extra_info
+    return {**(extra_info or {}), "num_turns": d.num_turns,
             "tool_rewards": list(d.tool_rewards), "turn_scores": []}

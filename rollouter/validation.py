@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from policy.text import TextTokenizer
+from policy.text import TextTokenizer, decode_conversation
 from rollouter.answers import Seq
 from rollouter.engine import Engine, Off
 from rollouter.events import EventPoller
-from rollouter.scoring import Scorer
+from rollouter.scoring import Scorer, conversation_extra_info
 from rollouter.tickets import TicketDesk, TicketSource
 from rollouter.weights import WeightsHolder
 from runconfig import Config
@@ -189,13 +189,8 @@ class Validator:
         if s.dialogue is None:
             return Answer(record, self.tokenizer.decode(s.tokens), len(s.tokens))
         keep = min(len(s.tokens), self.cfg.rollout.max_new_tokens)
-        hf = getattr(self.tokenizer, "hf", None)
-        text = (hf.decode(s.tokens[:keep], skip_special_tokens=True) if hf is not None
-                else self.tokenizer.decode(s.tokens[:keep]))
-        d = s.dialogue
-        extra = {**(record.extra_info or {}), "num_turns": d.num_turns,
-                 "tool_rewards": list(d.tool_rewards), "turn_scores": []}
-        return Answer(record, str(text), keep, extra)
+        return Answer(record, decode_conversation(self.tokenizer, s.tokens[:keep]), keep,
+                      conversation_extra_info(record.extra_info, s.dialogue))
 
     def _items(self, done: list[Answer]) -> list[Any]:
         return [self.item(data_source=a.record.data_source, solution_str=a.text,

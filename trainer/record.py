@@ -169,9 +169,10 @@ class TextDecoder:
             from policy.text import build_tokenizer
 
             self.tokenizer = build_tokenizer(self.model_cfg)
-        hf = getattr(self.tokenizer, "hf", None)
-        if whole and hf is not None:
-            return str(hf.decode(list(ids), skip_special_tokens=True))
+        if whole:
+            from policy.text import decode_conversation
+
+            return decode_conversation(self.tokenizer, ids)
         return self.tokenizer.decode(ids)  # type: ignore[no-any-return]
 
 
