@@ -74,22 +74,26 @@ def _ray_cli() -> str:
     return str(Path(sys.executable).parent / "ray")
 
 
-def _free_port_outside(reserved: range) -> int:
-    """A free port outside ``reserved`` (the nodes' worker port ranges): Ray refuses a node
-    whose component port falls in a worker range ("is used by other components")."""
+def _free_port_outside(reserved: range, taken: set[int]) -> int:
+    """A free port outside ``reserved`` (the nodes' worker port ranges) and not in ``taken``
+    (added to it): Ray refuses a node whose component port falls in a worker range or is
+    given to two of its components ("is used by other components"), and two asks for a free
+    port may well get the same one (it is free until someone binds it)."""
     from rlbus.redis_binary import free_port
 
-    while (port := free_port()) in reserved:
+    while (port := free_port()) in reserved or port in taken:
         pass
+    taken.add(port)
     return port
 
 
-def _node_ports(worker_base: int, reserved: range) -> list[str]:
+def _node_ports(worker_base: int, reserved: range, taken: set[int]) -> list[str]:
     """Ports of one raylet of its own: two Ray nodes share this machine (and other Ray
-    users may run beside them); none inside ``reserved``, where the worker ports are."""
+    users may run beside them); none inside ``reserved``, where the worker ports are, nor
+    in ``taken``, the test's ports so far."""
     names = ("node-manager", "object-manager", "dashboard-agent-listen",
              "dashboard-agent-grpc", "runtime-env-agent", "metrics-export")
-    return [*(f"--{name}-port={_free_port_outside(reserved)}" for name in names),
+    return [*(f"--{name}-port={_free_port_outside(reserved, taken)}" for name in names),
             f"--min-worker-port={worker_base}", f"--max-worker-port={worker_base + 40}"]
 
 
@@ -197,13 +201,16 @@ async def test_two_nodes_placed_as_asked_and_a_lost_node_named_and_survived(
     env = dict(os.environ)
     base = 30000 + (os.getpid() % 200) * 100
     reserved = range(base, base + 91)  # both nodes' worker ports
-    gcs = _free_port_outside(reserved)
-    head, worker = _node_ports(base, reserved), _node_ports(base + 50, reserved)
+    taken: set[int] = set()  # every port this test gives out, each once
+    gcs = _free_port_outside(reserved, taken)
+    head = _node_ports(base, reserved, taken)
+    worker = _node_ports(base + 50, reserved, taken)
     common = ["--disable-usage-stats", "--num-gpus=0", "--node-ip-address=127.0.0.1"]
     try:
         _ray_start(["--head", f"--port={gcs}", f"--temp-dir={ray_tmp}", "--num-cpus=3",
                     '--resources={"trainer": 1}', "--include-dashboard=false",
-                    f"--ray-client-server-port={_free_port_outside(reserved)}", *common, *head],
+                    f"--ray-client-server-port={_free_port_outside(reserved, taken)}",
+                    *common, *head],
                    env)
         _ray_start([f"--address=127.0.0.1:{gcs}", "--num-cpus=1", *common, *worker], env)
         # Before the run: a driver of its own takes seconds to connect.
@@ -355,13 +362,16 @@ def test_trainer_ranks_on_two_ray_nodes_meet_on_the_first(tmp_path: Path,
     env = dict(os.environ)
     base = 30000 + ((os.getpid() + 97) % 200) * 100
     reserved = range(base, base + 91)
-    gcs = _free_port_outside(reserved)
-    head, worker = _node_ports(base, reserved), _node_ports(base + 50, reserved)
+    taken: set[int] = set()  # every port this test gives out, each once
+    gcs = _free_port_outside(reserved, taken)
+    head = _node_ports(base, reserved, taken)
+    worker = _node_ports(base + 50, reserved, taken)
     common = ["--disable-usage-stats", "--num-gpus=0", "--node-ip-address=127.0.0.1"]
     try:
         _ray_start(["--head", f"--port={gcs}", f"--temp-dir={ray_tmp}", "--num-cpus=3",
                     "--include-dashboard=false",
-                    f"--ray-client-server-port={_free_port_outside(reserved)}", *common, *head],
+                    f"--ray-client-server-port={_free_port_outside(reserved, taken)}",
+                    *common, *head],
                    env)
         _ray_start([f"--address=127.0.0.1:{gcs}", "--num-cpus=2", *common, *worker], env)
         res = subprocess.run(
@@ -369,7 +379,7 @@ def test_trainer_ranks_on_two_ray_nodes_meet_on_the_first(tmp_path: Path,
              f"run.ray_address=127.0.0.1:{gcs}", "run.output_dir=out", "run.id=two-nodes",
              *FAST, *PATIENT, "trainer.logger=[console]", "trainer.total_training_steps=3",
              "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
-             f"trainer.master_port={_free_port_outside(reserved)}"],
+             f"trainer.master_port={_free_port_outside(reserved, taken)}"],
             capture_output=True, text=True, timeout=1400, cwd=tmp_path, env=env)
         assert res.returncode == 0, res.stdout + res.stderr
         addr = re.search(r"Ray launcher: 2 trainer nodes, rank 0 at (\S+):\d+$", res.stdout, re.M)
