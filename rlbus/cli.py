@@ -329,7 +329,10 @@ def _config(argv: list[str]) -> int:
                                                   ("--verl-diff", {"action": "store_true"})])
     if ns.show is not None and ns.verl_diff:
         raise _ArgError("--show and --verl-diff: give one of them")
-    cfg = load_config(ns.config, overrides)
+    from runconfig.verl import Derivation
+
+    derivations: list[Derivation] = []
+    cfg = load_config(ns.config, overrides, on_derived=derivations.append)
     from runconfig import config_to_dict, known_keys, suggest_key
     from tasks.verl_data import check_data
 
@@ -347,7 +350,7 @@ def _config(argv: list[str]) -> int:
     node: Any = tree
     for part in ns.show.split("."):
         if not isinstance(node, dict) or part not in node:
-            verl = _show_verl_key(ns.show, tree)
+            verl = _show_verl_key(ns.show, tree, derivations)
             if verl is None:
                 raise ConfigError(ns.show, "unknown config key",
                                   suggest_key(ns.show, known_keys()))
@@ -355,6 +358,9 @@ def _config(argv: list[str]) -> int:
             return 0
         node = node[part]
     print(_yaml_value(node))
+    for d in derivations:  # a value a verl key derived: how (YAML comments)
+        if d.key == ns.show:
+            print(f"# {d.how}" if d.how else f"# derived from {d.by}")
     return 0
 
 
@@ -363,10 +369,10 @@ def _yaml_value(node: Any) -> str:
     return text.removesuffix("...\n").rstrip("\n")
 
 
-def _show_verl_key(key: str, tree: dict[str, Any]) -> str | None:
+def _show_verl_key(key: str, tree: dict[str, Any], derivations: list[Any]) -> str | None:
     """What verl's ``key`` is here, for ``config --show``: the rlbus key(s) it sets and their
-    effective values, or how it is taken (fixed, derived, ignored), with the table's note;
-    None when verl has no such key either."""
+    effective values, or how it is taken (fixed, derived: what it derived here and how,
+    ignored), with the table's note; None when verl has no such key either."""
     from runconfig.verl import VALUE, lookup
 
     row = lookup(key)
@@ -384,7 +390,12 @@ def _show_verl_key(key: str, tree: dict[str, Any]) -> str | None:
         accepted = ", ".join(_show_value(v) for v in row.values)
         return f"{key} (verl's) is accepted only as {accepted} here{note}"
     if row.kind == "derived":
-        return f"{key} (verl's) is derived into rlbus keys when given{note}"
+        mine = [d for d in derivations if d.by == key]
+        if not mine:
+            return f"{key} (verl's) is derived into rlbus keys when given{note}"
+        return "\n".join([f"{key} (verl's) set these rlbus keys:",
+                           *(f"{d.key}: {_yaml_value(_tree_get(tree, d.key))}" for d in mine),
+                           *(f"# {d.how}" for d in mine if d.how)])
     return f"{key} (verl's) is accepted and ignored here{note}"
 
 

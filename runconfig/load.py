@@ -197,11 +197,13 @@ class _Builder:
     """Applies assignments to the defaults tree, remembering who set what."""
 
     def __init__(self, tree: dict[str, Any], warn: Callable[[str], None],
-                 note: Callable[[str], None] | None = None) -> None:
+                 note: Callable[[str], None] | None = None,
+                 derived: Callable[[verl_table.Derivation], None] | None = None) -> None:
         self.tree = tree
         self.defaults = copy.deepcopy(tree)
         self.warn = warn
         self.note = note  # how a derived value was computed (the run's length)
+        self.on_derived = derived  # each rlbus key a verl key set (config --show)
         self.origin: dict[str, str] = {}  # rlbus key -> the key the user wrote
         self.explicit: set[str] = set()  # rlbus keys the user set
         self.derived: dict[str, Any] = {}  # verl keys resolved at the end
@@ -357,10 +359,13 @@ class _Builder:
             derived = verl_table.derive(self.derived, self.tree, frozenset(self.explicit))
         except verl_table.VerlError as exc:
             raise ConfigError(exc.key, exc.message) from None
-        for key, value, by, how in derived:
+        for derivation in derived:
+            key, value, by, how = derivation
             self.set(key, value, by)
             if how and self.note is not None:
                 self.note(how)
+            if self.on_derived is not None:
+                self.on_derived(derivation)
         prof = self.tree["global_profiler"]
         if prof.get("steps", ()) is None:
             prof["steps"] = []  # verl's default: profile no step
@@ -461,6 +466,7 @@ def load_config(
     base: dict[str, Any] | None = None,
     on_warning: Callable[[str], None] | None = None,
     on_note: Callable[[str], None] | None = None,
+    on_derived: Callable[[verl_table.Derivation], None] | None = None,
 ) -> Config:
     """Defaults (or ``base``), then ``config_file``, then ``overrides``; validated as a whole.
 
@@ -472,7 +478,8 @@ def load_config(
     ``"verl"`` when no such file exists, or ``run.defaults=verl`` starts from verl's defaults
     (:func:`verl_preset` over rlbus's) instead of rlbus's; ``run.defaults=rlbus`` never does.
     ``on_note`` (default: a line on stderr) says so once. With ``base`` (the config a run
-    recorded) nothing is re-defaulted.
+    recorded) nothing is re-defaulted. ``on_derived`` is told each rlbus key a verl key
+    set and how (``rlbus config --show``).
     """
     tree = copy.deepcopy(base) if base is not None else default_dict()
     preset = config_file is not None and str(config_file) == PRESET and not Path(
@@ -485,7 +492,7 @@ def load_config(
         (on_note or _note_stderr)(
             f"verl's defaults for every key this line leaves out ({why}; "
             "runconfig/verl_defaults.yaml); run.defaults=rlbus keeps rlbus's")
-    builder = _Builder(tree, on_warning or _warn_stderr, on_note or _note_stderr)
+    builder = _Builder(tree, on_warning or _warn_stderr, on_note or _note_stderr, on_derived)
     for assignment in assignments:
         builder.apply(assignment)
     builder.finish()

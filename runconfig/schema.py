@@ -144,6 +144,7 @@ class DataConfig(_Section, frozen=True):
     seed: int = 1
     train_max_samples: int = -1
     val_max_samples: int = -1
+    epoch_batch_size: NonNegInt = 0
     apply_chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 

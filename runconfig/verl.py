@@ -317,8 +317,9 @@ TABLE: tuple[VerlKey, ...] = (
             note="a classic line (no async_training.* keys, no rollout.total_rollout_steps): "
                  "prompts per step, async_training.require_batches = train_batch_size / "
                  "ppo_mini_batch_size, on-policy (trigger_parameter_sync_step 1, "
-                 "staleness_threshold 0), and with data.train_files the steps are "
-                 "(records // train_batch_size) x total_epochs unless "
+                 "staleness_threshold 0), each epoch ending with its last whole batch "
+                 "(data.epoch_batch_size, verl's drop_last), and with data.train_files the "
+                 "steps are (records // train_batch_size) x total_epochs unless "
                  "trainer.total_training_steps is given; a fully-async line: not used (a step "
                  "takes ppo_mini_batch_size x require_batches prompts, as in verl)"),
     _ignored("data.gen_batch_size", "see rollout.prompts_per_batch"),
@@ -704,8 +705,9 @@ def _classic_batch(given: Mapping[str, Any], tree: Mapping[str, Any],
     """A classic (synchronous) verl line's ``data.train_batch_size``: the prompts of one
     step, trained on-policy, and its step count from the data (verl's ``ray_trainer``:
     ``len(train_dataloader) * total_epochs``, the dataloader dropping the last partial
-    batch). A fully-async line (any ``async_training.*`` key or
-    ``rollout.total_rollout_steps``) takes its step size from those keys, as verl's does."""
+    batch: ``data.epoch_batch_size``). A fully-async line (any ``async_training.*`` key or
+    ``rollout.total_rollout_steps``) takes its step size from those keys and reads every
+    record of an epoch, as verl's does."""
     if _CLASSIC not in given or "rollout.total_rollout_steps" in given or any(
             k.startswith("async_training.") for k in explicit):
         return []
@@ -719,7 +721,8 @@ def _classic_batch(given: Mapping[str, Any], tree: Mapping[str, Any],
                                   f"ppo_mini_batch_size={mini}")
     out = [Derivation("async_training.require_batches", batch // mini, _CLASSIC),
            Derivation("async_training.trigger_parameter_sync_step", 1, _CLASSIC),
-           Derivation("async_training.staleness_threshold", 0.0, _CLASSIC)]
+           Derivation("async_training.staleness_threshold", 0.0, _CLASSIC),
+           Derivation("data.epoch_batch_size", batch, _CLASSIC)]
     epochs = _get(tree, "trainer.total_epochs")
     if (_get(tree, "data.train_files") is not None and isinstance(epochs, int)
             and "trainer.total_training_steps" not in explicit):

@@ -437,20 +437,30 @@ def _prompts_per_step(cfg: Any) -> int:
 
 def _check_epochs(cfg: Any, n: int) -> None:
     """``trainer.total_epochs`` passes over ``n`` prompts must hold the run's steps."""
-    epochs = cfg.trainer.total_epochs
+    epochs, batch = cfg.trainer.total_epochs, cfg.data.epoch_batch_size
+    if batch > n:
+        raise ConfigError("data.epoch_batch_size", f"the data hold {n} prompts, no whole batch "
+                          f"of {batch} (data.train_batch_size sets it on a classic line)"
+                          f"{_filtered(cfg, n)}")
     if epochs is None:
         return
     need = _prompts_per_step(cfg)
-    steps = n * epochs // need
+    per_epoch = n - (n % batch if batch else 0)  # VerlPrompts: the last partial batch dropped
+    steps = per_epoch * epochs // need
     total = cfg.trainer.total_training_steps
     if total > steps:
-        dropped = count_records(cfg.data.train_files, cfg.data.train_max_samples) - n
-        why = (f" (data.filter_overlong_prompts dropped {dropped} of the files' records, and "
-               "the steps were counted from the files)" if dropped > 0 else "")
-        raise ConfigError("trainer.total_epochs", f"{epochs} epoch(s) of {n} prompts make "
-                          f"{steps} steps of {need} prompts (ppo_mini_batch_size x "
+        raise ConfigError("trainer.total_epochs", f"{epochs} epoch(s) of {per_epoch} prompts "
+                          f"make {steps} steps of {need} prompts (ppo_mini_batch_size x "
                           f"require_batches), fewer than trainer.total_training_steps={total}"
-                          f"{why}; set trainer.total_training_steps<={steps} or more epochs")
+                          f"{_filtered(cfg, n)}; set trainer.total_training_steps<={steps} or "
+                          "more epochs")
+
+
+def _filtered(cfg: Any, n: int) -> str:
+    """Why ``n`` prompts are fewer than the files' records, when they are."""
+    dropped = count_records(cfg.data.train_files, cfg.data.train_max_samples) - n
+    return (f" (data.filter_overlong_prompts dropped {dropped} of the files' records, and "
+            "the steps were counted from the files)" if dropped > 0 else "")
 
 
 def check_data(cfg: Any) -> set[str]:
@@ -490,26 +500,34 @@ def check_data(cfg: Any) -> set[str]:
 
 
 class VerlPrompts:
-    """The run's prompts from verl records: prompt ``i`` is record ``order(e)[i % N]`` of
-    epoch ``e = i // N``; ids ``p{i}`` stay unique over epochs. ``limit``: prompts there are
-    (N x ``epochs``), None when the source cycles forever."""
+    """The run's prompts from verl records: prompt ``i`` is record ``order(e)[i % P]`` of
+    epoch ``e = i // P``, where an epoch takes ``P`` prompts: every one of the N records, or
+    with ``epoch_batch`` the whole batches of that many (verl's classic dataloader drops the
+    last partial batch: ``P = N - N % epoch_batch``, a new shuffle each epoch); ids ``p{i}``
+    stay unique over epochs. ``limit``: prompts there are (P x ``epochs``), None when the
+    source cycles forever."""
 
     def __init__(self, records: Sequence[VerlRecord], *, shuffle: bool = True, seed: int = 1,
-                 epochs: int | None = None) -> None:
+                 epochs: int | None = None, epoch_batch: int = 0) -> None:
         if not records:
             raise ValueError("no records")
+        if epoch_batch > len(records):
+            raise ValueError(f"{len(records)} records hold no batch of {epoch_batch}")
         self.records = list(records)
         self.shuffle = shuffle
         self.seed = seed
         self.epochs = epochs
-        self.limit: int | None = None if epochs is None else len(self.records) * epochs
+        self.per_epoch = len(self.records) - (len(self.records) % epoch_batch
+                                              if epoch_batch else 0)
+        self.limit: int | None = None if epochs is None else self.per_epoch * epochs
         self.index = 0
         self._orders: dict[int, list[int]] = {}
         self._generator: Any = None
         self._next_epoch = 0  # the epoch the generator's next randperm belongs to
 
     def __len__(self) -> int:
-        return len(self.records)
+        """The prompts of one epoch (the data epoch of prompt ``i`` is ``i // len``)."""
+        return self.per_epoch
 
     def order(self, epoch: int) -> list[int]:
         """The record positions of ``epoch`` in visiting order."""
@@ -537,8 +555,8 @@ class VerlPrompts:
     def get(self, index: int) -> Prompt:
         if index < 0 or (self.limit is not None and index >= self.limit):
             raise IndexError(f"prompt {index}: the data hold {self.limit} prompts "
-                             f"({self.epochs} epoch(s) of {len(self.records)})")
-        epoch, i = divmod(index, len(self.records))
+                             f"({self.epochs} epoch(s) of {self.per_epoch})")
+        epoch, i = divmod(index, self.per_epoch)
         r = self.records[self.order(epoch)[i]]
         answer = "" if r.ground_truth is None else str(r.ground_truth)
         return Prompt(f"p{index}", r.text, answer, list(r.prompt_ids), r.data_source,
@@ -553,4 +571,5 @@ class VerlPrompts:
 def train_prompts(cfg: Any, tokenizer: Any = None) -> VerlPrompts:
     """The prompt source of a run with ``data.train_files``."""
     return VerlPrompts(records_for(cfg, "train", tokenizer), shuffle=cfg.data.shuffle,
-                       seed=cfg.data.seed, epochs=cfg.trainer.total_epochs)
+                       seed=cfg.data.seed, epochs=cfg.trainer.total_epochs,
+                       epoch_batch=cfg.data.epoch_batch_size)

@@ -97,6 +97,33 @@ def test_config_show_takes_verl_keys_and_says_what_they_are_here(
     assert "unknown config key" in capsys.readouterr().err
 
 
+def test_config_show_prints_how_a_verl_key_derived_the_run_length(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = ["async_training.staleness_threshold=0.1", "async_training.require_batches=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "rollout.total_rollout_steps=64",
+            "rollout.max_new_tokens=5"]
+    how = ("# trainer.total_training_steps=8: 64 prompts (of rollout.total_rollout_steps=64) "
+           "// 8 a step (ppo_mini_batch_size x require_batches), as verl's fully-async "
+           "trainer counts them\n")
+    assert main(["config", "--show", "trainer.total_training_steps", *line]) == 0
+    assert capsys.readouterr().out == "8\n" + how  # the value, then how (a YAML comment)
+    assert main(["config", "--show", "rollout.total_rollout_steps", *line]) == 0
+    assert capsys.readouterr().out == ("rollout.total_rollout_steps (verl's) set these rlbus "
+                                       "keys:\ntrainer.total_training_steps: 8\n" + how)
+    # A classic line: what data.train_batch_size set, the epochs' batch among it.
+    classic = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+               "rollout.max_new_tokens=5"]
+    assert main(["config", "--show", "data.train_batch_size", *classic]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "async_training.require_batches: 2", "async_training.trigger_parameter_sync_step: 1",
+        "async_training.staleness_threshold: 0.0", "data.epoch_batch_size: 8"]
+    assert main(["config", "--show", "data.epoch_batch_size", *classic]) == 0
+    assert capsys.readouterr().out == "8\n# derived from data.train_batch_size\n"
+    assert main(["config", "--show", "trainer.total_training_steps", "trainer.lr=0.1"]) == 0
+    assert capsys.readouterr().out == "300\n"  # given or a default: no derivation
+
+
 def test_password_from_the_environment_is_never_printed(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -238,6 +238,30 @@ def test_shuffle_is_verls_sampler_order_and_deterministic() -> None:
     assert [int(plain.get(i).ground_truth) for i in range(2 * n)] == list(range(n)) * 2
 
 
+def test_epoch_batches_are_verls_drop_last_dataloader_batches() -> None:
+    """A classic line's epochs (data.epoch_batch_size, set by data.train_batch_size): the
+    batches verl's dataloader gives (drop_last=True over its RandomSampler), epoch after
+    epoch; the last partial batch of each epoch is never drawn."""
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
+    n, batch, epochs = 23, 4, 3
+    g = torch.Generator()
+    g.manual_seed(5)
+    loader = DataLoader(list(range(n)), batch_size=batch, drop_last=True,
+                        sampler=RandomSampler(range(n), generator=g))
+    verl_batches = [b.tolist() for _ in range(epochs) for b in loader]
+    src = VerlPrompts(_fake(n), shuffle=True, seed=5, epochs=epochs, epoch_batch=batch)
+    assert len(src) == 20 and src.limit == 60
+    drawn = [int(src.next().ground_truth) for _ in range(src.limit)]
+    assert [drawn[i:i + batch] for i in range(0, len(drawn), batch)] == verl_batches
+    with pytest.raises(IndexError, match="3 epoch"):
+        src.get(60)
+    assert len(VerlPrompts(_fake(n), epoch_batch=0)) == n  # a fully-async line: every record
+    with pytest.raises(ValueError, match="no batch of 24"):
+        VerlPrompts(_fake(n), epoch_batch=24)
+
+
 def test_resume_from_index_continues_the_epoch() -> None:
     n, k = 17, 25
     first = VerlPrompts(_fake(n), seed=3)

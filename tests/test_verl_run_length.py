@@ -57,6 +57,7 @@ def test_a_fully_async_line_is_capped_by_its_data(tmp_path: Path) -> None:
     cfg = _load(f"data.train_files={data}", "data.train_batch_size=0",
                 "rollout.total_rollout_steps=64", "trainer.total_epochs=10", *FULLY_ASYNC)
     assert cfg.async_training.require_batches == 2
+    assert cfg.data.epoch_batch_size == 0  # verl's fully-async rollouter reads every record
 
 
 def test_a_classic_line_runs_verls_steps_of_train_batch_size_prompts(tmp_path: Path) -> None:
@@ -72,6 +73,7 @@ def test_a_classic_line_runs_verls_steps_of_train_batch_size_prompts(tmp_path: P
     asyn = cfg.async_training
     assert (asyn.require_batches, asyn.trigger_parameter_sync_step,
             asyn.staleness_threshold) == (2, 1, 0.0)
+    assert cfg.data.epoch_batch_size == 8  # its epochs end with their last whole batch
     # Each epoch drops its last partial batch, as verl's dataloader (drop_last).
     cfg = _load(f"data.train_files={_data(tmp_path, 21, 'odd.parquet')}",
                 *classic[1:3], "trainer.total_epochs=3")
