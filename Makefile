@@ -87,8 +87,20 @@ shim: $(RUNTIME)
 	@echo "linked $(SHIM_DIR)/rlbus -> $(CURDIR)/$(VENV)/bin/rlbus"
 	@case ":$$PATH:" in *":$(SHIM_DIR):"*) ;; *) echo "add $(SHIM_DIR) to PATH";; esac
 
+# verl itself, for the test of a data.custom_cls class that subclasses verl's RLHFDataset
+# (tests/test_dataset_class.py): in a folder of its own, which only that test's process puts on
+# its path (every other test runs as on a machine without verl). --no-deps: what importing
+# verl.utils.dataset needs beyond our set (measured), versions pinned as tested.
+VERL_SITE := $(VENV)/verl-site/.installed
+$(VERL_SITE): $(FULL)
+	$(PY) -m pip install --quiet --no-deps --target $(VENV)/verl-site "verl==0.9.1" \
+	  "tensordict==0.15.3" "pyvers==0.2.3" "datasets==5.2.0" "multiprocess==0.70.19" \
+	  "xxhash==4.1.0" "codetiming==1.4.0" "hydra-core==1.3.8" "omegaconf==2.4.0" \
+	  "antlr4-python3-runtime==4.9.3"
+	touch $@
+
 # vLLM too (`make vllm`), so that the rollout.name=vllm tests run rather than skip.
-test: $(FULL) $(VLLM)
+test: $(FULL) $(VLLM) $(VERL_SITE)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # While you work: no component process, no vLLM, each test within 60 s (tests/tiers.py).

@@ -25,6 +25,7 @@ PATH_KEYS: tuple[str, ...] = (
     "data.train_files",
     "data.val_files",
     "custom_reward_function.path",
+    "data.custom_cls.path",
     "rollout.multi_turn.tool_config_path",
     "rollout.multi_turn.function_tool_path",
     "trainer.default_local_dir",

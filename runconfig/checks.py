@@ -29,6 +29,24 @@ def check_cross_fields(cfg: Config) -> None:
     _check_rejection(cfg)
     _check_val_only(cfg)
     _check_multi_turn(cfg)
+    _check_dataset_class(cfg)
+
+
+def _check_dataset_class(cfg: Config) -> None:
+    """verl's ``data.custom_cls`` makes the records from the data files: both keys, and files
+    for it to read (the class itself is loaded with the data: tasks.dataset_class)."""
+    custom = cfg.data.custom_cls
+    if custom.path is None:
+        if custom.name is not None:
+            raise ConfigError("data.custom_cls.name", "names a class of data.custom_cls.path, "
+                              "which is not set")
+        return
+    if not custom.name:
+        raise ConfigError("data.custom_cls.name", f"names the dataset class of {custom.path} "
+                          "(data.custom_cls.path); it is not set")
+    if cfg.data.train_files is None and cfg.data.val_files is None:
+        raise ConfigError("data.custom_cls.path", "makes records from data.train_files and "
+                          "data.val_files, and neither is set")
 
 
 def _check_rejection(cfg: Config) -> None:

@@ -130,6 +130,13 @@ class TaskConfig(_Section, frozen=True):
     seed: int = 0
 
 
+class CustomClsConfig(_Section, frozen=True):
+    """verl's ``data.custom_cls``: the class that makes the records (tasks.dataset_class)."""
+
+    path: str | None = None
+    name: str | None = None
+
+
 class DataConfig(_Section, frozen=True):
     """verl's ``data`` section (verl-format parquet or JSONL records)."""
 
@@ -145,6 +152,7 @@ class DataConfig(_Section, frozen=True):
     train_max_samples: int = -1
     val_max_samples: int = -1
     epoch_batch_size: NonNegInt = 0
+    custom_cls: CustomClsConfig = CustomClsConfig()
     apply_chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 

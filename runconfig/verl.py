@@ -330,11 +330,6 @@ TABLE: tuple[VerlKey, ...] = (
     _ignored("data.use_shm", _INFRA),
     _ignored("data.trust_remote_code", _INFRA),
     _ignored("data.tokenizer", "the tokenizer is model.path's"),
-    _fixed("data.custom_cls.path", (None,),
-           "rlbus reads verl's record layout (RLHFDataset's, agent_name included) and runs no "
-           "dataset class: one in verl's interface subclasses verl's RLHFDataset, which needs "
-           "verl; write the records it makes to parquet instead"),
-    _ignored("data.custom_cls.*", "only with data.custom_cls.path (refused)"),
     _ignored("data.tool_config_path", _TOOLS_IN_PROMPT),
     _ignored("data.function_tool_path", _TOOLS_IN_PROMPT),
     _ignored("data.image_key", _MM),

@@ -89,7 +89,7 @@ def load_custom_reward(path: str, name: str = "compute_score") -> Callable[..., 
     if path.startswith("pkg://"):
         module = _import_package(path)
     else:
-        module = _import_file(path.removeprefix("file://"))
+        module = import_file(path.removeprefix("file://"), PATH_KEY)
     fn = getattr(module, name, None)
     if fn is None:
         raise ConfigError(PATH_KEY, f"{path}: has no function {name!r} "
@@ -109,15 +109,17 @@ def _import_package(path: str) -> Any:
                                     f"{type(exc).__name__}: {exc}") from None
 
 
-def _import_file(path: str) -> Any:
+def import_file(path: str, key: str, prefix: str = "rlbus_reward") -> Any:
+    """The module of the Python file ``path`` a config ``key`` names (a user's reward
+    function or dataset class); every failure a ConfigError on ``key`` naming the file."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ConfigError(PATH_KEY, f"{path}: no such file")
+        raise ConfigError(key, f"{path}: no such file")
     # A name of its own per file: two reward files never share a module.
-    module_name = f"rlbus_reward_{abs(hash(str(file.resolve())))}"
+    module_name = f"{prefix}_{abs(hash(str(file.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:
-        raise ConfigError(PATH_KEY, f"{path}: not a Python file")
+        raise ConfigError(key, f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     # In sys.modules while it runs: dataclasses and pickling in the file look themselves up.
     sys.modules[module_name] = module
@@ -125,12 +127,11 @@ def _import_file(path: str) -> Any:
         spec.loader.exec_module(module)
     except SyntaxError as exc:
         sys.modules.pop(module_name, None)
-        raise ConfigError(PATH_KEY, f"{path}: syntax error at line {exc.lineno}: "
-                                    f"{exc.msg}") from None
+        raise ConfigError(key, f"{path}: syntax error at line {exc.lineno}: {exc.msg}") from None
     except (Exception, SystemExit) as exc:  # the file's own top level raised
         sys.modules.pop(module_name, None)
-        raise ConfigError(PATH_KEY, f"{path}: importing it raised {type(exc).__name__}: "
-                                    f"{exc}") from None
+        raise ConfigError(key, f"{path}: importing it raised {type(exc).__name__}: "
+                               f"{exc}") from None
     return module
 
 

@@ -325,12 +325,11 @@ def load_records(files: str | Sequence[str], data_cfg: Any, tokenizer: Any, *,
     if not paths:
         raise ConfigError(key, "no data files given")
     render = _renderer(tokenizer, data_cfg, key)
-    rows: list[_Row] = []
-    for path in paths:
-        columns, found = _read_file(path, key)
-        _check_columns(path, columns, found, data_cfg, key)
-        rows.extend(found)
-    rows = _select(rows, getattr(data_cfg, f"{split}_max_samples"), data_cfg)
+    if data_cfg.custom_cls.path is not None:
+        key = "data.custom_cls.path"  # what is wrong with a record is the class's making
+        rows = _class_rows(paths, data_cfg, tokenizer, split)
+    else:
+        rows = _file_rows(paths, data_cfg, key, split)
     records: list[VerlRecord] = []
     longest = 0
     for row in rows:
@@ -344,6 +343,32 @@ def load_records(files: str | Sequence[str], data_cfg: Any, tokenizer: Any, *,
                                f"data.max_prompt_length={data_cfg.max_prompt_length} tokens "
                                "(data.filter_overlong_prompts dropped them all)")
     return records
+
+
+def _file_rows(paths: list[str], data_cfg: Any, key: str, split: str) -> list[_Row]:
+    rows: list[_Row] = []
+    for path in paths:
+        columns, found = _read_file(path, key)
+        _check_columns(path, columns, found, data_cfg, key)
+        rows.extend(found)
+    return _select(rows, getattr(data_cfg, f"{split}_max_samples"), data_cfg)
+
+
+def _class_rows(paths: list[str], data_cfg: Any, tokenizer: Any, split: str) -> list[_Row]:
+    """The items of verl's ``data.custom_cls`` over ``paths`` (it applies max_samples)."""
+    from tasks.dataset_class import PATH_KEY, class_items, dataset_class
+
+    custom = data_cfg.custom_cls
+    cls = dataset_class(custom.path, custom.name)
+    items = class_items(cls, paths, data_cfg, _hf(tokenizer),
+                        getattr(data_cfg, f"{split}_max_samples"))
+    source = f"{custom.path}: {custom.name}"
+    if not items:
+        raise ConfigError(PATH_KEY, f"{source} made no record of {', '.join(paths)}")
+    rows = [_Row(source, f"item {i}", item) for i, item in enumerate(items)]
+    columns = sorted({k for item in items for k in item})
+    _check_columns(source, columns, rows, data_cfg, PATH_KEY)
+    return rows
 
 
 def _record(row: _Row, data_cfg: Any, render: Any, key: str, index: int,
