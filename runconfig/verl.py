@@ -679,6 +679,8 @@ def _data_prompts(tree: Mapping[str, Any]) -> int | None:
     files, epochs = _get(tree, "data.train_files"), _get(tree, "trainer.total_epochs")
     if files is None or not isinstance(epochs, int) or isinstance(epochs, bool):
         return None
+    if _get(tree, "data.custom_cls.path") is not None:
+        return None  # its class makes the records: counted once loaded (tasks.verl_data)
     return _records(tree) * epochs
 
 
@@ -721,6 +723,11 @@ def _classic_batch(given: Mapping[str, Any], tree: Mapping[str, Any],
     epochs = _get(tree, "trainer.total_epochs")
     if (_get(tree, "data.train_files") is not None and isinstance(epochs, int)
             and "trainer.total_training_steps" not in explicit):
+        if _get(tree, "data.custom_cls.path") is not None:
+            raise VerlError("data.custom_cls.path", "a classic line's steps are counted from "
+                            "the records, and this class makes them only as the data load: "
+                            "give trainer.total_training_steps (records // "
+                            "data.train_batch_size x trainer.total_epochs)")
         records = _records(tree)
         steps = records // batch * epochs
         if steps < 1:

@@ -39,10 +39,15 @@ def dataset_class(path: str, name: str) -> type:
     try:
         module = import_file(path.removeprefix("file://"), PATH_KEY, prefix="rlbus_dataset")
     except ConfigError as exc:
-        if "No module named 'verl" in exc.message:
+        if "No module named 'verl" not in exc.message:
+            raise
+        import importlib.util
+
+        if importlib.util.find_spec("verl") is None:
             raise ConfigError(PATH_KEY, f"{exc.message}: the class needs verl installed, as in "
                                         "verl (pip install verl)") from None
-        raise
+        raise ConfigError(PATH_KEY, f"{exc.message}: the verl installed here lacks it (the "
+                                    "file was written for another verl version)") from None
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
         what = "nothing" if cls is None else f"a {type(cls).__name__}"

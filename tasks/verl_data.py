@@ -483,6 +483,8 @@ def _check_epochs(cfg: Any, n: int) -> None:
 
 def _filtered(cfg: Any, n: int) -> str:
     """Why ``n`` prompts are fewer than the files' records, when they are."""
+    if cfg.data.custom_cls.path is not None:
+        return f" (made by {cfg.data.custom_cls.name}, data.custom_cls)"
     dropped = count_records(cfg.data.train_files, cfg.data.train_max_samples) - n
     return (f" (data.filter_overlong_prompts dropped {dropped} of the files' records, and "
             "the steps were counted from the files)" if dropped > 0 else "")

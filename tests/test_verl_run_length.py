@@ -97,6 +97,25 @@ def test_a_classic_batch_that_does_not_split_or_fill_a_step_exits_2(tmp_path: Pa
     assert err.value.key == "data.train_batch_size" and "no step" in str(err.value)
 
 
+def test_a_dataset_class_s_records_are_not_counted_from_the_files(tmp_path: Path) -> None:
+    # verl's data.custom_cls makes the records (the files may be folders it reads): a
+    # fully-async line's steps are not capped by the files; a classic line must say its steps.
+    folder = tmp_path / "hf-dataset-folder"
+    folder.mkdir()
+    custom = (f"data.train_files={folder}", f"data.custom_cls.path={tmp_path / 'd.py'}",
+              "data.custom_cls.name=D")
+    cfg = _load(*custom, "rollout.total_rollout_steps=64", "trainer.total_epochs=1",
+                *FULLY_ASYNC)
+    assert cfg.trainer.total_training_steps == 8
+    classic = ("data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4")
+    with pytest.raises(ConfigError) as err:
+        _load(*custom, *classic, "trainer.total_epochs=2")
+    assert err.value.key == "data.custom_cls.path" and "trainer.total_training_steps" in str(
+        err.value)
+    assert _load(*custom, *classic, "trainer.total_epochs=2",
+                 "trainer.total_training_steps=5").trainer.total_training_steps == 5
+
+
 def test_records_are_counted_from_parquet_footers_and_json_lines(tmp_path: Path) -> None:
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
