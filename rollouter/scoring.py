@@ -42,8 +42,11 @@ if TYPE_CHECKING:  # types only: rollouter.answers imports this module
 
 __all__ = ["RewardPool", "Rewards", "Score", "ScoreItem", "Scorer", "conversation_extra_info"]
 
-STARTUP_S = 60.0
-"""Most seconds a new worker may take to load the reward function (imports included)."""
+STARTUP_S = 300.0
+"""Most seconds a new worker may take to load the reward function (imports included): a
+file importing verl (ReTool's) took over 60 s on 2 cores busy with a vLLM engine's warm-up,
+and a slow import is not a dead worker. A worker that dies while loading is told at once
+(its pipe closes); only a hung import waits the whole bound."""
 
 
 class ScoreItem(msgspec.Struct, frozen=True):
