@@ -10,6 +10,7 @@ reached is one line naming its URL (exit code 1), never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -445,6 +446,20 @@ def _up(argv: list[str]) -> int:
         sup.restore()
 
 
+def _working_directory_importable() -> None:
+    """The working directory on the import path, as ``python -m`` puts it there: how ``rlbus
+    up`` starts its components and how verl's jobs run, so that a user's file (a reward
+    function, a dataset class, a tool) importing modules of the launch directory (verl's
+    recipes: ``recipe.retool.*``) loads in the console script's checks as in the components.
+    Appended, not prepended: an installed package is never shadowed here."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the directory was removed under us: nothing to add
+        return
+    if cwd not in sys.path:
+        sys.path.append(cwd)
+
+
 _HANDLERS = {
     "up": _up,
     "redis": _redis,
@@ -460,6 +475,7 @@ _HANDLERS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rlbus`` console script; returns the exit code."""
+    _working_directory_importable()
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE, end="")

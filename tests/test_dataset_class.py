@@ -173,3 +173,27 @@ def test_a_subclass_of_verls_rlhf_dataset_runs_on_verl(tmp_path: Path, model_dir
         assert f"{content} Answer with digits." in text, text
         assert truth == row["reward_model"]["ground_truth"]  # type: ignore[index]
         assert agent == "single_turn_agent"
+
+
+@pytest.mark.procs
+def test_a_class_importing_modules_of_the_launch_directory_loads_in_the_console_script(
+        tmp_path: Path, model_dir: Path) -> None:
+    # verl's recipes import their own package from the directory the job starts in
+    # (recipe.retool.*): `rlbus config` (the console script, not python -m) finds it too.
+    data, _ = _data(tmp_path)
+    package = tmp_path / "recipe" / "mine"
+    package.mkdir(parents=True)
+    (tmp_path / "recipe" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "suffix.py").write_text("SUFFIX = ' Answer with digits.'\n")
+    (package / "data.py").write_text(
+        "from recipe.mine.suffix import SUFFIX  # noqa: F401\n" + PLAIN_CLASS)
+    rlbus = Path(sys.executable).parent / "rlbus"
+    res = subprocess.run(
+        [str(rlbus), "config", "--show", "data.custom_cls.name", "model.kind=hf",
+         f"model.path={model_dir}", f"data.train_files={data}",
+         f"custom_reward_function.path={model_dir / 'reward.py'}",
+         "data.custom_cls.path=recipe/mine/data.py", "data.custom_cls.name=InstructedDataset"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout == "InstructedDataset\n"
