@@ -39,7 +39,9 @@ def dataset_class(path: str, name: str) -> type:
     try:
         module = import_file(path.removeprefix("file://"), PATH_KEY, prefix="rlbus_dataset")
     except ConfigError as exc:
-        if "No module named 'verl" not in exc.message:
+        missing = exc.__cause__
+        if not (isinstance(missing, ModuleNotFoundError)
+                and (missing.name or "").split(".")[0] == "verl"):
             raise
         import importlib.util
 

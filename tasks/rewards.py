@@ -130,8 +130,10 @@ def import_file(path: str, key: str, prefix: str = "rlbus_reward") -> Any:
         raise ConfigError(key, f"{path}: syntax error at line {exc.lineno}: {exc.msg}") from None
     except (Exception, SystemExit) as exc:  # the file's own top level raised
         sys.modules.pop(module_name, None)
+        # The cause is kept (printed nowhere: a ConfigError is one line) for callers that
+        # say more about some failures, e.g. a missing verl (tasks.dataset_class).
         raise ConfigError(key, f"{path}: importing it raised {type(exc).__name__}: "
-                               f"{exc}") from None
+                               f"{exc}") from exc
     return module
 
 
