@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ from runschema.messages import (
 )
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.waits import event, wait_for, wait_until
-from weights.collective import Broadcaster, Receiver, invite, still_live
+from weights import collective_round
+from weights.collective import Broadcaster, Receiver, invite, still_live, still_silent
 from weights.collective_round import ChunkCheck, Member, flatten
 from weights.transport import RedisTransport, TransportUnreachable, chunk_digests, flat_buffer
 
@@ -137,9 +139,10 @@ class _Receivers:
         self.procs: dict[int, Any] = {}
         self.pipes: dict[int, Connection] = {}
 
-    async def start(self, rank: int) -> None:
+    async def start(self, rank: int, target: Callable[..., None] = _receiver_main,
+                    extra: tuple[Any, ...] = ()) -> None:
         mine, theirs = self.ctx.Pipe()
-        p = self.ctx.Process(target=_receiver_main, args=(self.url, self.run_id, rank, theirs),
+        p = self.ctx.Process(target=target, args=(self.url, self.run_id, rank, theirs, *extra),
                              daemon=True)
         p.start()
         self.procs[rank], self.pipes[rank] = p, mine
@@ -313,3 +316,95 @@ async def test_a_run_syncs_by_broadcast_and_a_restarted_rollouter_rejoins(
     assert len(published) >= 3 and {e.ref.store for e in published} == {"weights:collective"}
     assert not [e for e in events if isinstance(e, WarningRaised)
                 and e.code in ("weights_unreachable", "weights_unloadable")]
+
+
+# ---------------------------------------------------------------------- a member gone mid-round
+
+
+@given(st.lists(st.tuples(st.floats(0, 3), st.booleans()), min_size=1, max_size=30),
+       st.floats(0.5, 6))
+def test_a_member_is_silent_exactly_when_its_pulse_stood_still_for_silent_s(
+    looks: list[tuple[float, bool]], silent_s: float
+) -> None:
+    """Looked at after each gap, pulsing or not in it: silent iff the count has not moved
+    since a look at least ``silent_s`` ago (the first look starts the clock)."""
+    seen: dict[int, tuple[int, float]] = {}
+    now, count, since = 0.0, 0, 0.0
+    for i, (gap, pulsed) in enumerate(looks):
+        now += gap
+        if pulsed:
+            count += 1
+        if i == 0 or pulsed:
+            since = now
+        seen, quiet = collective_round.silent(seen, {7: count}, now, silent_s)
+        assert quiet == ([7] if now - since >= silent_s else [])
+
+
+def test_a_dropped_member_is_invited_again_once_its_heartbeat_moves_and_never_while_gone(
+) -> None:
+    a, b, c = Member(0, 10), Member(1, 11), Member(2, 12)
+    silent = {a: 5.0, b: 5.0, c: 5.0}
+    assert still_silent(silent, {a: 5.0, b: 6.5}) == {a: 5.0}  # b pulsed, c is gone
+
+
+def _pieces_main(url: str, run_id: str, rank: int, conn: Connection, piece: int,
+                 fault: int | None) -> None:
+    """:func:`_receiver_main` with broadcasts of ``piece`` bytes a call (the trainer's side
+    must use the same), whose receiver sends itself ``fault`` (if any) once, in its first
+    round, when two pieces are in and the third is in flight."""
+    collective_round.PIECE = piece
+    check = collective_round.ChunkCheck.__call__
+    fired: list[int] = []
+
+    def checked(self: ChunkCheck, end: int) -> None:
+        check(self, end)
+        if fault is not None and not fired and 2 * piece <= end < self.m.size:
+            fired.append(end)
+            os.kill(os.getpid(), fault)
+
+    collective_round.ChunkCheck.__call__ = checked  # type: ignore[method-assign]
+    asyncio.run(_receive(url, run_id, rank, conn))
+
+
+@pytest.mark.procs  # three receiver processes, each importing torch: 13-30 s
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "paused"])
+async def test_a_member_killed_or_paused_mid_broadcast_is_dropped_and_the_others_served(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, monkeypatch: pytest.MonkeyPatch,
+    fault: int
+) -> None:
+    """Rank 2 dies (or stops) with the bytes half sent. Gloo's timeout is an hour, so the
+    others are served only if the round is dropped for rank 2's silence and served again
+    without it; a paused member that wakes is served in a round of its own."""
+    piece = 2 * CHUNK
+    monkeypatch.setattr(collective_round, "PIECE", piece)
+    told: list[str] = []
+
+    async def warn(text: str) -> None:
+        told.append(text)
+
+    b = Broadcaster(bus, run_keys, epoch="e1", host="127.0.0.1", timeout_s=3600,
+                    join_timeout_s=5, chunk_size=CHUNK, warn=warn)
+    state = {"w": torch.randn(1024, 1024, generator=torch.Generator().manual_seed(5))}
+    receivers = _Receivers(redis_url, run_id)
+    try:
+        for rank in range(3):
+            await receivers.start(rank, target=_pieces_main,
+                                  extra=(piece, fault if rank == 2 else None))
+        await _seen(b, {0, 1, 2})
+        ref = await b.publish("weights-v1-e1", state, 1)
+        await _serve_until(b, {0, 1}, timeout_s=120)
+        assert {m.rank for m in b.delivered} == {0, 1}
+        assert any("rank 2 went silent" in t for t in told), told
+        assert await receivers.ask(ref, 0, 1) == {0: _summary(state), 1: _summary(state)}
+        if fault == signal.SIGSTOP:
+            os.kill(receivers.procs[2].pid, signal.SIGCONT)
+            await _serve_until(b, {0, 1, 2}, timeout_s=120)
+            assert (await receivers.ask(ref, 2))[2] == _summary(state)
+        else:
+            await _seen(b, {0, 1})  # its liveness key lapsed: never invited again
+            assert await b.serve() == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(receivers.procs[2].pid, signal.SIGCONT)
+        receivers.stop()

@@ -25,9 +25,13 @@ a group of its own, formed for the publication it sends and the receivers that l
    :class:`~weights.transport.TransportUnreachable`, naming the last round's outcome, so
    the rollouter's fetch warns at once and fails after ``rollout.weights_fetch_timeout_s``.
 
-A member that dies in a round fails that round for the others (at once when its connections
-close, after ``timeout_s``, gloo's timeout, when it hangs); they are invited again, and the
-dead one no longer is once its liveness key expires. A receiver never gives up on a
+A member that dies or is paused in a round is dropped from it within seconds: while the bytes
+flow every member pulses in the round's store and the trainer watches, and one silent for
+``silent_s`` (:data:`~weights.collective_round.SILENT_S`) or gone with an error ends the round
+for all; the others are invited again at once, and the silent one is left out of the rounds
+until its heartbeat moves (a paused one that wakes is served again; a dead one's liveness key
+lapses). A member that dies before the bytes flow fails the group's forming (after the join
+timeout) or is left out for not saying ready. A receiver never gives up on a
 publication while rounds keep inviting it (:attr:`Receiver.rounds`, which the rollouter's
 fetch bound counts from): the trainer is alive and trying. A new trainer (a resume) starts with
 nobody served and publishes at start, so every receiver is served again. The round key is a
@@ -38,8 +42,10 @@ holds one copy of the newest publication, a receiver the newest one received unt
 rollouter takes it. The blocking parts (TCPStore, gloo; :mod:`weights.collective_round`) run on a
 daemon thread per side (:class:`~weights.collective_round.Worker`) whose waits look at a stop flag:
 a stopping process waits at most :data:`STOP_WAIT_S` for a round in flight. One caveat: a
-round stopped while a peer hangs mid-broadcast leaves a gloo operation pending, and the
-process's exit then waits out gloo's timeout.
+round stopped or dropped while a peer hangs mid-broadcast leaves a gloo operation pending
+(gloo cannot cancel one): the group and its buffer are kept until the operation fails by
+gloo's timeout (a receiver holds that round's buffer beside the next round's meanwhile); a
+process exiting meanwhile does not wait for it.
 """
 
 from __future__ import annotations
@@ -57,8 +63,10 @@ import torch
 from bus import BlobError, BlobNotFound, Bus, RunKeys, peers
 from runschema.messages import BlobRef
 from weights.collective_round import (
+    SILENT_S,
     STORE,
     Member,
+    RoundDropped,
     RoundPlan,
     Worker,
     first_line,
@@ -78,7 +86,7 @@ from weights.transport import (
 )
 
 __all__ = ["JOIN_TIMEOUT_S", "POLL_S", "Broadcaster", "Receiver", "delete_manifest", "invite",
-           "still_live"]
+           "still_live", "still_silent"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +113,15 @@ def still_live(delivered: Mapping[Member, str], live: Iterable[Member]) -> dict[
     return {m: key for m, key in delivered.items() if m in alive}
 
 
+def still_silent(silent: Mapping[Member, float], live: Mapping[Member, float]
+                 ) -> dict[Member, float]:
+    """The members a round dropped for silence (each with its heartbeat's time when dropped)
+    that are still live and have not pulsed since (pure): one whose heartbeat moved is
+    alive again (it was paused, or slow) and is invited again; a dead one stays left out
+    until its liveness key lapses."""
+    return {m: ts for m, ts in silent.items() if live.get(m) == ts}
+
+
 async def delete_manifest(bus: Bus, run_keys: RunKeys, ref: BlobRef) -> None:
     """Remove a broadcast publication's manifest (its bytes were never stored). Wraps DEL and
     SREM."""
@@ -125,19 +142,24 @@ class Broadcaster(WeightsPublisher):
     :meth:`publish` the newest weights, :meth:`run` the rounds (a task of the trainer, until
     cancelled). ``host``: the address receivers reach this
     process at; ``timeout_s``: gloo's timeout (a stalled broadcast fails after it);
-    ``warn(text)``: told when a round leaves someone without the publication."""
+    ``warn(text)``: told when a round leaves someone without the publication; ``silent_s``:
+    how long a member may go without a pulse mid-round before the round is dropped and the
+    others served without it."""
 
     store = STORE
 
     def __init__(self, bus: Bus, run_keys: RunKeys, *, epoch: str, host: str,
                  timeout_s: float, join_timeout_s: float = JOIN_TIMEOUT_S,
                  chunk_size: int = CHUNK_SIZE,
-                 warn: Callable[[str], Awaitable[object]] | None = None) -> None:
+                 warn: Callable[[str], Awaitable[object]] | None = None,
+                 silent_s: float = SILENT_S) -> None:
         self.bus, self.run_keys, self.epoch, self.host = bus, run_keys, epoch, host
         self.timeout_s, self.join_timeout_s = timeout_s, join_timeout_s
-        self.chunk_size, self.warn = chunk_size, warn
+        self.chunk_size, self.warn, self.silent_s = chunk_size, warn, silent_s
         self.latest: _Outgoing | None = None
         self.delivered: dict[Member, str] = {}
+        self.silent: dict[Member, float] = {}
+        """Members a round dropped for silence, left out until they pulse again."""
         self.rounds = 0
         self.wake = asyncio.Event()
         self.worker = Worker()
@@ -184,8 +206,12 @@ class Broadcaster(WeightsPublisher):
     async def receivers(self) -> list[Member]:
         """The live rollouters that take part in broadcasts (their heartbeats). Wraps
         SMEMBERS and MGET."""
+        return list(await self._beats())
+
+    async def _beats(self) -> dict[Member, float]:
+        """:meth:`receivers`, each with its heartbeat's time."""
         beats = await peers(self.bus, self.run_keys.alive_pattern("rollouter"))
-        return [Member(hb.rank, hb.pid) for hb in beats if hb.weights_receiver]
+        return {Member(hb.rank, hb.pid): hb.ts for hb in beats if hb.weights_receiver}
 
     async def serve(self) -> list[Member]:
         """One round for the live receivers that lack the newest publication, if any.
@@ -193,9 +219,11 @@ class Broadcaster(WeightsPublisher):
         latest = self.latest
         if latest is None:
             return []
-        live = await self.receivers()
+        live = await self._beats()
         self.delivered = still_live(self.delivered, live)
-        invited = invite(live, self.delivered, latest.ref.key)
+        self.silent = still_silent(self.silent, live)
+        invited = invite([m for m in live if m not in self.silent], self.delivered,
+                         latest.ref.key)
         if not invited:
             return []
         served = await self._round(latest, invited)
@@ -215,14 +243,26 @@ class Broadcaster(WeightsPublisher):
         await self.bus.command("SET", self.run_keys.weights_round,
                                _PLAN_ENCODER.encode(plan), "PX", ttl_ms)
         try:
-            served, trouble = await self.worker.call(send_round, server, plan, latest.buf)
+            outcome = await self.worker.call(send_round, server, plan, latest.buf,
+                                             self.silent_s)
         finally:
             del server  # closes the store's port
-        if trouble is not None and self.warn is not None:
-            await self.warn(f"weights v{latest.version} broadcast round {plan.round} to "
-                            f"{[m.rank for m in invited]}: {trouble}; those without it are "
-                            "invited again")
-        return [invited[i - 1] for i in served]
+        if outcome.silent:
+            await self._left_out([invited[i - 1] for i in outcome.silent])
+        if outcome.trouble is not None:
+            self.wake.set()  # the others are served in a new round at once
+            if self.warn is not None:
+                await self.warn(f"weights v{latest.version} broadcast round {plan.round} to "
+                                f"{[m.rank for m in invited]}: {outcome.trouble}; those "
+                                "without it are invited again")
+        return [invited[i - 1] for i in outcome.served]
+
+    async def _left_out(self, members: list[Member]) -> None:
+        """Leave ``members`` (silent in a round) out of the next rounds until their
+        heartbeats move: a dead one would otherwise be waited for at every round, for the
+        join timeout, until its liveness key lapses."""
+        live = await self._beats()
+        self.silent.update({m: live[m] for m in members if m in live})
 
     async def delete(self, ref: BlobRef) -> None:
         await delete_manifest(self.bus, self.run_keys, ref)
@@ -298,7 +338,7 @@ class Receiver(WeightsFetcher):
         self.receiving = plan.key
         try:
             buf = await self.worker.call(receive_round, plan, index, m)
-        except (BlobError, RuntimeError, OSError) as exc:  # torch's store and gloo errors
+        except (BlobError, RoundDropped, RuntimeError, OSError) as exc:  # and torch's
             await self._told(f"round {plan.round} (v{plan.version}) failed: {first_line(exc)}")
             return
         finally:
