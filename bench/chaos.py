@@ -14,6 +14,10 @@ while the bench:
   samples never issued, byte-for-byte copies of samples, tickets, StepFinished,
   TicketsIssued, StartProfile and DeadLetter entries, a forged WeightsPublished and a forged
   StopProfile;
+- flips 128 bytes in the newest checkpoint file the log names between ``--corrupt`` (2) of
+  the trainer's kills and their restarts (a bad disk, a torn copy): the resume must skip it
+  with one ``checkpoint_corrupt`` warning naming the file, load the checkpoint before it and
+  re-apply the steps after it, rebuilding the weights it had published;
 - then continues the finished run by one step (a larger ``trainer.total_training_steps``,
   as ``rlbus up`` does) whose update takes more than 40 s (``trainer.ppo_epochs`` sized from
   the pace of the trainer's own updates under chaos), with ``heartbeat.timeout_s`` (8 s) far
@@ -38,6 +42,7 @@ events, between StepFinished, and without a liveness key), the wall time, and, a
 outside issue 7's checks, profile sessions the manifest lost; exit code 1 if a check failed.
 
     .venv/bin/python bench/chaos.py [--kills 20] [--seed 0] [--steps N] [--out DIR] [--keep]
+        [--corrupt 2]
         [--redis-kill random|checkpoint] [--long-update-s 50]
         [--no-trust] [--trust-steps 80] [--zombies 2] [--redis-stop-s 60] [--redis-binary PATH]
 
@@ -84,6 +89,7 @@ from runschema.messages import (  # noqa: E402
     FIELD,
     Array,
     BlobRef,
+    CheckpointSaved,
     ComponentFailed,
     DeadLetter,
     DecodeError,
@@ -277,6 +283,7 @@ class Chaos:
         self.tail_ids: set[tuple[str, str]] = set()  # (stream key, entry id) the cut removed
         self.tail_tickets: set[int] = set()  # tickets whose TicketsIssued the cut removed
         self.problems: list[str] = []
+        self.corrupted: list[tuple[int, str]] = []  # (step, file) flipped by the bench
         self.epochs1 = 1
         self.epochs2 = 1
         self.per_epoch_s = 0.0
@@ -713,12 +720,46 @@ class Chaos:
         _say(f"Redis killed at step {step}; AOF cut by {removed} bytes; back after "
              f"{down_s:.2f} s")
 
+    async def newest_checkpoint(self) -> tuple[int, str] | None:
+        """The step and file of the newest checkpoint the trainer's log names."""
+        for _, fields in await self.recent(self.keys.events, 400):
+            msg = self._decoded(fields)
+            if isinstance(msg, CheckpointSaved):
+                return msg.step, msg.path
+        return None
+
+    async def kill_and_corrupt(self, part: Part) -> bool:
+        """SIGKILL the trainer and, before the supervisor starts it again, flip 128 bytes
+        in the middle of the newest checkpoint file its log names (the file a resume
+        would load)."""
+        newest = await self.newest_checkpoint()
+        if newest is None or not await asyncio.to_thread(Path(newest[1]).is_file):
+            return part.kill()
+        part.restart_at = math.inf  # the supervisor waits until the file is flipped
+        try:
+            if not part.kill() or part.proc is None:
+                return False
+            await asyncio.to_thread(part.proc.wait, 30)
+            newest = await self.newest_checkpoint() or newest  # one written meanwhile
+            path = Path(newest[1])
+            await asyncio.to_thread(_flip_middle, path, 128)
+            self.corrupted.append((newest[0], str(path)))
+            _say(f"checkpoint {path.name} (step {newest[0]}): 128 bytes flipped before the "
+                 "trainer's restart")
+            return True
+        finally:
+            part.restart_at = None  # the supervisor handles the exit and restarts it
+
     async def chaos(self, kills: int) -> None:
         """The kill schedule of phase 1: each kill after 1-2 more steps and at least
         MIN_KILL_GAP_S after the previous one, at a random moment, and Redis once in the
         middle."""
         victims = self.victims(kills)
         redis_after = self.rng.randint(kills // 3, max(kills // 3, 2 * kills // 3))
+        # The trainer kills that corrupt a checkpoint: spread over the run, after the first.
+        trainer_kills = [i for i, v in enumerate(victims) if v == "trainer"][1:]
+        corrupt_at = set(trainer_kills[::max(1, len(trainer_kills) // max(1, self.args.corrupt))]
+                         [:self.args.corrupt])
         last_kill = time.monotonic()
         for i, victim in enumerate(victims):
             if i == redis_after:
@@ -743,7 +784,9 @@ class Chaos:
             await asyncio.sleep(self.rng.uniform(0.0, 0.8))
             if self.stop_chaos.is_set():
                 return
-            if part.kill():
+            killed = (await self.kill_and_corrupt(part) if i in corrupt_at
+                      else part.kill())
+            if killed:
                 last_kill = time.monotonic()
                 self.kill_log.append((last_kill - T0, victim, self.watch.last_step))
                 _say(f"kill {len(self.kill_log)}/{kills}: SIGKILL {victim} at step "
@@ -923,6 +966,12 @@ class Chaos:
         resumed = [m for m in msgs if isinstance(m, TrainerResumed)]
         if any(m.weights_match is False for m in resumed):
             fails.append("a resumed trainer did not rebuild the weights it had published")
+        corrupt_told = [m.message for m in msgs if isinstance(m, WarningRaised)
+                        and m.code == "checkpoint_corrupt"]
+        for step, path in self.corrupted:
+            if not any(path in text for text in corrupt_told):
+                fails.append(f"the checkpoint of step {step} the bench corrupted ({path}) was "
+                             "never named in a checkpoint_corrupt warning")
         runs_finished = [m.steps for m in msgs if isinstance(m, RunFinished)]
 
         # The total-queue invariant, from the ledger and independently.
@@ -1135,6 +1184,10 @@ class Chaos:
         print(f"  dead-lettered       {len(letters)}; top reasons:")
         for reason, c in reasons.most_common(8):
             print(f"      {c:4d}  {reason}")
+        print(f"  corrupt checkpoints {len(self.corrupted)} flipped (steps "
+              f"{[step for step, _ in self.corrupted]}), {len(corrupt_told)} "
+              "checkpoint_corrupt warnings"
+              + "".join(f"\n      {text[:200]}" for text in corrupt_told[:4]))
         print(f"  resumes             {len(resumed)} TrainerResumed (weights_match "
               f"{dict(Counter(str(m.weights_match) for m in resumed))}); RunFinished "
               f"{runs_finished}")
@@ -1246,6 +1299,16 @@ class Chaos:
         return 0
 
 
+def _flip_middle(path: Path, n: int) -> None:
+    """Invert ``n`` bytes in the middle of the file at ``path``."""
+    with path.open("r+b") as f:
+        at = max(0, path.stat().st_size // 2 - n // 2)
+        f.seek(at)
+        data = f.read(n)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
 async def _until(pred: Callable[[], bool], every_s: float = 0.1) -> None:
     """Poll ``pred`` (state kept by the bench's own tasks) until it holds."""
     while True:
@@ -1288,6 +1351,9 @@ def main(argv: list[str] | None = None) -> int:
                         "forgeries and its trust phase (bench/chaos_trust.py)")
     parser.add_argument("--trust-steps", type=int, default=80,
                         help="steps of the trust phase (80)")
+    parser.add_argument("--corrupt", type=int, default=2,
+                        help="trainer kills after which the newest checkpoint file is "
+                             "corrupted before the restart (2)")
     parser.add_argument("--zombies", type=int, default=2,
                         help="zombie trainers in the trust phase (2)")
     parser.add_argument("--redis-stop-s", type=float, default=60.0,

@@ -8,7 +8,9 @@ version (``save_freq=2``, verl's unit: steps 4 and 8) and the default retention
 ``step-000008.pt`` has 128 bytes flipped: the restarted trainer finds it before loading it,
 says so in one warning, falls back to step 4's checkpoint, re-applies the steps after it
 (their samples were kept for this) and rebuilds exactly the weights it had published
-(``weights_match``: compared at step 8, which published them). With one rank and checkpoints
+(``weights_match``: compared at step 8, which published them), then writes a resume point
+at its first sync (step 10), so that retention never leaves the bad file as the only
+fallback of the next checkpoint. With one rank and checkpoints
 at steps 3 and 6, both harmed (flipped, truncated), the trainer exits 1 with one line naming
 both files.
 """
@@ -21,7 +23,13 @@ from pathlib import Path
 import pytest
 
 from bus import Bus, RunKeys
-from runschema.messages import ComponentFailed, StepFinished, TrainerResumed, WarningRaised
+from runschema.messages import (
+    CheckpointSaved,
+    ComponentFailed,
+    StepFinished,
+    TrainerResumed,
+    WarningRaised,
+)
 from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.waits import event, wait_for
 
@@ -78,6 +86,9 @@ async def test_a_flipped_checkpoint_falls_back_to_the_one_before_it(
     assert "resuming from" in warned[0].message and "step 4" in warned[0].message
     assert not [e for e in events if isinstance(e, WarningRaised)
                 and e.code == "resume_weights_mismatch"]
+    after = events[events.index(resumed[0]):]
+    assert [(e.step, e.resume_point) for e in after if isinstance(e, CheckpointSaved)][:1] == [
+        (10, True)], after
 
 
 async def test_no_intact_checkpoint_is_one_line_naming_each(

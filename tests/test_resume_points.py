@@ -54,3 +54,15 @@ def test_a_resume_counts_the_steps_the_log_finished_after_its_checkpoint() -> No
     points = ResumePoints(load_config(None, ["run.resume_point_steps=4"]), steps=2)
     assert [k for k in range(15, 23) if points.due(saved=False, sync=True, trained=0)] == [
         16, 20]
+
+
+def test_a_resume_that_fell_back_past_a_bad_checkpoint_writes_one_at_its_first_sync() -> None:
+    """Else retention, counting the bad file as the newest checkpoint, would delete the
+    intact one it fell back to at the next checkpoint."""
+    cfg = load_config(None, ["run.resume_point_steps=100"])
+    assert _run(ResumePoints(cfg, steps=3, fell_back=True), 12, trigger=2) == [2]
+    # A user checkpoint serves as well; off where nothing is trimmed.
+    assert _run(ResumePoints(cfg, steps=3, fell_back=True), 12, trigger=2,
+                saves=frozenset({2})) == []
+    assert _run(ResumePoints(load_config(None, ["run.retention=all"]), fell_back=True),
+                12) == []

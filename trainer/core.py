@@ -103,7 +103,9 @@ class StepCore:
     """The decisions of one trainer incarnation's steps, from the ``ledger`` and weights
     ``version`` the log (and a resume) left, at ``now``; ``vocab_size`` and ``max_len``:
     the model's, for checking samples (trainer.validate); ``since_checkpoint``: the steps
-    the log finished after its newest checkpoint (trainer.resumepoints); ``encode``: a text
+    the log finished after the checkpoint the model came from, and ``fell_back``: a resume
+    loaded an older one than the newest the log names (corrupt or missing), so a resume
+    point is due at once (trainer.resumepoints); ``encode``: a text
     prompt's token ids as the rollouters encode it, for the prompt digest its tickets carry
     (None: only verl data's token ids are digested); ``validated``: the validation requests
     the log answered already (trainer.validation); ``counts``: the run's running counts as
@@ -111,7 +113,8 @@ class StepCore:
 
     def __init__(self, cfg: Config, prompts: PromptSource, keys: RunKeys, *, ledger: Ledger,
                  version: int, vocab_size: int | None, max_len: int | None,
-                 now: float, since_checkpoint: int = 0, encode: Encode | None = None,
+                 now: float, since_checkpoint: int = 0, fell_back: bool = False,
+                 encode: Encode | None = None,
                  validated: Iterable[str] = (), counts: dict[str, float] | None = None
                  ) -> None:
         self.cfg = cfg
@@ -149,7 +152,7 @@ class StepCore:
         weights."""
         self.stale_share = 0.0
         self.trim = False  # the streams are trimmed after the closed step
-        self.resume_points = ResumePoints(cfg, since_checkpoint)
+        self.resume_points = ResumePoints(cfg, since_checkpoint, fell_back=fell_back)
         self.read_size = READ_SIZE
         """How many entries the shell's next read of the samples stream asks for."""
         self.ending = False

@@ -106,6 +106,9 @@ class TrainerProcess(Component):
         self.tokenizer: TextTokenizer | None = None  # built on the first text prompt
         self.upcoming: StepWork | None = None  # the next step, begun early (StepCore.close_step)
         self.waiting: str | None = None  # what start-up or the run's end waits for (heartbeat)
+        self.loaded_checkpoint: int | None = None
+        """The step of the checkpoint a resume loaded (older than the newest the log names
+        when that one was corrupt or missing); None: not resumed from a checkpoint."""
 
     async def run_loop(self, resumed: bool) -> int:
         """The run, once the incarnation is up to the log's state; the exit code."""
@@ -288,6 +291,7 @@ class TrainerProcess(Component):
                                 locate=self.files.locate,
                                 published_tensors=self.weights.published
                                 if self._ranks_changed() is not None else None)
+        self.loaded_checkpoint = resumed.checkpoint_step
         await self.publish(resumed)
         if resumed.weights_match is False:
             await self._mismatched(resumed)

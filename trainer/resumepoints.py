@@ -15,6 +15,11 @@ exist (trainer.retention).
 It is written only after a weight sync (a step that ends a ``trigger_parameter_sync_step``
 window), where a resume can check the model it loads against the weights it published.
 
+A resume that found the newest checkpoint corrupt or missing and loaded an older one writes
+a resume point at its first sync, whatever the interval: otherwise retention, counting the
+bad file as the newest checkpoint, would delete the intact one it fell back to once the next
+checkpoint is written, and one more bad file would leave the run with none that serves.
+
 Pure: no I/O; the step core asks it at each step's end.
 """
 
@@ -41,7 +46,7 @@ class ResumePoints:
     """When the next resume point is due, from the steps and the sample bytes trained since
     the last checkpoint of either kind."""
 
-    def __init__(self, cfg: Config, steps: int = 0) -> None:
+    def __init__(self, cfg: Config, steps: int = 0, *, fell_back: bool = False) -> None:
         rc = cfg.run
         self.on = rc.retention == "checkpoint"
         self.every_steps = rc.resume_point_steps
@@ -51,6 +56,9 @@ class ResumePoints:
         self.bytes = 0
         """Bytes of samples trained since then (a resume counts from 0: an undercount by
         at most one interval)."""
+        self.fell_back = fell_back
+        """The resume loaded an older checkpoint than the newest the log names: one is due
+        at the first sync."""
 
     def due(self, *, saved: bool, sync: bool, trained: int) -> bool:
         """After a step that trained ``trained`` bytes of samples: whether it writes a resume
@@ -60,10 +68,12 @@ class ResumePoints:
         self.bytes += trained
         if saved:
             self.steps = self.bytes = 0
+            self.fell_back = False
             return False
-        over = (self.every_steps > 0 and self.steps >= self.every_steps) or (
+        over = self.fell_back or (self.every_steps > 0 and self.steps >= self.every_steps) or (
             self.every_bytes > 0 and self.bytes >= self.every_bytes)
         if not (self.on and sync and over):
             return False
         self.steps = self.bytes = 0
+        self.fell_back = False
         return True
