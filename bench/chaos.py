@@ -18,6 +18,9 @@ while the bench:
   the trainer's kills and their restarts (a bad disk, a torn copy): the resume must skip it
   with one ``checkpoint_corrupt`` warning naming the file, load the checkpoint before it and
   re-apply the steps after it, rebuilding the weights it had published;
+- floods the samples stream once, ``--flood-s`` (3) seconds at ``--flood-rate`` (3000)
+  entries/s from one client (half undecodable, half samples of tickets never issued): every
+  one must be dead-lettered and the trainer say so in one line per interval, not per entry;
 - then continues the finished run by one step (a larger ``trainer.total_training_steps``,
   as ``rlbus up`` does) whose update takes more than 40 s (``trainer.ppo_epochs`` sized from
   the pace of the trainer's own updates under chaos), with ``heartbeat.timeout_s`` (8 s) far
@@ -42,7 +45,7 @@ events, between StepFinished, and without a liveness key), the wall time, and, a
 outside issue 7's checks, profile sessions the manifest lost; exit code 1 if a check failed.
 
     .venv/bin/python bench/chaos.py [--kills 20] [--seed 0] [--steps N] [--out DIR] [--keep]
-        [--corrupt 2]
+        [--corrupt 2] [--flood-s 3] [--flood-rate 3000] [--weights-transport collective]
         [--redis-kill random|checkpoint] [--long-update-s 50]
         [--no-trust] [--trust-steps 80] [--zombies 2] [--redis-stop-s 60] [--redis-binary PATH]
 
@@ -83,6 +86,7 @@ import numpy as np  # noqa: E402
 from chaos_trust import Trust  # noqa: E402  (bench/, the script's folder)
 
 from bus import LOG_ROLES, Bus, BusError, RunKeys, log_order  # noqa: E402  # noqa: E402
+from bus.refusals import REFUSAL_LOG_S  # noqa: E402
 from rlbus.redis_server import EmbeddedRedis  # noqa: E402
 from runschema.authority import refusal  # noqa: E402
 from runschema.messages import (  # noqa: E402
@@ -109,6 +113,7 @@ from runschema.messages import (  # noqa: E402
     WarningRaised,
     WeightsPublished,
     decode,
+    encode,
 )
 from runtime.history import events_folder, read_history  # noqa: E402
 from tests.aof import aof_commands, aof_path, cut_aof_before  # noqa: E402
@@ -132,7 +137,7 @@ ROLES = ("trainer", "rollouter0", "rollouter1", "profiler")
 # Kinds of injected entries that must never be trained nor vanish silently.
 MALFORMED = {
     ("samples", "garbage"), ("samples", "no-field"), ("samples", "wrong-type"),
-    ("samples", "never-issued"),
+    ("samples", "never-issued"), ("samples", "flood-garbage"), ("samples", "flood-never-issued"),
     ("prompts", "garbage"), ("prompts", "no-field"), ("prompts", "wrong-type"),
     ("prompts", "bad-n"), ("prompts", "unservable"),
 }
@@ -284,6 +289,7 @@ class Chaos:
         self.tail_tickets: set[int] = set()  # tickets whose TicketsIssued the cut removed
         self.problems: list[str] = []
         self.corrupted: list[tuple[int, str]] = []  # (step, file) flipped by the bench
+        self.flooded: dict[str, Any] = {}  # the junk flood: entries, when, steps meanwhile
         self.epochs1 = 1
         self.epochs2 = 1
         self.per_epoch_s = 0.0
@@ -299,7 +305,9 @@ class Chaos:
 
     def common(self, total: int, epochs: int) -> list[str]:
         return [f"redis.url={self.server.url}", f"run.id={self.run_id}",
-                f"run.output_dir={self.out / 'run'}", *self.config(total, epochs)]
+                f"run.output_dir={self.out / 'run'}", *self.config(total, epochs),
+                *([f"rollout.weights_transport={self.args.weights_transport}"]
+                  if self.args.weights_transport else [])]
 
     @staticmethod
     def config(total: int, epochs: int) -> list[str]:
@@ -750,6 +758,42 @@ class Chaos:
         finally:
             part.restart_at = None  # the supervisor handles the exit and restarts it
 
+    async def flood(self) -> None:
+        """One client writes junk into the samples stream, ``--flood-s`` seconds at
+        ``--flood-rate`` entries/s, in pipelines of 500: half undecodable, half samples of
+        tickets never issued (a broken or hostile rollouter)."""
+        a = Array.of(np.asarray([1, 2], dtype=np.int32))
+        key = self.keys.samples
+        rate, seconds = self.args.flood_rate, self.args.flood_s
+        step0, t0, sent = self.watch.last_step, time.monotonic(), 0
+        while time.monotonic() - t0 < seconds:
+            batch, kinds = [], []
+            for i in range(sent, sent + 500):
+                if i % 2:
+                    batch.append(("XADD", key, "*", FIELD, b"\xc1flood %d" % i))
+                    kinds.append("flood-garbage")
+                else:
+                    ticket = f"t{10**8 + i}"
+                    batch.append(("XADD", key, "*", FIELD, encode(Sample(
+                        sample_id=f"{ticket}/0", ticket_id=ticket, prompt_id="p", index=0,
+                        n=1, prompt_tokens=a, response_tokens=a,
+                        logprobs=Array.of(np.asarray([-0.1, -0.2], dtype=np.float32)),
+                        reward=0.0, min_version=0, max_version=0))))
+                    kinds.append("flood-never-issued")
+            with contextlib.suppress(BusError):  # Redis killed meanwhile: what went in counts
+                ids = await self.b.pipeline(batch)
+                for eid, kind in zip(ids, kinds, strict=True):
+                    self.inj.add("samples", kind, eid.decode())
+            sent += len(batch)
+            ahead = sent / rate - (time.monotonic() - t0)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+        took = time.monotonic() - t0
+        self.flooded = {"entries": sent, "s": took, "from_step": step0,
+                        "at": t0 - T0}
+        _say(f"flood: {sent} junk entries into the samples stream in {took:.1f} s "
+             f"(from step {step0})")
+
     async def chaos(self, kills: int) -> None:
         """The kill schedule of phase 1: each kill after 1-2 more steps and at least
         MIN_KILL_GAP_S after the previous one, at a random moment, and Redis once in the
@@ -760,8 +804,13 @@ class Chaos:
         trainer_kills = [i for i, v in enumerate(victims) if v == "trainer"][1:]
         corrupt_at = set(trainer_kills[::max(1, len(trainer_kills) // max(1, self.args.corrupt))]
                          [:self.args.corrupt])
+        flood_before = (self.rng.randint(2 * kills // 3, max(2 * kills // 3, kills - 1))
+                        if self.args.flood_s > 0 else -1)
         last_kill = time.monotonic()
         for i, victim in enumerate(victims):
+            if i == flood_before and not self.stop_chaos.is_set():
+                await self.watch.redis_up.wait()
+                await self.flood()
             if i == redis_after:
                 target = self.watch.progress + 2
                 await _until(lambda t=target: self.watch.progress >= t
@@ -968,6 +1017,12 @@ class Chaos:
             fails.append("a resumed trainer did not rebuild the weights it had published")
         corrupt_told = [m.message for m in msgs if isinstance(m, WarningRaised)
                         and m.code == "checkpoint_corrupt"]
+        flood_lines = self.refusal_lines()
+        flood_bound = (time.monotonic() - T0) / REFUSAL_LOG_S + self.parts["trainer"].starts + 1
+        if self.flooded and flood_lines > flood_bound:
+            fails.append(f"the trainer said {flood_lines} lines about refused samples entries "
+                         f"(the flood's {self.flooded['entries']} among them), more than one "
+                         f"per {REFUSAL_LOG_S:g} s interval and incarnation ({flood_bound:.0f})")
         for step, path in self.corrupted:
             if not any(path in text for text in corrupt_told):
                 fails.append(f"the checkpoint of step {step} the bench corrupted ({path}) was "
@@ -1184,6 +1239,11 @@ class Chaos:
         print(f"  dead-lettered       {len(letters)}; top reasons:")
         for reason, c in reasons.most_common(8):
             print(f"      {c:4d}  {reason}")
+        if self.flooded:
+            f = self.flooded
+            print(f"  junk flood          {f['entries']} entries in {f['s']:.1f} s at "
+                  f"{f['at']:.0f} s (step {f['from_step']}); the trainer's lines about refused "
+                  f"samples entries in the whole run: {flood_lines} (bound {flood_bound:.0f})")
         print(f"  corrupt checkpoints {len(self.corrupted)} flipped (steps "
               f"{[step for step, _ in self.corrupted]}), {len(corrupt_told)} "
               "checkpoint_corrupt warnings"
@@ -1216,6 +1276,14 @@ class Chaos:
         if self.trust is not None:
             fails += await self.trust.verify(log, set(issued))
         return fails
+
+    def refusal_lines(self) -> int:
+        """Lines of the trainer's log (every incarnation) about refused samples entries."""
+        try:
+            text = self.parts["trainer"].log.read_text(errors="replace")
+        except OSError:
+            return 0
+        return len(re.findall(r"refused \d+ entr(?:y|ies) of \S*samples", text))
 
     def profile_notes(self) -> list[str]:
         """The profiler service's manifest against the trace files on disk (reported, not a
@@ -1351,6 +1419,14 @@ def main(argv: list[str] | None = None) -> int:
                         "forgeries and its trust phase (bench/chaos_trust.py)")
     parser.add_argument("--trust-steps", type=int, default=80,
                         help="steps of the trust phase (80)")
+    parser.add_argument("--weights-transport", default="",
+                        help="rollout.weights_transport of the run (default: the run's "
+                             "default); collective: every kill of a rollouter may land in a "
+                             "broadcast round")
+    parser.add_argument("--flood-s", type=float, default=3.0,
+                        help="seconds of the junk flood into the samples stream (3; 0: none)")
+    parser.add_argument("--flood-rate", type=int, default=3000,
+                        help="junk entries per second of the flood (3000)")
     parser.add_argument("--corrupt", type=int, default=2,
                         help="trainer kills after which the newest checkpoint file is "
                              "corrupted before the restart (2)")
