@@ -728,20 +728,33 @@ class Chaos:
         _say(f"Redis killed at step {step}; AOF cut by {removed} bytes; back after "
              f"{down_s:.2f} s")
 
-    async def newest_checkpoint(self) -> tuple[int, str] | None:
-        """The step and file of the newest checkpoint the trainer's log names."""
+    async def checkpoints(self) -> list[tuple[int, str]]:
+        """The steps and files of the checkpoints the trainer's recent log names, newest
+        first, whose files are on disk."""
+        found = []
         for _, fields in await self.recent(self.keys.events, 400):
             msg = self._decoded(fields)
-            if isinstance(msg, CheckpointSaved):
-                return msg.step, msg.path
-        return None
+            if (isinstance(msg, CheckpointSaved) and (msg.step, msg.path) not in found
+                    and await asyncio.to_thread(Path(msg.path).is_file)):
+                found.append((msg.step, msg.path))
+        return found
+
+    async def newest_checkpoint(self) -> tuple[int, str] | None:
+        """The newest checkpoint a resume could fall back from: one with an intact one (not
+        flipped by the bench) before it on disk. None: none such (flipping the only good one
+        would rightly stop the run: no checkpoint serves)."""
+        named = await self.checkpoints()
+        flipped = {path for _, path in self.corrupted}
+        if len(named) < 2 or not any(path not in flipped for _, path in named[1:]):
+            return None
+        return named[0]
 
     async def kill_and_corrupt(self, part: Part) -> bool:
         """SIGKILL the trainer and, before the supervisor starts it again, flip 128 bytes
         in the middle of the newest checkpoint file its log names (the file a resume
         would load)."""
         newest = await self.newest_checkpoint()
-        if newest is None or not await asyncio.to_thread(Path(newest[1]).is_file):
+        if newest is None:
             return part.kill()
         part.restart_at = math.inf  # the supervisor waits until the file is flipped
         try:
@@ -800,10 +813,9 @@ class Chaos:
         middle."""
         victims = self.victims(kills)
         redis_after = self.rng.randint(kills // 3, max(kills // 3, 2 * kills // 3))
-        # The trainer kills that corrupt a checkpoint: spread over the run, after the first.
-        trainer_kills = [i for i, v in enumerate(victims) if v == "trainer"][1:]
-        corrupt_at = set(trainer_kills[::max(1, len(trainer_kills) // max(1, self.args.corrupt))]
-                         [:self.args.corrupt])
+        # The trainer kills that corrupt a checkpoint: from the second on, while there is an
+        # intact one to fall back to, until --corrupt were.
+        trainer_kills = [i for i, v in enumerate(victims) if v == "trainer"]
         flood_before = (self.rng.randint(2 * kills // 3, max(2 * kills // 3, kills - 1))
                         if self.args.flood_s > 0 else -1)
         last_kill = time.monotonic()
@@ -833,8 +845,9 @@ class Chaos:
             await asyncio.sleep(self.rng.uniform(0.0, 0.8))
             if self.stop_chaos.is_set():
                 return
-            killed = (await self.kill_and_corrupt(part) if i in corrupt_at
-                      else part.kill())
+            corrupt = (victim == "trainer" and i != trainer_kills[0]
+                       and len(self.corrupted) < self.args.corrupt)
+            killed = await self.kill_and_corrupt(part) if corrupt else part.kill()
             if killed:
                 last_kill = time.monotonic()
                 self.kill_log.append((last_kill - T0, victim, self.watch.last_step))

@@ -10,6 +10,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -35,7 +36,7 @@ from tests.procs import Procs, assert_every_step_once, events_of, run_args
 from tests.waits import event, wait_for, wait_until
 from weights import collective_round
 from weights.collective import Broadcaster, Receiver, invite, still_live, still_silent
-from weights.collective_round import ChunkCheck, Member, flatten
+from weights.collective_round import ChunkCheck, Member, RoundPlan, flatten
 from weights.transport import RedisTransport, TransportUnreachable, chunk_digests, flat_buffer
 
 CHUNK = 64 * 1024  # many chunks, and pieces of several chunks
@@ -408,3 +409,34 @@ async def test_a_member_killed_or_paused_mid_broadcast_is_dropped_and_the_others
         with contextlib.suppress(ProcessLookupError):
             os.kill(receivers.procs[2].pid, signal.SIGCONT)
         receivers.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_round_whose_trainer_is_paused_is_left_within_seconds(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    """A trainer SIGSTOPped after announcing a round (a zombie, a paused VM) holds its store's
+    port open and answers nothing. The receiver gives up on that round by the connect bound,
+    not gloo's hour, and counts its end as a try (a fetch's bound restarts there)."""
+    b = Broadcaster(bus, run_keys, epoch="z", host="127.0.0.1", timeout_s=3600)
+    ref = await b.publish("weights-v1-z", _state(), 1)
+    with socket.socket() as paused:  # accepts connections, never answers
+        paused.bind(("127.0.0.1", 0))
+        paused.listen(8)
+        me = Member(0, os.getpid())
+        plan = RoundPlan(round="z/1", key=ref.key, sha256=ref.sha256, size=ref.size,
+                         chunks=ref.chunks, version=1, host="127.0.0.1",
+                         port=paused.getsockname()[1], members=[me], join_timeout_s=5,
+                         timeout_s=3600)
+        await bus.command("SET", run_keys.weights_round, msgspec.msgpack.encode(plan))
+        receiver = Receiver(bus, run_keys, me, poll_s=0.05)
+        task = asyncio.create_task(receiver.run())
+        try:
+            await wait_until(lambda: True if receiver.rounds == 2 else None,
+                             "the paused trainer's round given up", 120)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    assert receiver.outcome.startswith("round z/1 (v1) failed"), receiver.outcome
+    assert receiver.receiving is None

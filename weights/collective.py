@@ -54,6 +54,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
@@ -63,6 +64,7 @@ import torch
 from bus import BlobError, BlobNotFound, Bus, RunKeys, peers
 from runschema.messages import BlobRef
 from weights.collective_round import (
+    CONNECT_S,
     SILENT_S,
     STORE,
     Member,
@@ -77,6 +79,7 @@ from weights.collective_round import (
 )
 from weights.transport import (
     CHUNK_SIZE,
+    Manifest,
     TransportUnreachable,
     WeightsFetcher,
     WeightsPublisher,
@@ -97,6 +100,10 @@ JOIN_TIMEOUT_S = 10.0
 """How long a round waits for the invited to say ready before it goes on without the rest."""
 
 _RECEIVER_POLL_S = 0.1
+
+_ANSWER_MARGIN_S = 5.0
+"""Beyond connecting and the join timeout, how long a round's store may take to answer a
+receiver before the round is given up."""
 
 _PLAN_ENCODER = msgspec.msgpack.Encoder()
 _PLAN_DECODER = msgspec.msgpack.Decoder(RoundPlan)
@@ -289,7 +296,10 @@ class Receiver(WeightsFetcher):
         self.receiving: str | None = None  # the key of the round in progress
         self.last_round = ""
         self.rounds = 0
-        """Rounds this receiver was invited to: the trainer trying to serve it."""
+        """Rounds this receiver was invited to, counted when each starts and when it ends:
+        the trainer trying to serve it (a fetch's bound counts from the last change, so a
+        round that held this receiver long, a paused trainer's, is not counted against
+        the trainer that serves it next)."""
         self.outcome = "no round yet"  # the last round's outcome, for errors
         self.host = "?"
         self.changed = asyncio.Condition()
@@ -337,18 +347,41 @@ class Receiver(WeightsFetcher):
             return
         self.receiving = plan.key
         try:
-            buf = await self.worker.call(receive_round, plan, index, m)
+            buf = await self._receive(plan, index, m)
         except (BlobError, RoundDropped, RuntimeError, OSError) as exc:  # and torch's
             await self._told(f"round {plan.round} (v{plan.version}) failed: {first_line(exc)}")
             return
         finally:
             self.receiving = None
+            self.rounds += 1
         if buf is None:
             await self._told(f"round {plan.round} (v{plan.version}) went on without us "
                              "(joined late)")
             return
         self.held = (plan.key, _tensors(m, buf))
         await self._told(f"round {plan.round}: v{plan.version} received")
+
+    async def _receive(self, plan: RoundPlan, index: int, m: Manifest) -> memoryview | None:
+        """:func:`receive_round` on the worker. Torch's store client has no bound on its
+        first exchange with the store: a trainer paused after announcing the round (a
+        zombie, a stopped VM) accepts the connection and never answers, and the call would
+        hang until it wakes or dies. So the store must answer within :data:`CONNECT_S` and
+        the join timeout, else the round is given up and its thread left behind (it ends
+        when that trainer does), and the next rounds run on a fresh worker."""
+        answered = threading.Event()
+        call = asyncio.ensure_future(self.worker.call(receive_round, plan, index, m, answered))
+        bound = CONNECT_S + 2 * plan.join_timeout_s + _ANSWER_MARGIN_S
+        start = time.monotonic()
+        while not call.done():
+            await asyncio.wait({call}, timeout=_RECEIVER_POLL_S * 10)
+            if call.done() or answered.is_set() or time.monotonic() - start < bound:
+                continue
+            self.worker.stop.set()  # it gives up at its first wait, if it ever gets one
+            self.worker = Worker()
+            call.add_done_callback(lambda c: c.cancelled() or c.exception())
+            raise BlobError(f"the trainer's round store at {plan.host}:{plan.port} did not "
+                            f"answer within {bound:g} s (the trainer paused or gone?)")
+        return call.result()
 
     async def _told(self, outcome: str) -> None:
         async with self.changed:

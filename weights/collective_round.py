@@ -168,9 +168,14 @@ class Worker:
             try:
                 result = fn(*args, self.stop)
             except BaseException as exc:  # handed to the awaiting task
-                loop.call_soon_threadsafe(fail, exc)
+                deliver(fail, exc)
             else:
-                loop.call_soon_threadsafe(settle, result)
+                deliver(settle, result)
+
+        def deliver(to: Callable[[Any], None], outcome: object) -> None:
+            # A call given up (Receiver._receive) may end after its loop closed: nobody waits.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(to, outcome)
 
         self.inflight = future
         threading.Thread(target=body, name=f"weights-{fn.__name__}", daemon=True).start()
@@ -485,18 +490,21 @@ def _drop(store: dist.Store, watch: MemberWatch, waiting: list[int], why: str) -
         rest = [i for i in rest if i not in watch.gone()]
 
 
-def receive_round(plan: RoundPlan, index: int, m: Manifest,
+def receive_round(plan: RoundPlan, index: int, m: Manifest, answered: threading.Event,
                   stop: threading.Event) -> memoryview | None:
     """A receiver's side of one round: say ready, and if let in, receive the bytes into one
     buffer while pulsing, check every chunk and say ok. None: left out of this round (joined
     late). Raises :class:`RoundDropped` when the trainer drops the round; leaving on an
-    error of its own, it says ``left/I`` first, so that the trainer drops it at once."""
-    # Connecting is bounded by CONNECT_S (a plan whose trainer died fails in seconds), the
-    # wait for "go" by the join timeout, the broadcast by gloo's.
+    error of its own, it says ``left/I`` first, so that the trainer drops it at once.
+    ``answered`` is set once the trainer's store has answered (the caller bounds the wait
+    for that: torch's client does not)."""
+    # Connecting and each store call until "go" are bounded by CONNECT_S (a plan whose
+    # trainer died or is paused fails in seconds, and the next plan is read), the wait for
+    # "go" by the join timeout, the broadcast by gloo's.
     store = dist.TCPStore(plan.host, plan.port, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=CONNECT_S))
-    store.set_timeout(datetime.timedelta(seconds=plan.timeout_s))
     store.add(f"beat/{index}", 1)  # before ready: the trainer reads every let-in's pulse
+    answered.set()
     store.set(f"ready/{index}", "1")
     if not _present(store, ["go"], time.monotonic() + plan.join_timeout_s * 2, stop):
         raise BlobError(f"the trainer did not start round {plan.round} within "
@@ -504,6 +512,7 @@ def receive_round(plan: RoundPlan, index: int, m: Manifest,
     let_in = _INDICES.decode(store.get("go"))
     if index not in let_in:
         return None
+    store.set_timeout(datetime.timedelta(seconds=plan.timeout_s))
     buf = flat_buffer(m.size)
     check = ChunkCheck(m, buf, plan.key)
     pulse = _Pulse(store, index)
