@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import hashlib
 import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -20,6 +22,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -411,32 +414,61 @@ async def test_a_member_killed_or_paused_mid_broadcast_is_dropped_and_the_others
         receivers.stop()
 
 
+def _store_main(conn: Connection) -> None:
+    """A trainer's round store (and nothing else), until killed."""
+    store = collective_round.open_store(60, threading.Event())
+    conn.send(store.port)
+    time.sleep(3600)
+
+
 @pytest.mark.asyncio
+@pytest.mark.parametrize("when", ["before-answering", "after-ready"])
 async def test_a_round_whose_trainer_is_paused_is_left_within_seconds(
-    bus: Bus, run_keys: RunKeys
+    bus: Bus, run_keys: RunKeys, when: str
 ) -> None:
-    """A trainer SIGSTOPped after announcing a round (a zombie, a paused VM) holds its store's
-    port open and answers nothing. The receiver gives up on that round by the connect bound,
-    not gloo's hour, and counts its end as a try (a fetch's bound restarts there)."""
+    """A trainer SIGSTOPped while it runs a round (a zombie, a paused VM) holds its store's
+    port open and answers nothing, and torch's store client waits for it without bound:
+    before its first answer (a socket that accepts and never answers) or after the receiver
+    said ready (a real store, stopped). The receiver gives the round up within seconds, not
+    at gloo's hour, and counts its end as a try (a fetch's bound restarts there)."""
     b = Broadcaster(bus, run_keys, epoch="z", host="127.0.0.1", timeout_s=3600)
     ref = await b.publish("weights-v1-z", _state(), 1)
-    with socket.socket() as paused:  # accepts connections, never answers
-        paused.bind(("127.0.0.1", 0))
-        paused.listen(8)
-        me = Member(0, os.getpid())
+    me = Member(0, os.getpid())
+    with contextlib.ExitStack() as stack:
+        if when == "before-answering":
+            paused = stack.enter_context(socket.socket())
+            paused.bind(("127.0.0.1", 0))
+            paused.listen(8)
+            port = paused.getsockname()[1]
+        else:
+            mine, theirs = mp.get_context("spawn").Pipe()
+            trainer = mp.get_context("spawn").Process(target=_store_main, args=(theirs,),
+                                                      daemon=True)
+            trainer.start()
+            stack.callback(trainer.kill)
+            stack.callback(lambda: os.kill(trainer.pid, signal.SIGCONT))
+            assert await asyncio.to_thread(mine.poll, 120), "the store did not start"
+            port = mine.recv()
         plan = RoundPlan(round="z/1", key=ref.key, sha256=ref.sha256, size=ref.size,
-                         chunks=ref.chunks, version=1, host="127.0.0.1",
-                         port=paused.getsockname()[1], members=[me], join_timeout_s=5,
-                         timeout_s=3600)
+                         chunks=ref.chunks, version=1, host="127.0.0.1", port=port,
+                         members=[me], join_timeout_s=5, timeout_s=3600)
         await bus.command("SET", run_keys.weights_round, msgspec.msgpack.encode(plan))
         receiver = Receiver(bus, run_keys, me, poll_s=0.05)
         task = asyncio.create_task(receiver.run())
         try:
+            if when == "after-ready":
+                watcher = dist.TCPStore("127.0.0.1", port, is_master=False,
+                                        wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=30))
+                await wait_until(lambda: True if watcher.check(["ready/1"]) else None,
+                                 "the receiver's ready", 60)
+                os.kill(trainer.pid, signal.SIGSTOP)
             await wait_until(lambda: True if receiver.rounds == 2 else None,
                              "the paused trainer's round given up", 120)
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-    assert receiver.outcome.startswith("round z/1 (v1) failed"), receiver.outcome
+    assert receiver.outcome.startswith("round z/1 (v1) failed: the trainer's round store"), (
+        receiver.outcome)
     assert receiver.receiving is None

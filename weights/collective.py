@@ -54,7 +54,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
@@ -68,6 +67,7 @@ from weights.collective_round import (
     SILENT_S,
     STORE,
     Member,
+    RoundClock,
     RoundDropped,
     RoundPlan,
     Worker,
@@ -362,25 +362,26 @@ class Receiver(WeightsFetcher):
         await self._told(f"round {plan.round}: v{plan.version} received")
 
     async def _receive(self, plan: RoundPlan, index: int, m: Manifest) -> memoryview | None:
-        """:func:`receive_round` on the worker. Torch's store client has no bound on its
-        first exchange with the store: a trainer paused after announcing the round (a
-        zombie, a stopped VM) accepts the connection and never answers, and the call would
-        hang until it wakes or dies. So the store must answer within :data:`CONNECT_S` and
-        the join timeout, else the round is given up and its thread left behind (it ends
+        """:func:`receive_round` on the worker. Torch's store client has no bound on a call
+        its server never answers: a trainer paused while it runs a round (a zombie, a
+        stopped VM) keeps the connection open and answers nothing, and the call would hang
+        until it wakes or dies. So the round's thread must hear from the store (its
+        :class:`~weights.collective_round.RoundClock`) within :data:`CONNECT_S` plus the join
+        timeout (the longest a live trainer's round goes without a word: the group's
+        forming) and a margin; else the round is given up, its thread left behind (it ends
         when that trainer does), and the next rounds run on a fresh worker."""
-        answered = threading.Event()
-        call = asyncio.ensure_future(self.worker.call(receive_round, plan, index, m, answered))
-        bound = CONNECT_S + 2 * plan.join_timeout_s + _ANSWER_MARGIN_S
-        start = time.monotonic()
+        clock = RoundClock()
+        call = asyncio.ensure_future(self.worker.call(receive_round, plan, index, m, clock))
+        bound = CONNECT_S + plan.join_timeout_s + _ANSWER_MARGIN_S
         while not call.done():
             await asyncio.wait({call}, timeout=_RECEIVER_POLL_S * 10)
-            if call.done() or answered.is_set() or time.monotonic() - start < bound:
+            if call.done() or clock.still_s() < bound:
                 continue
             self.worker.stop.set()  # it gives up at its first wait, if it ever gets one
             self.worker = Worker()
             call.add_done_callback(lambda c: c.cancelled() or c.exception())
             raise BlobError(f"the trainer's round store at {plan.host}:{plan.port} did not "
-                            f"answer within {bound:g} s (the trainer paused or gone?)")
+                            f"answer for {bound:g} s (the trainer paused?)")
         return call.result()
 
     async def _told(self, outcome: str) -> None:

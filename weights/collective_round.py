@@ -38,7 +38,8 @@ from runschema.messages import BlobRef
 from weights.transport import FORMAT, Manifest, _entries, _unique, chunk_digests, flat_buffer
 
 __all__ = ["CONNECT_S", "PIECE", "SILENT_S", "STOP_WAIT_S", "STORE", "ChunkCheck", "Member",
-           "MemberWatch", "RoundDropped", "RoundOutcome", "RoundPlan", "Stopped", "Worker",
+           "MemberWatch", "RoundClock", "RoundDropped", "RoundOutcome", "RoundPlan", "Stopped",
+           "Worker",
            "first_line", "flatten", "open_store", "receive_round", "send_round", "silent"]
 
 STORE = "weights:collective"
@@ -363,6 +364,24 @@ class MemberWatch:
             raise _MembersGone(self.why())
 
 
+class RoundClock:
+    """When a receiver's round thread last heard from the trainer's store (thread-safe: a
+    float written by one thread, read by another). Torch's store client waits without bound
+    for a server that accepted the connection and stopped answering (a trainer paused by
+    SIGSTOP, a stopped VM), so the thread cannot see that for itself: its caller
+    (``Receiver``) gives the round up once this stands still too long."""
+
+    def __init__(self) -> None:
+        self.at = time.monotonic()
+
+    def mark(self) -> None:
+        self.at = time.monotonic()
+
+    def still_s(self) -> float:
+        """Seconds since the last mark."""
+        return time.monotonic() - self.at
+
+
 _DROPPED = "the trainer dropped the round"
 """What a member that left for the trainer's ``abort`` says (not news in the round's outcome)."""
 
@@ -371,15 +390,17 @@ class _Pulse:
     """A receiver's side of :class:`MemberWatch`, called between waits: pulse (at most every
     :data:`_WAIT_S`) and leave at once when the trainer dropped the round."""
 
-    def __init__(self, store: dist.Store, index: int) -> None:
-        self.store, self.index, self.last = store, index, 0.0
+    def __init__(self, store: dist.Store, index: int, clock: RoundClock) -> None:
+        self.store, self.index, self.clock, self.last = store, index, clock, 0.0
 
     def __call__(self) -> None:
         if time.monotonic() - self.last < _WAIT_S:
             return
         self.last = time.monotonic()
         self.store.add(f"beat/{self.index}", 1)
-        if self.store.check(["abort"]):
+        aborted = self.store.check(["abort"])
+        self.clock.mark()
+        if aborted:
             self.leave(_DROPPED)
             raise RoundDropped(f"the trainer dropped the round: "
                                f"{self.store.get('abort').decode(errors='replace')}")
@@ -392,11 +413,13 @@ class _Pulse:
 
 
 def _present(store: dist.Store, keys: list[str], deadline: float,
-             stop: threading.Event) -> list[int]:
+             stop: threading.Event, clock: RoundClock | None = None) -> list[int]:
     """The indices of ``keys`` set in ``store`` by ``deadline`` (all of them as soon as they
-    are)."""
+    are); ``clock`` marked at each look."""
     while True:
         seen = [i for i, key in enumerate(keys) if store.check([key])]
+        if clock is not None:
+            clock.mark()
         if len(seen) == len(keys) or time.monotonic() >= deadline:
             return seen
         if stop.is_set():
@@ -490,23 +513,24 @@ def _drop(store: dist.Store, watch: MemberWatch, waiting: list[int], why: str) -
         rest = [i for i in rest if i not in watch.gone()]
 
 
-def receive_round(plan: RoundPlan, index: int, m: Manifest, answered: threading.Event,
+def receive_round(plan: RoundPlan, index: int, m: Manifest, clock: RoundClock,
                   stop: threading.Event) -> memoryview | None:
     """A receiver's side of one round: say ready, and if let in, receive the bytes into one
     buffer while pulsing, check every chunk and say ok. None: left out of this round (joined
     late). Raises :class:`RoundDropped` when the trainer drops the round; leaving on an
     error of its own, it says ``left/I`` first, so that the trainer drops it at once.
-    ``answered`` is set once the trainer's store has answered (the caller bounds the wait
-    for that: torch's client does not)."""
-    # Connecting and each store call until "go" are bounded by CONNECT_S (a plan whose
-    # trainer died or is paused fails in seconds, and the next plan is read), the wait for
-    # "go" by the join timeout, the broadcast by gloo's.
+    ``clock`` is marked each time a call to the trainer's store comes back (the caller gives
+    the round up when it stands still: torch's client has no bound on a call its server
+    never answers)."""
+    # Connecting is bounded by CONNECT_S (a plan whose trainer died fails in seconds), the
+    # wait for "go" by the join timeout, the broadcast by gloo's, a paused trainer by the
+    # caller's watch of ``clock``.
     store = dist.TCPStore(plan.host, plan.port, is_master=False, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=CONNECT_S))
     store.add(f"beat/{index}", 1)  # before ready: the trainer reads every let-in's pulse
-    answered.set()
     store.set(f"ready/{index}", "1")
-    if not _present(store, ["go"], time.monotonic() + plan.join_timeout_s * 2, stop):
+    clock.mark()
+    if not _present(store, ["go"], time.monotonic() + plan.join_timeout_s * 2, stop, clock):
         raise BlobError(f"the trainer did not start round {plan.round} within "
                         f"{plan.join_timeout_s * 2:g} s")
     let_in = _INDICES.decode(store.get("go"))
@@ -515,7 +539,8 @@ def receive_round(plan: RoundPlan, index: int, m: Manifest, answered: threading.
     store.set_timeout(datetime.timedelta(seconds=plan.timeout_s))
     buf = flat_buffer(m.size)
     check = ChunkCheck(m, buf, plan.key)
-    pulse = _Pulse(store, index)
+    pulse = _Pulse(store, index, clock)
+    clock.mark()
     group, done = None, False
     try:
         group = _group(store, let_in.index(index) + 1, len(let_in) + 1,
