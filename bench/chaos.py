@@ -85,8 +85,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout: bus, trainer, tests.aof
 import numpy as np  # noqa: E402
 from chaos_trust import Trust  # noqa: E402  (bench/, the script's folder)
 
-from bus import LOG_ROLES, Bus, BusError, RunKeys, log_order  # noqa: E402  # noqa: E402
-from bus.refusals import REFUSAL_LOG_S  # noqa: E402
+from bus import LOG_ROLES, REFUSAL_LOG_S, Bus, BusError, RunKeys, log_order  # noqa: E402
 from rlbus.redis_server import EmbeddedRedis  # noqa: E402
 from runschema.authority import refusal  # noqa: E402
 from runschema.messages import (  # noqa: E402
