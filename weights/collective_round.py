@@ -343,6 +343,15 @@ class MemberWatch:
                 if i not in self.left and self.store.check([f"left/{i}"]):
                     self.left[i] = self.store.get(f"left/{i}").decode(errors="replace")
 
+    def poll(self, among: list[int]) -> bool:
+        """:meth:`look` at ``among`` if :data:`_WAIT_S` passed since the last look; whether
+        it looked."""
+        if time.monotonic() - self.last < _WAIT_S:
+            return False
+        self.last = time.monotonic()
+        self.look(among)
+        return True
+
     def gone(self) -> list[int]:
         """The members known to be out of the round: silent or left."""
         return sorted(set(self.silent) | set(self.left))
@@ -356,11 +365,7 @@ class MemberWatch:
         return "; ".join(parts)
 
     def __call__(self) -> None:
-        if time.monotonic() - self.last < _WAIT_S:
-            return
-        self.last = time.monotonic()
-        self.look(self.members)
-        if self.gone():
+        if self.poll(self.members) and self.gone():
             raise _MembersGone(self.why())
 
 
@@ -491,11 +496,8 @@ def _await_oks(store: dist.Store, ready: list[int], watch: MemberWatch, timeout_
             return served
         if stop.is_set():
             raise Stopped("stopped while waiting for a round's members")
-        if time.monotonic() - watch.last >= _WAIT_S:
-            watch.last = time.monotonic()
-            watch.look(waiting)
-            if set(watch.gone()) & set(waiting):
-                return [i for i in ready if store.check([f"ok/{i}"])]
+        if watch.poll(waiting) and set(watch.gone()) & set(waiting):
+            return [i for i in ready if store.check([f"ok/{i}"])]
         time.sleep(0.02)
 
 
