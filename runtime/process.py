@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TextIO
 
 from runconfig import Config, ConfigError, load_or_exit
 from runtime.storage import check_storage
@@ -37,6 +37,11 @@ CLOSE_TIMEOUT_S = 5.0
 """Bound on closing the Redis client at exit."""
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+_DUMP_SIGNAL = signal.SIGUSR1
+"""``kill -USR1 PID``: the process writes every asyncio task's stack to stderr and goes on
+(what a component that stopped making progress is waiting on; a thread's stack is what
+``py-spy dump`` shows)."""
 
 def expand_or_fail(url: str) -> str:
     """``url`` with ``${VAR}`` expanded (the placeholder stays in configs, logs and the run's
@@ -325,6 +330,7 @@ async def _run_until_stopped(component: Component, prog: str, drain_s: float) ->
 
     for sig in _SIGNALS:
         loop.add_signal_handler(sig, on_signal)
+    loop.add_signal_handler(_DUMP_SIGNAL, dump_tasks, prog)
     try:
         return await component.run()
     except asyncio.CancelledError:
@@ -333,5 +339,34 @@ async def _run_until_stopped(component: Component, prog: str, drain_s: float) ->
     finally:
         for handle in forced:
             handle.cancel()
-        for sig in _SIGNALS:
+        for sig in (*_SIGNALS, _DUMP_SIGNAL):
             loop.remove_signal_handler(sig)
+
+
+def dump_tasks(prog: str, file: TextIO | None = None) -> None:
+    """Write every task of the running loop with the chain of awaits it is suspended in
+    (``file``: stderr), then go on: the answer to "what is this process waiting on" for a
+    live one. (``Task.print_stack`` shows only a suspended task's outermost frame.)"""
+    out = sys.stderr if file is None else file
+    tasks = sorted(asyncio.all_tasks(), key=lambda t: t.get_name())
+    print(f"{prog}: {len(tasks)} asyncio task(s) (SIGUSR1):", file=out)
+    for task in tasks:
+        print(f"  {task.get_name()}:", file=out)
+        for line in awaiting(task.get_coro()):
+            print(f"    {line}", file=out)
+    out.flush()
+
+
+def awaiting(coro: object, limit: int = 40) -> list[str]:
+    """Where a suspended coroutine waits: its frame, then that of what it awaits, down the
+    ``cr_await`` / ``gi_yieldfrom`` chain to the innermost (a future, a sleep)."""
+    lines: list[str] = []
+    while coro is not None and len(lines) < limit:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            lines.append(repr(coro)[:200])  # a future, or a finished coroutine
+            break
+        code = frame.f_code
+        lines.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return lines

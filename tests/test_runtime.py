@@ -135,6 +135,51 @@ async def test_a_restart_builds_a_fresh_component_a_bounded_number_of_times(
     assert await _run_restarting(cfg, bus, "probe", lambda c, b: Endless(c, b)) == 1
 
 
+async def test_a_background_task_that_fails_ends_the_component_with_its_error(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    """A spawned part that dies (a named failure, a restart) ends the component as if serve
+    had raised it, instead of leaving serve waiting on it in silence."""
+    cfg = _cfg(redis_url, run_id, tmp_path)
+
+    class PartFails(Probe):
+        error: BaseException = Failure("the broadcast part failed: no port")
+
+        async def serve(self) -> int:
+            async def part() -> None:
+                await asyncio.sleep(0.05)
+                raise self.error
+
+            self.spawn(part(), "part")
+            return await super().serve()  # waits on `go`, which nobody sets
+
+    probe = PartFails(cfg, bus)
+    async with asyncio.timeout(30):
+        assert await probe.run() == 1
+    failed = [e for e in await events_of(bus, run_keys.events) if isinstance(e, ComponentFailed)]
+    assert [(f.role, f.error) for f in failed] == [("logger", "the broadcast part failed: no port")]
+    assert probe.torn_down
+
+    built: list[Component] = []
+
+    class PartRestarts(PartFails):
+        max_restarts = 1
+        error = Restart("the log lost its tail")
+
+        async def serve(self) -> int:
+            if len(built) > 1:
+                return 0
+            return await super().serve()
+
+    def factory(cfg: Config, bus: Bus) -> Component:
+        built.append(PartRestarts(cfg, bus))
+        return built[-1]
+
+    async with asyncio.timeout(30):
+        assert await _run_restarting(cfg, bus, "probe", factory) == 0
+    assert len(built) == 2
+
+
 async def test_overlapping_reads_fold_each_entry_once_in_order(
     bus: Bus, run_keys: RunKeys
 ) -> None:
@@ -177,3 +222,31 @@ async def test_history_reads_the_archive_where_the_stream_was_trimmed(
     assert await follower.catch_up() == 25
     assert folded == ids[5:] and follower.position == ids[-1] and follower.caught_up
     assert await follower.poll() == []
+
+
+async def test_a_task_dump_names_the_innermost_await_of_every_task() -> None:
+    """SIGUSR1's dump (runtime.process.dump_tasks) shows where each task waits: down the
+    chain of awaits to the innermost coroutine, not only its outermost frame."""
+    import io
+
+    from runtime.process import dump_tasks
+
+    gate = asyncio.Event()
+
+    async def innermost_wait() -> None:
+        await gate.wait()
+
+    async def outer() -> None:
+        await innermost_wait()
+
+    task = asyncio.create_task(outer(), name="the-outer-task")
+    await asyncio.sleep(0)
+    out = io.StringIO()
+    dump_tasks("probe", out)
+    gate.set()
+    await task
+    text = out.getvalue()
+    block = text[text.index("the-outer-task:"):]
+    assert "in outer" in block
+    assert "in innermost_wait" in block
+    assert "in wait" in block  # asyncio.Event.wait: the innermost coroutine
