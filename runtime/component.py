@@ -31,7 +31,10 @@ Redis: still held, it goes on; taken, it exits with the claim-lost line.
 
 A :class:`Failure` raised from setup or serve is the component's named error: one line on
 stderr, a ``ComponentFailed`` event (unless the failure says the log must not be written),
-exit code 1.
+exit code 1. A background task (:meth:`~Component.spawn`: the pulse, the trainer's weights
+broadcasts, a rollouter's weights receiver) that ends with an error ends the component with
+that error, exactly as if serve had raised it: a part that died never leaves the rest of
+its process waiting in silence.
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ import os
 import sys
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, ClassVar, ParamSpec, TypeVar, TypeVarTuple
+from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec, TypeVar, TypeVarTuple
 
 from bus import (
     ROLE_LOG_MAXLEN,
     Bus,
     BusPermissionError,
     BusRefusedWrite,
+    Fenced,
     RankClaim,
     RankLost,
     RunKeys,
@@ -135,6 +139,8 @@ class Component:
         self.claim: RankClaim | None = None
         """The rank this process claimed at :meth:`join` (set by runtime.process)."""
         self._lost: ClaimLost | None = None
+        self._ended_by: BaseException | None = None
+        """What a background task (:meth:`spawn`) ended with, which ends the component."""
         self._main: asyncio.Task[object] | None = None
 
     @property
@@ -185,10 +191,22 @@ class Component:
         self._pulse_now.set()
 
     def spawn(self, coro: Coroutine[object, None, T], name: str) -> asyncio.Task[T]:
-        """A background task of this component, cancelled (and awaited) at exit."""
+        """A background task of this component, cancelled (and awaited) at exit. One that
+        ends with an error ends the component with it, as if :meth:`serve` had raised it
+        (a named failure, a restart, a traceback for a bug): a part that died must never
+        leave the rest waiting on it in silence."""
         task = asyncio.create_task(coro, name=f"{self.name}-{name}")
+        task.add_done_callback(self._background_ended)
         self._tasks.append(task)
         return task
+
+    def _background_ended(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        if self._ended_by is None:
+            self._ended_by = exc
+        if self._main is not None and not self._main.done():
+            self._main.cancel()
 
     @property
     def worker(self) -> ThreadPoolExecutor:
@@ -244,9 +262,7 @@ class Component:
             await self.claim.check()
         except RankLost as exc:
             self._lost = ClaimLost(str(exc))
-            if self._main is not None:
-                self._main.cancel()
-            raise self._lost from None
+            raise self._lost from None  # it ends the pulse's task, and so the component
 
     async def run(self) -> int:
         """The whole life of the component; returns the exit code."""
@@ -265,7 +281,7 @@ class Component:
                                  hb.interval_s, hb.timeout_s, before=self._pulse_step,
                                  wake=self._pulse_now), "pulse")
         try:
-            return await self.serve()
+            return await self._serving()
         except Failure as exc:
             return await self._failed(exc)
         except (BusRefusedWrite, BusPermissionError) as exc:
@@ -279,13 +295,22 @@ class Component:
             if full is None:
                 raise
             return await self._failed(full)
-        except asyncio.CancelledError:
-            if self._lost is None or self._main is None:
-                raise
-            self._main.uncancel()  # not a stop signal: our claim was lost
-            return await self._failed(self._lost)
+        except Fenced as exc:  # a fenced write of a background task (the trainer's)
+            self.say(f"fenced out: {exc}", error=True)
+            return 1
         finally:
             await self._wind_down()
+
+    async def _serving(self) -> int:
+        """:meth:`serve`; cancelled by a background task that ended with an error (the
+        pulse's when the rank claim was lost), that error instead."""
+        try:
+            return await self.serve()
+        except asyncio.CancelledError:
+            if self._ended_by is None or self._main is None:
+                raise
+            self._main.uncancel()  # not a stop signal
+            raise self._ended_by from None
 
     def _paused(self, seconds: float) -> None:
         """The bus's watchdog: this process did not run for ``seconds``. One line, and the

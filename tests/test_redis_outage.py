@@ -48,8 +48,10 @@ def _no_death(events: list[object]) -> None:
     assert failed == [], failed
 
 
+@pytest.mark.parametrize("transport", ["auto", "collective"])
 async def test_a_redis_pause_past_the_heartbeat_timeout_is_waited_out(
-    redis_factory: Callable[..., EmbeddedRedis], run_id: str, tmp_path: Path, procs: Procs
+    redis_factory: Callable[..., EmbeddedRedis], run_id: str, tmp_path: Path, procs: Procs,
+    transport: str,
 ) -> None:
     """Redis stopped 25 s, heartbeat.timeout_s 4 s, redis.give_up_s 40 s: every key lapses
     while nobody can write; when Redis answers again the trainer re-takes its lease, the
@@ -59,7 +61,8 @@ async def test_a_redis_pause_past_the_heartbeat_timeout_is_waited_out(
     assert server.pid is not None
     steps = 6
     args = run_args(server.url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
-                    "heartbeat.timeout_s=4", "redis.give_up_s=40")
+                    "heartbeat.timeout_s=4", "redis.give_up_s=40",
+                    f"rollout.weights_transport={transport}")
     keys = RunKeys(run_id)
     async with Bus.from_url(server.url) as bus:
         procs.spawn("rollouter0", "rollouter", *args, "rollout.rank=0")

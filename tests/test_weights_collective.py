@@ -287,6 +287,32 @@ async def test_a_round_that_cannot_start_is_told_and_tried_again(
     assert told == ["weights broadcast round failed to start: no free port; trying again"]
 
 
+@pytest.mark.asyncio
+async def test_what_the_trainers_warning_raises_ends_the_broadcasts_as_is(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    """The warning is the trainer's own fenced write: refused (the log behind what it wrote,
+    a lease taken back), that is the trainer's to act on (start over), never swallowed as
+    a round's trouble and retried while the trainer's other parts wait."""
+
+    class MustStartOver(RuntimeError):
+        pass
+
+    async def warn(text: str) -> None:
+        raise MustStartOver("the lease had lapsed and is ours again")
+
+    b = Broadcaster(bus, run_keys, epoch="e", host="127.0.0.1", timeout_s=5, warn=warn)
+
+    async def serve() -> list[Member]:
+        raise RuntimeError("Redis past its retries")
+
+    b.serve = serve  # type: ignore[method-assign]
+    b.wake.set()
+    with pytest.raises(MustStartOver, match="ours again"):
+        async with asyncio.timeout(30):
+            await b.run()
+
+
 @pytest.mark.e2e
 @pytest.mark.chaos
 @pytest.mark.asyncio

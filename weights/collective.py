@@ -138,6 +138,14 @@ async def delete_manifest(bus: Bus, run_keys: RunKeys, ref: BlobRef) -> None:
 
 # ---------------------------------------------------------------------- the trainer's side
 
+class _Unheard(Exception):
+    """The trainer's ``warn`` raised ``cause``: not a round's trouble, the trainer's."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 class _Outgoing(msgspec.Struct):
     ref: BlobRef
     version: int
@@ -190,25 +198,41 @@ class Broadcaster(WeightsPublisher):
         """Serve rounds until cancelled: at each publication, and every :data:`POLL_S`. A
         round in flight then stops (bounded: :meth:`Worker.close`). A round that cannot
         start (Redis past its retries, no free port for the store) is told and tried again
-        at the next turn: this task never dies silently while rollouters wait on it."""
+        at the next turn: this task never dies silently while rollouters wait on it. What
+        the ``warn`` callback raises ends it, raised as is: that is the trainer's own write
+        refused (fenced out, or the log behind what it wrote: it must start over), which
+        the trainer's other writes would meet too."""
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), POLL_S)
                 self.wake.clear()
                 try:
-                    await self.serve()
-                except Exception as exc:
-                    await self._told(f"weights broadcast round failed to start: "
-                                     f"{first_line(exc)}; trying again")
+                    await self._turn()
+                except _Unheard as exc:
+                    raise exc.cause from None
         finally:
             await self.worker.close()
 
+    async def _turn(self) -> None:
+        try:
+            await self.serve()
+        except _Unheard:
+            raise
+        except Exception as exc:
+            await self._told(f"weights broadcast round failed to start: {first_line(exc)}; "
+                             "trying again")
+
     async def _told(self, text: str) -> None:
-        log.warning("%s", text)
-        if self.warn is not None:
-            with contextlib.suppress(Exception):  # Redis may be what failed
-                await self.warn(text)
+        """``text`` given to ``warn`` (which says it), else logged; what ``warn`` raises is
+        :class:`_Unheard`."""
+        if self.warn is None:
+            log.warning("%s", text)
+            return
+        try:
+            await self.warn(text)
+        except Exception as exc:
+            raise _Unheard(exc) from exc
 
     async def receivers(self) -> list[Member]:
         """The live rollouters that take part in broadcasts (their heartbeats). Wraps
@@ -258,10 +282,9 @@ class Broadcaster(WeightsPublisher):
             await self._left_out([invited[i - 1] for i in outcome.silent])
         if outcome.trouble is not None:
             self.wake.set()  # the others are served in a new round at once
-            if self.warn is not None:
-                await self.warn(f"weights v{latest.version} broadcast round {plan.round} to "
-                                f"{[m.rank for m in invited]}: {outcome.trouble}; those "
-                                "without it are invited again")
+            await self._told(f"weights v{latest.version} broadcast round {plan.round} to "
+                             f"{[m.rank for m in invited]}: {outcome.trouble}; those "
+                             "without it are invited again")
         return [invited[i - 1] for i in outcome.served]
 
     async def _left_out(self, members: list[Member]) -> None:
