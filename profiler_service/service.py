@@ -455,8 +455,14 @@ class ProfilerService(Component):
         return None
 
     def _done(self) -> bool:
-        state = self.state
-        if state.run_finished is None:
+        state, finished = self.state, self.state.run_finished
+        if finished is None:
+            return False
+        if not finished.validation_only and \
+                finished.steps < self.cfg.trainer.total_training_steps:
+            # A run extended with more steps than it finished with goes on (as rollouters
+            # read it): this service was started with its continuation, maybe before the
+            # trainer's new RunStarted, and profiles its steps.
             return False
         return state.profiler_finished or self.cfg.global_profiler.tool is None
 

@@ -321,6 +321,17 @@ async def test_started_after_run_started_requests_manifest_and_hook_once(
     msgs = [e.msg for e in await entries(bus, run_keys.events)]
     assert len(of(msgs, ProfilerFinished)) == 1 and len(of(msgs, ProfilerReady)) == 1
 
+    # The finished run continued by more steps (`rlbus up` with a larger total): a service
+    # started with its continuation, before the trainer's new RunStarted, stays for them
+    # (it used to read the old RunFinished as the end and exit at once).
+    more = launch(config, "trainer.total_training_steps=20")
+    await wait_decided(bus, run_keys, more)
+    await asyncio.sleep(1.0)  # five of its turns
+    assert more.poll() is None, more.log_path.read_text()
+    await bus.publish(run_keys.events, RunStarted(run_id=run_id, config={}, resumed=True))
+    await bus.publish(run_keys.events, RunFinished(run_id=run_id, steps=20))
+    assert await wait_exit(more, WAIT_S) == 0
+
 
 @pytest.mark.procs
 @pytest.mark.asyncio
