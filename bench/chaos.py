@@ -27,6 +27,10 @@ while the bench:
   below that, and kills a rollouter in the middle of it.
 No test hook: only config keys, signals and entries any Redis client could write.
 
+With issue 36's named faults (bench/chaos_faults.py, in the trust phase; ``--named-faults``):
+a full disk under the trainer's checkpoints and Redis at its ``maxmemory``, each to end the
+components it reaches with one line naming it; then freed, and the run goes on.
+
 With issue 22 (bench/chaos_trust.py, on unless ``--no-trust``): forged facts in every
 role's stream of the log, and a trust phase between the two (the finished run continued by
 ``--trust-steps``) with a SIGSTOPped rollouter whose liveness key the bench keeps fresh,
@@ -48,6 +52,7 @@ outside issue 7's checks, profile sessions the manifest lost; exit code 1 if a c
         [--corrupt 2] [--flood-s 3] [--flood-rate 3000] [--weights-transport collective]
         [--redis-kill random|checkpoint] [--long-update-s 50]
         [--no-trust] [--trust-steps 80] [--zombies 2] [--redis-stop-s 60] [--redis-binary PATH]
+        [--named-faults disk-full,redis-oom]
 
 About 4 minutes on the 2-core development machine while other jobs shared it (220-255 s
 measured, the 40 s+ update included). Logs of every component (each restart appended to the
@@ -83,7 +88,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout: bus, trainer, tests.aof
 
 import numpy as np  # noqa: E402
-from chaos_trust import Trust  # noqa: E402  (bench/, the script's folder)
+from chaos_faults import FAULTS, Faults  # noqa: E402  (bench/, the script's folder)
+from chaos_trust import Trust  # noqa: E402
 
 from bus import LOG_ROLES, REFUSAL_LOG_S, Bus, BusError, RunKeys, log_order  # noqa: E402
 from rlbus.redis_server import EmbeddedRedis  # noqa: E402
@@ -131,6 +137,7 @@ PHASE2_DEADLINE_S = 300.0
 EXIT_GRACE_S = 60.0  # after RunFinished, components must have exited within this
 SAVE_FREQ = 5  # trainer.save_freq: a resume re-applies at most 4 steps
 CRASH_LOOP = 5  # unplanned non-zero exits in a row, no step in between: the phase is lost
+STALL_DUMP_S = 120.0  # no step for this long: every component is asked for its tasks
 PROFILED_STEPS = (1, 12)
 ROLES = ("trainer", "rollouter0", "rollouter1", "profiler")
 # Kinds of injected entries that must never be trained nor vanish silently.
@@ -173,6 +180,8 @@ class Part:
     phase: int = 1
     streak: int = 0  # unplanned non-zero exits in a row with no step finished in between
     streak_progress: int = -1
+    started_at: float | None = None
+    clean_exits: list[tuple[float, int]] = field(default_factory=list)  # (t, phase's steps)
 
     @property
     def running(self) -> bool:
@@ -194,6 +203,7 @@ class Part:
         out.close()
         self.restart_at = None
         self.done = False
+        self.started_at = time.monotonic()
 
     def kill(self) -> bool:
         if not self.running or self.proc is None:
@@ -294,6 +304,9 @@ class Chaos:
         self.per_epoch_s = 0.0
         self.stop_chaos = asyncio.Event()
         self.trust = None if args.no_trust else Trust(self, T0, _say, TIMEOUT_S)
+        self.faults = Faults(self, _say, [] if args.no_trust else [
+            n for n in args.named_faults.split(",") if n])
+        self.fault_config: list[str] = []  # the checkpoints' tmpfs (Faults.mount)
 
     # ------------------------------------------------------------------ helpers
 
@@ -305,6 +318,7 @@ class Chaos:
     def common(self, total: int, epochs: int) -> list[str]:
         return [f"redis.url={self.server.url}", f"run.id={self.run_id}",
                 f"run.output_dir={self.out / 'run'}", *self.config(total, epochs),
+                *self.fault_config,
                 *([f"rollout.weights_transport={self.args.weights_transport}"]
                   if self.args.weights_transport else [])]
 
@@ -441,6 +455,7 @@ class Chaos:
                 if rc == 0:
                     part.done = True
                     part.exits.append((now - T0, rc, False, ""))
+                    part.clean_exits.append((now - T0, self.phase_total))
                     continue
                 planned = part.proc.pid in part.killed_pids
                 why = "" if planned else part.last_lines()
@@ -865,9 +880,15 @@ class Chaos:
         self.phase_total = total
         t0 = time.monotonic()
         finished_at: float | None = None
+        moved_at, moved = t0, self.watch.progress
         while True:
             await asyncio.sleep(0.2)
             now = time.monotonic()
+            if self.watch.progress != moved:
+                moved_at, moved = now, self.watch.progress
+            elif now - moved_at > STALL_DUMP_S and finished_at is None:
+                self.ask_for_tasks(f"no step for {now - moved_at:.0f} s")
+                moved_at = now  # again after as long, if it still stands
             if total in self.watch.run_finished and finished_at is None:
                 finished_at = now
                 _say(f"RunFinished({total})")
@@ -888,12 +909,27 @@ class Chaos:
                     f"last exit: {p.exits[-1][3]}")
                 return False
             if now - t0 > deadline_s:
+                self.ask_for_tasks(f"no RunFinished({total}) within {deadline_s:.0f} s")
+                await asyncio.sleep(1.0)  # the dumps reach the logs
                 last = self.parts["trainer"].last_lines(4) or next(
                     (e[3] for e in reversed(self.parts["trainer"].exits) if e[3]), "")
                 self.problems.append(
                     f"phase {self.phase}: no RunFinished({total}) within {deadline_s:.0f} s "
                     f"(last step {self.watch.last_step}); trainer: {last}")
                 return False
+
+    def ask_for_tasks(self, why: str) -> None:
+        """SIGUSR1 to every running component started a while ago (runtime.process: each
+        writes its asyncio tasks' chains of awaits to its log): what a stall waits on."""
+        asked = []
+        for part in self.parts.values():
+            if part.running and part.proc is not None and part.started_at is not None \
+                    and time.monotonic() - part.started_at > 20.0:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(part.proc.pid, signal.SIGUSR1)
+                    asked.append(part.name)
+        _say(f"{why}: asked {', '.join(asked) or 'nobody'} for their tasks (SIGUSR1; in "
+             "their logs)")
 
     async def phase1(self, steps: int) -> bool:
         self.make_parts(steps, self.epochs1)
@@ -1287,6 +1323,7 @@ class Chaos:
               f"epochs from {self.per_epoch_s * 1000:.1f} ms/epoch (a fast update then)")
         if self.trust is not None:
             fails += await self.trust.verify(log, set(issued))
+        fails += self.faults.verify()
         return fails
 
     def refusal_lines(self) -> int:
@@ -1337,6 +1374,7 @@ class Chaos:
         self.calibrate()
         _say(f"{self.per_epoch_s * 1000:.1f} ms per PPO epoch here: ppo_epochs {self.epochs1} "
              "under chaos")
+        self.fault_config = self.faults.mount()
         self.server.start()
         self.bus = Bus.from_url(self.server.url)
         await self.raw("CONFIG", "SET", "auto-aof-rewrite-percentage", "0")  # a plain AOF
@@ -1369,6 +1407,7 @@ class Chaos:
             with contextlib.suppress(Exception):
                 await self.b.close()
             self.server.stop()
+            self.faults.unmount(keep=self.args.keep or bool(fails))
         print(f"  wall time           {time.monotonic() - T0:.0f} s")
         if fails:
             print("\nFAILED:")
@@ -1446,7 +1485,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="zombie trainers in the trust phase (2)")
     parser.add_argument("--redis-stop-s", type=float, default=60.0,
                         help="how long Redis is SIGSTOPped in the trust phase (60 s)")
+    parser.add_argument("--named-faults", default=",".join(FAULTS),
+                        help="issue 36's faults in the trust phase, comma-separated "
+                             f"(default {','.join(FAULTS)}; '' for none)")
     args = parser.parse_args(argv)
+    unknown = set(args.named_faults.split(",")) - {"", *FAULTS}
+    if unknown:
+        parser.error(f"--named-faults: unknown {sorted(unknown)} (known: {', '.join(FAULTS)})")
     logging.getLogger("bus").setLevel(logging.ERROR)  # the readers' notes on our garbage
     out = args.out or Path(tempfile.mkdtemp(prefix="rlbus-chaos-"))
     out.mkdir(parents=True, exist_ok=True)

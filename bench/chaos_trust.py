@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -262,7 +263,7 @@ class Trust:
         tasks = [asyncio.create_task(self.inject(stop)), asyncio.create_task(self.logs()),
                  asyncio.create_task(self.scenarios(total, zombies, redis_stop_s))]
         ok = await c.wait_phase(total, c.phase_deadline(trust_steps) + redis_stop_s
-                                + 120.0 * zombies)
+                                + 120.0 * (zombies + len(c.faults.scenarios())))
         stop.set()
         for t in tasks:
             t.cancel()
@@ -276,6 +277,7 @@ class Trust:
             ("dead rollouter", self.dead_rollouter),
             *((f"zombie trainer {i + 1}", self.zombie) for i in range(zombies)),
             (f"Redis SIGSTOP {redis_stop_s:.0f} s", lambda: self.redis_stop(redis_stop_s)),
+            *c.faults.scenarios(),  # bench/chaos_faults.py
         ]
         for name, scenario in plan:
             if not await self._steps(1, SCENARIO_TIMEOUT_S) or c.watch.last_step >= total - 3:
@@ -500,8 +502,9 @@ class Trust:
                                           "checkpoint_missing"))
         if fig.acl_accepted:
             fails.append(f"Redis accepted forgeries of component users: {fig.acl_accepted[:4]}")
-        early = [(p.name, round(t)) for p in c.parts.values() for (t, rc, _, _) in p.exits
-                 if rc == 0 and not any(t >= at - 1.0 for at in c.watch.run_finished_at.values())]
+        # Before the RunFinished of its own phase (a finished run continued has an older one).
+        early = [(p.name, round(t)) for p in c.parts.values() for t, total in p.clean_exits
+                 if t < c.watch.run_finished_at.get(total, math.inf) - 1.0]
         if early:
             fails.append(f"components exited 0 before the run finished (a forgery "
                          f"believed?): {early}")

@@ -110,6 +110,9 @@ def main(
     (None). ``divert(cfg)`` may run the process as something else than the component
     (an exit code: a trainer node without rank 0, trainer.rank), before any check."""
     args = list(sys.argv[1:] if argv is None else argv)
+    # Until the event loop answers it (and after), a dump request is not a kill.
+    with contextlib.suppress(ValueError):  # not the main thread: not ours to set
+        signal.signal(_DUMP_SIGNAL, signal.SIG_IGN)
     prog = role
     cfg = load_or_exit(args, prog)
     if divert is not None and (diverted := divert(cfg)) is not None:
@@ -341,6 +344,8 @@ async def _run_until_stopped(component: Component, prog: str, drain_s: float) ->
             handle.cancel()
         for sig in (*_SIGNALS, _DUMP_SIGNAL):
             loop.remove_signal_handler(sig)
+        with contextlib.suppress(ValueError):
+            signal.signal(_DUMP_SIGNAL, signal.SIG_IGN)
 
 
 def dump_tasks(prog: str, file: TextIO | None = None) -> None:
