@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, ParamSpec, TypeVar, TypeVarTupl
 from bus import (
     ROLE_LOG_MAXLEN,
     Bus,
+    BusError,
     BusPermissionError,
     BusRefusedWrite,
     Fenced,
@@ -141,6 +142,9 @@ class Component:
         self._lost: ClaimLost | None = None
         self._ended_by: BaseException | None = None
         """What a background task (:meth:`spawn`) ended with, which ends the component."""
+        self._serving_now = False
+        self._said: Failure | None = None
+        """The failure this component ended with, said (one line) and published."""
         self._main: asyncio.Task[object] | None = None
 
     @property
@@ -203,10 +207,12 @@ class Component:
     def _background_ended(self, task: asyncio.Task[Any]) -> None:
         if task.cancelled() or (exc := task.exception()) is None:
             return
-        if self._ended_by is None:
+        # Only while serve runs: a task that fails as it is cancelled at the wind-down must
+        # not cut the wind-down short (its teardown, the liveness key's removal).
+        if self._ended_by is None and self._serving_now:
             self._ended_by = exc
-        if self._main is not None and not self._main.done():
-            self._main.cancel()
+            if self._main is not None and not self._main.done():
+                self._main.cancel()
 
     @property
     def worker(self) -> ThreadPoolExecutor:
@@ -304,6 +310,7 @@ class Component:
     async def _serving(self) -> int:
         """:meth:`serve`; cancelled by a background task that ended with an error (the
         pulse's when the rank claim was lost), that error instead."""
+        self._serving_now = True
         try:
             return await self.serve()
         except asyncio.CancelledError:
@@ -311,6 +318,8 @@ class Component:
                 raise
             self._main.uncancel()  # not a stop signal
             raise self._ended_by from None
+        finally:
+            self._serving_now = False
 
     def _paused(self, seconds: float) -> None:
         """The bus's watchdog: this process did not run for ``seconds``. One line, and the
@@ -323,6 +332,7 @@ class Component:
     async def _failed(self, exc: Failure) -> int:
         """A named failure: one line, a ComponentFailed event (if it may be written), its
         exit code."""
+        self._said = exc
         self.say(str(exc), error=True)
         if exc.publish:
             with contextlib.suppress(Exception):
@@ -343,6 +353,11 @@ class Component:
         await _cancelled(pulse)
         try:
             await self.teardown()
+        except BusError:
+            # After a failure said in its one line (Redis out of memory, unreachable, a
+            # refused right), the teardown's writes meet the same cause: said once.
+            if self._said is None:
+                raise
         finally:
             if self._worker is not None:
                 self._worker.shutdown(wait=False, cancel_futures=True)

@@ -180,6 +180,31 @@ async def test_a_background_task_that_fails_ends_the_component_with_its_error(
     assert len(built) == 2
 
 
+async def test_a_teardown_that_meets_the_failure_already_said_says_nothing_more(
+    redis_url: str, bus: Bus, run_id: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Redis out of memory ends a component with its one line; the teardown's own writes
+    (the profiler service's snapshot) meet the same refusal and add no traceback. Without a
+    failure said, a teardown's error is not hidden."""
+    from bus import BusOutOfMemory
+
+    class FullRedis(Probe):
+        async def teardown(self) -> None:
+            raise BusOutOfMemory("Redis is out of memory (the teardown's write)")
+
+    probe = FullRedis(_cfg(redis_url, run_id, tmp_path), bus, fail="Redis is out of memory")
+    probe.go.set()
+    async with asyncio.timeout(30):
+        assert await probe.run() == 1
+    err = capfd.readouterr().err
+    assert err.count("out of memory") == 1, err
+
+    clean = FullRedis(_cfg(redis_url, run_id, tmp_path), bus)
+    clean.go.set()
+    with pytest.raises(BusOutOfMemory):
+        await clean.run()
+
+
 async def test_overlapping_reads_fold_each_entry_once_in_order(
     bus: Bus, run_keys: RunKeys
 ) -> None:
