@@ -64,12 +64,14 @@ Launch = Callable[..., Watched]
 # --------------------------------------------------------------------------- helpers
 
 
-def write_config(tmp_path: Path, redis_url: str, run_id: str, **profiler: Any) -> Path:
-    """A YAML config for the service (a file, so a hook command needs no shell quoting)."""
+def write_config(tmp_path: Path, redis_url: str, run_id: str, *, total_steps: int = 10,
+                 **profiler: Any) -> Path:
+    """A YAML config for the service (a file, so a hook command needs no shell quoting); the
+    run's RunFinished must name ``total_steps`` for the service to take it as the end."""
     tree: dict[str, Any] = {
         "redis": {"url": redis_url},
         "run": {"id": run_id, "output_dir": str(tmp_path / "outputs")},
-        "trainer": {"total_training_steps": 10},
+        "trainer": {"total_training_steps": total_steps},
         "heartbeat": {"interval_s": 0.2},
         "global_profiler": {
             "tool": "torch",
@@ -410,7 +412,7 @@ async def test_manifest_names_the_steps_a_killed_trainer_lost_and_a_trace_that_i
     successor profiled 3-4. A rollouter's ProfileStopped names a trace that is not there;
     another names a session the service never sent. The manifest says `partial` with steps
     1-2 missing, and `missing` with the reason; one warning, even after a restart."""
-    config = write_config(tmp_path, redis_url, run_id, steps=[1, 2, 3, 4],
+    config = write_config(tmp_path, redis_url, run_id, total_steps=4, steps=[1, 2, 3, 4],
                           profile_continuous_steps=True)
     await bus.publish(run_keys.events, run_started(config, run_id))
     proc = launch(config)
