@@ -754,12 +754,14 @@ class Chaos:
         return found
 
     async def newest_checkpoint(self) -> tuple[int, str] | None:
-        """The newest checkpoint a resume could fall back from: one with an intact one (not
-        flipped by the bench) before it on disk. None: none such (flipping the only good one
-        would rightly stop the run: no checkpoint serves)."""
+        """The newest checkpoint a resume could fall back from: one whose predecessor (the
+        one fallback the trainer keeps: its samples are still in Redis) is on disk and
+        intact (not flipped by the bench). None: none such (flipping it would rightly stop
+        the run: no checkpoint the log names can serve; seen with seed 4, steps 10 and 15
+        flipped while step 5 was still on disk)."""
         named = await self.checkpoints()
         flipped = {path for _, path in self.corrupted}
-        if len(named) < 2 or not any(path not in flipped for _, path in named[1:]):
+        if len(named) < 2 or named[1][1] in flipped:
             return None
         return named[0]
 
