@@ -457,6 +457,25 @@ def test_no_rollouter_alive_for_the_heartbeat_timeout_fails_the_run() -> None:
         _idle(shell, 31.0, [])
 
 
+def test_no_rollouter_alive_repeats_what_the_rollouters_stated_when_they_went() -> None:
+    """Rollouters that failed on Redis out of memory said so; the trainer's "no rollouter is
+    alive" repeats it (its own writes may go through again once theirs stopped). A rank
+    seen alive again is no longer blamed."""
+    from runschema.messages import ComponentFailed
+
+    oom = "Redis at redis://r is out of memory: used_memory 8.3M of maxmemory 8.2M"
+    shell = _issued_at_zero(_cfg("heartbeat.ticket_lease_s=1000"))
+    _idle(shell, 1.0, [_hb(0), _hb(1)])
+    shell.take(Reads(1.5, peer_failed=[ComponentFailed(role="rollouter", rank=1, error="x"),
+                                       ComponentFailed(role="rollouter", rank=0, error=oom)]))
+    _idle(shell, 2.0, [_hb(1)])  # rank 1 back: its old failure is history
+    _idle(shell, 3.0, [])
+    with pytest.raises(PeerDead) as raised:
+        _idle(shell, 40.0, [])
+    assert str(raised.value).startswith("no rollouter is alive: none has refreshed")
+    assert str(raised.value).endswith(f"; rollouter0 failed: {oom}")
+
+
 def test_rollouts_failing_without_a_sample_fail_the_run() -> None:
     from runschema.messages import RolloutFailed
 

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 from bus import Delivery, Refusal
 from runschema.messages import (
+    ComponentFailed,
     Event,
     Heartbeat,
     PromptTicket,
@@ -76,7 +77,8 @@ class Reads(NamedTuple):
     ``deliveries`` (so every claim an answer of them follows is here: trainer.claims);
     ``refused``: entries of the read the consumer dead-lettered itself (undecodable), which
     the core never sees but counts for the size of the next read
-    (:attr:`trainer.core.StepCore.read_size`)."""
+    (:attr:`trainer.core.StepCore.read_size`); ``peer_failed``: the rollouters'
+    ComponentFailed events (their stated causes, which a "no rollouter is alive" repeats)."""
 
     now: float
     deliveries: Sequence[Delivery] = ()
@@ -89,6 +91,7 @@ class Reads(NamedTuple):
     idle: bool = False
     claims: Sequence[TicketsClaimed] = ()
     refused: int = 0
+    peer_failed: Sequence[ComponentFailed] = ()
 
 
 class Due(NamedTuple):

@@ -256,7 +256,7 @@ class Trainer(TrainerProcess):
         watch = self.watch
         return Reads(self.clock(), dead_tickets=watch.take_dead_tickets(),
                      lost_samples=watch.take_lost_samples(), failures=watch.take_failures(),
-                     validated=self.validations.take())
+                     validated=self.validations.take(), peer_failed=watch.take_peer_failed())
 
     async def _idle_reads(self, now: float, *, leases: bool = True) -> Reads:
         """An idle turn: the peers and the holders of expired tickets, when the core says
@@ -279,6 +279,7 @@ class Trainer(TrainerProcess):
             now = self.clock()
             due = self.core.due(now, leases=False)
             reads = Reads(now, failures=self.watch.take_failures(),
+                          peer_failed=self.watch.take_peer_failed(),
                           validated=self.validations.take(),
                           peers=await self.watch.read_peers() if due.peers else None,
                           idle=True)

@@ -249,6 +249,7 @@ class StepCore:
         """What to write and do after one turn's ``reads`` (see the module docstring)."""
         out: list[Action] = []
         self.health.failed(reads.failures)
+        self.health.peers_failed(reads.peer_failed)
         if self.validations.answered(reads.validated):
             self.health.progressed(reads.now)  # the wait at the run's end moved on
         self._take_reports(out, reads)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from bus import RunKeys
 from runconfig import HeartbeatConfig
-from runschema.messages import Heartbeat, RolloutFailed, WarningRaised
+from runschema.messages import ComponentFailed, Heartbeat, RolloutFailed, WarningRaised
 from runtime import Failure
 
 __all__ = ["FAILURE_LIMIT", "Health", "PeerDead", "Progress", "observe_progress"]
@@ -83,6 +83,9 @@ class Health:
         self.rollout_failures = 0
         self.failures_since_sample = 0
         self.last_failure = ""
+        self.stated: dict[int, str] = {}
+        """Each rollouter rank's last stated failure (its ComponentFailed), until it is seen
+        alive again: what a "no rollouter is alive" repeats (one per rank: bounded)."""
 
     # ------------------------------------------------------------------ reports
 
@@ -91,6 +94,12 @@ class Health:
             self.rollout_failures += 1
             self.failures_since_sample += 1
             self.last_failure = f"rollouter{msg.rank}: {msg.error}"
+
+    def peers_failed(self, failures: Sequence[ComponentFailed]) -> None:
+        """Rollouters that said why they went (their ComponentFailed events)."""
+        for msg in failures:
+            if msg.role == "rollouter":
+                self.stated[msg.rank] = msg.error
 
     def samples_arrived(self) -> None:
         """Samples came in: rollouts are not all failing."""
@@ -110,6 +119,8 @@ class Health:
         self.read_at = now
         self.rollouters = list(heartbeats)
         self.progress = observe_progress(self.progress, self.rollouters, now)
+        for hb in self.rollouters:  # alive again: what it said when it went is history
+            self.stated.pop(hb.rank, None)
 
     def alive(self) -> set[str]:
         """The consumer names of the rollouters alive at the last read."""
@@ -125,18 +136,24 @@ class Health:
 
     def check_peers(self, now: float) -> None:
         """After a read of the peers at ``now``: raise PeerDead when no rollouter is alive
-        (by Redis's clock: their liveness keys have lapsed) for the heartbeat timeout."""
+        (by Redis's clock: their liveness keys have lapsed) for the heartbeat timeout. What
+        the rollouters stated when they went (Redis out of memory, a full disk) is repeated
+        in it, rather than a bare "none has refreshed its liveness key"."""
         if self.rollouters:
             self.seen_at = now
             return
         gone_for = now - self.seen_at
-        if gone_for >= self.hb.timeout_s:
-            raise PeerDead(
-                f"no rollouter is alive: none has refreshed its liveness key "
+        if gone_for < self.hb.timeout_s:
+            return
+        line = (f"no rollouter is alive: none has refreshed its liveness key "
                 f"{self.keys.alive_pattern('rollouter')} for {gone_for:.0f} s "
-                f"(heartbeat.timeout_s={self.hb.timeout_s}); is a rollouter running for run "
-                f"{self.keys.run_id!r} at this Redis?"
-            )
+                f"(heartbeat.timeout_s={self.hb.timeout_s})")
+        if self.stated:
+            said = "; ".join(f"rollouter{rank} failed: {error}"
+                             for rank, error in sorted(self.stated.items()))
+            raise PeerDead(f"{line}; {said}")
+        raise PeerDead(f"{line}; is a rollouter running for run {self.keys.run_id!r} at "
+                       "this Redis?")
 
     def rollouters_state(self) -> str:
         return ", ".join(f"rollouter{h.rank} ({h.state})" for h in self.rollouters) or "none"

@@ -8,7 +8,8 @@ The shell's reader for the step core (trainer.core), which judges what is read h
   a key that exists means the replica spoke within the timeout).
 - Holders: of the prompts entries of tickets whose lease expired, those still in the stream
   and the rollouter each pending one is delivered to.
-- Reports: a background reader of the events log (RolloutFailed, ProfilerReady) and of the
+- Reports: a background reader of the events log (RolloutFailed, the rollouters'
+  ComponentFailed, ProfilerReady) and of the
   dead-letter stream (tickets and samples of ours that went there), whose findings the step
   loop takes in between reads of samples.
 - Claims: the rollouters' TicketsClaimed, read by the step loop itself right after each read
@@ -25,6 +26,7 @@ from collections.abc import Callable, Sequence
 from bus import Bus, Entry, RunKeys, peers
 from runconfig import Config
 from runschema.messages import (
+    ComponentFailed,
     DeadLetter,
     DecodeError,
     Heartbeat,
@@ -51,6 +53,7 @@ class Watch:
         self.keys = keys
         self.profiler_ready = asyncio.Event()
         self.failures: list[RolloutFailed] = []  # rollouts that failed: to count
+        self.peer_failed: list[ComponentFailed] = []  # rollouters that said why they went
         self.dead_tickets: list[PromptTicket] = []  # dead-lettered by rollouters: to close
         self.lost_samples: list[Sample] = []  # dead-lettered from our group: reissue them
         # The other roles' facts the trainer acts on: rollouts failing, the profiler ready.
@@ -93,6 +96,8 @@ class Watch:
             match msg:
                 case RolloutFailed():
                     self.failures.append(msg)
+                case ComponentFailed(role="rollouter"):
+                    self.peer_failed.append(msg)
                 case ProfilerReady():
                     self.profiler_ready.set()
 
@@ -114,6 +119,11 @@ class Watch:
     def take_failures(self) -> list[RolloutFailed]:
         failures, self.failures = self.failures, []
         return failures
+
+    def take_peer_failed(self) -> list[ComponentFailed]:
+        """The rollouters' ComponentFailed events read since the last call."""
+        failed, self.peer_failed = self.peer_failed, []
+        return failed
 
     def take_dead_tickets(self) -> list[PromptTicket]:
         dead, self.dead_tickets = self.dead_tickets, []
