@@ -182,6 +182,13 @@ class Part:
     streak_progress: int = -1
     started_at: float | None = None
     clean_exits: list[tuple[float, int]] = field(default_factory=list)  # (t, phase's steps)
+    start_times: list[float] = field(default_factory=list)  # bench time of each start
+
+    def running_at(self, t: float) -> bool:
+        """Whether a process of this part was running at bench time ``t`` (started before
+        it, no exit seen between that start and ``t``)."""
+        starts = [s for s in self.start_times if s <= t]
+        return bool(starts) and not any(starts[-1] <= e[0] <= t for e in self.exits)
 
     @property
     def running(self) -> bool:
@@ -204,6 +211,7 @@ class Part:
         self.restart_at = None
         self.done = False
         self.started_at = time.monotonic()
+        self.start_times.append(self.started_at - T0)
 
     def kill(self) -> bool:
         if not self.running or self.proc is None:
@@ -1192,7 +1200,7 @@ class Chaos:
             fails.append(f"malformed entries acked without a dead letter: {silent_drop[:5]}")
 
         # Death declarations: mistaken when the bench saw the peer's key within the window.
-        failures = [(m, self._mistaken(m)) for _, m in self.watch.failures]
+        failures = [(m, self._mistaken(m, at)) for at, m in self.watch.failures]
         for m, mistaken in failures:
             if mistaken:
                 fails.append(f"{m.role}{m.rank} declared a live peer dead: {m.error[:160]}")
@@ -1355,14 +1363,20 @@ class Chaos:
                          f"{', '.join(unlisted)}")
         return notes
 
-    def _mistaken(self, m: ComponentFailed) -> bool:
-        """A death declaration is mistaken when the peer it names had its key (seen by the
-        bench) inside the timeout window before it said so."""
+    def _mistaken(self, m: ComponentFailed, seen_at: float) -> bool:
+        """A death declaration is mistaken when a peer it names was running (its process,
+        when the bench read the declaration at ``seen_at``) and had its key (seen by the
+        bench) inside the timeout window before it was said. A peer that had exited is
+        really absent, whatever its key said meanwhile (one that failed on Redis out of
+        memory could not refresh it, then deleted it at exit)."""
         if "no rollouter is alive" in m.error:
-            keys = [self.parts["rollouter0"].alive_key, self.parts["rollouter1"].alive_key]
+            named = [self.parts["rollouter0"], self.parts["rollouter1"]]
+            keys = [p.alive_key for p in named]
         elif "trainer" in m.error and ("gone" in m.error or "no trainer" in m.error):
-            keys = [self.keys.trainer_lease]
+            named, keys = [self.parts["trainer"]], [self.keys.trainer_lease]
         else:
+            return False
+        if not any(p.running_at(seen_at - T0 - 0.5) for p in named):
             return False
         lo, hi = m.ts - TIMEOUT_S + 1.0, m.ts - 0.5
         return any(present.get(key, False) for wall, _, present in self.watch.samples
