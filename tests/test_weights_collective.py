@@ -26,7 +26,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bus import BlobCorrupt, Bus, RunKeys, pulse_forever
+from bus import BlobCorrupt, Bus, BusOutOfMemory, RunKeys, pulse_forever
 from runschema.messages import (
     BlobRef,
     Heartbeat,
@@ -311,6 +311,24 @@ async def test_what_the_trainers_warning_raises_ends_the_broadcasts_as_is(
     with pytest.raises(MustStartOver, match="ours again"):
         async with asyncio.timeout(30):
             await b.run()
+
+    # Redis refusing every write (out of memory) is the trainer's to name, once: not a
+    # round's trouble told (a second line, and a warning write refused the same way).
+    told: list[str] = []
+
+    async def noted(text: str) -> None:
+        told.append(text)
+
+    async def full() -> list[Member]:
+        raise BusOutOfMemory("Redis at redis://r is out of memory: used 8M of 8M")
+
+    b = Broadcaster(bus, run_keys, epoch="e", host="127.0.0.1", timeout_s=5, warn=noted)
+    b.serve = full  # type: ignore[method-assign]
+    b.wake.set()
+    with pytest.raises(BusOutOfMemory):
+        async with asyncio.timeout(30):
+            await b.run()
+    assert told == []
 
 
 @pytest.mark.e2e

@@ -60,7 +60,16 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 import msgspec
 import torch
 
-from bus import BlobError, BlobNotFound, Bus, RunKeys, peers
+from bus import (
+    BlobError,
+    BlobNotFound,
+    Bus,
+    BusAuthError,
+    BusRefusedWrite,
+    BusUnavailable,
+    RunKeys,
+    peers,
+)
 from runschema.messages import BlobRef
 from weights.collective_round import (
     CONNECT_S,
@@ -138,6 +147,12 @@ async def delete_manifest(bus: Bus, run_keys: RunKeys, ref: BlobRef) -> None:
 
 # ---------------------------------------------------------------------- the trainer's side
 
+_REDIS_GONE = (BusRefusedWrite, BusAuthError, BusUnavailable)
+"""What ends the broadcasts as is, for the trainer to name once: Redis refusing writes for
+its own state (out of memory, unable to persist), the ACL a right, or Redis past its retries.
+A round cannot start while any holds, and neither can the trainer's other writes."""
+
+
 class _Unheard(Exception):
     """The trainer's ``warn`` raised ``cause``: not a round's trouble, the trainer's."""
 
@@ -197,11 +212,13 @@ class Broadcaster(WeightsPublisher):
     async def run(self) -> None:
         """Serve rounds until cancelled: at each publication, and every :data:`POLL_S`. A
         round in flight then stops (bounded: :meth:`Worker.close`). A round that cannot
-        start (Redis past its retries, no free port for the store) is told and tried again
-        at the next turn: this task never dies silently while rollouters wait on it. What
-        the ``warn`` callback raises ends it, raised as is: that is the trainer's own write
-        refused (fenced out, or the log behind what it wrote: it must start over), which
-        the trainer's other writes would meet too."""
+        start (no free port for the store, a Redis error of the moment) is told and tried
+        again at the next turn: this task never dies silently while rollouters wait on it.
+        It ends, raising as is, on what the trainer must act on: what the ``warn`` callback
+        raises (the trainer's own write refused: fenced out, or the log behind what it
+        wrote, so it must start over) and Redis refusing every write or gone
+        (:data:`_REDIS_GONE`), which the trainer's other writes meet too; told as a
+        round's trouble, it was said twice."""
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
@@ -217,7 +234,7 @@ class Broadcaster(WeightsPublisher):
     async def _turn(self) -> None:
         try:
             await self.serve()
-        except _Unheard:
+        except (_Unheard, *_REDIS_GONE):
             raise
         except Exception as exc:
             await self._told(f"weights broadcast round failed to start: {first_line(exc)}; "
