@@ -180,7 +180,6 @@ class Part:
     phase: int = 1
     streak: int = 0  # unplanned non-zero exits in a row with no step finished in between
     streak_progress: int = -1
-    started_at: float | None = None
     clean_exits: list[tuple[float, int]] = field(default_factory=list)  # (t, phase's steps)
     start_times: list[float] = field(default_factory=list)  # bench time of each start
 
@@ -210,8 +209,7 @@ class Part:
         out.close()
         self.restart_at = None
         self.done = False
-        self.started_at = time.monotonic()
-        self.start_times.append(self.started_at - T0)
+        self.start_times.append(time.monotonic() - T0)
 
     def kill(self) -> bool:
         if not self.running or self.proc is None:
@@ -933,8 +931,8 @@ class Chaos:
         writes its asyncio tasks' chains of awaits to its log): what a stall waits on."""
         asked = []
         for part in self.parts.values():
-            if part.running and part.proc is not None and part.started_at is not None \
-                    and time.monotonic() - part.started_at > 20.0:
+            if part.running and part.proc is not None and part.start_times \
+                    and time.monotonic() - T0 - part.start_times[-1] > 20.0:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(part.proc.pid, signal.SIGUSR1)
                     asked.append(part.name)
