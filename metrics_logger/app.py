@@ -2,10 +2,12 @@
 and each ValidationFinished's metrics at the step its validation was requested at (verl logs
 its validation metrics at the training step).
 
-Position: after each batch is flushed to every sink, the id of the last entry read and the
-last step written are stored (atomically) in ``RUN/logger-position.json``; a restarted logger
-reads the log only after that id and skips steps it already wrote. A crash between a flush
-and the store can repeat that one batch; nothing is lost. When retention trimmed the entries
+Position: at most once per :data:`COMMIT_INTERVAL_S` while it follows, and when it ends, the
+sinks are flushed and then the id of the last entry read and the last step written are
+stored (atomically, fsynced) in ``RUN/logger-position.json``, on the worker thread (never on
+the event loop); a restarted logger reads the log only after that id and skips steps it
+already wrote. A crash repeats at most the steps written since the last store; nothing is
+lost. When retention trimmed the entries
 after that id from the stream, they are read from the run's events archive
 (``RUN/events``, runtime.history) on the same filesystem; without one, a line says which range
 was skipped. Exit code 0 when the run finished
@@ -20,6 +22,7 @@ import importlib.util
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,6 +53,12 @@ __all__ = [
 ]
 
 PROG = "logger"
+
+COMMIT_INTERVAL_S = 1.0
+"""Least seconds between two commits (sinks flushed, position stored) while following: one
+per step cost the run ~6 ms of a 2-core machine's CPU a step (a flush and two fsyncs), and
+a crash repeats only what was written since (docs/benchmarks.md, "Where a step's time
+goes")."""
 
 LOGGER_NAMES_WRITTEN = ("tensorboard", "wandb")
 """``trainer.logger`` values this process writes (``console`` is the progress lines)."""
@@ -194,6 +203,10 @@ class MetricsLogger(Component):
         self.position = self._load()
         self.written = 0
         self.finished = False
+        self._dirty = False  # written to the sinks since the last commit
+        self._committed = b""  # the position the last commit stored
+        self._commit: asyncio.Future[None] | None = None
+        self._commit_due = 0.0  # time.monotonic() from which the next batch commits
         self.follower = LogFollower(
             bus, self.keys, ("trainer", "rollouter"), count=500, fold=self._take,
             positions={self.keys.events: self.position.entry_id,
@@ -215,8 +228,8 @@ class MetricsLogger(Component):
                          metrics={"logger/steps_written": float(self.written)})
 
     def _take(self, entries: Sequence[Entry]) -> None:
-        """Write the StepFinished metrics of ``entries`` (the follower's next batch), flush,
-        store the position (atomically, with what was written); note RunFinished."""
+        """Write the StepFinished metrics of ``entries`` (the follower's next batch) to the
+        sinks, move the position past them and commit when one is due; note RunFinished."""
         wrote = False
         for _, msg in entries:
             if isinstance(msg, StepFinished) and msg.step > self.position.step:
@@ -235,12 +248,42 @@ class MetricsLogger(Component):
                     self.finished = True
                 else:  # not the trainer's: the run goes on
                     print(f"{PROG}: ignored a RunFinished: {why}", file=sys.stderr, flush=True)
-        if wrote:
-            for sink in self.sinks:
-                sink.flush()
+        self._dirty |= wrote
         self.position.entry_id = self.follower.position
         self.position.rollouter_id = self.follower.positions[self.keys.log("rollouter")]
-        atomic_write(self.path, msgspec.json.encode(self.position))
+        if time.monotonic() >= self._commit_due:
+            self._commit_soon()
+
+    def _commit_soon(self) -> None:
+        """Commit what was written so far on the worker thread, unless a commit is still
+        under way (the next batch commits then); a failed commit raises here."""
+        if self._commit is not None:
+            if not self._commit.done():
+                return
+            self._commit.result()
+        position = msgspec.json.encode(self.position)
+        if position == self._committed and not self._dirty:
+            return
+        self._commit = self.submit(self._store, position, self._dirty)
+        self._committed, self._dirty = position, False
+        self._commit_due = time.monotonic() + COMMIT_INTERVAL_S
+
+    async def _commit_now(self) -> None:
+        """The last commit: after any under way, what was written up to now."""
+        if self._commit is not None:
+            await self._commit
+        self._commit = None
+        self._commit_soon()
+        if self._commit is not None:
+            await self._commit
+
+    def _store(self, position: bytes, flush: bool) -> None:
+        """On the worker thread: the sinks flushed, then ``position`` stored (its steps are
+        in the sinks' files before the position says so)."""
+        if flush:
+            for sink in self.sinks:
+                sink.flush()
+        atomic_write(self.path, position)
 
     def _gap(self, after: str, first: str) -> None:
         print(f"{PROG}: events after {after} up to {first} were trimmed from the stream "
@@ -267,6 +310,9 @@ class MetricsLogger(Component):
         await self.follower.catch_up(on_gap=self._gap)
         while not self.finished and not self.stopping.is_set():
             await self.follower.poll(block_ms=1000)
+            if time.monotonic() >= self._commit_due:  # what a skipped commit left
+                self._commit_soon()
+        await self._commit_now()
         print(f"{PROG}: run {self.run_id} {'finished' if self.finished else 'stopped'}; "
               f"{self.written} step(s) written this time, last step {self.position.step}",
               flush=True)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from bus import Bus, RunKeys
+from bus import Bus, Entry, RunKeys
 from metrics_logger import MetricsLogger, logger_warnings, position_file, tensorboard_dir
 from metrics_logger.app import Position, TensorBoardSink
 from runconfig import load_config
@@ -102,3 +103,46 @@ async def test_a_trimmed_position_is_read_from_the_archive_or_named_as_skipped(
     err = capsys.readouterr().err
     assert f"events after {ids[0]} up to {ids[4]} were trimmed" in err
     assert third.position.step == 8
+
+
+@pytest.mark.asyncio
+async def test_a_following_logger_commits_once_per_interval_and_at_the_end(
+    bus: Bus, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps arriving one at a time are not each flushed and fsynced: the first batch commits,
+    then none before the interval, and the last commit holds every step written."""
+    import metrics_logger.app as app
+
+    monkeypatch.setattr(app, "COMMIT_INTERVAL_S", 3600.0)
+    cfg = load_config(None, [f"run.id={run_id}", f"run.output_dir={tmp_path}"])
+    events = RunKeys(run_id).events
+    await bus.publish(events, RunStarted(run_id=run_id, config={}))
+    logger = MetricsLogger(cfg, bus, [TensorBoardSink(tensorboard_dir(cfg))])
+    stored: list[Position] = []
+    store = logger._store
+
+    def counted(position: bytes, flush: bool) -> None:
+        store(position, flush)
+        stored.append(msgspec.json.decode(position, type=Position))
+
+    monkeypatch.setattr(logger, "_store", counted)
+    folded: asyncio.Queue[int] = asyncio.Queue()  # the last step after each batch folded
+    fold = logger.follower.fold
+    assert fold is not None
+
+    def fold_and_tell(entries: Sequence[Entry]) -> None:
+        fold(entries)
+        folded.put_nowait(logger.position.step)
+
+    logger.follower.fold = fold_and_tell
+    run = asyncio.create_task(logger.run())
+    for k in range(1, 6):
+        await bus.publish(events, _step(k))
+        while await asyncio.wait_for(folded.get(), 30) < k:  # folded before the next comes
+            pass
+    await bus.publish(events, RunFinished(run_id=run_id, steps=5))
+    assert await asyncio.wait_for(run, 30) == 0
+    assert len(stored) == 2 and stored[-1].step == 5
+    on_disk = msgspec.json.decode(position_file(cfg).read_bytes(), type=Position)
+    assert on_disk.step == 5 and on_disk.entry_id == logger.position.entry_id
+    assert _points(tensorboard_dir(cfg)) == [1, 2, 3, 4, 5]
