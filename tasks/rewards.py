@@ -604,7 +604,9 @@ def serve_fd(fd: int) -> None:
 def worker_main(conn: Any, spec: RewardSpec) -> None:
     """A reward worker: build the scorer once (reply ``("ready", "")`` or ``("dead",
     traceback)``), then for each item received reply ``("ok", reward, extra, seconds)`` or
-    ``("err", traceback, "Type: message", seconds)``; ends at None or when the pipe closes."""
+    ``("err", traceback, "Type: message", seconds)``, and for a list of items the list of
+    their replies (one round trip for many fast calls); ends at None or when the pipe
+    closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the rollouter's to handle
     try:
         scorer = Scorer(spec)
@@ -619,17 +621,22 @@ def worker_main(conn: Any, spec: RewardSpec) -> None:
             return
         if item is None:
             return
-        t0 = time.perf_counter()
-        try:
-            reward, extra = scorer(item)
-            reply: tuple[Any, ...] = ("ok", reward, extra, time.perf_counter() - t0)
-        except Exception as exc:
-            reply = ("err", traceback.format_exc(), f"{type(exc).__name__}: {exc}",
-                     time.perf_counter() - t0)
+        reply: Any = ([_score(scorer, one) for one in item] if isinstance(item, list)
+                      else _score(scorer, item))
         try:
             conn.send(reply)
         except OSError:  # the rollouter is gone (or gave up on this call): so are we
             return
+
+
+def _score(scorer: Scorer, item: tuple[str, str, Any, Any, int]) -> tuple[Any, ...]:
+    t0 = time.perf_counter()
+    try:
+        reward, extra = scorer(item)
+        return ("ok", reward, extra, time.perf_counter() - t0)
+    except Exception as exc:
+        return ("err", traceback.format_exc(), f"{type(exc).__name__}: {exc}",
+                time.perf_counter() - t0)
 
 
 def _describe(exc: BaseException) -> str:

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from bus import Bus, RunKeys
-from rollouter.scoring import RewardPool, ScoreItem
+from rollouter.scoring import MAX_CHUNK, RewardPool, ScoreItem, chunk_size
 from runconfig import ConfigError, load_config
 from runconfig.schema import (
     Config,
@@ -422,6 +422,53 @@ async def test_a_timed_out_scorer_scores_0_and_the_pool_keeps_serving(tmp_path: 
 
 
 @pytest.mark.asyncio
+async def test_fast_samples_go_in_chunks_and_a_chunk_at_fault_is_scored_one_by_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a batch timed the scorer fast, 64 samples take 2 round trips, not 64; a chunk
+    holding a hung, a raising and a dying sample is scored again one at a time: each of
+    those fails for itself only, every other sample scores."""
+    pool = RewardPool(_cfg(_file(tmp_path, PICKY), timeout_s=2.0))
+    worker = pool._workers[0]
+    calls: list[int] = []
+    call = worker.call
+
+    def counted(item: Any, timeout_s: float) -> Any:
+        calls.append(len(item) if isinstance(item, list) else 1)
+        return call(item, timeout_s)
+
+    monkeypatch.setattr(worker, "call", counted)
+    try:
+        assert [s.reward for s in await pool.score(_items("7", "8"))] == [1.0, 0.0]
+        assert calls == [1, 1]  # a scorer not yet timed: one sample a call
+        calls.clear()
+        scores = await pool.score(_items(*["7"] * 64))
+        assert calls == [32, 32] and [s.reward for s in scores] == [1.0] * 64
+        calls.clear()
+        batch = ["7", "slow", "8", "bad", "die", *["7"] * 11]
+        scores = await pool.score(_items(*batch))
+        assert calls[0] == 8  # the chunk at fault, then its 8 samples one by one
+        assert calls[1:9] == [1] * 8
+        assert [(s.reward, s.failed) for s in scores] == [
+            (1.0, False), (0.0, True), (0.0, False), (0.0, True), (0.0, True),
+            *[(1.0, False)] * 11]
+        assert scores[1].timed_out and "timed out after 2 s" in scores[1].error
+        assert scores[3].error == "RuntimeError: verifier crashed on 7"
+        assert "died (exit code 3)" in scores[4].error
+        assert (pool.timeouts, pool.failures) == (1, 2) and pool.scored == 82
+    finally:
+        pool.close()
+
+
+def test_chunk_size() -> None:
+    assert chunk_size(None, 30.0, 64, 1) == 1  # not yet timed
+    assert chunk_size(1e-5, 30.0, 64, 1) == MAX_CHUNK
+    assert chunk_size(1e-5, 30.0, 64, 4) == 8  # every worker gets two chunks
+    assert chunk_size(0.3, 30.0, 64, 1) == 5  # 5 x 0.3 s = 5% of 30 s
+    assert chunk_size(30.0, 30.0, 64, 1) == 1  # a batch that timed out
+    assert chunk_size(1e-5, 30.0, 1, 2) == 1
+
+
+@pytest.mark.asyncio
 async def test_a_raising_scorer_is_counted_and_warned_once(tmp_path: Path) -> None:
     pool = RewardPool(_cfg(_file(tmp_path, PICKY), workers=2))
     try:
@@ -453,11 +500,11 @@ async def test_a_worker_that_cannot_load_fails_its_batch_and_is_retried(tmp_path
     try:
         assert [s.reward for s in await pool.score(_items("7"))] == [1.0]
         _file(tmp_path, "raise RuntimeError('disk full')\n")
-        scores = await pool.score(_items("die", "7", "7"))
-        assert all(s.failed for s in scores)
-        assert "died (exit code 3)" in scores[0].error
-        assert all("could not load" in s.error for s in scores[1:])
-        assert pool.failures == 3
+        died = await pool.score(_items("die"))
+        assert died[0].failed and "died (exit code 3)" in died[0].error
+        scores = await pool.score(_items("7", "7", "7"))
+        assert all(s.failed and "could not load" in s.error for s in scores)
+        assert pool.failures == 4
         warning = pool.take_warning()
         assert warning is not None and "exit code 3" in warning
         _file(tmp_path, PICKY)
