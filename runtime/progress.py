@@ -35,9 +35,10 @@ __all__ = [
 
 
 async def _read_log(bus: Bus, keys: RunKeys, cursors: dict[str, str],
-                    wait_ms: int) -> list[Message]:
+                    wait_ms: int | None) -> tuple[list[Message], bool]:
     """One read of the followed streams after ``cursors`` (which move on): the messages in
-    id order, without any its stream's role may not state (runschema.authority)."""
+    id order, without any its stream's role may not state (runschema.authority), and whether
+    more may follow at once."""
     read = await bus.read_after_many(cursors, count=500, block_ms=wait_ms)
     found = []
     for stream, (entries, cursor, _) in read.items():
@@ -45,7 +46,31 @@ async def _read_log(bus: Bus, keys: RunKeys, cursors: dict[str, str],
         role = keys.log_role(stream) or "trainer"
         found += [(log_order(e.id, role), e.msg) for e in entries
                   if refusal(role, e.msg) is None]
-    return [msg for _, msg in sorted(found, key=lambda pair: pair[0])]
+    more = any(full for _, _, full in read.values())
+    return [msg for _, msg in sorted(found, key=lambda pair: pair[0])], more
+
+
+async def _next_messages(bus: Bus, keys: RunKeys, cursors: dict[str, str],
+                         per_step: bool, next_line: float) -> list[Message]:
+    """A per-step role's next read (waits up to 1 s for the next entry); any other role's
+    reads once its next line is due, of all that came meanwhile in one go: a role that
+    prints every ``every_s`` does not wake for every entry of the run."""
+    if per_step:
+        return (await _read_log(bus, keys, cursors, 1000))[0]
+    await asyncio.sleep(max(0.0, next_line - time.monotonic()))
+    messages, more = await _read_log(bus, keys, cursors, None)
+    while more:  # a long wait's backlog, a batch at a time: only what its line needs is kept
+        batch, more = await _read_log(bus, keys, cursors, None)
+        messages = _line_needs(messages) + batch
+    return messages
+
+
+def _line_needs(messages: list[Message]) -> list[Message]:
+    """What a periodic line needs of ``messages``: the newest StepFinished and every
+    RunFinished, in their order (a RunFinished is believed against the step before it)."""
+    steps = [i for i, m in enumerate(messages) if isinstance(m, StepFinished)]
+    newest = steps[-1] if steps else -1
+    return [m for i, m in enumerate(messages) if i == newest or isinstance(m, RunFinished)]
 
 
 def _believed(msg: RunFinished, last: StepFinished | None) -> bool:
@@ -116,8 +141,7 @@ async def follow_progress(
         shown: StepFinished | None = None
         next_line = time.monotonic() + spec.every_s
         while True:
-            wait_ms = 1000 if per_step else max(1, int((next_line - time.monotonic()) * 1000))
-            for msg in await _read_log(bus, keys, cursors, wait_ms):
+            for msg in await _next_messages(bus, keys, cursors, per_step, next_line):
                 if isinstance(msg, RunFinished) and _believed(msg, last):
                     return
                 if isinstance(msg, StepFinished):

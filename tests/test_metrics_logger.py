@@ -76,6 +76,32 @@ async def test_progress_follower_prints_each_new_step_only(
 
 
 @pytest.mark.asyncio
+async def test_a_periodic_progress_line_reads_a_backlog_at_once_and_shows_its_newest_step(
+    bus: Bus, run_id: str
+) -> None:
+    """A role that prints every ``every_s`` reads what came meanwhile when its line is due
+    (here 1,200 steps, more than one read's count) and prints the newest; a RunFinished
+    ends it."""
+    events = RunKeys(run_id).events
+    past = await bus.publish(events, _step(1))
+    await bus.publish_many(events, [_step(k) for k in range(2, 1201)])
+    printed = asyncio.Event()
+
+    class Out(io.StringIO):
+        def write(self, text: str) -> int:
+            printed.set()
+            return super().write(text)
+
+    out = Out()
+    spec = ProgressSpec(run_id, 1200, "rollouter0", every_s=0.2)
+    task = asyncio.create_task(follow_progress(bus, spec, out, after=past))
+    await asyncio.wait_for(printed.wait(), 30)
+    assert out.getvalue().splitlines()[0] == f"rollouter0: {step_line(_step(1200), 1200)}"
+    await bus.publish(events, RunFinished(run_id=run_id, steps=1200))
+    await asyncio.wait_for(task, 30)
+
+
+@pytest.mark.asyncio
 async def test_a_trimmed_position_is_read_from_the_archive_or_named_as_skipped(
     bus: Bus, run_id: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
