@@ -34,6 +34,12 @@ __all__ = [
 ]
 
 
+PER_STEP_GATHER_S = 0.05
+"""After a read that found something, a per-step role waits this long before the next: a
+step writes ~8 entries (tickets claimed, weights, the step's events), and a wake-up for each
+cost the trainer's process GIL time its update needs; a line is at most this late."""
+
+
 async def _read_log(bus: Bus, keys: RunKeys, cursors: dict[str, str],
                     wait_ms: int | None) -> tuple[list[Message], bool]:
     """One read of the followed streams after ``cursors`` (which move on): the messages in
@@ -56,7 +62,10 @@ async def _next_messages(bus: Bus, keys: RunKeys, cursors: dict[str, str],
     reads once its next line is due, of all that came meanwhile in one go: a role that
     prints every ``every_s`` does not wake for every entry of the run."""
     if per_step:
-        return (await _read_log(bus, keys, cursors, 1000))[0]
+        messages = (await _read_log(bus, keys, cursors, 1000))[0]
+        if messages:  # what comes next gathers meanwhile: one wake-up, not one an entry
+            await asyncio.sleep(PER_STEP_GATHER_S)
+        return messages
     await asyncio.sleep(max(0.0, next_line - time.monotonic()))
     messages, more = await _read_log(bus, keys, cursors, None)
     while more:  # a long wait's backlog, a batch at a time: only what its line needs is kept
