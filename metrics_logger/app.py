@@ -7,10 +7,9 @@ sinks are flushed and then the id of the last entry read and the last step writt
 stored (atomically, fsynced) in ``RUN/logger-position.json``, on the worker thread (never on
 the event loop); a restarted logger reads the log only after that id and skips steps it
 already wrote. A crash repeats at most the steps written since the last store; nothing is
-lost. When retention trimmed the entries
-after that id from the stream, they are read from the run's events archive
-(``RUN/events``, runtime.history) on the same filesystem; without one, a line says which range
-was skipped. Exit code 0 when the run finished
+lost. When retention trimmed the entries after that id from the stream, they are read from the
+run's events archive (``RUN/events``, runtime.history) on the same filesystem; without one, a
+line says which range was skipped. Exit code 0 when the run finished
 (or on SIGTERM), 1 when Redis failed, 2 for a bad config.
 """
 

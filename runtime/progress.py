@@ -1,10 +1,11 @@
 """One-line progress of a run, printed the same way by ``rlbus up`` and by every component.
 
 :func:`step_line` formats a StepFinished; :func:`follow_progress` tails a run's log (the
-trainer's stream and the rollouters', for the validation answers; one XREAD BLOCK at a time,
-from the newest entry: the past is never re-read) and prints one
-line per finished step for the trainer, and one line every ``every_s`` seconds for the other
-roles. :class:`ProgressThread` runs that follower beside a component's own event loop, so no
+trainer's stream and the rollouters', for the validation answers, from the newest entry: the
+past is never re-read) and prints one line per finished step for the trainer (one XREAD BLOCK
+at a time, a step's entries gathered for :data:`PER_STEP_GATHER_S`), and one line every
+``every_s`` seconds for the other roles (what came meanwhile, read when the line is due).
+:class:`ProgressThread` runs that follower beside a component's own event loop, so no
 component code has to know about it. No torch here: ``rlbus up`` imports this module.
 """
 
