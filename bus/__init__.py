@@ -53,6 +53,8 @@ if TYPE_CHECKING:
         Consumer,
         ConsumerStats,
         Delivery,
+        Then,
+        ThenRead,
         default_dlq,
     )
     from bus.keys import (
@@ -143,6 +145,8 @@ __all__ = [
     "RunKeys",
     "Stalls",
     "StreamGone",
+    "Then",
+    "ThenRead",
     "acl_file",
     "acl_rules",
     "as_cluster_url",
@@ -182,7 +186,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
                "StreamGone", "redact_url", "server_refusal",),
     "group_admin": ("GroupInfo",),
     "groups": ("EXCEEDED_REASON", "TRIMMED_REASON", "Consumer", "ConsumerStats", "Delivery",
-               "default_dlq",),
+               "Then", "ThenRead", "default_dlq",),
     "keys": ("DLQ_MAXLEN", "LOG_ROLES", "ROLE_LOG_MAXLEN", "RUNS_STREAM", "RunKeys",
              "dlq_dropped_key", "log_order", "validate_run_id",),
     "liveness": ("FENCE_LUA", "Lease", "members_key", "peers", "pulse", "pulse_forever",),

@@ -35,6 +35,10 @@ Decisions (the contract other packages rely on):
   BLOCK, which reads but delivers nothing. :meth:`Consumer.adopt` moves the entries of the
   group's other members (earlier incarnations, named by their epochs) to this one and
   removes those members.
+- **A read can bring another stream's news with it** (:meth:`Consumer.read_then`): a fenced
+  read that delivers something reads a second stream of the run (same hash slot) after a
+  position in the same script, so what that stream held when the entries were delivered
+  comes in the same round trip (the trainer: the ticket claims stated before the samples).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from typing import NamedTuple, Protocol, TypeVar
 from redis.exceptions import ResponseError
 
 from bus.client import Arg, BusClient, Reply, block_args
-from bus.entries import entry_key, raw_of, split_fields
+from bus.entries import Entry, decode_fields, entry_key, raw_of, split_fields
 from bus.errors import BusError, BusUnavailable
 from bus.group_admin import GroupCommands, GroupInfo, in_group, member_names
 from bus.keys import DLQ_MAXLEN, RunKeys, dlq_dropped_key
@@ -66,6 +70,8 @@ __all__ = [
     "Fence",
     "GroupCommands",
     "GroupInfo",
+    "Then",
+    "ThenRead",
     "default_dlq",
 ]
 
@@ -100,6 +106,24 @@ class Delivery(NamedTuple):
     msg: Message
     deliveries: int
     stream: str
+
+
+class Then(NamedTuple):
+    """A read to make after a read that delivers entries, in the same script: ``stream``'s
+    entries after ``after``, at most ``limit`` (:meth:`Consumer.read_then`)."""
+
+    stream: str
+    after: str
+    limit: int
+
+
+class ThenRead(NamedTuple):
+    """What a :class:`Then` read found: the entries (garbage passed over, logged), the id to
+    read after next time and whether it returned ``limit`` entries (more may follow)."""
+
+    entries: list[Entry]
+    cursor: str
+    full: bool
 
 
 @dataclass(slots=True)
@@ -251,65 +275,86 @@ class Consumer:
 
         Returns [] when nothing arrived in time. Bad entries are dead-lettered, not returned.
         """
+        return (await self.read_then(None, count, block_ms))[0]
+
+    async def read_then(self, then: Then | None, count: int = 64, block_ms: int | None = 1000
+                        ) -> tuple[list[Delivery], ThenRead | None]:
+        """:meth:`read`, and ``then``'s read made in the same script right after entries
+        were delivered: what ``then.stream`` held at that moment. The second is None when it
+        was not made (nothing delivered, own pending entries re-read, an unfenced member,
+        or a lost reply): the caller reads that stream itself. Wraps EVAL (XREADGROUP,
+        XREAD)."""
         self._say_refusals()  # counts of a flood that stopped are said within an interval
         if self._backlog:
             out = await self._read_backlog(count)
             if out:
-                return out
-        return await self._read_new(count, block_ms)
+                return out, None
+        return await self._read_new(count, block_ms, then)
 
-    async def _xreadgroup(self, count: int, block_ms: int | None, start: bytes | str) -> Reply:
+    async def _xreadgroup(self, count: int, block_ms: int | None, start: bytes | str,
+                          then: Then | None = None) -> tuple[Reply, Reply]:
+        """The XREADGROUP reply, and ``then``'s XREAD reply when it was read with it."""
         if self.fence is not None:
-            return await self._fenced_read(count, block_ms, start)
+            return await self._fenced_read(count, block_ms, start, then)
         block = block_args(block_ms)
         return await self._run(self.bus.command(
             "XREADGROUP", "GROUP", self.group, self.name, "COUNT", count, *block,
             "STREAMS", self.stream, start,
             block_ms=int(block[1]) if block else None,
             on_retry=self._lost_reply,
-        ))
+        )), None
 
     # XREADGROUP GROUP ARGV[3] ARGV[4] COUNT ARGV[5] STREAMS KEYS[3] ARGV[6]. Returns {reply,
-    # ''}, or {nil, id of the stream's last entry ('0-0': empty)} when nothing came: where the
-    # caller's blocking XREAD waits from.
+    # '', then}, or {nil, id of the stream's last entry ('0-0': empty)} when nothing came:
+    # where the caller's blocking XREAD waits from. With KEYS[4] (a Then), ``then`` is
+    # XREAD COUNT ARGV[8] STREAMS KEYS[4] ARGV[7] (nil: nothing after ARGV[7]).
     _READ_LUA = """
 local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[3], ARGV[4], 'COUNT', ARGV[5],
                       'STREAMS', KEYS[3], ARGV[6])
 if type(r) == 'table' and r.err then return r end
-if r then return {r, ''} end
+if r then
+  if KEYS[4] then
+    return {r, '', redis.call('XREAD', 'COUNT', ARGV[8], 'STREAMS', KEYS[4], ARGV[7])}
+  end
+  return {r, ''}
+end
 local last = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
 if #last == 0 then return {false, '0-0'} end
 return {false, last[1][1]}
 """
 
-    async def _fenced_read(self, count: int, block_ms: int | None, start: bytes | str
-                           ) -> Reply:
+    async def _fenced_read(self, count: int, block_ms: int | None, start: bytes | str,
+                           then: Then | None) -> tuple[Reply, Reply]:
         """XREADGROUP behind the fence, never blocking; when nothing is new, a plain XREAD
         BLOCK (no side effect: a fenced-out member may run it) waits for an entry after the
         stream's last one, then the fenced read runs once more. Wraps EVAL (XREADGROUP,
-        XREVRANGE), XREAD."""
+        XREVRANGE, and ``then``'s XREAD), XREAD."""
         args: list[Arg] = [self.group, self.name, count, start]
-        reply, last = await self._script(self._READ_LUA, [], args, op="XREADGROUP",
-                                         on_retry=self._lost_reply)
+        keys: list[str] = []
+        if then is not None:
+            keys, args = [then.stream], [*args, then.after, then.limit]
+        reply, last, *after = await self._script(self._READ_LUA, keys, args, op="XREADGROUP",
+                                                 on_retry=self._lost_reply)
         if reply or not block_ms or block_ms <= 0 or start != ">":
-            return reply
+            return reply, after[0] if after else None
         woke = await self._run(self.bus.command(
             "XREAD", "COUNT", 1, "BLOCK", int(block_ms), "STREAMS", self.stream, last,
             block_ms=int(block_ms)))
         if not woke:
-            return None
-        reply, _ = await self._script(self._READ_LUA, [], args, op="XREADGROUP",
-                                      on_retry=self._lost_reply)
-        return reply
+            return None, None
+        reply, _, *after = await self._script(self._READ_LUA, keys, args, op="XREADGROUP",
+                                              on_retry=self._lost_reply)
+        return reply, after[0] if after else None
 
-    async def _read_new(self, count: int, block_ms: int | None) -> list[Delivery]:
+    async def _read_new(self, count: int, block_ms: int | None, then: Then | None
+                        ) -> tuple[list[Delivery], ThenRead | None]:
         try:
-            reply = await self._xreadgroup(count, block_ms, ">")
+            reply, after = await self._xreadgroup(count, block_ms, ">", then)
         except BusUnavailable:
             self._lost_reply(0, BusError())
             raise
         if not reply:
-            return []
+            return [], None
         stream = self.stream
         accept = self.accept
         inflight = self._inflight
@@ -336,11 +381,11 @@ return {false, last[1][1]}
         if bad:
             await self._dead_letter_many(bad)
         self.stats.delivered += len(out)
-        return out
+        return out, None if then is None or self.fence is None else _then_read(then, after)
 
     async def _read_backlog(self, count: int) -> list[Delivery]:
         while True:
-            reply = await self._xreadgroup(count, None, self._cursor)
+            reply, _ = await self._xreadgroup(count, None, self._cursor)
             entries = reply[0][1] if reply else []
             if not entries:
                 self._backlog = False
@@ -682,6 +727,16 @@ return {held, redis.call(unpack(claim))}
             self.bus.pipeline([("XRANGE", self.stream, c, c) for c in candidates])
         )
         return [c for c, rows in zip(candidates, found, strict=True) if not rows]
+
+
+def _then_read(then: Then, reply: Reply) -> ThenRead:
+    """A :class:`Then`'s XREAD reply (nil: nothing after ``then.after``), decoded."""
+    if not reply:
+        return ThenRead([], then.after, False)
+    raw = reply[0][1]
+    entries = [e for entry_id, fields in raw
+               if (e := decode_fields(then.stream, entry_id, fields, None)) is not None]
+    return ThenRead(entries, raw[-1][0].decode(), len(raw) >= then.limit)
 
 
 def _unexpected(msg: Message, stream: str) -> str:

@@ -141,6 +141,14 @@ class Follower(_Reader[Entry]):
         self.caught_up = len(entries) < self.count
         return self._take(entries, cursor)
 
+    def took(self, entries: Sequence[Entry], cursor: str, full: bool) -> list[Entry]:
+        """A read of the stream after the position made elsewhere (in the same script as
+        another read: :meth:`bus.Consumer.read_then`), taken as :meth:`poll` takes its own:
+        the new entries, folded; ``full``: it returned as many as it could (more may
+        follow)."""
+        self.caught_up = not full
+        return self._take(entries, cursor)
+
 
 class LogFollower(_Reader[tuple[str, Entry]]):
     """Follows a run's log: the streams of several writing roles (``roles``, each its own

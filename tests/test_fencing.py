@@ -8,7 +8,18 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from bus import TRIMMED_REASON, Bus, Consumer, EntryGone, Fenced, GroupGone, Lease, RunKeys
+from bus import (
+    TRIMMED_REASON,
+    Bus,
+    Consumer,
+    EntryGone,
+    Fenced,
+    GroupGone,
+    Lease,
+    RunKeys,
+    Then,
+    ThenRead,
+)
 from rlbus.redis_server import EmbeddedRedis
 from runschema.messages import DeadLetter, StepStarted
 from tests.waits import wait_until
@@ -153,3 +164,42 @@ async def test_adopt_dead_letters_entries_trimmed_while_pending_redis7(
     bus = await make_bus(redis7_server.url)
     assert (await bus.server_version())[0] >= 7
     await _adopt_trimmed_case(bus, run_keys)
+
+
+async def test_a_read_brings_what_another_stream_held_when_it_delivered(
+    bus: Bus, run_keys: RunKeys
+) -> None:
+    """read_then: the second stream's entries after a position, read in the script that
+    delivered the samples (what it held then, not what came after), only when something
+    was delivered; a full read says so, and the next one goes on from its cursor."""
+    side = run_keys.log("rollouter")
+    member = await _member(bus, run_keys, "a")
+    await member.ensure_group()
+    before = await _publish(bus, side, 3)
+    then = Then(side, "0", 2)
+    assert await member.read_then(then, count=10, block_ms=None) == ([], None)
+    [sample] = await _publish(bus, run_keys.samples, 1)
+    got, read = await member.read_then(then, count=10, block_ms=None)
+    assert [d.id for d in got] == [sample]
+    assert read is not None and read.full
+    assert [e.id for e in read.entries] == before[:2] and read.cursor == before[1]
+    # Waiting for samples: the read after the wake-up brings the side stream's news,
+    # including what came while it waited.
+    waiting = asyncio.create_task(
+        member.read_then(Then(side, read.cursor, 10), count=10, block_ms=10_000))
+    await wait_until(lambda: _blocked_on_xread(bus), "the read's XREAD BLOCK in Redis", 30)
+    later = await _publish(bus, side, 1)
+    [sample] = await _publish(bus, run_keys.samples, 1)
+    got, read = await asyncio.wait_for(waiting, 30)
+    assert [d.id for d in got] == [sample]
+    assert read is not None and not read.full
+    assert [e.id for e in read.entries] == [before[2], *later]
+    # Nothing after the position: an empty read at the same position.
+    await _publish(bus, run_keys.samples, 1)
+    got, read = await member.read_then(Then(side, later[0], 10), count=10, block_ms=None)
+    assert len(got) == 1 and read == ThenRead([], later[0], False)
+    # Fenced out: neither read is made.
+    await _member(bus, run_keys, "b")
+    await _publish(bus, run_keys.samples, 1)
+    with pytest.raises(Fenced):
+        await member.read_then(Then(side, "0", 10), count=10, block_ms=None)

@@ -210,7 +210,9 @@ class Trainer(TrainerProcess):
         laps = self.laps
         t_read = time.monotonic()
         before = self.consumer.stats.dead_lettered
-        deliveries = await self.consumer.read(count=self.core.read_size, block_ms=block_ms)
+        # The claims stated so far come with any samples delivered, in the same script.
+        deliveries, claims_read = await self.consumer.read_then(
+            self.watch.claims_then(), count=self.core.read_size, block_ms=block_ms)
         refused = self.consumer.stats.dead_lettered - before  # undecodable entries
         if not work.running:  # nothing to compute: the trainer waits for samples
             self.meter.wait_s += time.monotonic() - t_read
@@ -218,7 +220,7 @@ class Trainer(TrainerProcess):
         else:
             laps.lap("read_samples")
         if deliveries:  # with the claims stated before them (trainer.claims)
-            claims = await self.watch.read_claims()
+            claims = await self.watch.read_claims(claims_read)
             laps.lap("read_claims")
             reads = Reads(self.clock(), deliveries=deliveries, refused=refused, claims=claims)
         elif block_ms is not None:  # answers that came during a long update are read first

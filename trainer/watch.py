@@ -23,7 +23,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from bus import Bus, Entry, RunKeys, peers
+from bus import Bus, Entry, RunKeys, Then, ThenRead, peers
 from runconfig import Config
 from runschema.messages import (
     ComponentFailed,
@@ -71,15 +71,22 @@ class Watch:
         # Tickets this incarnation issues come after it: so do all claims it judges by.
         self.claims.position = since(position)
 
-    async def read_claims(self) -> list[TicketsClaimed]:
+    def claims_then(self) -> Then:
+        """The claims' next read, to be made right after a read of samples delivers some
+        (:meth:`bus.Consumer.read_then`): one round trip for both."""
+        return Then(self.claims.stream, self.claims.position, self.claims.count)
+
+    async def read_claims(self, read: ThenRead | None = None) -> list[TicketsClaimed]:
         """The rollouters' claims stated since the last call (to the end of their stream:
-        every claim an answer already read follows). Wraps XREAD (non-blocking)."""
-        out: list[TicketsClaimed] = []
-        while True:
-            entries = await self.claims.poll()
-            out += [msg for _, msg in entries if isinstance(msg, TicketsClaimed)]
-            if self.claims.caught_up:
-                return out
+        every claim an answer already read follows), starting from ``read``, the
+        :meth:`claims_then` read made with the samples, when there is one. Wraps XREAD
+        (non-blocking) for the rest."""
+        entries = [] if read is None else self.claims.took(*read)
+        if read is None or not self.claims.caught_up:
+            entries += await self.claims.poll()
+            while not self.claims.caught_up:
+                entries += await self.claims.poll()
+        return [msg for _, msg in entries if isinstance(msg, TicketsClaimed)]
 
     async def follow(self) -> None:
         """Background, until cancelled: new events (a blocking read) and dead letters."""
