@@ -41,7 +41,14 @@ from runtime import Follower, LogFollower, since
 from trainer.actions import Due, Holders
 from trainer.dispatch import ROLLOUTER_GROUP
 
-__all__ = ["Watch"]
+__all__ = ["REPORTS_GATHER_S", "Watch"]
+
+REPORTS_GATHER_S = 0.05
+"""After a read of reports that found something, the background reader waits this long before
+the next: the rollouters write a few entries a step (their claims), and a wake-up for each
+costs two round trips (the log, then the dead letters) of the trainer's event loop, on the
+update's core. A report (a failed rollout, a dead ticket) is at most this much later, far
+below anything it is judged by (heartbeat.timeout_s, a ticket's lease)."""
 
 
 class Watch:
@@ -91,12 +98,14 @@ class Watch:
     async def follow(self) -> None:
         """Background, until cancelled: new events (a blocking read) and dead letters."""
         while True:
-            await self.events.poll(block_ms=1000)
+            found = await self.events.poll(block_ms=1000)
             # To its end each turn, not a batch a second: under a flood of refused junk a
             # rollouter's dead ticket is seen at once, before the capped stream drops it.
             await self.dead.poll()
             while not self.dead.caught_up:
                 await self.dead.poll()
+            if found:  # what comes next gathers meanwhile: one wake-up, not one an entry
+                await asyncio.sleep(REPORTS_GATHER_S)
 
     def _fold_events(self, entries: Sequence[Entry]) -> None:
         for _, msg in entries:
