@@ -221,6 +221,29 @@ async def test_a_deleted_publication_leaves_nothing(case: TransportCase) -> None
         await case.fetch(ref)
 
 
+@pytest.mark.parametrize("kind", ["redis", "storage"])
+async def test_weights_that_fit_one_chunk_are_written_whole(
+    kind: str, bus: Bus, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    """A small model's publication (one chunk) takes the one-write path (Redis: the blobs
+    set, the chunk and the manifest in one transaction): the same weights, digest and
+    cleanup as the chunk-by-chunk path."""
+    big = 1 << 20
+    t = (RedisTransport(bus, run_keys, chunk_size=big) if kind == "redis"
+         else StorageTransport(tmp_path, chunk_size=big))
+    ref = await t.publish("weights-v9-e", _state())
+    assert ref.chunks == 1 and ref.sha256 == weights_digest(_state(), big)
+    _same(_state(), await t.fetch(ref))
+    if kind == "redis":
+        listed = {k.decode() for k in await bus.command("SMEMBERS", run_keys.blobs)}
+        assert listed == {f"{ref.key}:0", f"{ref.key}:m"}
+    await t.delete(ref)
+    with pytest.raises(BlobNotFound):
+        await t.fetch(ref)
+    if kind == "redis":
+        assert await bus.command("SMEMBERS", run_keys.blobs) in ([], set())
+
+
 # ---------------------------------------------------------------------- what each adds
 
 
