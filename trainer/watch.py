@@ -12,9 +12,10 @@ The shell's reader for the step core (trainer.core), which judges what is read h
   ComponentFailed, ProfilerReady) and of the
   dead-letter stream (tickets and samples of ours that went there), whose findings the step
   loop takes in between reads of samples.
-- Claims: the rollouters' TicketsClaimed, read by the step loop itself right after each read
-  of samples (not in the background), so a claim is always read before the answers that
-  follow it (trainer.claims).
+- Claims: the rollouters' TicketsClaimed, read by the step loop itself with each read of
+  samples that delivers some (in the read's script: :meth:`bus.Consumer.read_then`; not in
+  the background), so a claim is always read before the answers that follow it
+  (trainer.claims).
 """
 
 from __future__ import annotations
