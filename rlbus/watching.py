@@ -4,7 +4,6 @@ stream, the children's exits, and the summary at the end.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import sys
@@ -265,11 +264,8 @@ class RunWatch:
             log.start_at_end(ends or {})
             while (rc := self._verdict()) is None:
                 await self._publish_pending(bus)
-                shown = await log.poll(block_ms=int(POLL_S * 1000))
-                for _, msg in shown:
+                for _, msg in await log.poll(block_ms=int(POLL_S * 1000)):
                     self._show(msg)
-                if shown and log.caught_up:  # what comes next gathers meanwhile: a wake-up
-                    await asyncio.sleep(POLL_S)  # a POLL_S at most, not one an entry
             await self._publish_pending(bus)
             return rc
         finally:
