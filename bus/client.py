@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -166,6 +167,10 @@ class _Wait:
     def silent_s(self, now: float) -> float:
         """Seconds without an answer, past the time the call asked to block."""
         return now - self.started - self.block_s
+
+
+_PIPELINE_PREFIX = re.compile(r"^Command # \d+ \(.*?\) of pipeline caused error: ", re.S)
+"""redis-py's prefix of a pipeline's error reply."""
 
 
 class BusClient:
@@ -403,7 +408,10 @@ class BusClient:
         """What a write the server refused for its own state says: the server, the op, and
         for memory its ``used_memory``/``maxmemory`` (INFO memory, read once: a read is not
         refused for memory; the numbers are left out when INFO is not answered)."""
-        reply = str(exc).strip().splitlines()[0][:200]
+        # redis-py prefixes a pipeline's error with the command it refused, arguments and
+        # all (a weights chunk's bytes): the op names it already.
+        reply = _PIPELINE_PREFIX.sub("", str(exc).strip(), count=1)
+        reply = (reply.splitlines() or [""])[0][:200]
         if kind is BusOutOfMemory:
             numbers = ""
             with contextlib.suppress(Exception):
