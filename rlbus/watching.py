@@ -4,6 +4,7 @@ stream, the children's exits, and the summary at the end.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sys
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
         WarningRaised,
         WeightsPublished,
     )
+    from runtime import LogFollower
 
 __all__ = [
     "RESTARTABLE",
@@ -223,6 +225,13 @@ class RunWatch:
     LINGER_S = 60.0
     """How long components may take to exit after the run finished before they are stopped."""
 
+    SHOW_GATHER_S = 0.05
+    """After a read that found events, how long the watch lets the next ones gather before it
+    reads again: a step's events come in a burst, and a wake-up an event cost ``rlbus up``
+    5.5 ms of CPU a step of the default run (2.8 ms with it). Progress lines show up to this
+    much later; a child's exit is judged only after the log is read to its end, so no wait
+    hides the events a child wrote before it exited."""
+
     def __init__(self, run_id: str, children: list[Any], sup: Supervisor, progress: Progress,
                  summary: Summary, past_traces: set[tuple[str, str, int]],
                  last_step: int = 0, policy: RestartPolicy | None = None,
@@ -262,14 +271,34 @@ class RunWatch:
         try:
             log = LogFollower(bus, self.keys, count=500)
             log.start_at_end(ends or {})
-            while (rc := self._verdict()) is None:
+            while True:
+                if any(c.returncode() is not None for c in self.children):
+                    # An exit is judged by what the child wrote before it (its
+                    # ComponentFailed, the RunFinished): read the log to its end first.
+                    await self._show_all(log)
+                if (rc := self._verdict()) is not None:
+                    break
                 await self._publish_pending(bus)
-                for _, msg in await log.poll(block_ms=int(POLL_S * 1000)):
-                    self._show(msg)
+                shown = await self._show_all(log, block_ms=int(POLL_S * 1000))
+                if shown:  # what comes next gathers meanwhile: one wake-up a SHOW_GATHER_S
+                    await asyncio.sleep(self.SHOW_GATHER_S)  # at most, not one an event
             await self._publish_pending(bus)
             return rc
         finally:
             await bus.close()
+
+    async def _show_all(self, log: LogFollower, block_ms: int | None = None) -> int:
+        """Show what the log holds after its position, reading until caught up (the first
+        read waits up to ``block_ms`` for something new); how many events were read."""
+        read = 0
+        while True:
+            entries = await log.poll(block_ms=block_ms)
+            for _, msg in entries:
+                self._show(msg)
+            read += len(entries)
+            if log.caught_up:
+                return read
+            block_ms = None
 
     async def _publish_pending(self, bus: Bus) -> None:
         """XADD each pending warning to the operator's log stream (``rlbus up`` states it):

@@ -16,7 +16,7 @@ from bus import Bus, RunKeys
 from rlbus.children import Console
 from rlbus.supervise import Supervisor
 from rlbus.watching import Progress, RestartPolicy, RunWatch, Summary
-from runschema.messages import WarningRaised
+from runschema.messages import ComponentFailed, WarningRaised
 from tests.procs import FAST, assert_every_step_once, events_of
 from tests.test_supervise import Up
 
@@ -183,3 +183,25 @@ def test_a_placed_task_and_a_local_child_have_no_placement_wait() -> None:
     watch = _watch(placed, _Task("rollouter0", None))
     watch.placement_timeout_s = 1
     assert watch._verdict() is None and watch.pending == []
+
+
+@pytest.mark.asyncio
+async def test_an_exit_is_judged_after_what_the_child_wrote_before_it(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The trainer wrote its ComponentFailed and exited before the watch's next read (the
+    watch may wait between reads, RunWatch.SHOW_GATHER_S): the failure is shown, then the
+    run judged; an exit never hides the last events."""
+    await bus.publish(run_keys.log("trainer"), ComponentFailed(
+        role="trainer", rank=0, error="CUDA out of memory on rank 0"))
+    sup = Supervisor()
+    watch = RunWatch(run_id, [_Task("trainer", 1), _Task("rollouter0", None)], sup,
+                     Progress(10, 0, Console(sup)), Summary(), set(),
+                     policy=RestartPolicy(0))
+    assert await watch.run(redis_url) == 1
+    out = capsys.readouterr()
+    said = (out.out + out.err).splitlines()
+    failed = [i for i, s in enumerate(said) if s == "trainer0 failed: CUDA out of memory on rank 0"]
+    judged = [i for i, s in enumerate(said) if s.startswith("rlbus up: trainer failed")]
+    assert len(failed) == 1 and len(judged) == 1 and failed[0] < judged[0], said
