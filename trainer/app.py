@@ -45,9 +45,11 @@ from trainer.timing import step_clock
 __all__ = ["Trainer"]
 
 
-# While a step's update ends, the next step's samples are read this often (Trainer._finish):
-# each read is one Redis round trip of the event loop beside the update.
-_READ_AHEAD_S = 0.01
+# While a step's update ends, the next step's samples are read this often (Trainer._finish),
+# and once more when it ended: each read is a fenced script (a Redis round trip, ~1 ms of
+# the event loop's CPU, ~0.5 ms of Redis's). At 10 ms, an update of half a second (gen-heavy
+# runs beside two rollouters) cost ~50 reads a step, most of them finding nothing.
+_READ_AHEAD_S = 0.05
 
 # The lap an action's time goes to (trainer.timing); the rest (Train: a mini-batch queued
 # on the worker) is the core's judging.
@@ -237,16 +239,17 @@ class Trainer(TrainerProcess):
         samples are read as they come (never blocking: the update's end is not delayed by a
         read), so its mini-batches that are ready when this step closes train behind this
         step's weights (StepCore.close_step's ``early``) instead of the worker idling while
-        the weights, StepFinished and tickets go out."""
+        the weights, StepFinished and tickets go out. What came since the last of those
+        reads is read once the update is done, so the step closes knowing all of it."""
         finish = asyncio.ensure_future(work.finish())
         try:
             while True:
                 done, _ = await asyncio.wait({finish}, timeout=_READ_AHEAD_S)
                 self.laps.lap("wait_update")
-                if done:
-                    return finish.result()
                 self.writer.check_fenced()
                 await self._read_turn(work, block_ms=None)
+                if done:
+                    return finish.result()
         finally:
             if not finish.done():  # a read failed meanwhile: the update is settled by _gather
                 finish.cancel()
