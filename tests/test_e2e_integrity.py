@@ -91,6 +91,35 @@ async def test_a_flipped_checkpoint_falls_back_to_the_one_before_it(
         (10, True)], after
 
 
+async def test_after_a_fallback_the_first_trim_keeps_what_the_fallback_re_applies(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    """The trainer fell back past the corrupt step-000008.pt to step 4's checkpoint; its
+    first checkpoint (step 10, the run's last) trims the samples stream. A later start whose
+    log has lost that checkpoint (Redis's AOF cut short) finds step 8's file corrupt again
+    and re-applies steps 5-8 after step 4's: their samples must still be in the stream."""
+    steps = 10
+    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
+                    "trainer.save_freq=2", "async_training.trigger_parameter_sync_step=2")
+    ckpts = tmp_path / run_id / "checkpoints"
+    await _killed_after(9, bus, run_keys, procs, args, ckpts,
+                        ["step-000004.pt", "step-000008.pt"])
+    _flip(ckpts / "step-000008.pt")
+
+    procs.spawn("trainer2", "trainer", *args)
+    assert procs.wait("trainer2", 240) == 0, procs.log("trainer2")
+    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
+    events = await events_of(bus, run_keys.events)
+    (resumed,) = [e for e in events if isinstance(e, TrainerResumed)]
+    assert resumed.checkpoint_step == 4, resumed
+    assert 10 in {e.step for e in events if isinstance(e, CheckpointSaved)}
+    finished = {e.step: e for e in events if isinstance(e, StepFinished)}
+    needed = [eid for step in range(5, 9) for eid in finished[step].entry_ids]
+    assert len(needed) == sum(len(finished[k].sample_ids) for k in range(5, 9)) > 0
+    held = await bus.read_ids(run_keys.samples, needed)
+    assert sorted(held) == sorted(needed), f"{len(needed) - len(held)} of {len(needed)} trimmed"
+
+
 async def test_no_intact_checkpoint_is_one_line_naming_each(
     redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
 ) -> None:

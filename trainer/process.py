@@ -203,7 +203,8 @@ class TrainerProcess(Component):
         self.watch.follow_from(self.writer.position)  # reports: what comes next only
         state, total = self.writer.state, self.cfg.trainer.total_training_steps
         # The next checkpoint trims samples below the ones its fallback (the log's newest
-        # checkpoint) re-applies after: what this incarnation's first trim may drop.
+        # checkpoint; the one loaded, after a resume: _resume) re-applies after: what this
+        # incarnation's first trim may drop.
         self.checkpoints.fallback = list(state.entries_of(state.checkpoint()[0]))
         if self.cfg.trainer.val_only and (why := validation_only_refusal(
                 self.run_id, state.last_step, state.forked_at)) is not None:
@@ -292,6 +293,10 @@ class TrainerProcess(Component):
                                 published_tensors=self.weights.published
                                 if self._ranks_changed() is not None else None)
         self.loaded_checkpoint = resumed.checkpoint_step
+        # The first trim keeps what re-applying after the checkpoint loaded needs: when the
+        # log's newest could not serve (corrupt, missing), a later start finds it so again
+        # and falls back to this one, which needs every sample trained after it.
+        self.checkpoints.fallback = list(self.writer.state.entries_of(resumed.checkpoint_step))
         await self.publish(resumed)
         if resumed.weights_match is False:
             await self._mismatched(resumed)
