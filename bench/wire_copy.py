@@ -3,7 +3,7 @@
 redis-py packs a command's arguments with hiredis when it is installed, and hiredis copies
 every argument into the command it builds; given a memoryview, redis-py packs with its own
 code, which sends an argument longer than its buffer cut-off as it is. The bus hands long
-bytes over as views (``bus.client.wire_args``). Each write here is the trainer's one-chunk
+bytes over as views (``bus.client._wire_args``). Each write here is the trainer's one-chunk
 weights publication: MULTI, SADD, SET chunk, SET manifest, EXEC, in one round trip.
 
   bus    ``Bus.pipeline`` (the views)

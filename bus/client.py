@@ -98,8 +98,7 @@ from bus.reach import Reach, Stalls
 from bus.retry import RetryHook, RetryPolicy, retry_async
 from bus.urls import split_cluster
 
-__all__ = ["SILENCE_REPEAT_S", "SILENCE_WARN_S", "UNCOPIED_BYTES", "Arg", "BusClient", "Reply",
-           "block_args", "wire_args"]
+__all__ = ["SILENCE_REPEAT_S", "SILENCE_WARN_S", "Arg", "BusClient", "Reply", "block_args"]
 
 log = logging.getLogger(__name__)
 
@@ -108,21 +107,23 @@ T = TypeVar("T")
 Arg = str | bytes | bytearray | memoryview | int | float
 """One argument of a Redis command (what redis-py encodes)."""
 
-UNCOPIED_BYTES = 6000
-"""A bytes argument longer than this is handed to redis-py as a memoryview (:func:`wire_args`):
+_UNCOPIED_BYTES = 6000
+"""A bytes argument longer than this is handed to redis-py as a memoryview (:func:`_wire_args`):
 redis-py packs a command with hiredis, which copies every argument into the command it
-builds (1.1 ms of CPU for a 0.4 MiB weights chunk, 6 ms for a 4 MiB one, on the event loop),
-unless an argument is a memoryview: then its own packer sends arguments longer than its
-buffer cut-off (6000 bytes, this) as they are. Shorter ones pack faster in hiredis."""
+builds, unless an argument is a memoryview: then its own packer sends arguments longer than
+its buffer cut-off (6000 bytes, this) as they are. A weights chunk's transaction costs the
+writer's event loop 1.12 ms of CPU at 0.4 MiB and 9.26 ms at 4 MiB given bytes, 0.47 and
+2.28 ms given views (bench/wire_copy.py). Shorter arguments pack faster in hiredis."""
 
 
-def wire_args(args: Sequence[Arg]) -> Sequence[Arg]:
-    """``args`` with each bytes argument longer than :data:`UNCOPIED_BYTES` as a memoryview
+def _wire_args(args: Sequence[Arg]) -> Sequence[Arg]:
+    """``args`` with each bytes argument longer than :data:`_UNCOPIED_BYTES` as a memoryview
     of it (the same bytes on the wire, not copied on the way); ``args`` itself when none is."""
-    if not any(type(a) is bytes and len(a) > UNCOPIED_BYTES for a in args):
+    if not any(type(a) is bytes and len(a) > _UNCOPIED_BYTES for a in args):
         return args
-    return [memoryview(a) if type(a) is bytes and len(a) > UNCOPIED_BYTES else a
+    return [memoryview(a) if type(a) is bytes and len(a) > _UNCOPIED_BYTES else a
             for a in args]
+
 
 # Untyped on purpose: a reply's shape is the command's (bytes, an int, None, lists of those,
 # nested; INFO's dict), and the caller that sent the command reads it as that shape. A union
@@ -502,7 +503,7 @@ class BusClient:
         replies, raw ones for the stream commands. ``block_ms``: how long the command itself
         may block (added to the deadline); ``on_retry`` runs before each retry wait."""
         redis_ = self._redis
-        args = tuple(wire_args(args))
+        args = tuple(_wire_args(args))
         if isinstance(redis_, RedisCluster):
             route = self._route
 
@@ -528,7 +529,7 @@ class BusClient:
         command's name)."""
         if not commands:
             return []
-        commands = [wire_args(args) for args in commands]
+        commands = [_wire_args(args) for args in commands]
         redis_ = self._redis
         slots = self._slots
 
@@ -556,7 +557,7 @@ class BusClient:
         script = self._scripts.get(lua)
         if script is None:
             script = self._scripts[lua] = self._redis.register_script(lua)
-        keys_, args_ = list(keys), list(wire_args(args))
+        keys_, args_ = list(keys), list(_wire_args(args))
         return await self._call(op, lambda: script(keys=keys_, args=args_), on_retry=on_retry)
 
     def _route(self, args: Sequence[Arg]) -> dict[str, ClusterNode | None]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bus import BlobCorrupt, BlobError, BlobNotFound, Bus, RunKeys
-from bus.client import UNCOPIED_BYTES, wire_args
+from bus.client import _UNCOPIED_BYTES, _wire_args
 from runschema.messages import BlobRef, WeightsPublished, decode, encode
 from weights.blobs import BlobStore, DirBlobStore, RedisBlobStore, open_store
 
@@ -207,19 +207,19 @@ async def test_open_store_dispatch(bus: Bus, run_keys: RunKeys, tmp_path: Path) 
 
 
 def test_long_bytes_go_to_redis_py_as_views_short_ones_as_they_are() -> None:
-    long, short = os.urandom(UNCOPIED_BYTES + 1), os.urandom(UNCOPIED_BYTES)
+    long, short = os.urandom(_UNCOPIED_BYTES + 1), os.urandom(_UNCOPIED_BYTES)
     args = ("SET", "k", long, short, 7)
-    wired = wire_args(args)
+    wired = _wire_args(args)
     assert isinstance(wired[2], memoryview) and wired[2].obj is long  # the same bytes, no copy
     assert [type(a) for a in wired] == [str, str, memoryview, bytes, int]
     plain = ("SET", "k", short)
-    assert wire_args(plain) is plain
+    assert _wire_args(plain) is plain
 
 
 @pytest.mark.asyncio
 async def test_a_long_value_arrives_whole_by_every_way_the_bus_sends(bus: Bus,
                                                                      run_id: str) -> None:
-    """A weights chunk's size of random bytes, sent as a view (bus.client.wire_args) by a
+    """A weights chunk's size of random bytes, sent as a view (bus.client._wire_args) by a
     command, a transaction and a script: Redis holds exactly those bytes."""
     data = os.urandom(420_000)
     key = f"rlbus:{{{run_id}}}:blob:view"
