@@ -26,6 +26,7 @@ from bus import Bus, RunKeys
 from runschema.messages import (
     CheckpointSaved,
     ComponentFailed,
+    Message,
     StepFinished,
     TrainerResumed,
     WarningRaised,
@@ -58,10 +59,11 @@ def _names(ckpts: Path) -> list[str]:
     return sorted(p.name for p in ckpts.glob("step-*.pt"))
 
 
-async def test_a_flipped_checkpoint_falls_back_to_the_one_before_it(
-    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
-) -> None:
-    steps = 12
+async def _resumed_past_a_flipped_step_8(steps: int, redis_url: str, bus: Bus, run_id: str,
+                                        run_keys: RunKeys, tmp_path: Path, procs: Procs
+                                        ) -> list[Message]:
+    """A run of ``steps`` (checkpoints at steps 4 and 8) killed after step 9, step 8's file
+    flipped, then a second trainer to the run's end: the log."""
     args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
                     "trainer.save_freq=2", "async_training.trigger_parameter_sync_step=2")
     ckpts = tmp_path / run_id / "checkpoints"
@@ -74,7 +76,15 @@ async def test_a_flipped_checkpoint_falls_back_to_the_one_before_it(
     assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
     log = procs.log("trainer2")
     assert "Traceback" not in log, log
-    events = await events_of(bus, run_keys.events)
+    return await events_of(bus, run_keys.events)
+
+
+async def test_a_flipped_checkpoint_falls_back_to_the_one_before_it(
+    redis_url: str, bus: Bus, run_id: str, run_keys: RunKeys, tmp_path: Path, procs: Procs
+) -> None:
+    steps = 12
+    events = await _resumed_past_a_flipped_step_8(steps, redis_url, bus, run_id, run_keys,
+                                                  tmp_path, procs)
     assert_every_step_once(events, steps)
     resumed = [e for e in events if isinstance(e, TrainerResumed)]
     assert len(resumed) == 1, resumed
@@ -98,18 +108,8 @@ async def test_after_a_fallback_the_first_trim_keeps_what_the_fallback_re_applie
     first checkpoint (step 10, the run's last) trims the samples stream. A later start whose
     log has lost that checkpoint (Redis's AOF cut short) finds step 8's file corrupt again
     and re-applies steps 5-8 after step 4's: their samples must still be in the stream."""
-    steps = 10
-    args = run_args(redis_url, run_id, tmp_path, f"trainer.total_training_steps={steps}",
-                    "trainer.save_freq=2", "async_training.trigger_parameter_sync_step=2")
-    ckpts = tmp_path / run_id / "checkpoints"
-    await _killed_after(9, bus, run_keys, procs, args, ckpts,
-                        ["step-000004.pt", "step-000008.pt"])
-    _flip(ckpts / "step-000008.pt")
-
-    procs.spawn("trainer2", "trainer", *args)
-    assert procs.wait("trainer2", 240) == 0, procs.log("trainer2")
-    assert procs.wait("rollouter0", 60) == 0, procs.log("rollouter0")
-    events = await events_of(bus, run_keys.events)
+    events = await _resumed_past_a_flipped_step_8(10, redis_url, bus, run_id, run_keys,
+                                                  tmp_path, procs)
     (resumed,) = [e for e in events if isinstance(e, TrainerResumed)]
     assert resumed.checkpoint_step == 4, resumed
     assert 10 in {e.step for e in events if isinstance(e, CheckpointSaved)}
