@@ -80,8 +80,7 @@ class Trainer(TrainerProcess):
     async def run_loop(self, resumed: bool) -> int:
         state, learner = self.writer.state, self.learner
         self.laps = step_clock()  # step 1's window holds the loop's start
-        newest = state.checkpoint()[0]
-        loaded = newest if self.loaded_checkpoint is None else self.loaded_checkpoint
+        newest, loaded = state.checkpoint()[0], self.checkpoint_loaded()
         self.core = StepCore(self.cfg, self.prompts, self.keys, ledger=state.ledger,
                              version=learner.version, vocab_size=learner.vocab_size,
                              max_len=learner.max_len, now=self.clock(),

@@ -202,10 +202,6 @@ class TrainerProcess(Component):
         await self._report_refused()
         self.watch.follow_from(self.writer.position)  # reports: what comes next only
         state, total = self.writer.state, self.cfg.trainer.total_training_steps
-        # The next checkpoint trims samples below the ones its fallback (the log's newest
-        # checkpoint; the one loaded, after a resume: _resume) re-applies after: what this
-        # incarnation's first trim may drop.
-        self.checkpoints.fallback = list(state.entries_of(state.checkpoint()[0]))
         if self.cfg.trainer.val_only and (why := validation_only_refusal(
                 self.run_id, state.last_step, state.forked_at)) is not None:
             raise ValidationOnlyRefused(why)
@@ -227,6 +223,12 @@ class TrainerProcess(Component):
             await self._adopt()
             if resumed:
                 await self._resume()
+            # The next checkpoint trims samples below the ones its fallback re-applies after:
+            # the checkpoint this incarnation started from, not the log's newest when that
+            # could not serve (corrupt, missing): a later start finds it so again and falls
+            # back to the same one, which needs every sample trained after it.
+            self.checkpoints.fallback = list(
+                self.writer.state.entries_of(self.checkpoint_loaded()))
             cfg_tree = config_to_dict(self.cfg)
             await self.publish(RunStarted(run_id=self.run_id, config=cfg_tree, resumed=resumed))
             if not resumed:
@@ -284,6 +286,13 @@ class TrainerProcess(Component):
             self.say(f"adopted {sum(taken.values())} pending samples of {len(taken)} earlier "
                      f"trainer(s) ({', '.join(sorted(taken))})")
 
+    def checkpoint_loaded(self) -> int:
+        """The step of the checkpoint this incarnation started from: the one its resume
+        loaded, else the log's newest (0: none)."""
+        if self.loaded_checkpoint is not None:
+            return self.loaded_checkpoint
+        return self.writer.state.checkpoint()[0]
+
     async def _resume(self) -> None:
         """Rebuild the model the trainer had (checkpoint, then the steps after it)."""
         resumed = await rebuild(self.bus, self.keys, self.writer.state, self.learner, self.off,
@@ -293,10 +302,6 @@ class TrainerProcess(Component):
                                 published_tensors=self.weights.published
                                 if self._ranks_changed() is not None else None)
         self.loaded_checkpoint = resumed.checkpoint_step
-        # The first trim keeps what re-applying after the checkpoint loaded needs: when the
-        # log's newest could not serve (corrupt, missing), a later start finds it so again
-        # and falls back to this one, which needs every sample trained after it.
-        self.checkpoints.fallback = list(self.writer.state.entries_of(resumed.checkpoint_step))
         await self.publish(resumed)
         if resumed.weights_match is False:
             await self._mismatched(resumed)
